@@ -1,0 +1,23 @@
+//! The inference engine shared by the prefill and decode nodes: model, KV cache, tokenizer,
+//! chat template and sampling. No networking lives here.
+
+pub mod chat_template;
+pub mod config;
+pub mod error;
+pub mod generate;
+pub mod kv_cache;
+pub mod loader;
+pub mod model;
+pub mod sampling;
+pub mod testmodel;
+pub mod tokenizer;
+pub mod weights;
+
+pub use chat_template::{ChatInput, ChatTemplate};
+pub use config::ModelConfig;
+pub use error::{EngineError, Result};
+pub use kv_cache::{KvAssembler, KvChunk, KvLayout, SeqCache};
+pub use loader::{load, Loaded};
+pub use model::{Model, SeqInput};
+pub use sampling::{Sampled, SamplingParams};
+pub use tokenizer::{IncrementalDecoder, Tokenizer};

@@ -1,0 +1,363 @@
+//! The Llama/Qwen2 decoder as Hugging Face defines it, over caller-owned KV caches.
+//!
+//! Weights are immutable and shared; every call names the sequences it advances and their
+//! caches. The dense layers see all the batch's tokens as one matrix; attention runs per
+//! sequence because each has its own length.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, IndexOp, Tensor};
+
+use crate::config::{ModelConfig, RopeStyle};
+use crate::error::{EngineError, Result};
+use crate::kv_cache::{KvLayout, SeqCache};
+use crate::weights::{Linear, WeightSource};
+
+struct Layer {
+    attn_norm: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    mlp_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// A loaded decoder-only model.
+pub struct Model {
+    cfg: ModelConfig,
+    device: Device,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Linear,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// One sequence's share of a forward pass: the new tokens and the cache they extend.
+pub struct SeqInput<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut SeqCache,
+}
+
+/// Layer names in the two formats.
+struct Names {
+    embed: &'static str,
+    norm: &'static str,
+    lm_head: &'static str,
+    layer: fn(usize, &str) -> String,
+}
+
+const HF_NAMES: Names = Names {
+    embed: "model.embed_tokens.weight",
+    norm: "model.norm.weight",
+    lm_head: "lm_head.weight",
+    layer: |i, part| {
+        let hf = match part {
+            "attn_norm" => "input_layernorm",
+            "mlp_norm" => "post_attention_layernorm",
+            "q" => "self_attn.q_proj",
+            "k" => "self_attn.k_proj",
+            "v" => "self_attn.v_proj",
+            "o" => "self_attn.o_proj",
+            "gate" => "mlp.gate_proj",
+            "up" => "mlp.up_proj",
+            _ => "mlp.down_proj",
+        };
+        format!("model.layers.{i}.{hf}")
+    },
+};
+
+const GGUF_NAMES: Names = Names {
+    embed: "token_embd.weight",
+    norm: "output_norm.weight",
+    lm_head: "output.weight",
+    layer: |i, part| {
+        let g = match part {
+            "attn_norm" => "attn_norm",
+            "mlp_norm" => "ffn_norm",
+            "q" => "attn_q",
+            "k" => "attn_k",
+            "v" => "attn_v",
+            "o" => "attn_output",
+            "gate" => "ffn_gate",
+            "up" => "ffn_up",
+            _ => "ffn_down",
+        };
+        format!("blk.{i}.{g}")
+    },
+};
+
+impl Model {
+    /// Loads a Hugging Face folder (`config.json` + safetensors) or a `.gguf` file.
+    pub fn load(path: &Path, device: &Device) -> Result<Self> {
+        if path.is_dir() {
+            let cfg = ModelConfig::from_hf_file(&path.join("config.json"))?;
+            let mut src = WeightSource::open_hf_folder(path, device)?;
+            Self::from_source(cfg, &mut src, &HF_NAMES, device)
+        } else {
+            let mut src = WeightSource::open_gguf(path)?;
+            let cfg = match &src {
+                WeightSource::Gguf { content, .. } => ModelConfig::from_gguf(content, path)?,
+                WeightSource::SafeTensors { .. } => unreachable!(),
+            };
+            Self::from_source(cfg, &mut src, &GGUF_NAMES, device)
+        }
+    }
+
+    fn from_source(
+        cfg: ModelConfig,
+        src: &mut WeightSource,
+        names: &Names,
+        device: &Device,
+    ) -> Result<Self> {
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let q_out = cfg.num_attention_heads * hd;
+        let kv_out = cfg.num_key_value_heads * hd;
+        let inter = cfg.intermediate_size;
+        let embed = src.dense_shaped(names.embed, &[cfg.vocab_size, h], device)?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let n = |part: &str| (names.layer)(i, part);
+            let w = |part: &str| format!("{}.weight", n(part));
+            let b = |part: &str| format!("{}.bias", n(part));
+            layers.push(Layer {
+                attn_norm: src.dense_shaped(&w("attn_norm"), &[h], device)?,
+                q: src.linear(&w("q"), Some(&b("q")), (q_out, h), device)?,
+                k: src.linear(&w("k"), Some(&b("k")), (kv_out, h), device)?,
+                v: src.linear(&w("v"), Some(&b("v")), (kv_out, h), device)?,
+                o: src.linear(&w("o"), None, (h, q_out), device)?,
+                mlp_norm: src.dense_shaped(&w("mlp_norm"), &[h], device)?,
+                gate: src.linear(&w("gate"), None, (inter, h), device)?,
+                up: src.linear(&w("up"), None, (inter, h), device)?,
+                down: src.linear(&w("down"), None, (h, inter), device)?,
+            });
+        }
+        let norm = src.dense_shaped(names.norm, &[h], device)?;
+        let head_name = if !cfg.tie_word_embeddings && src.contains(names.lm_head) {
+            names.lm_head
+        } else {
+            names.embed
+        };
+        let lm_head = src.linear(head_name, None, (cfg.vocab_size, h), device)?;
+        let (cos, sin) = rope_tables(&cfg, device)?;
+        Ok(Self {
+            cfg,
+            device: device.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            cos,
+            sin,
+        })
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The layout this model's KV caches have.
+    pub fn kv_layout(&self) -> KvLayout {
+        KvLayout::for_model(&self.cfg)
+    }
+
+    /// A fresh, empty cache for one sequence.
+    pub fn new_cache(&self) -> Result<SeqCache> {
+        SeqCache::new(self.kv_layout(), &self.device)
+    }
+
+    /// Runs the new tokens of every sequence, appends their K/V to each cache, and returns
+    /// the logits of each sequence's last new token as `(batch, vocab)`.
+    pub fn forward(&self, batch: &mut [SeqInput<'_>]) -> Result<Tensor> {
+        self.forward_with(batch, &mut |_, _| Ok(()))
+    }
+
+    /// `forward`, calling `layer_done(layer, batch)` as soon as each layer's K/V are in
+    /// the caches, so a transfer can start before the last layer has run. During the call
+    /// the new positions count as pending: export them with `SeqCache::export_pending`.
+    pub fn forward_with(
+        &self,
+        batch: &mut [SeqInput<'_>],
+        layer_done: &mut dyn FnMut(usize, &[SeqInput<'_>]) -> Result<()>,
+    ) -> Result<Tensor> {
+        if batch.is_empty() {
+            return Err(EngineError::InvalidInput("empty batch".into()));
+        }
+        let mut all_tokens = Vec::new();
+        for item in batch.iter_mut() {
+            if item.tokens.is_empty() {
+                return Err(EngineError::InvalidInput("a sequence has no new tokens".into()));
+            }
+            if item.cache.layout() != &self.kv_layout() {
+                return Err(EngineError::KvCache("cache layout does not match the model".into()));
+            }
+            let end = item.cache.len() + item.tokens.len();
+            if end > self.cfg.max_position_embeddings {
+                return Err(EngineError::ContextOverflow {
+                    got: end,
+                    limit: self.cfg.max_position_embeddings,
+                });
+            }
+            if let Some(&bad) = item.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+                return Err(EngineError::InvalidInput(format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    self.cfg.vocab_size
+                )));
+            }
+            item.cache.reserve(item.tokens.len())?;
+            all_tokens.extend_from_slice(item.tokens);
+        }
+        let ids = Tensor::new(all_tokens.as_slice(), &self.device)?;
+        let mut xs = self.embed.index_select(&ids, 0)?;
+        let eps = self.cfg.rms_norm_eps as f32;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&xs, &layer.attn_norm, eps)?;
+            let q = layer.q.forward(&h)?;
+            let k = layer.k.forward(&h)?;
+            let v = layer.v.forward(&h)?;
+            let mut outs = Vec::with_capacity(batch.len());
+            let mut row = 0;
+            for item in batch.iter() {
+                let t = item.tokens.len();
+                outs.push(self.attend(
+                    li,
+                    item.cache,
+                    &q.narrow(0, row, t)?,
+                    &k.narrow(0, row, t)?,
+                    &v.narrow(0, row, t)?,
+                )?);
+                row += t;
+            }
+            let attn = Tensor::cat(&outs, 0)?;
+            xs = (xs + layer.o.forward(&attn)?)?;
+            let h = candle_nn::ops::rms_norm(&xs, &layer.mlp_norm, eps)?;
+            let gated = (layer.gate.forward(&h)?.silu()? * layer.up.forward(&h)?)?;
+            xs = (xs + layer.down.forward(&gated)?)?;
+            layer_done(li, batch)?;
+        }
+        let mut last_rows = Vec::with_capacity(batch.len());
+        let mut row = 0u32;
+        for item in batch.iter_mut() {
+            row += item.tokens.len() as u32;
+            last_rows.push(row - 1);
+            item.cache.commit(item.tokens);
+        }
+        let last = xs.index_select(&Tensor::new(last_rows.as_slice(), &self.device)?, 0)?;
+        let last = candle_nn::ops::rms_norm(&last, &self.norm, eps)?;
+        Ok(self.lm_head.forward(&last)?.to_dtype(DType::F32)?)
+    }
+
+    /// Causal attention of `t` new rows of one sequence over its cache plus themselves.
+    /// Heads sharing a K/V head are folded into one matrix, so K/V are never repeated.
+    fn attend(
+        &self,
+        layer: usize,
+        cache: &SeqCache,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (t, hd) = (q.dim(0)?, cfg.head_dim);
+        let (n_heads, n_kv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let pos = cache.len();
+        let q = self.rope(&q.reshape((t, n_heads, hd))?.transpose(0, 1)?, pos)?;
+        let k = self.rope(&k.reshape((t, n_kv, hd))?.transpose(0, 1)?, pos)?;
+        let v = v.reshape((t, n_kv, hd))?.transpose(0, 1)?.contiguous()?;
+        cache.write(layer, &k, &v)?;
+        let (keys, values) = cache.view(layer, t)?;
+        let group = cfg.group_size();
+        let q = q.reshape((n_kv, group * t, hd))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut scores = (q.matmul(&keys.t()?)? * scale)?;
+        if t > 1 {
+            scores = scores.broadcast_add(&causal_mask(group, t, pos, &self.device)?)?;
+        }
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let out = probs.matmul(&values)?;
+        Ok(out
+            .reshape((n_heads, t, hd))?
+            .transpose(0, 1)?
+            .reshape((t, n_heads * hd))?)
+    }
+
+    /// Rotates `(heads, t, head_dim)` for positions `pos .. pos + t`.
+    fn rope(&self, x: &Tensor, pos: usize) -> Result<Tensor> {
+        let t = x.dim(1)?;
+        let cos = self.cos.narrow(0, pos, t)?;
+        let sin = self.sin.narrow(0, pos, t)?;
+        let x = x.unsqueeze(0)?.contiguous()?;
+        let y = match self.cfg.rope_style {
+            RopeStyle::Half => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
+        };
+        Ok(y.squeeze(0)?)
+    }
+
+    /// Logits for the token after `tokens`, starting from an empty cache; for tests.
+    pub fn logits_for(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let mut cache = self.new_cache()?;
+        let logits = self.forward(&mut [SeqInput {
+            tokens,
+            cache: &mut cache,
+        }])?;
+        Ok(logits.i(0)?.to_vec1()?)
+    }
+}
+
+/// cos/sin for every position, computed in f32 the way Hugging Face does.
+fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
+    let hd = cfg.head_dim;
+    let theta = cfg.rope_theta as f32;
+    let inv_freq: Vec<f32> = (0..hd)
+        .step_by(2)
+        .map(|i| 1.0 / theta.powf(i as f32 / hd as f32))
+        .collect();
+    let n = cfg.max_position_embeddings;
+    let mut cos = Vec::with_capacity(n * hd / 2);
+    let mut sin = Vec::with_capacity(n * hd / 2);
+    for p in 0..n {
+        for f in &inv_freq {
+            let a = p as f32 * f;
+            cos.push(a.cos());
+            sin.push(a.sin());
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (n, hd / 2), device)?,
+        Tensor::from_vec(sin, (n, hd / 2), device)?,
+    ))
+}
+
+/// Additive mask for `group` heads × `t` query rows at positions `pos ..`, over `pos + t` keys.
+fn causal_mask(group: usize, t: usize, pos: usize, device: &Device) -> Result<Tensor> {
+    let keys = pos + t;
+    let mut m = Vec::with_capacity(group * t * keys);
+    for _ in 0..group {
+        for i in 0..t {
+            m.extend((0..keys).map(|j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 }));
+        }
+    }
+    Ok(Tensor::from_vec(m, (group * t, keys), device)?)
+}
+
+/// Index of the largest logit; ties go to the lowest id, as `torch.argmax` does.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in logits.iter().enumerate() {
+        if x > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

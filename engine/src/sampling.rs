@@ -1,0 +1,290 @@
+//! Turning logits into the next token: penalties, temperature, top-k, top-p, a seeded draw,
+//! and log-probabilities.
+//!
+//! The draw for step `n` of a request depends only on its seed and `n`, so prefill and decode
+//! nodes continue one stream without shipping generator state, and batch mates never matter.
+
+use std::collections::HashMap;
+
+/// Per-request sampling settings, already validated by the caller.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens; 0 or ≥ vocabulary keeps all.
+    pub top_k: usize,
+    /// Keep the smallest set whose probability reaches `top_p`; 1 keeps all.
+    pub top_p: f32,
+    /// Hugging Face's repetition penalty over prompt and output; 1 is off.
+    pub repetition_penalty: f32,
+    /// OpenAI's presence penalty over output tokens; 0 is off.
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty over output tokens; 0 is off.
+    pub frequency_penalty: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: 0,
+        }
+    }
+}
+
+/// One token's log-probability.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+}
+
+/// What the sampler chose, with log-probabilities when asked for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    /// Log-probability of `token` under the model's distribution (before sampling settings).
+    pub logprob: f32,
+    /// The most likely tokens, best first; as many as were asked for.
+    pub top: Vec<TokenLogprob>,
+}
+
+/// SplitMix64: a tiny, well-mixed hash from (seed, step) to 64 random bits.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A uniform draw in [0, 1) for step `step` of the stream `seed`.
+pub fn uniform(seed: u64, step: u64) -> f64 {
+    let bits = mix(mix(seed) ^ step.wrapping_mul(0xD1B5_4A32_D192_ED03));
+    (bits >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// Applies the penalties in place. `prompt` and `output` are the tokens so far.
+pub fn apply_penalties(logits: &mut [f32], p: &SamplingParams, prompt: &[u32], output: &[u32]) {
+    if p.repetition_penalty != 1.0 {
+        let mut seen: Vec<u32> = prompt.iter().chain(output).copied().collect();
+        seen.sort_unstable();
+        seen.dedup();
+        for t in seen {
+            if let Some(x) = logits.get_mut(t as usize) {
+                *x = if *x > 0.0 {
+                    *x / p.repetition_penalty
+                } else {
+                    *x * p.repetition_penalty
+                };
+            }
+        }
+    }
+    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+        let mut counts: HashMap<u32, u32> = HashMap::new();
+        for &t in output {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, n) in counts {
+            if let Some(x) = logits.get_mut(t as usize) {
+                *x -= p.presence_penalty + p.frequency_penalty * n as f32;
+            }
+        }
+    }
+}
+
+/// Log-softmax of the raw logits, in f64 for stable sums.
+fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
+    let log_z = max as f64 + sum.ln();
+    logits.iter().map(|&x| (x as f64 - log_z) as f32).collect()
+}
+
+/// The `n` best entries of `values`, best first; ties keep the lower id first.
+fn top_n(values: &[f32], n: usize) -> Vec<TokenLogprob> {
+    let mut idx: Vec<u32> = (0..values.len() as u32).collect();
+    let n = n.min(idx.len());
+    if n == 0 {
+        return vec![];
+    }
+    let by_value = |a: &u32, b: &u32| {
+        values[*b as usize]
+            .total_cmp(&values[*a as usize])
+            .then(a.cmp(b))
+    };
+    idx.select_nth_unstable_by(n - 1, by_value);
+    idx.truncate(n);
+    idx.sort_by(by_value);
+    idx.into_iter()
+        .map(|t| TokenLogprob {
+            token: t,
+            logprob: values[t as usize],
+        })
+        .collect()
+}
+
+/// Chooses the token for step `step` of a request.
+///
+/// `raw` are the model's logits; `prompt`/`output` feed the penalties; `top_logprobs` is how
+/// many alternatives to report (0 for none).
+pub fn sample(
+    raw: &[f32],
+    p: &SamplingParams,
+    prompt: &[u32],
+    output: &[u32],
+    step: u64,
+    top_logprobs: usize,
+) -> Sampled {
+    let mut logits = raw.to_vec();
+    apply_penalties(&mut logits, p, prompt, output);
+    let token = if p.temperature <= 0.0 {
+        crate::model::argmax(&logits)
+    } else {
+        draw(&logits, p, uniform(p.seed, step))
+    };
+    let logprobs = log_softmax(raw);
+    Sampled {
+        token,
+        logprob: logprobs[token as usize],
+        top: top_n(&logprobs, top_logprobs),
+    }
+}
+
+/// Samples from the tempered, top-k and top-p filtered distribution with the draw `u`.
+fn draw(logits: &[f32], p: &SamplingParams, u: f64) -> u32 {
+    let vocab = logits.len();
+    let k = if p.top_k == 0 || p.top_k >= vocab {
+        vocab
+    } else {
+        p.top_k
+    };
+    let mut cand = top_n(logits, k);
+    let max = cand[0].logprob as f64;
+    let t = p.temperature as f64;
+    let mut probs: Vec<f64> = cand
+        .iter()
+        .map(|c| ((c.logprob as f64 - max) / t).exp())
+        .collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|x| *x /= total);
+    if p.top_p < 1.0 {
+        let mut acc = 0.0;
+        let keep = probs
+            .iter()
+            .position(|&x| {
+                acc += x;
+                acc >= p.top_p as f64
+            })
+            .map_or(probs.len(), |i| i + 1);
+        cand.truncate(keep);
+        probs.truncate(keep);
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= total);
+    }
+    let mut acc = 0.0;
+    for (c, &pr) in cand.iter().zip(&probs) {
+        acc += pr;
+        if u < acc {
+            return c.token;
+        }
+    }
+    cand.last().map_or(0, |c| c.token)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            seed: 7,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn greedy_takes_the_largest_logit() {
+        let s = sample(&[0.1, 3.0, 2.0], &params(0.0), &[], &[], 0, 2);
+        assert_eq!(s.token, 1);
+        assert_eq!(s.top.iter().map(|t| t.token).collect::<Vec<_>>(), [1, 2]);
+        let total: f32 = [0.1f32, 3.0, 2.0]
+            .iter()
+            .map(|&x| (x - 3.0f32).exp())
+            .sum();
+        assert!((s.logprob + total.ln()).abs() < 1e-5);
+    }
+
+    #[test]
+    fn same_seed_and_step_draw_the_same_token() {
+        let logits: Vec<f32> = (0..100).map(|i| (i % 7) as f32 * 0.3).collect();
+        let a: Vec<u32> = (0..20)
+            .map(|s| sample(&logits, &params(1.0), &[], &[], s, 0).token)
+            .collect();
+        let b: Vec<u32> = (0..20)
+            .map(|s| sample(&logits, &params(1.0), &[], &[], s, 0).token)
+            .collect();
+        assert_eq!(a, b);
+        let mut other = params(1.0);
+        other.seed = 8;
+        let c: Vec<u32> = (0..20)
+            .map(|s| sample(&logits, &other, &[], &[], s, 0).token)
+            .collect();
+        assert_ne!(a, c, "a different seed should give a different stream");
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_and_top_p_tiny_keeps_the_best() {
+        let logits = [1.0, 5.0, 4.9, 0.0];
+        for step in 0..50 {
+            let mut p = params(2.0);
+            p.top_k = 1;
+            assert_eq!(sample(&logits, &p, &[], &[], step, 0).token, 1);
+            let mut p = params(2.0);
+            p.top_p = 1e-6;
+            assert_eq!(sample(&logits, &p, &[], &[], step, 0).token, 1);
+        }
+    }
+
+    #[test]
+    fn draws_follow_the_distribution() {
+        let logits = [0.0f32, (3.0f32).ln()];
+        let ones = (0..4000)
+            .filter(|&s| sample(&logits, &params(1.0), &[], &[], s, 0).token == 1)
+            .count();
+        assert!((2800..3200).contains(&ones), "expected ~3000 of 4000, got {ones}");
+    }
+
+    #[test]
+    fn penalties_follow_their_definitions() {
+        let mut l = vec![2.0, -2.0, 1.0];
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
+        apply_penalties(&mut l, &p, &[0, 1], &[]);
+        assert_eq!(l, [1.0, -4.0, 1.0]);
+        let mut l = vec![0.0; 3];
+        let p = SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..Default::default()
+        };
+        apply_penalties(&mut l, &p, &[2], &[1, 1, 0]);
+        assert_eq!(l, [-0.75, -1.0, 0.0]);
+    }
+
+    #[test]
+    fn uniform_is_in_range_and_spread() {
+        let xs: Vec<f64> = (0..1000).map(|s| uniform(42, s)).collect();
+        assert!(xs.iter().all(|&x| (0.0..1.0).contains(&x)));
+        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+        assert!((mean - 0.5).abs() < 0.05);
+    }
+}

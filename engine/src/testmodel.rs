@@ -1,0 +1,250 @@
+//! Deterministic test models written as Hugging Face folders.
+//!
+//! A Qwen2 model with fixed-seed random weights, a byte-level BPE tokenizer trained on
+//! `data/corpus.txt`, and a ChatML template with tools and thinking. `transformers` loads
+//! the same folder, which is how the engine is checked against the reference implementation.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use serde_json::json;
+use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::models::TrainerWrapper;
+use tokenizers::{AddedToken, SplitDelimiterBehavior};
+
+use crate::error::{EngineError, Result};
+use crate::tokenizer::QWEN2_SPLIT;
+
+/// Seed of the committed reference models.
+pub const DEFAULT_SEED: u64 = 20_261_122;
+
+const CORPUS: &str = include_str!("../data/corpus.txt");
+/// The ChatML template the generated models carry.
+pub const CHATML_TEMPLATE: &str = include_str!("chatml.jinja");
+/// Special tokens, matched whole and dropped by `skip_special_tokens`.
+const SPECIAL: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+/// Added tokens that stay in the text, as Qwen2.5 and Qwen3 treat them.
+const MARKUP: [&str; 4] = ["<tool_call>", "</tool_call>", "<think>", "</think>"];
+
+/// Sizes of generated model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModelSize {
+    /// About 100 thousand parameters: for tests.
+    Tiny,
+    /// About 25 million parameters: for benchmarks.
+    Small,
+}
+
+struct Dims {
+    vocab_target: usize,
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    intermediate: usize,
+    max_positions: usize,
+}
+
+impl ModelSize {
+    fn dims(self) -> Dims {
+        match self {
+            Self::Tiny => Dims {
+                vocab_target: 512,
+                hidden: 64,
+                layers: 2,
+                heads: 4,
+                kv_heads: 2,
+                intermediate: 128,
+                max_positions: 2048,
+            },
+            Self::Small => Dims {
+                vocab_target: 2048,
+                hidden: 512,
+                layers: 8,
+                heads: 8,
+                kv_heads: 2,
+                intermediate: 1536,
+                max_positions: 4096,
+            },
+        }
+    }
+}
+
+/// Trains the byte-level BPE tokenizer on the bundled corpus.
+fn train_tokenizer(vocab_target: usize) -> Result<tokenizers::Tokenizer> {
+    let err = |e: tokenizers::Error| EngineError::Tokenizer(e.to_string());
+    let mut tk = tokenizers::Tokenizer::new(BPE::default());
+    let split = Split::new(
+        SplitPattern::Regex(QWEN2_SPLIT.into()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(err)?;
+    tk.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(Sequence::new(vec![
+        PreTokenizerWrapper::Split(split),
+        PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, false)),
+    ]))));
+    tk.with_decoder(Some(ByteLevel::new(false, false, false)));
+    let special: Vec<AddedToken> = SPECIAL
+        .iter()
+        .map(|s| AddedToken::from(*s, true))
+        .collect();
+    let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
+        .vocab_size(vocab_target)
+        .min_frequency(2)
+        .show_progress(false)
+        .special_tokens(special.clone())
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build()
+        .into();
+    // Chat markup in the corpus is learned as text; the added tokens below take precedence.
+    tk.train(&mut trainer, CORPUS.lines().map(|l| format!("{l}\n")))
+        .map_err(err)?;
+    tk.add_special_tokens(&special);
+    let markup: Vec<AddedToken> = MARKUP
+        .iter()
+        .map(|s| AddedToken::from(*s, false).normalized(false))
+        .collect();
+    tk.add_tokens(&markup);
+    Ok(tk)
+}
+
+/// SplitMix64 → Box–Muller normal samples; stable across platforms and versions.
+struct Normal(u64);
+
+impl Normal {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    fn sample(&mut self) -> f32 {
+        let (u1, u2) = (self.uniform(), self.uniform());
+        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+    }
+
+    fn tensor(&mut self, shape: &[usize], mean: f32, std: f32) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = (0..n).map(|_| mean + std * self.sample()).collect();
+        Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
+    }
+}
+
+/// Writes a complete Hugging Face folder for `size` into `dir`.
+pub fn write_model(dir: &Path, size: ModelSize, dtype: DType, seed: u64) -> Result<()> {
+    let d = size.dims();
+    std::fs::create_dir_all(dir).map_err(|e| EngineError::io(dir, e))?;
+    let tk = train_tokenizer(d.vocab_target)?;
+    let vocab = tk.get_vocab_size(true);
+    let id = |t: &str| tk.token_to_id(t).expect("special token was added");
+    let (eos, pad) = (id("<|im_end|>"), id("<|endoftext|>"));
+    let tk_path = dir.join("tokenizer.json");
+    tk.save(&tk_path, true)
+        .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+
+    let head_dim = d.hidden / d.heads;
+    let mut rng = Normal(seed);
+    let mut w: HashMap<String, Tensor> = HashMap::new();
+    // Unit-scale embeddings make the tied logits peaked, so greedy decoding is not decided
+    // by rounding noise when compared against another implementation.
+    w.insert("model.embed_tokens.weight".into(), rng.tensor(&[vocab, d.hidden], 0.0, 1.0)?);
+    let proj = |rng: &mut Normal, out: usize, inp: usize| rng.tensor(&[out, inp], 0.0, (1.0 / inp as f32).sqrt());
+    for i in 0..d.layers {
+        let p = format!("model.layers.{i}");
+        let q_out = d.heads * head_dim;
+        let kv_out = d.kv_heads * head_dim;
+        w.insert(format!("{p}.input_layernorm.weight"), rng.tensor(&[d.hidden], 1.0, 0.1)?);
+        w.insert(format!("{p}.self_attn.q_proj.weight"), proj(&mut rng, q_out, d.hidden)?);
+        w.insert(format!("{p}.self_attn.q_proj.bias"), rng.tensor(&[q_out], 0.0, 0.1)?);
+        w.insert(format!("{p}.self_attn.k_proj.weight"), proj(&mut rng, kv_out, d.hidden)?);
+        w.insert(format!("{p}.self_attn.k_proj.bias"), rng.tensor(&[kv_out], 0.0, 0.1)?);
+        w.insert(format!("{p}.self_attn.v_proj.weight"), proj(&mut rng, kv_out, d.hidden)?);
+        w.insert(format!("{p}.self_attn.v_proj.bias"), rng.tensor(&[kv_out], 0.0, 0.1)?);
+        w.insert(format!("{p}.self_attn.o_proj.weight"), proj(&mut rng, d.hidden, q_out)?);
+        w.insert(format!("{p}.post_attention_layernorm.weight"), rng.tensor(&[d.hidden], 1.0, 0.1)?);
+        w.insert(format!("{p}.mlp.gate_proj.weight"), proj(&mut rng, d.intermediate, d.hidden)?);
+        w.insert(format!("{p}.mlp.up_proj.weight"), proj(&mut rng, d.intermediate, d.hidden)?);
+        w.insert(format!("{p}.mlp.down_proj.weight"), proj(&mut rng, d.hidden, d.intermediate)?);
+    }
+    w.insert("model.norm.weight".into(), rng.tensor(&[d.hidden], 1.0, 0.1)?);
+    let w = w
+        .into_iter()
+        .map(|(k, t)| Ok((k, t.to_dtype(dtype)?)))
+        .collect::<Result<HashMap<_, _>>>()?;
+    let st_path = dir.join("model.safetensors");
+    candle_core::safetensors::save(&w, &st_path)?;
+
+    let dtype_name = match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        _ => "float32",
+    };
+    let config = json!({
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": vocab,
+        "hidden_size": d.hidden,
+        "intermediate_size": d.intermediate,
+        "num_hidden_layers": d.layers,
+        "num_attention_heads": d.heads,
+        "num_key_value_heads": d.kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": d.max_positions,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": true,
+        "use_sliding_window": false,
+        "sliding_window": null,
+        "max_window_layers": d.layers,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": true,
+        "bos_token_id": pad,
+        "eos_token_id": [eos, pad],
+        "torch_dtype": dtype_name,
+    });
+    let mut added = serde_json::Map::new();
+    for (t, special) in SPECIAL.iter().map(|t| (t, true)).chain(MARKUP.iter().map(|t| (t, false))) {
+        added.insert(
+            id(t).to_string(),
+            json!({"content": t, "lstrip": false, "normalized": false, "rstrip": false,
+                   "single_word": false, "special": special}),
+        );
+    }
+    let tokenizer_config = json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": null,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": null,
+        "model_max_length": d.max_positions,
+        "clean_up_tokenization_spaces": false,
+        "errors": "replace",
+        "split_special_tokens": false,
+        "chat_template": CHATML_TEMPLATE,
+    });
+    let generation_config = json!({"bos_token_id": pad, "eos_token_id": [eos, pad], "do_sample": false});
+    for (name, value) in [
+        ("config.json", config),
+        ("tokenizer_config.json", tokenizer_config),
+        ("generation_config.json", generation_config),
+    ] {
+        let path = dir.join(name);
+        let text = serde_json::to_string_pretty(&value).expect("json values serialize");
+        std::fs::write(&path, text + "\n").map_err(|e| EngineError::io(&path, e))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,204 @@
+//! Text ↔ token ids: Hugging Face `tokenizer.json` files, tokenizers rebuilt from GGUF
+//! metadata, and incremental detokenization for streaming.
+
+use std::path::Path;
+use std::str::FromStr;
+
+use candle_core::quantized::gguf_file;
+use serde_json::{json, Value};
+
+use crate::error::{EngineError, Result};
+
+/// A loaded tokenizer plus the special tokens the server needs to know about.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+}
+
+fn tok_err(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Tokenizer(e.to_string())
+}
+
+/// GPT-2's split, used when a GGUF names no pre-tokenizer we know.
+const GPT2_SPLIT: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+/// Qwen2's split: case-insensitive contractions, single digits, newline runs.
+pub const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Llama 3's split.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+impl Tokenizer {
+    /// Loads a `tokenizer.json`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| EngineError::invalid_model(path, format!("tokenizer.json: {e}")))?;
+        Ok(Self { inner })
+    }
+
+    /// Parses the contents of a `tokenizer.json`.
+    pub fn from_json(json: &str) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_str(json).map_err(tok_err)?;
+        Ok(Self { inner })
+    }
+
+    /// Rebuilds a byte-level BPE tokenizer from a GGUF file's vocabulary and merges.
+    pub fn from_gguf(content: &gguf_file::Content, path: &Path) -> Result<Self> {
+        let md = |k: &str| content.metadata.get(k);
+        let bad = |r: &str| EngineError::invalid_model(path, r.to_string());
+        let model = md("tokenizer.ggml.model")
+            .and_then(|v| v.to_string().ok())
+            .ok_or_else(|| bad("no tokenizer.ggml.model"))?;
+        if model != "gpt2" {
+            return Err(bad(&format!(
+                "GGUF tokenizer model {model:?} is not supported; expected gpt2 (byte-level BPE)"
+            )));
+        }
+        let strings = |k: &str| -> Result<Vec<String>> {
+            md(k)
+                .and_then(|v| v.to_vec().ok())
+                .ok_or_else(|| bad(&format!("no {k}")))?
+                .iter()
+                .map(|v| v.to_string().cloned().map_err(|_| bad(&format!("{k}: not strings"))))
+                .collect()
+        };
+        let tokens = strings("tokenizer.ggml.tokens")?;
+        let merges = strings("tokenizer.ggml.merges")?;
+        let types: Vec<i64> = match md("tokenizer.ggml.token_type").and_then(|v| v.to_vec().ok()) {
+            Some(v) => v.iter().map(|x| x.to_i32().map(i64::from).unwrap_or(1)).collect(),
+            None => vec![1; tokens.len()],
+        };
+        let pre = md("tokenizer.ggml.pre")
+            .and_then(|v| v.to_string().ok())
+            .map(String::as_str)
+            .unwrap_or("default");
+        let vocab: serde_json::Map<String, Value> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), json!(i)))
+            .collect();
+        // Control (3) and user-defined (4) tokens are matched whole before BPE runs.
+        let added: Vec<Value> = tokens
+            .iter()
+            .zip(&types)
+            .enumerate()
+            .filter(|(_, (_, &ty))| ty == 3 || ty == 4)
+            .map(|(i, (t, &ty))| {
+                json!({"id": i, "content": t, "single_word": false, "lstrip": false,
+                       "rstrip": false, "normalized": ty == 4, "special": ty == 3})
+            })
+            .collect();
+        let byte_level = |use_regex: bool| {
+            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+                   "use_regex": use_regex})
+        };
+        let split = |pattern: &str| {
+            json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
+                   "invert": false})
+        };
+        let pre_tokenizer = match pre {
+            "smollm" => json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
+            "qwen2" => json!({"type": "Sequence", "pretokenizers": [
+                split(QWEN2_SPLIT), byte_level(false)]}),
+            "llama-bpe" | "llama3" => json!({"type": "Sequence", "pretokenizers": [
+                split(LLAMA3_SPLIT), byte_level(false)]}),
+            _ => json!({"type": "Sequence", "pretokenizers": [
+                split(GPT2_SPLIT), byte_level(false)]}),
+        };
+        let doc = json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": added,
+            "normalizer": null,
+            "pre_tokenizer": pre_tokenizer,
+            "post_processor": byte_level(false),
+            "decoder": byte_level(true),
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                      "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                      "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                      "vocab": vocab, "merges": merges},
+        });
+        Self::from_json(&doc.to_string())
+    }
+
+    /// Token ids for `text`; special tokens written in the text are recognised.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode_fast(text, false).map_err(tok_err)?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text for `ids`; `skip_special` drops special tokens.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner.decode(ids, skip_special).map_err(tok_err)
+    }
+
+    /// The id of a token given as text, if the vocabulary has it.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The text of one token id, as stored in the vocabulary.
+    pub fn id_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// Size of the vocabulary including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The underlying `tokenizers` object.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}
+
+/// Turns a growing list of ids into text pieces that never split a UTF-8 character.
+///
+/// It decodes a short window behind the newest token, because byte-level and SentencePiece
+/// decoders only produce the right text for a token with its neighbours in view.
+#[derive(Debug, Clone, Default)]
+pub struct IncrementalDecoder {
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+    skip_special: bool,
+}
+
+impl IncrementalDecoder {
+    /// Starts a stream; `skip_special` drops special tokens from the text.
+    pub fn new(skip_special: bool) -> Self {
+        Self {
+            skip_special,
+            ..Default::default()
+        }
+    }
+
+    /// Adds one id; returns the text it completes, if any.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
+        let text = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
+        if text.len() > prefix.len() && !text.ends_with('\u{FFFD}') && text.starts_with(&prefix) {
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            Ok(Some(text[prefix.len()..].to_string()))
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Text still held back at the end of the stream (an incomplete character shows as
+    /// U+FFFD, as a full decode would show it).
+    pub fn flush(&mut self, tok: &Tokenizer) -> Result<Option<String>> {
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
+        let text = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
+        self.prefix_offset = self.ids.len();
+        self.read_offset = self.ids.len();
+        match text.strip_prefix(&prefix) {
+            Some(rest) if !rest.is_empty() => Ok(Some(rest.to_string())),
+            _ => Ok(None),
+        }
+    }
+}

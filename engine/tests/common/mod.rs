@@ -1,0 +1,39 @@
+//! Shared helpers for the engine's integration tests.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use candle_core::{DType, Device};
+use engine::testmodel::{write_model, ModelSize};
+
+/// The generated tiny model, written once per test binary into the target folder.
+pub fn tiny_model_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+            "tiny-model-{}",
+            std::process::id()
+        ));
+        write_model(&dir, ModelSize::Tiny, DType::F32, engine::testmodel::DEFAULT_SEED)
+            .expect("writing the tiny model");
+        dir
+    })
+    .clone()
+}
+
+/// The device engine tests run on: CUDA when the build has it, else CPU.
+pub fn device() -> Device {
+    Device::cuda_if_available(0).expect("device")
+}
+
+/// Where fetched models live: `$TANDEM_MODELS`, or `models/` at the repository root.
+pub fn models_dir() -> PathBuf {
+    std::env::var_os("TANDEM_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"))
+}
+
+/// A fixture file under `engine/tests/fixtures`.
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}

@@ -1,0 +1,173 @@
+//! The KV cache travels between engine instances, and batching changes nothing.
+
+mod common;
+
+use engine::generate::generate;
+use engine::sampling::{sample, SamplingParams};
+use engine::{KvAssembler, Model, SeqInput};
+
+fn model() -> Model {
+    Model::load(&common::tiny_model_dir(), &common::device()).unwrap()
+}
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 37 + salt * 101 + 5) % 500).collect()
+}
+
+fn seeded() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        seed: 1234,
+        ..Default::default()
+    }
+}
+
+fn tokens(out: &[engine::Sampled]) -> Vec<u32> {
+    out.iter().map(|s| s.token).collect()
+}
+
+/// Prefill in one instance, ship the KV as chunks, continue in another: same tokens as one
+/// instance running uninterrupted.
+#[test]
+fn kv_round_trip_between_instances_matches_uninterrupted_decode() {
+    let (p_model, d_model) = (model(), model());
+    let prompt = prompt(45, 1);
+    for params in [SamplingParams::default(), seeded()] {
+        let mut whole = p_model.new_cache().unwrap();
+        let expected = tokens(&generate(&p_model, &mut whole, &prompt, &params, 33, &[]).unwrap());
+
+        // Prefill on "P": the prompt and the first sampled token.
+        let mut cache = p_model.new_cache().unwrap();
+        let logits = p_model
+            .forward(&mut [SeqInput { tokens: &prompt, cache: &mut cache }])
+            .unwrap();
+        let first = sample(&logits.squeeze(0).unwrap().to_vec1().unwrap(), &params, &prompt, &[], 0, 0);
+        let chunks = cache.export_all(16).unwrap();
+        assert_eq!(chunks.len(), 2 * 3, "2 layers x ceil(45/16) chunks");
+
+        // "D" rebuilds the cache from the wire form and decodes the rest.
+        let mut asm = KvAssembler::new(d_model.kv_layout(), prompt.clone(), d_model.device()).unwrap();
+        for c in &chunks {
+            assert!(!asm.is_complete());
+            asm.accept(c).unwrap();
+        }
+        let mut rebuilt = asm.finish().unwrap();
+        assert_eq!(rebuilt.tokens(), prompt.as_slice());
+        for (a, b) in rebuilt.export_all(64).unwrap().iter().zip(cache.export_all(64).unwrap()) {
+            assert_eq!(a, &b, "rebuilt cache must be bit-identical");
+        }
+        let mut got = vec![first.token];
+        let mut output = vec![first.token];
+        for step in 1..33u64 {
+            let logits = d_model
+                .forward(&mut [SeqInput { tokens: &[*got.last().unwrap()], cache: &mut rebuilt }])
+                .unwrap();
+            let row: Vec<f32> = logits.squeeze(0).unwrap().to_vec1().unwrap();
+            let s = sample(&row, &params, &prompt, &output, step, 0);
+            output.push(s.token);
+            got.push(s.token);
+        }
+        assert_eq!(got, expected, "params {params:?}");
+    }
+}
+
+#[test]
+fn assembler_rejects_gaps_bad_sizes_and_incomplete_transfers() {
+    let m = model();
+    let prompt = prompt(20, 2);
+    let mut cache = m.new_cache().unwrap();
+    m.forward(&mut [SeqInput { tokens: &prompt, cache: &mut cache }]).unwrap();
+    let chunks = cache.export_all(8).unwrap();
+    let mut asm = KvAssembler::new(m.kv_layout(), prompt.clone(), m.device()).unwrap();
+    assert!(asm.accept(&chunks[1]).is_err(), "out-of-order chunk accepted");
+    let mut short = chunks[0].clone();
+    short.k.pop();
+    assert!(asm.accept(&short).is_err(), "truncated payload accepted");
+    let mut wrong_layer = chunks[0].clone();
+    wrong_layer.layer = 9;
+    assert!(asm.accept(&wrong_layer).is_err(), "unknown layer accepted");
+    asm.accept(&chunks[0]).unwrap();
+    let err = asm.finish().unwrap_err().to_string();
+    assert!(err.contains("incomplete"), "{err}");
+}
+
+/// Eight sequences of different lengths decoded together give what each gives alone.
+#[test]
+fn batched_decode_matches_each_sequence_alone() {
+    let m = model();
+    let prompts: Vec<Vec<u32>> = (0..8).map(|i| prompt(3 + i * 7, i as u32)).collect();
+    let params: Vec<SamplingParams> = (0..8)
+        .map(|i| if i % 2 == 0 { SamplingParams::default() } else { SamplingParams { seed: i as u64, ..seeded() } })
+        .collect();
+    let steps = 24;
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(&params)
+        .map(|(p, sp)| {
+            let mut c = m.new_cache().unwrap();
+            tokens(&generate(&m, &mut c, p, sp, steps, &[]).unwrap())
+        })
+        .collect();
+
+    let mut caches: Vec<_> = prompts.iter().map(|_| m.new_cache().unwrap()).collect();
+    let mut outputs: Vec<Vec<u32>> = vec![vec![]; 8];
+    // Prefill all eight in one batched call, then decode them together.
+    let mut next: Vec<Vec<u32>> = prompts.clone();
+    for step in 0..steps {
+        let mut batch: Vec<SeqInput> = next
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(t, c)| SeqInput { tokens: t, cache: c })
+            .collect();
+        let logits = m.forward(&mut batch).unwrap();
+        for i in 0..8 {
+            let row: Vec<f32> = logits.get(i).unwrap().to_vec1().unwrap();
+            let s = sample(&row, &params[i], &prompts[i], &outputs[i], step as u64, 0);
+            outputs[i].push(s.token);
+            next[i] = vec![s.token];
+        }
+    }
+    assert_eq!(outputs, alone);
+}
+
+/// A prompt run on top of a cached prefix gives the logits of the whole prompt.
+#[test]
+fn prefix_reuse_matches_full_prefill() {
+    let m = model();
+    let full = prompt(40, 3);
+    let whole = m.logits_for(&full).unwrap();
+    let mut cache = m.new_cache().unwrap();
+    m.forward(&mut [SeqInput { tokens: &full[..25], cache: &mut cache }]).unwrap();
+    let shared = cache.clone();
+    let logits = m
+        .forward(&mut [SeqInput { tokens: &full[25..], cache: &mut cache }])
+        .unwrap();
+    let reused: Vec<f32> = logits.squeeze(0).unwrap().to_vec1().unwrap();
+    let max_diff = whole.iter().zip(&reused).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(max_diff < 1e-4, "max logit difference {max_diff}");
+    assert_eq!(engine::model::argmax(&whole), engine::model::argmax(&reused));
+
+    // Truncating back to a shorter prefix and continuing also works.
+    let mut cache = shared;
+    cache.truncate(10);
+    let logits = m
+        .forward(&mut [SeqInput { tokens: &full[10..], cache: &mut cache }])
+        .unwrap();
+    let again: Vec<f32> = logits.squeeze(0).unwrap().to_vec1().unwrap();
+    assert_eq!(engine::model::argmax(&whole), engine::model::argmax(&again));
+    assert_eq!(cache.tokens(), full.as_slice());
+}
+
+#[test]
+fn out_of_range_inputs_are_errors_not_panics() {
+    let m = model();
+    let mut cache = m.new_cache().unwrap();
+    let vocab = m.config().vocab_size as u32;
+    assert!(m.forward(&mut [SeqInput { tokens: &[vocab], cache: &mut cache }]).is_err());
+    assert!(m.forward(&mut [SeqInput { tokens: &[], cache: &mut cache }]).is_err());
+    let too_long = vec![1u32; m.config().max_position_embeddings + 1];
+    let err = m.forward(&mut [SeqInput { tokens: &too_long, cache: &mut cache }]).unwrap_err();
+    assert!(matches!(err, engine::EngineError::ContextOverflow { .. }), "{err}");
+    assert!(cache.is_empty(), "a failed call must not change the cache");
+}
