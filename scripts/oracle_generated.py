@@ -5,7 +5,7 @@ Usage (from the repo root):
 
 MODEL_DIR is a transformers checkpoint (config.json, *.safetensors, tokenizer.json,
 tokenizer_config.json), e.g. the tiny random model the Rust side generates. Loads it in
-float32 (eager attention, CPU) and, for each prompt in PROMPTS, records:
+float32 (dtype=torch.float32, eager attention, CPU) and, for each prompt in PROMPTS, records:
 
   prompt (text), rendered-chat inputs (messages/tools/kwargs) for chat prompts,
   prompt_ids      = tok.encode(prompt, add_special_tokens=False)
@@ -23,10 +23,9 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from oracle_common import dump, versions  # noqa: E402
+from oracle_common import dump, versions
 
 NEW_TOKENS = 32
 
@@ -79,10 +78,12 @@ def main() -> None:
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
     model.eval()
-    # Never stop or bias on EOS: the oracle is 32 plain argmax steps.
-    model.generation_config.eos_token_id = None
+    # Plain argmax steps: drop the checkpoint's generation_config (which could carry a
+    # repetition penalty etc.) and never stop on or suppress EOS.
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    model.generation_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=pad)
     template = tok.chat_template or FALLBACK_CHATML
 
     results = []
@@ -107,7 +108,7 @@ def main() -> None:
                 min_new_tokens=NEW_TOKENS,
                 do_sample=False,
                 eos_token_id=None,
-                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
+                pad_token_id=pad,
             )[0, len(ids) :].tolist()
             # Cross-check: teacher-forced argmax over the whole sequence gives the same tokens.
             full = model(torch.tensor([ids + out_ids])).logits[0, len(ids) - 1 : -1].argmax(-1).tolist()

@@ -148,11 +148,27 @@ fn strftime_now(fmt: String) -> String {
 
 fn format_time(secs: i64, fmt: &str) -> String {
     const MONTHS: [&str; 12] = [
-        "January", "February", "March", "April", "May", "June", "July", "August", "September",
-        "October", "November", "December",
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
     ];
     const DAYS: [&str; 7] = [
-        "Thursday", "Friday", "Saturday", "Sunday", "Monday", "Tuesday", "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
     ];
     let days = secs.div_euclid(86_400);
     let rem = secs.rem_euclid(86_400);
@@ -250,7 +266,12 @@ impl JsonStyle {
         }
     }
 
-    fn write(&self, v: &Value, depth: usize, out: &mut String) -> std::result::Result<(), minijinja::Error> {
+    fn write(
+        &self,
+        v: &Value,
+        depth: usize,
+        out: &mut String,
+    ) -> std::result::Result<(), minijinja::Error> {
         match v.kind() {
             ValueKind::Undefined | ValueKind::None => out.push_str("null"),
             ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
@@ -258,7 +279,9 @@ impl JsonStyle {
             ValueKind::String => self.string(v.as_str().unwrap_or_default(), out),
             ValueKind::Seq | ValueKind::Iterable => {
                 let items: Vec<Value> = v.try_iter()?.collect();
-                self.container('[', ']', depth, out, &items, |item, d, o| self.write(item, d, o))?;
+                self.container('[', ']', depth, out, &items, |item, d, o| {
+                    self.write(item, d, o)
+                })?;
             }
             ValueKind::Map => {
                 let mut keys: Vec<Value> = v.try_iter()?.collect();
@@ -396,7 +419,13 @@ mod tests {
 
     #[test]
     fn time_formatting_follows_strftime() {
-        assert_eq!(format_time(0, "%d %b %Y %H:%M:%S %A"), "01 Jan 1970 00:00:00 Thursday");
-        assert_eq!(format_time(1_709_251_199, "%Y-%m-%d %B %a"), "2024-02-29 February Thu");
+        assert_eq!(
+            format_time(0, "%d %b %Y %H:%M:%S %A"),
+            "01 Jan 1970 00:00:00 Thursday"
+        );
+        assert_eq!(
+            format_time(1_709_251_199, "%Y-%m-%d %B %a"),
+            "2024-02-29 February Thu"
+        );
     }
 }

@@ -166,11 +166,7 @@ impl ModelConfig {
             None => num("vocab_size")?,
         };
         let tied = !content.tensor_infos.contains_key("output.weight");
-        let token_id = |key: &str| {
-            md(key)
-                .and_then(|v| v.to_u64().ok())
-                .map(|v| v as u32)
-        };
+        let token_id = |key: &str| md(key).and_then(|v| v.to_u64().ok()).map(|v| v as u32);
         let cfg = Self {
             architecture: arch.clone(),
             vocab_size: vocab,
@@ -190,7 +186,9 @@ impl ModelConfig {
                 RopeStyle::Half
             },
             bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
-            eos_token_ids: token_id("tokenizer.ggml.eos_token_id").into_iter().collect(),
+            eos_token_ids: token_id("tokenizer.ggml.eos_token_id")
+                .into_iter()
+                .collect(),
         };
         cfg.validate(path)?;
         Ok(cfg)
@@ -199,8 +197,8 @@ impl ModelConfig {
     fn validate(&self, path: &Path) -> Result<()> {
         let ok = self.num_attention_heads > 0
             && self.num_key_value_heads > 0
-            && self.num_attention_heads % self.num_key_value_heads == 0
-            && self.head_dim % 2 == 0
+            && self.num_attention_heads.is_multiple_of(self.num_key_value_heads)
+            && self.head_dim.is_multiple_of(2)
             && self.num_hidden_layers > 0
             && self.vocab_size > 0;
         if ok {

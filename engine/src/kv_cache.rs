@@ -125,8 +125,10 @@ impl SeqCache {
         let grown = alloc(&self.layout, capacity, &device)?;
         if !self.is_empty() {
             for (new, old) in grown.iter().zip(&self.layers) {
-                new.k.slice_set(&old.k.narrow(1, 0, self.len())?.contiguous()?, 1, 0)?;
-                new.v.slice_set(&old.v.narrow(1, 0, self.len())?.contiguous()?, 1, 0)?;
+                new.k
+                    .slice_set(&old.k.narrow(1, 0, self.len())?.contiguous()?, 1, 0)?;
+                new.v
+                    .slice_set(&old.v.narrow(1, 0, self.len())?.contiguous()?, 1, 0)?;
             }
         }
         self.layers = grown;

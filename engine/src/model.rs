@@ -196,10 +196,14 @@ impl Model {
         let mut all_tokens = Vec::new();
         for item in batch.iter_mut() {
             if item.tokens.is_empty() {
-                return Err(EngineError::InvalidInput("a sequence has no new tokens".into()));
+                return Err(EngineError::InvalidInput(
+                    "a sequence has no new tokens".into(),
+                ));
             }
             if item.cache.layout() != &self.kv_layout() {
-                return Err(EngineError::KvCache("cache layout does not match the model".into()));
+                return Err(EngineError::KvCache(
+                    "cache layout does not match the model".into(),
+                ));
             }
             let end = item.cache.len() + item.tokens.len();
             if end > self.cfg.max_position_embeddings {
@@ -208,7 +212,11 @@ impl Model {
                     limit: self.cfg.max_position_embeddings,
                 });
             }
-            if let Some(&bad) = item.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            if let Some(&bad) = item
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= self.cfg.vocab_size)
+            {
                 return Err(EngineError::InvalidInput(format!(
                     "token id {bad} is outside the vocabulary of {}",
                     self.cfg.vocab_size

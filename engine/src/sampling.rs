@@ -214,10 +214,7 @@ mod tests {
         let s = sample(&[0.1, 3.0, 2.0], &params(0.0), &[], &[], 0, 2);
         assert_eq!(s.token, 1);
         assert_eq!(s.top.iter().map(|t| t.token).collect::<Vec<_>>(), [1, 2]);
-        let total: f32 = [0.1f32, 3.0, 2.0]
-            .iter()
-            .map(|&x| (x - 3.0f32).exp())
-            .sum();
+        let total: f32 = [0.1f32, 3.0, 2.0].iter().map(|&x| (x - 3.0f32).exp()).sum();
         assert!((s.logprob + total.ln()).abs() < 1e-5);
     }
 
@@ -258,7 +255,10 @@ mod tests {
         let ones = (0..4000)
             .filter(|&s| sample(&logits, &params(1.0), &[], &[], s, 0).token == 1)
             .count();
-        assert!((2800..3200).contains(&ones), "expected ~3000 of 4000, got {ones}");
+        assert!(
+            (2800..3200).contains(&ones),
+            "expected ~3000 of 4000, got {ones}"
+        );
     }
 
     #[test]

@@ -10,11 +10,11 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use serde_json::json;
 use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+use tokenizers::models::TrainerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::models::TrainerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use crate::error::{EngineError, Result};
@@ -90,10 +90,7 @@ fn train_tokenizer(vocab_target: usize) -> Result<tokenizers::Tokenizer> {
         PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, false)),
     ]))));
     tk.with_decoder(Some(ByteLevel::new(false, false, false)));
-    let special: Vec<AddedToken> = SPECIAL
-        .iter()
-        .map(|s| AddedToken::from(*s, true))
-        .collect();
+    let special: Vec<AddedToken> = SPECIAL.iter().map(|s| AddedToken::from(*s, true)).collect();
     let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
         .vocab_size(vocab_target)
         .min_frequency(2)
@@ -159,26 +156,70 @@ pub fn write_model(dir: &Path, size: ModelSize, dtype: DType, seed: u64) -> Resu
     let mut w: HashMap<String, Tensor> = HashMap::new();
     // Unit-scale embeddings make the tied logits peaked, so greedy decoding is not decided
     // by rounding noise when compared against another implementation.
-    w.insert("model.embed_tokens.weight".into(), rng.tensor(&[vocab, d.hidden], 0.0, 1.0)?);
-    let proj = |rng: &mut Normal, out: usize, inp: usize| rng.tensor(&[out, inp], 0.0, (1.0 / inp as f32).sqrt());
+    w.insert(
+        "model.embed_tokens.weight".into(),
+        rng.tensor(&[vocab, d.hidden], 0.0, 1.0)?,
+    );
+    let proj = |rng: &mut Normal, out: usize, inp: usize| {
+        rng.tensor(&[out, inp], 0.0, (1.0 / inp as f32).sqrt())
+    };
     for i in 0..d.layers {
         let p = format!("model.layers.{i}");
         let q_out = d.heads * head_dim;
         let kv_out = d.kv_heads * head_dim;
-        w.insert(format!("{p}.input_layernorm.weight"), rng.tensor(&[d.hidden], 1.0, 0.1)?);
-        w.insert(format!("{p}.self_attn.q_proj.weight"), proj(&mut rng, q_out, d.hidden)?);
-        w.insert(format!("{p}.self_attn.q_proj.bias"), rng.tensor(&[q_out], 0.0, 0.1)?);
-        w.insert(format!("{p}.self_attn.k_proj.weight"), proj(&mut rng, kv_out, d.hidden)?);
-        w.insert(format!("{p}.self_attn.k_proj.bias"), rng.tensor(&[kv_out], 0.0, 0.1)?);
-        w.insert(format!("{p}.self_attn.v_proj.weight"), proj(&mut rng, kv_out, d.hidden)?);
-        w.insert(format!("{p}.self_attn.v_proj.bias"), rng.tensor(&[kv_out], 0.0, 0.1)?);
-        w.insert(format!("{p}.self_attn.o_proj.weight"), proj(&mut rng, d.hidden, q_out)?);
-        w.insert(format!("{p}.post_attention_layernorm.weight"), rng.tensor(&[d.hidden], 1.0, 0.1)?);
-        w.insert(format!("{p}.mlp.gate_proj.weight"), proj(&mut rng, d.intermediate, d.hidden)?);
-        w.insert(format!("{p}.mlp.up_proj.weight"), proj(&mut rng, d.intermediate, d.hidden)?);
-        w.insert(format!("{p}.mlp.down_proj.weight"), proj(&mut rng, d.hidden, d.intermediate)?);
+        w.insert(
+            format!("{p}.input_layernorm.weight"),
+            rng.tensor(&[d.hidden], 1.0, 0.1)?,
+        );
+        w.insert(
+            format!("{p}.self_attn.q_proj.weight"),
+            proj(&mut rng, q_out, d.hidden)?,
+        );
+        w.insert(
+            format!("{p}.self_attn.q_proj.bias"),
+            rng.tensor(&[q_out], 0.0, 0.1)?,
+        );
+        w.insert(
+            format!("{p}.self_attn.k_proj.weight"),
+            proj(&mut rng, kv_out, d.hidden)?,
+        );
+        w.insert(
+            format!("{p}.self_attn.k_proj.bias"),
+            rng.tensor(&[kv_out], 0.0, 0.1)?,
+        );
+        w.insert(
+            format!("{p}.self_attn.v_proj.weight"),
+            proj(&mut rng, kv_out, d.hidden)?,
+        );
+        w.insert(
+            format!("{p}.self_attn.v_proj.bias"),
+            rng.tensor(&[kv_out], 0.0, 0.1)?,
+        );
+        w.insert(
+            format!("{p}.self_attn.o_proj.weight"),
+            proj(&mut rng, d.hidden, q_out)?,
+        );
+        w.insert(
+            format!("{p}.post_attention_layernorm.weight"),
+            rng.tensor(&[d.hidden], 1.0, 0.1)?,
+        );
+        w.insert(
+            format!("{p}.mlp.gate_proj.weight"),
+            proj(&mut rng, d.intermediate, d.hidden)?,
+        );
+        w.insert(
+            format!("{p}.mlp.up_proj.weight"),
+            proj(&mut rng, d.intermediate, d.hidden)?,
+        );
+        w.insert(
+            format!("{p}.mlp.down_proj.weight"),
+            proj(&mut rng, d.hidden, d.intermediate)?,
+        );
     }
-    w.insert("model.norm.weight".into(), rng.tensor(&[d.hidden], 1.0, 0.1)?);
+    w.insert(
+        "model.norm.weight".into(),
+        rng.tensor(&[d.hidden], 1.0, 0.1)?,
+    );
     let w = w
         .into_iter()
         .map(|(k, t)| Ok((k, t.to_dtype(dtype)?)))
@@ -216,7 +257,11 @@ pub fn write_model(dir: &Path, size: ModelSize, dtype: DType, seed: u64) -> Resu
         "torch_dtype": dtype_name,
     });
     let mut added = serde_json::Map::new();
-    for (t, special) in SPECIAL.iter().map(|t| (t, true)).chain(MARKUP.iter().map(|t| (t, false))) {
+    for (t, special) in SPECIAL
+        .iter()
+        .map(|t| (t, true))
+        .chain(MARKUP.iter().map(|t| (t, false)))
+    {
         added.insert(
             id(t).to_string(),
             json!({"content": t, "lstrip": false, "normalized": false, "rstrip": false,
@@ -236,7 +281,8 @@ pub fn write_model(dir: &Path, size: ModelSize, dtype: DType, seed: u64) -> Resu
         "split_special_tokens": false,
         "chat_template": CHATML_TEMPLATE,
     });
-    let generation_config = json!({"bos_token_id": pad, "eos_token_id": [eos, pad], "do_sample": false});
+    let generation_config =
+        json!({"bos_token_id": pad, "eos_token_id": [eos, pad], "do_sample": false});
     for (name, value) in [
         ("config.json", config),
         ("tokenizer_config.json", tokenizer_config),

@@ -58,13 +58,20 @@ impl Tokenizer {
                 .and_then(|v| v.to_vec().ok())
                 .ok_or_else(|| bad(&format!("no {k}")))?
                 .iter()
-                .map(|v| v.to_string().cloned().map_err(|_| bad(&format!("{k}: not strings"))))
+                .map(|v| {
+                    v.to_string()
+                        .cloned()
+                        .map_err(|_| bad(&format!("{k}: not strings")))
+                })
                 .collect()
         };
         let tokens = strings("tokenizer.ggml.tokens")?;
         let merges = strings("tokenizer.ggml.merges")?;
         let types: Vec<i64> = match md("tokenizer.ggml.token_type").and_then(|v| v.to_vec().ok()) {
-            Some(v) => v.iter().map(|x| x.to_i32().map(i64::from).unwrap_or(1)).collect(),
+            Some(v) => v
+                .iter()
+                .map(|x| x.to_i32().map(i64::from).unwrap_or(1))
+                .collect(),
             None => vec![1; tokens.len()],
         };
         let pre = md("tokenizer.ggml.pre")
@@ -178,7 +185,10 @@ impl IncrementalDecoder {
     /// Adds one id; returns the text it completes, if any.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
-        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
+        let prefix = tok.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special,
+        )?;
         let text = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
         if text.len() > prefix.len() && !text.ends_with('\u{FFFD}') && text.starts_with(&prefix) {
             self.prefix_offset = self.read_offset;
@@ -192,7 +202,10 @@ impl IncrementalDecoder {
     /// Text still held back at the end of the stream (an incomplete character shows as
     /// U+FFFD, as a full decode would show it).
     pub fn flush(&mut self, tok: &Tokenizer) -> Result<Option<String>> {
-        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
+        let prefix = tok.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special,
+        )?;
         let text = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();

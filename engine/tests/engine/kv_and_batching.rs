@@ -1,6 +1,6 @@
 //! The KV cache travels between engine instances, and batching changes nothing.
 
-mod common;
+use crate::common;
 
 use engine::generate::generate;
 use engine::sampling::{sample, SamplingParams};
@@ -11,7 +11,9 @@ fn model() -> Model {
 }
 
 fn prompt(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| (i * 37 + salt * 101 + 5) % 500).collect()
+    (0..n as u32)
+        .map(|i| (i * 37 + salt * 101 + 5) % 500)
+        .collect()
 }
 
 fn seeded() -> SamplingParams {
@@ -40,28 +42,47 @@ fn kv_round_trip_between_instances_matches_uninterrupted_decode() {
         // Prefill on "P": the prompt and the first sampled token.
         let mut cache = p_model.new_cache().unwrap();
         let logits = p_model
-            .forward(&mut [SeqInput { tokens: &prompt, cache: &mut cache }])
+            .forward(&mut [SeqInput {
+                tokens: &prompt,
+                cache: &mut cache,
+            }])
             .unwrap();
-        let first = sample(&logits.squeeze(0).unwrap().to_vec1().unwrap(), &params, &prompt, &[], 0, 0);
+        let first = sample(
+            &logits.squeeze(0).unwrap().to_vec1().unwrap(),
+            &params,
+            &prompt,
+            &[],
+            0,
+            0,
+        );
         let chunks = cache.export_all(16).unwrap();
         assert_eq!(chunks.len(), 2 * 3, "2 layers x ceil(45/16) chunks");
 
         // "D" rebuilds the cache from the wire form and decodes the rest.
-        let mut asm = KvAssembler::new(d_model.kv_layout(), prompt.clone(), d_model.device()).unwrap();
+        let mut asm =
+            KvAssembler::new(d_model.kv_layout(), prompt.clone(), d_model.device()).unwrap();
         for c in &chunks {
             assert!(!asm.is_complete());
             asm.accept(c).unwrap();
         }
         let mut rebuilt = asm.finish().unwrap();
         assert_eq!(rebuilt.tokens(), prompt.as_slice());
-        for (a, b) in rebuilt.export_all(64).unwrap().iter().zip(cache.export_all(64).unwrap()) {
+        for (a, b) in rebuilt
+            .export_all(64)
+            .unwrap()
+            .iter()
+            .zip(cache.export_all(64).unwrap())
+        {
             assert_eq!(a, &b, "rebuilt cache must be bit-identical");
         }
         let mut got = vec![first.token];
         let mut output = vec![first.token];
         for step in 1..33u64 {
             let logits = d_model
-                .forward(&mut [SeqInput { tokens: &[*got.last().unwrap()], cache: &mut rebuilt }])
+                .forward(&mut [SeqInput {
+                    tokens: &[*got.last().unwrap()],
+                    cache: &mut rebuilt,
+                }])
                 .unwrap();
             let row: Vec<f32> = logits.squeeze(0).unwrap().to_vec1().unwrap();
             let s = sample(&row, &params, &prompt, &output, step, 0);
@@ -77,10 +98,17 @@ fn assembler_rejects_gaps_bad_sizes_and_incomplete_transfers() {
     let m = model();
     let prompt = prompt(20, 2);
     let mut cache = m.new_cache().unwrap();
-    m.forward(&mut [SeqInput { tokens: &prompt, cache: &mut cache }]).unwrap();
+    m.forward(&mut [SeqInput {
+        tokens: &prompt,
+        cache: &mut cache,
+    }])
+    .unwrap();
     let chunks = cache.export_all(8).unwrap();
     let mut asm = KvAssembler::new(m.kv_layout(), prompt.clone(), m.device()).unwrap();
-    assert!(asm.accept(&chunks[1]).is_err(), "out-of-order chunk accepted");
+    assert!(
+        asm.accept(&chunks[1]).is_err(),
+        "out-of-order chunk accepted"
+    );
     let mut short = chunks[0].clone();
     short.k.pop();
     assert!(asm.accept(&short).is_err(), "truncated payload accepted");
@@ -98,7 +126,16 @@ fn batched_decode_matches_each_sequence_alone() {
     let m = model();
     let prompts: Vec<Vec<u32>> = (0..8).map(|i| prompt(3 + i * 7, i as u32)).collect();
     let params: Vec<SamplingParams> = (0..8)
-        .map(|i| if i % 2 == 0 { SamplingParams::default() } else { SamplingParams { seed: i as u64, ..seeded() } })
+        .map(|i| {
+            if i % 2 == 0 {
+                SamplingParams::default()
+            } else {
+                SamplingParams {
+                    seed: i as u64,
+                    ..seeded()
+                }
+            }
+        })
         .collect();
     let steps = 24;
     let alone: Vec<Vec<u32>> = prompts
@@ -118,7 +155,10 @@ fn batched_decode_matches_each_sequence_alone() {
         let mut batch: Vec<SeqInput> = next
             .iter()
             .zip(caches.iter_mut())
-            .map(|(t, c)| SeqInput { tokens: t, cache: c })
+            .map(|(t, c)| SeqInput {
+                tokens: t,
+                cache: c,
+            })
             .collect();
         let logits = m.forward(&mut batch).unwrap();
         for i in 0..8 {
@@ -138,21 +178,38 @@ fn prefix_reuse_matches_full_prefill() {
     let full = prompt(40, 3);
     let whole = m.logits_for(&full).unwrap();
     let mut cache = m.new_cache().unwrap();
-    m.forward(&mut [SeqInput { tokens: &full[..25], cache: &mut cache }]).unwrap();
+    m.forward(&mut [SeqInput {
+        tokens: &full[..25],
+        cache: &mut cache,
+    }])
+    .unwrap();
     let shared = cache.clone();
     let logits = m
-        .forward(&mut [SeqInput { tokens: &full[25..], cache: &mut cache }])
+        .forward(&mut [SeqInput {
+            tokens: &full[25..],
+            cache: &mut cache,
+        }])
         .unwrap();
     let reused: Vec<f32> = logits.squeeze(0).unwrap().to_vec1().unwrap();
-    let max_diff = whole.iter().zip(&reused).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let max_diff = whole
+        .iter()
+        .zip(&reused)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
     assert!(max_diff < 1e-4, "max logit difference {max_diff}");
-    assert_eq!(engine::model::argmax(&whole), engine::model::argmax(&reused));
+    assert_eq!(
+        engine::model::argmax(&whole),
+        engine::model::argmax(&reused)
+    );
 
     // Truncating back to a shorter prefix and continuing also works.
     let mut cache = shared;
     cache.truncate(10);
     let logits = m
-        .forward(&mut [SeqInput { tokens: &full[10..], cache: &mut cache }])
+        .forward(&mut [SeqInput {
+            tokens: &full[10..],
+            cache: &mut cache,
+        }])
         .unwrap();
     let again: Vec<f32> = logits.squeeze(0).unwrap().to_vec1().unwrap();
     assert_eq!(engine::model::argmax(&whole), engine::model::argmax(&again));
@@ -164,10 +221,28 @@ fn out_of_range_inputs_are_errors_not_panics() {
     let m = model();
     let mut cache = m.new_cache().unwrap();
     let vocab = m.config().vocab_size as u32;
-    assert!(m.forward(&mut [SeqInput { tokens: &[vocab], cache: &mut cache }]).is_err());
-    assert!(m.forward(&mut [SeqInput { tokens: &[], cache: &mut cache }]).is_err());
+    assert!(m
+        .forward(&mut [SeqInput {
+            tokens: &[vocab],
+            cache: &mut cache
+        }])
+        .is_err());
+    assert!(m
+        .forward(&mut [SeqInput {
+            tokens: &[],
+            cache: &mut cache
+        }])
+        .is_err());
     let too_long = vec![1u32; m.config().max_position_embeddings + 1];
-    let err = m.forward(&mut [SeqInput { tokens: &too_long, cache: &mut cache }]).unwrap_err();
-    assert!(matches!(err, engine::EngineError::ContextOverflow { .. }), "{err}");
+    let err = m
+        .forward(&mut [SeqInput {
+            tokens: &too_long,
+            cache: &mut cache,
+        }])
+        .unwrap_err();
+    assert!(
+        matches!(err, engine::EngineError::ContextOverflow { .. }),
+        "{err}"
+    );
     assert!(cache.is_empty(), "a failed call must not change the cache");
 }

@@ -10,12 +10,15 @@ use engine::testmodel::{write_model, ModelSize};
 pub fn tiny_model_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
-            "tiny-model-{}",
-            std::process::id()
-        ));
-        write_model(&dir, ModelSize::Tiny, DType::F32, engine::testmodel::DEFAULT_SEED)
-            .expect("writing the tiny model");
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("tiny-model-{}", std::process::id()));
+        write_model(
+            &dir,
+            ModelSize::Tiny,
+            DType::F32,
+            engine::testmodel::DEFAULT_SEED,
+        )
+        .expect("writing the tiny model");
         dir
     })
     .clone()
@@ -35,5 +38,7 @@ pub fn models_dir() -> PathBuf {
 
 /// A fixture file under `engine/tests/fixtures`.
 pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
