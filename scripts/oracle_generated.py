@@ -55,6 +55,26 @@ PROMPTS = [
     ("chat", [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hi! Who are you?"}], None, {}),
     ("chat_tools", [{"role": "user", "content": "What's the weather in Paris?"}], TOOLS, {}),
     ("chat_no_thinking", [{"role": "user", "content": "What is 2+2?"}], None, {"enable_thinking": False}),
+    (
+        "chat_tool_history",
+        [
+            {"role": "system", "content": "You are a weather bot."},
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": "Two cities, two calls.",
+                "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"location": "Paris"}}},
+                    {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": "{\"location\": \"Rome\"}"}},
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "{\"temperature\": 21}"},
+            {"role": "tool", "tool_call_id": "call_2", "content": "{\"temperature\": 25}"},
+        ],
+        TOOLS,
+        {"enable_thinking": True},
+    ),
 ]
 
 FALLBACK_CHATML = (

@@ -197,7 +197,9 @@ impl ModelConfig {
     fn validate(&self, path: &Path) -> Result<()> {
         let ok = self.num_attention_heads > 0
             && self.num_key_value_heads > 0
-            && self.num_attention_heads.is_multiple_of(self.num_key_value_heads)
+            && self
+                .num_attention_heads
+                .is_multiple_of(self.num_key_value_heads)
             && self.head_dim.is_multiple_of(2)
             && self.num_hidden_layers > 0
             && self.vocab_size > 0;

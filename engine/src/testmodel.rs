@@ -48,6 +48,9 @@ struct Dims {
     kv_heads: usize,
     intermediate: usize,
     max_positions: usize,
+    /// Tied heads make random models repeat their input token; the tiny model unties its
+    /// head so greedy output varies, and the small one keeps the tied path covered.
+    tied: bool,
 }
 
 impl ModelSize {
@@ -61,6 +64,7 @@ impl ModelSize {
                 kv_heads: 2,
                 intermediate: 128,
                 max_positions: 2048,
+                tied: false,
             },
             Self::Small => Dims {
                 vocab_target: 2048,
@@ -70,6 +74,7 @@ impl ModelSize {
                 kv_heads: 2,
                 intermediate: 1536,
                 max_positions: 4096,
+                tied: true,
             },
         }
     }
@@ -220,6 +225,12 @@ pub fn write_model(dir: &Path, size: ModelSize, dtype: DType, seed: u64) -> Resu
         "model.norm.weight".into(),
         rng.tensor(&[d.hidden], 1.0, 0.1)?,
     );
+    if !d.tied {
+        w.insert(
+            "lm_head.weight".into(),
+            rng.tensor(&[vocab, d.hidden], 0.0, 1.0)?,
+        );
+    }
     let w = w
         .into_iter()
         .map(|(k, t)| Ok((k, t.to_dtype(dtype)?)))
@@ -245,7 +256,7 @@ pub fn write_model(dir: &Path, size: ModelSize, dtype: DType, seed: u64) -> Resu
         "max_position_embeddings": d.max_positions,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
-        "tie_word_embeddings": true,
+        "tie_word_embeddings": d.tied,
         "use_sliding_window": false,
         "sliding_window": null,
         "max_window_layers": d.layers,

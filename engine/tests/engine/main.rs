@@ -2,5 +2,6 @@
 
 mod common;
 mod kv_and_batching;
+mod reference;
 mod smollm2;
 mod templates;

@@ -1,0 +1,80 @@
+//! The generated tiny model against Hugging Face `transformers` on the same folder: chat
+//! rendering, token ids, first-step logits and 32 greedy tokens per prompt.
+//! `engine/tests/fixtures/tiny_reference.json` comes from `scripts/oracle_generated.py`;
+//! if the generator changes, rerun that script (see scripts/README.md).
+
+use engine::generate::generate;
+use engine::{ChatInput, SamplingParams};
+use serde_json::Value;
+
+use crate::common;
+
+#[test]
+fn tiny_model_matches_transformers_token_for_token() {
+    let fx: Value = serde_json::from_str(
+        &std::fs::read_to_string(common::fixture("tiny_reference.json")).unwrap(),
+    )
+    .unwrap();
+    let loaded = engine::load(&common::tiny_model_dir(), &common::device()).unwrap();
+    let template = loaded
+        .template
+        .as_ref()
+        .expect("generated models carry a template");
+    let prompts = fx["prompts"].as_array().unwrap();
+    assert!(prompts.len() >= 6);
+    for p in prompts {
+        let name = p["name"].as_str().unwrap();
+        let text = p["prompt"].as_str().unwrap();
+        if let Some(messages) = p.get("messages") {
+            let rendered = template
+                .render(&ChatInput {
+                    messages: messages.clone(),
+                    tools: Some(p["tools"].clone()).filter(|t| !t.is_null()),
+                    add_generation_prompt: true,
+                    kwargs: p["kwargs"].as_object().cloned().unwrap_or_default(),
+                })
+                .unwrap();
+            assert_eq!(rendered, text, "{name}: chat rendering");
+        }
+        let want_ids: Vec<u32> = serde_json::from_value(p["prompt_ids"].clone()).unwrap();
+        let ids = loaded.tokenizer.encode(text).unwrap();
+        assert_eq!(ids, want_ids, "{name}: prompt ids");
+
+        let logits = loaded.model.logits_for(&ids).unwrap();
+        let top = &p["first_step_top5"];
+        for (id, want) in top["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(top["logits"].as_array().unwrap())
+        {
+            let got = logits[id.as_u64().unwrap() as usize];
+            let want = want.as_f64().unwrap() as f32;
+            assert!(
+                (got - want).abs() < 1e-3 * want.abs().max(1.0),
+                "{name}: logit of {id}: {got} vs {want}"
+            );
+        }
+
+        let want: Vec<u32> = serde_json::from_value(p["generated_ids"].clone()).unwrap();
+        let mut cache = loaded.model.new_cache().unwrap();
+        let got: Vec<u32> = generate(
+            &loaded.model,
+            &mut cache,
+            &ids,
+            &SamplingParams::default(),
+            want.len(),
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|s| s.token)
+        .collect();
+        assert_eq!(got, want, "{name}: greedy tokens");
+        assert_eq!(
+            loaded.tokenizer.decode(&got, false).unwrap(),
+            p["generated_text"].as_str().unwrap(),
+            "{name}: decoded text"
+        );
+    }
+}
