@@ -5,6 +5,7 @@ pub mod chat_template;
 pub mod config;
 pub mod error;
 pub mod generate;
+pub mod gguf_export;
 pub mod kv_cache;
 pub mod loader;
 pub mod model;

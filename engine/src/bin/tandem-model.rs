@@ -2,7 +2,9 @@
 
 use std::path::PathBuf;
 
+use candle_core::quantized::GgmlDType;
 use clap::Parser;
+use engine::gguf_export::export_gguf;
 use engine::testmodel::{write_model, ModelSize};
 
 #[derive(Debug, Parser)]
@@ -17,6 +19,9 @@ struct Config {
     /// Store weights as bf16 instead of f32.
     #[arg(long)]
     bf16: bool,
+    /// Also write `model-<QUANT>.gguf` into the folder (f32, f16, q8_0, q4_0, q4_1).
+    #[arg(long, value_parser = parse_quant)]
+    gguf: Option<GgmlDType>,
     /// Seed for the random weights.
     #[arg(long, default_value_t = engine::testmodel::DEFAULT_SEED)]
     seed: u64,
@@ -31,5 +36,21 @@ fn main() -> anyhow::Result<()> {
     };
     write_model(&cfg.out, cfg.size, dtype, cfg.seed)?;
     println!("{}", cfg.out.display());
+    if let Some(quant) = cfg.gguf {
+        let path = cfg.out.join(format!("model-{quant:?}.gguf").to_lowercase());
+        export_gguf(&cfg.out, &path, quant)?;
+        println!("{}", path.display());
+    }
     Ok(())
+}
+
+fn parse_quant(s: &str) -> Result<GgmlDType, String> {
+    Ok(match s {
+        "f32" => GgmlDType::F32,
+        "f16" => GgmlDType::F16,
+        "q8_0" => GgmlDType::Q8_0,
+        "q4_0" => GgmlDType::Q4_0,
+        "q4_1" => GgmlDType::Q4_1,
+        other => return Err(format!("unknown quantization {other:?}")),
+    })
 }

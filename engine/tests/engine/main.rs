@@ -2,6 +2,7 @@
 
 mod common;
 mod kv_and_batching;
+mod loading;
 mod reference;
 mod smollm2;
 mod templates;

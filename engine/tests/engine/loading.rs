@@ -1,0 +1,212 @@
+//! Every supported way to store weights gives the model the generated folder defines, and
+//! streaming detokenization never splits a character.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Tensor};
+use engine::gguf_export::export_gguf;
+use engine::testmodel::{write_model, ModelSize, DEFAULT_SEED};
+use engine::{ChatInput, IncrementalDecoder, Model, Tokenizer};
+use serde_json::json;
+
+use crate::common;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("loading-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Copies everything but the weights from the tiny model into `dir`.
+fn copy_side_files(from: &Path, dir: &Path) {
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(from.join(f), dir.join(f)).unwrap();
+    }
+}
+
+const PROBE: [u32; 12] = [5, 77, 300, 12, 9, 401, 33, 250, 18, 19, 64, 2];
+
+fn logits(path: &Path) -> Vec<f32> {
+    Model::load(path, &Device::Cpu)
+        .unwrap()
+        .logits_for(&PROBE)
+        .unwrap()
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let na: f32 = a.iter().map(|x| x * x).sum::<f32>().sqrt();
+    let nb: f32 = b.iter().map(|x| x * x).sum::<f32>().sqrt();
+    dot / (na * nb)
+}
+
+/// bf16 on disk computes exactly like f32 holding the same (bf16-rounded) values.
+#[test]
+fn bf16_weights_load_as_their_exact_f32_values() {
+    let bf16 = scratch("bf16");
+    write_model(&bf16, ModelSize::Tiny, DType::BF16, DEFAULT_SEED).unwrap();
+    let f32_dir = scratch("bf16-as-f32");
+    copy_side_files(&bf16, &f32_dir);
+    let tensors =
+        candle_core::safetensors::load(bf16.join("model.safetensors"), &Device::Cpu).unwrap();
+    assert!(tensors.values().all(|t| t.dtype() == DType::BF16));
+    let widened: HashMap<String, Tensor> = tensors
+        .into_iter()
+        .map(|(k, t)| (k, t.to_dtype(DType::F32).unwrap()))
+        .collect();
+    candle_core::safetensors::save(&widened, f32_dir.join("model.safetensors")).unwrap();
+    assert_eq!(logits(&bf16), logits(&f32_dir));
+}
+
+/// A sharded checkpoint with `model.safetensors.index.json` is the same model.
+#[test]
+fn sharded_safetensors_load_like_one_file() {
+    let src = common::tiny_model_dir();
+    let dir = scratch("sharded");
+    copy_side_files(&src, &dir);
+    let tensors =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    let mut weight_map = serde_json::Map::new();
+    let mut shards: [HashMap<String, Tensor>; 2] = Default::default();
+    for (i, name) in names.iter().enumerate() {
+        let file = format!("model-0000{}-of-00002.safetensors", i % 2 + 1);
+        shards[i % 2].insert((*name).clone(), tensors[*name].clone());
+        weight_map.insert((*name).clone(), json!(file));
+    }
+    for (i, shard) in shards.iter().enumerate() {
+        candle_core::safetensors::save(
+            shard,
+            dir.join(format!("model-0000{}-of-00002.safetensors", i + 1)),
+        )
+        .unwrap();
+    }
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        json!({"metadata": {}, "weight_map": weight_map}).to_string(),
+    )
+    .unwrap();
+    assert_eq!(logits(&dir), logits(&src));
+}
+
+/// GGUF from the same weights: f32 is the same model; quantized types stay close; the
+/// tokenizer rebuilt from GGUF metadata and the embedded template behave like the folder's.
+#[test]
+fn gguf_exports_load_with_their_tokenizer_and_template() {
+    let src = common::tiny_model_dir();
+    let dir = scratch("gguf");
+    let reference = logits(&src);
+    let hf = engine::load(&src, &Device::Cpu).unwrap();
+    let texts = [
+        "Hello, world! 12345",
+        "你好，世界！😀",
+        "<|im_start|>user\nhi<|im_end|>\n<tool_call>\n{\"a\": 1}\n</tool_call>",
+        "  spaces\n\n\ttabs  ",
+    ];
+    let chat = ChatInput {
+        messages: json!([{"role": "user", "content": "Weather?"}]),
+        tools: Some(json!([{"type": "function", "function": {"name": "f", "parameters": {}}}])),
+        add_generation_prompt: true,
+        ..Default::default()
+    };
+    for (quant, min_cosine) in [
+        (GgmlDType::F32, 1.0),
+        (GgmlDType::F16, 0.9999),
+        (GgmlDType::Q8_0, 0.999),
+        (GgmlDType::Q4_1, 0.95),
+        (GgmlDType::Q4_0, 0.95),
+    ] {
+        let path = dir.join(format!("{quant:?}.gguf"));
+        export_gguf(&src, &path, quant).unwrap();
+        let got = logits(&path);
+        let c = cosine(&got, &reference);
+        assert!(
+            c >= min_cosine - 1e-6,
+            "{quant:?}: cosine {c} < {min_cosine}"
+        );
+        if quant == GgmlDType::F32 {
+            let max = got
+                .iter()
+                .zip(&reference)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(max < 1e-4, "f32 GGUF differs from safetensors by {max}");
+            let g = engine::load(&path, &Device::Cpu).unwrap();
+            for t in texts {
+                assert_eq!(
+                    g.tokenizer.encode(t).unwrap(),
+                    hf.tokenizer.encode(t).unwrap(),
+                    "{t:?}"
+                );
+            }
+            let tmpl = g.template.expect("template in GGUF metadata");
+            assert_eq!(
+                tmpl.render(&chat).unwrap(),
+                hf.template.as_ref().unwrap().render(&chat).unwrap()
+            );
+            assert_eq!(
+                g.model.config().eos_token_ids,
+                vec![hf.tokenizer.token_id("<|im_end|>").unwrap()]
+            );
+        }
+    }
+}
+
+#[test]
+fn unsupported_configs_are_refused_at_load() {
+    let src = common::tiny_model_dir();
+    let dir = scratch("rope-scaling");
+    copy_side_files(&src, &dir);
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    cfg["rope_scaling"] = json!({"type": "yarn", "factor": 4.0});
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let err = Model::load(&dir, &Device::Cpu)
+        .err()
+        .expect("rope_scaling must be refused");
+    assert!(err.to_string().contains("rope_scaling"), "{err}");
+    let missing = Model::load(&dir.join("nope"), &Device::Cpu)
+        .err()
+        .expect("missing path");
+    assert!(missing.to_string().contains("nope"), "{missing}");
+}
+
+/// Streaming pieces are whole characters and add up to the full decode.
+#[test]
+fn incremental_decoding_never_splits_characters() {
+    let tok = Tokenizer::from_file(&common::models_dir().join("qwen3/tokenizer.json")).unwrap();
+    for (text, skip) in [
+        (
+            "你好，世界！今天天气很好。🦀🎉 emoji ❤️ and English.",
+            false,
+        ),
+        ("<|im_start|>assistant\n中文<|im_end|>", true),
+        ("<|im_start|>assistant\n中文<|im_end|>", false),
+    ] {
+        let ids = tok.encode(text).unwrap();
+        let mut dec = IncrementalDecoder::new(skip);
+        let mut pieces = Vec::new();
+        for &id in &ids {
+            if let Some(p) = dec.push(&tok, id).unwrap() {
+                pieces.push(p);
+            }
+        }
+        pieces.extend(dec.flush(&tok).unwrap());
+        assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{pieces:?}");
+        assert_eq!(pieces.concat(), tok.decode(&ids, skip).unwrap());
+        assert!(pieces.len() >= 3, "expected a piece per word or so, got {pieces:?}");
+    }
+    // A character cut off at the end of a stream is still reported, as a full decode shows it.
+    let tok = Tokenizer::from_file(&common::tiny_model_dir().join("tokenizer.json")).unwrap();
+    let ids = tok.encode("🦀").unwrap();
+    assert!(ids.len() > 1, "the crab should take several byte tokens");
+    let mut dec = IncrementalDecoder::new(false);
+    assert_eq!(dec.push(&tok, ids[0]).unwrap(), None);
+    assert_eq!(dec.flush(&tok).unwrap().as_deref(), Some("\u{FFFD}"));
+}
