@@ -161,6 +161,25 @@ impl Model {
         &self.cfg
     }
 
+    /// Bytes of weights one decode step reads: every projection, norm and the head (the
+    /// embedding table is only gathered from, a row per token).
+    pub fn weight_bytes_per_step(&self) -> usize {
+        let norm = |t: &Tensor| t.elem_count() * 4;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .map(|x| x.weight_bytes())
+                    .sum::<usize>()
+                    + norm(&l.attn_norm)
+                    + norm(&l.mlp_norm)
+            })
+            .sum();
+        layers + norm(&self.norm) + self.lm_head.weight_bytes()
+    }
+
     /// The device the weights live on.
     pub fn device(&self) -> &Device {
         &self.device

@@ -33,6 +33,18 @@ impl Linear {
     }
 }
 
+impl Linear {
+    /// Bytes a forward pass reads from this layer's weights (and bias).
+    pub fn weight_bytes(&self) -> usize {
+        let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let w = match &self.weight {
+            QMatMul::QTensor(q) => q.storage_size_in_bytes(),
+            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => dense(t),
+        };
+        w + self.bias.as_ref().map_or(0, dense)
+    }
+}
+
 /// Tensors by name, from either file format.
 pub enum WeightSource {
     SafeTensors {

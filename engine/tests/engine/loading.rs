@@ -200,7 +200,10 @@ fn incremental_decoding_never_splits_characters() {
         pieces.extend(dec.flush(&tok).unwrap());
         assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{pieces:?}");
         assert_eq!(pieces.concat(), tok.decode(&ids, skip).unwrap());
-        assert!(pieces.len() >= 3, "expected a piece per word or so, got {pieces:?}");
+        assert!(
+            pieces.len() >= 3,
+            "expected a piece per word or so, got {pieces:?}"
+        );
     }
     // A character cut off at the end of a stream is still reported, as a full decode shows it.
     let tok = Tokenizer::from_file(&common::tiny_model_dir().join("tokenizer.json")).unwrap();

@@ -1,0 +1,83 @@
+//! `engine-bench`: prefill and decode throughput of a model next to the memory-bandwidth
+//! ceiling measured in the same run. Prints a Markdown table and writes JSON.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use bench::{decode_tokens_per_s, memory_read_bandwidth, prefill_tokens_per_s};
+use clap::Parser;
+use serde_json::json;
+
+#[derive(Debug, Parser)]
+#[command(about = "Engine throughput against the memory-bandwidth ceiling")]
+struct Config {
+    /// Model folder or GGUF file.
+    #[arg(long)]
+    model: PathBuf,
+    /// Decode batch sizes to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,32")]
+    batches: Vec<usize>,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    prefill_tokens: usize,
+    /// Context each decoding sequence starts with.
+    #[arg(long, default_value_t = 128)]
+    context: usize,
+    /// Decode steps per batch size.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    /// Threads for the bandwidth probe (the engine uses every core).
+    #[arg(long, default_value_t = std::thread::available_parallelism().map_or(1, |n| n.get()))]
+    threads: usize,
+    /// Where to write the JSON results.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cfg = Config::parse();
+    let device = candle_core::Device::Cpu;
+    let model = engine::Model::load(&cfg.model, &device)
+        .with_context(|| format!("loading {}", cfg.model.display()))?;
+    let bandwidth = memory_read_bandwidth(1 << 30, cfg.threads, 5);
+    let prefill = prefill_tokens_per_s(&model, cfg.prefill_tokens, 3)?;
+    println!("model: {}", cfg.model.display());
+    println!(
+        "weights read per step: {:.1} MB; measured read bandwidth: {:.2} GB/s ({} threads)",
+        model.weight_bytes_per_step() as f64 / 1e6,
+        bandwidth / 1e9,
+        cfg.threads
+    );
+    println!(
+        "prefill of {} tokens: {prefill:.0} tokens/s",
+        cfg.prefill_tokens
+    );
+    println!();
+    println!("| batch | decode tokens/s | ceiling tokens/s | % of ceiling | vs batch 1 |");
+    println!("| ---: | ---: | ---: | ---: | ---: |");
+    let mut rows = Vec::new();
+    let mut base = None;
+    for &b in &cfg.batches {
+        let r = decode_tokens_per_s(&model, b, cfg.context, cfg.steps)?;
+        let ceiling = b as f64 * bandwidth / r.bytes_per_step as f64;
+        let base_tps = *base.get_or_insert(r.tokens_per_s / b as f64);
+        println!(
+            "| {b} | {:.1} | {:.1} | {:.0}% | {:.1}x |",
+            r.tokens_per_s,
+            ceiling,
+            100.0 * r.tokens_per_s / ceiling,
+            r.tokens_per_s / base_tps
+        );
+        rows.push(
+            json!({"batch": b, "tokens_per_s": r.tokens_per_s, "ceiling_tokens_per_s": ceiling,
+                         "bytes_per_step": r.bytes_per_step}),
+        );
+    }
+    if let Some(path) = cfg.json {
+        let doc = json!({"model": cfg.model, "bandwidth_bytes_per_s": bandwidth,
+                         "prefill_tokens": cfg.prefill_tokens, "prefill_tokens_per_s": prefill,
+                         "context": cfg.context, "steps": cfg.steps, "decode": rows});
+        std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
+    }
+    Ok(())
+}
