@@ -168,7 +168,9 @@ impl SeqCache {
         self.export_pending(layer, start, len, 0)
     }
 
-    pub(crate) fn export_pending(
+    /// `export` during `Model::forward_with`: the `pending` positions of the running call
+    /// count for the layers it has finished.
+    pub fn export_pending(
         &self,
         layer: usize,
         start: usize,

@@ -246,3 +246,40 @@ fn out_of_range_inputs_are_errors_not_panics() {
     );
     assert!(cache.is_empty(), "a failed call must not change the cache");
 }
+
+/// Layers can be shipped as soon as they are computed: chunks exported from the layer hook
+/// rebuild the same cache as an export after the call.
+#[test]
+fn layers_stream_out_while_the_prompt_is_computed() {
+    let m = model();
+    let prompt = prompt(30, 4);
+    let mut cache = m.new_cache().unwrap();
+    let mut streamed = Vec::new();
+    let mut order = Vec::new();
+    m.forward_with(
+        &mut [SeqInput {
+            tokens: &prompt,
+            cache: &mut cache,
+        }],
+        &mut |layer, batch| {
+            order.push(layer);
+            let c = &batch[0].cache;
+            for start in (0..prompt.len()).step_by(16) {
+                let len = 16.min(prompt.len() - start);
+                streamed.push(c.export_pending(layer, start, len, prompt.len())?);
+            }
+            Ok(())
+        },
+    )
+    .unwrap();
+    assert_eq!(order, (0..m.config().num_hidden_layers).collect::<Vec<_>>());
+    assert_eq!(streamed, cache.export_all(16).unwrap());
+    let mut asm = KvAssembler::new(m.kv_layout(), prompt.clone(), m.device()).unwrap();
+    for c in &streamed {
+        asm.accept(c).unwrap();
+    }
+    assert_eq!(
+        asm.finish().unwrap().export_all(64).unwrap(),
+        cache.export_all(64).unwrap()
+    );
+}
