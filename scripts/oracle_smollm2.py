@@ -23,7 +23,7 @@ from gguf import GGUFReader
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-from oracle_common import FIXTURES, MODELS, dump, versions
+from oracle_common import FIXTURES, MODELS, TOOLS, dump, versions
 
 GGUF_NAME = "smollm2-135m-instruct-q4_1.gguf"
 
@@ -43,23 +43,6 @@ TEXTS = [
     "text<|endoftext|>more <|im_end|>",
 ]
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather in a given location",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "location": {"type": "string", "description": "City name, e.g. Paris"},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["location"],
-            },
-        },
-    }
-]
 
 CASES = [
     ([{"role": "user", "content": "Hello!"}], None, False),

@@ -27,25 +27,8 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from oracle_common import FIXTURES, MODELS, dump, versions
+from oracle_common import FIXTURES, MODELS, TOOLS, dump, versions
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather in a given location",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "location": {"type": "string", "description": "City name, e.g. Paris"},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["location"],
-            },
-        },
-    }
-]
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 ASK = {"role": "user", "content": "What's the weather in Paris?"}
