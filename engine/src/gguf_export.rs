@@ -11,35 +11,7 @@ use candle_core::Device;
 
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-
-/// GGUF names for a Hugging Face tensor name, `None` for tensors GGUF does not carry.
-fn gguf_name(hf: &str) -> Option<String> {
-    let fixed = match hf {
-        "model.embed_tokens.weight" => Some("token_embd.weight"),
-        "model.norm.weight" => Some("output_norm.weight"),
-        "lm_head.weight" => Some("output.weight"),
-        _ => None,
-    };
-    if let Some(name) = fixed {
-        return Some(name.to_string());
-    }
-    let rest = hf.strip_prefix("model.layers.")?;
-    let (layer, part) = rest.split_once('.')?;
-    let (module, kind) = part.rsplit_once('.')?;
-    let g = match module {
-        "input_layernorm" => "attn_norm",
-        "post_attention_layernorm" => "ffn_norm",
-        "self_attn.q_proj" => "attn_q",
-        "self_attn.k_proj" => "attn_k",
-        "self_attn.v_proj" => "attn_v",
-        "self_attn.o_proj" => "attn_output",
-        "mlp.gate_proj" => "ffn_gate",
-        "mlp.up_proj" => "ffn_up",
-        "mlp.down_proj" => "ffn_down",
-        _ => return None,
-    };
-    Some(format!("blk.{layer}.{g}.{kind}"))
-}
+use crate::model::gguf_name_of;
 
 fn read_json(path: &Path) -> Result<serde_json::Value> {
     let text = std::fs::read_to_string(path).map_err(|e| EngineError::io(path, e))?;
@@ -60,7 +32,7 @@ pub fn export_gguf(dir: &Path, out: &Path, quant: GgmlDType) -> Result<()> {
     names.sort();
     let mut q = Vec::new();
     for name in names {
-        let gname = gguf_name(name)
+        let gname = gguf_name_of(name)
             .ok_or_else(|| EngineError::invalid_model(dir, format!("unexpected tensor {name}")))?;
         let t = tensors[name].to_dtype(candle_core::DType::F32)?;
         let dtype = if t.rank() == 2 { quant } else { GgmlDType::F32 };

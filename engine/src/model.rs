@@ -91,6 +91,42 @@ const GGUF_NAMES: Names = Names {
     },
 };
 
+/// The parts of a layer, as `Names::layer` knows them.
+const LAYER_PARTS: [&str; 9] = [
+    "attn_norm",
+    "mlp_norm",
+    "q",
+    "k",
+    "v",
+    "o",
+    "gate",
+    "up",
+    "down",
+];
+
+/// The GGUF name of a Hugging Face tensor name, from the tables the loader reads by.
+pub(crate) fn gguf_name_of(hf: &str) -> Option<String> {
+    let whole = [
+        (HF_NAMES.embed, GGUF_NAMES.embed),
+        (HF_NAMES.norm, GGUF_NAMES.norm),
+        (HF_NAMES.lm_head, GGUF_NAMES.lm_head),
+    ];
+    if let Some((_, g)) = whole.iter().find(|(h, _)| *h == hf) {
+        return Some(g.to_string());
+    }
+    let (module, kind) = hf.rsplit_once('.')?;
+    let layer: usize = hf
+        .strip_prefix("model.layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()?;
+    LAYER_PARTS
+        .iter()
+        .find(|part| (HF_NAMES.layer)(layer, part) == module)
+        .map(|part| format!("{}.{kind}", (GGUF_NAMES.layer)(layer, part)))
+}
+
 impl Model {
     /// Loads a Hugging Face folder (`config.json` + safetensors) or a `.gguf` file.
     pub fn load(path: &Path, device: &Device) -> Result<Self> {
@@ -99,13 +135,17 @@ impl Model {
             let mut src = WeightSource::open_hf_folder(path, device)?;
             Self::from_source(cfg, &mut src, &HF_NAMES, device)
         } else {
-            let mut src = WeightSource::open_gguf(path)?;
-            let cfg = match &src {
-                WeightSource::Gguf { content, .. } => ModelConfig::from_gguf(content, path)?,
-                WeightSource::SafeTensors { .. } => unreachable!(),
-            };
-            Self::from_source(cfg, &mut src, &GGUF_NAMES, device)
+            Self::from_gguf(&mut WeightSource::open_gguf(path)?, path, device)
         }
+    }
+
+    /// Loads the model of an already opened GGUF file, so its header is parsed once.
+    pub fn from_gguf(src: &mut WeightSource, path: &Path, device: &Device) -> Result<Self> {
+        let content = src
+            .gguf_content()
+            .ok_or_else(|| EngineError::invalid_model(path, "not a GGUF source"))?;
+        let cfg = ModelConfig::from_gguf(content, path)?;
+        Self::from_source(cfg, src, &GGUF_NAMES, device)
     }
 
     fn from_source(

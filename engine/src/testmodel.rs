@@ -159,8 +159,8 @@ pub fn write_model(dir: &Path, size: ModelSize, dtype: DType, seed: u64) -> Resu
     let head_dim = d.hidden / d.heads;
     let mut rng = Normal(seed);
     let mut w: HashMap<String, Tensor> = HashMap::new();
-    // Unit-scale embeddings make the tied logits peaked, so greedy decoding is not decided
-    // by rounding noise when compared against another implementation.
+    // Unit-scale embeddings (and head, when untied) make the logits peaked, so greedy
+    // decoding is not decided by rounding noise when compared against another implementation.
     w.insert(
         "model.embed_tokens.weight".into(),
         rng.tensor(&[vocab, d.hidden], 0.0, 1.0)?,

@@ -182,14 +182,20 @@ impl IncrementalDecoder {
         }
     }
 
+    /// The text already emitted from the window, and the window's text with the new ids.
+    fn window(&self, tok: &Tokenizer) -> Result<(String, String)> {
+        let ids = &self.ids[self.prefix_offset..];
+        let emitted = self.read_offset - self.prefix_offset;
+        Ok((
+            tok.decode(&ids[..emitted], self.skip_special)?,
+            tok.decode(ids, self.skip_special)?,
+        ))
+    }
+
     /// Adds one id; returns the text it completes, if any.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
-        let prefix = tok.decode(
-            &self.ids[self.prefix_offset..self.read_offset],
-            self.skip_special,
-        )?;
-        let text = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
+        let (prefix, text) = self.window(tok)?;
         if text.len() > prefix.len() && !text.ends_with('\u{FFFD}') && text.starts_with(&prefix) {
             self.prefix_offset = self.read_offset;
             self.read_offset = self.ids.len();
@@ -202,11 +208,7 @@ impl IncrementalDecoder {
     /// Text still held back at the end of the stream (an incomplete character shows as
     /// U+FFFD, as a full decode would show it).
     pub fn flush(&mut self, tok: &Tokenizer) -> Result<Option<String>> {
-        let prefix = tok.decode(
-            &self.ids[self.prefix_offset..self.read_offset],
-            self.skip_special,
-        )?;
-        let text = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
+        let (prefix, text) = self.window(tok)?;
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();
         match text.strip_prefix(&prefix) {

@@ -31,9 +31,7 @@ impl Linear {
             None => ys,
         })
     }
-}
 
-impl Linear {
     /// Bytes a forward pass reads from this layer's weights (and bias).
     pub fn weight_bytes(&self) -> usize {
         let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
@@ -107,6 +105,14 @@ impl WeightSource {
             content,
             reader,
         })
+    }
+
+    /// The GGUF header (metadata and tensor index), for GGUF sources.
+    pub fn gguf_content(&self) -> Option<&gguf_file::Content> {
+        match self {
+            Self::Gguf { content, .. } => Some(content),
+            Self::SafeTensors { .. } => None,
+        }
     }
 
     fn path(&self) -> &Path {
