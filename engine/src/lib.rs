@@ -18,7 +18,7 @@ pub use chat_template::{ChatInput, ChatTemplate};
 pub use config::ModelConfig;
 pub use error::{EngineError, Result};
 pub use kv_cache::{KvAssembler, KvChunk, KvLayout, SeqCache};
-pub use loader::{load, Loaded};
+pub use loader::{load, load_text, Loaded, TextModel};
 pub use model::{Model, SeqInput};
 pub use sampling::{Sampled, SamplingParams};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};

@@ -1,0 +1,205 @@
+//! The `tandem.v1.Decode` service: takes KV transfers into the store and turns Generate
+//! calls into admissions for the compute thread.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::Device;
+use engine::{KvAssembler, KvLayout};
+use proto::v1::{
+    kv_transfer::Item, GenerateEvent, GenerateRequest, HealthReply, HealthRequest, KvTransfer,
+    TransferAck,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
+
+use crate::error::DecodeError;
+use crate::scheduler::{Admission, Start};
+use crate::store::{Arrived, TransferStore};
+
+/// State shared by the service's handlers.
+pub struct DecodeService {
+    admissions: mpsc::UnboundedSender<Admission>,
+    store: Arc<TransferStore>,
+    layout: KvLayout,
+}
+
+impl DecodeService {
+    /// A service feeding `admissions`, holding transfers in `store`.
+    pub fn new(
+        admissions: mpsc::UnboundedSender<Admission>,
+        store: Arc<TransferStore>,
+        layout: KvLayout,
+    ) -> Self {
+        Self {
+            admissions,
+            store,
+            layout,
+        }
+    }
+
+    /// Reads one transfer to its end; the caller delivers the outcome to the store.
+    async fn receive(
+        &self,
+        id: &mut String,
+        stream: &mut Streaming<KvTransfer>,
+        bytes: &mut u64,
+    ) -> Result<Arrived, DecodeError> {
+        let bad = |m: &str| DecodeError::BadTransfer(m.to_string());
+        let header = match stream.message().await {
+            Ok(Some(KvTransfer {
+                item: Some(Item::Header(h)),
+            })) => h,
+            Ok(_) => return Err(bad("a transfer must start with its header")),
+            Err(status) => return Err(bad(&status.to_string())),
+        };
+        *id = header.request_id;
+        let layout = header
+            .layout
+            .as_ref()
+            .map(proto::layout_from_proto)
+            .ok_or_else(|| bad("the header has no layout"))?;
+        if layout != self.layout {
+            return Err(DecodeError::BadTransfer(format!(
+                "layout {layout:?} does not match this node's {:?}",
+                self.layout
+            )));
+        }
+        let mut assembler = KvAssembler::new(layout, header.tokens, &Device::Cpu)?;
+        loop {
+            let item = match stream.message().await {
+                Ok(Some(KvTransfer { item: Some(item) })) => item,
+                Ok(Some(KvTransfer { item: None })) => return Err(bad("an empty message")),
+                Ok(None) => return Err(bad("the transfer ended before its first token")),
+                Err(status) => return Err(bad(&format!("the transfer broke: {status}"))),
+            };
+            match item {
+                Item::Chunk(c) => {
+                    *bytes += (c.k.len() + c.v.len()) as u64;
+                    assembler.accept(&proto::chunk_from_proto(c))?;
+                }
+                Item::First(t) => {
+                    if !assembler.is_complete() {
+                        return Err(bad("the first token came before the whole cache"));
+                    }
+                    return Ok(Arrived {
+                        cache: assembler.finish()?,
+                        first_token: t.id,
+                    });
+                }
+                Item::Header(_) => return Err(bad("a second header")),
+            }
+        }
+    }
+}
+
+/// The request id a caller sent as metadata, else the one in the message.
+fn request_id<T>(req: &Request<T>, fallback: &str) -> String {
+    req.metadata()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or(fallback)
+        .to_string()
+}
+
+#[tonic::async_trait]
+impl proto::v1::decode_server::Decode for DecodeService {
+    async fn transfer_kv(
+        &self,
+        req: Request<Streaming<KvTransfer>>,
+    ) -> Result<Response<TransferAck>, Status> {
+        let mut id = request_id(&req, "");
+        let span = tracing::info_span!("kv_transfer", req_id = tracing::field::Empty);
+        let mut stream = req.into_inner();
+        let mut bytes = 0;
+        let started = Instant::now();
+        let outcome = self
+            .receive(&mut id, &mut stream, &mut bytes)
+            .instrument(span.clone())
+            .await;
+        span.record("req_id", id.as_str());
+        let _entered = span.enter();
+        match outcome {
+            Ok(arrived) => {
+                tracing::debug!(
+                    bytes,
+                    ms = started.elapsed().as_secs_f64() * 1e3,
+                    "KV received"
+                );
+                self.store.deliver(&id, Ok(arrived));
+                Ok(Response::new(TransferAck { bytes }))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "KV transfer failed");
+                if !id.is_empty() {
+                    self.store.deliver(&id, Err(e.to_string()));
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    type GenerateStream = UnboundedReceiverStream<Result<GenerateEvent, Status>>;
+
+    async fn generate(
+        &self,
+        req: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let id = request_id(&req, &req.get_ref().request_id);
+        let req = req.into_inner();
+        let span = tracing::info_span!("generate", req_id = %id, prefill_here = req.prefill_here);
+        let (events, rx) = mpsc::unbounded_channel();
+        let admission = Admission {
+            span: span.clone(),
+            prompt: req.prompt,
+            sampling: req.sampling.as_ref().map(Into::into).unwrap_or_default(),
+            max_new: req.max_new_tokens as usize,
+            stop_ids: req.stop_token_ids,
+            start: Start::Prefill,
+            enqueued: Instant::now(),
+            events,
+        };
+        if req.prefill_here {
+            self.admissions
+                .send(admission)
+                .map_err(|_| Status::from(DecodeError::ShuttingDown))?;
+        } else {
+            // Claim in a task of its own so that the call returns at once and the store's
+            // timeout, not the caller, bounds the wait.
+            let store = Arc::clone(&self.store);
+            let admissions = self.admissions.clone();
+            tokio::spawn(
+                async move {
+                    let mut admission = admission;
+                    match store.claim(&id).await {
+                        Ok(a) => {
+                            admission.start = Start::Transferred {
+                                cache: a.cache,
+                                first_token: a.first_token,
+                            };
+                            admission.enqueued = Instant::now();
+                            if let Err(mpsc::error::SendError(a)) = admissions.send(admission) {
+                                let _ = a.events.send(Err(DecodeError::ShuttingDown.into()));
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "no KV cache");
+                            let _ = admission.events.send(Err(e.into()));
+                        }
+                    }
+                }
+                .instrument(span),
+            );
+        }
+        Ok(Response::new(UnboundedReceiverStream::new(rx)))
+    }
+
+    async fn health(&self, _req: Request<HealthRequest>) -> Result<Response<HealthReply>, Status> {
+        Ok(Response::new(HealthReply {
+            role: "decode".into(),
+            layout: Some(proto::layout_to_proto(&self.layout)),
+        }))
+    }
+}

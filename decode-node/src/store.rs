@@ -1,0 +1,192 @@
+//! KV caches in flight: a transfer and its Generate call meet here, whichever comes first,
+//! and neither waits longer than the configured timeout.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use engine::SeqCache;
+use tokio::sync::oneshot;
+
+use crate::error::DecodeError;
+
+/// A complete transfer: the prompt's cache and the token the prefill node sampled.
+pub struct Arrived {
+    pub cache: SeqCache,
+    pub first_token: u32,
+}
+
+type Delivery = Result<Arrived, String>;
+
+enum Slot {
+    /// Delivered, not yet claimed; `u64` tells a reaper whether the slot is still its own.
+    Delivered(Delivery, u64),
+    /// Claimed, not yet delivered.
+    Waiting(oneshot::Sender<Delivery>),
+}
+
+/// Transfers keyed by request id.
+pub struct TransferStore {
+    slots: Mutex<HashMap<String, Slot>>,
+    timeout: Duration,
+    next_gen: AtomicU64,
+}
+
+impl TransferStore {
+    /// A store whose entries live at most `timeout` unclaimed.
+    pub fn new(timeout: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            slots: Mutex::default(),
+            timeout,
+            next_gen: AtomicU64::new(0),
+        })
+    }
+
+    /// Hands a finished (or failed) transfer to its Generate call, or keeps it until that
+    /// call comes or the timeout frees it.
+    pub fn deliver(self: &Arc<Self>, id: &str, delivery: Delivery) {
+        let mut slots = self.slots.lock().expect("store lock");
+        let delivery = match slots.remove(id) {
+            Some(Slot::Waiting(tx)) => match tx.send(delivery) {
+                Ok(()) => return,
+                // The waiter gave up; keep the cache until the reaper frees it, so a retried
+                // Generate call can still find it.
+                Err(d) => d,
+            },
+            _ => delivery,
+        };
+        let gen = self.next_gen.fetch_add(1, Ordering::Relaxed);
+        slots.insert(id.to_string(), Slot::Delivered(delivery, gen));
+        drop(slots);
+        let store = Arc::clone(self);
+        let id = id.to_string();
+        tokio::spawn(async move {
+            tokio::time::sleep(store.timeout).await;
+            let mut slots = store.slots.lock().expect("store lock");
+            if matches!(slots.get(&id), Some(Slot::Delivered(_, g)) if *g == gen) {
+                slots.remove(&id);
+                tracing::warn!(req_id = %id, "KV cache never claimed; freed");
+            }
+        });
+    }
+
+    /// Waits for the transfer of `id`, at most the store's timeout.
+    pub async fn claim(&self, id: &str) -> Result<Arrived, DecodeError> {
+        let failed = |reason| DecodeError::TransferFailed {
+            id: id.to_string(),
+            reason,
+        };
+        let rx = {
+            let mut slots = self.slots.lock().expect("store lock");
+            match slots.remove(id) {
+                Some(Slot::Delivered(d, _)) => return d.map_err(failed),
+                Some(w @ Slot::Waiting(_)) => {
+                    slots.insert(id.to_string(), w);
+                    return Err(DecodeError::Duplicate(id.to_string()));
+                }
+                None => {
+                    let (tx, rx) = oneshot::channel();
+                    slots.insert(id.to_string(), Slot::Waiting(tx));
+                    rx
+                }
+            }
+        };
+        let mut rx = rx;
+        match tokio::time::timeout(self.timeout, &mut rx).await {
+            Ok(Ok(d)) => d.map_err(failed),
+            Ok(Err(_)) => Err(DecodeError::ShuttingDown),
+            Err(_) => {
+                self.slots.lock().expect("store lock").remove(id);
+                // A delivery may have landed between the timeout and the removal.
+                match rx.try_recv() {
+                    Ok(d) => d.map_err(failed),
+                    Err(_) => Err(DecodeError::KvTimeout(
+                        id.to_string(),
+                        self.timeout.as_millis() as u64,
+                    )),
+                }
+            }
+        }
+    }
+
+    /// Entries held now: delivered caches and waiting calls.
+    pub fn len(&self) -> usize {
+        self.slots.lock().expect("store lock").len()
+    }
+
+    /// True when nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arrived() -> Arrived {
+        let layout = engine::KvLayout {
+            n_layers: 1,
+            n_kv_heads: 1,
+            head_dim: 2,
+            dtype: "f32".into(),
+        };
+        Arrived {
+            cache: SeqCache::new(layout, &candle_core::Device::Cpu).unwrap(),
+            first_token: 7,
+        }
+    }
+
+    #[tokio::test]
+    async fn transfer_first_then_claim() {
+        let store = TransferStore::new(Duration::from_secs(5));
+        store.deliver("a", Ok(arrived()));
+        assert_eq!(store.claim("a").await.unwrap().first_token, 7);
+        assert!(store.is_empty());
+    }
+
+    #[tokio::test]
+    async fn claim_first_then_transfer() {
+        let store = TransferStore::new(Duration::from_secs(5));
+        let waiter = {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move { store.claim("b").await.map(|a| a.first_token) })
+        };
+        while store.is_empty() {
+            tokio::task::yield_now().await;
+        }
+        store.deliver("b", Ok(arrived()));
+        assert_eq!(waiter.await.unwrap().unwrap(), 7);
+        assert!(store.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn unclaimed_transfer_is_freed_after_the_timeout() {
+        let store = TransferStore::new(Duration::from_millis(500));
+        store.deliver("c", Ok(arrived()));
+        assert_eq!(store.len(), 1);
+        tokio::time::sleep(Duration::from_millis(501)).await;
+        assert!(store.is_empty(), "the reaper frees the cache");
+        assert!(matches!(
+            store.claim("c").await,
+            Err(DecodeError::KvTimeout(..))
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn claim_without_transfer_times_out_and_leaves_nothing() {
+        let store = TransferStore::new(Duration::from_millis(300));
+        let err = store.claim("d").await.err().unwrap();
+        assert!(matches!(err, DecodeError::KvTimeout(..)), "{err}");
+        assert!(store.is_empty());
+    }
+
+    #[tokio::test]
+    async fn failed_transfer_fails_its_claim() {
+        let store = TransferStore::new(Duration::from_secs(5));
+        store.deliver("e", Err("prefill node went away".into()));
+        let err = store.claim("e").await.err().unwrap();
+        assert!(err.to_string().contains("prefill node went away"), "{err}");
+    }
+}

@@ -1,0 +1,44 @@
+//! Errors of the prefill node and their gRPC status.
+
+/// Why a prefill failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PrefillError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {got} tokens, the model's context is {limit}")]
+    PromptTooLong { got: usize, limit: usize },
+    #[error("no decode node address was given")]
+    NoDecodeAddr,
+    #[error("the prefill queue is full ({0} prompts)")]
+    QueueFull(usize),
+    #[error("the prefill node is shutting down")]
+    ShuttingDown,
+    #[error("the request was cancelled")]
+    Cancelled,
+    #[error("engine: {0}")]
+    Engine(#[from] engine::EngineError),
+    #[error("invalid decode node address {addr}: {reason}")]
+    BadDecodeAddr { addr: String, reason: String },
+    #[error("the decode node closed the KV transfer")]
+    TransferClosed,
+    #[error("KV transfer to {addr} failed: {status}")]
+    Transfer { addr: String, status: tonic::Status },
+}
+
+impl From<PrefillError> for tonic::Status {
+    fn from(e: PrefillError) -> Self {
+        use PrefillError::*;
+        let msg = e.to_string();
+        match e {
+            EmptyPrompt | PromptTooLong { .. } | NoDecodeAddr | BadDecodeAddr { .. } => {
+                tonic::Status::invalid_argument(msg)
+            }
+            QueueFull(_) => tonic::Status::resource_exhausted(msg),
+            ShuttingDown | TransferClosed | Transfer { .. } => tonic::Status::unavailable(msg),
+            Cancelled => tonic::Status::cancelled(msg),
+            Engine(engine::EngineError::ContextOverflow { .. })
+            | Engine(engine::EngineError::InvalidInput(_)) => tonic::Status::invalid_argument(msg),
+            Engine(_) => tonic::Status::internal(msg),
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! The `tandem.v1.Prefill` service: queues prompts for the compute thread and runs each
+//! request's KV transfer to its decode node.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use engine::KvLayout;
+use proto::v1::decode_client::DecodeClient;
+use proto::v1::{
+    kv_transfer::Item, HealthReply, HealthRequest, KvHeader, KvTransfer, PrefillRequest,
+    PrefillResponse, Token,
+};
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use crate::error::PrefillError;
+use crate::worker::Job;
+
+/// Transfer messages buffered between the compute thread and the network.
+const TRANSFER_BUFFER: usize = 16;
+
+/// State shared by the service's handlers.
+pub struct PrefillService {
+    jobs: mpsc::Sender<Job>,
+    max_queue: usize,
+    layout: KvLayout,
+    max_positions: usize,
+    connect_timeout: Duration,
+    channels: Mutex<HashMap<String, Channel>>,
+}
+
+impl PrefillService {
+    /// A service feeding `jobs`, for a model with this cache layout and context.
+    pub fn new(
+        jobs: mpsc::Sender<Job>,
+        max_queue: usize,
+        layout: KvLayout,
+        max_positions: usize,
+        connect_timeout: Duration,
+    ) -> Self {
+        Self {
+            jobs,
+            max_queue,
+            layout,
+            max_positions,
+            connect_timeout,
+            channels: Mutex::default(),
+        }
+    }
+
+    /// One lazily connected channel per decode node, reused across requests.
+    fn channel(&self, addr: &str) -> Result<Channel, PrefillError> {
+        let mut channels = self.channels.lock().expect("channel map lock");
+        if let Some(c) = channels.get(addr) {
+            return Ok(c.clone());
+        }
+        let bad = |reason: String| PrefillError::BadDecodeAddr {
+            addr: addr.to_string(),
+            reason,
+        };
+        let channel = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| bad(e.to_string()))?
+            .connect_timeout(self.connect_timeout)
+            .tcp_nodelay(true)
+            .connect_lazy();
+        channels.insert(addr.to_string(), channel.clone());
+        Ok(channel)
+    }
+
+    async fn run(&self, req: PrefillRequest) -> Result<PrefillResponse, PrefillError> {
+        let enqueued = Instant::now();
+        let n = req.prompt.len();
+        if n == 0 {
+            return Err(PrefillError::EmptyPrompt);
+        }
+        if n >= self.max_positions {
+            return Err(PrefillError::PromptTooLong {
+                got: n,
+                limit: self.max_positions,
+            });
+        }
+        if req.decode_addr.is_empty() {
+            return Err(PrefillError::NoDecodeAddr);
+        }
+        let channel = self.channel(&req.decode_addr)?;
+        let (tx, rx) = mpsc::channel(TRANSFER_BUFFER);
+        let header = KvTransfer {
+            item: Some(Item::Header(KvHeader {
+                request_id: req.request_id.clone(),
+                layout: Some(proto::layout_to_proto(&self.layout)),
+                tokens: req.prompt.clone(),
+            })),
+        };
+        tx.send(header).await.expect("the receiver is held below");
+        let mut call = Request::new(ReceiverStream::new(rx));
+        if let Ok(v) = req.request_id.parse() {
+            call.metadata_mut().insert("x-request-id", v);
+        }
+        let transfer = tokio::spawn(
+            async move { DecodeClient::new(channel).transfer_kv(call).await }
+                .instrument(tracing::Span::current()),
+        );
+        let (done_tx, done_rx) = oneshot::channel();
+        let job = Job {
+            prompt: req.prompt,
+            sampling: req.sampling.as_ref().map(Into::into).unwrap_or_default(),
+            enqueued,
+            span: tracing::Span::current(),
+            transfer: tx,
+            done: done_tx,
+        };
+        self.jobs.try_send(job).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => PrefillError::QueueFull(self.max_queue),
+            mpsc::error::TrySendError::Closed(_) => PrefillError::ShuttingDown,
+        })?;
+        let computed = done_rx.await.map_err(|_| PrefillError::ShuttingDown)?;
+        let transfer_error = |status| PrefillError::Transfer {
+            addr: req.decode_addr.clone(),
+            status,
+        };
+        let computed = match computed {
+            Ok(c) => c,
+            Err(PrefillError::TransferClosed) => {
+                // The transfer call ended first; its status says why.
+                return Err(match transfer.await {
+                    Ok(Err(status)) => transfer_error(status),
+                    _ => PrefillError::TransferClosed,
+                });
+            }
+            Err(e) => return Err(e),
+        };
+        let ack = transfer
+            .await
+            .map_err(|_| PrefillError::TransferClosed)?
+            .map_err(transfer_error)?
+            .into_inner();
+        let prefill_time = computed.started.elapsed();
+        tracing::info!(
+            prefill_ms = prefill_time.as_secs_f64() * 1e3,
+            bytes = ack.bytes,
+            "prefilled"
+        );
+        Ok(PrefillResponse {
+            first: Some(Token {
+                id: computed.first.token,
+                logprob: computed.first.logprob,
+            }),
+            prefill_time_ms: prefill_time.as_secs_f64() * 1e3,
+            queue_wait_us: computed.queue_wait.as_micros() as u64,
+            cached_tokens: 0,
+            batch_size: 1,
+            transfer_bytes: ack.bytes,
+        })
+    }
+}
+
+/// The request id a router sent as metadata, else the one in the message.
+fn request_id<T>(req: &Request<T>, fallback: &str) -> String {
+    req.metadata()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or(fallback)
+        .to_string()
+}
+
+#[tonic::async_trait]
+impl proto::v1::prefill_server::Prefill for PrefillService {
+    async fn prefill(
+        &self,
+        req: Request<PrefillRequest>,
+    ) -> Result<Response<PrefillResponse>, Status> {
+        let id = request_id(&req, &req.get_ref().request_id);
+        let req = req.into_inner();
+        let span = tracing::info_span!("prefill", req_id = %id, prompt_tokens = req.prompt.len());
+        let resp = self.run(req).instrument(span).await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn health(&self, _req: Request<HealthRequest>) -> Result<Response<HealthReply>, Status> {
+        Ok(Response::new(HealthReply {
+            role: "prefill".into(),
+            layout: Some(proto::layout_to_proto(&self.layout)),
+        }))
+    }
+}

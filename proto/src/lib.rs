@@ -1,0 +1,10 @@
+//! The `tandem.v1` gRPC contracts, and conversions between their messages and engine types.
+
+/// Generated messages, clients and servers of `tandem.v1`.
+pub mod v1 {
+    tonic::include_proto!("tandem.v1");
+}
+
+mod convert;
+
+pub use convert::{chunk_from_proto, chunk_to_proto, layout_from_proto, layout_to_proto};

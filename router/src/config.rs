@@ -1,0 +1,86 @@
+//! Command-line and environment configuration of the router. Where MindIE has a name for a
+//! setting (modelName, maxIterTimes, maxSeqLen, maxInputTokenLen, fullTextEnabled), the flag
+//! accepts it as an alias.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// How requests are served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Prefill on a prefill node, decode on a decode node, KV cache sent between them.
+    Pd,
+    /// One worker (a decode node) prefills and decodes each request itself.
+    Colocated,
+}
+
+/// Configuration of `tandem-router`.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "tandem-router",
+    about = "Tandem router: the OpenAI-style HTTP API"
+)]
+pub struct Config {
+    /// Address the HTTP API listens on.
+    #[arg(long, env = "ROUTER_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Hugging Face model folder or GGUF file; the router reads its tokenizer, chat
+    /// template and config, never its weights.
+    #[arg(long, env = "TANDEM_MODEL")]
+    pub model: PathBuf,
+    /// The name requests must give as `model` (default: the model folder or file name).
+    #[arg(long, visible_alias = "modelName", env = "ROUTER_MODEL_NAME")]
+    pub model_name: Option<String>,
+    /// `pd` (prefill and decode nodes) or `colocated` (decode nodes serve whole requests).
+    #[arg(long, env = "ROUTER_MODE", value_enum, default_value_t = Mode::Pd)]
+    pub mode: Mode,
+    /// Prefill node addresses (host:port), comma separated.
+    #[arg(long, env = "ROUTER_PREFILL_NODES", value_delimiter = ',')]
+    pub prefill_nodes: Vec<String>,
+    /// Decode node addresses (host:port), comma separated; the workers in colocated mode.
+    #[arg(long, env = "ROUTER_DECODE_NODES", value_delimiter = ',')]
+    pub decode_nodes: Vec<String>,
+    /// Most tokens a decode node produces for one request (MindIE's maxIterTimes). With PD,
+    /// a request limited by it gets maxIterTimes + 1 tokens: the prefill node's first one
+    /// and the decode node's.
+    #[arg(
+        long,
+        visible_alias = "maxIterTimes",
+        env = "ROUTER_MAX_ITER_TIMES",
+        default_value_t = 512
+    )]
+    pub max_iter_times: usize,
+    /// Most tokens of prompt plus output (capped by the model's max_position_embeddings).
+    #[arg(
+        long,
+        visible_alias = "maxSeqLen",
+        env = "ROUTER_MAX_SEQ_LEN",
+        default_value_t = 2560
+    )]
+    pub max_seq_len: usize,
+    /// Most prompt tokens.
+    #[arg(
+        long,
+        visible_alias = "maxInputTokenLen",
+        env = "ROUTER_MAX_INPUT_TOKEN_LEN",
+        default_value_t = 2048
+    )]
+    pub max_input_token_len: usize,
+    /// Streamed content is cumulative and the last chunk carries `full_text`.
+    #[arg(
+        long,
+        visible_alias = "fullTextEnabled",
+        env = "ROUTER_FULL_TEXT_ENABLED",
+        default_value_t = false
+    )]
+    pub full_text_enabled: bool,
+    /// Milliseconds to connect to a worker before the request fails with 503.
+    #[arg(long, env = "ROUTER_CONNECT_TIMEOUT_MS", default_value_t = 1_000)]
+    pub connect_timeout_ms: u64,
+    /// Milliseconds a request may take from start to last token before it fails with 504.
+    #[arg(long, env = "ROUTER_REQUEST_TIMEOUT_MS", default_value_t = 600_000)]
+    pub request_timeout_ms: u64,
+    /// Largest request body in bytes; larger ones get 413.
+    #[arg(long, env = "ROUTER_MAX_BODY_BYTES", default_value_t = 20 << 20)]
+    pub max_body_bytes: usize,
+}

@@ -1,0 +1,209 @@
+//! Runs one generation on the workers: prefill node then decode node (PD), or one colocated
+//! worker. The HTTP layer sees only a stream of tokens with their timings, then a finish.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use proto::v1::{generate_event::Event, FinishReason, GenerateRequest, PrefillRequest};
+use tokio::sync::mpsc;
+use tonic::Streaming;
+use tracing::Instrument;
+
+use crate::config::Mode;
+use crate::error::RouterError;
+use crate::state::AppState;
+
+/// A tokenized, validated request.
+#[derive(Debug, Clone)]
+pub struct GenRequest {
+    pub id: String,
+    pub prompt: Vec<u32>,
+    pub sampling: engine::SamplingParams,
+    /// Completion tokens allowed in all, the prefill node's first one included.
+    pub max_tokens: usize,
+    pub stop_ids: Vec<u32>,
+}
+
+/// One generated token and what it cost.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TokenStat {
+    pub id: u32,
+    pub logprob: f32,
+    /// Milliseconds of the step that made it: the prefill for the first token.
+    pub step_ms: f64,
+    pub batch_size: u32,
+    pub queue_wait_us: u64,
+    pub from_prefill: bool,
+    pub cached_tokens: u32,
+}
+
+/// What a generation yields, in order: tokens, then one finish.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Piece {
+    Token(TokenStat),
+    Finish(FinishReason),
+}
+
+/// Pieces after the first.
+pub type Pieces = mpsc::Receiver<Result<Piece, RouterError>>;
+
+/// Starts a generation and waits for its first piece, so that a failure before any token
+/// becomes a plain HTTP error. Dropping the returned receiver cancels the generation on
+/// every worker it reached.
+pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<(Piece, Pieces), RouterError> {
+    let (tx, mut rx) = mpsc::channel(64);
+    let state = Arc::clone(state);
+    let timeout_ms = state.cfg.request_timeout_ms;
+    tokio::spawn(
+        async move {
+            let run = async {
+                let result = match state.cfg.mode {
+                    Mode::Pd => run_pd(&state, req, &tx).await,
+                    Mode::Colocated => run_colocated(&state, req, &tx).await,
+                };
+                if let Err(e) = result {
+                    let _ = tx.send(Err(e)).await;
+                }
+            };
+            tokio::select! {
+                _ = tx.closed() => tracing::info!("client went away; generation cancelled"),
+                r = tokio::time::timeout(Duration::from_millis(timeout_ms), run) => {
+                    if r.is_err() {
+                        let _ = tx.send(Err(RouterError::Timeout(timeout_ms))).await;
+                    }
+                }
+            }
+        }
+        .instrument(tracing::Span::current()),
+    );
+    match rx.recv().await {
+        Some(Ok(first)) => Ok((first, rx)),
+        Some(Err(e)) => Err(e),
+        None => Err(RouterError::Internal(
+            "generation ended without a result".into(),
+        )),
+    }
+}
+
+type Tx = mpsc::Sender<Result<Piece, RouterError>>;
+
+fn with_id<T>(id: &str, msg: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    if let Ok(v) = id.parse() {
+        r.metadata_mut().insert("x-request-id", v);
+    }
+    r
+}
+
+async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), RouterError> {
+    let p = state.prefill.pick()?;
+    let d = state.decode.pick()?;
+    tracing::debug!(prefill = %p.addr, decode = %d.addr, "picked");
+    let sampling = Some(proto::v1::SamplingParams::from(&req.sampling));
+    let generate = with_id(
+        &req.id,
+        GenerateRequest {
+            request_id: req.id.clone(),
+            prompt: req.prompt.clone(),
+            sampling,
+            max_new_tokens: (req.max_tokens - 1) as u32,
+            stop_token_ids: req.stop_ids.clone(),
+            prefill_here: false,
+        },
+    );
+    let prefill = with_id(
+        &req.id,
+        PrefillRequest {
+            request_id: req.id.clone(),
+            prompt: req.prompt,
+            sampling,
+            decode_addr: d.addr.clone(),
+        },
+    );
+    let (mut dc, mut pc) = (d.decode(), p.prefill());
+    // The decode node waits for the KV cache the prefill node sends it, so both calls go
+    // out together.
+    let (stream, first) = tokio::join!(dc.generate(generate), pc.prefill(prefill));
+    let first = first.map_err(|s| RouterError::worker("prefill", &p.addr, s))?;
+    let stream = stream.map_err(|s| RouterError::worker("decode", &d.addr, s))?;
+    let first = first.into_inner();
+    let token = first
+        .first
+        .ok_or_else(|| RouterError::Internal("the prefill node sent no token".into()))?;
+    let piece = Piece::Token(TokenStat {
+        id: token.id,
+        logprob: token.logprob,
+        step_ms: first.prefill_time_ms,
+        batch_size: first.batch_size,
+        queue_wait_us: first.queue_wait_us,
+        from_prefill: true,
+        cached_tokens: first.cached_tokens,
+    });
+    if tx.send(Ok(piece)).await.is_err() {
+        return Ok(());
+    }
+    forward(stream.into_inner(), "decode", &d.addr, tx).await
+}
+
+async fn run_colocated(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), RouterError> {
+    let w = state.decode.pick()?;
+    let generate = with_id(
+        &req.id,
+        GenerateRequest {
+            request_id: req.id.clone(),
+            prompt: req.prompt,
+            sampling: Some((&req.sampling).into()),
+            max_new_tokens: req.max_tokens as u32,
+            stop_token_ids: req.stop_ids,
+            prefill_here: true,
+        },
+    );
+    let stream = w
+        .decode()
+        .generate(generate)
+        .await
+        .map_err(|s| RouterError::worker("colocated", &w.addr, s))?;
+    forward(stream.into_inner(), "colocated", &w.addr, tx).await
+}
+
+/// Passes a worker's events on until its finish.
+async fn forward(
+    mut stream: Streaming<proto::v1::GenerateEvent>,
+    role: &'static str,
+    addr: &str,
+    tx: &Tx,
+) -> Result<(), RouterError> {
+    loop {
+        let event = stream
+            .message()
+            .await
+            .map_err(|s| RouterError::worker(role, addr, s))?;
+        let piece = match event.and_then(|e| e.event) {
+            Some(Event::Token(t)) => {
+                let token = t.token.unwrap_or_default();
+                Piece::Token(TokenStat {
+                    id: token.id,
+                    logprob: token.logprob,
+                    step_ms: t.step_time_ms,
+                    batch_size: t.batch_size,
+                    queue_wait_us: t.queue_wait_us,
+                    from_prefill: t.from_prefill,
+                    cached_tokens: 0,
+                })
+            }
+            Some(Event::Finish(f)) => {
+                let reason = FinishReason::try_from(f).unwrap_or(FinishReason::Stop);
+                let _ = tx.send(Ok(Piece::Finish(reason))).await;
+                return Ok(());
+            }
+            None => {
+                return Err(RouterError::Internal(format!(
+                    "{role} worker {addr} ended the stream without a finish"
+                )))
+            }
+        };
+        if tx.send(Ok(piece)).await.is_err() {
+            return Ok(());
+        }
+    }
+}

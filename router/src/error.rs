@@ -1,0 +1,139 @@
+//! The router's errors and the one place they become HTTP statuses and OpenAI error bodies.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// Why a request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    #[error("the request body is not valid JSON: {0}")]
+    InvalidJson(String),
+    #[error("the request body is larger than {0} bytes")]
+    BodyTooLarge(usize),
+    #[error("{message}")]
+    InvalidParam {
+        param: &'static str,
+        message: String,
+    },
+    #[error("{param} is not supported yet: {message}")]
+    Unsupported {
+        param: &'static str,
+        message: &'static str,
+    },
+    #[error("the model `{0}` does not exist")]
+    ModelNotFound(String),
+    #[error("the prompt has {got} tokens, the limit is {limit}")]
+    PromptTooLong {
+        param: &'static str,
+        got: usize,
+        limit: usize,
+    },
+    #[error("the model has no chat template")]
+    NoChatTemplate,
+    #[error("the chat template failed: {0}")]
+    Template(String),
+    #[error("no {0} worker is configured")]
+    NoWorkers(&'static str),
+    #[error("{role} worker {addr} is unavailable: {message}")]
+    WorkerUnavailable {
+        role: &'static str,
+        addr: String,
+        message: String,
+    },
+    #[error("{role} worker {addr} failed: {status}")]
+    Worker {
+        role: &'static str,
+        addr: String,
+        status: tonic::Status,
+    },
+    #[error("the request did not finish within {0} ms")]
+    Timeout(u64),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl RouterError {
+    /// A 400 naming the parameter.
+    pub fn param(param: &'static str, message: impl Into<String>) -> Self {
+        Self::InvalidParam {
+            param,
+            message: message.into(),
+        }
+    }
+
+    /// A failed worker call, classed by its gRPC status.
+    pub fn worker(role: &'static str, addr: &str, status: tonic::Status) -> Self {
+        use tonic::Code;
+        match status.code() {
+            Code::Unavailable | Code::ResourceExhausted | Code::Cancelled => {
+                Self::WorkerUnavailable {
+                    role,
+                    addr: addr.to_string(),
+                    message: status.message().to_string(),
+                }
+            }
+            _ => Self::Worker {
+                role,
+                addr: addr.to_string(),
+                status,
+            },
+        }
+    }
+
+    /// The HTTP status this error is answered with.
+    pub fn http_status(&self) -> StatusCode {
+        use RouterError::*;
+        match self {
+            InvalidJson(_)
+            | InvalidParam { .. }
+            | Unsupported { .. }
+            | PromptTooLong { .. }
+            | NoChatTemplate
+            | Template(_) => StatusCode::BAD_REQUEST,
+            BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ModelNotFound(_) => StatusCode::NOT_FOUND,
+            NoWorkers(_) | WorkerUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Worker { status, .. } => match status.code() {
+                tonic::Code::InvalidArgument => StatusCode::BAD_REQUEST,
+                tonic::Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+                _ => StatusCode::BAD_GATEWAY,
+            },
+            Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The OpenAI error object, `{"error": {...}}`.
+    pub fn body(&self) -> serde_json::Value {
+        use RouterError::*;
+        let param = match self {
+            InvalidParam { param, .. }
+            | Unsupported { param, .. }
+            | PromptTooLong { param, .. } => Some(*param),
+            ModelNotFound(_) => Some("model"),
+            NoChatTemplate | Template(_) => Some("messages"),
+            _ => None,
+        };
+        let status = self.http_status();
+        let (kind, code) = match self {
+            ModelNotFound(_) => ("invalid_request_error", Some("model_not_found")),
+            _ if status.is_client_error() => ("invalid_request_error", None),
+            _ if status == StatusCode::SERVICE_UNAVAILABLE => ("service_unavailable", None),
+            _ => ("server_error", None),
+        };
+        json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": code}})
+    }
+}
+
+impl IntoResponse for RouterError {
+    fn into_response(self) -> Response {
+        let status = self.http_status();
+        if status.is_server_error() {
+            tracing::error!(error = %self, status = status.as_u16(), "request failed");
+        } else {
+            tracing::debug!(error = %self, status = status.as_u16(), "request rejected");
+        }
+        (status, axum::Json(self.body())).into_response()
+    }
+}

@@ -1,0 +1,101 @@
+//! The router: an OpenAI-style HTTP API (the MindIE flavour in `../shared/seeds`) that
+//! tokenizes and templates each request once, picks a prefill and a decode worker and
+//! streams the tokens back.
+
+pub mod config;
+pub mod dispatch;
+pub mod error;
+pub mod metrics;
+pub mod openai;
+pub mod params;
+pub mod state;
+pub mod workers;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
+use tokio::net::TcpListener;
+
+pub use config::{Config, Mode};
+pub use error::RouterError;
+pub use state::AppState;
+
+/// How long a readiness probe waits for each worker.
+const READY_PROBE: Duration = Duration::from_secs(1);
+
+/// The HTTP routes over shared state.
+pub fn app(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(openai::chat))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/models", get(openai::models))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/health/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
+        .with_state(state)
+}
+
+/// Ready while at least one prefill and one decode worker answer (one colocated worker in
+/// colocated mode).
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    let decode = state.decode.answering(READY_PROBE).await;
+    let prefill = match state.cfg.mode {
+        Mode::Pd => state.prefill.answering(READY_PROBE).await,
+        Mode::Colocated => 1,
+    };
+    let status = if prefill > 0 && decode > 0 {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let body = json!({"ready": status == StatusCode::OK,
+        "prefill_answering": prefill, "decode_answering": decode});
+    (status, Json(body)).into_response()
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn not_found(uri: axum::http::Uri) -> Response {
+    let body = json!({"error": {"message": format!("no route for {}", uri.path()),
+        "type": "invalid_request_error", "param": null, "code": "not_found"}});
+    (StatusCode::NOT_FOUND, Json(body)).into_response()
+}
+
+/// Why the router could not start or stopped serving.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Setup(#[from] RouterError),
+    #[error("HTTP server: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Serves the API on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    cfg: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let state = Arc::new(AppState::new(cfg)?);
+    tracing::info!(addr = %listener.local_addr()?, model = %state.model_name,
+        mode = ?state.cfg.mode, "router serving");
+    axum::serve(listener, app(state))
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,467 @@
+//! Request bodies to validated parameters. Each check names the parameter it rejects, as
+//! the OpenAI error object's `param`.
+
+use serde_json::{Map, Value};
+
+use crate::error::RouterError;
+
+/// A JSON object body.
+pub type Obj = Map<String, Value>;
+
+/// Most characters of message content (the seeds' 4 MB).
+pub const MAX_CONTENT_CHARS: usize = 4 * 1024 * 1024;
+
+/// Parameters both endpoints share.
+#[derive(Debug, Clone)]
+pub struct Common {
+    pub model: String,
+    pub stream: bool,
+    pub sampling: engine::SamplingParams,
+    pub max_tokens: Option<u64>,
+    pub ignore_eos: bool,
+    pub skip_special_tokens: bool,
+    /// `stop_token_ids` that are int32 and inside the vocabulary.
+    pub stop_token_ids: Vec<u32>,
+}
+
+/// Parses a body into an object; anything else is a 400.
+pub fn object(body: &[u8]) -> Result<Obj, RouterError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(o)) => Ok(o),
+        Ok(_) => Err(RouterError::InvalidJson("expected a JSON object".into())),
+        Err(e) => Err(RouterError::InvalidJson(e.to_string())),
+    }
+}
+
+/// The value of `key`, treating null as absent.
+fn get<'a>(o: &'a Obj, key: &str) -> Option<&'a Value> {
+    o.get(key).filter(|v| !v.is_null())
+}
+
+fn number(o: &Obj, key: &'static str) -> Result<Option<f64>, RouterError> {
+    match get(o, key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| RouterError::param(key, format!("{key} must be a number"))),
+    }
+}
+
+fn integer(o: &Obj, key: &'static str) -> Result<Option<i128>, RouterError> {
+    match get(o, key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_i64()
+            .map(i128::from)
+            .or_else(|| v.as_u64().map(i128::from))
+            .map(Some)
+            .ok_or_else(|| RouterError::param(key, format!("{key} must be an integer"))),
+    }
+}
+
+/// A boolean parameter with its default.
+pub fn boolean(o: &Obj, key: &'static str, default: bool) -> Result<bool, RouterError> {
+    match get(o, key) {
+        None => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(RouterError::param(key, format!("{key} must be a boolean"))),
+    }
+}
+
+/// A float in a range; `lo_open`/`hi_open` exclude that end.
+fn ranged(
+    o: &Obj,
+    key: &'static str,
+    default: f64,
+    (lo, lo_open): (f64, bool),
+    (hi, hi_open): (f64, bool),
+) -> Result<f64, RouterError> {
+    let Some(x) = number(o, key)? else {
+        return Ok(default);
+    };
+    let above = if lo_open { x > lo } else { x >= lo };
+    let below = if hi_open { x < hi } else { x <= hi };
+    if above && below {
+        Ok(x)
+    } else {
+        let (l, r) = (
+            if lo_open { "(" } else { "[" },
+            if hi_open { ")" } else { "]" },
+        );
+        Err(RouterError::param(
+            key,
+            format!("{key} must be in {l}{lo}, {hi}{r}, got {x}"),
+        ))
+    }
+}
+
+/// A parameter this version takes only at its default; any other value is refused rather
+/// than ignored.
+fn only_default(
+    o: &Obj,
+    key: &'static str,
+    is_default: impl Fn(&Value) -> bool,
+    message: &'static str,
+) -> Result<(), RouterError> {
+    match get(o, key) {
+        Some(v) if !is_default(v) => Err(RouterError::Unsupported {
+            param: key,
+            message,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Checks and reads the parameters both endpoints share. `vocab_size` caps top_k.
+pub fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
+    let model = match o.get("model") {
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return Err(RouterError::param("model", "model must be a string")),
+        None => return Err(RouterError::param("model", "model is required")),
+    };
+    let temperature = ranged(o, "temperature", 1.0, (0.0, false), (2.0, false))?;
+    let top_p = ranged(o, "top_p", 1.0, (1e-6, true), (1.0, false))?;
+    let top_k = match integer(o, "top_k")? {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 && k <= i32::MAX as i128 => (k as usize).min(vocab_size),
+        Some(k) => {
+            return Err(RouterError::param(
+                "top_k",
+                format!("top_k must be -1, 0 or in (0, 2147483647], got {k}"),
+            ))
+        }
+    };
+    let presence = ranged(o, "presence_penalty", 0.0, (-2.0, false), (2.0, false))?;
+    let frequency = ranged(o, "frequency_penalty", 0.0, (-2.0, false), (2.0, false))?;
+    let repetition = ranged(o, "repetition_penalty", 1.0, (0.0, true), (2.0, false))?;
+    let seed = match integer(o, "seed")? {
+        None => random_u64(),
+        Some(s) if (0..=u64::MAX as i128).contains(&s) => s as u64,
+        Some(s) => {
+            return Err(RouterError::param(
+                "seed",
+                format!("seed must be in [0, 18446744073709551615], got {s}"),
+            ))
+        }
+    };
+    let max_tokens = match integer(o, "max_tokens")? {
+        None => None,
+        Some(m) if m > 0 && m <= i32::MAX as i128 => Some(m as u64),
+        Some(m) => {
+            return Err(RouterError::param(
+                "max_tokens",
+                format!("max_tokens must be in (0, 2147483647], got {m}"),
+            ))
+        }
+    };
+    let stop_token_ids = match get(o, "stop_token_ids") {
+        None => Vec::new(),
+        Some(Value::Array(ids)) => ids
+            .iter()
+            // The seeds: elements that are not int32 are ignored.
+            .filter_map(|v| v.as_i64().filter(|&i| i32::try_from(i).is_ok()))
+            .filter(|&i| i >= 0 && (i as usize) < vocab_size)
+            .map(|i| i as u32)
+            .collect(),
+        Some(_) => {
+            return Err(RouterError::param(
+                "stop_token_ids",
+                "stop_token_ids must be a list of integers",
+            ))
+        }
+    };
+    let one = |v: &Value| v.as_i64() == Some(1);
+    only_default(o, "n", one, "one choice per request (n = 1)")?;
+    only_default(o, "best_of", one, "best_of = 1")?;
+    only_default(
+        o,
+        "use_beam_search",
+        |v| v == &Value::Bool(false),
+        "beam search",
+    )?;
+    only_default(
+        o,
+        "stop",
+        |v| v.as_array().is_some_and(|a| a.is_empty()),
+        "stop strings",
+    )?;
+    only_default(o, "top_logprobs", |v| v.as_i64() == Some(0), "top_logprobs")?;
+    boolean(o, "include_stop_str_in_output", false)?;
+    Ok(Common {
+        model,
+        stream: boolean(o, "stream", false)?,
+        sampling: engine::SamplingParams {
+            temperature: temperature as f32,
+            top_k,
+            top_p: top_p as f32,
+            repetition_penalty: repetition as f32,
+            presence_penalty: presence as f32,
+            frequency_penalty: frequency as f32,
+            seed,
+        },
+        max_tokens,
+        ignore_eos: boolean(o, "ignore_eos", false)?,
+        skip_special_tokens: boolean(o, "skip_special_tokens", true)?,
+        stop_token_ids,
+    })
+}
+
+/// A fresh random u64, for seeds and ids.
+pub fn random_u64() -> u64 {
+    getrandom::u64().expect("the OS has randomness")
+}
+
+/// What a chat request renders its prompt from.
+#[derive(Debug, Clone)]
+pub struct Chat {
+    pub input: engine::ChatInput,
+}
+
+/// Checks `messages` and the chat-only parameters.
+pub fn chat(o: &Obj) -> Result<Chat, RouterError> {
+    let messages = match o.get("messages") {
+        Some(Value::Array(m)) if !m.is_empty() => m,
+        Some(Value::Array(_)) => {
+            return Err(RouterError::param("messages", "messages must not be empty"))
+        }
+        Some(_) => return Err(RouterError::param("messages", "messages must be a list")),
+        None => return Err(RouterError::param("messages", "messages is required")),
+    };
+    let mut chars = 0;
+    let mut out = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        out.push(message(i, m, &mut chars)?);
+    }
+    if chars > MAX_CONTENT_CHARS {
+        return Err(RouterError::param(
+            "messages",
+            format!("messages hold {chars} characters, the limit is {MAX_CONTENT_CHARS}"),
+        ));
+    }
+    if chars == 0 && out.iter().all(|m| m.get("tool_calls").is_none()) {
+        return Err(RouterError::param("messages", "messages have no content"));
+    }
+    only_default(
+        o,
+        "tools",
+        |v| v.as_array().is_some_and(|a| a.is_empty()),
+        "tools",
+    )?;
+    only_default(
+        o,
+        "tool_choice",
+        |v| v == "none" || v == "auto",
+        "tool_choice without tools",
+    )?;
+    let chat_logprobs = boolean(o, "logprobs", false)?;
+    if chat_logprobs {
+        return Err(RouterError::Unsupported {
+            param: "logprobs",
+            message: "logprobs",
+        });
+    }
+    let kwargs = match get(o, "chat_template_kwargs") {
+        None => Map::new(),
+        Some(Value::Object(k)) => k.clone(),
+        Some(_) => {
+            return Err(RouterError::param(
+                "chat_template_kwargs",
+                "chat_template_kwargs must be an object",
+            ))
+        }
+    };
+    Ok(Chat {
+        input: engine::ChatInput {
+            messages: Value::Array(out),
+            tools: None,
+            add_generation_prompt: true,
+            kwargs,
+        },
+    })
+}
+
+/// One message checked, with list content joined to text for the template.
+fn message(i: usize, m: &Value, chars: &mut usize) -> Result<Value, RouterError> {
+    let bad = |msg: String| RouterError::param("messages", format!("messages[{i}]: {msg}"));
+    let Value::Object(m) = m else {
+        return Err(bad("a message must be an object".into()));
+    };
+    let role = match m.get("role") {
+        Some(Value::String(r)) => r.as_str(),
+        _ => return Err(bad("role is required and must be a string".into())),
+    };
+    if !matches!(role, "system" | "user" | "assistant" | "tool") {
+        return Err(bad(format!(
+            "role must be system, user, assistant or tool, got {role:?}"
+        )));
+    }
+    if role == "tool" && !matches!(m.get("tool_call_id"), Some(Value::String(_))) {
+        return Err(bad("a tool message needs a tool_call_id string".into()));
+    }
+    let has_tool_calls = matches!(m.get("tool_calls"), Some(Value::Array(a)) if !a.is_empty());
+    let content = match get(m, "content") {
+        None if role == "assistant" && has_tool_calls => Value::Null,
+        None => return Err(bad("content is required".into())),
+        Some(Value::String(s)) => {
+            *chars += s.chars().count();
+            Value::String(s.clone())
+        }
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                let kind = p.get("type").and_then(Value::as_str).unwrap_or("");
+                match kind {
+                    "text" => match p.get("text") {
+                        Some(Value::String(t)) if !t.is_empty() => {
+                            *chars += t.chars().count();
+                            text.push_str(t);
+                        }
+                        _ => {
+                            return Err(bad(format!(
+                                "content[{j}].text must be a non-empty string"
+                            )))
+                        }
+                    },
+                    "image_url" | "video_url" | "audio_url" => {
+                        return Err(bad(format!(
+                            "content[{j}] is {kind}: this is a text model, media is not accepted"
+                        )))
+                    }
+                    other => return Err(bad(format!("content[{j}] has unknown type {other:?}"))),
+                }
+            }
+            Value::String(text)
+        }
+        Some(_) => return Err(bad("content must be a string or a list of parts".into())),
+    };
+    let mut out = m.clone();
+    out.insert("content".into(), content);
+    Ok(Value::Object(out))
+}
+
+/// Checks `prompt` and the completions-only parameters; returns the prompt text.
+pub fn completion(o: &Obj) -> Result<String, RouterError> {
+    let prompt = match o.get("prompt") {
+        Some(Value::String(s)) if !s.is_empty() => s.clone(),
+        Some(Value::String(_)) => {
+            return Err(RouterError::param("prompt", "prompt must not be empty"))
+        }
+        Some(_) => return Err(RouterError::param("prompt", "prompt must be a string")),
+        None => return Err(RouterError::param("prompt", "prompt is required")),
+    };
+    if prompt.chars().count() > MAX_CONTENT_CHARS {
+        return Err(RouterError::param(
+            "prompt",
+            format!("prompt is longer than {MAX_CONTENT_CHARS} characters"),
+        ));
+    }
+    only_default(o, "logprobs", |_| false, "logprobs")?;
+    Ok(prompt)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn obj(v: Value) -> Obj {
+        v.as_object().unwrap().clone()
+    }
+
+    fn rejected_param(v: Value) -> &'static str {
+        match common(&obj(v), 1000) {
+            Err(RouterError::InvalidParam { param, .. }) => param,
+            Err(RouterError::Unsupported { param, .. }) => param,
+            other => panic!("expected a rejection, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn ranges_are_the_seeds_ranges() {
+        assert_eq!(
+            rejected_param(json!({"model": "m", "temperature": 2.01})),
+            "temperature"
+        );
+        assert_eq!(
+            rejected_param(json!({"model": "m", "temperature": -0.1})),
+            "temperature"
+        );
+        assert_eq!(rejected_param(json!({"model": "m", "top_p": 0.0})), "top_p");
+        assert_eq!(rejected_param(json!({"model": "m", "top_p": 1.5})), "top_p");
+        assert_eq!(rejected_param(json!({"model": "m", "top_k": -2})), "top_k");
+        assert_eq!(
+            rejected_param(json!({"model": "m", "repetition_penalty": 0})),
+            "repetition_penalty"
+        );
+        assert_eq!(
+            rejected_param(json!({"model": "m", "presence_penalty": 2.5})),
+            "presence_penalty"
+        );
+        assert_eq!(
+            rejected_param(json!({"model": "m", "max_tokens": 0})),
+            "max_tokens"
+        );
+        assert_eq!(
+            rejected_param(json!({"model": "m", "max_tokens": 2147483648u64})),
+            "max_tokens"
+        );
+        assert_eq!(
+            rejected_param(json!({"model": "m", "max_tokens": 1.5})),
+            "max_tokens"
+        );
+        assert_eq!(rejected_param(json!({"model": "m", "seed": -1})), "seed");
+        assert_eq!(
+            rejected_param(json!({"model": "m", "stream": "yes"})),
+            "stream"
+        );
+        assert_eq!(rejected_param(json!({"temperature": 1})), "model");
+    }
+
+    #[test]
+    fn edges_and_nulls_are_accepted() {
+        let c = common(
+            &obj(
+                json!({"model": "m", "temperature": 2, "top_p": 1, "top_k": 5000,
+                "seed": u64::MAX, "max_tokens": 2147483647, "presence_penalty": -2,
+                "repetition_penalty": 2, "n": null, "best_of": 1, "stop": [],
+                "top_logprobs": null, "stop_token_ids": [2, 13, 4294967296u64, "x"]}),
+            ),
+            1000,
+        )
+        .unwrap();
+        assert_eq!(
+            c.sampling.top_k, 1000,
+            "top_k at or above the vocabulary is the vocabulary"
+        );
+        assert_eq!(c.sampling.seed, u64::MAX);
+        assert_eq!(c.stop_token_ids, vec![2, 13], "non-int32 ids are ignored");
+        assert_eq!(c.max_tokens, Some(2147483647));
+    }
+
+    #[test]
+    fn features_not_built_yet_are_refused_not_ignored() {
+        assert_eq!(rejected_param(json!({"model": "m", "n": 2})), "n");
+        assert_eq!(rejected_param(json!({"model": "m", "stop": ["x"]})), "stop");
+        assert_eq!(
+            rejected_param(json!({"model": "m", "use_beam_search": true})),
+            "use_beam_search"
+        );
+    }
+
+    #[test]
+    fn media_parts_and_bad_roles_are_named() {
+        let bad = |m: Value| match chat(&obj(json!({"messages": m}))) {
+            Err(RouterError::InvalidParam { message, .. }) => message,
+            other => panic!("expected a rejection, got {other:?}"),
+        };
+        assert!(bad(json!([{"role": "user", "content": [{"type": "image_url", "image_url": "/etc/passwd"}]}]))
+            .contains("image_url"));
+        assert!(bad(json!([{"role": "robot", "content": "hi"}])).contains("role"));
+        assert!(bad(json!([{"role": "tool", "content": "42"}])).contains("tool_call_id"));
+        let ok = chat(&obj(json!({"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+        ]}))).unwrap();
+        assert_eq!(ok.input.messages[0]["content"], "ab");
+    }
+}

@@ -1,0 +1,76 @@
+"""Drives a running Tandem router with the official `openai` Python package.
+
+    python tests/python/openai_client.py --base-url http://127.0.0.1:8080/v1 --model smollm2
+
+Exits non-zero (with an assertion message) when any response does not parse or lacks a
+field the seeds define.
+"""
+
+import argparse
+
+import openai
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base-url", required=True)
+    ap.add_argument("--model", required=True)
+    args = ap.parse_args()
+    client = openai.OpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=120)
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(
+        model=args.model, messages=messages, max_tokens=16, temperature=0
+    )
+    choice = chat.choices[0]
+    assert chat.object == "chat.completion", chat
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str) and choice.message.content, chat
+    assert choice.finish_reason in ("stop", "length"), choice
+    usage = chat.usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens, usage
+    extra = chat.model_extra
+    assert len(usage.model_extra["batch_size"]) == usage.completion_tokens, usage
+    assert len(extra["decode_time_arr"]) == usage.completion_tokens - 1, extra
+    assert extra["prefill_time"] > 0, extra
+
+    pieces, last = [], None
+    for chunk in client.chat.completions.create(
+        model=args.model, messages=messages, max_tokens=16, temperature=0, stream=True
+    ):
+        assert chunk.object == "chat.completion.chunk", chunk
+        pieces.append(chunk.choices[0].delta.content or "")
+        last = chunk
+    assert "".join(pieces) == choice.message.content, (pieces, choice.message.content)
+    assert last.choices[0].finish_reason == choice.finish_reason
+    assert last.usage.completion_tokens == usage.completion_tokens, last.usage
+
+    text = client.completions.create(
+        model=args.model, prompt="Once upon a time", max_tokens=8, temperature=0
+    )
+    assert text.object == "text_completion", text
+    assert isinstance(text.choices[0].text, str)
+    assert text.usage.completion_tokens <= 8, text.usage
+
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=args.model, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True
+        )
+    )
+    assert streamed == text.choices[0].text, (streamed, text.choices[0].text)
+
+    models = client.models.list()
+    assert [m.id for m in models.data] == [args.model], models
+
+    try:
+        client.chat.completions.create(model="no-such-model", messages=messages)
+        raise AssertionError("an unknown model must fail")
+    except openai.NotFoundError as e:
+        assert e.status_code == 404
+
+    print("openai client: all checks passed")
+
+
+if __name__ == "__main__":
+    main()

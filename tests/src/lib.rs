@@ -1,0 +1,303 @@
+//! Harness for the end-to-end tests: starts the real binaries on free localhost ports,
+//! waits for readiness by polling (bounded), and kills every child on drop.
+//!
+//! Cargo does not hand one package another package's binaries, so the harness looks in
+//! `target/release` (or `$E2E_BIN_DIR`) after `cargo build --release --workspace`.
+
+use std::fs::File;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ sits in the workspace")
+        .to_path_buf()
+}
+
+/// The folder holding the built binaries.
+pub fn bin_dir() -> PathBuf {
+    std::env::var_os("E2E_BIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target/release"))
+}
+
+/// A built binary; panics with the command that builds it when it is missing.
+pub fn bin(name: &str) -> PathBuf {
+    let p = bin_dir().join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo build --release --workspace` first (or set E2E_BIN_DIR)",
+        p.display()
+    );
+    p
+}
+
+/// Where fetched models live: `$TANDEM_MODELS`, or `models/` at the repository root.
+pub fn models_dir() -> PathBuf {
+    std::env::var_os("TANDEM_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("models"))
+}
+
+/// The bundled SmolLM2 GGUF (fetched by `scripts/fetch-models.sh`).
+pub fn smollm2() -> PathBuf {
+    let p = models_dir().join("smollm2-135m-instruct-q4_1.gguf");
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/fetch-models.sh",
+        p.display()
+    );
+    p
+}
+
+/// The generated tiny model, written once per test binary.
+pub fn tiny_model() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = scratch().join("tiny-model");
+        engine::testmodel::write_model(
+            &dir,
+            engine::testmodel::ModelSize::Tiny,
+            candle_core::DType::F32,
+            engine::testmodel::DEFAULT_SEED,
+        )
+        .expect("writing the tiny model");
+        dir
+    })
+    .clone()
+}
+
+/// A folder for this test process's files (models, logs).
+pub fn scratch() -> PathBuf {
+    let dir = root()
+        .join("target/e2e")
+        .join(format!("run-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("creating the scratch folder");
+    dir
+}
+
+/// A port nothing listens on at the moment of the call.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("binding an ephemeral port")
+        .port()
+}
+
+/// A child process killed (and reaped) on drop; its output goes to a log file.
+pub struct Proc {
+    child: Child,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    /// Starts `bin` with `args`, logging to `<scratch>/<tag>.log`.
+    pub fn spawn(bin: &Path, args: &[String], tag: &str) -> Self {
+        let log = scratch().join(format!("{tag}.log"));
+        let out = File::create(&log).expect("creating a log file");
+        let child = Command::new(bin)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(out.try_clone().expect("log handle"))
+            .stderr(out)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
+        Self { child, log }
+    }
+
+    /// True while the process runs.
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Kills the process now.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// How a test cluster serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// A router, one prefill node and one decode node.
+    Pd,
+    /// A router and one decode node acting as a colocated worker.
+    Colocated,
+}
+
+/// A running cluster of real processes.
+pub struct Cluster {
+    pub url: String,
+    pub model_name: String,
+    pub procs: Vec<Proc>,
+}
+
+impl Cluster {
+    /// Starts a cluster for `model` and waits until the router reports ready.
+    pub async fn start(mode: Mode, model: &Path, router_args: &[&str]) -> Self {
+        Self::start_with(mode, model, router_args, &[]).await
+    }
+
+    /// `start`, with extra flags for the prefill node.
+    pub async fn start_with(
+        mode: Mode,
+        model: &Path,
+        router_args: &[&str],
+        prefill_args: &[&str],
+    ) -> Self {
+        let tag = format!("{:?}-{}", mode, free_port()).to_lowercase();
+        let model_arg = model.display().to_string();
+        let mut procs = Vec::new();
+        let decode = format!("127.0.0.1:{}", free_port());
+        procs.push(Proc::spawn(
+            &bin("tandem-decode"),
+            &args(&["--model", &model_arg, "--listen", &decode]),
+            &format!("{tag}-decode"),
+        ));
+        let mut router = args(&["--model", &model_arg, "--decode-nodes", &decode]);
+        if mode == Mode::Pd {
+            let prefill = format!("127.0.0.1:{}", free_port());
+            let mut p_args = args(&["--model", &model_arg, "--listen", &prefill]);
+            p_args.extend(args(prefill_args));
+            procs.push(Proc::spawn(
+                &bin("tandem-prefill"),
+                &p_args,
+                &format!("{tag}-prefill"),
+            ));
+            router.extend(args(&["--prefill-nodes", &prefill]));
+        } else {
+            router.extend(args(&["--mode", "colocated"]));
+        }
+        let port = free_port();
+        router.extend(args(&[
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--model-name",
+            "test",
+        ]));
+        router.extend(args(router_args));
+        procs.push(Proc::spawn(
+            &bin("tandem-router"),
+            &router,
+            &format!("{tag}-router"),
+        ));
+        let mut cluster = Self {
+            url: format!("http://127.0.0.1:{port}"),
+            model_name: "test".into(),
+            procs,
+        };
+        cluster.wait_ready(Duration::from_secs(60)).await;
+        cluster
+    }
+
+    /// Polls `/health/ready` until it answers 200; panics with the logs after `limit`.
+    pub async fn wait_ready(&mut self, limit: Duration) {
+        let client = reqwest::Client::new();
+        let deadline = Instant::now() + limit;
+        loop {
+            let ok = client
+                .get(format!("{}/health/ready", self.url))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+                .map(|r| r.status().is_success())
+                .unwrap_or(false);
+            if ok {
+                return;
+            }
+            let dead: Vec<String> = self
+                .procs
+                .iter_mut()
+                .filter_map(|p| (!p.running()).then(|| p.log.display().to_string()))
+                .collect();
+            if !dead.is_empty() || Instant::now() > deadline {
+                panic!(
+                    "cluster not ready after {limit:?} (exited: {dead:?}); logs:\n{}",
+                    self.logs()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Every process's log, for failure messages.
+    pub fn logs(&self) -> String {
+        self.procs
+            .iter()
+            .map(|p| {
+                format!(
+                    "== {}\n{}",
+                    p.log.display(),
+                    std::fs::read_to_string(&p.log).unwrap_or_default()
+                )
+            })
+            .collect()
+    }
+
+    /// POSTs JSON to `path`; returns the status and the JSON body.
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        post(&format!("{}{path}", self.url), body).await
+    }
+
+    /// POSTs a streaming request; returns the status and every SSE `data:` payload.
+    pub async fn post_sse(&self, path: &str, body: &Value) -> (u16, Vec<String>) {
+        post_sse(&format!("{}{path}", self.url), body).await
+    }
+}
+
+fn args(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
+}
+
+/// POSTs JSON; returns the status and the JSON body (Null when it is not JSON).
+pub async fn post(url: &str, body: &Value) -> (u16, Value) {
+    let resp = reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
+    let status = resp.status().as_u16();
+    let text = resp.text().await.expect("reading the body");
+    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+}
+
+/// POSTs a streaming request; returns the status and the `data:` payloads, in order.
+/// Panics if the body is not valid UTF-8.
+pub async fn post_sse(url: &str, body: &Value) -> (u16, Vec<String>) {
+    let mut resp = reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
+    let status = resp.status().as_u16();
+    let mut bytes = Vec::new();
+    while let Some(chunk) = resp.chunk().await.expect("reading the stream") {
+        bytes.extend_from_slice(&chunk);
+    }
+    let text = String::from_utf8(bytes).expect("the SSE body is valid UTF-8");
+    let data = text
+        .split("\n\n")
+        .filter_map(|event| event.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect();
+    (status, data)
+}

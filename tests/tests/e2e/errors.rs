@@ -1,0 +1,137 @@
+//! Bad requests and dead workers get precise errors, quickly, never a hang.
+
+use std::time::{Duration, Instant};
+
+use e2e::{free_port, tiny_model, Cluster, Mode};
+use serde_json::json;
+
+#[tokio::test]
+async fn bad_requests_get_openai_errors() {
+    let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+    let (status, v) = c
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+    assert_eq!(status, 404, "{v}");
+    assert_eq!(v["error"]["param"], "model");
+    assert_eq!(v["error"]["code"], "model_not_found");
+    assert!(v["error"]["message"].as_str().unwrap().contains("nope"));
+
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", c.url))
+        .header("content-type", "application/json")
+        .body("{\"model\": \"test\", \"messages\": [")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let v: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+
+    let cases = [
+        (json!({"temperature": 3}), "temperature"),
+        (json!({"top_p": 0}), "top_p"),
+        (json!({"max_tokens": 0}), "max_tokens"),
+        (json!({"messages": []}), "messages"),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "file:///etc/passwd"}]}]}),
+            "messages",
+        ),
+        (json!({"n": 3, "temperature": 1}), "n"),
+    ];
+    for (patch, param) in cases {
+        let mut body = json!({"model": "test", "messages": [{"role": "user", "content": "hi"}]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(patch.as_object().unwrap().clone());
+        let (status, v) = c.post("/v1/chat/completions", &body).await;
+        assert_eq!(status, 400, "{patch}: {v}");
+        assert_eq!(v["error"]["param"], param, "{patch}: {v}");
+    }
+    let (status, v) = c.post("/v1/nowhere", &json!({})).await;
+    assert_eq!(status, 404, "{v}");
+}
+
+/// Asks once and checks the answer is a 503 error object within a few seconds.
+async fn expect_503(c: &Cluster) {
+    let started = Instant::now();
+    let (status, v) = c
+        .post(
+            "/v1/completions",
+            &json!({"model": "test", "prompt": "hello", "max_tokens": 4}),
+        )
+        .await;
+    assert_eq!(status, 503, "{v}");
+    assert!(v["error"]["message"].is_string(), "{v}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_dead_decode_node_gives_503_not_a_hang() {
+    let mut c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+    c.procs[0].kill(); // the decode node
+    expect_503(&c).await;
+}
+
+#[tokio::test]
+async fn a_dead_prefill_node_gives_503_not_a_hang() {
+    let mut c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+    c.procs[1].kill(); // the prefill node
+    expect_503(&c).await;
+    let ready = reqwest::get(format!("{}/health/ready", c.url))
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 503, "not ready without a prefill node");
+}
+
+#[tokio::test]
+async fn a_router_with_no_reachable_worker_is_not_ready() {
+    let port = free_port();
+    let dead = format!("127.0.0.1:{}", free_port());
+    let router = e2e::Proc::spawn(
+        &e2e::bin("tandem-router"),
+        &[
+            "--model".into(),
+            tiny_model().display().to_string(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--prefill-nodes".into(),
+            dead.clone(),
+            "--decode-nodes".into(),
+            dead,
+        ],
+        &format!("lonely-router-{port}"),
+    );
+    let url = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Ok(r) = client.get(format!("{url}/health/ready")).send().await {
+            break r.status();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "router never answered:\n{}",
+            std::fs::read_to_string(&router.log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(status, 503);
+    let model = tiny_model()
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let (status, v) = e2e::post(
+        &format!("{url}/v1/completions"),
+        &json!({"model": model, "prompt": "hello"}),
+    )
+    .await;
+    assert_eq!(status, 503, "{v}");
+}

@@ -1,0 +1,8 @@
+//! End-to-end tests: real router, prefill and decode processes on localhost, real HTTP.
+
+mod api;
+mod errors;
+mod openai_sdk;
+mod pd_vs_colocated;
+mod streaming;
+mod usage;

@@ -1,0 +1,77 @@
+//! Streamed text: valid UTF-8 in every chunk, the same text as the non-streamed answer,
+//! and the seeds' fullTextEnabled shape.
+
+use e2e::{smollm2, Cluster, Mode};
+use serde_json::{json, Value};
+
+fn chunks(data: &[String]) -> Vec<Value> {
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}")))
+        .collect()
+}
+
+fn content(ch: &Value) -> &str {
+    ch["choices"][0]["delta"]["content"]
+        .as_str()
+        .expect("delta.content")
+}
+
+#[tokio::test]
+async fn streamed_chinese_is_valid_utf8_and_equals_the_whole_text() {
+    let c = Cluster::start(Mode::Pd, &smollm2(), &[]).await;
+    let mut body = json!({"model": "test", "prompt": "北京是中国的首都，也是", "max_tokens": 40,
+        "temperature": 0, "ignore_eos": true});
+    let (status, whole) = c.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{whole}");
+    let whole = whole["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(
+        whole.chars().any(|ch| ch.len_utf8() == 3),
+        "the model should continue in Chinese for this test to mean anything: {whole:?}"
+    );
+    body["stream"] = json!(true);
+    let (status, data) = c.post_sse("/v1/completions", &body).await;
+    assert_eq!(status, 200);
+    let texts: Vec<String> = chunks(&data)
+        .iter()
+        .map(|ch| ch["choices"][0]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(texts.concat(), whole);
+    // Only the last chunk may end in U+FFFD: a length cut inside a character shows as
+    // the full decode shows it.
+    let (_, before_last) = texts.split_last().unwrap();
+    assert!(
+        before_last.iter().all(|t| !t.contains('\u{FFFD}')),
+        "a chunk split a character: {texts:?}"
+    );
+}
+
+#[tokio::test]
+async fn full_text_enabled_streams_cumulative_content_and_full_text() {
+    let c = Cluster::start(Mode::Pd, &smollm2(), &["--fullTextEnabled"]).await;
+    let mut body = json!({"model": "test", "max_tokens": 12, "temperature": 0,
+        "messages": [{"role": "user", "content": "Say hello."}]});
+    let (status, whole) = c.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{whole}");
+    let whole = whole["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    body["stream"] = json!(true);
+    let (_, data) = c.post_sse("/v1/chat/completions", &body).await;
+    let chunks = chunks(&data);
+    let (last, tokens) = chunks.split_last().unwrap();
+    for pair in tokens.windows(2) {
+        assert!(
+            content(&pair[1]).starts_with(content(&pair[0])),
+            "content is cumulative: {:?} then {:?}",
+            content(&pair[0]),
+            content(&pair[1])
+        );
+    }
+    assert_eq!(last["full_text"].as_str(), Some(whole.as_str()));
+    assert_eq!(content(last), whole);
+    assert!(last["usage"]["completion_tokens"].as_u64().unwrap() >= 1);
+    assert!(last["choices"][0]["finish_reason"].is_string());
+}
