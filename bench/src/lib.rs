@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 use engine::model::argmax;
 use engine::{Model, SeqCache, SeqInput};
 
+pub mod serve;
+
 /// Read bandwidth in bytes/s: `threads` threads each sum their share of a buffer much larger
 /// than the caches; the best of `rounds` passes.
 pub fn memory_read_bandwidth(bytes: usize, threads: usize, rounds: usize) -> f64 {
