@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use engine::{EngineError, Model, SamplingParams, SeqCache, SeqInput};
-use proto::v1::{generate_event::Event, FinishReason, GenerateEvent, Token, TokenEvent};
+use proto::v1::{generate_event::Event, FinishReason, GenerateEvent, TokenEvent};
 use tokio::sync::mpsc;
 use tonic::Status;
 
@@ -29,6 +29,7 @@ pub struct Admission {
     pub span: tracing::Span,
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
+    pub top_logprobs: usize,
     /// Tokens this node may produce (the first one included when it prefills).
     pub max_new: usize,
     pub stop_ids: Vec<u32>,
@@ -41,6 +42,7 @@ struct Seq {
     span: tracing::Span,
     prompt: Vec<u32>,
     sampling: SamplingParams,
+    top_logprobs: usize,
     max_new: usize,
     stop_ids: Vec<u32>,
     cache: SeqCache,
@@ -70,10 +72,10 @@ struct Scheduler {
     running: Vec<Seq>,
 }
 
-fn token_event(token: u32, logprob: f32, ms: f64, batch: usize, wait_us: u64) -> GenerateEvent {
+fn token_event(s: &engine::Sampled, ms: f64, batch: usize, wait_us: u64) -> GenerateEvent {
     GenerateEvent {
         event: Some(Event::Token(TokenEvent {
-            token: Some(Token { id: token, logprob }),
+            token: Some(proto::token_to_proto(s)),
             step_time_ms: ms,
             batch_size: batch as u32,
             queue_wait_us: wait_us,
@@ -157,6 +159,7 @@ impl Scheduler {
                     span: a.span,
                     prompt: a.prompt,
                     sampling: a.sampling,
+                    top_logprobs: a.top_logprobs,
                     max_new: a.max_new,
                     stop_ids: a.stop_ids,
                     cache,
@@ -173,7 +176,7 @@ impl Scheduler {
                     return;
                 }
                 let started = Instant::now();
-                let first = self.prefill(&a.prompt, &a.sampling);
+                let first = self.prefill(&a.prompt, &a.sampling, a.top_logprobs);
                 let (cache, first) = match first {
                     Ok(r) => r,
                     Err(e) => {
@@ -183,8 +186,7 @@ impl Scheduler {
                     }
                 };
                 let mut event = token_event(
-                    first.token,
-                    first.logprob,
+                    &first,
                     started.elapsed().as_secs_f64() * 1e3,
                     1,
                     (started - a.enqueued).as_micros() as u64,
@@ -197,6 +199,7 @@ impl Scheduler {
                     span: a.span,
                     prompt: a.prompt,
                     sampling: a.sampling,
+                    top_logprobs: a.top_logprobs,
                     max_new: a.max_new,
                     stop_ids: a.stop_ids,
                     cache,
@@ -214,6 +217,7 @@ impl Scheduler {
         &self,
         prompt: &[u32],
         sampling: &SamplingParams,
+        top_logprobs: usize,
     ) -> Result<(SeqCache, engine::Sampled), DecodeError> {
         if prompt.is_empty() {
             return Err(DecodeError::InvalidRequest("the prompt is empty".into()));
@@ -227,7 +231,7 @@ impl Scheduler {
             .squeeze(0)
             .and_then(|t| t.to_vec1())
             .map_err(EngineError::from)?;
-        let first = engine::sampling::sample(&row, sampling, prompt, &[], 0, 0);
+        let first = engine::sampling::sample(&row, sampling, prompt, &[], 0, top_logprobs);
         Ok((cache, first))
     }
 
@@ -277,7 +281,7 @@ impl Scheduler {
                     &s.prompt,
                     &s.output,
                     s.output.len() as u64,
-                    0,
+                    s.top_logprobs,
                 )
             })
             .collect();
@@ -285,13 +289,9 @@ impl Scheduler {
         let now = Instant::now();
         for (mut seq, s) in std::mem::take(&mut self.running).into_iter().zip(sampled) {
             let wait = started.saturating_duration_since(seq.ready_since);
-            let _ = seq.events.send(Ok(token_event(
-                s.token,
-                s.logprob,
-                ms,
-                batch,
-                wait.as_micros() as u64,
-            )));
+            let _ = seq
+                .events
+                .send(Ok(token_event(&s, ms, batch, wait.as_micros() as u64)));
             seq.output.push(s.token);
             seq.produced += 1;
             seq.ready_since = now;

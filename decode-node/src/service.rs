@@ -155,6 +155,7 @@ impl proto::v1::decode_server::Decode for DecodeService {
             span: span.clone(),
             prompt: req.prompt,
             sampling: req.sampling.as_ref().map(Into::into).unwrap_or_default(),
+            top_logprobs: req.top_logprobs as usize,
             max_new: req.max_new_tokens as usize,
             stop_ids: req.stop_token_ids,
             start: Start::Prefill,

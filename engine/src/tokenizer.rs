@@ -150,6 +150,22 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The bytes token `id` stands for: byte-level BPE pieces mapped back through GPT-2's
+    /// byte-to-character table, so a piece of a multi-byte character keeps its own bytes.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        let piece = self.inner.id_to_token(id)?;
+        let is_special = self
+            .inner
+            .get_added_tokens_decoder()
+            .get(&id)
+            .is_some_and(|t| t.special);
+        let mapped: Option<Vec<u8>> = piece.chars().map(byte_of_char).collect();
+        Some(match mapped {
+            Some(bytes) if !is_special => bytes,
+            _ => piece.into_bytes(),
+        })
+    }
+
     /// Size of the vocabulary including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
@@ -159,6 +175,22 @@ impl Tokenizer {
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+}
+
+/// The byte GPT-2's byte-level alphabet writes as `c`, if `c` belongs to that alphabet.
+fn byte_of_char(c: char) -> Option<u8> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let cp = c as u32;
+    if cp < 256 {
+        return printable(cp).then_some(cp as u8);
+    }
+    // The other 68 bytes are written as U+0100 onwards, in byte order.
+    let n = (cp - 256) as usize;
+    (0u32..256)
+        .filter(|&b| !printable(b))
+        .nth(n)
+        .map(|b| b as u8)
 }
 
 /// Turns a growing list of ids into text pieces that never split a UTF-8 character.

@@ -9,7 +9,7 @@ use engine::KvLayout;
 use proto::v1::decode_client::DecodeClient;
 use proto::v1::{
     kv_transfer::Item, HealthReply, HealthRequest, KvHeader, KvTransfer, PrefillRequest,
-    PrefillResponse, Token,
+    PrefillResponse,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
@@ -108,6 +108,7 @@ impl PrefillService {
         let job = Job {
             prompt: req.prompt,
             sampling: req.sampling.as_ref().map(Into::into).unwrap_or_default(),
+            top_logprobs: req.top_logprobs as usize,
             enqueued,
             span: tracing::Span::current(),
             transfer: tx,
@@ -145,10 +146,7 @@ impl PrefillService {
             "prefilled"
         );
         Ok(PrefillResponse {
-            first: Some(Token {
-                id: computed.first.token,
-                logprob: computed.first.logprob,
-            }),
+            first: Some(proto::token_to_proto(&computed.first)),
             prefill_time_ms: prefill_time.as_secs_f64() * 1e3,
             queue_wait_us: computed.queue_wait.as_micros() as u64,
             cached_tokens: 0,

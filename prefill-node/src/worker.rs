@@ -6,7 +6,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use engine::{EngineError, Model, Sampled, SamplingParams, SeqInput};
-use proto::v1::{kv_transfer::Item, KvTransfer, Token};
+use proto::v1::{kv_transfer::Item, KvTransfer};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::PrefillError;
@@ -15,6 +15,7 @@ use crate::error::PrefillError;
 pub struct Job {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
+    pub top_logprobs: usize,
     pub enqueued: Instant,
     pub span: tracing::Span,
     /// Where the chunks and then the first token go; dropping it without the first token
@@ -93,12 +94,10 @@ fn prefill(model: &Model, chunk_tokens: usize, job: &Job) -> Result<Computed, Pr
         .squeeze(0)
         .and_then(|t| t.to_vec1())
         .map_err(EngineError::from)?;
-    let first = engine::sampling::sample(&row, &job.sampling, &job.prompt, &[], 0, 0);
+    let first =
+        engine::sampling::sample(&row, &job.sampling, &job.prompt, &[], 0, job.top_logprobs);
     let msg = KvTransfer {
-        item: Some(Item::First(Token {
-            id: first.token,
-            logprob: first.logprob,
-        })),
+        item: Some(Item::First(proto::token_to_proto(&first))),
     };
     job.transfer
         .blocking_send(msg)

@@ -30,6 +30,22 @@ impl From<&engine::SamplingParams> for v1::SamplingParams {
     }
 }
 
+/// The wire form of a sampled token with its logprob and alternatives.
+pub fn token_to_proto(s: &engine::Sampled) -> v1::Token {
+    v1::Token {
+        id: s.token,
+        logprob: s.logprob,
+        top: s
+            .top
+            .iter()
+            .map(|t| v1::TopLogprob {
+                id: t.token,
+                logprob: t.logprob,
+            })
+            .collect(),
+    }
+}
+
 /// The wire form of a cache layout.
 pub fn layout_to_proto(l: &engine::KvLayout) -> v1::KvLayout {
     v1::KvLayout {

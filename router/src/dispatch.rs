@@ -22,13 +22,17 @@ pub struct GenRequest {
     /// Completion tokens allowed in all, the prefill node's first one included.
     pub max_tokens: usize,
     pub stop_ids: Vec<u32>,
+    /// Alternatives reported with each token.
+    pub top_logprobs: usize,
 }
 
 /// One generated token and what it cost.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TokenStat {
     pub id: u32,
     pub logprob: f32,
+    /// The best alternatives (id, logprob), when asked for.
+    pub top: Vec<(u32, f32)>,
     /// Milliseconds of the step that made it: the prefill for the first token.
     pub step_ms: f64,
     pub batch_size: u32,
@@ -38,7 +42,7 @@ pub struct TokenStat {
 }
 
 /// What a generation yields, in order: tokens, then one finish.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
     Token(TokenStat),
     Finish(FinishReason),
@@ -109,6 +113,7 @@ async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), Router
             max_new_tokens: (req.max_tokens - 1) as u32,
             stop_token_ids: req.stop_ids.clone(),
             prefill_here: false,
+            top_logprobs: req.top_logprobs as u32,
         },
     );
     let prefill = with_id(
@@ -118,6 +123,7 @@ async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), Router
             prompt: req.prompt,
             sampling,
             decode_addr: d.addr.clone(),
+            top_logprobs: req.top_logprobs as u32,
         },
     );
     let (mut dc, mut pc) = (d.decode(), p.prefill());
@@ -133,6 +139,7 @@ async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), Router
     let piece = Piece::Token(TokenStat {
         id: token.id,
         logprob: token.logprob,
+        top: top_of(&token),
         step_ms: first.prefill_time_ms,
         batch_size: first.batch_size,
         queue_wait_us: first.queue_wait_us,
@@ -156,6 +163,7 @@ async fn run_colocated(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(),
             max_new_tokens: req.max_tokens as u32,
             stop_token_ids: req.stop_ids,
             prefill_here: true,
+            top_logprobs: req.top_logprobs as u32,
         },
     );
     let stream = w
@@ -164,6 +172,10 @@ async fn run_colocated(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(),
         .await
         .map_err(|s| RouterError::worker("colocated", &w.addr, s))?;
     forward(stream.into_inner(), "colocated", &w.addr, tx).await
+}
+
+fn top_of(t: &proto::v1::Token) -> Vec<(u32, f32)> {
+    t.top.iter().map(|a| (a.id, a.logprob)).collect()
 }
 
 /// Passes a worker's events on until its finish.
@@ -184,6 +196,7 @@ async fn forward(
                 Piece::Token(TokenStat {
                     id: token.id,
                     logprob: token.logprob,
+                    top: top_of(&token),
                     step_ms: t.step_time_ms,
                     batch_size: t.batch_size,
                     queue_wait_us: t.queue_wait_us,

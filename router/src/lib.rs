@@ -9,6 +9,7 @@ pub mod metrics;
 pub mod openai;
 pub mod params;
 pub mod state;
+pub mod stops;
 pub mod workers;
 
 use std::future::Future;

@@ -23,6 +23,7 @@ use crate::error::RouterError;
 use crate::metrics::InFlight;
 use crate::params;
 use crate::state::AppState;
+use crate::stops::{Scan, StopStrings};
 
 /// Which endpoint a request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,7 +115,7 @@ async fn run(
     if common.model != state.model_name {
         return Err(RouterError::ModelNotFound(common.model));
     }
-    let (text, param) = match kind {
+    let (text, param, logprobs) = match kind {
         Kind::Chat => {
             let chat = params::chat(&o)?;
             let template = state
@@ -125,9 +126,12 @@ async fn run(
             let text = template
                 .render(&chat.input)
                 .map_err(|e| RouterError::Template(e.to_string()))?;
-            (text, "messages")
+            (text, "messages", chat.logprobs)
         }
-        Kind::Completion => (params::completion(&o)?, "prompt"),
+        Kind::Completion => {
+            let c = params::completion(&o)?;
+            (c.prompt, "prompt", c.logprobs)
+        }
     };
     let prompt = state
         .text
@@ -154,6 +158,7 @@ async fn run(
         prompt,
         sampling: common.sampling,
         stop_ids: stop_ids.clone(),
+        top_logprobs: logprobs.unwrap_or(0),
     };
     let prompt_tokens = req.prompt.len();
     let (first, rest) = dispatch::start(state, req).await?;
@@ -165,7 +170,15 @@ async fn run(
         prompt_tokens,
         decoder: engine::IncrementalDecoder::new(common.skip_special_tokens),
         stop_ids,
+        user_stop_ids: common.stop_token_ids,
+        stops: StopStrings::new(common.stop, common.include_stop_str_in_output),
+        logprobs,
         text: String::new(),
+        text_chars: 0,
+        sent: 0,
+        stop_reason: Value::Null,
+        stopped: false,
+        entries: Vec::new(),
         tally: Tally::default(),
     };
     if common.stream {
@@ -193,6 +206,24 @@ fn ms(x: f64) -> f64 {
     (x * 1e3).round() / 1e3
 }
 
+/// A token as logprobs show it: its text (OpenAI's `bytes:\xNN...` when it is only part
+/// of a character) and its bytes.
+#[derive(Debug, Clone)]
+struct Shown {
+    text: String,
+    bytes: Vec<u8>,
+}
+
+/// One token's logprob and alternatives, with its text and where that text starts.
+#[derive(Debug, Clone)]
+struct LogprobEntry {
+    token: Shown,
+    logprob: f32,
+    top: Vec<(Shown, f32)>,
+    /// Characters of output before this token's text.
+    offset: usize,
+}
+
 /// One request's output as it grows.
 struct Output {
     state: Arc<AppState>,
@@ -201,13 +232,44 @@ struct Output {
     created: u64,
     prompt_tokens: usize,
     decoder: engine::IncrementalDecoder,
+    /// Every id that ends generation (EOS unless ignored, and stop_token_ids).
     stop_ids: Vec<u32>,
+    /// The request's own stop_token_ids, reported as `stop_reason`.
+    user_stop_ids: Vec<u32>,
+    stops: StopStrings,
+    logprobs: Option<usize>,
+    /// Decoded text; past a matched stop string it is cut where the output ends.
     text: String,
+    text_chars: usize,
+    /// Bytes of `text` already released to the client.
+    sent: usize,
+    stop_reason: Value,
+    /// A stop string ended the output: take no more tokens.
+    stopped: bool,
+    entries: Vec<LogprobEntry>,
     tally: Tally,
 }
 
 impl Output {
-    /// Counts a token and returns the text it completes ("" while a character is split).
+    fn shown(&self, id: u32) -> Shown {
+        let bytes = self
+            .state
+            .text
+            .tokenizer
+            .token_bytes(id)
+            .unwrap_or_default();
+        let text = match std::str::from_utf8(&bytes) {
+            Ok(s) => s.to_string(),
+            Err(_) => bytes.iter().fold(String::from("bytes:"), |mut s, b| {
+                s.push_str(&format!("\\x{b:02x}"));
+                s
+            }),
+        };
+        Shown { text, bytes }
+    }
+
+    /// Counts a token and returns the text it releases ("" while a character is split or
+    /// the text could still become a stop string).
     fn push(&mut self, t: &TokenStat) -> Result<String, RouterError> {
         let tally = &mut self.tally;
         tally.completion_tokens += 1;
@@ -219,28 +281,113 @@ impl Output {
         } else {
             tally.decode_ms.push(ms(t.step_ms));
         }
+        if self.logprobs.is_some() {
+            let entry = LogprobEntry {
+                token: self.shown(t.id),
+                logprob: t.logprob,
+                top: t.top.iter().map(|&(id, lp)| (self.shown(id), lp)).collect(),
+                offset: self.text_chars,
+            };
+            self.entries.push(entry);
+        }
+        if self.user_stop_ids.contains(&t.id) {
+            self.stop_reason = json!(t.id);
+        }
         // A stop token ends the output and is not part of its text.
         if self.stop_ids.contains(&t.id) {
-            return Ok(String::new());
+            return self.release(false);
         }
         let piece = self
             .decoder
             .push(&self.state.text.tokenizer, t.id)
             .map_err(|e| RouterError::Internal(e.to_string()))?
             .unwrap_or_default();
-        self.text.push_str(&piece);
-        Ok(piece)
+        self.append(&piece);
+        self.release(false)
+    }
+
+    fn append(&mut self, piece: &str) {
+        let old = self.text.len();
+        self.text.push_str(piece);
+        self.text_chars += piece.chars().count();
+        if let Scan::Stop { end, which } = self.stops.scan(&self.text, old) {
+            self.text.truncate(end);
+            self.text_chars = self.text.chars().count();
+            self.stop_reason = json!(self.stops.get(which));
+            self.stopped = true;
+        }
+    }
+
+    /// The text now free to go out; `all` at the end of the output.
+    fn release(&mut self, all: bool) -> Result<String, RouterError> {
+        let upto = if all || self.stopped {
+            self.text.len()
+        } else {
+            match self.stops.scan(&self.text, self.text.len()) {
+                Scan::Release(n) => n,
+                Scan::Stop { end, .. } => end,
+            }
+        };
+        let upto = upto.max(self.sent);
+        let out = self.text[self.sent..upto].to_string();
+        self.sent = upto;
+        Ok(out)
     }
 
     /// Text held back at the end.
     fn flush(&mut self) -> Result<String, RouterError> {
-        let rest = self
-            .decoder
-            .flush(&self.state.text.tokenizer)
-            .map_err(|e| RouterError::Internal(e.to_string()))?
-            .unwrap_or_default();
-        self.text.push_str(&rest);
-        Ok(rest)
+        if !self.stopped {
+            let rest = self
+                .decoder
+                .flush(&self.state.text.tokenizer)
+                .map_err(|e| RouterError::Internal(e.to_string()))?
+                .unwrap_or_default();
+            self.append(&rest);
+        }
+        self.release(true)
+    }
+
+    /// How the output ended: a matched stop string overrides the worker's reason.
+    fn finish_reason(&self, worker: FinishReason) -> FinishReason {
+        if self.stopped {
+            FinishReason::Stop
+        } else {
+            worker
+        }
+    }
+
+    /// The `logprobs` value of a choice for `entries`, or null when not asked for.
+    fn logprobs_json(&self, entries: &[LogprobEntry]) -> Value {
+        if self.logprobs.is_none() {
+            return Value::Null;
+        }
+        match self.kind {
+            Kind::Chat => json!({"content": entries.iter().map(|e| json!({
+                "token": e.token.text, "logprob": e.logprob, "bytes": e.token.bytes,
+                "top_logprobs": e.top.iter().map(|(t, lp)| json!({
+                    "token": t.text, "logprob": lp, "bytes": t.bytes})).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>()}),
+            Kind::Completion => {
+                // As vLLM and OpenAI do: the sampled token is always among the alternatives.
+                let top: Vec<Value> = entries
+                    .iter()
+                    .map(|e| {
+                        let mut m = serde_json::Map::new();
+                        for (t, lp) in &e.top {
+                            m.insert(t.text.clone(), json!(lp));
+                        }
+                        m.entry(e.token.text.clone()).or_insert(json!(e.logprob));
+                        Value::Object(m)
+                    })
+                    .collect();
+                json!({
+                    "text_offset": entries.iter().map(|e| e.offset).collect::<Vec<_>>(),
+                    "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
+                    "tokens": entries.iter().map(|e| e.token.text.as_str()).collect::<Vec<_>>(),
+                    "top_logprobs": top,
+                })
+            }
+        }
     }
 
     fn usage(&self) -> Value {
@@ -269,17 +416,30 @@ impl Output {
         }
     }
 
-    /// A choice carrying `content`, finished or not.
-    fn choice(&self, content: &str, finish: Option<FinishReason>, chunk: bool) -> Value {
+    /// A choice carrying `content` and the logprobs of `entries`, finished or not.
+    fn choice(
+        &self,
+        content: &str,
+        entries: &[LogprobEntry],
+        finish: Option<FinishReason>,
+        chunk: bool,
+    ) -> Value {
+        let logprobs = self.logprobs_json(entries);
+        let stop_reason = if finish.is_some() {
+            self.stop_reason.clone()
+        } else {
+            Value::Null
+        };
         let finish = finish.map(finish_str);
         match (self.kind, chunk) {
             (Kind::Chat, false) => json!({"index": 0,
                 "message": {"role": "assistant", "content": content, "tool_calls": []},
-                "logprobs": null, "finish_reason": finish}),
+                "logprobs": logprobs, "finish_reason": finish}),
             (Kind::Chat, true) => json!({"index": 0,
-                "delta": {"role": "assistant", "content": content}, "finish_reason": finish}),
-            (Kind::Completion, _) => json!({"index": 0, "text": content, "logprobs": null,
-                "stop_reason": null, "finish_reason": finish}),
+                "delta": {"role": "assistant", "content": content}, "logprobs": logprobs,
+                "finish_reason": finish}),
+            (Kind::Completion, _) => json!({"index": 0, "text": content, "logprobs": logprobs,
+                "stop_reason": stop_reason, "finish_reason": finish}),
         }
     }
 
@@ -294,12 +454,16 @@ impl Output {
 
     fn token_chunk(&self, piece: &str) -> Value {
         let content = if self.state.cfg.full_text_enabled {
-            self.text.as_str()
+            &self.text[..self.sent]
         } else {
             piece
         };
+        let newest = self.entries.len().saturating_sub(1);
         let mut m = self.head(true);
-        m.insert("choices".into(), json!([self.choice(content, None, true)]));
+        m.insert(
+            "choices".into(),
+            json!([self.choice(content, &self.entries[newest..], None, true)]),
+        );
         Value::Object(m)
     }
 
@@ -313,7 +477,7 @@ impl Output {
         m.insert("usage".into(), self.usage());
         m.insert(
             "choices".into(),
-            json!([self.choice(content, Some(finish), true)]),
+            json!([self.choice(content, &[], Some(finish), true)]),
         );
         Value::Object(m)
     }
@@ -322,7 +486,7 @@ impl Output {
         let mut m = self.head(false);
         m.insert(
             "choices".into(),
-            json!([self.choice(&self.text, Some(finish), false)]),
+            json!([self.choice(&self.text, &self.entries, Some(finish), false)]),
         );
         m.insert("usage".into(), self.usage());
         m.insert("prefill_time".into(), json!(ms(self.tally.prefill_ms)));
@@ -342,20 +506,27 @@ fn finish_str(f: FinishReason) -> &'static str {
 async fn collect(mut out: Output, first: Piece, mut rest: Pieces) -> Result<Value, RouterError> {
     let mut piece = first;
     loop {
-        match piece {
+        let finish = match piece {
             Piece::Token(t) => {
                 out.push(&t)?;
+                // A stop string ends the output here; dropping `rest` cancels the rest.
+                out.stopped.then_some(FinishReason::Stop)
             }
-            Piece::Finish(f) => {
-                out.flush()?;
-                out.record();
-                return Ok(out.response(f));
-            }
-        }
-        piece = match rest.recv().await {
-            Some(p) => p?,
-            None => return Err(RouterError::Internal("the generation ended early".into())),
+            Piece::Finish(f) => Some(f),
         };
+        if let Some(f) = finish {
+            out.flush()?;
+            out.record();
+            return Ok(out.response(out.finish_reason(f)));
+        }
+        piece = next(&mut rest).await?;
+    }
+}
+
+async fn next(rest: &mut Pieces) -> Result<Piece, RouterError> {
+    match rest.recv().await {
+        Some(p) => p,
+        None => Err(RouterError::Internal("the generation ended early".into())),
     }
 }
 
@@ -388,30 +559,29 @@ async fn pump(
 ) -> Result<(), RouterError> {
     let mut piece = first;
     loop {
-        let event = match piece {
+        let finish = match piece {
             Piece::Token(t) => {
                 let text = out.push(&t)?;
-                out.token_chunk(&text)
+                let chunk = out.token_chunk(&text);
+                if tx
+                    .send(Ok(Event::default().data(chunk.to_string())))
+                    .await
+                    .is_err()
+                {
+                    // The client went away; dropping `rest` cancels the generation.
+                    return Ok(());
+                }
+                out.stopped.then_some(FinishReason::Stop)
             }
-            Piece::Finish(f) => {
-                let rest_text = out.flush()?;
-                out.record();
-                let last = out.last_chunk(&rest_text, f);
-                let _ = tx.send(Ok(Event::default().data(last.to_string()))).await;
-                return Ok(());
-            }
+            Piece::Finish(f) => Some(f),
         };
-        if tx
-            .send(Ok(Event::default().data(event.to_string())))
-            .await
-            .is_err()
-        {
-            // The client went away; dropping `rest` cancels the generation.
+        if let Some(f) = finish {
+            let rest_text = out.flush()?;
+            out.record();
+            let last = out.last_chunk(&rest_text, out.finish_reason(f));
+            let _ = tx.send(Ok(Event::default().data(last.to_string()))).await;
             return Ok(());
         }
-        piece = match rest.recv().await {
-            Some(p) => p?,
-            None => return Err(RouterError::Internal("the generation ended early".into())),
-        };
+        piece = next(&mut rest).await?;
     }
 }

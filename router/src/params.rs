@@ -22,6 +22,65 @@ pub struct Common {
     pub skip_special_tokens: bool,
     /// `stop_token_ids` that are int32 and inside the vocabulary.
     pub stop_token_ids: Vec<u32>,
+    pub stop: Vec<String>,
+    pub include_stop_str_in_output: bool,
+}
+
+/// Most stop strings, characters per stop string, and characters over all of them.
+const MAX_STOPS: usize = 1024;
+const MAX_STOP_CHARS: usize = 1024;
+const MAX_STOP_TOTAL_CHARS: usize = 32768;
+
+/// `stop`: a string or a list of strings; an empty list means none.
+fn stop_strings(o: &Obj) -> Result<Vec<String>, RouterError> {
+    let bad = |m: String| RouterError::param("stop", m);
+    let stops: Vec<String> = match get(o, "stop") {
+        None => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| bad("stop must be a string or a list of strings".into()))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(bad("stop must be a string or a list of strings".into())),
+    };
+    if stops.len() > MAX_STOPS {
+        return Err(bad(format!(
+            "stop has {} strings, the limit is {MAX_STOPS}",
+            stops.len()
+        )));
+    }
+    let mut total = 0;
+    for s in &stops {
+        let n = s.chars().count();
+        if n == 0 || n > MAX_STOP_CHARS {
+            return Err(bad(format!(
+                "each stop string must have 1 to {MAX_STOP_CHARS} characters, got {n}"
+            )));
+        }
+        total += n;
+    }
+    if total > MAX_STOP_TOTAL_CHARS {
+        return Err(bad(format!(
+            "stop strings hold {total} characters, the limit is {MAX_STOP_TOTAL_CHARS}"
+        )));
+    }
+    Ok(stops)
+}
+
+/// An integer in `lo..=hi`, or `None` when absent or null.
+fn int_in(o: &Obj, key: &'static str, lo: i128, hi: i128) -> Result<Option<usize>, RouterError> {
+    match integer(o, key)? {
+        None => Ok(None),
+        Some(x) if (lo..=hi).contains(&x) => Ok(Some(x as usize)),
+        Some(x) => Err(RouterError::param(
+            key,
+            format!("{key} must be in [{lo}, {hi}], got {x}"),
+        )),
+    }
 }
 
 /// Parses a body into an object; anything else is a 400.
@@ -180,14 +239,8 @@ pub fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
         |v| v == &Value::Bool(false),
         "beam search",
     )?;
-    only_default(
-        o,
-        "stop",
-        |v| v.as_array().is_some_and(|a| a.is_empty()),
-        "stop strings",
-    )?;
-    only_default(o, "top_logprobs", |v| v.as_i64() == Some(0), "top_logprobs")?;
-    boolean(o, "include_stop_str_in_output", false)?;
+    let stop = stop_strings(o)?;
+    let include_stop_str_in_output = boolean(o, "include_stop_str_in_output", false)?;
     Ok(Common {
         model,
         stream: boolean(o, "stream", false)?,
@@ -204,6 +257,8 @@ pub fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
         ignore_eos: boolean(o, "ignore_eos", false)?,
         skip_special_tokens: boolean(o, "skip_special_tokens", true)?,
         stop_token_ids,
+        stop,
+        include_stop_str_in_output,
     })
 }
 
@@ -216,6 +271,8 @@ pub fn random_u64() -> u64 {
 #[derive(Debug, Clone)]
 pub struct Chat {
     pub input: engine::ChatInput,
+    /// `Some(k)`: report each token's logprob and its k best alternatives.
+    pub logprobs: Option<usize>,
 }
 
 /// Checks `messages` and the chat-only parameters.
@@ -254,13 +311,19 @@ pub fn chat(o: &Obj) -> Result<Chat, RouterError> {
         |v| v == "none" || v == "auto",
         "tool_choice without tools",
     )?;
-    let chat_logprobs = boolean(o, "logprobs", false)?;
-    if chat_logprobs {
-        return Err(RouterError::Unsupported {
-            param: "logprobs",
-            message: "logprobs",
-        });
-    }
+    let top = int_in(o, "top_logprobs", 0, 20)?;
+    // The seeds: a valid top_logprobs without logprobs turns logprobs on.
+    let logprobs = match (get(o, "logprobs"), top) {
+        (None, top) => top,
+        (Some(_), top) if boolean(o, "logprobs", false)? => Some(top.unwrap_or(0)),
+        (Some(_), Some(k)) if k > 0 => {
+            return Err(RouterError::param(
+                "top_logprobs",
+                "top_logprobs needs logprobs to be true",
+            ))
+        }
+        _ => None,
+    };
     let kwargs = match get(o, "chat_template_kwargs") {
         None => Map::new(),
         Some(Value::Object(k)) => k.clone(),
@@ -278,6 +341,7 @@ pub fn chat(o: &Obj) -> Result<Chat, RouterError> {
             add_generation_prompt: true,
             kwargs,
         },
+        logprobs,
     })
 }
 
@@ -340,8 +404,16 @@ fn message(i: usize, m: &Value, chars: &mut usize) -> Result<Value, RouterError>
     Ok(Value::Object(out))
 }
 
-/// Checks `prompt` and the completions-only parameters; returns the prompt text.
-pub fn completion(o: &Obj) -> Result<String, RouterError> {
+/// A text completion's own parameters.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    pub prompt: String,
+    /// `Some(k)`: report each token's logprob and its k best alternatives.
+    pub logprobs: Option<usize>,
+}
+
+/// Checks `prompt` and the completions-only parameters.
+pub fn completion(o: &Obj) -> Result<Completion, RouterError> {
     let prompt = match o.get("prompt") {
         Some(Value::String(s)) if !s.is_empty() => s.clone(),
         Some(Value::String(_)) => {
@@ -356,8 +428,10 @@ pub fn completion(o: &Obj) -> Result<String, RouterError> {
             format!("prompt is longer than {MAX_CONTENT_CHARS} characters"),
         ));
     }
-    only_default(o, "logprobs", |_| false, "logprobs")?;
-    Ok(prompt)
+    Ok(Completion {
+        prompt,
+        logprobs: int_in(o, "logprobs", 0, 5)?,
+    })
 }
 
 #[cfg(test)]
@@ -442,11 +516,52 @@ mod tests {
     #[test]
     fn features_not_built_yet_are_refused_not_ignored() {
         assert_eq!(rejected_param(json!({"model": "m", "n": 2})), "n");
-        assert_eq!(rejected_param(json!({"model": "m", "stop": ["x"]})), "stop");
         assert_eq!(
             rejected_param(json!({"model": "m", "use_beam_search": true})),
             "use_beam_search"
         );
+    }
+
+    #[test]
+    fn stop_strings_have_the_seeds_limits() {
+        let stops = |v: Value| common(&obj(json!({"model": "m", "stop": v})), 1000);
+        assert_eq!(stops(json!("x")).unwrap().stop, vec!["x"]);
+        assert!(
+            stops(json!([])).unwrap().stop.is_empty(),
+            "an empty list means null"
+        );
+        assert!(stops(json!(vec!["a"; 1024])).is_ok());
+        assert!(stops(json!(vec!["a"; 1025])).is_err());
+        assert!(stops(json!(["x".repeat(1024)])).is_ok());
+        assert!(stops(json!(["x".repeat(1025)])).is_err());
+        assert!(stops(json!([""])).is_err());
+        assert!(
+            stops(json!(vec!["x".repeat(1000); 33])).is_err(),
+            "32768 characters in all"
+        );
+        assert!(stops(json!([1])).is_err());
+    }
+
+    #[test]
+    fn top_logprobs_turns_logprobs_on() {
+        let lp = |v: Value| {
+            let mut o = obj(json!({"messages": [{"role": "user", "content": "hi"}]}));
+            o.extend(obj(v));
+            chat(&o).map(|c| c.logprobs)
+        };
+        assert_eq!(lp(json!({})).unwrap(), None);
+        assert_eq!(lp(json!({"top_logprobs": 3})).unwrap(), Some(3));
+        assert_eq!(lp(json!({"logprobs": true})).unwrap(), Some(0));
+        assert_eq!(
+            lp(json!({"logprobs": false, "top_logprobs": null})).unwrap(),
+            None
+        );
+        assert!(lp(json!({"top_logprobs": 21})).is_err());
+        assert!(lp(json!({"logprobs": false, "top_logprobs": 2})).is_err());
+        let c =
+            |v: Value| completion(&obj(json!({"prompt": "p", "logprobs": v}))).map(|c| c.logprobs);
+        assert_eq!(c(json!(5)).unwrap(), Some(5));
+        assert!(c(json!(6)).is_err());
     }
 
     #[test]

@@ -60,6 +60,23 @@ def main() -> None:
     )
     assert streamed == text.choices[0].text, (streamed, text.choices[0].text)
 
+    lp = client.chat.completions.create(
+        model=args.model, messages=messages, max_tokens=4, temperature=0,
+        logprobs=True, top_logprobs=2,
+    )
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens, lp
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content), content
+
+    first_word = text.choices[0].text.strip().split(" ")[0]
+    if first_word:
+        cut = client.completions.create(
+            model=args.model, prompt="Once upon a time", max_tokens=8, temperature=0,
+            stop=[first_word],
+        )
+        assert first_word not in cut.choices[0].text, cut
+        assert cut.choices[0].finish_reason == "stop", cut
+
     models = client.models.list()
     assert [m.id for m in models.data] == [args.model], models
 

@@ -213,3 +213,23 @@ fn incremental_decoding_never_splits_characters() {
     assert_eq!(dec.push(&tok, ids[0]).unwrap(), None);
     assert_eq!(dec.flush(&tok).unwrap().as_deref(), Some("\u{FFFD}"));
 }
+
+/// Token bytes add up to the text, pieces of a character included; specials are their text.
+#[test]
+fn token_bytes_are_the_raw_bytes_of_each_piece() {
+    let qwen3 = Tokenizer::from_file(&common::models_dir().join("qwen3/tokenizer.json")).unwrap();
+    let tiny = Tokenizer::from_file(&common::tiny_model_dir().join("tokenizer.json")).unwrap();
+    for tok in [&qwen3, &tiny] {
+        let text = "北京 🦀 naïve\ttabs\n";
+        let ids = tok.encode(text).unwrap();
+        let bytes: Vec<u8> = ids
+            .iter()
+            .flat_map(|&id| tok.token_bytes(id).unwrap())
+            .collect();
+        assert_eq!(bytes, text.as_bytes());
+        let end = tok.token_id("<|im_end|>").unwrap();
+        assert_eq!(tok.token_bytes(end).unwrap(), b"<|im_end|>");
+    }
+    let crab = tiny.encode("🦀").unwrap();
+    assert!(std::str::from_utf8(&tiny.token_bytes(crab[0]).unwrap()).is_err());
+}

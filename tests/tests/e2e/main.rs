@@ -3,6 +3,7 @@
 mod api;
 mod errors;
 mod openai_sdk;
+mod params;
 mod pd_vs_colocated;
 mod streaming;
 mod usage;

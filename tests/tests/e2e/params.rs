@@ -1,0 +1,218 @@
+//! Stop strings, stop_token_ids and logprobs, honoured under PD: the router matches stop
+//! strings on the text, P reports the first token's logprobs and D the rest.
+
+use candle_core::Device;
+use e2e::{tiny_model, Cluster, Mode};
+use serde_json::{json, Value};
+
+const PROMPT: &str = "The router speaks the OpenAI chat completions API.";
+
+fn completion(extra: Value) -> Value {
+    let mut body = json!({"model": "test", "prompt": PROMPT, "max_tokens": 24,
+        "temperature": 0, "ignore_eos": true});
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    body
+}
+
+fn text(v: &Value) -> &str {
+    v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{v}"))
+}
+
+/// Concatenated text of a streamed completion, and its last chunk.
+fn joined(data: &[String]) -> (String, Value) {
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let text = chunks
+        .iter()
+        .map(|c| c["choices"][0]["text"].as_str().unwrap().to_string())
+        .collect();
+    (text, chunks.last().unwrap().clone())
+}
+
+#[tokio::test]
+async fn stop_strings_end_the_text_streamed_and_not() {
+    let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+    let (_, full) = c.post("/v1/completions", &completion(json!({}))).await;
+    let full = text(&full).to_string();
+    let chars: Vec<char> = full.chars().collect();
+    assert!(chars.len() > 16, "{full:?}");
+    // A stop string from the middle of the greedy output: it spans token boundaries.
+    let stop: String = chars[8..13].iter().collect();
+    let before = &full[..full.find(&stop).unwrap()];
+    for include in [false, true] {
+        let body = completion(
+            json!({"stop": [stop, "never appears"], "include_stop_str_in_output": include}),
+        );
+        let (status, v) = c.post("/v1/completions", &body).await;
+        assert_eq!(status, 200, "{v}");
+        let expected = if include {
+            format!("{before}{stop}")
+        } else {
+            before.to_string()
+        };
+        assert_eq!(text(&v), expected, "include={include}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        assert_eq!(v["choices"][0]["stop_reason"], stop.as_str());
+        assert!(v["usage"]["completion_tokens"].as_u64().unwrap() < 24);
+
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let (_, data) = c.post_sse("/v1/completions", &streamed).await;
+        let (joined, last) = joined(&data);
+        assert_eq!(joined, expected, "streamed, include={include}");
+        assert_eq!(last["choices"][0]["finish_reason"], "stop");
+        assert_eq!(last["choices"][0]["stop_reason"], stop.as_str());
+        assert_eq!(
+            last["usage"]["completion_tokens"],
+            v["usage"]["completion_tokens"]
+        );
+    }
+}
+
+#[tokio::test]
+async fn stop_token_ids_end_generation_under_pd() {
+    let model = tiny_model();
+    let loaded = engine::load(&model, &Device::Cpu).unwrap();
+    let ids = loaded.tokenizer.encode(PROMPT).unwrap();
+    let mut cache = loaded.model.new_cache().unwrap();
+    let params = engine::SamplingParams::default();
+    let out =
+        engine::generate::generate(&loaded.model, &mut cache, &ids, &params, 24, &[]).unwrap();
+    let tokens: Vec<u32> = out.iter().map(|s| s.token).collect();
+    // The first token D makes that did not appear before it.
+    let k = (1..tokens.len())
+        .find(|&i| !tokens[..i].contains(&tokens[i]))
+        .expect("a fresh token");
+    let c = Cluster::start(Mode::Pd, &model, &[]).await;
+    let (status, v) = c
+        .post(
+            "/v1/completions",
+            &completion(json!({"stop_token_ids": [tokens[k]]})),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        v["usage"]["completion_tokens"],
+        k + 1,
+        "the stop token counts"
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["choices"][0]["stop_reason"], tokens[k]);
+    assert_eq!(
+        text(&v),
+        loaded.tokenizer.decode(&tokens[..k], true).unwrap()
+    );
+}
+
+fn completion_logprobs(v: &Value) -> (Vec<f64>, Vec<Value>, Vec<u64>) {
+    let lp = &v["choices"][0]["logprobs"];
+    let f = |k: &str| {
+        lp[k]
+            .as_array()
+            .unwrap_or_else(|| panic!("{k}: {v}"))
+            .clone()
+    };
+    (
+        f("token_logprobs")
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect(),
+        f("top_logprobs"),
+        f("text_offset")
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect(),
+    )
+}
+
+#[tokio::test]
+async fn completion_logprobs_match_between_pd_and_colocated() {
+    let model = tiny_model();
+    let pd = Cluster::start(Mode::Pd, &model, &[]).await;
+    let colo = Cluster::start(Mode::Colocated, &model, &[]).await;
+    let body = completion(json!({"logprobs": 2, "max_tokens": 8}));
+    let (_, a) = pd.post("/v1/completions", &body).await;
+    let (_, b) = colo.post("/v1/completions", &body).await;
+    let (lp_a, top_a, off_a) = completion_logprobs(&a);
+    let (lp_b, _, _) = completion_logprobs(&b);
+    assert_eq!(lp_a.len(), 8, "{a}");
+    assert_eq!(
+        a["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .unwrap()
+            .len(),
+        8
+    );
+    for (x, y) in lp_a.iter().zip(&lp_b) {
+        assert!((x - y).abs() < 1e-5, "PD {lp_a:?} vs colocated {lp_b:?}");
+    }
+    assert_eq!(off_a[0], 0);
+    assert!(off_a.windows(2).all(|w| w[0] <= w[1]), "{off_a:?}");
+    for (lp, top) in lp_a.iter().zip(&top_a) {
+        assert!(*lp <= 0.0);
+        let top = top.as_object().unwrap();
+        assert!(
+            (1..=3).contains(&top.len()),
+            "two alternatives plus the sampled token: {top:?}"
+        );
+        // Greedy: the sampled token is the most likely one.
+        let best = top
+            .values()
+            .map(|x| x.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        assert!((best - lp).abs() < 1e-6, "{lp} vs {top:?}");
+    }
+}
+
+#[tokio::test]
+async fn chat_top_logprobs_streamed_and_not() {
+    let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+    let body = json!({"model": "test", "max_tokens": 6, "temperature": 0, "ignore_eos": true,
+        "top_logprobs": 3, "messages": [{"role": "user", "content": "hello"}]});
+    let (status, v) = c.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(content.len(), 6);
+    for e in &content {
+        assert!(e["token"].is_string() && e["logprob"].as_f64().unwrap() <= 0.0);
+        assert!(e["bytes"].is_array());
+        let top: Vec<f64> = e["top_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["logprob"].as_f64().unwrap())
+            .collect();
+        assert_eq!(top.len(), 3);
+        assert!(top.windows(2).all(|w| w[0] >= w[1]), "best first: {top:?}");
+        assert_eq!(
+            top[0],
+            e["logprob"].as_f64().unwrap(),
+            "greedy picks the best"
+        );
+    }
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, data) = c.post_sse("/v1/chat/completions", &streamed).await;
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let streamed_entries: Vec<Value> = chunks[..chunks.len() - 1]
+        .iter()
+        .map(|ch| {
+            let c = ch["choices"][0]["logprobs"]["content"].as_array().unwrap();
+            assert_eq!(c.len(), 1, "one entry per token chunk");
+            c[0].clone()
+        })
+        .collect();
+    assert_eq!(streamed_entries, content);
+}
