@@ -11,23 +11,12 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use candle_core::Device;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 
 pub use config::Config;
 pub use error::DecodeError;
-
-/// Why the node could not start or stopped serving.
-#[derive(Debug, thiserror::Error)]
-pub enum ServeError {
-    #[error("loading the model: {0}")]
-    Model(#[from] engine::EngineError),
-    #[error("starting the compute thread: {0}")]
-    Thread(#[from] std::io::Error),
-    #[error("gRPC server: {0}")]
-    Transport(#[from] tonic::transport::Error),
-}
+pub use runtime::ServeError;
 
 /// Loads the model and serves `tandem.v1.Decode` on `listener` until `shutdown` resolves.
 pub async fn serve(
@@ -35,10 +24,7 @@ pub async fn serve(
     cfg: &Config,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
-    let path = cfg.model.clone();
-    let model = tokio::task::spawn_blocking(move || engine::Model::load(&path, &Device::Cpu))
-        .await
-        .expect("model loading does not panic")?;
+    let model = runtime::load_model(&cfg.model).await?;
     let layout = model.kv_layout();
     let (admit_tx, admit_rx) = tokio::sync::mpsc::unbounded_channel();
     let compute = scheduler::spawn(Arc::new(model), cfg.max_batch_size, admit_rx)?;

@@ -153,31 +153,17 @@ impl Scheduler {
 
     fn admit(&mut self, a: Admission) {
         let _entered = a.span.clone().entered();
-        match a.start {
-            Start::Transferred { cache, first_token } => {
-                let seq = Seq {
-                    span: a.span,
-                    prompt: a.prompt,
-                    sampling: a.sampling,
-                    top_logprobs: a.top_logprobs,
-                    max_new: a.max_new,
-                    stop_ids: a.stop_ids,
-                    cache,
-                    output: vec![first_token],
-                    produced: 0,
-                    ready_since: a.enqueued,
-                    events: a.events,
-                };
-                self.keep_or_finish(seq);
-            }
+        // The cache, the first token, how many tokens this node made, and since when the
+        // sequence waits for its next step.
+        let (cache, first_token, produced, ready_since) = match a.start {
+            Start::Transferred { cache, first_token } => (cache, first_token, 0, a.enqueued),
             Start::Prefill => {
                 if a.max_new == 0 {
                     let _ = a.events.send(Ok(finish_event(FinishReason::Length)));
                     return;
                 }
                 let started = Instant::now();
-                let first = self.prefill(&a.prompt, &a.sampling, a.top_logprobs);
-                let (cache, first) = match first {
+                let (cache, first) = match self.prefill(&a.prompt, &a.sampling, a.top_logprobs) {
                     Ok(r) => r,
                     Err(e) => {
                         tracing::warn!(error = %e, "prefill failed");
@@ -195,22 +181,22 @@ impl Scheduler {
                     t.from_prefill = true;
                 }
                 let _ = a.events.send(Ok(event));
-                let seq = Seq {
-                    span: a.span,
-                    prompt: a.prompt,
-                    sampling: a.sampling,
-                    top_logprobs: a.top_logprobs,
-                    max_new: a.max_new,
-                    stop_ids: a.stop_ids,
-                    cache,
-                    output: vec![first.token],
-                    produced: 1,
-                    ready_since: Instant::now(),
-                    events: a.events,
-                };
-                self.keep_or_finish(seq);
+                (cache, first.token, 1, Instant::now())
             }
-        }
+        };
+        self.keep_or_finish(Seq {
+            span: a.span,
+            prompt: a.prompt,
+            sampling: a.sampling,
+            top_logprobs: a.top_logprobs,
+            max_new: a.max_new,
+            stop_ids: a.stop_ids,
+            cache,
+            output: vec![first_token],
+            produced,
+            ready_since,
+            events: a.events,
+        });
     }
 
     fn prefill(

@@ -95,22 +95,13 @@ impl DecodeService {
     }
 }
 
-/// The request id a caller sent as metadata, else the one in the message.
-fn request_id<T>(req: &Request<T>, fallback: &str) -> String {
-    req.metadata()
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or(fallback)
-        .to_string()
-}
-
 #[tonic::async_trait]
 impl proto::v1::decode_server::Decode for DecodeService {
     async fn transfer_kv(
         &self,
         req: Request<Streaming<KvTransfer>>,
     ) -> Result<Response<TransferAck>, Status> {
-        let mut id = request_id(&req, "");
+        let mut id = runtime::request_id(&req, "");
         let span = tracing::info_span!("kv_transfer", req_id = tracing::field::Empty);
         let mut stream = req.into_inner();
         let mut bytes = 0;
@@ -147,7 +138,7 @@ impl proto::v1::decode_server::Decode for DecodeService {
         &self,
         req: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let id = request_id(&req, &req.get_ref().request_id);
+        let id = runtime::request_id(&req, &req.get_ref().request_id);
         let req = req.into_inner();
         let span = tracing::info_span!("generate", req_id = %id, prefill_here = req.prefill_here);
         let (events, rx) = mpsc::unbounded_channel();

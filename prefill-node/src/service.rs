@@ -96,10 +96,7 @@ impl PrefillService {
             })),
         };
         tx.send(header).await.expect("the receiver is held below");
-        let mut call = Request::new(ReceiverStream::new(rx));
-        if let Ok(v) = req.request_id.parse() {
-            call.metadata_mut().insert("x-request-id", v);
-        }
+        let call = runtime::with_request_id(&req.request_id, ReceiverStream::new(rx));
         let transfer = tokio::spawn(
             async move { DecodeClient::new(channel).transfer_kv(call).await }
                 .instrument(tracing::Span::current()),
@@ -156,22 +153,13 @@ impl PrefillService {
     }
 }
 
-/// The request id a router sent as metadata, else the one in the message.
-fn request_id<T>(req: &Request<T>, fallback: &str) -> String {
-    req.metadata()
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or(fallback)
-        .to_string()
-}
-
 #[tonic::async_trait]
 impl proto::v1::prefill_server::Prefill for PrefillService {
     async fn prefill(
         &self,
         req: Request<PrefillRequest>,
     ) -> Result<Response<PrefillResponse>, Status> {
-        let id = request_id(&req, &req.get_ref().request_id);
+        let id = runtime::request_id(&req, &req.get_ref().request_id);
         let req = req.into_inner();
         let span = tracing::info_span!("prefill", req_id = %id, prompt_tokens = req.prompt.len());
         let resp = self.run(req).instrument(span).await?;

@@ -91,20 +91,12 @@ pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<(Piece, Pie
 
 type Tx = mpsc::Sender<Result<Piece, RouterError>>;
 
-fn with_id<T>(id: &str, msg: T) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(msg);
-    if let Ok(v) = id.parse() {
-        r.metadata_mut().insert("x-request-id", v);
-    }
-    r
-}
-
 async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), RouterError> {
     let p = state.prefill.pick()?;
     let d = state.decode.pick()?;
     tracing::debug!(prefill = %p.addr, decode = %d.addr, "picked");
     let sampling = Some(proto::v1::SamplingParams::from(&req.sampling));
-    let generate = with_id(
+    let generate = runtime::with_request_id(
         &req.id,
         GenerateRequest {
             request_id: req.id.clone(),
@@ -116,7 +108,7 @@ async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), Router
             top_logprobs: req.top_logprobs as u32,
         },
     );
-    let prefill = with_id(
+    let prefill = runtime::with_request_id(
         &req.id,
         PrefillRequest {
             request_id: req.id.clone(),
@@ -154,7 +146,7 @@ async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), Router
 
 async fn run_colocated(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), RouterError> {
     let w = state.decode.pick()?;
-    let generate = with_id(
+    let generate = runtime::with_request_id(
         &req.id,
         GenerateRequest {
             request_id: req.id.clone(),

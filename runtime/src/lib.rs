@@ -1,0 +1,75 @@
+//! Process plumbing shared by the router and the nodes: tracing setup, the shutdown signal,
+//! the request id carried in gRPC metadata, and why a node could not serve.
+
+/// The gRPC metadata key that carries a request's id from the router to both nodes.
+pub const REQUEST_ID: &str = "x-request-id";
+
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
+pub fn init_tracing() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+}
+
+/// Resolves on Ctrl-C or SIGTERM (what Kubernetes and the quickstart send).
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler installs");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+/// The request id a caller sent as metadata, else `fallback`.
+pub fn request_id<T>(req: &tonic::Request<T>, fallback: &str) -> String {
+    req.metadata()
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or(fallback)
+        .to_string()
+}
+
+/// `msg` as a request that carries `id` as metadata.
+pub fn with_request_id<T>(id: &str, msg: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    if let Ok(v) = id.parse() {
+        r.metadata_mut().insert(REQUEST_ID, v);
+    }
+    r
+}
+
+/// Loads a model's weights for CPU inference, off the async threads.
+pub async fn load_model(path: &std::path::Path) -> Result<engine::Model, ServeError> {
+    let path = path.to_path_buf();
+    let model =
+        tokio::task::spawn_blocking(move || engine::Model::load(&path, &candle_core::Device::Cpu))
+            .await
+            .expect("model loading does not panic")?;
+    Ok(model)
+}
+
+/// Why a node could not start or stopped serving.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("loading the model: {0}")]
+    Model(#[from] engine::EngineError),
+    #[error("starting the compute thread: {0}")]
+    Thread(#[from] std::io::Error),
+    #[error("gRPC server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_travel_in_metadata() {
+        let req = with_request_id("chatcmpl-1", ());
+        assert_eq!(request_id(&req, "fallback"), "chatcmpl-1");
+        assert_eq!(request_id(&tonic::Request::new(()), "fallback"), "fallback");
+    }
+}
