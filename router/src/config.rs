@@ -14,6 +14,32 @@ pub enum Mode {
     Colocated,
 }
 
+/// How error bodies look.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ErrorFormat {
+    /// `{"error": {"message", "type", "param", "code"}}`.
+    Openai,
+    /// The hosted provider's (seed 003): `{"code", "result": null, "message"}`.
+    Provider,
+}
+
+/// An API key; never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey(pub String);
+
+impl std::str::FromStr for ApiKey {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self(s.trim().to_string()))
+    }
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(<redacted>)")
+    }
+}
+
 /// Configuration of `tandem-router`.
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
@@ -80,6 +106,21 @@ pub struct Config {
     /// Milliseconds a request may take from start to last token before it fails with 504.
     #[arg(long, env = "ROUTER_REQUEST_TIMEOUT_MS", default_value_t = 600_000)]
     pub request_timeout_ms: u64,
+    /// API keys clients must send as `Authorization: Bearer <key>`, comma separated. With
+    /// none (and no key file) the API is open.
+    #[arg(
+        long,
+        env = "ROUTER_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_keys: Vec<ApiKey>,
+    /// A file of API keys, one per line (blank lines and `#` comments skipped).
+    #[arg(long, env = "ROUTER_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Error bodies: `openai`, or `provider` for seed 003's `{"code", "result", "message"}`.
+    #[arg(long, env = "ROUTER_ERROR_FORMAT", value_enum, default_value_t = ErrorFormat::Openai)]
+    pub error_format: ErrorFormat,
     /// Largest request body in bytes; larger ones get 413.
     #[arg(long, env = "ROUTER_MAX_BODY_BYTES", default_value_t = 20 << 20)]
     pub max_body_bytes: usize,

@@ -4,6 +4,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
+use crate::config::ErrorFormat;
+
 /// Why a request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RouterError {
@@ -47,6 +49,10 @@ pub enum RouterError {
         addr: String,
         status: tonic::Status,
     },
+    #[error("authorization not passed: send the API key as `Authorization: Bearer <key>`")]
+    MissingApiKey,
+    #[error("the API key is not valid")]
+    BadApiKey,
     #[error("the request did not finish within {0} ms")]
     Timeout(u64),
     #[error("internal error: {0}")]
@@ -99,9 +105,39 @@ impl RouterError {
                 tonic::Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
                 _ => StatusCode::BAD_GATEWAY,
             },
+            MissingApiKey | BadApiKey => StatusCode::UNAUTHORIZED,
             Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
+    }
+
+    /// The error body in `format`.
+    pub fn body_in(&self, format: ErrorFormat) -> serde_json::Value {
+        match format {
+            ErrorFormat::Openai => self.body(),
+            ErrorFormat::Provider => {
+                use RouterError::*;
+                // 003's codes; 701 (quota) has no counterpart here yet.
+                let code = match self {
+                    MissingApiKey => 702,
+                    BadApiKey => 801,
+                    Timeout(_) => 802,
+                    _ => 9999,
+                };
+                json!({"code": code, "result": null, "message": self.to_string()})
+            }
+        }
+    }
+
+    /// The response for this error in `format`; logs it once.
+    pub fn response_in(self, format: ErrorFormat) -> Response {
+        let status = self.http_status();
+        if status.is_server_error() {
+            tracing::error!(error = %self, status = status.as_u16(), "request failed");
+        } else {
+            tracing::debug!(error = %self, status = status.as_u16(), "request rejected");
+        }
+        (status, axum::Json(self.body_in(format))).into_response()
     }
 
     /// The OpenAI error object, `{"error": {...}}`.
@@ -118,6 +154,7 @@ impl RouterError {
         let status = self.http_status();
         let (kind, code) = match self {
             ModelNotFound(_) => ("invalid_request_error", Some("model_not_found")),
+            MissingApiKey | BadApiKey => ("authentication_error", Some("invalid_api_key")),
             _ if status.is_client_error() => ("invalid_request_error", None),
             _ if status == StatusCode::SERVICE_UNAVAILABLE => ("service_unavailable", None),
             _ => ("server_error", None),
@@ -128,12 +165,6 @@ impl RouterError {
 
 impl IntoResponse for RouterError {
     fn into_response(self) -> Response {
-        let status = self.http_status();
-        if status.is_server_error() {
-            tracing::error!(error = %self, status = status.as_u16(), "request failed");
-        } else {
-            tracing::debug!(error = %self, status = status.as_u16(), "request rejected");
-        }
-        (status, axum::Json(self.body())).into_response()
+        self.response_in(ErrorFormat::Openai)
     }
 }

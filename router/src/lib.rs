@@ -16,15 +16,16 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::StatusCode;
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
 use tokio::net::TcpListener;
 
-pub use config::{Config, Mode};
+pub use config::{Config, ErrorFormat, Mode};
 pub use error::RouterError;
 pub use state::AppState;
 
@@ -33,16 +34,34 @@ const READY_PROBE: Duration = Duration::from_secs(1);
 
 /// The HTTP routes over shared state.
 pub fn app(state: Arc<AppState>) -> Router {
-    Router::new()
+    let api = Router::new()
         .route("/v1/chat/completions", post(openai::chat))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            authorize,
+        ));
+    Router::new()
+        .merge(api)
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/health/ready", get(ready))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
         .with_state(state)
+}
+
+/// Lets a request through only with a valid API key, when keys are configured.
+async fn authorize(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let header = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    match state.authorize(header) {
+        Ok(()) => next.run(req).await,
+        Err(e) => state.error_response(e),
+    }
 }
 
 /// Ready while at least one prefill and one decode worker answer (one colocated worker in

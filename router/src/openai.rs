@@ -86,10 +86,13 @@ async fn handle(state: Arc<AppState>, kind: Kind, body: Result<Bytes, BytesRejec
     let span = tracing::info_span!("request", req_id = %id, endpoint = kind.endpoint(),
         prompt_tokens = tracing::field::Empty);
     let in_flight = state.metrics.start();
-    let response = run(&state, kind, id, body, in_flight)
+    let response = match run(&state, kind, id, body, in_flight)
         .instrument(span)
         .await
-        .unwrap_or_else(IntoResponse::into_response);
+    {
+        Ok(r) => r,
+        Err(e) => state.error_response(e),
+    };
     state
         .metrics
         .finished(kind.endpoint(), response.status().as_u16());
@@ -534,15 +537,15 @@ async fn next(rest: &mut Pieces) -> Result<Piece, RouterError> {
 /// usage, then `[DONE]`. An error after the first token becomes an error event.
 fn stream(out: Output, first: Piece, rest: Pieces, in_flight: InFlight) -> Response {
     let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(64);
+    let format = out.state.cfg.error_format;
     tokio::spawn(
         async move {
             let _in_flight = in_flight;
             let ended = pump(out, first, rest, &tx).await;
             if let Err(e) = ended {
                 tracing::warn!(error = %e, "stream failed after its first token");
-                let _ = tx
-                    .send(Ok(Event::default().data(e.body().to_string())))
-                    .await;
+                let body = e.body_in(format).to_string();
+                let _ = tx.send(Ok(Event::default().data(body))).await;
             }
             let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
         }

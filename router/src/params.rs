@@ -492,6 +492,89 @@ mod tests {
         assert_eq!(rejected_param(json!({"temperature": 1})), "model");
     }
 
+    /// Every numeric parameter: values just inside its range pass, just outside get a 400
+    /// that names it.
+    #[test]
+    fn boundary_table() {
+        let table: &[(&str, &[Value], &[Value])] = &[
+            (
+                "temperature",
+                &[json!(0), json!(2.0), json!(null)],
+                &[json!(-1e-9), json!(2.000001)],
+            ),
+            (
+                "top_p",
+                &[json!(1e-6 + 1e-12), json!(1)],
+                &[json!(1e-6), json!(1.0000001)],
+            ),
+            (
+                "top_k",
+                &[json!(-1), json!(0), json!(1), json!(2147483647)],
+                &[json!(-2), json!(2147483648u64)],
+            ),
+            (
+                "seed",
+                &[json!(0), json!(u64::MAX)],
+                &[json!(-1), json!(1.5)],
+            ),
+            (
+                "presence_penalty",
+                &[json!(-2), json!(2)],
+                &[json!(-2.0001), json!(2.0001)],
+            ),
+            (
+                "frequency_penalty",
+                &[json!(-2), json!(2)],
+                &[json!(-2.0001), json!(2.0001)],
+            ),
+            (
+                "repetition_penalty",
+                &[json!(1e-9), json!(2)],
+                &[json!(0), json!(2.0001)],
+            ),
+            (
+                "max_tokens",
+                &[json!(1), json!(2147483647)],
+                &[json!(0), json!(2147483648u64)],
+            ),
+            (
+                "stream",
+                &[json!(true), json!(false)],
+                &[json!(1), json!("true")],
+            ),
+            ("ignore_eos", &[json!(true)], &[json!("no")]),
+            ("skip_special_tokens", &[json!(false)], &[json!(0)]),
+            ("include_stop_str_in_output", &[json!(true)], &[json!([])]),
+        ];
+        for (param, inside, outside) in table {
+            let with = |v: &Value| {
+                let mut body = obj(json!({"model": "m"}));
+                body.insert(param.to_string(), v.clone());
+                body
+            };
+            for v in *inside {
+                assert!(common(&with(v), 1000).is_ok(), "{param} = {v} must pass");
+            }
+            for v in *outside {
+                assert_eq!(
+                    rejected_param(Value::Object(with(v))),
+                    *param,
+                    "{param} = {v}"
+                );
+            }
+        }
+        let chat_lp = |v: Value| {
+            chat(&obj(
+                json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": v}),
+            ))
+        };
+        assert!(chat_lp(json!(0)).is_ok() && chat_lp(json!(20)).is_ok());
+        assert!(chat_lp(json!(-1)).is_err() && chat_lp(json!(21)).is_err());
+        let cmpl_lp = |v: Value| completion(&obj(json!({"prompt": "x", "logprobs": v})));
+        assert!(cmpl_lp(json!(0)).is_ok() && cmpl_lp(json!(5)).is_ok());
+        assert!(cmpl_lp(json!(-1)).is_err() && cmpl_lp(json!(6)).is_err());
+    }
+
     #[test]
     fn edges_and_nulls_are_accepted() {
         let c = common(

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::{Config, Mode};
+use crate::config::{ApiKey, Config, Mode};
 use crate::error::RouterError;
 use crate::metrics::Metrics;
 use crate::workers::Pool;
@@ -22,6 +22,8 @@ pub struct AppState {
     pub max_seq_len: usize,
     pub metrics: Arc<Metrics>,
     pub started: Instant,
+    /// Accepted API keys; empty means the API is open.
+    api_keys: Vec<ApiKey>,
 }
 
 impl AppState {
@@ -38,6 +40,23 @@ impl AppState {
             stem.map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "model".into())
         });
+        let mut api_keys: Vec<ApiKey> = cfg
+            .api_keys
+            .iter()
+            .filter(|k| !k.0.is_empty())
+            .cloned()
+            .collect();
+        if let Some(path) = &cfg.api_key_file {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                RouterError::Internal(format!("reading the API key file {}: {e}", path.display()))
+            })?;
+            api_keys.extend(
+                text.lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(|l| ApiKey(l.to_string())),
+            );
+        }
         let connect = Duration::from_millis(cfg.connect_timeout_ms);
         let prefill = match cfg.mode {
             Mode::Pd => Pool::new("prefill", &cfg.prefill_nodes, connect)?,
@@ -64,7 +83,33 @@ impl AppState {
             max_seq_len,
             metrics: Arc::default(),
             started: Instant::now(),
+            api_keys,
         })
+    }
+
+    /// Checks an `Authorization` header value against the configured keys.
+    pub fn authorize(&self, header: Option<&str>) -> Result<(), RouterError> {
+        if self.api_keys.is_empty() {
+            return Ok(());
+        }
+        let key = header
+            .and_then(|h| h.strip_prefix("Bearer "))
+            .map(str::trim)
+            .ok_or(RouterError::MissingApiKey)?;
+        // Every key is compared in full, so the time taken says nothing about which matched.
+        let matched = self.api_keys.iter().fold(false, |hit, k| {
+            hit | constant_time_eq(k.0.as_bytes(), key.as_bytes())
+        });
+        if matched {
+            Ok(())
+        } else {
+            Err(RouterError::BadApiKey)
+        }
+    }
+
+    /// The response for `e` in the configured error format.
+    pub fn error_response(&self, e: RouterError) -> axum::response::Response {
+        e.response_in(self.cfg.error_format)
     }
 
     /// Completion tokens a request may get in all. With PD and no smaller explicit
@@ -79,5 +124,28 @@ impl AppState {
             (Mode::Colocated, _) => iter,
         };
         wanted.min(self.max_seq_len - prompt_tokens).max(1)
+    }
+}
+
+/// Equality whose time depends only on the lengths, not on where the bytes differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let diff = a
+        .iter()
+        .zip(b)
+        .fold(a.len() ^ b.len(), |acc, (x, y)| acc | usize::from(x ^ y));
+    diff == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::constant_time_eq;
+
+    #[test]
+    fn constant_time_eq_is_equality() {
+        assert!(constant_time_eq(b"key-1", b"key-1"));
+        assert!(!constant_time_eq(b"key-1", b"key-2"));
+        assert!(!constant_time_eq(b"key-1", b"key-10"));
+        assert!(!constant_time_eq(b"", b"k"));
+        assert!(constant_time_eq(b"", b""));
     }
 }

@@ -1,6 +1,7 @@
 //! End-to-end tests: real router, prefill and decode processes on localhost, real HTTP.
 
 mod api;
+mod auth;
 mod errors;
 mod openai_sdk;
 mod params;

@@ -1,0 +1,89 @@
+//! API keys (Bearer, from flags and a file) and seed 003's error body.
+
+use e2e::{scratch, tiny_model, Cluster, Mode};
+use serde_json::{json, Value};
+
+async fn ask(c: &Cluster, path: &str, key: Option<&str>, body: &Value) -> (u16, Value) {
+    let mut req = reqwest::Client::new()
+        .post(format!("{}{path}", c.url))
+        .json(body);
+    if let Some(k) = key {
+        req = req.bearer_auth(k);
+    }
+    let resp = req.send().await.unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap_or(Value::Null))
+}
+
+fn hello() -> Value {
+    json!({"model": "test", "prompt": "hello", "max_tokens": 2})
+}
+
+#[tokio::test]
+async fn api_keys_guard_the_api_but_not_health_or_metrics() {
+    let file = scratch().join("keys.txt");
+    std::fs::write(&file, "# one key per line\n\nfile-key\n").unwrap();
+    let file = file.display().to_string();
+    let c = Cluster::start(
+        Mode::Pd,
+        &tiny_model(),
+        &["--api-keys", "k1,k2", "--api-key-file", &file],
+    )
+    .await;
+    let (status, v) = ask(&c, "/v1/completions", None, &hello()).await;
+    assert_eq!(status, 401, "{v}");
+    assert_eq!(v["error"]["type"], "authentication_error");
+    let (status, _) = ask(&c, "/v1/completions", Some("k3"), &hello()).await;
+    assert_eq!(status, 401);
+    for key in ["k1", "k2", "file-key"] {
+        let (status, v) = ask(&c, "/v1/completions", Some(key), &hello()).await;
+        assert_eq!(status, 200, "{key}: {v}");
+    }
+    let models = reqwest::get(format!("{}/v1/models", c.url)).await.unwrap();
+    assert_eq!(models.status(), 401);
+    for open in ["/health", "/metrics"] {
+        let r = reqwest::get(format!("{}{open}", c.url)).await.unwrap();
+        assert_eq!(r.status(), 200, "{open} needs no key");
+    }
+}
+
+#[tokio::test]
+async fn provider_error_format_uses_the_003_codes() {
+    let c = Cluster::start(
+        Mode::Pd,
+        &tiny_model(),
+        &[
+            "--api-keys",
+            "k",
+            "--error-format",
+            "provider",
+            "--request-timeout-ms",
+            "1",
+        ],
+    )
+    .await;
+    let cases = [
+        (None, hello(), 401, 702),
+        (Some("wrong"), hello(), 401, 801),
+        (
+            Some("k"),
+            json!({"model": "test", "prompt": "hello", "temperature": 9}),
+            400,
+            9999,
+        ),
+        // A request cannot finish within 1 ms: 504, 802.
+        (
+            Some("k"),
+            json!({"model": "test", "prompt": "hello", "max_tokens": 50}),
+            504,
+            802,
+        ),
+    ];
+    for (key, body, status, code) in cases {
+        let (got, v) = ask(&c, "/v1/completions", key, &body).await;
+        assert_eq!(got, status, "{v}");
+        assert_eq!(v["code"], code, "{v}");
+        assert!(v["result"].is_null() && v["message"].is_string(), "{v}");
+        assert!(v.get("error").is_none());
+    }
+}
