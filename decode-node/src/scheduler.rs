@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use engine::{EngineError, Model, SamplingParams, SeqCache, SeqInput};
-use proto::v1::{generate_event::Event, FinishReason, GenerateEvent, TokenEvent};
+use proto::v1::{generate_event::Event, Finish, FinishReason, GenerateEvent, TokenEvent};
 use tokio::sync::mpsc;
 use tonic::Status;
 
@@ -20,8 +20,12 @@ pub type Events = mpsc::UnboundedSender<Result<GenerateEvent, Status>>;
 pub enum Start {
     /// Colocated: run the prompt here and sample the first token.
     Prefill,
-    /// Disaggregated: the prompt's cache and first token came from a prefill node.
-    Transferred { cache: SeqCache, first_token: u32 },
+    /// Disaggregated: the prompt's cache and each sequence's first token came from a
+    /// prefill node.
+    Transferred {
+        cache: SeqCache,
+        first_tokens: Vec<u32>,
+    },
 }
 
 /// A sequence asking to join the batch.
@@ -30,6 +34,8 @@ pub struct Admission {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     pub top_logprobs: usize,
+    /// Sequences decoded from the one prompt (n or best_of).
+    pub n: usize,
     /// Tokens this node may produce (the first one included when it prefills).
     pub max_new: usize,
     pub stop_ids: Vec<u32>,
@@ -40,6 +46,7 @@ pub struct Admission {
 
 struct Seq {
     span: tracing::Span,
+    choice: u32,
     prompt: Vec<u32>,
     sampling: SamplingParams,
     top_logprobs: usize,
@@ -72,7 +79,13 @@ struct Scheduler {
     running: Vec<Seq>,
 }
 
-fn token_event(s: &engine::Sampled, ms: f64, batch: usize, wait_us: u64) -> GenerateEvent {
+fn token_event(
+    s: &engine::Sampled,
+    choice: u32,
+    ms: f64,
+    batch: usize,
+    wait_us: u64,
+) -> GenerateEvent {
     GenerateEvent {
         event: Some(Event::Token(TokenEvent {
             token: Some(proto::token_to_proto(s)),
@@ -80,13 +93,17 @@ fn token_event(s: &engine::Sampled, ms: f64, batch: usize, wait_us: u64) -> Gene
             batch_size: batch as u32,
             queue_wait_us: wait_us,
             from_prefill: false,
+            choice,
         })),
     }
 }
 
-fn finish_event(reason: FinishReason) -> GenerateEvent {
+fn finish_event(reason: FinishReason, choice: u32) -> GenerateEvent {
     GenerateEvent {
-        event: Some(Event::Finish(reason as i32)),
+        event: Some(Event::Finish(Finish {
+            reason: reason as i32,
+            choice,
+        })),
     }
 }
 
@@ -145,7 +162,7 @@ impl Scheduler {
         match self.finish_of(&seq) {
             Some(reason) => {
                 tracing::debug!(parent: &seq.span, ?reason, tokens = seq.output.len(), "finished");
-                let _ = seq.events.send(Ok(finish_event(reason)));
+                let _ = seq.events.send(Ok(finish_event(reason, seq.choice)));
             }
             None => self.running.push(seq),
         }
@@ -153,17 +170,36 @@ impl Scheduler {
 
     fn admit(&mut self, a: Admission) {
         let _entered = a.span.clone().entered();
-        // The cache, the first token, how many tokens this node made, and since when the
-        // sequence waits for its next step.
-        let (cache, first_token, produced, ready_since) = match a.start {
-            Start::Transferred { cache, first_token } => (cache, first_token, 0, a.enqueued),
+        // The prompt's cache, each sequence's first token, how many tokens this node made
+        // per sequence, and since when the sequences wait for their next step.
+        let (cache, first_tokens, produced, ready_since) = match a.start {
+            Start::Transferred {
+                cache,
+                first_tokens,
+            } => {
+                if first_tokens.len() != a.n {
+                    let e = DecodeError::InvalidRequest(format!(
+                        "{} first tokens arrived for {} sequences",
+                        first_tokens.len(),
+                        a.n
+                    ));
+                    let _ = a.events.send(Err(e.into()));
+                    return;
+                }
+                (cache, first_tokens, 0, a.enqueued)
+            }
             Start::Prefill => {
                 if a.max_new == 0 {
-                    let _ = a.events.send(Ok(finish_event(FinishReason::Length)));
+                    for choice in 0..a.n as u32 {
+                        let _ = a
+                            .events
+                            .send(Ok(finish_event(FinishReason::Length, choice)));
+                    }
                     return;
                 }
                 let started = Instant::now();
-                let (cache, first) = match self.prefill(&a.prompt, &a.sampling, a.top_logprobs) {
+                let (cache, first) = match self.prefill(&a.prompt, &a.sampling, a.n, a.top_logprobs)
+                {
                     Ok(r) => r,
                     Err(e) => {
                         tracing::warn!(error = %e, "prefill failed");
@@ -171,40 +207,60 @@ impl Scheduler {
                         return;
                     }
                 };
-                let mut event = token_event(
-                    &first,
-                    started.elapsed().as_secs_f64() * 1e3,
-                    1,
-                    (started - a.enqueued).as_micros() as u64,
-                );
-                if let Some(Event::Token(t)) = &mut event.event {
-                    t.from_prefill = true;
+                let ms = started.elapsed().as_secs_f64() * 1e3;
+                let wait = (started - a.enqueued).as_micros() as u64;
+                for (choice, s) in first.iter().enumerate() {
+                    let mut event = token_event(s, choice as u32, ms, 1, wait);
+                    if let Some(Event::Token(t)) = &mut event.event {
+                        t.from_prefill = true;
+                    }
+                    let _ = a.events.send(Ok(event));
                 }
-                let _ = a.events.send(Ok(event));
-                (cache, first.token, 1, Instant::now())
+                let tokens = first.iter().map(|s| s.token).collect();
+                (cache, tokens, 1, Instant::now())
             }
         };
-        self.keep_or_finish(Seq {
-            span: a.span,
-            prompt: a.prompt,
-            sampling: a.sampling,
-            top_logprobs: a.top_logprobs,
-            max_new: a.max_new,
-            stop_ids: a.stop_ids,
-            cache,
-            output: vec![first_token],
-            produced,
-            ready_since,
-            events: a.events,
-        });
+        // Sequence 0 keeps the prompt's cache; the others decode from copies of it.
+        let mut caches = Vec::with_capacity(first_tokens.len());
+        for _ in 1..first_tokens.len() {
+            match cache.fork() {
+                Ok(c) => caches.push(c),
+                Err(e) => {
+                    let _ = a.events.send(Err(DecodeError::from(e).into()));
+                    return;
+                }
+            }
+        }
+        caches.insert(0, cache);
+        for (choice, (cache, first)) in caches.into_iter().zip(first_tokens).enumerate() {
+            self.keep_or_finish(Seq {
+                span: a.span.clone(),
+                choice: choice as u32,
+                prompt: a.prompt.clone(),
+                sampling: SamplingParams {
+                    seed: engine::sampling::choice_seed(a.sampling.seed, choice),
+                    ..a.sampling.clone()
+                },
+                top_logprobs: a.top_logprobs,
+                max_new: a.max_new,
+                stop_ids: a.stop_ids.clone(),
+                cache,
+                output: vec![first],
+                produced,
+                ready_since,
+                events: a.events.clone(),
+            });
+        }
     }
 
+    /// Runs the prompt and samples the first token of each of `n` sequences.
     fn prefill(
         &self,
         prompt: &[u32],
         sampling: &SamplingParams,
+        n: usize,
         top_logprobs: usize,
-    ) -> Result<(SeqCache, engine::Sampled), DecodeError> {
+    ) -> Result<(SeqCache, Vec<engine::Sampled>), DecodeError> {
         if prompt.is_empty() {
             return Err(DecodeError::InvalidRequest("the prompt is empty".into()));
         }
@@ -217,7 +273,15 @@ impl Scheduler {
             .squeeze(0)
             .and_then(|t| t.to_vec1())
             .map_err(EngineError::from)?;
-        let first = engine::sampling::sample(&row, sampling, prompt, &[], 0, top_logprobs);
+        let first = (0..n)
+            .map(|i| {
+                let params = SamplingParams {
+                    seed: engine::sampling::choice_seed(sampling.seed, i),
+                    ..sampling.clone()
+                };
+                engine::sampling::sample(&row, &params, prompt, &[], 0, top_logprobs)
+            })
+            .collect();
         Ok((cache, first))
     }
 
@@ -275,9 +339,13 @@ impl Scheduler {
         let now = Instant::now();
         for (mut seq, s) in std::mem::take(&mut self.running).into_iter().zip(sampled) {
             let wait = started.saturating_duration_since(seq.ready_since);
-            let _ = seq
-                .events
-                .send(Ok(token_event(&s, ms, batch, wait.as_micros() as u64)));
+            let _ = seq.events.send(Ok(token_event(
+                &s,
+                seq.choice,
+                ms,
+                batch,
+                wait.as_micros() as u64,
+            )));
             seq.output.push(s.token);
             seq.produced += 1;
             seq.ready_since = now;

@@ -19,6 +19,9 @@ use crate::error::DecodeError;
 use crate::scheduler::{Admission, Start};
 use crate::store::{Arrived, TransferStore};
 
+/// Most sequences one request may decode (the seeds' n and best_of limit).
+const MAX_SEQUENCES: usize = 128;
+
 /// State shared by the service's handlers.
 pub struct DecodeService {
     admissions: mpsc::UnboundedSender<Admission>,
@@ -80,13 +83,16 @@ impl DecodeService {
                     *bytes += (c.k.len() + c.v.len()) as u64;
                     assembler.accept(&proto::chunk_from_proto(c))?;
                 }
-                Item::First(t) => {
+                Item::First(f) => {
                     if !assembler.is_complete() {
                         return Err(bad("the first token came before the whole cache"));
                     }
+                    if f.tokens.is_empty() || f.tokens.len() > MAX_SEQUENCES {
+                        return Err(bad("a transfer carries 1 to 128 first tokens"));
+                    }
                     return Ok(Arrived {
                         cache: assembler.finish()?,
-                        first_token: t.id,
+                        first_tokens: f.tokens.iter().map(|t| t.id).collect(),
                     });
                 }
                 Item::Header(_) => return Err(bad("a second header")),
@@ -141,12 +147,20 @@ impl proto::v1::decode_server::Decode for DecodeService {
         let id = runtime::request_id(&req, &req.get_ref().request_id);
         let req = req.into_inner();
         let span = tracing::info_span!("generate", req_id = %id, prefill_here = req.prefill_here);
+        let n = (req.n as usize).max(1);
+        if n > MAX_SEQUENCES {
+            return Err(DecodeError::InvalidRequest(format!(
+                "{n} sequences asked for, the limit is {MAX_SEQUENCES}"
+            ))
+            .into());
+        }
         let (events, rx) = mpsc::unbounded_channel();
         let admission = Admission {
             span: span.clone(),
             prompt: req.prompt,
             sampling: req.sampling.as_ref().map(Into::into).unwrap_or_default(),
             top_logprobs: req.top_logprobs as usize,
+            n,
             max_new: req.max_new_tokens as usize,
             stop_ids: req.stop_token_ids,
             start: Start::Prefill,
@@ -169,7 +183,7 @@ impl proto::v1::decode_server::Decode for DecodeService {
                         Ok(a) => {
                             admission.start = Start::Transferred {
                                 cache: a.cache,
-                                first_token: a.first_token,
+                                first_tokens: a.first_tokens,
                             };
                             admission.enqueued = Instant::now();
                             if let Err(mpsc::error::SendError(a)) = admissions.send(admission) {

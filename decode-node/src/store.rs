@@ -11,10 +11,10 @@ use tokio::sync::oneshot;
 
 use crate::error::DecodeError;
 
-/// A complete transfer: the prompt's cache and the token the prefill node sampled.
+/// A complete transfer: the prompt's cache and the first token of each sequence.
 pub struct Arrived {
     pub cache: SeqCache,
-    pub first_token: u32,
+    pub first_tokens: Vec<u32>,
 }
 
 type Delivery = Result<Arrived, String>;
@@ -134,7 +134,7 @@ mod tests {
         };
         Arrived {
             cache: SeqCache::new(layout, &candle_core::Device::Cpu).unwrap(),
-            first_token: 7,
+            first_tokens: vec![7],
         }
     }
 
@@ -142,7 +142,7 @@ mod tests {
     async fn transfer_first_then_claim() {
         let store = TransferStore::new(Duration::from_secs(5));
         store.deliver("a", Ok(arrived()));
-        assert_eq!(store.claim("a").await.unwrap().first_token, 7);
+        assert_eq!(store.claim("a").await.unwrap().first_tokens, vec![7]);
         assert!(store.is_empty());
     }
 
@@ -151,13 +151,13 @@ mod tests {
         let store = TransferStore::new(Duration::from_secs(5));
         let waiter = {
             let store = Arc::clone(&store);
-            tokio::spawn(async move { store.claim("b").await.map(|a| a.first_token) })
+            tokio::spawn(async move { store.claim("b").await.map(|a| a.first_tokens) })
         };
         while store.is_empty() {
             tokio::task::yield_now().await;
         }
         store.deliver("b", Ok(arrived()));
-        assert_eq!(waiter.await.unwrap().unwrap(), 7);
+        assert_eq!(waiter.await.unwrap().unwrap(), vec![7]);
         assert!(store.is_empty());
     }
 

@@ -57,8 +57,9 @@ pub(crate) struct LayerKv {
     pub(crate) v: Tensor,
 }
 
-/// The KV state of one sequence across all layers.
-#[derive(Debug, Clone)]
+/// The KV state of one sequence across all layers. Not `Clone`: a clone of the tensors
+/// would share their storage, and the next write would show in both; use `fork`.
+#[derive(Debug)]
 pub struct SeqCache {
     layout: KvLayout,
     layers: Vec<LayerKv>,
@@ -86,6 +87,27 @@ impl SeqCache {
             layout,
             capacity: 0,
             tokens: Vec::new(),
+        })
+    }
+
+    /// An independent copy of the cache, in storage of its own: one prompt's KV serving
+    /// several sequences (n > 1).
+    pub fn fork(&self) -> Result<Self> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(LayerKv {
+                    k: l.k.copy()?,
+                    v: l.v.copy()?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            layout: self.layout.clone(),
+            layers,
+            capacity: self.capacity,
+            tokens: self.tokens.clone(),
         })
     }
 

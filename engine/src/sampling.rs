@@ -69,6 +69,16 @@ pub fn uniform(seed: u64, step: u64) -> f64 {
     (bits >> 11) as f64 / (1u64 << 53) as f64
 }
 
+/// The seed of choice `i` of a request with `n > 1`: choice 0 keeps the request's seed, so
+/// n = 1 is unchanged; the others get streams of their own.
+pub fn choice_seed(seed: u64, choice: usize) -> u64 {
+    if choice == 0 {
+        seed
+    } else {
+        mix(seed ^ mix(choice as u64))
+    }
+}
+
 /// Applies the penalties in place. `prompt` and `output` are the tokens so far.
 pub fn apply_penalties(logits: &mut [f32], p: &SamplingParams, prompt: &[u32], output: &[u32]) {
     if p.repetition_penalty != 1.0 {

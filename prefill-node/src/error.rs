@@ -7,6 +7,8 @@ pub enum PrefillError {
     EmptyPrompt,
     #[error("the prompt has {got} tokens, the model's context is {limit}")]
     PromptTooLong { got: usize, limit: usize },
+    #[error("{0} sequences asked for, the limit is 128")]
+    TooManySequences(u32),
     #[error("no decode node address was given")]
     NoDecodeAddr,
     #[error("the prefill queue is full ({0} prompts)")]
@@ -30,9 +32,11 @@ impl From<PrefillError> for tonic::Status {
         use PrefillError::*;
         let msg = e.to_string();
         match e {
-            EmptyPrompt | PromptTooLong { .. } | NoDecodeAddr | BadDecodeAddr { .. } => {
-                tonic::Status::invalid_argument(msg)
-            }
+            EmptyPrompt
+            | PromptTooLong { .. }
+            | TooManySequences(_)
+            | NoDecodeAddr
+            | BadDecodeAddr { .. } => tonic::Status::invalid_argument(msg),
             QueueFull(_) => tonic::Status::resource_exhausted(msg),
             ShuttingDown | TransferClosed | Transfer { .. } => tonic::Status::unavailable(msg),
             Cancelled => tonic::Status::cancelled(msg),

@@ -83,6 +83,9 @@ impl PrefillService {
                 limit: self.max_positions,
             });
         }
+        if req.n > 128 {
+            return Err(PrefillError::TooManySequences(req.n));
+        }
         if req.decode_addr.is_empty() {
             return Err(PrefillError::NoDecodeAddr);
         }
@@ -106,6 +109,7 @@ impl PrefillService {
             prompt: req.prompt,
             sampling: req.sampling.as_ref().map(Into::into).unwrap_or_default(),
             top_logprobs: req.top_logprobs as usize,
+            n: (req.n as usize).max(1),
             enqueued,
             span: tracing::Span::current(),
             transfer: tx,
@@ -143,7 +147,7 @@ impl PrefillService {
             "prefilled"
         );
         Ok(PrefillResponse {
-            first: Some(proto::token_to_proto(&computed.first)),
+            first: computed.first.iter().map(proto::token_to_proto).collect(),
             prefill_time_ms: prefill_time.as_secs_f64() * 1e3,
             queue_wait_us: computed.queue_wait.as_micros() as u64,
             cached_tokens: 0,

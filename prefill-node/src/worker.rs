@@ -6,7 +6,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use engine::{EngineError, Model, Sampled, SamplingParams, SeqInput};
-use proto::v1::{kv_transfer::Item, KvTransfer};
+use proto::v1::{kv_transfer::Item, FirstTokens, KvTransfer};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::PrefillError;
@@ -16,6 +16,8 @@ pub struct Job {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     pub top_logprobs: usize,
+    /// Sequences to start: one first token each.
+    pub n: usize,
     pub enqueued: Instant,
     pub span: tracing::Span,
     /// Where the chunks and then the first token go; dropping it without the first token
@@ -27,7 +29,8 @@ pub struct Job {
 /// What a finished prefill reports.
 #[derive(Debug)]
 pub struct Computed {
-    pub first: Sampled,
+    /// One first token per sequence.
+    pub first: Vec<Sampled>,
     pub queue_wait: Duration,
     pub started: Instant,
 }
@@ -94,10 +97,19 @@ fn prefill(model: &Model, chunk_tokens: usize, job: &Job) -> Result<Computed, Pr
         .squeeze(0)
         .and_then(|t| t.to_vec1())
         .map_err(EngineError::from)?;
-    let first =
-        engine::sampling::sample(&row, &job.sampling, &job.prompt, &[], 0, job.top_logprobs);
+    let first: Vec<Sampled> = (0..job.n)
+        .map(|i| {
+            let params = SamplingParams {
+                seed: engine::sampling::choice_seed(job.sampling.seed, i),
+                ..job.sampling.clone()
+            };
+            engine::sampling::sample(&row, &params, &job.prompt, &[], 0, job.top_logprobs)
+        })
+        .collect();
     let msg = KvTransfer {
-        item: Some(Item::First(proto::token_to_proto(&first))),
+        item: Some(Item::First(FirstTokens {
+            tokens: first.iter().map(proto::token_to_proto).collect(),
+        })),
     };
     job.transfer
         .blocking_send(msg)

@@ -24,11 +24,15 @@ pub struct GenRequest {
     pub stop_ids: Vec<u32>,
     /// Alternatives reported with each token.
     pub top_logprobs: usize,
+    /// Sequences generated from the prompt (best_of, else n).
+    pub sequences: usize,
 }
 
 /// One generated token and what it cost.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenStat {
+    /// Which sequence of the request it belongs to.
+    pub choice: u32,
     pub id: u32,
     pub logprob: f32,
     /// The best alternatives (id, logprob), when asked for.
@@ -41,11 +45,11 @@ pub struct TokenStat {
     pub cached_tokens: u32,
 }
 
-/// What a generation yields, in order: tokens, then one finish.
+/// What a generation yields: tokens, and one finish per sequence after its tokens.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
     Token(TokenStat),
-    Finish(FinishReason),
+    Finish { choice: u32, reason: FinishReason },
 }
 
 /// Pieces after the first.
@@ -106,6 +110,7 @@ async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), Router
             stop_token_ids: req.stop_ids.clone(),
             prefill_here: false,
             top_logprobs: req.top_logprobs as u32,
+            n: req.sequences as u32,
         },
     );
     let prefill = runtime::with_request_id(
@@ -116,6 +121,7 @@ async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), Router
             sampling,
             decode_addr: d.addr.clone(),
             top_logprobs: req.top_logprobs as u32,
+            n: req.sequences as u32,
         },
     );
     let (mut dc, mut pc) = (d.decode(), p.prefill());
@@ -125,27 +131,35 @@ async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), Router
     let first = first.map_err(|s| RouterError::worker("prefill", &p.addr, s))?;
     let stream = stream.map_err(|s| RouterError::worker("decode", &d.addr, s))?;
     let first = first.into_inner();
-    let token = first
-        .first
-        .ok_or_else(|| RouterError::Internal("the prefill node sent no token".into()))?;
-    let piece = Piece::Token(TokenStat {
-        id: token.id,
-        logprob: token.logprob,
-        top: top_of(&token),
-        step_ms: first.prefill_time_ms,
-        batch_size: first.batch_size,
-        queue_wait_us: first.queue_wait_us,
-        from_prefill: true,
-        cached_tokens: first.cached_tokens,
-    });
-    if tx.send(Ok(piece)).await.is_err() {
-        return Ok(());
+    if first.first.len() != req.sequences {
+        return Err(RouterError::Internal(format!(
+            "the prefill node sent {} first tokens for {} sequences",
+            first.first.len(),
+            req.sequences
+        )));
     }
-    forward(stream.into_inner(), "decode", &d.addr, tx).await
+    for (choice, token) in first.first.iter().enumerate() {
+        let piece = Piece::Token(TokenStat {
+            choice: choice as u32,
+            id: token.id,
+            logprob: token.logprob,
+            top: top_of(token),
+            step_ms: first.prefill_time_ms,
+            batch_size: first.batch_size,
+            queue_wait_us: first.queue_wait_us,
+            from_prefill: true,
+            cached_tokens: first.cached_tokens,
+        });
+        if tx.send(Ok(piece)).await.is_err() {
+            return Ok(());
+        }
+    }
+    forward(stream.into_inner(), req.sequences, "decode", &d.addr, tx).await
 }
 
 async fn run_colocated(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), RouterError> {
     let w = state.decode.pick()?;
+    let sequences = req.sequences;
     let generate = runtime::with_request_id(
         &req.id,
         GenerateRequest {
@@ -156,6 +170,7 @@ async fn run_colocated(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(),
             stop_token_ids: req.stop_ids,
             prefill_here: true,
             top_logprobs: req.top_logprobs as u32,
+            n: req.sequences as u32,
         },
     );
     let stream = w
@@ -163,21 +178,23 @@ async fn run_colocated(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(),
         .generate(generate)
         .await
         .map_err(|s| RouterError::worker("colocated", &w.addr, s))?;
-    forward(stream.into_inner(), "colocated", &w.addr, tx).await
+    forward(stream.into_inner(), sequences, "colocated", &w.addr, tx).await
 }
 
 fn top_of(t: &proto::v1::Token) -> Vec<(u32, f32)> {
     t.top.iter().map(|a| (a.id, a.logprob)).collect()
 }
 
-/// Passes a worker's events on until its finish.
+/// Passes a worker's events on until every sequence has finished.
 async fn forward(
     mut stream: Streaming<proto::v1::GenerateEvent>,
+    sequences: usize,
     role: &'static str,
     addr: &str,
     tx: &Tx,
 ) -> Result<(), RouterError> {
-    loop {
+    let mut finished = 0;
+    while finished < sequences {
         let event = stream
             .message()
             .await
@@ -186,6 +203,7 @@ async fn forward(
             Some(Event::Token(t)) => {
                 let token = t.token.unwrap_or_default();
                 Piece::Token(TokenStat {
+                    choice: t.choice,
                     id: token.id,
                     logprob: token.logprob,
                     top: top_of(&token),
@@ -197,13 +215,15 @@ async fn forward(
                 })
             }
             Some(Event::Finish(f)) => {
-                let reason = FinishReason::try_from(f).unwrap_or(FinishReason::Stop);
-                let _ = tx.send(Ok(Piece::Finish(reason))).await;
-                return Ok(());
+                finished += 1;
+                Piece::Finish {
+                    choice: f.choice,
+                    reason: FinishReason::try_from(f.reason).unwrap_or(FinishReason::Stop),
+                }
             }
             None => {
                 return Err(RouterError::Internal(format!(
-                    "{role} worker {addr} ended the stream without a finish"
+                    "{role} worker {addr} ended the stream before every sequence finished"
                 )))
             }
         };
@@ -211,4 +231,5 @@ async fn forward(
             return Ok(());
         }
     }
+    Ok(())
 }

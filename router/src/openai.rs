@@ -162,26 +162,25 @@ async fn run(
         sampling: common.sampling,
         stop_ids: stop_ids.clone(),
         top_logprobs: logprobs.unwrap_or(0),
+        sequences: common.best_of,
     };
     let prompt_tokens = req.prompt.len();
     let (first, rest) = dispatch::start(state, req).await?;
+    let choices = (0..common.best_of)
+        .map(|_| ChoiceOut::new(common.skip_special_tokens))
+        .collect();
     let out = Output {
         state: Arc::clone(state),
         kind,
         id,
         created: unix_now(),
         prompt_tokens,
-        decoder: engine::IncrementalDecoder::new(common.skip_special_tokens),
         stop_ids,
         user_stop_ids: common.stop_token_ids,
         stops: StopStrings::new(common.stop, common.include_stop_str_in_output),
         logprobs,
-        text: String::new(),
-        text_chars: 0,
-        sent: 0,
-        stop_reason: Value::Null,
-        stopped: false,
-        entries: Vec::new(),
+        n: common.n,
+        choices,
         tally: Tally::default(),
     };
     if common.stream {
@@ -193,7 +192,7 @@ async fn run(
     }
 }
 
-/// Per-token figures the usage reports.
+/// Per-token figures the usage reports, over every sequence.
 #[derive(Debug, Default)]
 struct Tally {
     completion_tokens: usize,
@@ -227,29 +226,83 @@ struct LogprobEntry {
     offset: usize,
 }
 
-/// One request's output as it grows.
-struct Output {
-    state: Arc<AppState>,
-    kind: Kind,
-    id: String,
-    created: u64,
-    prompt_tokens: usize,
+/// One sequence's output as it grows.
+struct ChoiceOut {
     decoder: engine::IncrementalDecoder,
-    /// Every id that ends generation (EOS unless ignored, and stop_token_ids).
-    stop_ids: Vec<u32>,
-    /// The request's own stop_token_ids, reported as `stop_reason`.
-    user_stop_ids: Vec<u32>,
-    stops: StopStrings,
-    logprobs: Option<usize>,
     /// Decoded text; past a matched stop string it is cut where the output ends.
     text: String,
     text_chars: usize,
     /// Bytes of `text` already released to the client.
     sent: usize,
     stop_reason: Value,
-    /// A stop string ended the output: take no more tokens.
+    /// A stop string ended the output: its later tokens are ignored.
     stopped: bool,
+    finish: Option<FinishReason>,
+    /// Sum of its tokens' logprobs: how best_of ranks sequences.
+    cumulative_logprob: f64,
     entries: Vec<LogprobEntry>,
+}
+
+impl ChoiceOut {
+    fn new(skip_special: bool) -> Self {
+        Self {
+            decoder: engine::IncrementalDecoder::new(skip_special),
+            text: String::new(),
+            text_chars: 0,
+            sent: 0,
+            stop_reason: Value::Null,
+            stopped: false,
+            finish: None,
+            cumulative_logprob: 0.0,
+            entries: Vec::new(),
+        }
+    }
+
+    fn append(&mut self, piece: &str, stops: &StopStrings) {
+        let old = self.text.len();
+        self.text.push_str(piece);
+        self.text_chars += piece.chars().count();
+        if let Scan::Stop { end, which } = stops.scan(&self.text, old) {
+            self.text.truncate(end);
+            self.text_chars = self.text.chars().count();
+            self.stop_reason = json!(stops.get(which));
+            self.stopped = true;
+        }
+    }
+
+    /// The text now free to go out; `all` at the end of the output.
+    fn release(&mut self, stops: &StopStrings, all: bool) -> String {
+        let upto = if all || self.stopped {
+            self.text.len()
+        } else {
+            match stops.scan(&self.text, self.text.len()) {
+                Scan::Release(n) => n,
+                Scan::Stop { end, .. } => end,
+            }
+        };
+        let upto = upto.max(self.sent);
+        let out = self.text[self.sent..upto].to_string();
+        self.sent = upto;
+        out
+    }
+}
+
+/// One request's output: one `ChoiceOut` per generated sequence.
+struct Output {
+    state: Arc<AppState>,
+    kind: Kind,
+    id: String,
+    created: u64,
+    prompt_tokens: usize,
+    /// Every id that ends generation (EOS unless ignored, and stop_token_ids).
+    stop_ids: Vec<u32>,
+    /// The request's own stop_token_ids, reported as `stop_reason`.
+    user_stop_ids: Vec<u32>,
+    stops: StopStrings,
+    logprobs: Option<usize>,
+    /// Choices returned (the best n of the sequences when best_of > n).
+    n: usize,
+    choices: Vec<ChoiceOut>,
     tally: Tally,
 }
 
@@ -271,9 +324,19 @@ impl Output {
         Shown { text, bytes }
     }
 
-    /// Counts a token and returns the text it releases ("" while a character is split or
-    /// the text could still become a stop string).
-    fn push(&mut self, t: &TokenStat) -> Result<String, RouterError> {
+    fn choice_mut(&mut self, choice: u32) -> Result<&mut ChoiceOut, RouterError> {
+        self.choices
+            .get_mut(choice as usize)
+            .ok_or_else(|| RouterError::Internal(format!("a token for unknown choice {choice}")))
+    }
+
+    /// Counts a token and returns the text it releases for its choice ("" while a character
+    /// is split or the text could still become a stop string), or `None` when that choice
+    /// has already ended.
+    fn push(&mut self, t: &TokenStat) -> Result<Option<String>, RouterError> {
+        if self.choice_mut(t.choice)?.finish.is_some() {
+            return Ok(None);
+        }
         let tally = &mut self.tally;
         tally.completion_tokens += 1;
         tally.batch_size.push(t.batch_size);
@@ -284,78 +347,93 @@ impl Output {
         } else {
             tally.decode_ms.push(ms(t.step_ms));
         }
-        if self.logprobs.is_some() {
-            let entry = LogprobEntry {
-                token: self.shown(t.id),
-                logprob: t.logprob,
-                top: t.top.iter().map(|&(id, lp)| (self.shown(id), lp)).collect(),
-                offset: self.text_chars,
-            };
-            self.entries.push(entry);
-        }
-        if self.user_stop_ids.contains(&t.id) {
-            self.stop_reason = json!(t.id);
-        }
-        // A stop token ends the output and is not part of its text.
-        if self.stop_ids.contains(&t.id) {
-            return self.release(false);
-        }
-        let piece = self
-            .decoder
-            .push(&self.state.text.tokenizer, t.id)
-            .map_err(|e| RouterError::Internal(e.to_string()))?
-            .unwrap_or_default();
-        self.append(&piece);
-        self.release(false)
-    }
-
-    fn append(&mut self, piece: &str) {
-        let old = self.text.len();
-        self.text.push_str(piece);
-        self.text_chars += piece.chars().count();
-        if let Scan::Stop { end, which } = self.stops.scan(&self.text, old) {
-            self.text.truncate(end);
-            self.text_chars = self.text.chars().count();
-            self.stop_reason = json!(self.stops.get(which));
-            self.stopped = true;
-        }
-    }
-
-    /// The text now free to go out; `all` at the end of the output.
-    fn release(&mut self, all: bool) -> Result<String, RouterError> {
-        let upto = if all || self.stopped {
-            self.text.len()
+        let entry = self.logprobs.map(|_| LogprobEntry {
+            token: self.shown(t.id),
+            logprob: t.logprob,
+            top: t.top.iter().map(|&(id, lp)| (self.shown(id), lp)).collect(),
+            offset: 0,
+        });
+        let is_stop = self.stop_ids.contains(&t.id);
+        let user_stop = self.user_stop_ids.contains(&t.id);
+        let piece = if is_stop {
+            // A stop token ends the output and is not part of its text.
+            String::new()
         } else {
-            match self.stops.scan(&self.text, self.text.len()) {
-                Scan::Release(n) => n,
-                Scan::Stop { end, .. } => end,
-            }
+            let tokenizer = &self.state.text.tokenizer;
+            let choice = &mut self.choices[t.choice as usize];
+            choice
+                .decoder
+                .push(tokenizer, t.id)
+                .map_err(|e| RouterError::Internal(e.to_string()))?
+                .unwrap_or_default()
         };
-        let upto = upto.max(self.sent);
-        let out = self.text[self.sent..upto].to_string();
-        self.sent = upto;
-        Ok(out)
+        let stops = &self.stops;
+        let choice = &mut self.choices[t.choice as usize];
+        choice.cumulative_logprob += f64::from(t.logprob);
+        if let Some(mut e) = entry {
+            e.offset = choice.text_chars;
+            choice.entries.push(e);
+        }
+        if user_stop {
+            choice.stop_reason = json!(t.id);
+        }
+        choice.append(&piece, stops);
+        if choice.stopped {
+            choice.finish = Some(FinishReason::Stop);
+        }
+        Ok(Some(choice.release(stops, false)))
     }
 
-    /// Text held back at the end.
-    fn flush(&mut self) -> Result<String, RouterError> {
-        if !self.stopped {
-            let rest = self
+    /// Ends a choice: returns the text it still held back.
+    fn finish(&mut self, choice: u32, reason: FinishReason) -> Result<String, RouterError> {
+        let tokenizer = &self.state.text.tokenizer;
+        let stops = &self.stops;
+        let c = self.choices.get_mut(choice as usize).ok_or_else(|| {
+            RouterError::Internal(format!("a finish for unknown choice {choice}"))
+        })?;
+        if !c.stopped {
+            let rest = c
                 .decoder
-                .flush(&self.state.text.tokenizer)
+                .flush(tokenizer)
                 .map_err(|e| RouterError::Internal(e.to_string()))?
                 .unwrap_or_default();
-            self.append(&rest);
+            c.append(&rest, stops);
         }
-        self.release(true)
-    }
-
-    /// How the output ended: a matched stop string overrides the worker's reason.
-    fn finish_reason(&self, worker: FinishReason) -> FinishReason {
-        if self.stopped {
+        c.finish = Some(if c.stopped {
             FinishReason::Stop
         } else {
-            worker
+            reason
+        });
+        Ok(c.release(stops, true))
+    }
+
+    fn all_finished(&self) -> bool {
+        self.choices.iter().all(|c| c.finish.is_some())
+    }
+
+    fn usage(&self) -> Value {
+        let t = &self.tally;
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_details": {"cached_tokens": t.cached_tokens},
+            "completion_tokens": t.completion_tokens,
+            "total_tokens": self.prompt_tokens + t.completion_tokens,
+            "batch_size": t.batch_size,
+            "queue_wait_time": t.queue_wait_us,
+        })
+    }
+
+    fn record(&self) {
+        self.state
+            .metrics
+            .tokens(self.prompt_tokens, self.tally.completion_tokens);
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Completion, _) => "text_completion",
         }
     }
 
@@ -393,35 +471,12 @@ impl Output {
         }
     }
 
-    fn usage(&self) -> Value {
-        let t = &self.tally;
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "prompt_tokens_details": {"cached_tokens": t.cached_tokens},
-            "completion_tokens": t.completion_tokens,
-            "total_tokens": self.prompt_tokens + t.completion_tokens,
-            "batch_size": t.batch_size,
-            "queue_wait_time": t.queue_wait_us,
-        })
-    }
-
-    fn record(&self) {
-        self.state
-            .metrics
-            .tokens(self.prompt_tokens, self.tally.completion_tokens);
-    }
-
-    fn object(&self, chunk: bool) -> &'static str {
-        match (self.kind, chunk) {
-            (Kind::Chat, false) => "chat.completion",
-            (Kind::Chat, true) => "chat.completion.chunk",
-            (Kind::Completion, _) => "text_completion",
-        }
-    }
-
-    /// A choice carrying `content` and the logprobs of `entries`, finished or not.
-    fn choice(
+    /// Choice `index` (as shown) of sequence `c`, carrying `content` and the logprobs of
+    /// `entries`, finished or not.
+    fn choice_json(
         &self,
+        index: usize,
+        c: &ChoiceOut,
         content: &str,
         entries: &[LogprobEntry],
         finish: Option<FinishReason>,
@@ -429,20 +484,20 @@ impl Output {
     ) -> Value {
         let logprobs = self.logprobs_json(entries);
         let stop_reason = if finish.is_some() {
-            self.stop_reason.clone()
+            c.stop_reason.clone()
         } else {
             Value::Null
         };
         let finish = finish.map(finish_str);
         match (self.kind, chunk) {
-            (Kind::Chat, false) => json!({"index": 0,
+            (Kind::Chat, false) => json!({"index": index,
                 "message": {"role": "assistant", "content": content, "tool_calls": []},
                 "logprobs": logprobs, "finish_reason": finish}),
-            (Kind::Chat, true) => json!({"index": 0,
+            (Kind::Chat, true) => json!({"index": index,
                 "delta": {"role": "assistant", "content": content}, "logprobs": logprobs,
                 "finish_reason": finish}),
-            (Kind::Completion, _) => json!({"index": 0, "text": content, "logprobs": logprobs,
-                "stop_reason": stop_reason, "finish_reason": finish}),
+            (Kind::Completion, _) => json!({"index": index, "text": content,
+                "logprobs": logprobs, "stop_reason": stop_reason, "finish_reason": finish}),
         }
     }
 
@@ -455,42 +510,71 @@ impl Output {
         m
     }
 
-    fn token_chunk(&self, piece: &str) -> Value {
+    /// The chunk for a token of `choice` that released `piece`.
+    fn token_chunk(&self, choice: u32, piece: &str) -> Value {
+        let c = &self.choices[choice as usize];
         let content = if self.state.cfg.full_text_enabled {
-            &self.text[..self.sent]
+            &c.text[..c.sent]
         } else {
             piece
         };
-        let newest = self.entries.len().saturating_sub(1);
+        let newest = c.entries.len().saturating_sub(1);
         let mut m = self.head(true);
         m.insert(
             "choices".into(),
-            json!([self.choice(content, &self.entries[newest..], None, true)]),
+            json!([self.choice_json(
+                choice as usize,
+                c,
+                content,
+                &c.entries[newest..],
+                None,
+                true
+            )]),
         );
         Value::Object(m)
     }
 
-    fn last_chunk(&self, rest: &str, finish: FinishReason) -> Value {
+    /// The chunk that ends `choice`; the last one to end also carries the usage.
+    fn finish_chunk(&self, choice: u32, rest: &str) -> Value {
+        let c = &self.choices[choice as usize];
         let full = self.state.cfg.full_text_enabled;
-        let content = if full { self.text.as_str() } else { rest };
+        let content = if full { c.text.as_str() } else { rest };
         let mut m = self.head(true);
         if full {
-            m.insert("full_text".into(), json!(self.text));
+            m.insert("full_text".into(), json!(c.text));
         }
-        m.insert("usage".into(), self.usage());
+        if self.all_finished() {
+            m.insert("usage".into(), self.usage());
+        }
         m.insert(
             "choices".into(),
-            json!([self.choice(content, &[], Some(finish), true)]),
+            json!([self.choice_json(choice as usize, c, content, &[], c.finish, true)]),
         );
         Value::Object(m)
     }
 
-    fn response(&self, finish: FinishReason) -> Value {
+    /// The non-streamed body: the n best sequences by cumulative logprob (all of them, in
+    /// order, without best_of).
+    fn response(&self) -> Value {
+        let mut order: Vec<usize> = (0..self.choices.len()).collect();
+        if self.choices.len() > self.n {
+            order.sort_by(|&a, &b| {
+                self.choices[b]
+                    .cumulative_logprob
+                    .total_cmp(&self.choices[a].cumulative_logprob)
+            });
+            order.truncate(self.n);
+        }
+        let choices: Vec<Value> = order
+            .iter()
+            .enumerate()
+            .map(|(index, &i)| {
+                let c = &self.choices[i];
+                self.choice_json(index, c, &c.text, &c.entries, c.finish, false)
+            })
+            .collect();
         let mut m = self.head(false);
-        m.insert(
-            "choices".into(),
-            json!([self.choice(&self.text, &self.entries, Some(finish), false)]),
-        );
+        m.insert("choices".into(), json!(choices));
         m.insert("usage".into(), self.usage());
         m.insert("prefill_time".into(), json!(ms(self.tally.prefill_ms)));
         m.insert("decode_time_arr".into(), json!(self.tally.decode_ms));
@@ -505,22 +589,26 @@ fn finish_str(f: FinishReason) -> &'static str {
     }
 }
 
-/// Waits for the whole generation and builds the non-streamed body.
+/// Waits for the whole generation and builds the non-streamed body. Returning drops
+/// `rest`, which cancels what the workers still generate (after stop strings ended every
+/// choice).
 async fn collect(mut out: Output, first: Piece, mut rest: Pieces) -> Result<Value, RouterError> {
     let mut piece = first;
     loop {
-        let finish = match piece {
+        match piece {
             Piece::Token(t) => {
+                // A stop string ends its choice inside `push`.
                 out.push(&t)?;
-                // A stop string ends the output here; dropping `rest` cancels the rest.
-                out.stopped.then_some(FinishReason::Stop)
             }
-            Piece::Finish(f) => Some(f),
-        };
-        if let Some(f) = finish {
-            out.flush()?;
+            Piece::Finish { choice, reason } => {
+                if out.choice_mut(choice)?.finish.is_none() {
+                    out.finish(choice, reason)?;
+                }
+            }
+        }
+        if out.all_finished() {
             out.record();
-            return Ok(out.response(out.finish_reason(f)));
+            return Ok(out.response());
         }
         piece = next(&mut rest).await?;
     }
@@ -533,8 +621,9 @@ async fn next(rest: &mut Pieces) -> Result<Piece, RouterError> {
     }
 }
 
-/// Streams the generation as SSE: one chunk per token, a last chunk with the finish and
-/// usage, then `[DONE]`. An error after the first token becomes an error event.
+/// Streams the generation as SSE: one chunk per token, a chunk that ends each choice (the
+/// last one with the usage), then `[DONE]`. An error after the first token becomes an
+/// error event.
 fn stream(out: Output, first: Piece, rest: Pieces, in_flight: InFlight) -> Response {
     let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(64);
     let format = out.state.cfg.error_format;
@@ -560,29 +649,39 @@ async fn pump(
     mut rest: Pieces,
     tx: &mpsc::Sender<Result<Event, Infallible>>,
 ) -> Result<(), RouterError> {
+    let send = |v: Value| tx.send(Ok(Event::default().data(v.to_string())));
     let mut piece = first;
     loop {
-        let finish = match piece {
-            Piece::Token(t) => {
-                let text = out.push(&t)?;
-                let chunk = out.token_chunk(&text);
-                if tx
-                    .send(Ok(Event::default().data(chunk.to_string())))
-                    .await
-                    .is_err()
-                {
-                    // The client went away; dropping `rest` cancels the generation.
-                    return Ok(());
+        let ended = match piece {
+            Piece::Token(t) => match out.push(&t)? {
+                Some(text) => {
+                    if send(out.token_chunk(t.choice, &text)).await.is_err() {
+                        // The client went away; dropping `rest` cancels the generation.
+                        return Ok(());
+                    }
+                    out.choices[t.choice as usize].stopped.then_some(t.choice)
                 }
-                out.stopped.then_some(FinishReason::Stop)
+                None => None,
+            },
+            Piece::Finish { choice, reason } => {
+                if out.choice_mut(choice)?.finish.is_none() {
+                    let rest_text = out.finish(choice, reason)?;
+                    if out.all_finished() {
+                        out.record();
+                    }
+                    let _ = send(out.finish_chunk(choice, &rest_text)).await;
+                }
+                None
             }
-            Piece::Finish(f) => Some(f),
         };
-        if let Some(f) = finish {
-            let rest_text = out.flush()?;
-            out.record();
-            let last = out.last_chunk(&rest_text, out.finish_reason(f));
-            let _ = tx.send(Ok(Event::default().data(last.to_string()))).await;
+        if let Some(choice) = ended {
+            let rest_text = out.finish(choice, FinishReason::Stop)?;
+            if out.all_finished() {
+                out.record();
+            }
+            let _ = send(out.finish_chunk(choice, &rest_text)).await;
+        }
+        if out.all_finished() {
             return Ok(());
         }
         piece = next(&mut rest).await?;

@@ -24,6 +24,10 @@ pub struct Common {
     pub stop_token_ids: Vec<u32>,
     pub stop: Vec<String>,
     pub include_stop_str_in_output: bool,
+    /// Choices returned.
+    pub n: usize,
+    /// Sequences generated, of which the n best (by cumulative logprob) are returned.
+    pub best_of: usize,
 }
 
 /// Most stop strings, characters per stop string, and characters over all of them.
@@ -230,9 +234,31 @@ pub fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
             ))
         }
     };
-    let one = |v: &Value| v.as_i64() == Some(1);
-    only_default(o, "n", one, "one choice per request (n = 1)")?;
-    only_default(o, "best_of", one, "best_of = 1")?;
+    let stream = boolean(o, "stream", false)?;
+    let n_given = int_in(o, "n", 1, 128)?;
+    let best_of_given = int_in(o, "best_of", 1, 128)?;
+    let n = n_given.unwrap_or(1);
+    let best_of = best_of_given.unwrap_or(n);
+    if best_of < n {
+        return Err(RouterError::param(
+            "best_of",
+            format!("best_of ({best_of}) must be at least n ({n})"),
+        ));
+    }
+    if best_of > 1 && temperature <= 0.0 {
+        let param = if n > 1 { "n" } else { "best_of" };
+        return Err(RouterError::param(
+            param,
+            "n or best_of above 1 needs a temperature above 0",
+        ));
+    }
+    // The seeds: streaming needs best_of = n, so best_of alone (above 1) is refused too.
+    if stream && best_of != n {
+        return Err(RouterError::param(
+            "best_of",
+            "when streaming, best_of must equal n (and cannot be set without it)",
+        ));
+    }
     only_default(
         o,
         "use_beam_search",
@@ -243,7 +269,7 @@ pub fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
     let include_stop_str_in_output = boolean(o, "include_stop_str_in_output", false)?;
     Ok(Common {
         model,
-        stream: boolean(o, "stream", false)?,
+        stream,
         sampling: engine::SamplingParams {
             temperature: temperature as f32,
             top_k,
@@ -259,6 +285,8 @@ pub fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
         stop_token_ids,
         stop,
         include_stop_str_in_output,
+        n,
+        best_of,
     })
 }
 
@@ -597,8 +625,28 @@ mod tests {
     }
 
     #[test]
-    fn features_not_built_yet_are_refused_not_ignored() {
-        assert_eq!(rejected_param(json!({"model": "m", "n": 2})), "n");
+    fn n_best_of_and_beam_search_rules() {
+        assert_eq!(
+            rejected_param(json!({"model": "m", "n": 2, "temperature": 0})),
+            "n"
+        );
+        assert_eq!(rejected_param(json!({"model": "m", "n": 129})), "n");
+        assert_eq!(
+            rejected_param(json!({"model": "m", "n": 3, "best_of": 2})),
+            "best_of"
+        );
+        assert_eq!(
+            rejected_param(json!({"model": "m", "stream": true, "n": 2, "best_of": 3})),
+            "best_of"
+        );
+        assert_eq!(
+            rejected_param(json!({"model": "m", "stream": true, "best_of": 2})),
+            "best_of"
+        );
+        let ok = common(&obj(json!({"model": "m", "n": 2, "best_of": 4})), 1000).unwrap();
+        assert_eq!((ok.n, ok.best_of), (2, 4));
+        let ok = common(&obj(json!({"model": "m", "stream": true, "n": 3})), 1000).unwrap();
+        assert_eq!((ok.n, ok.best_of), (3, 3));
         assert_eq!(
             rejected_param(json!({"model": "m", "use_beam_search": true})),
             "use_beam_search"

@@ -77,6 +77,12 @@ def main() -> None:
         assert first_word not in cut.choices[0].text, cut
         assert cut.choices[0].finish_reason == "stop", cut
 
+    several = client.completions.create(
+        model=args.model, prompt="Once upon a time", max_tokens=4, temperature=0.8, seed=1, n=2
+    )
+    assert [c.index for c in several.choices] == [0, 1], several
+    assert several.usage.completion_tokens <= 8, several.usage
+
     models = client.models.list()
     assert [m.id for m in models.data] == [args.model], models
 

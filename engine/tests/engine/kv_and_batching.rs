@@ -183,7 +183,7 @@ fn prefix_reuse_matches_full_prefill() {
         cache: &mut cache,
     }])
     .unwrap();
-    let shared = cache.clone();
+    let shared = cache.fork().unwrap();
     let logits = m
         .forward(&mut [SeqInput {
             tokens: &full[25..],
@@ -202,6 +202,8 @@ fn prefix_reuse_matches_full_prefill() {
         engine::model::argmax(&reused)
     );
 
+    // The fork kept the 25 positions although the original went on to 40.
+    assert_eq!(shared.len(), 25);
     // Truncating back to a shorter prefix and continuing also works.
     let mut cache = shared;
     cache.truncate(10);

@@ -39,7 +39,8 @@ async fn bad_requests_get_openai_errors() {
             json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "file:///etc/passwd"}]}]}),
             "messages",
         ),
-        (json!({"n": 3, "temperature": 1}), "n"),
+        (json!({"n": 3, "temperature": 0}), "n"),
+        (json!({"use_beam_search": true}), "use_beam_search"),
     ];
     for (patch, param) in cases {
         let mut body = json!({"model": "test", "messages": [{"role": "user", "content": "hi"}]});

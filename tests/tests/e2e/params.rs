@@ -216,3 +216,122 @@ async fn chat_top_logprobs_streamed_and_not() {
         .collect();
     assert_eq!(streamed_entries, content);
 }
+
+fn texts(v: &Value) -> Vec<String> {
+    v["choices"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{v}"))
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            assert_eq!(c["index"], i);
+            c["text"].as_str().unwrap().to_string()
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn n_sequences_from_one_transferred_kv() {
+    let model = tiny_model();
+    let pd = Cluster::start(Mode::Pd, &model, &[]).await;
+    let colo = Cluster::start(Mode::Colocated, &model, &[]).await;
+    let body = completion(json!({"n": 3, "temperature": 0.9, "seed": 5, "max_tokens": 12}));
+    let (status, a) = pd.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{a}");
+    let (_, b) = colo.post("/v1/completions", &body).await;
+    assert_eq!(
+        texts(&a),
+        texts(&b),
+        "PD and colocated make the same three sequences"
+    );
+    assert_eq!(
+        a["usage"]["completion_tokens"], 36,
+        "usage counts every sequence"
+    );
+    // Each sequence is what one process makes with that choice's seed.
+    let loaded = engine::load(&model, &Device::Cpu).unwrap();
+    let ids = loaded.tokenizer.encode(PROMPT).unwrap();
+    for (i, text) in texts(&a).iter().enumerate() {
+        let params = engine::SamplingParams {
+            temperature: 0.9,
+            seed: engine::sampling::choice_seed(5, i),
+            ..Default::default()
+        };
+        let mut cache = loaded.model.new_cache().unwrap();
+        let out =
+            engine::generate::generate(&loaded.model, &mut cache, &ids, &params, 12, &[]).unwrap();
+        let tokens: Vec<u32> = out.iter().map(|s| s.token).collect();
+        assert_eq!(
+            text,
+            &loaded.tokenizer.decode(&tokens, true).unwrap(),
+            "choice {i}"
+        );
+    }
+    let distinct: std::collections::HashSet<_> = texts(&a).into_iter().collect();
+    assert!(distinct.len() > 1, "different seeds, different sequences");
+}
+
+#[tokio::test]
+async fn best_of_returns_the_most_likely_sequence() {
+    let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+    let all = completion(
+        json!({"n": 3, "temperature": 1.0, "seed": 11, "max_tokens": 10, "logprobs": 0}),
+    );
+    let (_, all) = c.post("/v1/completions", &all).await;
+    let sums: Vec<f64> = all["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|ch| {
+            ch["logprobs"]["token_logprobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .sum()
+        })
+        .collect();
+    let best = (0..3).max_by(|&i, &j| sums[i].total_cmp(&sums[j])).unwrap();
+    let body =
+        completion(json!({"n": 1, "best_of": 3, "temperature": 1.0, "seed": 11, "max_tokens": 10}));
+    let (status, v) = c.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(texts(&v), vec![texts(&all)[best].clone()], "sums {sums:?}");
+    assert_eq!(
+        v["usage"]["completion_tokens"], 30,
+        "best_of counts every sequence made"
+    );
+}
+
+#[tokio::test]
+async fn streamed_chat_with_n_two() {
+    let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+    let body = json!({"model": "test", "n": 2, "temperature": 0.8, "seed": 3, "max_tokens": 8,
+        "ignore_eos": true, "messages": [{"role": "user", "content": "hello"}]});
+    let (_, whole) = c.post("/v1/chat/completions", &body).await;
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, data) = c.post_sse("/v1/chat/completions", &streamed).await;
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let mut joined = [String::new(), String::new()];
+    let mut finishes = 0;
+    for ch in &chunks {
+        let choice = &ch["choices"][0];
+        let i = choice["index"].as_u64().unwrap() as usize;
+        joined[i].push_str(choice["delta"]["content"].as_str().unwrap());
+        if choice["finish_reason"].is_string() {
+            finishes += 1;
+        }
+    }
+    assert_eq!(finishes, 2, "one finish chunk per choice");
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 16);
+    for i in 0..2 {
+        assert_eq!(
+            joined[i],
+            whole["choices"][i]["message"]["content"].as_str().unwrap()
+        );
+    }
+}
