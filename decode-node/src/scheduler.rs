@@ -237,10 +237,7 @@ impl Scheduler {
                 span: a.span.clone(),
                 choice: choice as u32,
                 prompt: a.prompt.clone(),
-                sampling: SamplingParams {
-                    seed: engine::sampling::choice_seed(a.sampling.seed, choice),
-                    ..a.sampling.clone()
-                },
+                sampling: a.sampling.for_choice(choice),
                 top_logprobs: a.top_logprobs,
                 max_new: a.max_new,
                 stop_ids: a.stop_ids.clone(),
@@ -273,15 +270,7 @@ impl Scheduler {
             .squeeze(0)
             .and_then(|t| t.to_vec1())
             .map_err(EngineError::from)?;
-        let first = (0..n)
-            .map(|i| {
-                let params = SamplingParams {
-                    seed: engine::sampling::choice_seed(sampling.seed, i),
-                    ..sampling.clone()
-                };
-                engine::sampling::sample(&row, &params, prompt, &[], 0, top_logprobs)
-            })
-            .collect();
+        let first = engine::sampling::sample_first(&row, sampling, prompt, n, top_logprobs);
         Ok((cache, first))
     }
 

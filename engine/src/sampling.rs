@@ -69,14 +69,34 @@ pub fn uniform(seed: u64, step: u64) -> f64 {
     (bits >> 11) as f64 / (1u64 << 53) as f64
 }
 
-/// The seed of choice `i` of a request with `n > 1`: choice 0 keeps the request's seed, so
-/// n = 1 is unchanged; the others get streams of their own.
-pub fn choice_seed(seed: u64, choice: usize) -> u64 {
-    if choice == 0 {
-        seed
-    } else {
-        mix(seed ^ mix(choice as u64))
+impl SamplingParams {
+    /// The settings of sequence `choice` of a request with n > 1: sequence 0 keeps the
+    /// request's seed, so n = 1 is unchanged; the others get streams of their own.
+    pub fn for_choice(&self, choice: usize) -> Self {
+        let seed = if choice == 0 {
+            self.seed
+        } else {
+            mix(self.seed ^ mix(choice as u64))
+        };
+        Self {
+            seed,
+            ..self.clone()
+        }
     }
+}
+
+/// The first token of each of `n` sequences that share one prompt, from the logits of its
+/// last position (step 0 of every sequence).
+pub fn sample_first(
+    raw: &[f32],
+    p: &SamplingParams,
+    prompt: &[u32],
+    n: usize,
+    top_logprobs: usize,
+) -> Vec<Sampled> {
+    (0..n)
+        .map(|i| sample(raw, &p.for_choice(i), prompt, &[], 0, top_logprobs))
+        .collect()
 }
 
 /// Applies the penalties in place. `prompt` and `output` are the tokens so far.

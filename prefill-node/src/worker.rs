@@ -97,15 +97,8 @@ fn prefill(model: &Model, chunk_tokens: usize, job: &Job) -> Result<Computed, Pr
         .squeeze(0)
         .and_then(|t| t.to_vec1())
         .map_err(EngineError::from)?;
-    let first: Vec<Sampled> = (0..job.n)
-        .map(|i| {
-            let params = SamplingParams {
-                seed: engine::sampling::choice_seed(job.sampling.seed, i),
-                ..job.sampling.clone()
-            };
-            engine::sampling::sample(&row, &params, &job.prompt, &[], 0, job.top_logprobs)
-        })
-        .collect();
+    let first =
+        engine::sampling::sample_first(&row, &job.sampling, &job.prompt, job.n, job.top_logprobs);
     let msg = KvTransfer {
         item: Some(Item::First(FirstTokens {
             tokens: first.iter().map(proto::token_to_proto).collect(),

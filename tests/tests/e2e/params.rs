@@ -24,10 +24,7 @@ fn text(v: &Value) -> &str {
 
 /// Concatenated text of a streamed completion, and its last chunk.
 fn joined(data: &[String]) -> (String, Value) {
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks = e2e::sse_chunks(data);
     let text = chunks
         .iter()
         .map(|c| c["choices"][0]["text"].as_str().unwrap().to_string())
@@ -202,10 +199,7 @@ async fn chat_top_logprobs_streamed_and_not() {
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
     let (_, data) = c.post_sse("/v1/chat/completions", &streamed).await;
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks = e2e::sse_chunks(&data);
     let streamed_entries: Vec<Value> = chunks[..chunks.len() - 1]
         .iter()
         .map(|ch| {
@@ -254,9 +248,10 @@ async fn n_sequences_from_one_transferred_kv() {
     for (i, text) in texts(&a).iter().enumerate() {
         let params = engine::SamplingParams {
             temperature: 0.9,
-            seed: engine::sampling::choice_seed(5, i),
+            seed: 5,
             ..Default::default()
-        };
+        }
+        .for_choice(i);
         let mut cache = loaded.model.new_cache().unwrap();
         let out =
             engine::generate::generate(&loaded.model, &mut cache, &ids, &params, 12, &[]).unwrap();
@@ -312,10 +307,7 @@ async fn streamed_chat_with_n_two() {
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
     let (_, data) = c.post_sse("/v1/chat/completions", &streamed).await;
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks = e2e::sse_chunks(&data);
     let mut joined = [String::new(), String::new()];
     let mut finishes = 0;
     for ch in &chunks {
