@@ -178,7 +178,7 @@ async fn run(
         stop_ids,
         user_stop_ids: common.stop_token_ids,
         stops: StopStrings::new(common.stop, common.include_stop_str_in_output),
-        logprobs,
+        logprobs: logprobs.is_some(),
         n: common.n,
         choices,
         tally: Tally::default(),
@@ -299,7 +299,8 @@ struct Output {
     /// The request's own stop_token_ids, reported as `stop_reason`.
     user_stop_ids: Vec<u32>,
     stops: StopStrings,
-    logprobs: Option<usize>,
+    /// Whether the request asked for logprobs.
+    logprobs: bool,
     /// Choices returned (the best n of the sequences when best_of > n).
     n: usize,
     choices: Vec<ChoiceOut>,
@@ -347,7 +348,7 @@ impl Output {
         } else {
             tally.decode_ms.push(ms(t.step_ms));
         }
-        let entry = self.logprobs.map(|_| LogprobEntry {
+        let entry = self.logprobs.then(|| LogprobEntry {
             token: self.shown(t.id),
             logprob: t.logprob,
             top: t.top.iter().map(|&(id, lp)| (self.shown(id), lp)).collect(),
@@ -378,9 +379,6 @@ impl Output {
             choice.stop_reason = json!(t.id);
         }
         choice.append(&piece, stops);
-        if choice.stopped {
-            choice.finish = Some(FinishReason::Stop);
-        }
         Ok(Some(choice.release(stops, false)))
     }
 
@@ -404,7 +402,26 @@ impl Output {
         } else {
             reason
         });
-        Ok(c.release(stops, true))
+        let rest = c.release(stops, true);
+        if self.all_finished() {
+            self.record();
+        }
+        Ok(rest)
+    }
+
+    /// The choice `piece` ends, and why, when that choice is still open: a worker's finish,
+    /// or a token whose text matched a stop string.
+    fn ending(&self, piece: &Piece) -> Result<Option<(u32, FinishReason)>, RouterError> {
+        let (choice, reason, is_finish) = match piece {
+            Piece::Token(t) => (t.choice, FinishReason::Stop, false),
+            Piece::Finish { choice, reason } => (*choice, *reason, true),
+        };
+        let c = self
+            .choices
+            .get(choice as usize)
+            .ok_or_else(|| RouterError::Internal(format!("a piece for unknown choice {choice}")))?;
+        let ends = c.finish.is_none() && (is_finish || c.stopped);
+        Ok(ends.then_some((choice, reason)))
     }
 
     fn all_finished(&self) -> bool {
@@ -439,7 +456,7 @@ impl Output {
 
     /// The `logprobs` value of a choice for `entries`, or null when not asked for.
     fn logprobs_json(&self, entries: &[LogprobEntry]) -> Value {
-        if self.logprobs.is_none() {
+        if !self.logprobs {
             return Value::Null;
         }
         match self.kind {
@@ -595,19 +612,13 @@ fn finish_str(f: FinishReason) -> &'static str {
 async fn collect(mut out: Output, first: Piece, mut rest: Pieces) -> Result<Value, RouterError> {
     let mut piece = first;
     loop {
-        match piece {
-            Piece::Token(t) => {
-                // A stop string ends its choice inside `push`.
-                out.push(&t)?;
-            }
-            Piece::Finish { choice, reason } => {
-                if out.choice_mut(choice)?.finish.is_none() {
-                    out.finish(choice, reason)?;
-                }
-            }
+        if let Piece::Token(t) = &piece {
+            out.push(t)?;
+        }
+        if let Some((choice, reason)) = out.ending(&piece)? {
+            out.finish(choice, reason)?;
         }
         if out.all_finished() {
-            out.record();
             return Ok(out.response());
         }
         piece = next(&mut rest).await?;
@@ -652,33 +663,16 @@ async fn pump(
     let send = |v: Value| tx.send(Ok(Event::default().data(v.to_string())));
     let mut piece = first;
     loop {
-        let ended = match piece {
-            Piece::Token(t) => match out.push(&t)? {
-                Some(text) => {
-                    if send(out.token_chunk(t.choice, &text)).await.is_err() {
-                        // The client went away; dropping `rest` cancels the generation.
-                        return Ok(());
-                    }
-                    out.choices[t.choice as usize].stopped.then_some(t.choice)
+        if let Piece::Token(t) = &piece {
+            if let Some(text) = out.push(t)? {
+                if send(out.token_chunk(t.choice, &text)).await.is_err() {
+                    // The client went away; dropping `rest` cancels the generation.
+                    return Ok(());
                 }
-                None => None,
-            },
-            Piece::Finish { choice, reason } => {
-                if out.choice_mut(choice)?.finish.is_none() {
-                    let rest_text = out.finish(choice, reason)?;
-                    if out.all_finished() {
-                        out.record();
-                    }
-                    let _ = send(out.finish_chunk(choice, &rest_text)).await;
-                }
-                None
             }
-        };
-        if let Some(choice) = ended {
-            let rest_text = out.finish(choice, FinishReason::Stop)?;
-            if out.all_finished() {
-                out.record();
-            }
+        }
+        if let Some((choice, reason)) = out.ending(&piece)? {
+            let rest_text = out.finish(choice, reason)?;
             let _ = send(out.finish_chunk(choice, &rest_text)).await;
         }
         if out.all_finished() {

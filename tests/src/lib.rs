@@ -264,15 +264,20 @@ fn args(a: &[&str]) -> Vec<String> {
     a.iter().map(|s| s.to_string()).collect()
 }
 
-/// POSTs JSON; returns the status and the JSON body (Null when it is not JSON).
-pub async fn post(url: &str, body: &Value) -> (u16, Value) {
-    let resp = reqwest::Client::new()
+/// Sends a JSON POST, bounded to two minutes.
+async fn send(url: &str, body: &Value) -> reqwest::Response {
+    reqwest::Client::new()
         .post(url)
         .json(body)
         .timeout(Duration::from_secs(120))
         .send()
         .await
-        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
+        .unwrap_or_else(|e| panic!("POST {url}: {e}"))
+}
+
+/// POSTs JSON; returns the status and the JSON body (Null when it is not JSON).
+pub async fn post(url: &str, body: &Value) -> (u16, Value) {
+    let resp = send(url, body).await;
     let status = resp.status().as_u16();
     let text = resp.text().await.expect("reading the body");
     (status, serde_json::from_str(&text).unwrap_or(Value::Null))
@@ -281,13 +286,7 @@ pub async fn post(url: &str, body: &Value) -> (u16, Value) {
 /// POSTs a streaming request; returns the status and the `data:` payloads, in order.
 /// Panics if the body is not valid UTF-8.
 pub async fn post_sse(url: &str, body: &Value) -> (u16, Vec<String>) {
-    let mut resp = reqwest::Client::new()
-        .post(url)
-        .json(body)
-        .timeout(Duration::from_secs(120))
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
+    let mut resp = send(url, body).await;
     let status = resp.status().as_u16();
     let mut bytes = Vec::new();
     while let Some(chunk) = resp.chunk().await.expect("reading the stream") {
@@ -300,4 +299,14 @@ pub async fn post_sse(url: &str, body: &Value) -> (u16, Vec<String>) {
         .map(str::to_string)
         .collect();
     (status, data)
+}
+
+/// The JSON chunks of a stream's `data:` payloads; panics unless it ends with `[DONE]` and
+/// every other payload is JSON.
+pub fn sse_chunks(data: &[String]) -> Vec<Value> {
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{data:?}");
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}")))
+        .collect()
 }

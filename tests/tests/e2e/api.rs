@@ -100,11 +100,7 @@ async fn streamed_chat_has_the_seeds_chunks() {
     body["stop_token_ids"] = json!([]);
     let (status, data) = c.post_sse("/v1/chat/completions", &body).await;
     assert_eq!(status, 200);
-    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).expect("each chunk is JSON"))
-        .collect();
+    let chunks = e2e::sse_chunks(&data);
     let (last, tokens) = chunks.split_last().unwrap();
     assert_eq!(tokens.len(), 20, "one chunk per token, then the last chunk");
     let id = &chunks[0]["id"];
@@ -144,11 +140,7 @@ async fn seed_completion_example_streamed_and_not() {
     streamed["stream"] = json!(true);
     let (status, data) = c.post_sse("/v1/completions", &streamed).await;
     assert_eq!(status, 200);
-    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks = e2e::sse_chunks(&data);
     let mut joined = String::new();
     for ch in &chunks {
         assert_eq!(ch["object"], "text_completion");

@@ -4,14 +4,6 @@
 use e2e::{smollm2, Cluster, Mode};
 use serde_json::{json, Value};
 
-fn chunks(data: &[String]) -> Vec<Value> {
-    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
-    data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}")))
-        .collect()
-}
-
 fn content(ch: &Value) -> &str {
     ch["choices"][0]["delta"]["content"]
         .as_str()
@@ -33,7 +25,7 @@ async fn streamed_chinese_is_valid_utf8_and_equals_the_whole_text() {
     body["stream"] = json!(true);
     let (status, data) = c.post_sse("/v1/completions", &body).await;
     assert_eq!(status, 200);
-    let texts: Vec<String> = chunks(&data)
+    let texts: Vec<String> = e2e::sse_chunks(&data)
         .iter()
         .map(|ch| ch["choices"][0]["text"].as_str().unwrap().to_string())
         .collect();
@@ -60,7 +52,7 @@ async fn full_text_enabled_streams_cumulative_content_and_full_text() {
         .to_string();
     body["stream"] = json!(true);
     let (_, data) = c.post_sse("/v1/chat/completions", &body).await;
-    let chunks = chunks(&data);
+    let chunks = e2e::sse_chunks(&data);
     let (last, tokens) = chunks.split_last().unwrap();
     for pair in tokens.windows(2) {
         assert!(
