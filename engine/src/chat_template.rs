@@ -16,6 +16,7 @@ use crate::error::{EngineError, Result};
 /// A compiled chat template with the special tokens it may refer to.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -69,6 +70,7 @@ impl ChatTemplate {
             .map_err(template_err)?;
         Ok(Self {
             env,
+            source: source.to_string(),
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
         })
@@ -110,6 +112,12 @@ impl ChatTemplate {
                 )
             })
             .transpose()
+    }
+
+    /// The template's Jinja source: what tells a server which tool-call and reasoning
+    /// markup the model was trained on.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Renders a conversation to the prompt text.
@@ -246,6 +254,23 @@ fn tojson(value: Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja:
     let mut out = String::new();
     style.write(&value, 0, &mut out)?;
     Ok(Value::from_safe_string(out))
+}
+
+/// `json.dumps(x, ensure_ascii=False)`: JSON as Python writes it, which is what models
+/// trained on Python-rendered prompts expect to see (", " and ": " separators).
+pub fn py_json(x: &serde_json::Value) -> String {
+    let style = JsonStyle {
+        indent: None,
+        item_sep: ", ".into(),
+        key_sep: ": ".into(),
+        ensure_ascii: false,
+        sort_keys: false,
+    };
+    let mut out = String::new();
+    style
+        .write(&Value::from_serialize(x), 0, &mut out)
+        .expect("a serde_json value always writes");
+    out
 }
 
 struct JsonStyle {
@@ -397,6 +422,14 @@ mod tests {
         assert_eq!(
             out,
             "{\"b\": [1, 2.0, 1e+20], \"a\": \"é\\\"\\n\", \"c\": {}, \"d\": null, \"e\": true}|{\n  \"b\": [\n    1,\n    2.0,\n    1e+20\n  ],\n  \"a\": \"é\\\"\\n\",\n  \"c\": {},\n  \"d\": null,\n  \"e\": true\n}"
+        );
+    }
+
+    #[test]
+    fn py_json_is_python_json_dumps() {
+        assert_eq!(
+            py_json(&json!({"city": "Zürich", "days": [1, 2.5], "x": {"y": null}})),
+            "{\"city\": \"Zürich\", \"days\": [1, 2.5], \"x\": {\"y\": null}}"
         );
     }
 

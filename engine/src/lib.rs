@@ -14,7 +14,7 @@ pub mod testmodel;
 pub mod tokenizer;
 pub mod weights;
 
-pub use chat_template::{ChatInput, ChatTemplate};
+pub use chat_template::{py_json, ChatInput, ChatTemplate};
 pub use config::ModelConfig;
 pub use error::{EngineError, Result};
 pub use kv_cache::{KvAssembler, KvChunk, KvLayout, SeqCache};

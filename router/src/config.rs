@@ -23,6 +23,30 @@ pub enum ErrorFormat {
     Provider,
 }
 
+/// Which tool-call markup chat output is parsed for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ToolCallParser {
+    /// The markup the model's chat template teaches (Hermes or DeepSeek), if any.
+    Auto,
+    /// None: requests with tools are refused, since their calls could not be returned.
+    None,
+    /// Qwen2.5 and Qwen3: `<tool_call>{...}</tool_call>`.
+    Hermes,
+    /// DeepSeek-V3 and R1.
+    Deepseek,
+}
+
+/// Whether chat output is split into `reasoning_content` and `content`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ReasoningParser {
+    /// `think` when the model's chat template knows `</think>`.
+    Auto,
+    /// Reasoning stays in `content`.
+    None,
+    /// `<think>...</think>` goes to `reasoning_content`.
+    Think,
+}
+
 /// An API key; never printed.
 #[derive(Clone, PartialEq, Eq)]
 pub struct ApiKey(pub String);
@@ -121,6 +145,12 @@ pub struct Config {
     /// Error bodies: `openai`, or `provider` for seed 003's `{"code", "result", "message"}`.
     #[arg(long, env = "ROUTER_ERROR_FORMAT", value_enum, default_value_t = ErrorFormat::Openai)]
     pub error_format: ErrorFormat,
+    /// Tool-call markup parsed out of chat output into `tool_calls`.
+    #[arg(long, env = "ROUTER_TOOL_CALL_PARSER", value_enum, default_value_t = ToolCallParser::Auto)]
+    pub tool_call_parser: ToolCallParser,
+    /// Reasoning markup parsed out of chat output into `reasoning_content`.
+    #[arg(long, env = "ROUTER_REASONING_PARSER", value_enum, default_value_t = ReasoningParser::Auto)]
+    pub reasoning_parser: ReasoningParser,
     /// Largest request body in bytes; larger ones get 413.
     #[arg(long, env = "ROUTER_MAX_BODY_BYTES", default_value_t = 20 << 20)]
     pub max_body_bytes: usize,

@@ -10,6 +10,7 @@ pub mod openai;
 pub mod params;
 pub mod state;
 pub mod stops;
+pub mod structured;
 pub mod workers;
 
 use std::future::Future;

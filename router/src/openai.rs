@@ -21,9 +21,10 @@ use tracing::Instrument;
 use crate::dispatch::{self, GenRequest, Piece, Pieces, TokenStat};
 use crate::error::RouterError;
 use crate::metrics::InFlight;
-use crate::params;
+use crate::params::{self, ToolChoice};
 use crate::state::AppState;
 use crate::stops::{Scan, StopStrings};
+use crate::structured::{prompt_opens_reasoning, Parser, ToolCall};
 
 /// Which endpoint a request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,7 +119,7 @@ async fn run(
     if common.model != state.model_name {
         return Err(RouterError::ModelNotFound(common.model));
     }
-    let (text, param, logprobs) = match kind {
+    let (text, param, logprobs, parser) = match kind {
         Kind::Chat => {
             let chat = params::chat(&o)?;
             let template = state
@@ -126,14 +127,15 @@ async fn run(
                 .template
                 .as_ref()
                 .ok_or(RouterError::NoChatTemplate)?;
-            let text = template
+            let mut text = template
                 .render(&chat.input)
                 .map_err(|e| RouterError::Template(e.to_string()))?;
-            (text, "messages", chat.logprobs)
+            let parser = chat_parser(state, &chat.tool_choice, &mut text)?;
+            (text, "messages", chat.logprobs, parser)
         }
         Kind::Completion => {
             let c = params::completion(&o)?;
-            (c.prompt, "prompt", c.logprobs)
+            (c.prompt, "prompt", c.logprobs, None)
         }
     };
     let prompt = state
@@ -167,7 +169,7 @@ async fn run(
     let prompt_tokens = req.prompt.len();
     let (first, rest) = dispatch::start(state, req).await?;
     let choices = (0..common.best_of)
-        .map(|_| ChoiceOut::new(common.skip_special_tokens))
+        .map(|_| ChoiceOut::new(common.skip_special_tokens, parser.clone()))
         .collect();
     let out = Output {
         state: Arc::clone(state),
@@ -190,6 +192,42 @@ async fn run(
             .await
             .map(|v| Json(v).into_response())
     }
+}
+
+/// The parser for a chat's output, if it needs one, with the prompt extended by what
+/// forces a required or named tool call.
+fn chat_parser(
+    state: &AppState,
+    choice: &ToolChoice,
+    prompt: &mut String,
+) -> Result<Option<Parser>, RouterError> {
+    let tools = match (choice, state.tool_format) {
+        (ToolChoice::None, _) => None,
+        (_, Some(f)) => Some(f),
+        (_, None) => {
+            return Err(RouterError::param(
+                "tools",
+                "tool calls cannot be returned for this model: its chat template teaches no \
+                 tool-call format the router parses (see --tool-call-parser)",
+            ))
+        }
+    };
+    if tools.is_none() && !state.think {
+        return Ok(None);
+    }
+    let parser = Parser::new(state.think, tools, prompt_opens_reasoning(prompt));
+    let forced = match (choice, tools) {
+        (ToolChoice::Required, Some(f)) => Some(f.forced(None)),
+        (ToolChoice::Named(name), Some(f)) => Some(f.forced(Some(name))),
+        _ => None,
+    };
+    Ok(Some(match forced {
+        Some((suffix, body)) => {
+            prompt.push_str(&suffix);
+            parser.forced(body)
+        }
+        None => parser,
+    }))
 }
 
 /// Per-token figures the usage reports, over every sequence.
@@ -226,6 +264,15 @@ struct LogprobEntry {
     offset: usize,
 }
 
+/// What one token (or the end) of a choice let out to the client.
+#[derive(Debug, Default)]
+struct Released {
+    content: String,
+    reasoning: String,
+    /// The new calls, as indices into the choice's `calls`.
+    calls: std::ops::Range<usize>,
+}
+
 /// One sequence's output as it grows.
 struct ChoiceOut {
     decoder: engine::IncrementalDecoder,
@@ -234,6 +281,13 @@ struct ChoiceOut {
     text_chars: usize,
     /// Bytes of `text` already released to the client.
     sent: usize,
+    /// Splits released chat text into reasoning, content and tool calls.
+    parser: Option<Parser>,
+    /// Released text that is content (all of it without a parser).
+    content: String,
+    reasoning: String,
+    /// Tool calls with their ids.
+    calls: Vec<(String, ToolCall)>,
     stop_reason: Value,
     /// A stop string ended the output: its later tokens are ignored.
     stopped: bool,
@@ -244,12 +298,16 @@ struct ChoiceOut {
 }
 
 impl ChoiceOut {
-    fn new(skip_special: bool) -> Self {
+    fn new(skip_special: bool, parser: Option<Parser>) -> Self {
         Self {
             decoder: engine::IncrementalDecoder::new(skip_special),
             text: String::new(),
             text_chars: 0,
             sent: 0,
+            parser,
+            content: String::new(),
+            reasoning: String::new(),
+            calls: Vec::new(),
             stop_reason: Value::Null,
             stopped: false,
             finish: None,
@@ -270,8 +328,9 @@ impl ChoiceOut {
         }
     }
 
-    /// The text now free to go out; `all` at the end of the output.
-    fn release(&mut self, stops: &StopStrings, all: bool) -> String {
+    /// Lets out the text now free to go (`all` at the end of the output), through the
+    /// parser when there is one.
+    fn release(&mut self, stops: &StopStrings, all: bool) -> Released {
         let upto = if all || self.stopped {
             self.text.len()
         } else {
@@ -281,10 +340,42 @@ impl ChoiceOut {
             }
         };
         let upto = upto.max(self.sent);
-        let out = self.text[self.sent..upto].to_string();
+        let text = &self.text[self.sent..upto];
         self.sent = upto;
-        out
+        let Some(parser) = &mut self.parser else {
+            self.content.push_str(text);
+            return Released {
+                content: text.to_string(),
+                ..Released::default()
+            };
+        };
+        let mut d = parser.feed(text);
+        if all {
+            let end = parser.finish();
+            d.reasoning.push_str(&end.reasoning);
+            d.content.push_str(&end.content);
+            d.calls.extend(end.calls);
+        }
+        self.content.push_str(&d.content);
+        self.reasoning.push_str(&d.reasoning);
+        let first = self.calls.len();
+        self.calls
+            .extend(d.calls.into_iter().map(|c| (call_id(), c)));
+        Released {
+            content: d.content,
+            reasoning: d.reasoning,
+            calls: first..self.calls.len(),
+        }
     }
+}
+
+/// A tool call id as OpenAI writes them.
+fn call_id() -> String {
+    format!(
+        "call_{:016x}{:08x}",
+        params::random_u64(),
+        params::random_u64() as u32
+    )
 }
 
 /// One request's output: one `ChoiceOut` per generated sequence.
@@ -331,10 +422,10 @@ impl Output {
             .ok_or_else(|| RouterError::Internal(format!("a token for unknown choice {choice}")))
     }
 
-    /// Counts a token and returns the text it releases for its choice ("" while a character
-    /// is split or the text could still become a stop string), or `None` when that choice
-    /// has already ended.
-    fn push(&mut self, t: &TokenStat) -> Result<Option<String>, RouterError> {
+    /// Counts a token and returns what it releases for its choice (nothing while a
+    /// character is split or the text could still become a stop string or markup), or
+    /// `None` when that choice has already ended.
+    fn push(&mut self, t: &TokenStat) -> Result<Option<Released>, RouterError> {
         if self.choice_mut(t.choice)?.finish.is_some() {
             return Ok(None);
         }
@@ -382,8 +473,8 @@ impl Output {
         Ok(Some(choice.release(stops, false)))
     }
 
-    /// Ends a choice: returns the text it still held back.
-    fn finish(&mut self, choice: u32, reason: FinishReason) -> Result<String, RouterError> {
+    /// Ends a choice: returns what it still held back.
+    fn finish(&mut self, choice: u32, reason: FinishReason) -> Result<Released, RouterError> {
         let tokenizer = &self.state.text.tokenizer;
         let stops = &self.stops;
         let c = self.choices.get_mut(choice as usize).ok_or_else(|| {
@@ -488,16 +579,15 @@ impl Output {
         }
     }
 
-    /// Choice `index` (as shown) of sequence `c`, carrying `content` and the logprobs of
-    /// `entries`, finished or not.
+    /// Choice `index` (as shown) of sequence `c` with the logprobs of `entries`: the
+    /// whole output, or with `part` a chunk's delta (cumulative content with fullText).
     fn choice_json(
         &self,
         index: usize,
         c: &ChoiceOut,
-        content: &str,
+        part: Option<&Released>,
         entries: &[LogprobEntry],
         finish: Option<FinishReason>,
-        chunk: bool,
     ) -> Value {
         let logprobs = self.logprobs_json(entries);
         let stop_reason = if finish.is_some() {
@@ -505,14 +595,39 @@ impl Output {
         } else {
             Value::Null
         };
-        let finish = finish.map(finish_str);
-        match (self.kind, chunk) {
-            (Kind::Chat, false) => json!({"index": index,
-                "message": {"role": "assistant", "content": content, "tool_calls": []},
-                "logprobs": logprobs, "finish_reason": finish}),
-            (Kind::Chat, true) => json!({"index": index,
-                "delta": {"role": "assistant", "content": content}, "logprobs": logprobs,
-                "finish_reason": finish}),
+        let finish = finish.map(|f| finish_str(f, !c.calls.is_empty()));
+        let content = match part {
+            Some(r) if !self.state.cfg.full_text_enabled => r.content.as_str(),
+            _ => c.content.as_str(),
+        };
+        match (self.kind, part) {
+            (Kind::Chat, None) => {
+                // OpenAI's shape: a message that only calls tools has null content.
+                let content = if content.is_empty() && !c.calls.is_empty() {
+                    Value::Null
+                } else {
+                    json!(content)
+                };
+                let mut message = json!({"role": "assistant", "content": content,
+                    "tool_calls": calls_json(&c.calls, None)});
+                if !c.reasoning.is_empty() {
+                    message["reasoning_content"] = json!(c.reasoning);
+                }
+                json!({"index": index, "message": message, "logprobs": logprobs,
+                    "finish_reason": finish})
+            }
+            (Kind::Chat, Some(r)) => {
+                let mut delta = json!({"role": "assistant", "content": content});
+                if !r.reasoning.is_empty() {
+                    delta["reasoning_content"] = json!(r.reasoning);
+                }
+                if !r.calls.is_empty() {
+                    delta["tool_calls"] =
+                        calls_json(&c.calls[r.calls.clone()], Some(r.calls.start));
+                }
+                json!({"index": index, "delta": delta, "logprobs": logprobs,
+                    "finish_reason": finish})
+            }
             (Kind::Completion, _) => json!({"index": index, "text": content,
                 "logprobs": logprobs, "stop_reason": stop_reason, "finish_reason": finish}),
         }
@@ -527,45 +642,32 @@ impl Output {
         m
     }
 
-    /// The chunk for a token of `choice` that released `piece`.
-    fn token_chunk(&self, choice: u32, piece: &str) -> Value {
+    /// The chunk for a token of `choice` that released `part`.
+    fn token_chunk(&self, choice: u32, part: &Released) -> Value {
         let c = &self.choices[choice as usize];
-        let content = if self.state.cfg.full_text_enabled {
-            &c.text[..c.sent]
-        } else {
-            piece
-        };
         let newest = c.entries.len().saturating_sub(1);
         let mut m = self.head(true);
         m.insert(
             "choices".into(),
-            json!([self.choice_json(
-                choice as usize,
-                c,
-                content,
-                &c.entries[newest..],
-                None,
-                true
-            )]),
+            json!([self.choice_json(choice as usize, c, Some(part), &c.entries[newest..], None)]),
         );
         Value::Object(m)
     }
 
-    /// The chunk that ends `choice`; the last one to end also carries the usage.
-    fn finish_chunk(&self, choice: u32, rest: &str) -> Value {
+    /// The chunk that ends `choice` with what it still held back; the last one to end
+    /// also carries the usage.
+    fn finish_chunk(&self, choice: u32, rest: &Released) -> Value {
         let c = &self.choices[choice as usize];
-        let full = self.state.cfg.full_text_enabled;
-        let content = if full { c.text.as_str() } else { rest };
         let mut m = self.head(true);
-        if full {
-            m.insert("full_text".into(), json!(c.text));
+        if self.state.cfg.full_text_enabled {
+            m.insert("full_text".into(), json!(c.content));
         }
         if self.all_finished() {
             m.insert("usage".into(), self.usage());
         }
         m.insert(
             "choices".into(),
-            json!([self.choice_json(choice as usize, c, content, &[], c.finish, true)]),
+            json!([self.choice_json(choice as usize, c, Some(rest), &[], c.finish)]),
         );
         Value::Object(m)
     }
@@ -587,7 +689,7 @@ impl Output {
             .enumerate()
             .map(|(index, &i)| {
                 let c = &self.choices[i];
-                self.choice_json(index, c, &c.text, &c.entries, c.finish, false)
+                self.choice_json(index, c, None, &c.entries, c.finish)
             })
             .collect();
         let mut m = self.head(false);
@@ -599,11 +701,27 @@ impl Output {
     }
 }
 
-fn finish_str(f: FinishReason) -> &'static str {
+/// The finish_reason a client sees; a choice that called tools and stopped on its own
+/// ends with "tool_calls".
+fn finish_str(f: FinishReason, called: bool) -> &'static str {
     match f {
         FinishReason::Length => "length",
+        _ if called => "tool_calls",
         _ => "stop",
     }
+}
+
+/// Tool calls as OpenAI shows them; `first` numbers them for stream deltas.
+fn calls_json(calls: &[(String, ToolCall)], first: Option<usize>) -> Value {
+    let list = calls.iter().enumerate().map(|(i, (id, call))| {
+        let mut v = json!({"id": id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}});
+        if let Some(first) = first {
+            v["index"] = json!(first + i);
+        }
+        v
+    });
+    Value::Array(list.collect())
 }
 
 /// Waits for the whole generation and builds the non-streamed body. Returning drops
@@ -664,8 +782,8 @@ async fn pump(
     let mut piece = first;
     loop {
         if let Piece::Token(t) = &piece {
-            if let Some(text) = out.push(t)? {
-                if send(out.token_chunk(t.choice, &text)).await.is_err() {
+            if let Some(part) = out.push(t)? {
+                if send(out.token_chunk(t.choice, &part)).await.is_err() {
                     // The client went away; dropping `rest` cancels the generation.
                     return Ok(());
                 }

@@ -301,6 +301,116 @@ pub struct Chat {
     pub input: engine::ChatInput,
     /// `Some(k)`: report each token's logprob and its k best alternatives.
     pub logprobs: Option<usize>,
+    pub tool_choice: ToolChoice,
+}
+
+/// Whether and which tool the model must call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// No tools given, or `"none"`: the output is plain content.
+    None,
+    /// The model may call a tool.
+    Auto,
+    /// The model must call at least one tool.
+    Required,
+    /// The model must call this function.
+    Named(String),
+}
+
+/// `tools`: a list of `{"type": "function", "function": {"name", ...}}`; an empty list
+/// means none.
+fn tools(o: &Obj) -> Result<Option<Vec<Value>>, RouterError> {
+    let bad = |m: String| RouterError::param("tools", m);
+    let list = match get(o, "tools") {
+        None => return Ok(None),
+        Some(Value::Array(l)) if l.is_empty() => return Ok(None),
+        Some(Value::Array(l)) => l,
+        Some(_) => return Err(bad("tools must be a list".into())),
+    };
+    for (i, t) in list.iter().enumerate() {
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(bad(format!("tools[{i}].type must be \"function\"")));
+        }
+        let Some(Value::Object(f)) = t.get("function") else {
+            return Err(bad(format!("tools[{i}].function must be an object")));
+        };
+        match f.get("name") {
+            Some(Value::String(n)) if !n.is_empty() => {}
+            _ => {
+                return Err(bad(format!(
+                    "tools[{i}].function.name must be a non-empty string"
+                )))
+            }
+        }
+        let typed = [
+            (
+                "description",
+                Value::is_string as fn(&Value) -> bool,
+                "a string",
+            ),
+            ("parameters", Value::is_object, "an object (a JSON schema)"),
+            ("strict", Value::is_boolean, "a boolean"),
+        ];
+        for (key, ok, what) in typed {
+            if get(f, key).is_some_and(|v| !ok(v)) {
+                return Err(bad(format!("tools[{i}].function.{key} must be {what}")));
+            }
+        }
+    }
+    Ok(Some(list.clone()))
+}
+
+/// `tool_choice`: `"none"`, `"auto"` (the default with tools), `"required"`, or
+/// `{"type": "function", "function": {"name"}}` naming one of `tools`.
+fn tool_choice(o: &Obj, tools: Option<&[Value]>) -> Result<ToolChoice, RouterError> {
+    let bad = |m: String| RouterError::param("tool_choice", m);
+    let choice = match get(o, "tool_choice") {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(bad(format!(
+                    "tool_choice must be \"none\", \"auto\", \"required\" or a named function, got {other:?}"
+                )))
+            }
+        },
+        Some(Value::Object(c)) => {
+            let name = c
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str);
+            match (c.get("type").and_then(Value::as_str), name) {
+                (Some("function"), Some(n)) => ToolChoice::Named(n.to_string()),
+                _ => {
+                    return Err(bad(
+                        "a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}".into(),
+                    ))
+                }
+            }
+        }
+        Some(_) => return Err(bad("tool_choice must be a string or an object".into())),
+    };
+    let Some(tools) = tools else {
+        return match choice {
+            ToolChoice::Required | ToolChoice::Named(_) => {
+                Err(bad("tool_choice requires tools, and none were given".into()))
+            }
+            _ => Ok(ToolChoice::None),
+        };
+    };
+    if let ToolChoice::Named(n) = &choice {
+        let known = tools
+            .iter()
+            .any(|t| t["function"]["name"].as_str() == Some(n.as_str()));
+        if !known {
+            return Err(bad(format!(
+                "tool_choice names {n:?}, which is not in tools"
+            )));
+        }
+    }
+    Ok(choice)
 }
 
 /// Checks `messages` and the chat-only parameters.
@@ -327,18 +437,8 @@ pub fn chat(o: &Obj) -> Result<Chat, RouterError> {
     if chars == 0 && out.iter().all(|m| m.get("tool_calls").is_none()) {
         return Err(RouterError::param("messages", "messages have no content"));
     }
-    only_default(
-        o,
-        "tools",
-        |v| v.as_array().is_some_and(|a| a.is_empty()),
-        "tools",
-    )?;
-    only_default(
-        o,
-        "tool_choice",
-        |v| v == "none" || v == "auto",
-        "tool_choice without tools",
-    )?;
+    let tools = tools(o)?;
+    let tool_choice = tool_choice(o, tools.as_deref())?;
     let top = int_in(o, "top_logprobs", 0, 20)?;
     // The seeds: a valid top_logprobs without logprobs turns logprobs on.
     let logprobs = match (get(o, "logprobs"), top) {
@@ -362,14 +462,30 @@ pub fn chat(o: &Obj) -> Result<Chat, RouterError> {
             ))
         }
     };
+    if let Some(t) = kwargs
+        .get("enable_thinking")
+        .filter(|v| !v.is_null() && !v.is_boolean())
+    {
+        return Err(RouterError::param(
+            "chat_template_kwargs",
+            format!("chat_template_kwargs.enable_thinking must be a boolean, got {t}"),
+        ));
+    }
+    // tool_choice none keeps the tools out of the prompt, so the model is not invited to
+    // write calls that nobody will parse.
+    let tools = match tool_choice {
+        ToolChoice::None => None,
+        _ => tools.map(Value::Array),
+    };
     Ok(Chat {
         input: engine::ChatInput {
             messages: Value::Array(out),
-            tools: None,
+            tools,
             add_generation_prompt: true,
             kwargs,
         },
         logprobs,
+        tool_choice,
     })
 }
 
@@ -429,7 +545,46 @@ fn message(i: usize, m: &Value, chars: &mut usize) -> Result<Value, RouterError>
     };
     let mut out = m.clone();
     out.insert("content".into(), content);
+    if let Some(calls) = get(m, "tool_calls") {
+        if role != "assistant" {
+            return Err(bad("only an assistant message has tool_calls".into()));
+        }
+        out.insert("tool_calls".into(), tool_calls(calls).map_err(bad)?);
+    }
     Ok(Value::Object(out))
+}
+
+/// An assistant message's `tool_calls`, checked, with each call's arguments as an object:
+/// clients send them as JSON text, and templates such as Qwen2.5's write them with
+/// `tojson`, which would quote that text a second time.
+fn tool_calls(calls: &Value) -> Result<Value, String> {
+    let Value::Array(list) = calls else {
+        return Err("tool_calls must be a list".into());
+    };
+    let mut out = Vec::with_capacity(list.len());
+    for (j, call) in list.iter().enumerate() {
+        let mut call = call.clone();
+        let Some(f) = call.get_mut("function").and_then(Value::as_object_mut) else {
+            return Err(format!("tool_calls[{j}].function must be an object"));
+        };
+        if !f.get("name").is_some_and(Value::is_string) {
+            return Err(format!("tool_calls[{j}].function.name must be a string"));
+        }
+        if let Some(Value::String(text)) = f.get("arguments") {
+            match serde_json::from_str::<Value>(text) {
+                Ok(args @ Value::Object(_)) => {
+                    f.insert("arguments".into(), args);
+                }
+                _ => {
+                    return Err(format!(
+                    "tool_calls[{j}].function.arguments must be a JSON object or text holding one"
+                ))
+                }
+            }
+        }
+        out.push(call);
+    }
+    Ok(Value::Array(out))
 }
 
 /// A text completion's own parameters.
@@ -709,5 +864,125 @@ mod tests {
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
         ]}))).unwrap();
         assert_eq!(ok.input.messages[0]["content"], "ab");
+    }
+
+    #[test]
+    fn tools_and_tool_choice_are_checked() {
+        let weather = json!([{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object"}}}]);
+        let ask = |extra: Value| {
+            let mut o = obj(json!({"messages": [{"role": "user", "content": "hi"}]}));
+            o.extend(obj(extra));
+            chat(&o)
+        };
+        let param = |extra: Value| match ask(extra) {
+            Err(RouterError::InvalidParam { param, message }) => (param, message),
+            other => panic!("expected a rejection, got {other:?}"),
+        };
+        let ok = ask(json!({"tools": weather})).unwrap();
+        assert_eq!(
+            ok.tool_choice,
+            ToolChoice::Auto,
+            "auto is the default with tools"
+        );
+        assert_eq!(ok.input.tools, Some(weather.clone()));
+        let none = ask(json!({"tools": weather, "tool_choice": "none"})).unwrap();
+        assert_eq!(
+            (none.tool_choice, none.input.tools),
+            (ToolChoice::None, None)
+        );
+        let empty = ask(json!({"tools": [], "tool_choice": "auto"})).unwrap();
+        assert_eq!(
+            (empty.tool_choice, empty.input.tools),
+            (ToolChoice::None, None)
+        );
+        let named = json!({"type": "function", "function": {"name": "get_weather"}});
+        assert_eq!(
+            ask(json!({"tools": weather, "tool_choice": named}))
+                .unwrap()
+                .tool_choice,
+            ToolChoice::Named("get_weather".into())
+        );
+        assert_eq!(
+            ask(json!({"tools": weather, "tool_choice": "required"}))
+                .unwrap()
+                .tool_choice,
+            ToolChoice::Required
+        );
+        for (bad, param_name, says) in [
+            (json!({"tools": {}}), "tools", "list"),
+            (
+                json!({"tools": [{"type": "retrieval"}]}),
+                "tools",
+                "tools[0].type",
+            ),
+            (
+                json!({"tools": [{"type": "function"}]}),
+                "tools",
+                "tools[0].function",
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": ""}}]}),
+                "tools",
+                "name",
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}),
+                "tools",
+                "parameters",
+            ),
+            (
+                json!({"tool_choice": "required"}),
+                "tool_choice",
+                "requires tools",
+            ),
+            (
+                json!({"tool_choice": named}),
+                "tool_choice",
+                "requires tools",
+            ),
+            (
+                json!({"tools": weather, "tool_choice": "always"}),
+                "tool_choice",
+                "always",
+            ),
+            (
+                json!({"tools": weather, "tool_choice": {"type": "function", "function": {"name": "other"}}}),
+                "tool_choice",
+                "not in tools",
+            ),
+            (
+                json!({"chat_template_kwargs": {"enable_thinking": "yes"}}),
+                "chat_template_kwargs",
+                "enable_thinking",
+            ),
+        ] {
+            let (p, m) = param(bad.clone());
+            assert_eq!(p, param_name, "{bad}");
+            assert!(m.contains(says), "{bad}: {m}");
+        }
+    }
+
+    #[test]
+    fn assistant_tool_calls_reach_the_template_as_objects() {
+        let history = |args: Value| {
+            chat(&obj(json!({"messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": args}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            ]})))
+        };
+        let c = history(json!("{\"location\": \"Paris\"}")).unwrap();
+        assert_eq!(
+            c.input.messages[1]["tool_calls"][0]["function"]["arguments"],
+            json!({"location": "Paris"})
+        );
+        assert!(history(json!({"location": "Paris"})).is_ok());
+        assert!(history(json!("not json")).is_err());
+        let on_user = chat(&obj(json!({"messages": [
+            {"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}
+        ]})));
+        assert!(on_user.is_err());
     }
 }

@@ -3,9 +3,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::{ApiKey, Config, Mode};
+use crate::config::{ApiKey, Config, Mode, ReasoningParser, ToolCallParser};
 use crate::error::RouterError;
 use crate::metrics::Metrics;
+use crate::structured::ToolFormat;
 use crate::workers::Pool;
 
 /// The router's shared state.
@@ -22,6 +23,10 @@ pub struct AppState {
     pub max_seq_len: usize,
     pub metrics: Arc<Metrics>,
     pub started: Instant,
+    /// The tool-call markup chat output is parsed for; `None` refuses tools.
+    pub tool_format: Option<ToolFormat>,
+    /// Whether `<think>` blocks go to `reasoning_content`.
+    pub think: bool,
     /// Accepted API keys; empty means the API is open.
     api_keys: Vec<ApiKey>,
 }
@@ -73,7 +78,22 @@ impl AppState {
             .max_input_token_len
             .min(max_seq_len.saturating_sub(1))
             .min(max_pos);
+        let template_src = text.template.as_ref().map_or("", |t| t.source());
+        let tool_format = match cfg.tool_call_parser {
+            ToolCallParser::Auto => ToolFormat::detect(template_src),
+            ToolCallParser::None => None,
+            ToolCallParser::Hermes => Some(ToolFormat::Hermes),
+            ToolCallParser::Deepseek => Some(ToolFormat::DeepSeek),
+        };
+        let think = match cfg.reasoning_parser {
+            ReasoningParser::Auto => template_src.contains("</think>"),
+            ReasoningParser::None => false,
+            ReasoningParser::Think => true,
+        };
+        tracing::info!(?tool_format, think, "chat output parsing");
         Ok(Self {
+            tool_format,
+            think,
             cfg,
             model_name,
             text,

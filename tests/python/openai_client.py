@@ -7,6 +7,7 @@ field the seeds define.
 """
 
 import argparse
+import json
 
 import openai
 
@@ -82,6 +83,37 @@ def main() -> None:
     )
     assert [c.index for c in several.choices] == [0, 1], several
     assert several.usage.completion_tokens <= 8, several.usage
+
+    # The router runs with --tool-call-parser hermes: SmolLM2 writes the call once the
+    # prompt opens it, and the SDK reads it back as a typed tool call.
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {
+            "location": {"type": "string"}}}}}]
+    system = (
+        "You call tools. To call a tool, answer only with <tool_call> and a JSON object.\n"
+        "Example:\nUser: What is the weather in London?\nAssistant: <tool_call>\n"
+        '{"name": "get_weather", "arguments": {"location": "London"}}\n</tool_call>'
+    )
+    ask = [{"role": "system", "content": system},
+           {"role": "user", "content": "What is the weather in Paris?"}]
+    called = client.chat.completions.create(
+        model=args.model, messages=ask, tools=tools, tool_choice="required",
+        max_tokens=40, temperature=0,
+    )
+    call = called.choices[0].message.tool_calls[0]
+    assert called.choices[0].finish_reason == "tool_calls", called
+    assert call.function.name == "get_weather", call
+    assert json.loads(call.function.arguments) == {"location": "Paris"}, call
+    streamed_calls = [
+        tc
+        for chunk in client.chat.completions.create(
+            model=args.model, messages=ask, tools=tools, tool_choice="required",
+            max_tokens=40, temperature=0, stream=True,
+        )
+        for tc in (chunk.choices[0].delta.tool_calls or [])
+    ]
+    assert [(t.index, t.function.name) for t in streamed_calls] == [(0, "get_weather")], streamed_calls
+    assert streamed_calls[0].function.arguments == call.function.arguments, streamed_calls
 
     models = client.models.list()
     assert [m.id for m in models.data] == [args.model], models

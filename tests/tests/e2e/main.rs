@@ -7,4 +7,5 @@ mod openai_sdk;
 mod params;
 mod pd_vs_colocated;
 mod streaming;
+mod tools;
 mod usage;

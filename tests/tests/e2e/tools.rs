@@ -1,0 +1,163 @@
+//! Tools and tool calls through P and D: the request's tools reach the template, forced
+//! calls come back as `tool_calls` (SmolLM2 writes them once the prompt opens the call), and
+//! a model whose template teaches no call format refuses tools rather than ignoring them.
+
+use e2e::{smollm2, sse_chunks, tiny_model, Cluster, Mode};
+use serde_json::{json, Value};
+
+fn weather_tool() -> Value {
+    json!([{"type": "function", "function": {"name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"location": {"type": "string"}},
+            "required": ["location"]}}}])
+}
+
+/// A chat that asks for the weather in `city`, with a system prompt that shows the call
+/// format (SmolLM2's own template does not render tools).
+fn weather_chat(city: &str, tool_choice: Value) -> Value {
+    let system = "You call tools. To call a tool, answer only with <tool_call> and a JSON \
+        object.\nExample:\nUser: What is the weather in London?\nAssistant: <tool_call>\n\
+        {\"name\": \"get_weather\", \"arguments\": {\"location\": \"London\"}}\n</tool_call>";
+    json!({"model": "test", "temperature": 0, "max_tokens": 40,
+        "messages": [{"role": "system", "content": system},
+            {"role": "user", "content": format!("What is the weather in {city}?")}],
+        "tools": weather_tool(), "tool_choice": tool_choice})
+}
+
+/// The one call in a response, as (name, parsed arguments).
+fn only_call(v: &Value) -> (String, Value) {
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert_eq!(
+        choice["message"]["content"],
+        Value::Null,
+        "a message that only calls tools has null content: {v}"
+    );
+    let calls = choice["message"]["tool_calls"]
+        .as_array()
+        .expect("tool_calls");
+    assert_eq!(calls.len(), 1, "{v}");
+    let call = &calls[0];
+    assert_eq!(call["type"], "function");
+    let id = call["id"].as_str().unwrap();
+    assert!(id.starts_with("call_") && id.len() == 29, "{id}");
+    let args = call["function"]["arguments"]
+        .as_str()
+        .expect("arguments as text");
+    (
+        call["function"]["name"].as_str().unwrap().to_string(),
+        serde_json::from_str(args).unwrap_or_else(|e| panic!("{e}: {args}")),
+    )
+}
+
+#[tokio::test]
+async fn required_and_named_tool_choice_return_parsed_calls_streamed_and_not() {
+    let c = Cluster::start(Mode::Pd, &smollm2(), &["--tool-call-parser", "hermes"]).await;
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    for (city, choice) in [("Paris", json!("required")), ("Tokyo", named)] {
+        let (status, v) = c
+            .post("/v1/chat/completions", &weather_chat(city, choice))
+            .await;
+        assert_eq!(status, 200, "{v}");
+        let (name, args) = only_call(&v);
+        assert_eq!(name, "get_weather");
+        assert_eq!(args, json!({"location": city}), "{v}");
+
+        let mut body = weather_chat(city, json!("required"));
+        body["stream"] = json!(true);
+        let (status, data) = c.post_sse("/v1/chat/completions", &body).await;
+        assert_eq!(status, 200);
+        let chunks = sse_chunks(&data);
+        let deltas: Vec<&Value> = chunks
+            .iter()
+            .filter_map(|ch| ch["choices"][0]["delta"]["tool_calls"].as_array())
+            .flatten()
+            .collect();
+        assert_eq!(deltas.len(), 1, "one whole call per delta: {data:?}");
+        assert_eq!(deltas[0]["index"], 0);
+        assert_eq!(deltas[0]["function"]["name"], "get_weather");
+        let streamed_args: Value =
+            serde_json::from_str(deltas[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert_eq!(streamed_args, json!({"location": city}));
+        let content: String = chunks
+            .iter()
+            .filter_map(|ch| ch["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(content, "", "the call is not also sent as content");
+        let last = chunks.last().unwrap();
+        assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
+    }
+
+    // tool_choice none: the tools are left out of the prompt and nothing is parsed.
+    let none = weather_chat("Paris", json!("none"));
+    let mut without = none.clone();
+    without.as_object_mut().unwrap().remove("tools");
+    without.as_object_mut().unwrap().remove("tool_choice");
+    let (s1, a) = c.post("/v1/chat/completions", &none).await;
+    let (s2, b) = c.post("/v1/chat/completions", &without).await;
+    assert_eq!((s1, s2), (200, 200), "{a}\n{b}");
+    assert_eq!(a["usage"]["prompt_tokens"], b["usage"]["prompt_tokens"]);
+    assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
+    assert_eq!(a["choices"][0]["message"]["tool_calls"], json!([]));
+
+    // The next turn: the call and its result go back in as history.
+    let (_, first) = c
+        .post(
+            "/v1/chat/completions",
+            &weather_chat("Paris", json!("required")),
+        )
+        .await;
+    let call = first["choices"][0]["message"]["tool_calls"][0].clone();
+    let mut next = weather_chat("Paris", json!("auto"));
+    let messages = next["messages"].as_array_mut().unwrap();
+    // SmolLM2's template concatenates content, so this turn's is "" rather than null.
+    messages.push(json!({"role": "assistant", "content": "", "tool_calls": [call]}));
+    messages.push(json!({"role": "tool", "tool_call_id": call["id"], "content": "22 C, sunny"}));
+    let (status, v) = c.post("/v1/chat/completions", &next).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        v["usage"]["prompt_tokens"].as_u64() > first["usage"]["prompt_tokens"].as_u64(),
+        "the history is in the prompt: {v}"
+    );
+}
+
+#[tokio::test]
+async fn tools_reach_the_template_and_are_refused_without_a_call_format() {
+    // The tiny model's template renders tools (Hermes style), so they lengthen the prompt.
+    let tiny = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+    let ask = json!({"model": "test", "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "user", "content": "weather?"}]});
+    let mut with_tools = ask.clone();
+    with_tools["tools"] = weather_tool();
+    let (s1, plain) = tiny.post("/v1/chat/completions", &ask).await;
+    let (s2, tooled) = tiny.post("/v1/chat/completions", &with_tools).await;
+    assert_eq!((s1, s2), (200, 200), "{plain}\n{tooled}");
+    let tokens = |v: &Value| v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        tokens(&tooled) > tokens(&plain) + 20,
+        "{} vs {}",
+        tokens(&tooled),
+        tokens(&plain)
+    );
+    let mut unknown = with_tools.clone();
+    unknown["tool_choice"] = json!({"type": "function", "function": {"name": "nope"}});
+    let (status, e) = tiny.post("/v1/chat/completions", &unknown).await;
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("tool_choice")),
+        "{e}"
+    );
+
+    // SmolLM2's template teaches no call format: calls could not be returned, so tools are
+    // refused, unless tool_choice is none.
+    let smol = Cluster::start(Mode::Pd, &smollm2(), &[]).await;
+    let (status, e) = smol.post("/v1/chat/completions", &with_tools).await;
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("tools")),
+        "{e}"
+    );
+    with_tools["tool_choice"] = json!("none");
+    let (status, v) = smol.post("/v1/chat/completions", &with_tools).await;
+    assert_eq!(status, 200, "{v}");
+}
