@@ -53,6 +53,8 @@ pub enum RouterError {
     MissingApiKey,
     #[error("the API key is not valid")]
     BadApiKey,
+    #[error("insufficient balance: the API key has used {used} of its {quota} tokens")]
+    QuotaExceeded { used: u64, quota: u64 },
     #[error("the request did not finish within {0} ms")]
     Timeout(u64),
     #[error("internal error: {0}")]
@@ -106,6 +108,7 @@ impl RouterError {
                 _ => StatusCode::BAD_GATEWAY,
             },
             MissingApiKey | BadApiKey => StatusCode::UNAUTHORIZED,
+            QuotaExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
             Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -117,8 +120,9 @@ impl RouterError {
             ErrorFormat::Openai => self.body(),
             ErrorFormat::Provider => {
                 use RouterError::*;
-                // 003's codes; 701 (quota) has no counterpart here yet.
+                // 003's codes.
                 let code = match self {
+                    QuotaExceeded { .. } => 701,
                     MissingApiKey => 702,
                     BadApiKey => 801,
                     Timeout(_) => 802,
@@ -155,6 +159,8 @@ impl RouterError {
         let (kind, code) = match self {
             ModelNotFound(_) => ("invalid_request_error", Some("model_not_found")),
             MissingApiKey | BadApiKey => ("authentication_error", Some("invalid_api_key")),
+            // OpenAI's answer for a spent quota.
+            QuotaExceeded { .. } => ("insufficient_quota", Some("insufficient_quota")),
             _ if status.is_client_error() => ("invalid_request_error", None),
             _ if status == StatusCode::SERVICE_UNAVAILABLE => ("service_unavailable", None),
             _ => ("server_error", None),

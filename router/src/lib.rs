@@ -5,6 +5,7 @@
 pub mod config;
 pub mod dispatch;
 pub mod error;
+pub mod keys;
 pub mod metrics;
 pub mod openai;
 pub mod params;
@@ -53,14 +54,20 @@ pub fn app(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// Lets a request through only with a valid API key, when keys are configured.
-async fn authorize(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+/// Lets a request through only with a valid API key that has quota left, when keys are
+/// configured; the key goes with the request so its tokens are charged to it.
+async fn authorize(State(state): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
     let header = req
         .headers()
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
     match state.authorize(header) {
-        Ok(()) => next.run(req).await,
+        Ok(key) => {
+            if let Some(key) = key {
+                req.extensions_mut().insert(key);
+            }
+            next.run(req).await
+        }
         Err(e) => state.error_response(e),
     }
 }

@@ -11,7 +11,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use proto::v1::FinishReason;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -20,6 +20,7 @@ use tracing::Instrument;
 
 use crate::dispatch::{self, GenRequest, Piece, Pieces, TokenStat};
 use crate::error::RouterError;
+use crate::keys::Key;
 use crate::metrics::InFlight;
 use crate::params::{self, ToolChoice};
 use crate::state::AppState;
@@ -45,17 +46,19 @@ impl Kind {
 /// `POST /v1/chat/completions`.
 pub async fn chat(
     State(state): State<Arc<AppState>>,
+    key: Option<Extension<Arc<Key>>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    handle(state, Kind::Chat, body).await
+    handle(state, Kind::Chat, key.map(|k| k.0), body).await
 }
 
 /// `POST /v1/completions`.
 pub async fn completions(
     State(state): State<Arc<AppState>>,
+    key: Option<Extension<Arc<Key>>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    handle(state, Kind::Completion, body).await
+    handle(state, Kind::Completion, key.map(|k| k.0), body).await
 }
 
 /// `GET /v1/models`.
@@ -74,7 +77,12 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-async fn handle(state: Arc<AppState>, kind: Kind, body: Result<Bytes, BytesRejection>) -> Response {
+async fn handle(
+    state: Arc<AppState>,
+    kind: Kind,
+    key: Option<Arc<Key>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let prefix = match kind {
         Kind::Chat => "chatcmpl",
         Kind::Completion => "cmpl",
@@ -87,7 +95,7 @@ async fn handle(state: Arc<AppState>, kind: Kind, body: Result<Bytes, BytesRejec
     let span = tracing::info_span!("request", req_id = %id, endpoint = kind.endpoint(),
         prompt_tokens = tracing::field::Empty);
     let in_flight = state.metrics.start();
-    let response = match run(&state, kind, id, body, in_flight)
+    let response = match run(&state, kind, id, key, body, in_flight)
         .instrument(span)
         .await
     {
@@ -104,6 +112,7 @@ async fn run(
     state: &Arc<AppState>,
     kind: Kind,
     id: String,
+    key: Option<Arc<Key>>,
     body: Result<Bytes, BytesRejection>,
     in_flight: InFlight,
 ) -> Result<Response, RouterError> {
@@ -184,6 +193,7 @@ async fn run(
         n: common.n,
         choices,
         tally: Tally::default(),
+        key,
     };
     if common.stream {
         Ok(stream(out, first, rest, in_flight))
@@ -396,6 +406,17 @@ struct Output {
     n: usize,
     choices: Vec<ChoiceOut>,
     tally: Tally,
+    /// The API key charged for the tokens.
+    key: Option<Arc<Key>>,
+}
+
+impl Drop for Output {
+    /// Charges the key for every token the request used, also when the client left early.
+    fn drop(&mut self) {
+        if let Some(key) = &self.key {
+            key.charge((self.prompt_tokens + self.tally.completion_tokens) as u64);
+        }
+    }
 }
 
 impl Output {

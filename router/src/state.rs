@@ -3,8 +3,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::{ApiKey, Config, Mode, ReasoningParser, ToolCallParser};
+use crate::config::{Config, Mode, ReasoningParser, ToolCallParser};
 use crate::error::RouterError;
+use crate::keys::{Key, Keys};
 use crate::metrics::Metrics;
 use crate::structured::ToolFormat;
 use crate::workers::Pool;
@@ -27,8 +28,8 @@ pub struct AppState {
     pub tool_format: Option<ToolFormat>,
     /// Whether `<think>` blocks go to `reasoning_content`.
     pub think: bool,
-    /// Accepted API keys; empty means the API is open.
-    api_keys: Vec<ApiKey>,
+    /// Accepted API keys; none means the API is open.
+    api_keys: Keys,
 }
 
 impl AppState {
@@ -45,23 +46,7 @@ impl AppState {
             stem.map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "model".into())
         });
-        let mut api_keys: Vec<ApiKey> = cfg
-            .api_keys
-            .iter()
-            .filter(|k| !k.0.is_empty())
-            .cloned()
-            .collect();
-        if let Some(path) = &cfg.api_key_file {
-            let text = std::fs::read_to_string(path).map_err(|e| {
-                RouterError::Internal(format!("reading the API key file {}: {e}", path.display()))
-            })?;
-            api_keys.extend(
-                text.lines()
-                    .map(str::trim)
-                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
-                    .map(|l| ApiKey(l.to_string())),
-            );
-        }
+        let api_keys = Keys::load(&cfg.api_keys, cfg.api_key_file.as_deref())?;
         let connect = Duration::from_millis(cfg.connect_timeout_ms);
         let prefill = match cfg.mode {
             Mode::Pd => Pool::new("prefill", &cfg.prefill_nodes, connect)?,
@@ -107,24 +92,9 @@ impl AppState {
         })
     }
 
-    /// Checks an `Authorization` header value against the configured keys.
-    pub fn authorize(&self, header: Option<&str>) -> Result<(), RouterError> {
-        if self.api_keys.is_empty() {
-            return Ok(());
-        }
-        let key = header
-            .and_then(|h| h.strip_prefix("Bearer "))
-            .map(str::trim)
-            .ok_or(RouterError::MissingApiKey)?;
-        // Every key is compared in full, so the time taken says nothing about which matched.
-        let matched = self.api_keys.iter().fold(false, |hit, k| {
-            hit | constant_time_eq(k.0.as_bytes(), key.as_bytes())
-        });
-        if matched {
-            Ok(())
-        } else {
-            Err(RouterError::BadApiKey)
-        }
+    /// The key an `Authorization` header value carries, if it may call the API.
+    pub fn authorize(&self, header: Option<&str>) -> Result<Option<Arc<Key>>, RouterError> {
+        self.api_keys.authorize(header)
     }
 
     /// The response for `e` in the configured error format.
@@ -144,28 +114,5 @@ impl AppState {
             (Mode::Colocated, _) => iter,
         };
         wanted.min(self.max_seq_len - prompt_tokens).max(1)
-    }
-}
-
-/// Equality whose time depends only on the lengths, not on where the bytes differ.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    let diff = a
-        .iter()
-        .zip(b)
-        .fold(a.len() ^ b.len(), |acc, (x, y)| acc | usize::from(x ^ y));
-    diff == 0
-}
-
-#[cfg(test)]
-mod tests {
-    use super::constant_time_eq;
-
-    #[test]
-    fn constant_time_eq_is_equality() {
-        assert!(constant_time_eq(b"key-1", b"key-1"));
-        assert!(!constant_time_eq(b"key-1", b"key-2"));
-        assert!(!constant_time_eq(b"key-1", b"key-10"));
-        assert!(!constant_time_eq(b"", b"k"));
-        assert!(constant_time_eq(b"", b""));
     }
 }

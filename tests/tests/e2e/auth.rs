@@ -22,7 +22,11 @@ fn hello() -> Value {
 #[tokio::test]
 async fn api_keys_guard_the_api_but_not_health_or_metrics() {
     let file = scratch().join("keys.txt");
-    std::fs::write(&file, "# one key per line\n\nfile-key\n").unwrap();
+    std::fs::write(
+        &file,
+        "# one key per line, with an optional token quota\n\nfile-key\nsmall-key 10\n",
+    )
+    .unwrap();
     let file = file.display().to_string();
     let c = Cluster::start(
         Mode::Pd,
@@ -39,6 +43,22 @@ async fn api_keys_guard_the_api_but_not_health_or_metrics() {
         let (status, v) = ask(&c, "/v1/completions", Some(key), &hello()).await;
         assert_eq!(status, 200, "{key}: {v}");
     }
+    // small-key may use 10 tokens: requests pass while it has used fewer, then get 429.
+    let mut used = 0;
+    for _ in 0..10 {
+        let (status, v) = ask(&c, "/v1/completions", Some("small-key"), &hello()).await;
+        if used >= 10 {
+            assert_eq!(status, 429, "{used} tokens used: {v}");
+            assert_eq!(v["error"]["code"], "insufficient_quota", "{v}");
+            break;
+        }
+        assert_eq!(status, 200, "{used} tokens used: {v}");
+        used += v["usage"]["total_tokens"].as_u64().unwrap();
+    }
+    assert!(used >= 10, "the quota was never reached");
+    let (status, _) = ask(&c, "/v1/completions", Some("file-key"), &hello()).await;
+    assert_eq!(status, 200, "other keys keep their own account");
+
     let models = reqwest::get(format!("{}/v1/models", c.url)).await.unwrap();
     assert_eq!(models.status(), 401);
     for open in ["/health", "/metrics"] {
@@ -49,12 +69,17 @@ async fn api_keys_guard_the_api_but_not_health_or_metrics() {
 
 #[tokio::test]
 async fn provider_error_format_uses_the_003_codes() {
+    let file = scratch().join("spent-keys.txt");
+    std::fs::write(&file, "spent 0\n").unwrap();
+    let file = file.display().to_string();
     let c = Cluster::start(
         Mode::Pd,
         &tiny_model(),
         &[
             "--api-keys",
             "k",
+            "--api-key-file",
+            &file,
             "--error-format",
             "provider",
             "--request-timeout-ms",
@@ -65,6 +90,7 @@ async fn provider_error_format_uses_the_003_codes() {
     let cases = [
         (None, hello(), 401, 702),
         (Some("wrong"), hello(), 401, 801),
+        (Some("spent"), hello(), 429, 701),
         (
             Some("k"),
             json!({"model": "test", "prompt": "hello", "temperature": 9}),

@@ -1,0 +1,170 @@
+//! API keys: who may call the API, and how many tokens each key may still use.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::config::ApiKey;
+use crate::error::RouterError;
+
+/// One accepted key and its token account.
+#[derive(Debug)]
+pub struct Key {
+    secret: ApiKey,
+    /// Most tokens (prompt plus completion, over all its requests) the key may use.
+    quota: Option<u64>,
+    used: AtomicU64,
+}
+
+impl Key {
+    /// Counts tokens a request of this key used.
+    pub fn charge(&self, tokens: u64) {
+        self.used.fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    fn check_quota(&self) -> Result<(), RouterError> {
+        let used = self.used.load(Ordering::Relaxed);
+        match self.quota {
+            Some(quota) if used >= quota => Err(RouterError::QuotaExceeded { used, quota }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The configured keys; none means the API is open.
+#[derive(Debug, Default)]
+pub struct Keys(Vec<Arc<Key>>);
+
+impl Keys {
+    /// Keys from flags (no quota) and from a file of lines `<key>` or `<key> <token quota>`
+    /// (blank lines and `#` comments skipped).
+    pub fn load(flags: &[ApiKey], file: Option<&Path>) -> Result<Self, RouterError> {
+        let mut keys: Vec<Arc<Key>> = flags
+            .iter()
+            .filter(|k| !k.0.is_empty())
+            .map(|k| key(k.clone(), None))
+            .collect();
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                RouterError::Internal(format!("reading the API key file {}: {e}", path.display()))
+            })?;
+            for (n, line) in text.lines().enumerate() {
+                let line = line.trim();
+                if line.is_empty() || line.starts_with('#') {
+                    continue;
+                }
+                let mut fields = line.split_whitespace();
+                let secret = ApiKey(fields.next().unwrap_or_default().to_string());
+                let quota = match (fields.next(), fields.next()) {
+                    (None, _) => None,
+                    (Some(q), None) => Some(q.parse::<u64>().map_err(|_| {
+                        RouterError::Internal(format!(
+                            "{} line {}: the token quota must be a whole number",
+                            path.display(),
+                            n + 1
+                        ))
+                    })?),
+                    (Some(_), Some(_)) => {
+                        return Err(RouterError::Internal(format!(
+                            "{} line {}: expected `<key>` or `<key> <token quota>`",
+                            path.display(),
+                            n + 1
+                        )))
+                    }
+                };
+                keys.push(key(secret, quota));
+            }
+        }
+        Ok(Self(keys))
+    }
+
+    /// The key an `Authorization` header value carries (`None` when the API is open), if it
+    /// is one of ours and has quota left.
+    pub fn authorize(&self, header: Option<&str>) -> Result<Option<Arc<Key>>, RouterError> {
+        if self.0.is_empty() {
+            return Ok(None);
+        }
+        let given = header
+            .and_then(|h| h.strip_prefix("Bearer "))
+            .map(str::trim)
+            .ok_or(RouterError::MissingApiKey)?;
+        // Every key is compared in full, so the time taken says nothing about which matched.
+        let matched = self.0.iter().fold(None, |hit, k| {
+            let eq = constant_time_eq(k.secret.0.as_bytes(), given.as_bytes());
+            if eq && hit.is_none() {
+                Some(Arc::clone(k))
+            } else {
+                hit
+            }
+        });
+        let key = matched.ok_or(RouterError::BadApiKey)?;
+        key.check_quota()?;
+        Ok(Some(key))
+    }
+}
+
+fn key(secret: ApiKey, quota: Option<u64>) -> Arc<Key> {
+    Arc::new(Key {
+        secret,
+        quota,
+        used: AtomicU64::new(0),
+    })
+}
+
+/// Equality whose time depends only on the lengths, not on where the bytes differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let diff = a
+        .iter()
+        .zip(b)
+        .fold(a.len() ^ b.len(), |acc, (x, y)| acc | usize::from(x ^ y));
+    diff == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constant_time_eq_is_equality() {
+        assert!(constant_time_eq(b"key-1", b"key-1"));
+        assert!(!constant_time_eq(b"key-1", b"key-2"));
+        assert!(!constant_time_eq(b"key-1", b"key-10"));
+        assert!(!constant_time_eq(b"", b"k"));
+        assert!(constant_time_eq(b"", b""));
+    }
+
+    #[test]
+    fn a_key_file_sets_quotas_that_run_out() {
+        let dir = std::env::temp_dir().join(format!("tandem-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("keys");
+        std::fs::write(&file, "# team keys\nsk-open\n\nsk-small 100\n").unwrap();
+        let keys = Keys::load(&[ApiKey("sk-flag".into())], Some(&file)).unwrap();
+        assert!(keys.authorize(Some("Bearer sk-flag")).unwrap().is_some());
+        assert!(matches!(
+            keys.authorize(Some("Bearer sk-nope")),
+            Err(RouterError::BadApiKey)
+        ));
+        assert!(matches!(
+            keys.authorize(None),
+            Err(RouterError::MissingApiKey)
+        ));
+        let small = keys.authorize(Some("Bearer sk-small")).unwrap().unwrap();
+        small.charge(99);
+        assert!(keys.authorize(Some("Bearer sk-small")).is_ok());
+        small.charge(1);
+        assert!(matches!(
+            keys.authorize(Some("Bearer sk-small")),
+            Err(RouterError::QuotaExceeded {
+                used: 100,
+                quota: 100
+            })
+        ));
+        let open = keys.authorize(Some("Bearer sk-open")).unwrap().unwrap();
+        open.charge(u64::from(u32::MAX));
+        assert!(keys.authorize(Some("Bearer sk-open")).is_ok(), "no quota");
+        std::fs::write(&file, "sk-bad lots\n").unwrap();
+        assert!(Keys::load(&[], Some(&file)).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
