@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use engine::{EngineError, Model, SamplingParams, SeqCache, SeqInput};
+use engine::beam::BeamSearch;
+use engine::{EngineError, Model, Sampled, SamplingParams, SeqCache, SeqInput};
 use proto::v1::{generate_event::Event, Finish, FinishReason, GenerateEvent, TokenEvent};
 use tokio::sync::mpsc;
 use tonic::Status;
@@ -24,7 +25,7 @@ pub enum Start {
     /// prefill node.
     Transferred {
         cache: SeqCache,
-        first_tokens: Vec<u32>,
+        first_tokens: Vec<Sampled>,
     },
 }
 
@@ -34,8 +35,11 @@ pub struct Admission {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     pub top_logprobs: usize,
-    /// Sequences decoded from the one prompt (n or best_of).
+    /// Sequences decoded from the one prompt (n or best_of); with beam search, the
+    /// hypotheses returned.
     pub n: usize,
+    /// Above 0: beam search with this many beams.
+    pub beam_width: usize,
     /// Tokens this node may produce (the first one included when it prefills).
     pub max_new: usize,
     pub stop_ids: Vec<u32>,
@@ -61,6 +65,26 @@ struct Seq {
     events: Events,
 }
 
+/// What one beam carries: its cache and the events of its tokens so far, sent only once
+/// the search has chosen the beams it returns.
+struct BeamState {
+    cache: SeqCache,
+    history: Vec<TokenEvent>,
+}
+
+/// A beam search in progress: its live beams step with the rest of the batch.
+struct BeamGroup {
+    span: tracing::Span,
+    search: BeamSearch<BeamState>,
+    /// Hypotheses returned.
+    n: usize,
+    top_logprobs: usize,
+    max_new: usize,
+    produced: usize,
+    ready_since: Instant,
+    events: Events,
+}
+
 /// Starts the compute thread; it ends when every sender of `admissions` is gone and the
 /// running sequences are done.
 pub fn spawn(
@@ -77,24 +101,23 @@ struct Scheduler {
     model: Arc<Model>,
     max_batch: usize,
     running: Vec<Seq>,
+    groups: Vec<BeamGroup>,
 }
 
-fn token_event(
-    s: &engine::Sampled,
-    choice: u32,
-    ms: f64,
-    batch: usize,
-    wait_us: u64,
-) -> GenerateEvent {
+fn token(s: &Sampled, choice: u32, ms: f64, batch: usize, wait_us: u64) -> TokenEvent {
+    TokenEvent {
+        token: Some(proto::token_to_proto(s)),
+        step_time_ms: ms,
+        batch_size: batch as u32,
+        queue_wait_us: wait_us,
+        from_prefill: false,
+        choice,
+    }
+}
+
+fn token_event(s: &Sampled, choice: u32, ms: f64, batch: usize, wait_us: u64) -> GenerateEvent {
     GenerateEvent {
-        event: Some(Event::Token(TokenEvent {
-            token: Some(proto::token_to_proto(s)),
-            step_time_ms: ms,
-            batch_size: batch as u32,
-            queue_wait_us: wait_us,
-            from_prefill: false,
-            choice,
-        })),
+        event: Some(Event::Token(token(s, choice, ms, batch, wait_us))),
     }
 }
 
@@ -113,18 +136,29 @@ impl Scheduler {
             model,
             max_batch: max_batch.max(1),
             running: Vec::new(),
+            groups: Vec::new(),
         }
+    }
+
+    /// Sequences in the next step: running ones and live beams.
+    fn batch_len(&self) -> usize {
+        self.running.len()
+            + self
+                .groups
+                .iter()
+                .map(|g| g.search.live().len())
+                .sum::<usize>()
     }
 
     fn run(mut self, mut admissions: mpsc::UnboundedReceiver<Admission>) {
         loop {
-            if self.running.is_empty() {
+            if self.batch_len() == 0 {
                 match admissions.blocking_recv() {
                     Some(a) => self.admit(a),
                     None => return,
                 }
             }
-            while self.running.len() < self.max_batch {
+            while self.batch_len() < self.max_batch {
                 match admissions.try_recv() {
                     Ok(a) => self.admit(a),
                     Err(_) => break,
@@ -137,7 +171,14 @@ impl Scheduler {
                 }
                 !gone
             });
-            if !self.running.is_empty() {
+            self.groups.retain(|g| {
+                let gone = g.events.is_closed();
+                if gone {
+                    tracing::info!(parent: &g.span, "caller went away; beam search dropped");
+                }
+                !gone
+            });
+            if self.batch_len() > 0 {
                 self.step();
             }
         }
@@ -170,23 +211,23 @@ impl Scheduler {
 
     fn admit(&mut self, a: Admission) {
         let _entered = a.span.clone().entered();
-        // The prompt's cache, each sequence's first token, how many tokens this node made
-        // per sequence, and since when the sequences wait for their next step.
-        let (cache, first_tokens, produced, ready_since) = match a.start {
+        let width = if a.beam_width > 0 { a.beam_width } else { a.n };
+        // The prompt's cache, each sequence's first token, the events of the first tokens
+        // when this node sampled them, and since when the sequences wait for their next step.
+        let (cache, first, prefilled, ready_since) = match a.start {
             Start::Transferred {
                 cache,
                 first_tokens,
             } => {
-                if first_tokens.len() != a.n {
+                if first_tokens.len() != width {
                     let e = DecodeError::InvalidRequest(format!(
-                        "{} first tokens arrived for {} sequences",
+                        "{} first tokens arrived for {width} sequences",
                         first_tokens.len(),
-                        a.n
                     ));
                     let _ = a.events.send(Err(e.into()));
                     return;
                 }
-                (cache, first_tokens, 0, a.enqueued)
+                (cache, first_tokens, None, a.enqueued)
             }
             Start::Prefill => {
                 if a.max_new == 0 {
@@ -198,8 +239,7 @@ impl Scheduler {
                     return;
                 }
                 let started = Instant::now();
-                let (cache, first) = match self.prefill(&a.prompt, &a.sampling, a.n, a.top_logprobs)
-                {
+                let (cache, first) = match self.prefill(&a, width) {
                     Ok(r) => r,
                     Err(e) => {
                         tracing::warn!(error = %e, "prefill failed");
@@ -209,20 +249,20 @@ impl Scheduler {
                 };
                 let ms = started.elapsed().as_secs_f64() * 1e3;
                 let wait = (started - a.enqueued).as_micros() as u64;
-                for (choice, s) in first.iter().enumerate() {
-                    let mut event = token_event(s, choice as u32, ms, 1, wait);
-                    if let Some(Event::Token(t)) = &mut event.event {
-                        t.from_prefill = true;
-                    }
-                    let _ = a.events.send(Ok(event));
-                }
-                let tokens = first.iter().map(|s| s.token).collect();
-                (cache, tokens, 1, Instant::now())
+                let events: Vec<TokenEvent> = first
+                    .iter()
+                    .enumerate()
+                    .map(|(choice, s)| TokenEvent {
+                        from_prefill: true,
+                        ..token(s, choice as u32, ms, 1, wait)
+                    })
+                    .collect();
+                (cache, first, Some(events), Instant::now())
             }
         };
         // Sequence 0 keeps the prompt's cache; the others decode from copies of it.
-        let mut caches = Vec::with_capacity(first_tokens.len());
-        for _ in 1..first_tokens.len() {
+        let mut caches = Vec::with_capacity(first.len());
+        for _ in 1..first.len() {
             match cache.fork() {
                 Ok(c) => caches.push(c),
                 Err(e) => {
@@ -232,7 +272,55 @@ impl Scheduler {
             }
         }
         caches.insert(0, cache);
-        for (choice, (cache, first)) in caches.into_iter().zip(first_tokens).enumerate() {
+        if a.beam_width > 0 {
+            let produced = usize::from(prefilled.is_some());
+            // A beam's history starts with its first token; a prefill node's carries no
+            // figures here, the router has them.
+            let histories: Vec<TokenEvent> = prefilled.unwrap_or_else(|| {
+                first
+                    .iter()
+                    .map(|s| TokenEvent {
+                        from_prefill: true,
+                        ..token(s, 0, 0.0, 1, 0)
+                    })
+                    .collect()
+            });
+            let states = caches
+                .into_iter()
+                .zip(histories)
+                .map(|(cache, e)| BeamState {
+                    cache,
+                    history: vec![e],
+                });
+            let search = BeamSearch::new(
+                a.prompt.len(),
+                a.stop_ids,
+                first.into_iter().zip(states).collect(),
+            );
+            self.keep_or_end(BeamGroup {
+                span: a.span.clone(),
+                search,
+                n: a.n,
+                top_logprobs: a.top_logprobs,
+                max_new: a.max_new,
+                produced,
+                ready_since,
+                events: a.events,
+            });
+            return;
+        }
+        let produced = match prefilled {
+            Some(events) => {
+                for event in events {
+                    let _ = a.events.send(Ok(GenerateEvent {
+                        event: Some(Event::Token(event)),
+                    }));
+                }
+                1
+            }
+            None => 0,
+        };
+        for (choice, (cache, first)) in caches.into_iter().zip(first).enumerate() {
             self.keep_or_finish(Seq {
                 span: a.span.clone(),
                 choice: choice as u32,
@@ -242,7 +330,7 @@ impl Scheduler {
                 max_new: a.max_new,
                 stop_ids: a.stop_ids.clone(),
                 cache,
-                output: vec![first],
+                output: vec![first.token],
                 produced,
                 ready_since,
                 events: a.events.clone(),
@@ -250,55 +338,95 @@ impl Scheduler {
         }
     }
 
-    /// Runs the prompt and samples the first token of each of `n` sequences.
-    fn prefill(
-        &self,
-        prompt: &[u32],
-        sampling: &SamplingParams,
-        n: usize,
-        top_logprobs: usize,
-    ) -> Result<(SeqCache, Vec<engine::Sampled>), DecodeError> {
-        if prompt.is_empty() {
+    /// Keeps a beam search going, or sends its n best hypotheses, each as all its token
+    /// events and its finish, and lets its caches go.
+    fn keep_or_end(&mut self, g: BeamGroup) {
+        let max_pos = self.model.config().max_position_embeddings;
+        let at_limit = g.produced >= g.max_new
+            || g.search
+                .live()
+                .iter()
+                .any(|b| b.state.cache.len() >= max_pos);
+        if !at_limit && !g.search.converged() {
+            self.groups.push(g);
+            return;
+        }
+        let _entered = g.span.enter();
+        let best = g.search.finish(g.n);
+        tracing::debug!(hypotheses = best.len(), "beam search finished");
+        for (choice, beam) in best.into_iter().enumerate() {
+            let choice = choice as u32;
+            for mut event in beam.state.history {
+                event.choice = choice;
+                let _ = g.events.send(Ok(GenerateEvent {
+                    event: Some(Event::Token(event)),
+                }));
+            }
+            let reason = if beam.stopped {
+                FinishReason::Stop
+            } else {
+                FinishReason::Length
+            };
+            let _ = g.events.send(Ok(finish_event(reason, choice)));
+        }
+    }
+
+    /// Runs the prompt and picks the first token of each of `n` sequences: samples, or the
+    /// n most likely tokens for a beam search.
+    fn prefill(&self, a: &Admission, n: usize) -> Result<(SeqCache, Vec<Sampled>), DecodeError> {
+        if a.prompt.is_empty() {
             return Err(DecodeError::InvalidRequest("the prompt is empty".into()));
         }
         let mut cache = self.model.new_cache()?;
         let logits = self.model.forward(&mut [SeqInput {
-            tokens: prompt,
+            tokens: &a.prompt,
             cache: &mut cache,
         }])?;
         let row: Vec<f32> = logits
             .squeeze(0)
             .and_then(|t| t.to_vec1())
             .map_err(EngineError::from)?;
-        let first = engine::sampling::sample_first(&row, sampling, prompt, n, top_logprobs);
+        let first = if a.beam_width > 0 {
+            engine::beam::first_tokens(&row, n, a.top_logprobs)
+        } else {
+            engine::sampling::sample_first(&row, &a.sampling, &a.prompt, n, a.top_logprobs)
+        };
         Ok((cache, first))
     }
 
     fn step(&mut self) {
-        let batch = self.running.len();
+        let batch = self.batch_len();
         let span = tracing::debug_span!("decode_step", batch);
         let _entered = span.enter();
         let started = Instant::now();
+        // One forward over every running sequence and then every live beam, in that order.
         let inputs: Vec<[u32; 1]> = self
             .running
             .iter()
-            .map(|s| [*s.output.last().expect("a running sequence has a token")])
+            .map(|s| *s.output.last().expect("a running sequence has a token"))
+            .chain(self.groups.iter().flat_map(|g| {
+                g.search
+                    .live()
+                    .iter()
+                    .map(|b| *b.tokens.last().expect("a beam has a token"))
+            }))
+            .map(|t| [t])
             .collect();
         let rows = {
-            let mut seqs: Vec<SeqInput<'_>> = self
-                .running
-                .iter_mut()
+            let caches = self.running.iter_mut().map(|s| &mut s.cache).chain(
+                self.groups
+                    .iter_mut()
+                    .flat_map(|g| g.search.live_states_mut().map(|b| &mut b.cache)),
+            );
+            let mut seqs: Vec<SeqInput<'_>> = caches
                 .zip(&inputs)
-                .map(|(s, t)| SeqInput {
-                    tokens: t,
-                    cache: &mut s.cache,
-                })
+                .map(|(cache, t)| SeqInput { tokens: t, cache })
                 .collect();
             self.model
                 .forward(&mut seqs)
                 .and_then(|l| l.to_vec2::<f32>().map_err(EngineError::from))
         };
-        let rows = match rows {
+        let mut rows = match rows {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!(error = %e, "decode step failed; failing its sequences");
@@ -306,10 +434,14 @@ impl Scheduler {
                 for s in self.running.drain(..) {
                     let _ = s.events.send(Err(status.clone()));
                 }
+                for g in self.groups.drain(..) {
+                    let _ = g.events.send(Err(status.clone()));
+                }
                 return;
             }
         };
-        let sampled: Vec<engine::Sampled> = self
+        let beam_rows = rows.split_off(self.running.len());
+        let sampled: Vec<Sampled> = self
             .running
             .iter()
             .zip(&rows)
@@ -339,6 +471,29 @@ impl Scheduler {
             seq.produced += 1;
             seq.ready_since = now;
             self.keep_or_finish(seq);
+        }
+        let mut beam_rows = beam_rows.into_iter();
+        for mut g in std::mem::take(&mut self.groups) {
+            let rows: Vec<Vec<f32>> = beam_rows.by_ref().take(g.search.live().len()).collect();
+            let wait = started.saturating_duration_since(g.ready_since).as_micros() as u64;
+            let stepped = g.search.step(
+                &rows,
+                g.top_logprobs,
+                |b: &BeamState| {
+                    Ok::<_, EngineError>(BeamState {
+                        cache: b.cache.fork()?,
+                        history: b.history.clone(),
+                    })
+                },
+                |b, s| b.history.push(token(s, 0, ms, batch, wait)),
+            );
+            if let Err(e) = stepped {
+                let _ = g.events.send(Err(DecodeError::from(e).into()));
+                continue;
+            }
+            g.produced += 1;
+            g.ready_since = now;
+            self.keep_or_end(g);
         }
     }
 }

@@ -92,7 +92,7 @@ impl DecodeService {
                     }
                     return Ok(Arrived {
                         cache: assembler.finish()?,
-                        first_tokens: f.tokens.iter().map(|t| t.id).collect(),
+                        first_tokens: f.tokens.iter().map(proto::token_from_proto).collect(),
                     });
                 }
                 Item::Header(_) => return Err(bad("a second header")),
@@ -154,6 +154,15 @@ impl proto::v1::decode_server::Decode for DecodeService {
             ))
             .into());
         }
+        if req.beam_width as usize > MAX_SEQUENCES
+            || (req.beam_width > 0 && n > req.beam_width as usize)
+        {
+            return Err(DecodeError::InvalidRequest(format!(
+                "a beam search of width {} cannot return {n} hypotheses (width at most {MAX_SEQUENCES})",
+                req.beam_width
+            ))
+            .into());
+        }
         let (events, rx) = mpsc::unbounded_channel();
         let admission = Admission {
             span: span.clone(),
@@ -161,6 +170,7 @@ impl proto::v1::decode_server::Decode for DecodeService {
             sampling: req.sampling.as_ref().map(Into::into).unwrap_or_default(),
             top_logprobs: req.top_logprobs as usize,
             n,
+            beam_width: req.beam_width as usize,
             max_new: req.max_new_tokens as usize,
             stop_ids: req.stop_token_ids,
             start: Start::Prefill,

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use engine::SeqCache;
+use engine::{Sampled, SeqCache};
 use tokio::sync::oneshot;
 
 use crate::error::DecodeError;
@@ -14,7 +14,7 @@ use crate::error::DecodeError;
 /// A complete transfer: the prompt's cache and the first token of each sequence.
 pub struct Arrived {
     pub cache: SeqCache,
-    pub first_tokens: Vec<u32>,
+    pub first_tokens: Vec<Sampled>,
 }
 
 type Delivery = Result<Arrived, String>;
@@ -134,7 +134,11 @@ mod tests {
         };
         Arrived {
             cache: SeqCache::new(layout, &candle_core::Device::Cpu).unwrap(),
-            first_tokens: vec![7],
+            first_tokens: vec![Sampled {
+                token: 7,
+                logprob: -0.5,
+                top: vec![],
+            }],
         }
     }
 
@@ -142,7 +146,7 @@ mod tests {
     async fn transfer_first_then_claim() {
         let store = TransferStore::new(Duration::from_secs(5));
         store.deliver("a", Ok(arrived()));
-        assert_eq!(store.claim("a").await.unwrap().first_tokens, vec![7]);
+        assert_eq!(store.claim("a").await.unwrap().first_tokens[0].token, 7);
         assert!(store.is_empty());
     }
 
@@ -151,13 +155,13 @@ mod tests {
         let store = TransferStore::new(Duration::from_secs(5));
         let waiter = {
             let store = Arc::clone(&store);
-            tokio::spawn(async move { store.claim("b").await.map(|a| a.first_tokens) })
+            tokio::spawn(async move { store.claim("b").await.map(|a| a.first_tokens[0].token) })
         };
         while store.is_empty() {
             tokio::task::yield_now().await;
         }
         store.deliver("b", Ok(arrived()));
-        assert_eq!(waiter.await.unwrap().unwrap(), vec![7]);
+        assert_eq!(waiter.await.unwrap().unwrap(), 7);
         assert!(store.is_empty());
     }
 

@@ -1,6 +1,7 @@
 //! The inference engine shared by the prefill and decode nodes: model, KV cache, tokenizer,
 //! chat template and sampling. No networking lives here.
 
+pub mod beam;
 pub mod chat_template;
 pub mod config;
 pub mod error;

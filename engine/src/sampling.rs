@@ -129,7 +129,7 @@ pub fn apply_penalties(logits: &mut [f32], p: &SamplingParams, prompt: &[u32], o
 }
 
 /// Log-softmax of the raw logits, in f64 for stable sums.
-fn log_softmax(logits: &[f32]) -> Vec<f32> {
+pub(crate) fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let sum: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
     let log_z = max as f64 + sum.ln();
@@ -137,7 +137,7 @@ fn log_softmax(logits: &[f32]) -> Vec<f32> {
 }
 
 /// The `n` best entries of `values`, best first; ties keep the lower id first.
-fn top_n(values: &[f32], n: usize) -> Vec<TokenLogprob> {
+pub(crate) fn top_n(values: &[f32], n: usize) -> Vec<TokenLogprob> {
     let mut idx: Vec<u32> = (0..values.len() as u32).collect();
     let n = n.min(idx.len());
     if n == 0 {

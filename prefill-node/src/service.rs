@@ -110,6 +110,7 @@ impl PrefillService {
             sampling: req.sampling.as_ref().map(Into::into).unwrap_or_default(),
             top_logprobs: req.top_logprobs as usize,
             n: (req.n as usize).max(1),
+            beam: req.beam_search,
             enqueued,
             span: tracing::Span::current(),
             transfer: tx,

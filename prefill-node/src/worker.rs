@@ -18,6 +18,8 @@ pub struct Job {
     pub top_logprobs: usize,
     /// Sequences to start: one first token each.
     pub n: usize,
+    /// Beam search: the n most likely first tokens instead of n samples.
+    pub beam: bool,
     pub enqueued: Instant,
     pub span: tracing::Span,
     /// Where the chunks and then the first token go; dropping it without the first token
@@ -97,8 +99,11 @@ fn prefill(model: &Model, chunk_tokens: usize, job: &Job) -> Result<Computed, Pr
         .squeeze(0)
         .and_then(|t| t.to_vec1())
         .map_err(EngineError::from)?;
-    let first =
-        engine::sampling::sample_first(&row, &job.sampling, &job.prompt, job.n, job.top_logprobs);
+    let first = if job.beam {
+        engine::beam::first_tokens(&row, job.n, job.top_logprobs)
+    } else {
+        engine::sampling::sample_first(&row, &job.sampling, &job.prompt, job.n, job.top_logprobs)
+    };
     let msg = KvTransfer {
         item: Some(Item::First(FirstTokens {
             tokens: first.iter().map(proto::token_to_proto).collect(),

@@ -46,6 +46,22 @@ pub fn token_to_proto(s: &engine::Sampled) -> v1::Token {
     }
 }
 
+/// A sampled token from its wire form.
+pub fn token_from_proto(t: &v1::Token) -> engine::Sampled {
+    engine::Sampled {
+        token: t.id,
+        logprob: t.logprob,
+        top: t
+            .top
+            .iter()
+            .map(|a| engine::sampling::TokenLogprob {
+                token: a.id,
+                logprob: a.logprob,
+            })
+            .collect(),
+    }
+}
+
 /// The wire form of a cache layout.
 pub fn layout_to_proto(l: &engine::KvLayout) -> v1::KvLayout {
     v1::KvLayout {

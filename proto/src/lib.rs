@@ -8,5 +8,6 @@ pub mod v1 {
 mod convert;
 
 pub use convert::{
-    chunk_from_proto, chunk_to_proto, layout_from_proto, layout_to_proto, token_to_proto,
+    chunk_from_proto, chunk_to_proto, layout_from_proto, layout_to_proto, token_from_proto,
+    token_to_proto,
 };

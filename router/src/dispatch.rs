@@ -4,7 +4,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use proto::v1::{generate_event::Event, FinishReason, GenerateRequest, PrefillRequest};
+use proto::v1::{
+    generate_event::Event, FinishReason, GenerateRequest, PrefillRequest, PrefillResponse,
+};
 use tokio::sync::mpsc;
 use tonic::Streaming;
 use tracing::Instrument;
@@ -24,8 +26,18 @@ pub struct GenRequest {
     pub stop_ids: Vec<u32>,
     /// Alternatives reported with each token.
     pub top_logprobs: usize,
-    /// Sequences generated from the prompt (best_of, else n).
+    /// Sequences generated from the prompt (best_of, else n); the beam width with beam
+    /// search.
     pub sequences: usize,
+    /// Beam search returning this many hypotheses.
+    pub beam: Option<usize>,
+}
+
+impl GenRequest {
+    /// Sequences the workers report back, each ending with its own finish.
+    fn reported(&self) -> usize {
+        self.beam.unwrap_or(self.sequences)
+    }
 }
 
 /// One generated token and what it cost.
@@ -110,9 +122,16 @@ async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), Router
             stop_token_ids: req.stop_ids.clone(),
             prefill_here: false,
             top_logprobs: req.top_logprobs as u32,
-            n: req.sequences as u32,
+            n: req.reported() as u32,
+            beam_width: if req.beam.is_some() {
+                req.sequences as u32
+            } else {
+                0
+            },
         },
     );
+    let reported = req.reported();
+    let beam = req.beam.is_some();
     let prefill = runtime::with_request_id(
         &req.id,
         PrefillRequest {
@@ -122,6 +141,7 @@ async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), Router
             decode_addr: d.addr.clone(),
             top_logprobs: req.top_logprobs as u32,
             n: req.sequences as u32,
+            beam_search: beam,
         },
     );
     let (mut dc, mut pc) = (d.decode(), p.prefill());
@@ -138,28 +158,45 @@ async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), Router
             req.sequences
         )));
     }
-    for (choice, token) in first.first.iter().enumerate() {
-        let piece = Piece::Token(TokenStat {
-            choice: choice as u32,
-            id: token.id,
-            logprob: token.logprob,
-            top: top_of(token),
-            step_ms: first.prefill_time_ms,
-            batch_size: first.batch_size,
-            queue_wait_us: first.queue_wait_us,
-            from_prefill: true,
-            cached_tokens: first.cached_tokens,
-        });
-        if tx.send(Ok(piece)).await.is_err() {
-            return Ok(());
+    // The prefill node's figures go with each first token; with beam search the decode
+    // node sends the first tokens of the hypotheses it returns, and they get them there.
+    if !beam {
+        for (choice, token) in first.first.iter().enumerate() {
+            let piece = Piece::Token(prefilled(&first, choice as u32, token));
+            if tx.send(Ok(piece)).await.is_err() {
+                return Ok(());
+            }
         }
     }
-    forward(stream.into_inner(), req.sequences, "decode", &d.addr, tx).await
+    forward(
+        stream.into_inner(),
+        reported,
+        Some(&first),
+        "decode",
+        &d.addr,
+        tx,
+    )
+    .await
+}
+
+/// A first token the prefill node sampled, with the prefill's figures.
+fn prefilled(p: &PrefillResponse, choice: u32, token: &proto::v1::Token) -> TokenStat {
+    TokenStat {
+        choice,
+        id: token.id,
+        logprob: token.logprob,
+        top: top_of(token),
+        step_ms: p.prefill_time_ms,
+        batch_size: p.batch_size,
+        queue_wait_us: p.queue_wait_us,
+        from_prefill: true,
+        cached_tokens: p.cached_tokens,
+    }
 }
 
 async fn run_colocated(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), RouterError> {
     let w = state.decode.pick()?;
-    let sequences = req.sequences;
+    let reported = req.reported();
     let generate = runtime::with_request_id(
         &req.id,
         GenerateRequest {
@@ -170,7 +207,12 @@ async fn run_colocated(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(),
             stop_token_ids: req.stop_ids,
             prefill_here: true,
             top_logprobs: req.top_logprobs as u32,
-            n: req.sequences as u32,
+            n: reported as u32,
+            beam_width: if req.beam.is_some() {
+                req.sequences as u32
+            } else {
+                0
+            },
         },
     );
     let stream = w
@@ -178,17 +220,27 @@ async fn run_colocated(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(),
         .generate(generate)
         .await
         .map_err(|s| RouterError::worker("colocated", &w.addr, s))?;
-    forward(stream.into_inner(), sequences, "colocated", &w.addr, tx).await
+    forward(
+        stream.into_inner(),
+        reported,
+        None,
+        "colocated",
+        &w.addr,
+        tx,
+    )
+    .await
 }
 
 fn top_of(t: &proto::v1::Token) -> Vec<(u32, f32)> {
     t.top.iter().map(|a| (a.id, a.logprob)).collect()
 }
 
-/// Passes a worker's events on until every sequence has finished.
+/// Passes a worker's events on until every sequence has finished. A first token that the
+/// prefill node `prefill` sampled gets that prefill's figures.
 async fn forward(
     mut stream: Streaming<proto::v1::GenerateEvent>,
     sequences: usize,
+    prefill: Option<&PrefillResponse>,
     role: &'static str,
     addr: &str,
     tx: &Tx,
@@ -202,16 +254,19 @@ async fn forward(
         let piece = match event.and_then(|e| e.event) {
             Some(Event::Token(t)) => {
                 let token = t.token.unwrap_or_default();
-                Piece::Token(TokenStat {
-                    choice: t.choice,
-                    id: token.id,
-                    logprob: token.logprob,
-                    top: top_of(&token),
-                    step_ms: t.step_time_ms,
-                    batch_size: t.batch_size,
-                    queue_wait_us: t.queue_wait_us,
-                    from_prefill: t.from_prefill,
-                    cached_tokens: 0,
+                Piece::Token(match prefill {
+                    Some(p) if t.from_prefill => prefilled(p, t.choice, &token),
+                    _ => TokenStat {
+                        choice: t.choice,
+                        id: token.id,
+                        logprob: token.logprob,
+                        top: top_of(&token),
+                        step_ms: t.step_time_ms,
+                        batch_size: t.batch_size,
+                        queue_wait_us: t.queue_wait_us,
+                        from_prefill: t.from_prefill,
+                        cached_tokens: 0,
+                    },
                 })
             }
             Some(Event::Finish(f)) => {

@@ -18,11 +18,6 @@ pub enum RouterError {
         param: &'static str,
         message: String,
     },
-    #[error("{param} is not supported yet: {message}")]
-    Unsupported {
-        param: &'static str,
-        message: &'static str,
-    },
     #[error("the model `{0}` does not exist")]
     ModelNotFound(String),
     #[error("the prompt has {got} tokens, the limit is {limit}")]
@@ -95,7 +90,6 @@ impl RouterError {
         match self {
             InvalidJson(_)
             | InvalidParam { .. }
-            | Unsupported { .. }
             | PromptTooLong { .. }
             | NoChatTemplate
             | Template(_) => StatusCode::BAD_REQUEST,
@@ -148,9 +142,7 @@ impl RouterError {
     pub fn body(&self) -> serde_json::Value {
         use RouterError::*;
         let param = match self {
-            InvalidParam { param, .. }
-            | Unsupported { param, .. }
-            | PromptTooLong { param, .. } => Some(*param),
+            InvalidParam { param, .. } | PromptTooLong { param, .. } => Some(*param),
             ModelNotFound(_) => Some("model"),
             NoChatTemplate | Template(_) => Some("messages"),
             _ => None,

@@ -174,10 +174,17 @@ async fn run(
         stop_ids: stop_ids.clone(),
         top_logprobs: logprobs.unwrap_or(0),
         sequences: common.best_of,
+        beam: common.beam.then_some(common.n),
     };
     let prompt_tokens = req.prompt.len();
     let (first, rest) = dispatch::start(state, req).await?;
-    let choices = (0..common.best_of)
+    // Beam search returns its n best hypotheses; sampling all best_of sequences.
+    let sequences = if common.beam {
+        common.n
+    } else {
+        common.best_of
+    };
+    let choices = (0..sequences)
         .map(|_| ChoiceOut::new(common.skip_special_tokens, parser.clone()))
         .collect();
     let out = Output {
@@ -195,7 +202,9 @@ async fn run(
         tally: Tally::default(),
         key,
     };
-    if common.stream {
+    if common.stream && common.beam {
+        Ok(stream_whole(out, first, rest, in_flight))
+    } else if common.stream {
         Ok(stream(out, first, rest, in_flight))
     } else {
         collect(out, first, rest)
@@ -693,6 +702,27 @@ impl Output {
         Value::Object(m)
     }
 
+    /// One chunk with every choice whole, and the usage.
+    fn whole_chunk(&self) -> Value {
+        let choices: Vec<Value> = self
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(index, c)| {
+                let whole = Released {
+                    content: c.content.clone(),
+                    reasoning: c.reasoning.clone(),
+                    calls: 0..c.calls.len(),
+                };
+                self.choice_json(index, c, Some(&whole), &c.entries, c.finish)
+            })
+            .collect();
+        let mut m = self.head(true);
+        m.insert("choices".into(), json!(choices));
+        m.insert("usage".into(), self.usage());
+        Value::Object(m)
+    }
+
     /// The non-streamed body: the n best sequences by cumulative logprob (all of them, in
     /// order, without best_of).
     fn response(&self) -> Value {
@@ -748,7 +778,13 @@ fn calls_json(calls: &[(String, ToolCall)], first: Option<usize>) -> Value {
 /// Waits for the whole generation and builds the non-streamed body. Returning drops
 /// `rest`, which cancels what the workers still generate (after stop strings ended every
 /// choice).
-async fn collect(mut out: Output, first: Piece, mut rest: Pieces) -> Result<Value, RouterError> {
+async fn collect(mut out: Output, first: Piece, rest: Pieces) -> Result<Value, RouterError> {
+    drain(&mut out, first, rest).await?;
+    Ok(out.response())
+}
+
+/// Takes pieces until every choice has ended.
+async fn drain(out: &mut Output, first: Piece, mut rest: Pieces) -> Result<(), RouterError> {
     let mut piece = first;
     loop {
         if let Piece::Token(t) = &piece {
@@ -758,10 +794,35 @@ async fn collect(mut out: Output, first: Piece, mut rest: Pieces) -> Result<Valu
             out.finish(choice, reason)?;
         }
         if out.all_finished() {
-            return Ok(out.response());
+            return Ok(());
         }
         piece = next(&mut rest).await?;
     }
+}
+
+/// Streams a beam search the way the seeds do (their "fake streaming"): hypotheses are
+/// known only when the search ends, so one chunk carries every choice whole, with the
+/// usage, then `[DONE]`.
+fn stream_whole(mut out: Output, first: Piece, rest: Pieces, in_flight: InFlight) -> Response {
+    let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(2);
+    let format = out.state.cfg.error_format;
+    tokio::spawn(
+        async move {
+            let _in_flight = in_flight;
+            let body = tokio::select! {
+                // The client went away; returning drops `rest`, which cancels the search.
+                _ = tx.closed() => return,
+                r = drain(&mut out, first, rest) => match r {
+                    Ok(()) => out.whole_chunk(),
+                    Err(e) => e.body_in(format),
+                },
+            };
+            let _ = tx.send(Ok(Event::default().data(body.to_string()))).await;
+            let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+        }
+        .instrument(tracing::Span::current()),
+    );
+    Sse::new(ReceiverStream::new(rx)).into_response()
 }
 
 async fn next(rest: &mut Pieces) -> Result<Piece, RouterError> {

@@ -26,8 +26,11 @@ pub struct Common {
     pub include_stop_str_in_output: bool,
     /// Choices returned.
     pub n: usize,
-    /// Sequences generated, of which the n best (by cumulative logprob) are returned.
+    /// Sequences generated, of which the n best (by cumulative logprob) are returned; with
+    /// beam search, the beam width.
     pub best_of: usize,
+    /// Beam search instead of sampling.
+    pub beam: bool,
 }
 
 /// Most stop strings, characters per stop string, and characters over all of them.
@@ -159,23 +162,6 @@ fn ranged(
     }
 }
 
-/// A parameter this version takes only at its default; any other value is refused rather
-/// than ignored.
-fn only_default(
-    o: &Obj,
-    key: &'static str,
-    is_default: impl Fn(&Value) -> bool,
-    message: &'static str,
-) -> Result<(), RouterError> {
-    match get(o, key) {
-        Some(v) if !is_default(v) => Err(RouterError::Unsupported {
-            param: key,
-            message,
-        }),
-        _ => Ok(()),
-    }
-}
-
 /// Checks and reads the parameters both endpoints share. `vocab_size` caps top_k.
 pub fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
     let model = match o.get("model") {
@@ -238,14 +224,22 @@ pub fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
     let n_given = int_in(o, "n", 1, 128)?;
     let best_of_given = int_in(o, "best_of", 1, 128)?;
     let n = n_given.unwrap_or(1);
-    let best_of = best_of_given.unwrap_or(n);
-    if best_of < n {
+    let beam = boolean(o, "use_beam_search", false)?;
+    let best_of = if beam {
+        // The seeds: with beam search best_of is not checked; the beam is as wide as the
+        // larger of the two.
+        best_of_given.unwrap_or(n).max(n)
+    } else {
+        best_of_given.unwrap_or(n)
+    };
+    if !beam && best_of < n {
         return Err(RouterError::param(
             "best_of",
             format!("best_of ({best_of}) must be at least n ({n})"),
         ));
     }
-    if best_of > 1 && temperature <= 0.0 {
+    let sampled_several = if beam { n > 1 } else { best_of > 1 };
+    if sampled_several && temperature <= 0.0 {
         let param = if n > 1 { "n" } else { "best_of" };
         return Err(RouterError::param(
             param,
@@ -253,20 +247,20 @@ pub fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
         ));
     }
     // The seeds: streaming needs best_of = n, so best_of alone (above 1) is refused too.
-    if stream && best_of != n {
+    if !beam && stream && best_of != n {
         return Err(RouterError::param(
             "best_of",
             "when streaming, best_of must equal n (and cannot be set without it)",
         ));
     }
-    only_default(
-        o,
-        "use_beam_search",
-        |v| v == &Value::Bool(false),
-        "beam search",
-    )?;
     let stop = stop_strings(o)?;
     let include_stop_str_in_output = boolean(o, "include_stop_str_in_output", false)?;
+    if beam && (!stop.is_empty() || !stop_token_ids.is_empty()) {
+        return Err(RouterError::param(
+            "use_beam_search",
+            "use_beam_search cannot be combined with stop or stop_token_ids",
+        ));
+    }
     Ok(Common {
         model,
         stream,
@@ -287,6 +281,7 @@ pub fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
         include_stop_str_in_output,
         n,
         best_of,
+        beam,
     })
 }
 
@@ -629,7 +624,6 @@ mod tests {
     fn rejected_param(v: Value) -> &'static str {
         match common(&obj(v), 1000) {
             Err(RouterError::InvalidParam { param, .. }) => param,
-            Err(RouterError::Unsupported { param, .. }) => param,
             other => panic!("expected a rejection, got {other:?}"),
         }
     }
@@ -802,8 +796,38 @@ mod tests {
         assert_eq!((ok.n, ok.best_of), (2, 4));
         let ok = common(&obj(json!({"model": "m", "stream": true, "n": 3})), 1000).unwrap();
         assert_eq!((ok.n, ok.best_of), (3, 3));
+        // Beam search: 002's example as written; best_of is not checked against n, and
+        // the beam is as wide as the larger.
+        let ok = common(
+            &obj(
+                json!({"model": "m", "prompt": "who are you", "temperature": 1,
+                "max_tokens": 5, "use_beam_search": true, "ignore_eos": true, "n": 2,
+                "best_of": 2, "stream": true, "logprobs": 2}),
+            ),
+            1000,
+        )
+        .unwrap();
+        assert!(ok.beam);
+        assert_eq!((ok.n, ok.best_of), (2, 2));
+        let ok = common(
+            &obj(json!({"model": "m", "use_beam_search": true, "n": 3, "best_of": 1, "stream": true})),
+            1000,
+        )
+        .unwrap();
+        assert_eq!((ok.n, ok.best_of), (3, 3));
+        let ok = common(
+            &obj(json!({"model": "m", "use_beam_search": true, "best_of": 4, "temperature": 0})),
+            1000,
+        )
+        .unwrap();
+        assert_eq!((ok.n, ok.best_of), (1, 4));
+        for with in [json!({"stop": "x"}), json!({"stop_token_ids": [2]})] {
+            let mut body = obj(json!({"model": "m", "use_beam_search": true}));
+            body.extend(obj(with));
+            assert_eq!(rejected_param(Value::Object(body)), "use_beam_search");
+        }
         assert_eq!(
-            rejected_param(json!({"model": "m", "use_beam_search": true})),
+            rejected_param(json!({"model": "m", "use_beam_search": "yes"})),
             "use_beam_search"
         );
     }

@@ -2,6 +2,7 @@
 
 mod api;
 mod auth;
+mod beam;
 mod errors;
 mod openai_sdk;
 mod params;

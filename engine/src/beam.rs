@@ -1,0 +1,284 @@
+//! Beam search over any per-beam state (a KV cache, the token history): the `width` most
+//! likely continuations are kept at every step, scored as vLLM and Hugging Face score them,
+//! cumulative log-probability over length (length penalty 1, the prompt counted).
+//!
+//! Beam search is deterministic: it follows the model's raw distribution, so temperature,
+//! top-k, top-p, penalties and the seed do not apply.
+
+use crate::sampling::{log_softmax, top_n, Sampled};
+
+/// One hypothesis: its generated tokens, their summed log-probability, and the caller's state.
+#[derive(Debug)]
+pub struct Beam<T> {
+    pub tokens: Vec<u32>,
+    pub cumulative: f64,
+    /// Ended on a stop token (rather than on the length limit).
+    pub stopped: bool,
+    pub state: T,
+}
+
+/// A beam search of `width` beams from one prompt.
+#[derive(Debug)]
+pub struct BeamSearch<T> {
+    width: usize,
+    prompt_len: usize,
+    stop_ids: Vec<u32>,
+    live: Vec<Beam<T>>,
+    done: Vec<Beam<T>>,
+}
+
+/// The first tokens of a beam search: the `width` most likely tokens after the prompt, from
+/// the logits of its last position, with `top_logprobs` alternatives each.
+pub fn first_tokens(raw: &[f32], width: usize, top_logprobs: usize) -> Vec<Sampled> {
+    let logprobs = log_softmax(raw);
+    let top = top_n(&logprobs, top_logprobs);
+    top_n(&logprobs, width)
+        .into_iter()
+        .map(|t| Sampled {
+            token: t.token,
+            logprob: t.logprob,
+            top: top.clone(),
+        })
+        .collect()
+}
+
+impl<T> BeamSearch<T> {
+    /// Starts from the first tokens (from [`first_tokens`], possibly on another node) and the
+    /// state of each.
+    pub fn new(prompt_len: usize, stop_ids: Vec<u32>, first: Vec<(Sampled, T)>) -> Self {
+        let mut search = Self {
+            width: first.len().max(1),
+            prompt_len,
+            stop_ids,
+            live: Vec::new(),
+            done: Vec::new(),
+        };
+        for (s, state) in first {
+            let stopped = search.stop_ids.contains(&s.token);
+            let beam = Beam {
+                tokens: vec![s.token],
+                cumulative: f64::from(s.logprob),
+                stopped,
+                state,
+            };
+            if stopped {
+                search.done.push(beam);
+            } else {
+                search.live.push(beam);
+            }
+        }
+        search
+    }
+
+    /// The beams still growing; each needs its newest token run through the model.
+    pub fn live(&self) -> &[Beam<T>] {
+        &self.live
+    }
+
+    /// The live beams' states, in the order of [`live`](Self::live).
+    pub fn live_states_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.live.iter_mut().map(|b| &mut b.state)
+    }
+
+    /// Length-normalised score, as vLLM's `get_beam_search_score` with length penalty 1.
+    fn score(&self, b: &Beam<T>) -> f64 {
+        let generated = b.tokens.len() - usize::from(b.stopped);
+        b.cumulative / (self.prompt_len + generated).max(1) as f64
+    }
+
+    /// One step: `rows[i]` are the logits after live beam `i`'s newest token. The best
+    /// `width` continuations become the new live beams; one that ends on a stop token among
+    /// them is a finished hypothesis. `fork` copies a parent's state for its second and later
+    /// children; `record` tells a child's state the token it took.
+    pub fn step<E>(
+        &mut self,
+        rows: &[Vec<f32>],
+        top_logprobs: usize,
+        mut fork: impl FnMut(&T) -> Result<T, E>,
+        mut record: impl FnMut(&mut T, &Sampled),
+    ) -> Result<(), E> {
+        // Each beam's 2 * width best tokens are enough: at most width of them can end.
+        let mut candidates: Vec<(usize, Sampled, f64)> = Vec::new();
+        for (i, (beam, row)) in self.live.iter().zip(rows).enumerate() {
+            let logprobs = log_softmax(row);
+            let top = top_n(&logprobs, top_logprobs);
+            for t in top_n(&logprobs, 2 * self.width) {
+                let s = Sampled {
+                    token: t.token,
+                    logprob: t.logprob,
+                    top: top.clone(),
+                };
+                candidates.push((i, s, beam.cumulative + f64::from(t.logprob)));
+            }
+        }
+        candidates.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.0.cmp(&b.0)));
+        let mut chosen = Vec::with_capacity(self.width);
+        for (rank, c) in candidates.into_iter().enumerate() {
+            if chosen.len() == self.width {
+                break;
+            }
+            let stops = self.stop_ids.contains(&c.1.token);
+            // A hypothesis ends only when its stop token ranks among the width best.
+            if stops && rank >= self.width {
+                continue;
+            }
+            chosen.push((c, stops));
+        }
+        let mut children = vec![0usize; self.live.len()];
+        for ((parent, ..), _) in &chosen {
+            children[*parent] += 1;
+        }
+        let mut parents: Vec<Option<Beam<T>>> = self.live.drain(..).map(Some).collect();
+        for ((parent, s, cumulative), stopped) in chosen {
+            children[parent] -= 1;
+            let (mut tokens, mut state) = if children[parent] == 0 {
+                let p = parents[parent]
+                    .take()
+                    .expect("a parent is taken by its last child");
+                (p.tokens, p.state)
+            } else {
+                let p = parents[parent]
+                    .as_ref()
+                    .expect("a parent lives until its last child");
+                (p.tokens.clone(), fork(&p.state)?)
+            };
+            tokens.push(s.token);
+            record(&mut state, &s);
+            let beam = Beam {
+                tokens,
+                cumulative,
+                stopped,
+                state,
+            };
+            if stopped {
+                self.done.push(beam);
+            } else {
+                self.live.push(beam);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether searching on cannot improve the result: no live beams, or `width` finished
+    /// hypotheses of which the worst still beats the best live beam (Hugging Face's
+    /// heuristic).
+    pub fn converged(&self) -> bool {
+        let best_live = self
+            .live
+            .iter()
+            .map(|b| self.score(b))
+            .fold(f64::NEG_INFINITY, f64::max);
+        if self.live.is_empty() {
+            return true;
+        }
+        if self.done.len() < self.width {
+            return false;
+        }
+        let mut done: Vec<f64> = self.done.iter().map(|b| self.score(b)).collect();
+        done.sort_by(|a, b| b.total_cmp(a));
+        done[self.width - 1] >= best_live
+    }
+
+    /// Ends the search: the `n` best hypotheses, finished or still live, best first.
+    pub fn finish(mut self, n: usize) -> Vec<Beam<T>> {
+        let mut all: Vec<Beam<T>> = self.done.drain(..).chain(self.live.drain(..)).collect();
+        let scores: Vec<f64> = all.iter().map(|b| self.score(b)).collect();
+        let mut order: Vec<usize> = (0..all.len()).collect();
+        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+        order.truncate(n);
+        let mut slots: Vec<Option<Beam<T>>> = all.drain(..).map(Some).collect();
+        order.into_iter().filter_map(|i| slots[i].take()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Logits that give exactly these probabilities.
+    fn row(probs: &[f64]) -> Vec<f32> {
+        probs.iter().map(|p| p.ln() as f32).collect()
+    }
+
+    fn tokens<T>(beams: &[Beam<T>]) -> Vec<Vec<u32>> {
+        beams.iter().map(|b| b.tokens.clone()).collect()
+    }
+
+    #[test]
+    fn beam_search_finds_the_sequence_greedy_misses() {
+        // Greedy takes token 0 (0.6) and then at best 0.4: 0.24 in all. Token 1 (0.4) is
+        // followed by 0.9: 0.36. A width-2 search keeps both and finds the better one.
+        let first = first_tokens(&row(&[0.6, 0.4, 1e-9]), 2, 0);
+        assert_eq!(first.iter().map(|s| s.token).collect::<Vec<_>>(), [0, 1]);
+        let mut search = BeamSearch::new(3, vec![], first.into_iter().map(|s| (s, ())).collect());
+        let after0 = row(&[0.3, 0.3, 0.4]);
+        let after1 = row(&[0.05, 0.05, 0.9]);
+        search
+            .step(&[after0, after1], 0, |_| Ok::<_, ()>(()), |_, _| {})
+            .unwrap();
+        let best = search.finish(2);
+        assert_eq!(tokens(&best), [vec![1, 2], vec![0, 2]]);
+        assert!((best[0].cumulative - (0.4f64 * 0.9).ln()).abs() < 1e-5);
+    }
+
+    #[test]
+    fn children_fork_their_parent_and_stop_tokens_finish_hypotheses() {
+        // Both children come from beam 0, so its state is forked once and moved once;
+        // token 2 is a stop token and ranks first, so it becomes a finished hypothesis.
+        let first = vec![
+            Sampled {
+                token: 5,
+                logprob: -0.1,
+                top: vec![],
+            },
+            Sampled {
+                token: 6,
+                logprob: -5.0,
+                top: vec![],
+            },
+        ];
+        let mut search = BeamSearch::new(
+            1,
+            vec![2],
+            first.into_iter().zip([vec![5], vec![6]]).collect(),
+        );
+        let mut forks = 0;
+        search
+            .step(
+                &[row(&[0.1, 0.3, 0.6]), row(&[0.98, 0.01, 0.01])],
+                1,
+                |s: &Vec<u32>| {
+                    forks += 1;
+                    Ok::<_, ()>(s.clone())
+                },
+                |s, t| s.push(t.token),
+            )
+            .unwrap();
+        assert_eq!(forks, 1);
+        assert_eq!(tokens(search.live()), [vec![5, 1]]);
+        let best = search.finish(2);
+        assert_eq!(tokens(&best), [vec![5, 2], vec![5, 1]]);
+        assert!(best[0].stopped && !best[1].stopped);
+        assert_eq!(best[0].state, vec![5, 2], "the state saw the token it took");
+    }
+
+    #[test]
+    fn converges_when_finished_hypotheses_beat_every_live_beam() {
+        let first = vec![Sampled {
+            token: 1,
+            logprob: -0.01,
+            top: vec![],
+        }];
+        let mut search = BeamSearch::new(1, vec![0], first.into_iter().map(|s| (s, ())).collect());
+        assert!(!search.converged());
+        search
+            .step(&[row(&[0.99, 0.01])], 0, |_| Ok::<_, ()>(()), |_, _| {})
+            .unwrap();
+        assert!(
+            search.converged(),
+            "the stop token was the best continuation"
+        );
+        let best = search.finish(1);
+        assert_eq!(tokens(&best), [vec![1, 0]]);
+    }
+}
