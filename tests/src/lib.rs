@@ -310,3 +310,35 @@ pub fn sse_chunks(data: &[String]) -> Vec<Value> {
         .map(|d| serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}")))
         .collect()
 }
+
+/// Every example request body in the API documents, with the document it is from
+/// (`tests/fixtures/seed_requests.json`, written by `scripts/extract-seed-requests.py`).
+pub fn seed_requests() -> Vec<(String, Value)> {
+    let path = root().join("tests/fixtures/seed_requests.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let all: Vec<Value> = serde_json::from_str(&text).expect("the fixture is JSON");
+    all.into_iter()
+        .map(|r| {
+            (
+                r["document"].as_str().unwrap().to_string(),
+                r["body"].clone(),
+            )
+        })
+        .collect()
+}
+
+/// A program of the Python environment the tests use (`openai`, `lm-eval`): under
+/// `$E2E_VENV`, else the repository's `.venv` (`.ci/run` makes it).
+pub fn venv_bin(name: &str) -> PathBuf {
+    let venv = std::env::var_os("E2E_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(".venv"));
+    let path = venv.join("bin").join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: `python3 -m venv .venv && .venv/bin/pip install -r tests/python/requirements.txt` (.ci/run does this)",
+        path.display()
+    );
+    path
+}

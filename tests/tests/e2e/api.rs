@@ -68,33 +68,13 @@ pub fn check_usage(u: &Value) -> usize {
     completion
 }
 
-/// 000's single-turn and multi-turn examples, as written but for the model name.
-fn seed_chat_examples(model: &str) -> Vec<Value> {
-    let mut single = json!({ "model": "deepseek", "messages": [{ "role": "user", "content": "You are a helpful assistant." }], "stream": false, "presence_penalty": 1.03, "frequency_penalty": 1.0, "repetition_penalty": 1.0, "temperature": 0.5, "top_p": 0.95, "top_k": 0, "seed": null, "stop": ["stop1", "stop2"], "stop_token_ids": [2, 13], "include_stop_str_in_output": false, "skip_special_tokens": true, "ignore_eos": false, "max_tokens": 20, "best_of": 1, "n": 1, "logprobs": false, "top_logprobs":null });
-    let mut first = json!({ "model": "qwen", "messages": [ {"role": "system", "content": "You are a helpful customer support assistant."}, {"role": "user", "content": "Hi, can you tell me what is the best city in China? Just tell me the answer."} ], "stream": false, "presence_penalty": 1.03, "frequency_penalty": 1.0, "repetition_penalty": 1.0, "temperature": 0.5, "top_p": 0.95, "top_k": 1, "seed": null, "stop": ["stop1", "stop2"], "stop_token_ids": [2, 13], "include_stop_str_in_output": false, "skip_special_tokens": true, "ignore_eos": false, "max_tokens": 200, "chat_template_kwargs": {"enable_thinking": false} });
-    let mut second = json!({ "model": "qwen", "messages": [ {"role": "system", "content": "You are a helpful customer support assistant."}, {"role": "user", "content": "Hi, can you tell me what is the best city in China? Just tell me the answer."}, {"role": "assistant", "content": "The best city in China is subjective and depends on personal preferences, but **Shanghai** is often considered one of the most vibrant and dynamic cities in the country. It is a global financial hub, known for its modern skyline, cultural diversity, and international influence."}, {"role": "user", "content": "What is the best thing in this city?"} ], "stream": false, "presence_penalty": 1.03, "frequency_penalty": 1.0, "repetition_penalty": 1.0, "temperature": 0.5, "top_p": 0.95, "top_k": 1, "seed": null, "stop": ["stop1", "stop2"], "stop_token_ids": [2, 13], "include_stop_str_in_output": false, "skip_special_tokens": true, "ignore_eos": false, "max_tokens": 20, "best_of": null, "chat_template_kwargs": {"enable_thinking": false} });
-    for v in [&mut single, &mut first, &mut second] {
-        v["model"] = json!(model);
-    }
-    vec![single, first, second]
-}
-
-#[tokio::test]
-async fn seed_chat_examples_round_trip_through_p_and_d() {
-    let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
-    for body in seed_chat_examples(&c.model_name) {
-        let (status, v) = c.post("/v1/chat/completions", &body).await;
-        assert_eq!(status, 200, "{v}\n{}", c.logs());
-        check_response(&v, "chat.completion", &c.model_name);
-        let max = body["max_tokens"].as_u64().unwrap();
-        assert!(v["usage"]["completion_tokens"].as_u64().unwrap() <= max);
-    }
-}
-
 #[tokio::test]
 async fn streamed_chat_has_the_seeds_chunks() {
     let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
-    let mut body = seed_chat_examples(&c.model_name).remove(0);
+    // 000's single-turn example.
+    let mut body = e2e::seed_requests().remove(0).1;
+    assert!(body["messages"].is_array(), "{body}");
+    body["model"] = json!(c.model_name);
     body["stream"] = json!(true);
     body["ignore_eos"] = json!(true);
     body["stop_token_ids"] = json!([]);

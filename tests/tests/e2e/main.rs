@@ -3,7 +3,10 @@
 mod api;
 mod auth;
 mod beam;
+mod conformance;
 mod errors;
+mod fuzz;
+mod lm_eval;
 mod openai_sdk;
 mod params;
 mod pd_vs_colocated;

@@ -3,18 +3,10 @@
 
 use std::net::TcpStream;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use e2e::{bin_dir, free_port, root, scratch, smollm2};
-
-/// The Python with `openai` installed: `$E2E_PYTHON`, else the repository's `.venv`.
-fn python() -> PathBuf {
-    std::env::var_os("E2E_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join(".venv/bin/python"))
-}
+use e2e::{bin_dir, free_port, root, scratch, smollm2, venv_bin};
 
 /// The quickstart script in its own process group, interrupted (as Ctrl-C does) on drop.
 struct Quickstart(Child);
@@ -50,12 +42,7 @@ fn listening(addr: &str) -> bool {
 
 #[tokio::test]
 async fn openai_sdk_against_the_quickstart_cluster() {
-    let py = python();
-    assert!(
-        py.exists(),
-        "{} is missing: `python3 -m venv .venv && .venv/bin/pip install openai` (.ci/run does this)",
-        py.display()
-    );
+    let py = venv_bin("python");
     let model = smollm2();
     let addrs: Vec<String> = (0..3)
         .map(|_| format!("127.0.0.1:{}", free_port()))
