@@ -136,8 +136,7 @@ async fn run(
                 .template
                 .as_ref()
                 .ok_or(RouterError::NoChatTemplate)?;
-            let mut text = template
-                .render(&chat.input)
+            let mut text = crate::structured::render(template, &chat.input)
                 .map_err(|e| RouterError::Template(e.to_string()))?;
             let parser = chat_parser(state, &chat.tool_choice, &mut text)?;
             (text, "messages", chat.logprobs, parser)

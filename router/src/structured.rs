@@ -348,6 +348,54 @@ fn held<'a>(buf: &str, tags: impl IntoIterator<Item = &'a str>) -> usize {
         .unwrap_or(0)
 }
 
+/// Renders a chat. Templates disagree on the assistant turns that call tools: Hugging
+/// Face's convention, arguments as objects and content null, is tried first (Qwen2.5 writes
+/// arguments with `tojson`, DeepSeek-V3 renders calls only when content is null); a template
+/// that fails on it gets the arguments as JSON text (DeepSeek-V3 joins them as text), then
+/// empty content instead of null (Qwen3 searches the content for `</think>`), then both.
+pub fn render(
+    template: &engine::ChatTemplate,
+    input: &engine::ChatInput,
+) -> engine::Result<String> {
+    let first = match template.render(input) {
+        Ok(text) => return Ok(text),
+        Err(e) => e,
+    };
+    for (text_args, empty_content) in [(true, false), (false, true), (true, true)] {
+        let mut messages = input.messages.clone();
+        let mut changed = false;
+        for m in messages.as_array_mut().into_iter().flatten() {
+            let Some(calls) = m.get_mut("tool_calls").and_then(Value::as_array_mut) else {
+                continue;
+            };
+            for args in calls
+                .iter_mut()
+                .filter_map(|c| c.pointer_mut("/function/arguments"))
+            {
+                if text_args && !args.is_string() {
+                    *args = Value::String(engine::py_json(args));
+                    changed = true;
+                }
+            }
+            if empty_content && m.get("content").is_none_or(Value::is_null) {
+                m["content"] = Value::String(String::new());
+                changed = true;
+            }
+        }
+        if !changed {
+            continue;
+        }
+        let retry = engine::ChatInput {
+            messages,
+            ..input.clone()
+        };
+        if let Ok(text) = template.render(&retry) {
+            return Ok(text);
+        }
+    }
+    Err(first)
+}
+
 /// Whether a rendered prompt ends inside an open `<think>` block, as DeepSeek-R1's
 /// template leaves it: the output then starts as reasoning.
 pub fn prompt_opens_reasoning(prompt: &str) -> bool {
@@ -562,5 +610,74 @@ mod tests {
             Some(ToolFormat::DeepSeek)
         );
         assert_eq!(ToolFormat::detect("{{ messages }}"), None);
+    }
+
+    /// A real template's fixture: (template, bos, eos).
+    fn real_template(json_text: &str) -> engine::ChatTemplate {
+        let v: Value = serde_json::from_str(json_text).unwrap();
+        engine::ChatTemplate::new(
+            v["template"].as_str().unwrap(),
+            v["bos_token"].as_str().unwrap_or(""),
+            v["eos_token"].as_str().unwrap_or(""),
+        )
+        .unwrap()
+    }
+
+    /// What the real Qwen3 and DeepSeek-V3 templates write for an assistant turn with a
+    /// call, between `open` and `close`, parses back into that call: the parser reads the
+    /// markup the templates teach.
+    #[test]
+    fn calls_rendered_by_the_real_templates_parse_back() {
+        let qwen3 = include_str!("../../engine/tests/fixtures/templates/qwen3.json");
+        let deepseek = include_str!("../../engine/tests/fixtures/templates/deepseek_v3.json");
+        let cases = [
+            (
+                qwen3,
+                ToolFormat::Hermes,
+                true,
+                "<|im_start|>assistant\n",
+                "<|im_end|>",
+            ),
+            (
+                deepseek,
+                ToolFormat::DeepSeek,
+                false,
+                "<｜Assistant｜>",
+                "<｜end▁of▁sentence｜>",
+            ),
+        ];
+        for (fixture, format, think, open, close) in cases {
+            let t = real_template(fixture);
+            assert_eq!(ToolFormat::detect(t.source()), Some(format));
+            assert_eq!(t.source().contains(THINK_CLOSE), think);
+            let call = |city: &str| {
+                serde_json::json!({"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": {"location": city}}})
+            };
+            let input = engine::ChatInput {
+                messages: serde_json::json!([
+                    {"role": "user", "content": "Weather in Paris and Nice?"},
+                    {"role": "assistant", "content": null,
+                        "tool_calls": [call("Paris"), call("Nice")]},
+                ]),
+                tools: None,
+                add_generation_prompt: false,
+                kwargs: Default::default(),
+            };
+            let rendered = render(&t, &input).unwrap();
+            let turn = &rendered[rendered.rfind(open).unwrap() + open.len()..];
+            let turn = &turn[..turn.find(close).unwrap()];
+            let d = run(Parser::new(think, Some(format), false), &[turn]);
+            let cities: Vec<Value> = d
+                .calls
+                .iter()
+                .map(|c| {
+                    assert_eq!(c.name, "get_weather");
+                    serde_json::from_str::<Value>(&c.arguments).unwrap()["location"].clone()
+                })
+                .collect();
+            assert_eq!(cities, ["Paris", "Nice"], "{format:?}: {turn:?}");
+            assert_eq!(d.content.trim(), "", "{format:?}: {turn:?}");
+        }
     }
 }

@@ -110,8 +110,9 @@ async fn required_and_named_tool_choice_return_parsed_calls_streamed_and_not() {
     let call = first["choices"][0]["message"]["tool_calls"][0].clone();
     let mut next = weather_chat("Paris", json!("auto"));
     let messages = next["messages"].as_array_mut().unwrap();
-    // SmolLM2's template concatenates content, so this turn's is "" rather than null.
-    messages.push(json!({"role": "assistant", "content": "", "tool_calls": [call]}));
+    // Null content, as the openai SDK sends it; SmolLM2's template concatenates content,
+    // so the router renders it as "".
+    messages.push(json!({"role": "assistant", "content": null, "tool_calls": [call]}));
     messages.push(json!({"role": "tool", "tool_call_id": call["id"], "content": "22 C, sunny"}));
     let (status, v) = c.post("/v1/chat/completions", &next).await;
     assert_eq!(status, 200, "{v}");
