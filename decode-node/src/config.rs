@@ -19,6 +19,21 @@ pub struct Config {
     /// Most sequences decoded in one step.
     #[arg(long, env = "DECODE_MAX_BATCH_SIZE", default_value_t = 32)]
     pub max_batch_size: usize,
+    /// Memory for KV caches in MiB, split into blocks of `--kv-block-tokens` positions. A
+    /// request is admitted once the blocks for its whole budget (prompt plus max tokens, for
+    /// each of its sequences) are free; until then it waits in the queue.
+    #[arg(long, env = "DECODE_KV_CACHE_MB", default_value_t = 2048)]
+    pub kv_cache_mb: usize,
+    /// The KV budget in blocks, instead of `--kv-cache-mb`.
+    #[arg(long, env = "DECODE_KV_BLOCKS")]
+    pub kv_blocks: Option<usize>,
+    /// Positions per KV block.
+    #[arg(long, env = "DECODE_KV_BLOCK_TOKENS", default_value_t = 16)]
+    pub kv_block_tokens: usize,
+    /// Most requests queued for KV blocks or a batch slot; more are refused
+    /// (RESOURCE_EXHAUSTED, which the router answers with 503).
+    #[arg(long, env = "DECODE_MAX_WAITING", default_value_t = 256)]
+    pub max_waiting: usize,
     /// Milliseconds a received KV cache waits for its Generate call, and a Generate call
     /// waits for its KV cache, before both are freed and failed.
     #[arg(long, env = "DECODE_KV_TIMEOUT_MS", default_value_t = 30_000)]

@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod error;
+pub mod metrics;
 pub mod scheduler;
 pub mod service;
 pub mod store;
@@ -11,11 +12,13 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::sync::atomic::Ordering;
+
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 pub use config::Config;
 pub use error::DecodeError;
+use metrics::DecodeMetrics;
 pub use runtime::ServeError;
 
 /// Loads the model and serves `tandem.v1.Decode` on `listener` until `shutdown` resolves.
@@ -26,15 +29,33 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let model = runtime::load_model(&cfg.model).await?;
     let layout = model.kv_layout();
+    let block_tokens = cfg.kv_block_tokens.max(1);
+    let block_bytes = 2 * layout.n_layers * block_tokens * layout.bytes_per_token_layer();
+    let blocks = cfg
+        .kv_blocks
+        .unwrap_or((cfg.kv_cache_mb << 20) / block_bytes);
+    let metrics = Arc::new(DecodeMetrics::default());
+    metrics
+        .kv_blocks_capacity
+        .store(blocks as u64, Ordering::Relaxed);
+    metrics
+        .kv_block_tokens
+        .store(block_tokens as u64, Ordering::Relaxed);
+    let limits = scheduler::Limits {
+        max_batch: cfg.max_batch_size,
+        max_waiting: cfg.max_waiting,
+        block_tokens,
+    };
     let (admit_tx, admit_rx) = tokio::sync::mpsc::unbounded_channel();
-    let compute = scheduler::spawn(Arc::new(model), cfg.max_batch_size, admit_rx)?;
+    let compute = scheduler::spawn(Arc::new(model), limits, Arc::clone(&metrics), admit_rx)?;
     let store = store::TransferStore::new(Duration::from_millis(cfg.kv_timeout_ms));
-    let svc = service::DecodeService::new(admit_tx, store, layout);
-    tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(), "decode node serving");
-    tonic::transport::Server::builder()
-        .add_service(proto::v1::decode_server::DecodeServer::new(svc))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
-        .await?;
+    let svc =
+        service::DecodeService::new(admit_tx, Arc::clone(&store), layout, Arc::clone(&metrics));
+    tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(),
+        kv_blocks = blocks, block_tokens, "decode node serving");
+    let routes = tonic::service::Routes::new(proto::v1::decode_server::DecodeServer::new(svc));
+    let render = move || metrics.render(store.delivered());
+    runtime::serve_grpc_with_metrics(listener, routes, render, shutdown).await?;
     let _ = tokio::task::spawn_blocking(move || compute.join()).await;
     Ok(())
 }

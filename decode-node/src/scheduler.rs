@@ -1,7 +1,14 @@
 //! The compute thread: iteration-level (continuous) batching. Sequences join between any
 //! two steps and leave as soon as they finish or their caller goes away; every step is one
 //! batched forward pass over all running sequences.
+//!
+//! KV memory is a budget of fixed-size blocks. A request starts only once the blocks for
+//! its whole budget (prompt plus max tokens, per sequence) are free, and its caches are
+//! allocated at that size, so a running sequence never needs memory it does not hold and
+//! nothing is ever preempted; requests that do not fit yet wait in a bounded FIFO queue.
 
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -13,6 +20,7 @@ use tokio::sync::mpsc;
 use tonic::Status;
 
 use crate::error::DecodeError;
+use crate::metrics::{DecodeMetrics, Lease};
 
 /// Where a sequence's events go; closed when its caller is gone.
 pub type Events = mpsc::UnboundedSender<Result<GenerateEvent, Status>>;
@@ -46,6 +54,8 @@ pub struct Admission {
     pub start: Start,
     pub enqueued: Instant,
     pub events: Events,
+    /// Counted as having waited for blocks or a batch slot.
+    pub delayed: bool,
 }
 
 struct Seq {
@@ -57,6 +67,7 @@ struct Seq {
     max_new: usize,
     stop_ids: Vec<u32>,
     cache: SeqCache,
+    _lease: Lease,
     /// Every generated token, the prefill node's first one included; the last one is the
     /// input of the next step.
     output: Vec<u32>,
@@ -83,25 +94,40 @@ struct BeamGroup {
     produced: usize,
     ready_since: Instant,
     events: Events,
+    _lease: Lease,
+}
+
+/// How the compute thread batches and budgets.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Most sequences in one step (a request with more runs alone).
+    pub max_batch: usize,
+    /// Most requests queued.
+    pub max_waiting: usize,
+    /// Positions per KV block.
+    pub block_tokens: usize,
 }
 
 /// Starts the compute thread; it ends when every sender of `admissions` is gone and the
 /// running sequences are done.
 pub fn spawn(
     model: Arc<Model>,
-    max_batch: usize,
+    limits: Limits,
+    metrics: Arc<DecodeMetrics>,
     admissions: mpsc::UnboundedReceiver<Admission>,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name("decode-compute".into())
-        .spawn(move || Scheduler::new(model, max_batch).run(admissions))
+        .spawn(move || Scheduler::new(model, limits, metrics).run(admissions))
 }
 
 struct Scheduler {
     model: Arc<Model>,
-    max_batch: usize,
+    limits: Limits,
+    metrics: Arc<DecodeMetrics>,
     running: Vec<Seq>,
     groups: Vec<BeamGroup>,
+    waiting: VecDeque<Admission>,
 }
 
 fn token(s: &Sampled, choice: u32, ms: f64, batch: usize, wait_us: u64) -> TokenEvent {
@@ -131,12 +157,18 @@ fn finish_event(reason: FinishReason, choice: u32) -> GenerateEvent {
 }
 
 impl Scheduler {
-    fn new(model: Arc<Model>, max_batch: usize) -> Self {
+    fn new(model: Arc<Model>, limits: Limits, metrics: Arc<DecodeMetrics>) -> Self {
         Self {
             model,
-            max_batch: max_batch.max(1),
+            limits: Limits {
+                max_batch: limits.max_batch.max(1),
+                block_tokens: limits.block_tokens.max(1),
+                ..limits
+            },
+            metrics,
             running: Vec::new(),
             groups: Vec::new(),
+            waiting: VecDeque::new(),
         }
     }
 
@@ -152,36 +184,128 @@ impl Scheduler {
 
     fn run(mut self, mut admissions: mpsc::UnboundedReceiver<Admission>) {
         loop {
-            if self.batch_len() == 0 {
+            if self.batch_len() == 0 && self.waiting.is_empty() {
+                self.publish();
                 match admissions.blocking_recv() {
-                    Some(a) => self.admit(a),
+                    Some(a) => self.enqueue(a),
                     None => return,
                 }
             }
-            while self.batch_len() < self.max_batch {
-                match admissions.try_recv() {
-                    Ok(a) => self.admit(a),
-                    Err(_) => break,
-                }
+            while let Ok(a) = admissions.try_recv() {
+                self.enqueue(a);
             }
-            self.running.retain(|s| {
-                let gone = s.events.is_closed();
-                if gone {
-                    tracing::info!(parent: &s.span, "caller went away; sequence dropped");
-                }
-                !gone
-            });
-            self.groups.retain(|g| {
-                let gone = g.events.is_closed();
-                if gone {
-                    tracing::info!(parent: &g.span, "caller went away; beam search dropped");
-                }
-                !gone
-            });
+            self.drop_cancelled();
+            self.start_waiting();
+            self.publish();
             if self.batch_len() > 0 {
                 self.step();
             }
         }
+    }
+
+    /// Positions each sequence of `a` may fill, and the blocks that takes for all of them.
+    fn budget_of(&self, a: &Admission) -> (usize, usize) {
+        let max_pos = self.model.config().max_position_embeddings;
+        // The prompt, the first token (fed back in), then max_new more.
+        let positions = (a.prompt.len() + a.max_new + 1).min(max_pos);
+        let per_seq = positions.div_ceil(self.limits.block_tokens);
+        (per_seq * self.limits.block_tokens, per_seq * sequences(a))
+    }
+
+    /// Queues a request, or refuses one that could never fit or finds the queue full.
+    fn enqueue(&mut self, a: Admission) {
+        let (_, blocks) = self.budget_of(&a);
+        let capacity = self.metrics.kv_blocks_capacity.load(Ordering::Relaxed) as usize;
+        // A request larger than the whole budget is the request's fault (400 at the
+        // router); a full queue is the node's state now (503, retry).
+        let refusal = if blocks > capacity {
+            Some(Status::invalid_argument(format!(
+                "prompt plus max tokens need {blocks} KV blocks and the decode node has {capacity} in all"
+            )))
+        } else if self.waiting.len() >= self.limits.max_waiting {
+            Some(Status::resource_exhausted(format!(
+                "the decode queue is full ({} requests)",
+                self.limits.max_waiting
+            )))
+        } else {
+            None
+        };
+        match refusal {
+            Some(status) => {
+                tracing::warn!(parent: &a.span, "refused: {}", status.message());
+                DecodeMetrics::inc(&self.metrics.rejected);
+                let _ = a.events.send(Err(status));
+            }
+            None => self.waiting.push_back(a),
+        }
+    }
+
+    /// Lets go of every sequence, search and queued request whose caller has gone away;
+    /// dropping them frees their KV blocks.
+    fn drop_cancelled(&mut self) {
+        let before = self.running.len() + self.groups.len() + self.waiting.len();
+        self.running.retain(|s| {
+            let gone = s.events.is_closed();
+            if gone {
+                tracing::info!(parent: &s.span, "caller went away; sequence dropped");
+            }
+            !gone
+        });
+        self.groups.retain(|g| {
+            let gone = g.events.is_closed();
+            if gone {
+                tracing::info!(parent: &g.span, "caller went away; beam search dropped");
+            }
+            !gone
+        });
+        self.waiting.retain(|a| {
+            let gone = a.events.is_closed();
+            if gone {
+                tracing::info!(parent: &a.span, "caller went away while queued");
+            }
+            !gone
+        });
+        let after = self.running.len() + self.groups.len() + self.waiting.len();
+        if after < before {
+            self.metrics
+                .cancellations
+                .fetch_add((before - after) as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Starts queued requests, oldest first, while the next one has a batch slot and its
+    /// KV blocks.
+    fn start_waiting(&mut self) {
+        while let Some(a) = self.waiting.front() {
+            let (_, blocks) = self.budget_of(a);
+            let batch = self.batch_len();
+            let room = batch == 0 || batch + sequences(a) <= self.limits.max_batch;
+            if !room || blocks > self.metrics.free_blocks() {
+                break;
+            }
+            let a = self.waiting.pop_front().expect("the front exists");
+            if a.delayed {
+                tracing::debug!(parent: &a.span, "started after waiting for blocks or a slot");
+            }
+            self.metrics
+                .queue_wait_micros
+                .fetch_add(a.enqueued.elapsed().as_micros() as u64, Ordering::Relaxed);
+            DecodeMetrics::inc(&self.metrics.admitted);
+            self.admit(a);
+        }
+        for a in self.waiting.iter_mut().filter(|a| !a.delayed) {
+            a.delayed = true;
+            DecodeMetrics::inc(&self.metrics.delayed);
+        }
+    }
+
+    /// Updates the gauges the compute thread owns.
+    fn publish(&self) {
+        let m = &self.metrics;
+        m.running_sequences
+            .store(self.batch_len() as u64, Ordering::Relaxed);
+        m.waiting_requests
+            .store(self.waiting.len() as u64, Ordering::Relaxed);
     }
 
     /// Why `seq` stops after its newest token, if it does.
@@ -203,15 +327,20 @@ impl Scheduler {
         match self.finish_of(&seq) {
             Some(reason) => {
                 tracing::debug!(parent: &seq.span, ?reason, tokens = seq.output.len(), "finished");
+                DecodeMetrics::inc(&self.metrics.finished_sequences);
                 let _ = seq.events.send(Ok(finish_event(reason, seq.choice)));
             }
             None => self.running.push(seq),
         }
     }
 
+    /// Starts a request whose blocks are free: its caches are sized to its whole budget and
+    /// each sequence (or the beam search) holds the blocks for them.
     fn admit(&mut self, a: Admission) {
         let _entered = a.span.clone().entered();
-        let width = if a.beam_width > 0 { a.beam_width } else { a.n };
+        let width = sequences(&a);
+        let (positions, blocks) = self.budget_of(&a);
+        let per_seq = blocks / width;
         // The prompt's cache, each sequence's first token, the events of the first tokens
         // when this node sampled them, and since when the sequences wait for their next step.
         let (cache, first, prefilled, ready_since) = match a.start {
@@ -225,6 +354,13 @@ impl Scheduler {
                         first_tokens.len(),
                     ));
                     let _ = a.events.send(Err(e.into()));
+                    DecodeMetrics::inc(&self.metrics.failures);
+                    return;
+                }
+                let mut cache = cache;
+                if let Err(e) = cache.reserve_exact(positions) {
+                    let _ = a.events.send(Err(DecodeError::from(e).into()));
+                    DecodeMetrics::inc(&self.metrics.failures);
                     return;
                 }
                 (cache, first_tokens, None, a.enqueued)
@@ -239,11 +375,12 @@ impl Scheduler {
                     return;
                 }
                 let started = Instant::now();
-                let (cache, first) = match self.prefill(&a, width) {
+                let (cache, first) = match self.prefill(&a, width, positions) {
                     Ok(r) => r,
                     Err(e) => {
                         tracing::warn!(error = %e, "prefill failed");
                         let _ = a.events.send(Err(e.into()));
+                        DecodeMetrics::inc(&self.metrics.failures);
                         return;
                     }
                 };
@@ -267,6 +404,7 @@ impl Scheduler {
                 Ok(c) => caches.push(c),
                 Err(e) => {
                     let _ = a.events.send(Err(DecodeError::from(e).into()));
+                    DecodeMetrics::inc(&self.metrics.failures);
                     return;
                 }
             }
@@ -306,6 +444,7 @@ impl Scheduler {
                 produced,
                 ready_since,
                 events: a.events,
+                _lease: Lease::take(&self.metrics, blocks),
             });
             return;
         }
@@ -330,6 +469,7 @@ impl Scheduler {
                 max_new: a.max_new,
                 stop_ids: a.stop_ids.clone(),
                 cache,
+                _lease: Lease::take(&self.metrics, per_seq),
                 output: vec![first.token],
                 produced,
                 ready_since,
@@ -367,17 +507,24 @@ impl Scheduler {
             } else {
                 FinishReason::Length
             };
+            DecodeMetrics::inc(&self.metrics.finished_sequences);
             let _ = g.events.send(Ok(finish_event(reason, choice)));
         }
     }
 
     /// Runs the prompt and picks the first token of each of `n` sequences: samples, or the
     /// n most likely tokens for a beam search.
-    fn prefill(&self, a: &Admission, n: usize) -> Result<(SeqCache, Vec<Sampled>), DecodeError> {
+    fn prefill(
+        &self,
+        a: &Admission,
+        n: usize,
+        positions: usize,
+    ) -> Result<(SeqCache, Vec<Sampled>), DecodeError> {
         if a.prompt.is_empty() {
             return Err(DecodeError::InvalidRequest("the prompt is empty".into()));
         }
         let mut cache = self.model.new_cache()?;
+        cache.reserve_exact(positions)?;
         let logits = self.model.forward(&mut [SeqInput {
             tokens: &a.prompt,
             cache: &mut cache,
@@ -437,6 +584,7 @@ impl Scheduler {
                 for g in self.groups.drain(..) {
                     let _ = g.events.send(Err(status.clone()));
                 }
+                DecodeMetrics::inc(&self.metrics.failures);
                 return;
             }
         };
@@ -456,7 +604,15 @@ impl Scheduler {
                 )
             })
             .collect();
-        let ms = started.elapsed().as_secs_f64() * 1e3;
+        let elapsed = started.elapsed();
+        let ms = elapsed.as_secs_f64() * 1e3;
+        let m = &self.metrics;
+        DecodeMetrics::inc(&m.steps);
+        m.step_sequences.fetch_add(batch as u64, Ordering::Relaxed);
+        m.step_micros
+            .fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
+        m.generated_tokens
+            .fetch_add(batch as u64, Ordering::Relaxed);
         let now = Instant::now();
         for (mut seq, s) in std::mem::take(&mut self.running).into_iter().zip(sampled) {
             let wait = started.saturating_duration_since(seq.ready_since);
@@ -489,11 +645,21 @@ impl Scheduler {
             );
             if let Err(e) = stepped {
                 let _ = g.events.send(Err(DecodeError::from(e).into()));
+                DecodeMetrics::inc(&self.metrics.failures);
                 continue;
             }
             g.produced += 1;
             g.ready_since = now;
             self.keep_or_end(g);
         }
+    }
+}
+
+/// Sequences a request decodes at once: its beams, or its n (best_of) samples.
+fn sequences(a: &Admission) -> usize {
+    if a.beam_width > 0 {
+        a.beam_width
+    } else {
+        a.n
     }
 }

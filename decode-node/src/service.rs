@@ -16,6 +16,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
 use crate::error::DecodeError;
+use crate::metrics::DecodeMetrics;
 use crate::scheduler::{Admission, Start};
 use crate::store::{Arrived, TransferStore};
 
@@ -27,6 +28,7 @@ pub struct DecodeService {
     admissions: mpsc::UnboundedSender<Admission>,
     store: Arc<TransferStore>,
     layout: KvLayout,
+    metrics: Arc<DecodeMetrics>,
 }
 
 impl DecodeService {
@@ -35,11 +37,13 @@ impl DecodeService {
         admissions: mpsc::UnboundedSender<Admission>,
         store: Arc<TransferStore>,
         layout: KvLayout,
+        metrics: Arc<DecodeMetrics>,
     ) -> Self {
         Self {
             admissions,
             store,
             layout,
+            metrics,
         }
     }
 
@@ -126,10 +130,15 @@ impl proto::v1::decode_server::Decode for DecodeService {
                     "KV received"
                 );
                 self.store.deliver(&id, Ok(arrived));
+                DecodeMetrics::inc(&self.metrics.transfers);
+                self.metrics
+                    .transfer_bytes
+                    .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
                 Ok(Response::new(TransferAck { bytes }))
             }
             Err(e) => {
                 tracing::warn!(error = %e, "KV transfer failed");
+                DecodeMetrics::inc(&self.metrics.transfer_failures);
                 if !id.is_empty() {
                     self.store.deliver(&id, Err(e.to_string()));
                 }
@@ -176,6 +185,7 @@ impl proto::v1::decode_server::Decode for DecodeService {
             start: Start::Prefill,
             enqueued: Instant::now(),
             events,
+            delayed: false,
         };
         if req.prefill_here {
             self.admissions

@@ -115,6 +115,16 @@ impl TransferStore {
         self.slots.lock().expect("store lock").len()
     }
 
+    /// Delivered caches not yet claimed: memory outside the block budget, bounded by the
+    /// timeout.
+    pub fn delivered(&self) -> usize {
+        let slots = self.slots.lock().expect("store lock");
+        slots
+            .values()
+            .filter(|s| matches!(s, Slot::Delivered(..)))
+            .count()
+    }
+
     /// True when nothing is held.
     pub fn is_empty(&self) -> bool {
         self.len() == 0

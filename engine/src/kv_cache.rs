@@ -142,7 +142,25 @@ impl SeqCache {
         if need <= self.capacity {
             return Ok(());
         }
-        let capacity = need.max(self.capacity * 2).div_ceil(GROW_TOKENS) * GROW_TOKENS;
+        self.resize(need.max(self.capacity * 2).div_ceil(GROW_TOKENS) * GROW_TOKENS)
+    }
+
+    /// Sizes the storage to hold `positions` in all (never less than it holds), so later
+    /// steps do not reallocate: a decode node reserves a sequence's whole budget up front
+    /// and accounts exactly what it allocated.
+    pub fn reserve_exact(&mut self, positions: usize) -> Result<()> {
+        if positions <= self.capacity {
+            return Ok(());
+        }
+        self.resize(positions)
+    }
+
+    /// Positions the storage holds without growing.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn resize(&mut self, capacity: usize) -> Result<()> {
         let device = self.layers[0].k.device().clone();
         let grown = alloc(&self.layout, capacity, &device)?;
         if !self.is_empty() {

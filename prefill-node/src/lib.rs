@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod error;
+pub mod metrics;
 pub mod service;
 pub mod worker;
 
@@ -11,10 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 pub use config::Config;
 pub use error::PrefillError;
+use metrics::PrefillMetrics;
 pub use runtime::ServeError;
 
 /// Loads the model and serves `tandem.v1.Prefill` on `listener` until `shutdown` resolves.
@@ -28,21 +29,26 @@ pub async fn serve(
     let max_positions = model.config().max_position_embeddings;
     let bytes_per_token = layout.n_kv_heads * layout.head_dim * 4;
     let chunk_tokens = (cfg.transfer_chunk_bytes / bytes_per_token).max(1);
-    let (jobs_tx, jobs_rx) = tokio::sync::mpsc::channel(cfg.max_queue.max(1));
-    let compute = worker::spawn(Arc::new(model), chunk_tokens, jobs_rx)?;
+    let max_queue = cfg.max_queue.max(1);
+    let (jobs_tx, jobs_rx) = tokio::sync::mpsc::channel(max_queue);
+    let metrics = Arc::new(PrefillMetrics::default());
+    let compute = worker::spawn(Arc::new(model), chunk_tokens, Arc::clone(&metrics), jobs_rx)?;
+    let queue = jobs_tx.clone();
+    let shown = Arc::clone(&metrics);
+    let render = move || shown.render(max_queue - queue.capacity());
     let svc = service::PrefillService::new(
         jobs_tx,
+        Arc::clone(&metrics),
         cfg.max_queue,
         layout,
         max_positions,
         Duration::from_millis(cfg.connect_timeout_ms),
     );
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(), "prefill node serving");
-    tonic::transport::Server::builder()
-        .add_service(proto::v1::prefill_server::PrefillServer::new(svc))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
-        .await?;
-    // The server has dropped the service and with it the job sender: the thread ends.
+    let routes = tonic::service::Routes::new(proto::v1::prefill_server::PrefillServer::new(svc));
+    runtime::serve_grpc_with_metrics(listener, routes, render, shutdown).await?;
+    // The server has dropped the service and with it the job sender (the metrics closure's
+    // clone too): the thread ends.
     let _ = tokio::task::spawn_blocking(move || compute.join()).await;
     Ok(())
 }

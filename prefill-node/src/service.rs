@@ -2,7 +2,7 @@
 //! request's KV transfer to its decode node.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use engine::KvLayout;
@@ -18,6 +18,7 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::error::PrefillError;
+use crate::metrics::PrefillMetrics;
 use crate::worker::Job;
 
 /// Transfer messages buffered between the compute thread and the network.
@@ -26,6 +27,7 @@ const TRANSFER_BUFFER: usize = 16;
 /// State shared by the service's handlers.
 pub struct PrefillService {
     jobs: mpsc::Sender<Job>,
+    metrics: Arc<PrefillMetrics>,
     max_queue: usize,
     layout: KvLayout,
     max_positions: usize,
@@ -37,6 +39,7 @@ impl PrefillService {
     /// A service feeding `jobs`, for a model with this cache layout and context.
     pub fn new(
         jobs: mpsc::Sender<Job>,
+        metrics: Arc<PrefillMetrics>,
         max_queue: usize,
         layout: KvLayout,
         max_positions: usize,
@@ -44,6 +47,7 @@ impl PrefillService {
     ) -> Self {
         Self {
             jobs,
+            metrics,
             max_queue,
             layout,
             max_positions,
@@ -167,8 +171,23 @@ impl proto::v1::prefill_server::Prefill for PrefillService {
         let id = runtime::request_id(&req, &req.get_ref().request_id);
         let req = req.into_inner();
         let span = tracing::info_span!("prefill", req_id = %id, prompt_tokens = req.prompt.len());
-        let resp = self.run(req).instrument(span).await?;
-        Ok(Response::new(resp))
+        let m = &self.metrics;
+        match self.run(req).instrument(span).await {
+            Ok(resp) => {
+                PrefillMetrics::inc(&m.completed);
+                PrefillMetrics::add(&m.transfer_bytes, resp.transfer_bytes);
+                Ok(Response::new(resp))
+            }
+            Err(e) => {
+                // A cancelled prefill never answers here: the compute thread counts it.
+                let counter = match e {
+                    PrefillError::QueueFull(_) => &m.rejected,
+                    _ => &m.failed,
+                };
+                PrefillMetrics::inc(counter);
+                Err(e.into())
+            }
+        }
     }
 
     async fn health(&self, _req: Request<HealthRequest>) -> Result<Response<HealthReply>, Status> {

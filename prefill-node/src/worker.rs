@@ -1,6 +1,7 @@
 //! The compute thread: runs one prompt at a time and streams each layer's K/V as soon as
 //! that layer is done, so the transfer overlaps the rest of the forward pass.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -10,6 +11,7 @@ use proto::v1::{kv_transfer::Item, FirstTokens, KvTransfer};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::PrefillError;
+use crate::metrics::PrefillMetrics;
 
 /// One prompt to run.
 pub struct Job {
@@ -41,6 +43,7 @@ pub struct Computed {
 pub fn spawn(
     model: Arc<Model>,
     chunk_tokens: usize,
+    metrics: Arc<PrefillMetrics>,
     mut jobs: mpsc::Receiver<Job>,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
@@ -50,21 +53,50 @@ pub fn spawn(
                 let _entered = job.span.clone().entered();
                 if job.done.is_closed() {
                     tracing::debug!("cancelled before it started");
+                    PrefillMetrics::inc(&metrics.cancelled);
                     continue;
                 }
-                let result = prefill(&model, chunk_tokens, &job);
-                if let Err(e) = &result {
-                    tracing::warn!(error = %e, "prefill failed");
+                metrics.running.store(1, Ordering::Relaxed);
+                let result = prefill(&model, chunk_tokens, &metrics, &job);
+                metrics.running.store(0, Ordering::Relaxed);
+                metrics.kv_bytes_held.store(0, Ordering::Relaxed);
+                match &result {
+                    Ok(c) => {
+                        PrefillMetrics::add(&metrics.prompt_tokens, job.prompt.len() as u64);
+                        PrefillMetrics::add(
+                            &metrics.compute_micros,
+                            c.started.elapsed().as_micros() as u64,
+                        );
+                        PrefillMetrics::add(
+                            &metrics.queue_wait_micros,
+                            c.queue_wait.as_micros() as u64,
+                        );
+                    }
+                    Err(PrefillError::Cancelled) => {
+                        tracing::info!("cancelled during the prefill");
+                        PrefillMetrics::inc(&metrics.cancelled);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "prefill failed"),
                 }
                 let _ = job.done.send(result);
             }
         })
 }
 
-fn prefill(model: &Model, chunk_tokens: usize, job: &Job) -> Result<Computed, PrefillError> {
+fn prefill(
+    model: &Model,
+    chunk_tokens: usize,
+    metrics: &PrefillMetrics,
+    job: &Job,
+) -> Result<Computed, PrefillError> {
     let started = Instant::now();
     let n = job.prompt.len();
     let mut cache = model.new_cache()?;
+    // Allocated at its size up front, so the gauge shows what the prompt holds.
+    cache.reserve_exact(n)?;
+    metrics
+        .kv_bytes_held
+        .store(cache.allocated_bytes() as u64, Ordering::Relaxed);
     // The hook can only return an engine error; this says why it stopped the pass.
     let mut abort = None;
     let logits = model.forward_with(

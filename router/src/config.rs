@@ -151,6 +151,13 @@ pub struct Config {
     /// Reasoning markup parsed out of chat output into `reasoning_content`.
     #[arg(long, env = "ROUTER_REASONING_PARSER", value_enum, default_value_t = ReasoningParser::Auto)]
     pub reasoning_parser: ReasoningParser,
+    /// Most requests served at once; past it a request gets 503 with Retry-After at once.
+    #[arg(long, env = "ROUTER_MAX_IN_FLIGHT", default_value_t = 1024)]
+    pub max_in_flight: usize,
+    /// Most requests one API key may have in flight (0: no limit); past it, 429 with
+    /// Retry-After.
+    #[arg(long, env = "ROUTER_MAX_IN_FLIGHT_PER_KEY", default_value_t = 0)]
+    pub max_in_flight_per_key: usize,
     /// Largest request body in bytes; larger ones get 413.
     #[arg(long, env = "ROUTER_MAX_BODY_BYTES", default_value_t = 20 << 20)]
     pub max_body_bytes: usize,

@@ -50,6 +50,10 @@ pub enum RouterError {
     BadApiKey,
     #[error("insufficient balance: the API key has used {used} of its {quota} tokens")]
     QuotaExceeded { used: u64, quota: u64 },
+    #[error("the router is at its limit of {0} requests in flight; retry shortly")]
+    Overloaded(usize),
+    #[error("the API key is at its limit of {0} requests in flight; retry shortly")]
+    KeyBusy(usize),
     #[error("the request did not finish within {0} ms")]
     Timeout(u64),
     #[error("internal error: {0}")]
@@ -102,7 +106,8 @@ impl RouterError {
                 _ => StatusCode::BAD_GATEWAY,
             },
             MissingApiKey | BadApiKey => StatusCode::UNAUTHORIZED,
-            QuotaExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            QuotaExceeded { .. } | KeyBusy(_) => StatusCode::TOO_MANY_REQUESTS,
+            Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -127,15 +132,31 @@ impl RouterError {
         }
     }
 
+    /// Seconds a client should wait before retrying, for the errors that say "busy".
+    pub fn retry_after(&self) -> Option<u64> {
+        match self {
+            RouterError::Overloaded(_) | RouterError::KeyBusy(_) => Some(1),
+            RouterError::WorkerUnavailable { .. } => Some(1),
+            _ => None,
+        }
+    }
+
     /// The response for this error in `format`; logs it once.
     pub fn response_in(self, format: ErrorFormat) -> Response {
         let status = self.http_status();
+        let retry = self.retry_after();
         if status.is_server_error() {
             tracing::error!(error = %self, status = status.as_u16(), "request failed");
         } else {
             tracing::debug!(error = %self, status = status.as_u16(), "request rejected");
         }
-        (status, axum::Json(self.body_in(format))).into_response()
+        let mut response = (status, axum::Json(self.body_in(format))).into_response();
+        if let Some(secs) = retry {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        response
     }
 
     /// The OpenAI error object, `{"error": {...}}`.
@@ -153,6 +174,7 @@ impl RouterError {
             MissingApiKey | BadApiKey => ("authentication_error", Some("invalid_api_key")),
             // OpenAI's answer for a spent quota.
             QuotaExceeded { .. } => ("insufficient_quota", Some("insufficient_quota")),
+            KeyBusy(_) => ("rate_limit_exceeded", Some("rate_limit_exceeded")),
             _ if status.is_client_error() => ("invalid_request_error", None),
             _ if status == StatusCode::SERVICE_UNAVAILABLE => ("service_unavailable", None),
             _ => ("server_error", None),

@@ -14,9 +14,25 @@ pub struct Key {
     /// Most tokens (prompt plus completion, over all its requests) the key may use.
     quota: Option<u64>,
     used: AtomicU64,
+    in_flight: AtomicU64,
 }
 
 impl Key {
+    /// Counts a request of this key as started, unless `max` (0: no limit) are in flight.
+    pub fn begin(&self, max: usize) -> bool {
+        let before = self.in_flight.fetch_add(1, Ordering::Relaxed);
+        if max > 0 && before >= max as u64 {
+            self.in_flight.fetch_sub(1, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// Counts a request of this key as ended.
+    pub fn end(&self) {
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+
     /// Counts tokens a request of this key used.
     pub fn charge(&self, tokens: u64) {
         self.used.fetch_add(tokens, Ordering::Relaxed);
@@ -108,6 +124,7 @@ fn key(secret: ApiKey, quota: Option<u64>) -> Arc<Key> {
         secret,
         quota,
         used: AtomicU64::new(0),
+        in_flight: AtomicU64::new(0),
     })
 }
 

@@ -5,29 +5,61 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::error::RouterError;
+use crate::keys::Key;
+
 /// The router's counters.
 #[derive(Debug, Default)]
 pub struct Metrics {
     requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
     in_flight: AtomicI64,
+    overloaded: AtomicU64,
     prompt_tokens: AtomicU64,
     completion_tokens: AtomicU64,
 }
 
-/// Counts a request as in flight until dropped.
-pub struct InFlight(Arc<Metrics>);
+/// Counts a request as in flight (in all, and for its API key) until dropped.
+pub struct InFlight {
+    metrics: Arc<Metrics>,
+    key: Option<Arc<Key>>,
+}
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if let Some(k) = &self.key {
+            k.end();
+        }
     }
 }
 
 impl Metrics {
-    /// Marks a request as started.
-    pub fn start(self: &Arc<Self>) -> InFlight {
-        self.in_flight.fetch_add(1, Ordering::Relaxed);
-        InFlight(Arc::clone(self))
+    /// Marks a request as started, unless `max` are in flight already or its key is at its
+    /// own limit: the request is then refused at once rather than queued without bound.
+    pub fn start(
+        self: &Arc<Self>,
+        max: usize,
+        key: Option<Arc<Key>>,
+        key_max: usize,
+    ) -> Result<InFlight, RouterError> {
+        let before = self.in_flight.fetch_add(1, Ordering::Relaxed);
+        if before >= max as i64 {
+            self.in_flight.fetch_sub(1, Ordering::Relaxed);
+            self.overloaded.fetch_add(1, Ordering::Relaxed);
+            return Err(RouterError::Overloaded(max));
+        }
+        // Built first, so a refusal by the key gives the router's slot back on drop.
+        let mut guard = InFlight {
+            metrics: Arc::clone(self),
+            key: None,
+        };
+        if let Some(k) = key {
+            if !k.begin(key_max) {
+                return Err(RouterError::KeyBusy(key_max));
+            }
+            guard.key = Some(k);
+        }
+        Ok(guard)
     }
 
     /// Counts a finished (or failed) request of `endpoint` with its HTTP status.
@@ -67,6 +99,12 @@ impl Metrics {
                 "gauge",
                 "Requests being served.",
                 self.in_flight.load(Ordering::Relaxed),
+            ),
+            (
+                "router_overloaded_total",
+                "counter",
+                "Requests refused with 503 because the router was at its in-flight limit.",
+                self.overloaded.load(Ordering::Relaxed) as i64,
             ),
             (
                 "router_prompt_tokens_total",

@@ -94,11 +94,20 @@ async fn handle(
     );
     let span = tracing::info_span!("request", req_id = %id, endpoint = kind.endpoint(),
         prompt_tokens = tracing::field::Empty);
-    let in_flight = state.metrics.start();
-    let response = match run(&state, kind, id, key, body, in_flight)
-        .instrument(span)
-        .await
-    {
+    let admitted = state.metrics.start(
+        state.cfg.max_in_flight,
+        key.clone(),
+        state.cfg.max_in_flight_per_key,
+    );
+    let result = match admitted {
+        Ok(in_flight) => {
+            run(&state, kind, id, key, body, in_flight)
+                .instrument(span)
+                .await
+        }
+        Err(e) => Err(e),
+    };
+    let response = match result {
         Ok(r) => r,
         Err(e) => state.error_response(e),
     };
@@ -877,6 +886,11 @@ async fn pump(
         if out.all_finished() {
             return Ok(());
         }
-        piece = next(&mut rest).await?;
+        // Between tokens (a request queued on the decode node may wait long) the client
+        // can leave; it is noticed at once, not at the next token.
+        piece = tokio::select! {
+            p = next(&mut rest) => p?,
+            _ = tx.closed() => return Ok(()),
+        };
     }
 }

@@ -1,6 +1,13 @@
 //! Process plumbing shared by the router and the nodes: tracing setup, the shutdown signal,
 //! the request id carried in gRPC metadata, and why a node could not serve.
 
+pub mod prom;
+
+use std::future::Future;
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
 /// The gRPC metadata key that carries a request's id from the router to both nodes.
 pub const REQUEST_ID: &str = "x-request-id";
 
@@ -60,6 +67,27 @@ pub enum ServeError {
     Thread(#[from] std::io::Error),
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
+}
+
+/// Serves gRPC `routes` and `GET /metrics` (the text `render` returns) on one listener
+/// until `shutdown` resolves: HTTP/1 is accepted beside HTTP/2, so a Prometheus scraper
+/// needs no port of its own.
+pub async fn serve_grpc_with_metrics(
+    listener: TcpListener,
+    routes: tonic::service::Routes,
+    render: impl Fn() -> String + Clone + Send + Sync + 'static,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let metrics = axum::routing::get(move || {
+        let text = render();
+        async move { ([("content-type", "text/plain; version=0.0.4")], text) }
+    });
+    let router = routes.into_axum_router().route("/metrics", metrics);
+    tonic::transport::Server::builder()
+        .accept_http1(true)
+        .add_routes(router.into())
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await
 }
 
 #[cfg(test)]

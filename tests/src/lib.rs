@@ -145,6 +145,10 @@ pub struct Cluster {
     pub url: String,
     pub model_name: String,
     pub procs: Vec<Proc>,
+    /// The prefill node's address (host:port), in PD mode.
+    pub prefill: Option<String>,
+    /// The decode node's (or colocated worker's) address.
+    pub decode: String,
 }
 
 impl Cluster {
@@ -160,15 +164,29 @@ impl Cluster {
         router_args: &[&str],
         prefill_args: &[&str],
     ) -> Self {
+        Self::start_full(mode, model, router_args, prefill_args, &[]).await
+    }
+
+    /// `start`, with extra flags for each process.
+    pub async fn start_full(
+        mode: Mode,
+        model: &Path,
+        router_args: &[&str],
+        prefill_args: &[&str],
+        decode_args: &[&str],
+    ) -> Self {
         let tag = format!("{:?}-{}", mode, free_port()).to_lowercase();
         let model_arg = model.display().to_string();
         let mut procs = Vec::new();
         let decode = format!("127.0.0.1:{}", free_port());
+        let mut d_args = args(&["--model", &model_arg, "--listen", &decode]);
+        d_args.extend(args(decode_args));
         procs.push(Proc::spawn(
             &bin("tandem-decode"),
-            &args(&["--model", &model_arg, "--listen", &decode]),
+            &d_args,
             &format!("{tag}-decode"),
         ));
+        let mut prefill_addr = None;
         let mut router = args(&["--model", &model_arg, "--decode-nodes", &decode]);
         if mode == Mode::Pd {
             let prefill = format!("127.0.0.1:{}", free_port());
@@ -180,6 +198,7 @@ impl Cluster {
                 &format!("{tag}-prefill"),
             ));
             router.extend(args(&["--prefill-nodes", &prefill]));
+            prefill_addr = Some(prefill);
         } else {
             router.extend(args(&["--mode", "colocated"]));
         }
@@ -200,6 +219,8 @@ impl Cluster {
             url: format!("http://127.0.0.1:{port}"),
             model_name: "test".into(),
             procs,
+            prefill: prefill_addr,
+            decode,
         };
         cluster.wait_ready(Duration::from_secs(60)).await;
         cluster
@@ -341,4 +362,59 @@ pub fn venv_bin(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// The value of one sample in a Prometheus text page: `name` with exactly `labels`
+/// (`""` for none, else as written, e.g. `{outcome="admitted"}`); `None` when absent.
+pub fn metric(page: &str, name: &str, labels: &str) -> Option<f64> {
+    let key = format!("{name}{labels} ");
+    page.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// `GET http://{addr}/metrics` (a worker serves it on its gRPC port).
+pub async fn scrape(addr: &str) -> String {
+    reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap_or_else(|e| panic!("scraping {addr}: {e}"))
+        .text()
+        .await
+        .expect("a metrics page")
+}
+
+/// Polls `addr`'s metrics until `name` reads `want`; panics with the last page after
+/// `limit`.
+pub async fn wait_metric(addr: &str, name: &str, labels: &str, want: f64, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let page = scrape(addr).await;
+        if metric(&page, name, labels) == Some(want) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{name}{labels} on {addr} did not reach {want} within {limit:?}:\n{page}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Sends a JSON POST on a raw connection and returns it unread: dropping it closes the
+/// socket, as a client that goes away does (an HTTP client library may keep the socket
+/// open after its request future is dropped).
+pub async fn post_then_leave(base_url: &str, path: &str, body: &Value) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let host = base_url.trim_start_matches("http://");
+    let mut sock = tokio::net::TcpStream::connect(host)
+        .await
+        .unwrap_or_else(|e| panic!("connecting to {host}: {e}"));
+    let body = body.to_string();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    sock.write_all(head.as_bytes()).await.unwrap();
+    sock.write_all(body.as_bytes()).await.unwrap();
+    sock
 }

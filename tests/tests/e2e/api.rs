@@ -107,7 +107,7 @@ async fn streamed_chat_has_the_seeds_chunks() {
 #[tokio::test]
 async fn seed_completion_example_streamed_and_not() {
     let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
-    // 002's examples without use_beam_search, n, best_of and logprobs (a later issue).
+    // 002's request fields (beam search, n and logprobs have tests of their own).
     let body = json!({"model": c.model_name, "prompt": "who are you", "temperature": 1,
         "max_tokens": 5, "ignore_eos": true, "stream": false, "seed": 7});
     let (status, v) = c.post("/v1/completions", &body).await;

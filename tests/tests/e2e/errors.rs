@@ -40,7 +40,10 @@ async fn bad_requests_get_openai_errors() {
             "messages",
         ),
         (json!({"n": 3, "temperature": 0}), "n"),
-        (json!({"use_beam_search": true}), "use_beam_search"),
+        (
+            json!({"use_beam_search": true, "stop": "x"}),
+            "use_beam_search",
+        ),
     ];
     for (patch, param) in cases {
         let mut body = json!({"model": "test", "messages": [{"role": "user", "content": "hi"}]});

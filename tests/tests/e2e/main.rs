@@ -7,6 +7,7 @@ mod conformance;
 mod errors;
 mod fuzz;
 mod lm_eval;
+mod load;
 mod openai_sdk;
 mod params;
 mod pd_vs_colocated;

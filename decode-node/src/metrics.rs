@@ -1,0 +1,215 @@
+//! The decode node's Prometheus metrics, served at `/metrics` on its gRPC port.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use runtime::prom;
+
+/// Counters and gauges the service and the compute thread update.
+#[derive(Debug, Default)]
+pub struct DecodeMetrics {
+    pub kv_blocks_capacity: AtomicU64,
+    pub kv_blocks_used: AtomicU64,
+    pub kv_block_tokens: AtomicU64,
+    pub running_sequences: AtomicU64,
+    pub waiting_requests: AtomicU64,
+    pub generated_tokens: AtomicU64,
+    pub steps: AtomicU64,
+    /// Sum over steps of the sequences in each: over `steps`, the mean batch size.
+    pub step_sequences: AtomicU64,
+    pub step_micros: AtomicU64,
+    pub queue_wait_micros: AtomicU64,
+    pub admitted: AtomicU64,
+    pub rejected: AtomicU64,
+    /// Requests that could not start at once for want of KV blocks or a batch slot.
+    pub delayed: AtomicU64,
+    /// Sequences that ended with a finish (a beam search counts its returned hypotheses).
+    pub finished_sequences: AtomicU64,
+    /// Sequences, beam searches and queued requests dropped because their caller left.
+    pub cancellations: AtomicU64,
+    /// Requests failed by an error of the node.
+    pub failures: AtomicU64,
+    pub transfers: AtomicU64,
+    pub transfer_bytes: AtomicU64,
+    pub transfer_failures: AtomicU64,
+}
+
+/// Blocks of the KV budget that one sequence (or one beam search) holds; they go back
+/// when it is dropped, whichever way it ends.
+#[derive(Debug)]
+pub struct Lease {
+    blocks: u64,
+    metrics: Arc<DecodeMetrics>,
+}
+
+impl Lease {
+    /// Takes `blocks` from the budget; the caller has checked that they are free.
+    pub fn take(metrics: &Arc<DecodeMetrics>, blocks: usize) -> Self {
+        metrics
+            .kv_blocks_used
+            .fetch_add(blocks as u64, Ordering::Relaxed);
+        Self {
+            blocks: blocks as u64,
+            metrics: Arc::clone(metrics),
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.metrics
+            .kv_blocks_used
+            .fetch_sub(self.blocks, Ordering::Relaxed);
+    }
+}
+
+impl DecodeMetrics {
+    /// KV blocks not held by any sequence.
+    pub fn free_blocks(&self) -> usize {
+        let cap = self.kv_blocks_capacity.load(Ordering::Relaxed);
+        cap.saturating_sub(self.kv_blocks_used.load(Ordering::Relaxed)) as usize
+    }
+
+    /// Adds one to a counter.
+    pub fn inc(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text exposition; `held_transfers` are KV caches received and not
+    /// yet claimed by their Generate call.
+    pub fn render(&self, held_transfers: usize) -> String {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut out = String::new();
+        let cap = g(&self.kv_blocks_capacity);
+        let used = g(&self.kv_blocks_used);
+        prom::gauge(
+            &mut out,
+            "decode_kv_blocks_capacity",
+            "KV blocks the budget holds.",
+            cap,
+        );
+        prom::gauge(
+            &mut out,
+            "decode_kv_blocks_used",
+            "KV blocks held by running sequences.",
+            used,
+        );
+        prom::gauge(
+            &mut out,
+            "decode_kv_blocks_free",
+            "KV blocks free.",
+            cap.saturating_sub(used),
+        );
+        prom::gauge(
+            &mut out,
+            "decode_kv_block_tokens",
+            "Positions per KV block.",
+            g(&self.kv_block_tokens),
+        );
+        prom::gauge(
+            &mut out,
+            "decode_running_sequences",
+            "Sequences in the running batch.",
+            g(&self.running_sequences),
+        );
+        prom::gauge(
+            &mut out,
+            "decode_waiting_requests",
+            "Requests queued for KV blocks or a batch slot.",
+            g(&self.waiting_requests),
+        );
+        prom::gauge(
+            &mut out,
+            "decode_held_transfers",
+            "Received KV caches waiting for their Generate call.",
+            held_transfers as u64,
+        );
+        prom::counter(
+            &mut out,
+            "decode_generated_tokens_total",
+            "Tokens decoded.",
+            g(&self.generated_tokens),
+        );
+        prom::counter(
+            &mut out,
+            "decode_steps_total",
+            "Batched decode steps.",
+            g(&self.steps),
+        );
+        prom::counter(
+            &mut out,
+            "decode_step_sequences_total",
+            "Sequences summed over steps (over steps: the mean batch size).",
+            g(&self.step_sequences),
+        );
+        prom::counter(
+            &mut out,
+            "decode_step_seconds_total",
+            "Time spent in decode steps.",
+            g(&self.step_micros) as f64 / 1e6,
+        );
+        prom::counter(
+            &mut out,
+            "decode_queue_wait_seconds_total",
+            "Time admitted requests waited in the queue.",
+            g(&self.queue_wait_micros) as f64 / 1e6,
+        );
+        prom::header(
+            &mut out,
+            "decode_requests_total",
+            "counter",
+            "Requests admitted to the batch, or refused (no room ever, or the queue full).",
+        );
+        for (outcome, n) in [("admitted", &self.admitted), ("rejected", &self.rejected)] {
+            prom::sample(
+                &mut out,
+                "decode_requests_total",
+                &[("outcome", outcome)],
+                g(n),
+            );
+        }
+        prom::counter(
+            &mut out,
+            "decode_delayed_requests_total",
+            "Requests that waited for KV blocks or a batch slot.",
+            g(&self.delayed),
+        );
+        prom::counter(
+            &mut out,
+            "decode_finished_sequences_total",
+            "Sequences that ended with a finish.",
+            g(&self.finished_sequences),
+        );
+        prom::counter(
+            &mut out,
+            "decode_cancellations_total",
+            "Sequences, beam searches and queued requests dropped because their caller left.",
+            g(&self.cancellations),
+        );
+        prom::counter(
+            &mut out,
+            "decode_failures_total",
+            "Requests failed by an error of the node.",
+            g(&self.failures),
+        );
+        prom::counter(
+            &mut out,
+            "decode_transfers_total",
+            "KV transfers received whole.",
+            g(&self.transfers),
+        );
+        prom::counter(
+            &mut out,
+            "decode_transfer_failures_total",
+            "KV transfers that broke or were refused.",
+            g(&self.transfer_failures),
+        );
+        prom::counter(
+            &mut out,
+            "decode_transfer_bytes_total",
+            "KV bytes received.",
+            g(&self.transfer_bytes),
+        );
+        out
+    }
+}

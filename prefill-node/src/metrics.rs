@@ -1,0 +1,102 @@
+//! The prefill node's Prometheus metrics, served at `/metrics` on its gRPC port.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use runtime::prom;
+
+/// Counters and gauges the service and the compute thread update.
+#[derive(Debug, Default)]
+pub struct PrefillMetrics {
+    /// Prompts being computed (0 or 1: one compute thread).
+    pub running: AtomicU64,
+    /// Bytes of KV cache held by prompts being computed.
+    pub kv_bytes_held: AtomicU64,
+    pub completed: AtomicU64,
+    pub failed: AtomicU64,
+    pub rejected: AtomicU64,
+    pub cancelled: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub compute_micros: AtomicU64,
+    pub queue_wait_micros: AtomicU64,
+    pub transfer_bytes: AtomicU64,
+}
+
+impl PrefillMetrics {
+    /// Adds one to a counter.
+    pub fn inc(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Adds `n` to a counter.
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text exposition, with the queue's depth now.
+    pub fn render(&self, queued: usize) -> String {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut out = String::new();
+        prom::gauge(
+            &mut out,
+            "prefill_queue_depth",
+            "Prompts waiting for the compute thread.",
+            queued,
+        );
+        prom::gauge(
+            &mut out,
+            "prefill_running_prompts",
+            "Prompts being computed.",
+            g(&self.running),
+        );
+        prom::gauge(
+            &mut out,
+            "prefill_kv_bytes_held",
+            "KV cache bytes held by prompts being computed.",
+            g(&self.kv_bytes_held),
+        );
+        prom::header(
+            &mut out,
+            "prefill_requests_total",
+            "counter",
+            "Prefill requests by outcome.",
+        );
+        for (outcome, n) in [
+            ("completed", &self.completed),
+            ("failed", &self.failed),
+            ("rejected", &self.rejected),
+            ("cancelled", &self.cancelled),
+        ] {
+            prom::sample(
+                &mut out,
+                "prefill_requests_total",
+                &[("outcome", outcome)],
+                g(n),
+            );
+        }
+        prom::counter(
+            &mut out,
+            "prefill_prompt_tokens_total",
+            "Prompt tokens computed.",
+            g(&self.prompt_tokens),
+        );
+        prom::counter(
+            &mut out,
+            "prefill_compute_seconds_total",
+            "Time the compute thread spent on prompts.",
+            g(&self.compute_micros) as f64 / 1e6,
+        );
+        prom::counter(
+            &mut out,
+            "prefill_queue_wait_seconds_total",
+            "Time prompts waited for the compute thread.",
+            g(&self.queue_wait_micros) as f64 / 1e6,
+        );
+        prom::counter(
+            &mut out,
+            "prefill_transfer_bytes_total",
+            "KV bytes acknowledged by decode nodes.",
+            g(&self.transfer_bytes),
+        );
+        out
+    }
+}
