@@ -16,6 +16,17 @@ pub struct Config {
     /// Prompts that may wait for the compute thread; more are refused as resource exhausted.
     #[arg(long, env = "PREFILL_MAX_QUEUE", default_value_t = 256)]
     pub max_queue: usize,
+    /// Most prompt tokens computed in one step, over all the prompts batched into it.
+    #[arg(long, env = "PREFILL_STEP_TOKENS", default_value_t = 2048)]
+    pub step_tokens: usize,
+    /// Most tokens of one prompt in one step: a longer prompt is computed in chunks, so
+    /// prompts that arrive behind it join the next step instead of waiting for all of it.
+    #[arg(long, env = "PREFILL_CHUNK_TOKENS", default_value_t = 512)]
+    pub chunk_tokens: usize,
+    /// Memory for the prefix cache in MiB (0 turns it off): the KV of recent prompts,
+    /// reused by prompts that share a prefix with them.
+    #[arg(long, env = "PREFILL_PREFIX_CACHE_MB", default_value_t = 256)]
+    pub prefix_cache_mb: usize,
     /// Upper bound on the K (and again V) bytes of one transfer message; gRPC messages stay
     /// well under tonic's 4 MiB default.
     #[arg(long, env = "PREFILL_TRANSFER_CHUNK_BYTES", default_value_t = 1 << 20)]

@@ -4,6 +4,7 @@
 pub mod config;
 pub mod error;
 pub mod metrics;
+pub mod prefix;
 pub mod service;
 pub mod worker;
 
@@ -28,11 +29,17 @@ pub async fn serve(
     let layout = model.kv_layout();
     let max_positions = model.config().max_position_embeddings;
     let bytes_per_token = layout.n_kv_heads * layout.head_dim * 4;
-    let chunk_tokens = (cfg.transfer_chunk_bytes / bytes_per_token).max(1);
+    let message_tokens = (cfg.transfer_chunk_bytes / bytes_per_token).max(1);
     let max_queue = cfg.max_queue.max(1);
     let (jobs_tx, jobs_rx) = tokio::sync::mpsc::channel(max_queue);
     let metrics = Arc::new(PrefillMetrics::default());
-    let compute = worker::spawn(Arc::new(model), chunk_tokens, Arc::clone(&metrics), jobs_rx)?;
+    let limits = worker::Limits {
+        step_tokens: cfg.step_tokens,
+        chunk_tokens: cfg.chunk_tokens,
+        message_tokens,
+        prefix_cache_bytes: cfg.prefix_cache_mb << 20,
+    };
+    let compute = worker::spawn(Arc::new(model), limits, Arc::clone(&metrics), jobs_rx)?;
     let queue = jobs_tx.clone();
     let shown = Arc::clone(&metrics);
     let render = move || shown.render(max_queue - queue.capacity());

@@ -19,6 +19,9 @@ pub struct PrefillMetrics {
     pub compute_micros: AtomicU64,
     pub queue_wait_micros: AtomicU64,
     pub transfer_bytes: AtomicU64,
+    pub prefix_cache_bytes: AtomicU64,
+    pub prefix_hits: AtomicU64,
+    pub cached_tokens: AtomicU64,
 }
 
 impl PrefillMetrics {
@@ -96,6 +99,24 @@ impl PrefillMetrics {
             "prefill_transfer_bytes_total",
             "KV bytes acknowledged by decode nodes.",
             g(&self.transfer_bytes),
+        );
+        prom::gauge(
+            &mut out,
+            "prefill_prefix_cache_bytes",
+            "KV bytes the prefix cache holds.",
+            g(&self.prefix_cache_bytes),
+        );
+        prom::counter(
+            &mut out,
+            "prefill_prefix_cache_hits_total",
+            "Prompts that reused a cached prefix.",
+            g(&self.prefix_hits),
+        );
+        prom::counter(
+            &mut out,
+            "prefill_cached_tokens_total",
+            "Prompt tokens whose KV came from the prefix cache.",
+            g(&self.cached_tokens),
         );
         out
     }

@@ -155,8 +155,8 @@ impl PrefillService {
             first: computed.first.iter().map(proto::token_to_proto).collect(),
             prefill_time_ms: prefill_time.as_secs_f64() * 1e3,
             queue_wait_us: computed.queue_wait.as_micros() as u64,
-            cached_tokens: 0,
-            batch_size: 1,
+            cached_tokens: computed.cached_tokens as u32,
+            batch_size: computed.batch_size as u32,
             transfer_bytes: ack.bytes,
         })
     }

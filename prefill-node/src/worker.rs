@@ -1,17 +1,22 @@
-//! The compute thread: runs one prompt at a time and streams each layer's K/V as soon as
-//! that layer is done, so the transfer overlaps the rest of the forward pass.
+//! The compute thread: batched, chunked prefill. Each step runs one forward pass over a
+//! piece of every queued prompt, oldest first, up to a token budget; a prompt longer than
+//! the chunk size takes several steps, so a long prompt does not hold short ones back for
+//! its whole length. Each layer's K/V for the step's positions leaves as soon as that layer
+//! is done, so the transfer overlaps the rest of the pass.
 
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use engine::{EngineError, Model, Sampled, SamplingParams, SeqInput};
+use engine::{EngineError, Model, Sampled, SamplingParams, SeqCache, SeqInput};
 use proto::v1::{kv_transfer::Item, FirstTokens, KvTransfer};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::PrefillError;
 use crate::metrics::PrefillMetrics;
+use crate::prefix::PrefixCache;
 
 /// One prompt to run.
 pub struct Job {
@@ -37,116 +42,299 @@ pub struct Computed {
     pub first: Vec<Sampled>,
     pub queue_wait: Duration,
     pub started: Instant,
+    /// Prompts in the step that finished this one.
+    pub batch_size: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
 }
 
-/// Starts the compute thread; it ends when every sender of `jobs` is gone.
+/// How the compute thread batches.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Most prompt tokens in one step, over all its prompts.
+    pub step_tokens: usize,
+    /// Most tokens of one prompt in one step.
+    pub chunk_tokens: usize,
+    /// Most positions in one KV transfer message.
+    pub message_tokens: usize,
+    /// Bytes the prefix cache may hold (0: off).
+    pub prefix_cache_bytes: usize,
+}
+
+/// A prompt being computed.
+struct Active {
+    job: Job,
+    cache: SeqCache,
+    /// When its first piece ran.
+    started: Option<Instant>,
+    /// Leading positions whose KV came from the prefix cache.
+    cached: usize,
+    /// Positions already on the transfer.
+    sent: usize,
+}
+
+impl Active {
+    fn done(&self) -> usize {
+        self.cache.len()
+    }
+}
+
+/// Starts the compute thread; it ends when every sender of `jobs` is gone and the prompts
+/// it holds are done.
 pub fn spawn(
     model: Arc<Model>,
-    chunk_tokens: usize,
+    limits: Limits,
     metrics: Arc<PrefillMetrics>,
-    mut jobs: mpsc::Receiver<Job>,
+    jobs: mpsc::Receiver<Job>,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name("prefill-compute".into())
         .spawn(move || {
-            while let Some(job) = jobs.blocking_recv() {
-                let _entered = job.span.clone().entered();
-                if job.done.is_closed() {
-                    tracing::debug!("cancelled before it started");
-                    PrefillMetrics::inc(&metrics.cancelled);
-                    continue;
-                }
-                metrics.running.store(1, Ordering::Relaxed);
-                let result = prefill(&model, chunk_tokens, &metrics, &job);
-                metrics.running.store(0, Ordering::Relaxed);
-                metrics.kv_bytes_held.store(0, Ordering::Relaxed);
-                match &result {
-                    Ok(c) => {
-                        PrefillMetrics::add(&metrics.prompt_tokens, job.prompt.len() as u64);
-                        PrefillMetrics::add(
-                            &metrics.compute_micros,
-                            c.started.elapsed().as_micros() as u64,
-                        );
-                        PrefillMetrics::add(
-                            &metrics.queue_wait_micros,
-                            c.queue_wait.as_micros() as u64,
-                        );
-                    }
-                    Err(PrefillError::Cancelled) => {
-                        tracing::info!("cancelled during the prefill");
-                        PrefillMetrics::inc(&metrics.cancelled);
-                    }
-                    Err(e) => tracing::warn!(error = %e, "prefill failed"),
-                }
-                let _ = job.done.send(result);
+            Worker {
+                model,
+                prefix: PrefixCache::new(limits.prefix_cache_bytes),
+                limits,
+                metrics,
+                active: VecDeque::new(),
             }
+            .run(jobs)
         })
 }
 
-fn prefill(
-    model: &Model,
-    chunk_tokens: usize,
-    metrics: &PrefillMetrics,
-    job: &Job,
-) -> Result<Computed, PrefillError> {
-    let started = Instant::now();
-    let n = job.prompt.len();
-    let mut cache = model.new_cache()?;
-    // Allocated at its size up front, so the gauge shows what the prompt holds.
-    cache.reserve_exact(n)?;
-    metrics
-        .kv_bytes_held
-        .store(cache.allocated_bytes() as u64, Ordering::Relaxed);
-    // The hook can only return an engine error; this says why it stopped the pass.
-    let mut abort = None;
-    let logits = model.forward_with(
-        &mut [SeqInput {
-            tokens: &job.prompt,
-            cache: &mut cache,
-        }],
-        &mut |layer, batch| {
-            if job.done.is_closed() {
-                abort = Some(PrefillError::Cancelled);
-                return Err(EngineError::KvCache("prefill cancelled".into()));
-            }
-            for start in (0..n).step_by(chunk_tokens) {
-                let len = chunk_tokens.min(n - start);
-                let chunk = batch[0].cache.export_pending(layer, start, len, n)?;
-                let msg = KvTransfer {
-                    item: Some(Item::Chunk(proto::chunk_to_proto(chunk))),
-                };
-                if job.transfer.blocking_send(msg).is_err() {
-                    abort = Some(PrefillError::TransferClosed);
-                    return Err(EngineError::KvCache("transfer closed".into()));
+struct Worker {
+    model: Arc<Model>,
+    limits: Limits,
+    metrics: Arc<PrefillMetrics>,
+    /// Prompts started, oldest first.
+    active: VecDeque<Active>,
+    prefix: PrefixCache,
+}
+
+impl Worker {
+    fn run(mut self, mut jobs: mpsc::Receiver<Job>) {
+        loop {
+            if self.active.is_empty() {
+                match jobs.blocking_recv() {
+                    Some(job) => self.start(job),
+                    None => return,
                 }
             }
-            Ok(())
-        },
-    );
-    let logits = match (logits, abort) {
-        (_, Some(e)) => return Err(e),
-        (r, None) => r?,
-    };
-    let row: Vec<f32> = logits
-        .squeeze(0)
-        .and_then(|t| t.to_vec1())
-        .map_err(EngineError::from)?;
-    let first = if job.beam {
-        engine::beam::first_tokens(&row, job.n, job.top_logprobs)
-    } else {
-        engine::sampling::sample_first(&row, &job.sampling, &job.prompt, job.n, job.top_logprobs)
-    };
-    let msg = KvTransfer {
-        item: Some(Item::First(FirstTokens {
-            tokens: first.iter().map(proto::token_to_proto).collect(),
-        })),
-    };
-    job.transfer
-        .blocking_send(msg)
-        .map_err(|_| PrefillError::TransferClosed)?;
-    Ok(Computed {
-        first,
-        queue_wait: started - job.enqueued,
-        started,
-    })
+            while let Ok(job) = jobs.try_recv() {
+                self.start(job);
+            }
+            self.drop_cancelled();
+            if !self.active.is_empty() {
+                self.step();
+            }
+            self.publish();
+        }
+    }
+
+    /// Gives a prompt its cache, sized to the whole prompt up front and holding the
+    /// longest prefix the prefix cache has of it.
+    fn start(&mut self, job: Job) {
+        let _entered = job.span.clone().entered();
+        if job.done.is_closed() {
+            tracing::debug!("cancelled before it started");
+            PrefillMetrics::inc(&self.metrics.cancelled);
+            return;
+        }
+        let cache = match self.prefix.lookup(&job.prompt) {
+            Ok(Some(hit)) => {
+                tracing::debug!(cached_tokens = hit.tokens, "prefix cache hit");
+                PrefillMetrics::inc(&self.metrics.prefix_hits);
+                PrefillMetrics::add(&self.metrics.cached_tokens, hit.tokens as u64);
+                Ok((hit.cache, hit.tokens))
+            }
+            Ok(None) => self
+                .model
+                .new_cache()
+                .and_then(|mut c| c.reserve_exact(job.prompt.len()).map(|()| (c, 0))),
+            Err(e) => Err(e),
+        };
+        match cache {
+            Ok((cache, cached)) => self.active.push_back(Active {
+                job,
+                cache,
+                started: None,
+                cached,
+                sent: 0,
+            }),
+            Err(e) => {
+                let _ = job.done.send(Err(e.into()));
+            }
+        }
+        self.publish();
+    }
+
+    fn drop_cancelled(&mut self) {
+        let metrics = &self.metrics;
+        self.active.retain(|a| {
+            let gone = a.job.done.is_closed();
+            if gone {
+                tracing::info!(parent: &a.job.span, "cancelled during the prefill");
+                PrefillMetrics::inc(&metrics.cancelled);
+            }
+            !gone
+        });
+    }
+
+    fn publish(&self) {
+        let m = &self.metrics;
+        m.running.store(self.active.len() as u64, Ordering::Relaxed);
+        let held: usize = self.active.iter().map(|a| a.cache.allocated_bytes()).sum();
+        m.kv_bytes_held.store(held as u64, Ordering::Relaxed);
+        m.prefix_cache_bytes
+            .store(self.prefix.bytes() as u64, Ordering::Relaxed);
+    }
+
+    /// One forward pass over the next piece of each prompt, oldest first, within the
+    /// step's token budget; prompts that complete get their first tokens and leave.
+    fn step(&mut self) {
+        let mut budget = self.limits.step_tokens.max(1);
+        let chunk = self.limits.chunk_tokens.max(1);
+        // Tokens each of the oldest prompts gets this step: every prompt in the step gets
+        // at least one, so the step is a prefix of `active`.
+        let mut takes = Vec::new();
+        for a in &self.active {
+            if budget == 0 {
+                break;
+            }
+            let take = (a.job.prompt.len() - a.done()).min(chunk).min(budget);
+            takes.push(take);
+            budget -= take;
+        }
+        let started = Instant::now();
+        for a in self.active.iter_mut().take(takes.len()) {
+            a.started.get_or_insert(started);
+        }
+        let message_tokens = self.limits.message_tokens.max(1);
+        // A prompt whose transfer closed (its decode node failed, or the request was
+        // cancelled) stops sending; its batch mates go on.
+        let mut closed = vec![false; takes.len()];
+        let logits = {
+            // The transfer also carries what came from the prefix cache: it starts at
+            // what was sent, not at what this step computes.
+            let transfers: Vec<(mpsc::Sender<KvTransfer>, usize)> = self
+                .active
+                .iter()
+                .take(takes.len())
+                .map(|a| (a.job.transfer.clone(), a.sent))
+                .collect();
+            let mut batch: Vec<SeqInput<'_>> = self
+                .active
+                .iter_mut()
+                .zip(&takes)
+                .map(|(a, &take)| {
+                    let from = a.cache.len();
+                    SeqInput {
+                        tokens: &a.job.prompt[from..from + take],
+                        cache: &mut a.cache,
+                    }
+                })
+                .collect();
+            self.model.forward_with(&mut batch, &mut |layer, seqs| {
+                for (k, s) in seqs.iter().enumerate() {
+                    if closed[k] {
+                        continue;
+                    }
+                    let (tx, sent) = &transfers[k];
+                    let n = s.tokens.len();
+                    let end = s.cache.len() + n;
+                    for start in (*sent..end).step_by(message_tokens) {
+                        let len = message_tokens.min(end - start);
+                        let chunk = s.cache.export_pending(layer, start, len, n)?;
+                        let msg = KvTransfer {
+                            item: Some(Item::Chunk(proto::chunk_to_proto(chunk))),
+                        };
+                        if tx.blocking_send(msg).is_err() {
+                            closed[k] = true;
+                            break;
+                        }
+                    }
+                }
+                Ok(())
+            })
+        };
+        let batch_size = takes.len();
+        let rows = match logits.and_then(|l| l.to_vec2::<f32>().map_err(EngineError::from)) {
+            Ok(rows) => rows,
+            Err(e) => {
+                tracing::error!(error = %e, "prefill step failed; failing its prompts");
+                for a in self.active.drain(..batch_size) {
+                    let _ = a
+                        .job
+                        .done
+                        .send(Err(PrefillError::Engine(EngineError::KvCache(
+                            e.to_string(),
+                        ))));
+                }
+                return;
+            }
+        };
+        PrefillMetrics::add(
+            &self.metrics.compute_micros,
+            started.elapsed().as_micros() as u64,
+        );
+        PrefillMetrics::add(
+            &self.metrics.prompt_tokens,
+            takes.iter().sum::<usize>() as u64,
+        );
+        let stepped: Vec<Active> = self.active.drain(..batch_size).collect();
+        let mut kept = Vec::new();
+        for ((mut a, row), closed) in stepped.into_iter().zip(&rows).zip(closed) {
+            a.sent = a.done();
+            if closed {
+                let _ = a.job.done.send(Err(PrefillError::TransferClosed));
+            } else if a.done() == a.job.prompt.len() {
+                self.complete(a, row, batch_size);
+            } else {
+                kept.push(a);
+            }
+        }
+        // Unfinished prompts keep their place at the front.
+        for a in kept.into_iter().rev() {
+            self.active.push_front(a);
+        }
+    }
+
+    /// Sends a finished prompt's first tokens, which ends its transfer, answers it, and
+    /// keeps its cache in the prefix cache.
+    fn complete(&mut self, a: Active, row: &[f32], batch_size: usize) {
+        let _entered = a.job.span.clone().entered();
+        let job = &a.job;
+        let first = if job.beam {
+            engine::beam::first_tokens(row, job.n, job.top_logprobs)
+        } else {
+            engine::sampling::sample_first(row, &job.sampling, &job.prompt, job.n, job.top_logprobs)
+        };
+        let msg = KvTransfer {
+            item: Some(Item::First(FirstTokens {
+                tokens: first.iter().map(proto::token_to_proto).collect(),
+            })),
+        };
+        let result = match job.transfer.blocking_send(msg) {
+            Ok(()) => {
+                let started = a.started.unwrap_or_else(Instant::now);
+                let queue_wait = started.saturating_duration_since(job.enqueued);
+                PrefillMetrics::add(
+                    &self.metrics.queue_wait_micros,
+                    queue_wait.as_micros() as u64,
+                );
+                Ok(Computed {
+                    first,
+                    queue_wait,
+                    started,
+                    batch_size,
+                    cached_tokens: a.cached,
+                })
+            }
+            Err(_) => Err(PrefillError::TransferClosed),
+        };
+        let ok = result.is_ok();
+        let _ = a.job.done.send(result);
+        if ok {
+            self.prefix.insert(a.job.prompt, a.cache);
+        }
+    }
 }

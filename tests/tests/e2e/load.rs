@@ -60,14 +60,13 @@ async fn solo(c: &Cluster, bodies: &[Value]) -> Vec<String> {
     out
 }
 
-fn max_batch(usage: &Value) -> u64 {
-    usage["batch_size"]
-        .as_array()
-        .unwrap()
+/// The largest decode batch a request was part of (`batch_size[0]` is the prefill's).
+fn max_decode_batch(usage: &Value) -> u64 {
+    usage["batch_size"].as_array().unwrap()[1..]
         .iter()
         .map(|b| b.as_u64().unwrap())
         .max()
-        .unwrap()
+        .unwrap_or(0)
 }
 
 #[tokio::test]
@@ -86,15 +85,21 @@ async fn sixty_four_concurrent_streams_get_their_solo_tokens() {
     let expected = solo(&c, &bodies).await;
     let got = concurrently(&c, &bodies).await;
     let mut batched = 0;
+    let mut prefill_batched = 0;
     for (i, ((text, usage), want)) in got.iter().zip(&expected).enumerate() {
         assert_eq!(text, want, "request {i} differs from its solo run");
         let max_tokens = bodies[i]["max_tokens"].as_u64().unwrap();
         assert_eq!(usage["completion_tokens"].as_u64(), Some(max_tokens));
-        batched = batched.max(max_batch(usage));
+        batched = batched.max(max_decode_batch(usage));
+        prefill_batched = prefill_batched.max(usage["batch_size"][0].as_u64().unwrap());
     }
     assert!(
         batched >= 8,
         "the decode node batched at most {batched} sequences"
+    );
+    assert!(
+        prefill_batched >= 2,
+        "the prefill node never batched prompts"
     );
     let d = c.decode.as_str();
     wait_metric(d, "decode_kv_blocks_used", "", 0.0, Duration::from_secs(10)).await;
@@ -125,7 +130,7 @@ async fn a_kv_budget_smaller_than_the_load_queues_and_every_request_finishes() {
     let mut largest = 0;
     for (i, ((text, usage), want)) in got.iter().zip(&expected).enumerate() {
         assert_eq!(text, want, "request {i}");
-        largest = largest.max(max_batch(usage));
+        largest = largest.max(max_decode_batch(usage));
     }
     assert!(
         largest <= 6,

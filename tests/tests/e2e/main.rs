@@ -11,6 +11,7 @@ mod load;
 mod openai_sdk;
 mod params;
 mod pd_vs_colocated;
+mod prefill;
 mod streaming;
 mod tools;
 mod usage;

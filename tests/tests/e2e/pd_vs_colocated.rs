@@ -31,8 +31,23 @@ fn text_of(v: &Value) -> String {
 #[tokio::test]
 async fn pd_equals_colocated_equals_one_process() {
     let model = tiny_model();
-    // Small transfer messages: every layer's K/V crosses in several chunks.
-    let pd = Cluster::start_with(Mode::Pd, &model, &[], &["--transfer-chunk-bytes", "256"]).await;
+    // Small transfer messages (every layer's K/V crosses in several), and the prompt
+    // computed in chunks of 4 tokens, 6 tokens a step: chunked prefill gives the same
+    // tokens as one pass.
+    let pd = Cluster::start_with(
+        Mode::Pd,
+        &model,
+        &[],
+        &[
+            "--transfer-chunk-bytes",
+            "256",
+            "--chunk-tokens",
+            "4",
+            "--step-tokens",
+            "6",
+        ],
+    )
+    .await;
     let colo = Cluster::start(Mode::Colocated, &model, &[]).await;
     let prompt = "The router speaks the OpenAI chat completions API.";
     let cases = [

@@ -1,0 +1,109 @@
+//! The prefill node under load: a prompt sharing a prefix with an earlier one reuses its KV
+//! (fewer prefill seconds, the same tokens), and a long prompt computed in chunks lets a
+//! short one that arrives behind it finish first.
+
+use std::time::{Duration, Instant};
+
+use e2e::{metric, scrape, smollm2, wait_metric, Cluster, Mode};
+use serde_json::{json, Value};
+
+/// A chat turn on top of a long shared system prompt.
+fn turn(question: &str) -> Value {
+    let system = "You are the support assistant of a cluster that serves language models. \
+        It splits inference into a prefill pool and a decode pool. "
+        .repeat(12);
+    json!({"model": "test", "temperature": 0, "max_tokens": 12,
+        "messages": [{"role": "system", "content": system},
+            {"role": "user", "content": question}]})
+}
+
+fn content(v: &Value) -> &str {
+    v["choices"][0]["message"]["content"].as_str().unwrap()
+}
+
+#[tokio::test]
+async fn a_shared_prefix_is_reused_and_gives_the_same_tokens() {
+    let cached = Cluster::start(Mode::Pd, &smollm2(), &[]).await;
+    let uncached =
+        Cluster::start_with(Mode::Pd, &smollm2(), &[], &["--prefix-cache-mb", "0"]).await;
+    let (_, first) = cached
+        .post("/v1/chat/completions", &turn("What is a prefill pool?"))
+        .await;
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let second = turn("What is a decode pool?");
+    let (status, hit) = cached.post("/v1/chat/completions", &second).await;
+    assert_eq!(status, 200, "{hit}");
+    let (_, miss) = uncached.post("/v1/chat/completions", &second).await;
+    let reused = hit["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let prompt = hit["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        reused >= prompt / 2 && reused.is_multiple_of(16),
+        "{reused} of {prompt}: {hit}"
+    );
+    assert_eq!(miss["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(content(&hit), content(&miss), "the cache changes no token");
+    let (t_hit, t_miss) = (
+        hit["prefill_time"].as_f64().unwrap(),
+        miss["prefill_time"].as_f64().unwrap(),
+    );
+    assert!(
+        t_hit < t_miss,
+        "prefill_time with the cache {t_hit} ms, without {t_miss} ms"
+    );
+    let page = scrape(cached.prefill.as_deref().unwrap()).await;
+    assert_eq!(
+        metric(&page, "prefill_prefix_cache_hits_total", ""),
+        Some(1.0),
+        "{page}"
+    );
+    assert_eq!(
+        metric(&page, "prefill_cached_tokens_total", ""),
+        Some(reused as f64)
+    );
+    assert!(metric(&page, "prefill_prefix_cache_bytes", "").unwrap() > 0.0);
+}
+
+#[tokio::test]
+async fn a_short_prompt_behind_a_long_one_joins_its_chunks_and_finishes_first() {
+    let c = Cluster::start_with(
+        Mode::Pd,
+        &smollm2(),
+        &[],
+        &["--chunk-tokens", "32", "--prefix-cache-mb", "0"],
+    )
+    .await;
+    let p = c.prefill.clone().unwrap();
+    let long = json!({"model": "test", "max_tokens": 1, "temperature": 0,
+        "prompt": "The prefill node computes long prompts in chunks. ".repeat(60)});
+    let short = json!({"model": "test", "max_tokens": 1, "temperature": 0,
+        "prompt": "Hello"});
+    let url = format!("{}/v1/completions", c.url);
+    let long_url = url.clone();
+    let long_task = tokio::spawn(async move {
+        let r = e2e::post(&long_url, &long).await;
+        (r, Instant::now())
+    });
+    wait_metric(
+        &p,
+        "prefill_running_prompts",
+        "",
+        1.0,
+        Duration::from_secs(20),
+    )
+    .await;
+    let (status, v) = e2e::post(&url, &short).await;
+    let short_done = Instant::now();
+    assert_eq!(status, 200, "{v}");
+    let ((status, long_v), long_done) = long_task.await.unwrap();
+    assert_eq!(status, 200, "{long_v}");
+    assert!(
+        short_done < long_done,
+        "the short prompt waited for the whole long one"
+    );
+    assert_eq!(
+        v["usage"]["batch_size"][0], 2,
+        "the short prompt shared a step with the long one's chunk: {v}"
+    );
+}
