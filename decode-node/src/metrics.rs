@@ -31,6 +31,8 @@ pub struct DecodeMetrics {
     pub failures: AtomicU64,
     pub transfers: AtomicU64,
     pub transfer_bytes: AtomicU64,
+    /// Time from a transfer's header to its first tokens, summed.
+    pub transfer_micros: AtomicU64,
     pub transfer_failures: AtomicU64,
 }
 
@@ -203,6 +205,12 @@ impl DecodeMetrics {
             "decode_transfer_failures_total",
             "KV transfers that broke or were refused.",
             g(&self.transfer_failures),
+        );
+        prom::counter(
+            &mut out,
+            "decode_transfer_seconds_total",
+            "Time from each received transfer's header to its first tokens.",
+            g(&self.transfer_micros) as f64 / 1e6,
         );
         prom::counter(
             &mut out,

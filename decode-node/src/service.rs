@@ -131,6 +131,10 @@ impl proto::v1::decode_server::Decode for DecodeService {
                 );
                 self.store.deliver(&id, Ok(arrived));
                 DecodeMetrics::inc(&self.metrics.transfers);
+                self.metrics.transfer_micros.fetch_add(
+                    started.elapsed().as_micros() as u64,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
                 self.metrics
                     .transfer_bytes
                     .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);

@@ -5,6 +5,8 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use runtime::prom::Histogram;
+
 use crate::error::RouterError;
 use crate::keys::Key;
 
@@ -16,6 +18,10 @@ pub struct Metrics {
     overloaded: AtomicU64,
     prompt_tokens: AtomicU64,
     completion_tokens: AtomicU64,
+    /// From the request's arrival to its first token.
+    pub ttft: Histogram,
+    /// Per request: the time after its first token over the tokens that followed.
+    pub tpot: Histogram,
 }
 
 /// Counts a request as in flight (in all, and for its API key) until dropped.
@@ -125,6 +131,16 @@ impl Metrics {
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
             );
         }
+        self.ttft.render(
+            &mut out,
+            "router_time_to_first_token_seconds",
+            "Time from a request's arrival to its first token.",
+        );
+        self.tpot.render(
+            &mut out,
+            "router_time_per_output_token_seconds",
+            "Per request, the time after the first token over the tokens that followed.",
+        );
         out
     }
 }

@@ -3,7 +3,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -125,6 +125,7 @@ async fn run(
     body: Result<Bytes, BytesRejection>,
     in_flight: InFlight,
 ) -> Result<Response, RouterError> {
+    let arrived = Instant::now();
     let body = body.map_err(|e| {
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
             RouterError::BodyTooLarge(state.cfg.max_body_bytes)
@@ -186,6 +187,8 @@ async fn run(
     };
     let prompt_tokens = req.prompt.len();
     let (first, rest) = dispatch::start(state, req).await?;
+    let first_at = Instant::now();
+    state.metrics.ttft.observe(first_at - arrived);
     // Beam search returns its n best hypotheses; sampling all best_of sequences.
     let sequences = if common.beam {
         common.n
@@ -208,6 +211,7 @@ async fn run(
         n: common.n,
         choices,
         tally: Tally::default(),
+        first_at,
         key,
     };
     if common.stream && common.beam {
@@ -423,6 +427,8 @@ struct Output {
     n: usize,
     choices: Vec<ChoiceOut>,
     tally: Tally,
+    /// When the first token arrived.
+    first_at: Instant,
     /// The API key charged for the tokens.
     key: Option<Arc<Key>>,
 }
@@ -570,9 +576,13 @@ impl Output {
     }
 
     fn record(&self) {
-        self.state
-            .metrics
-            .tokens(self.prompt_tokens, self.tally.completion_tokens);
+        let m = &self.state.metrics;
+        m.tokens(self.prompt_tokens, self.tally.completion_tokens);
+        let per_choice = self.tally.completion_tokens as f64 / self.choices.len().max(1) as f64;
+        if per_choice > 1.0 {
+            m.tpot
+                .observe(self.first_at.elapsed().div_f64(per_choice - 1.0));
+        }
     }
 
     fn object(&self, chunk: bool) -> &'static str {

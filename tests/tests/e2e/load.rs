@@ -101,6 +101,18 @@ async fn sixty_four_concurrent_streams_get_their_solo_tokens() {
         prefill_batched >= 2,
         "the prefill node never batched prompts"
     );
+    let router = reqwest::get(format!("{}/metrics", c.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for name in [
+        "router_time_to_first_token_seconds_count",
+        "router_time_per_output_token_seconds_count",
+    ] {
+        assert_eq!(metric(&router, name, ""), Some(128.0), "{router}");
+    }
     let d = c.decode.as_str();
     wait_metric(d, "decode_kv_blocks_used", "", 0.0, Duration::from_secs(10)).await;
     let page = scrape(d).await;
