@@ -10,6 +10,7 @@ pub mod gguf_export;
 pub mod kv_cache;
 pub mod loader;
 pub mod model;
+pub mod q4;
 pub mod sampling;
 pub mod testmodel;
 pub mod tokenizer;

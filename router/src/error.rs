@@ -72,7 +72,16 @@ impl RouterError {
     /// A failed worker call, classed by its gRPC status.
     pub fn worker(role: &'static str, addr: &str, status: tonic::Status) -> Self {
         use tonic::Code;
+        // A connection that broke (the worker died under a call) comes back as Unknown
+        // with a transport error inside: the worker is unavailable, not wrong.
+        let transport = std::error::Error::source(&status)
+            .is_some_and(|e| e.downcast_ref::<tonic::transport::Error>().is_some());
         match status.code() {
+            _ if transport => Self::WorkerUnavailable {
+                role,
+                addr: addr.to_string(),
+                message: status.message().to_string(),
+            },
             Code::Unavailable | Code::ResourceExhausted | Code::Cancelled => {
                 Self::WorkerUnavailable {
                     role,
