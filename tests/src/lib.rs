@@ -270,6 +270,11 @@ impl Cluster {
             .collect()
     }
 
+    /// The router's `/metrics` page.
+    pub async fn router_metrics(&self) -> String {
+        scrape(self.url.trim_start_matches("http://")).await
+    }
+
     /// POSTs JSON to `path`; returns the status and the JSON body.
     pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
         post(&format!("{}{path}", self.url), body).await

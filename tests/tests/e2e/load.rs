@@ -101,12 +101,7 @@ async fn sixty_four_concurrent_streams_get_their_solo_tokens() {
         prefill_batched >= 2,
         "the prefill node never batched prompts"
     );
-    let router = reqwest::get(format!("{}/metrics", c.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let router = c.router_metrics().await;
     for name in [
         "router_time_to_first_token_seconds_count",
         "router_time_per_output_token_seconds_count",
@@ -348,12 +343,7 @@ async fn past_its_in_flight_limit_the_router_refuses_at_once() {
         .unwrap();
     assert_eq!(refused.status(), 503);
     assert_eq!(refused.headers()["retry-after"], "1");
-    let page = reqwest::get(format!("{}/metrics", c.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = c.router_metrics().await;
     assert_eq!(
         metric(&page, "router_overloaded_total", ""),
         Some(1.0),
