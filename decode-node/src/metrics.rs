@@ -80,144 +80,81 @@ impl DecodeMetrics {
     /// The Prometheus text exposition; `held_transfers` are KV caches received and not
     /// yet claimed by their Generate call.
     pub fn render(&self, held_transfers: usize) -> String {
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let mut out = String::new();
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        let secs = |a: &AtomicU64| g(a) / 1e6;
         let cap = g(&self.kv_blocks_capacity);
         let used = g(&self.kv_blocks_used);
-        prom::gauge(
+        let mut out = String::new();
+        prom::all(
             &mut out,
-            "decode_kv_blocks_capacity",
-            "KV blocks the budget holds.",
-            cap,
+            "gauge",
+            &[
+                (
+                    "decode_kv_blocks_capacity",
+                    "KV blocks the budget holds.",
+                    cap,
+                ),
+                (
+                    "decode_kv_blocks_used",
+                    "KV blocks held by running sequences.",
+                    used,
+                ),
+                (
+                    "decode_kv_blocks_free",
+                    "KV blocks free.",
+                    (cap - used).max(0.0),
+                ),
+                (
+                    "decode_kv_block_tokens",
+                    "Positions per KV block.",
+                    g(&self.kv_block_tokens),
+                ),
+                (
+                    "decode_running_sequences",
+                    "Sequences in the running batch.",
+                    g(&self.running_sequences),
+                ),
+                (
+                    "decode_waiting_requests",
+                    "Requests queued for KV blocks or a batch slot.",
+                    g(&self.waiting_requests),
+                ),
+                (
+                    "decode_held_transfers",
+                    "Received KV caches waiting for their Generate call.",
+                    held_transfers as f64,
+                ),
+            ],
         );
-        prom::gauge(
+        prom::all(
             &mut out,
-            "decode_kv_blocks_used",
-            "KV blocks held by running sequences.",
-            used,
+            "counter",
+            &[
+                ("decode_generated_tokens_total", "Tokens decoded.", g(&self.generated_tokens)),
+                ("decode_steps_total", "Batched decode steps.", g(&self.steps)),
+                ("decode_step_sequences_total", "Sequences summed over steps (over steps: the mean batch size).", g(&self.step_sequences)),
+                ("decode_step_seconds_total", "Time spent in decode steps.", secs(&self.step_micros)),
+                ("decode_queue_wait_seconds_total", "Time admitted requests waited in the queue.", secs(&self.queue_wait_micros)),
+                ("decode_delayed_requests_total", "Requests that waited for KV blocks or a batch slot.", g(&self.delayed)),
+                ("decode_finished_sequences_total", "Sequences that ended with a finish.", g(&self.finished_sequences)),
+                ("decode_cancellations_total", "Sequences, beam searches and queued requests dropped because their caller left.", g(&self.cancellations)),
+                ("decode_failures_total", "Requests failed by an error of the node.", g(&self.failures)),
+                ("decode_transfers_total", "KV transfers received whole.", g(&self.transfers)),
+                ("decode_transfer_failures_total", "KV transfers that broke or were refused.", g(&self.transfer_failures)),
+                ("decode_transfer_seconds_total", "Time from each received transfer's header to its first tokens.", secs(&self.transfer_micros)),
+                ("decode_transfer_bytes_total", "KV bytes received.", g(&self.transfer_bytes)),
+            ],
         );
-        prom::gauge(
-            &mut out,
-            "decode_kv_blocks_free",
-            "KV blocks free.",
-            cap.saturating_sub(used),
-        );
-        prom::gauge(
-            &mut out,
-            "decode_kv_block_tokens",
-            "Positions per KV block.",
-            g(&self.kv_block_tokens),
-        );
-        prom::gauge(
-            &mut out,
-            "decode_running_sequences",
-            "Sequences in the running batch.",
-            g(&self.running_sequences),
-        );
-        prom::gauge(
-            &mut out,
-            "decode_waiting_requests",
-            "Requests queued for KV blocks or a batch slot.",
-            g(&self.waiting_requests),
-        );
-        prom::gauge(
-            &mut out,
-            "decode_held_transfers",
-            "Received KV caches waiting for their Generate call.",
-            held_transfers as u64,
-        );
-        prom::counter(
-            &mut out,
-            "decode_generated_tokens_total",
-            "Tokens decoded.",
-            g(&self.generated_tokens),
-        );
-        prom::counter(
-            &mut out,
-            "decode_steps_total",
-            "Batched decode steps.",
-            g(&self.steps),
-        );
-        prom::counter(
-            &mut out,
-            "decode_step_sequences_total",
-            "Sequences summed over steps (over steps: the mean batch size).",
-            g(&self.step_sequences),
-        );
-        prom::counter(
-            &mut out,
-            "decode_step_seconds_total",
-            "Time spent in decode steps.",
-            g(&self.step_micros) as f64 / 1e6,
-        );
-        prom::counter(
-            &mut out,
-            "decode_queue_wait_seconds_total",
-            "Time admitted requests waited in the queue.",
-            g(&self.queue_wait_micros) as f64 / 1e6,
-        );
+        let name = "decode_requests_total";
         prom::header(
             &mut out,
-            "decode_requests_total",
+            name,
             "counter",
             "Requests admitted to the batch, or refused (no room ever, or the queue full).",
         );
         for (outcome, n) in [("admitted", &self.admitted), ("rejected", &self.rejected)] {
-            prom::sample(
-                &mut out,
-                "decode_requests_total",
-                &[("outcome", outcome)],
-                g(n),
-            );
+            prom::sample(&mut out, name, &[("outcome", outcome)], g(n));
         }
-        prom::counter(
-            &mut out,
-            "decode_delayed_requests_total",
-            "Requests that waited for KV blocks or a batch slot.",
-            g(&self.delayed),
-        );
-        prom::counter(
-            &mut out,
-            "decode_finished_sequences_total",
-            "Sequences that ended with a finish.",
-            g(&self.finished_sequences),
-        );
-        prom::counter(
-            &mut out,
-            "decode_cancellations_total",
-            "Sequences, beam searches and queued requests dropped because their caller left.",
-            g(&self.cancellations),
-        );
-        prom::counter(
-            &mut out,
-            "decode_failures_total",
-            "Requests failed by an error of the node.",
-            g(&self.failures),
-        );
-        prom::counter(
-            &mut out,
-            "decode_transfers_total",
-            "KV transfers received whole.",
-            g(&self.transfers),
-        );
-        prom::counter(
-            &mut out,
-            "decode_transfer_failures_total",
-            "KV transfers that broke or were refused.",
-            g(&self.transfer_failures),
-        );
-        prom::counter(
-            &mut out,
-            "decode_transfer_seconds_total",
-            "Time from each received transfer's header to its first tokens.",
-            g(&self.transfer_micros) as f64 / 1e6,
-        );
-        prom::counter(
-            &mut out,
-            "decode_transfer_bytes_total",
-            "KV bytes received.",
-            g(&self.transfer_bytes),
-        );
         out
     }
 }

@@ -353,15 +353,11 @@ impl Scheduler {
                         "{} first tokens arrived for {width} sequences",
                         first_tokens.len(),
                     ));
-                    let _ = a.events.send(Err(e.into()));
-                    DecodeMetrics::inc(&self.metrics.failures);
-                    return;
+                    return self.fail(&a.events, e);
                 }
                 let mut cache = cache;
                 if let Err(e) = cache.reserve_exact(positions) {
-                    let _ = a.events.send(Err(DecodeError::from(e).into()));
-                    DecodeMetrics::inc(&self.metrics.failures);
-                    return;
+                    return self.fail(&a.events, e.into());
                 }
                 (cache, first_tokens, None, a.enqueued)
             }
@@ -379,9 +375,7 @@ impl Scheduler {
                     Ok(r) => r,
                     Err(e) => {
                         tracing::warn!(error = %e, "prefill failed");
-                        let _ = a.events.send(Err(e.into()));
-                        DecodeMetrics::inc(&self.metrics.failures);
-                        return;
+                        return self.fail(&a.events, e);
                     }
                 };
                 let ms = started.elapsed().as_secs_f64() * 1e3;
@@ -402,11 +396,7 @@ impl Scheduler {
         for _ in 1..first.len() {
             match cache.fork() {
                 Ok(c) => caches.push(c),
-                Err(e) => {
-                    let _ = a.events.send(Err(DecodeError::from(e).into()));
-                    DecodeMetrics::inc(&self.metrics.failures);
-                    return;
-                }
+                Err(e) => return self.fail(&a.events, e.into()),
             }
         }
         caches.insert(0, cache);
@@ -478,6 +468,12 @@ impl Scheduler {
         }
     }
 
+    /// Fails one request with the node's error, and counts it.
+    fn fail(&self, events: &Events, e: DecodeError) {
+        let _ = events.send(Err(e.into()));
+        DecodeMetrics::inc(&self.metrics.failures);
+    }
+
     /// Keeps a beam search going, or sends its n best hypotheses, each as all its token
     /// events and its finish, and lets its caches go.
     fn keep_or_end(&mut self, g: BeamGroup) {
@@ -533,11 +529,14 @@ impl Scheduler {
             .squeeze(0)
             .and_then(|t| t.to_vec1())
             .map_err(EngineError::from)?;
-        let first = if a.beam_width > 0 {
-            engine::beam::first_tokens(&row, n, a.top_logprobs)
-        } else {
-            engine::sampling::sample_first(&row, &a.sampling, &a.prompt, n, a.top_logprobs)
-        };
+        let first = engine::sampling::pick_first(
+            &row,
+            &a.sampling,
+            &a.prompt,
+            n,
+            a.top_logprobs,
+            a.beam_width > 0,
+        );
         Ok((cache, first))
     }
 
@@ -644,8 +643,7 @@ impl Scheduler {
                 |b, s| b.history.push(token(s, 0, ms, batch, wait)),
             );
             if let Err(e) = stepped {
-                let _ = g.events.send(Err(DecodeError::from(e).into()));
-                DecodeMetrics::inc(&self.metrics.failures);
+                self.fail(&g.events, e.into());
                 continue;
             }
             g.produced += 1;

@@ -86,14 +86,19 @@ impl SamplingParams {
 }
 
 /// The first token of each of `n` sequences that share one prompt, from the logits of its
-/// last position (step 0 of every sequence).
-pub fn sample_first(
+/// last position (step 0 of every sequence): a sample each, or for a beam search the n
+/// most likely tokens.
+pub fn pick_first(
     raw: &[f32],
     p: &SamplingParams,
     prompt: &[u32],
     n: usize,
     top_logprobs: usize,
+    beam: bool,
 ) -> Vec<Sampled> {
+    if beam {
+        return crate::beam::first_tokens(raw, n, top_logprobs);
+    }
     (0..n)
         .map(|i| sample(raw, &p.for_choice(i), prompt, &[], 0, top_logprobs))
         .collect()

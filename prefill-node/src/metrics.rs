@@ -37,87 +37,81 @@ impl PrefillMetrics {
 
     /// The Prometheus text exposition, with the queue's depth now.
     pub fn render(&self, queued: usize) -> String {
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        let secs = |a: &AtomicU64| g(a) / 1e6;
         let mut out = String::new();
-        prom::gauge(
+        prom::all(
             &mut out,
-            "prefill_queue_depth",
-            "Prompts waiting for the compute thread.",
-            queued,
+            "gauge",
+            &[
+                (
+                    "prefill_queue_depth",
+                    "Prompts waiting for the compute thread.",
+                    queued as f64,
+                ),
+                (
+                    "prefill_running_prompts",
+                    "Prompts being computed.",
+                    g(&self.running),
+                ),
+                (
+                    "prefill_kv_bytes_held",
+                    "KV cache bytes held by prompts being computed.",
+                    g(&self.kv_bytes_held),
+                ),
+                (
+                    "prefill_prefix_cache_bytes",
+                    "KV bytes the prefix cache holds.",
+                    g(&self.prefix_cache_bytes),
+                ),
+            ],
         );
-        prom::gauge(
+        prom::all(
             &mut out,
-            "prefill_running_prompts",
-            "Prompts being computed.",
-            g(&self.running),
-        );
-        prom::gauge(
-            &mut out,
-            "prefill_kv_bytes_held",
-            "KV cache bytes held by prompts being computed.",
-            g(&self.kv_bytes_held),
-        );
-        prom::header(
-            &mut out,
-            "prefill_requests_total",
             "counter",
-            "Prefill requests by outcome.",
+            &[
+                (
+                    "prefill_prompt_tokens_total",
+                    "Prompt tokens computed.",
+                    g(&self.prompt_tokens),
+                ),
+                (
+                    "prefill_compute_seconds_total",
+                    "Time the compute thread spent on prompts.",
+                    secs(&self.compute_micros),
+                ),
+                (
+                    "prefill_queue_wait_seconds_total",
+                    "Time prompts waited for the compute thread.",
+                    secs(&self.queue_wait_micros),
+                ),
+                (
+                    "prefill_transfer_bytes_total",
+                    "KV bytes acknowledged by decode nodes.",
+                    g(&self.transfer_bytes),
+                ),
+                (
+                    "prefill_prefix_cache_hits_total",
+                    "Prompts that reused a cached prefix.",
+                    g(&self.prefix_hits),
+                ),
+                (
+                    "prefill_cached_tokens_total",
+                    "Prompt tokens whose KV came from the prefix cache.",
+                    g(&self.cached_tokens),
+                ),
+            ],
         );
+        let name = "prefill_requests_total";
+        prom::header(&mut out, name, "counter", "Prefill requests by outcome.");
         for (outcome, n) in [
             ("completed", &self.completed),
             ("failed", &self.failed),
             ("rejected", &self.rejected),
             ("cancelled", &self.cancelled),
         ] {
-            prom::sample(
-                &mut out,
-                "prefill_requests_total",
-                &[("outcome", outcome)],
-                g(n),
-            );
+            prom::sample(&mut out, name, &[("outcome", outcome)], g(n));
         }
-        prom::counter(
-            &mut out,
-            "prefill_prompt_tokens_total",
-            "Prompt tokens computed.",
-            g(&self.prompt_tokens),
-        );
-        prom::counter(
-            &mut out,
-            "prefill_compute_seconds_total",
-            "Time the compute thread spent on prompts.",
-            g(&self.compute_micros) as f64 / 1e6,
-        );
-        prom::counter(
-            &mut out,
-            "prefill_queue_wait_seconds_total",
-            "Time prompts waited for the compute thread.",
-            g(&self.queue_wait_micros) as f64 / 1e6,
-        );
-        prom::counter(
-            &mut out,
-            "prefill_transfer_bytes_total",
-            "KV bytes acknowledged by decode nodes.",
-            g(&self.transfer_bytes),
-        );
-        prom::gauge(
-            &mut out,
-            "prefill_prefix_cache_bytes",
-            "KV bytes the prefix cache holds.",
-            g(&self.prefix_cache_bytes),
-        );
-        prom::counter(
-            &mut out,
-            "prefill_prefix_cache_hits_total",
-            "Prompts that reused a cached prefix.",
-            g(&self.prefix_hits),
-        );
-        prom::counter(
-            &mut out,
-            "prefill_cached_tokens_total",
-            "Prompt tokens whose KV came from the prefix cache.",
-            g(&self.cached_tokens),
-        );
         out
     }
 }

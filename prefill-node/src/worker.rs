@@ -303,11 +303,14 @@ impl Worker {
     fn complete(&mut self, a: Active, row: &[f32], batch_size: usize) {
         let _entered = a.job.span.clone().entered();
         let job = &a.job;
-        let first = if job.beam {
-            engine::beam::first_tokens(row, job.n, job.top_logprobs)
-        } else {
-            engine::sampling::sample_first(row, &job.sampling, &job.prompt, job.n, job.top_logprobs)
-        };
+        let first = engine::sampling::pick_first(
+            row,
+            &job.sampling,
+            &job.prompt,
+            job.n,
+            job.top_logprobs,
+            job.beam,
+        );
         let msg = KvTransfer {
             item: Some(Item::First(FirstTokens {
                 tokens: first.iter().map(proto::token_to_proto).collect(),

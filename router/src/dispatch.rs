@@ -35,8 +35,17 @@ pub struct GenRequest {
 
 impl GenRequest {
     /// Sequences the workers report back, each ending with its own finish.
-    fn reported(&self) -> usize {
+    pub fn reported(&self) -> usize {
         self.beam.unwrap_or(self.sequences)
+    }
+
+    /// The beam width a decode node is asked for: 0 without beam search.
+    fn beam_width(&self) -> u32 {
+        if self.beam.is_some() {
+            self.sequences as u32
+        } else {
+            0
+        }
     }
 }
 
@@ -123,11 +132,7 @@ async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), Router
             prefill_here: false,
             top_logprobs: req.top_logprobs as u32,
             n: req.reported() as u32,
-            beam_width: if req.beam.is_some() {
-                req.sequences as u32
-            } else {
-                0
-            },
+            beam_width: req.beam_width(),
         },
     );
     let reported = req.reported();
@@ -197,6 +202,7 @@ fn prefilled(p: &PrefillResponse, choice: u32, token: &proto::v1::Token) -> Toke
 async fn run_colocated(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), RouterError> {
     let w = state.decode.pick()?;
     let reported = req.reported();
+    let beam_width = req.beam_width();
     let generate = runtime::with_request_id(
         &req.id,
         GenerateRequest {
@@ -208,11 +214,7 @@ async fn run_colocated(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(),
             prefill_here: true,
             top_logprobs: req.top_logprobs as u32,
             n: reported as u32,
-            beam_width: if req.beam.is_some() {
-                req.sequences as u32
-            } else {
-                0
-            },
+            beam_width,
         },
     );
     let stream = w

@@ -1,11 +1,10 @@
 //! Prometheus counters of the router, rendered as text at `/metrics`.
 
 use std::collections::BTreeMap;
-use std::fmt::Write;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use runtime::prom::Histogram;
+use runtime::prom::{self, Histogram};
 
 use crate::error::RouterError;
 use crate::keys::Key;
@@ -89,48 +88,53 @@ impl Metrics {
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        out.push_str(
-            "# HELP router_requests_total Requests answered, by endpoint and HTTP status.\n",
+        let name = "router_requests_total";
+        prom::header(
+            &mut out,
+            name,
+            "counter",
+            "Requests answered, by endpoint and HTTP status.",
         );
-        out.push_str("# TYPE router_requests_total counter\n");
         for ((endpoint, status), n) in self.requests.lock().expect("metrics lock").iter() {
-            let _ = writeln!(
-                out,
-                "router_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}"
+            let status = status.to_string();
+            prom::sample(
+                &mut out,
+                name,
+                &[("endpoint", endpoint), ("status", &status)],
+                n,
             );
         }
-        let gauges = [
-            (
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        prom::all(
+            &mut out,
+            "gauge",
+            &[(
                 "router_requests_in_flight",
-                "gauge",
                 "Requests being served.",
-                self.in_flight.load(Ordering::Relaxed),
-            ),
-            (
-                "router_overloaded_total",
-                "counter",
-                "Requests refused with 503 because the router was at its in-flight limit.",
-                self.overloaded.load(Ordering::Relaxed) as i64,
-            ),
-            (
-                "router_prompt_tokens_total",
-                "counter",
-                "Prompt tokens of served requests.",
-                self.prompt_tokens.load(Ordering::Relaxed) as i64,
-            ),
-            (
-                "router_completion_tokens_total",
-                "counter",
-                "Completion tokens of served requests.",
-                self.completion_tokens.load(Ordering::Relaxed) as i64,
-            ),
-        ];
-        for (name, kind, help, v) in gauges {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
-            );
-        }
+                self.in_flight.load(Ordering::Relaxed) as f64,
+            )],
+        );
+        prom::all(
+            &mut out,
+            "counter",
+            &[
+                (
+                    "router_overloaded_total",
+                    "Requests refused with 503 because the router was at its in-flight limit.",
+                    g(&self.overloaded),
+                ),
+                (
+                    "router_prompt_tokens_total",
+                    "Prompt tokens of served requests.",
+                    g(&self.prompt_tokens),
+                ),
+                (
+                    "router_completion_tokens_total",
+                    "Completion tokens of served requests.",
+                    g(&self.completion_tokens),
+                ),
+            ],
+        );
         self.ttft.render(
             &mut out,
             "router_time_to_first_token_seconds",

@@ -186,15 +186,11 @@ async fn run(
         beam: common.beam.then_some(common.n),
     };
     let prompt_tokens = req.prompt.len();
+    // Beam search returns its n best hypotheses; sampling all best_of sequences.
+    let sequences = req.reported();
     let (first, rest) = dispatch::start(state, req).await?;
     let first_at = Instant::now();
     state.metrics.ttft.observe(first_at - arrived);
-    // Beam search returns its n best hypotheses; sampling all best_of sequences.
-    let sequences = if common.beam {
-        common.n
-    } else {
-        common.best_of
-    };
     let choices = (0..sequences)
         .map(|_| ChoiceOut::new(common.skip_special_tokens, parser.clone()))
         .collect();

@@ -22,16 +22,12 @@ pub fn sample(out: &mut String, name: &str, labels: &[(&str, &str)], value: impl
     let _ = writeln!(out, " {value}");
 }
 
-/// A gauge without labels.
-pub fn gauge(out: &mut String, name: &str, help: &str, value: impl Display) {
-    header(out, name, "gauge", help);
-    sample(out, name, &[], value);
-}
-
-/// A counter without labels.
-pub fn counter(out: &mut String, name: &str, help: &str, value: impl Display) {
-    header(out, name, "counter", help);
-    sample(out, name, &[], value);
+/// Unlabelled metrics of one kind (`gauge` or `counter`), each `(name, help, value)`.
+pub fn all(out: &mut String, kind: &str, metrics: &[(&str, &str, f64)]) {
+    for (name, help, value) in metrics {
+        header(out, name, kind, help);
+        sample(out, name, &[], value);
+    }
 }
 
 /// A histogram of seconds with fixed buckets, safe to observe from any thread.
@@ -110,7 +106,7 @@ mod tests {
     #[test]
     fn writes_the_text_format() {
         let mut out = String::new();
-        gauge(&mut out, "x_used", "Used.", 3);
+        all(&mut out, "gauge", &[("x_used", "Used.", 3.0)]);
         header(&mut out, "x_total", "counter", "By kind.");
         sample(&mut out, "x_total", &[("kind", "a\"b")], 1.5);
         assert_eq!(
