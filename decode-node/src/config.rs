@@ -38,4 +38,6 @@ pub struct Config {
     /// waits for its KV cache, before both are freed and failed.
     #[arg(long, env = "DECODE_KV_TIMEOUT_MS", default_value_t = 30_000)]
     pub kv_timeout_ms: u64,
+    #[command(flatten)]
+    pub cluster: runtime::ClusterArgs,
 }

@@ -25,8 +25,9 @@ pub use runtime::ServeError;
 pub async fn serve(
     listener: TcpListener,
     cfg: &Config,
-    shutdown: impl Future<Output = ()> + Send,
+    shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    let advertise = cfg.cluster.advertise(listener.local_addr()?)?;
     let model = runtime::load_model(&cfg.model).await?;
     let layout = model.kv_layout();
     let block_tokens = cfg.kv_block_tokens.max(1);
@@ -49,13 +50,32 @@ pub async fn serve(
     let (admit_tx, admit_rx) = tokio::sync::mpsc::unbounded_channel();
     let compute = scheduler::spawn(Arc::new(model), limits, Arc::clone(&metrics), admit_rx)?;
     let store = store::TransferStore::new(Duration::from_millis(cfg.kv_timeout_ms));
-    let svc =
-        service::DecodeService::new(admit_tx, Arc::clone(&store), layout, Arc::clone(&metrics));
+    let gate = runtime::Gate::default();
+    let info = discovery::WorkerInfo {
+        role: discovery::Role::Decode,
+        addr: advertise,
+        model: discovery::model_identity(&cfg.model),
+        layout: runtime::layout_info(&layout),
+        engine_version: engine::VERSION.into(),
+        capacity: discovery::Capacity {
+            kv_blocks: blocks as u64,
+            block_tokens: block_tokens as u64,
+            max_batch: cfg.max_batch_size as u64,
+            max_queue: cfg.max_waiting as u64,
+        },
+    };
+    let svc = service::DecodeService::new(
+        admit_tx,
+        Arc::clone(&store),
+        layout,
+        Arc::clone(&metrics),
+        gate.clone(),
+    );
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(),
         kv_blocks = blocks, block_tokens, "decode node serving");
     let routes = tonic::service::Routes::new(proto::v1::decode_server::DecodeServer::new(svc));
     let render = move || metrics.render(store.delivered());
-    runtime::serve_grpc_with_metrics(listener, routes, render, shutdown).await?;
+    runtime::serve_worker(listener, routes, render, shutdown, &cfg.cluster, info, gate).await?;
     let _ = tokio::task::spawn_blocking(move || compute.join()).await;
     Ok(())
 }

@@ -29,6 +29,7 @@ pub struct DecodeService {
     store: Arc<TransferStore>,
     layout: KvLayout,
     metrics: Arc<DecodeMetrics>,
+    gate: runtime::Gate,
 }
 
 impl DecodeService {
@@ -38,12 +39,14 @@ impl DecodeService {
         store: Arc<TransferStore>,
         layout: KvLayout,
         metrics: Arc<DecodeMetrics>,
+        gate: runtime::Gate,
     ) -> Self {
         Self {
             admissions,
             store,
             layout,
             metrics,
+            gate,
         }
     }
 
@@ -111,6 +114,8 @@ impl proto::v1::decode_server::Decode for DecodeService {
         &self,
         req: Request<Streaming<KvTransfer>>,
     ) -> Result<Response<TransferAck>, Status> {
+        // A transfer belongs to a request already admitted here, so a drain still takes it.
+        let _pass = self.gate.track();
         let mut id = runtime::request_id(&req, "");
         let span = tracing::info_span!("kv_transfer", req_id = tracing::field::Empty);
         let mut stream = req.into_inner();
@@ -151,12 +156,13 @@ impl proto::v1::decode_server::Decode for DecodeService {
         }
     }
 
-    type GenerateStream = UnboundedReceiverStream<Result<GenerateEvent, Status>>;
+    type GenerateStream = runtime::Tracked<UnboundedReceiverStream<Result<GenerateEvent, Status>>>;
 
     async fn generate(
         &self,
         req: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
+        let pass = self.gate.admit()?;
         let id = runtime::request_id(&req, &req.get_ref().request_id);
         let req = req.into_inner();
         let span = tracing::info_span!("generate", req_id = %id, prefill_here = req.prefill_here);
@@ -223,13 +229,27 @@ impl proto::v1::decode_server::Decode for DecodeService {
                 .instrument(span),
             );
         }
-        Ok(Response::new(UnboundedReceiverStream::new(rx)))
+        Ok(Response::new(runtime::Tracked::new(
+            UnboundedReceiverStream::new(rx),
+            pass,
+        )))
     }
 
     async fn health(&self, _req: Request<HealthRequest>) -> Result<Response<HealthReply>, Status> {
+        let m = &self.metrics;
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        let capacity = get(&m.kv_blocks_capacity);
         Ok(Response::new(HealthReply {
             role: "decode".into(),
             layout: Some(proto::layout_to_proto(&self.layout)),
+            draining: self.gate.draining(),
+            load: Some(proto::v1::WorkerLoad {
+                waiting: get(&m.waiting_requests) as u32,
+                running: get(&m.running_sequences) as u32,
+                kv_blocks_capacity: capacity,
+                kv_blocks_free: capacity.saturating_sub(get(&m.kv_blocks_used)),
+                kv_block_tokens: get(&m.kv_block_tokens) as u32,
+            }),
         }))
     }
 }

@@ -24,3 +24,6 @@ pub use loader::{load, load_text, Loaded, TextModel};
 pub use model::{Model, SeqInput};
 pub use sampling::{Sampled, SamplingParams};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
+
+/// The engine's version: caches are exchanged only between workers of the same one.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -34,4 +34,6 @@ pub struct Config {
     /// Milliseconds to connect to a decode node before the transfer fails.
     #[arg(long, env = "PREFILL_CONNECT_TIMEOUT_MS", default_value_t = 2_000)]
     pub connect_timeout_ms: u64,
+    #[command(flatten)]
+    pub cluster: runtime::ClusterArgs,
 }

@@ -23,8 +23,9 @@ pub use runtime::ServeError;
 pub async fn serve(
     listener: TcpListener,
     cfg: &Config,
-    shutdown: impl Future<Output = ()> + Send,
+    shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    let advertise = cfg.cluster.advertise(listener.local_addr()?)?;
     let model = runtime::load_model(&cfg.model).await?;
     let layout = model.kv_layout();
     let max_positions = model.config().max_position_embeddings;
@@ -43,17 +44,30 @@ pub async fn serve(
     let queue = jobs_tx.clone();
     let shown = Arc::clone(&metrics);
     let render = move || shown.render(max_queue - queue.capacity());
+    let gate = runtime::Gate::default();
+    let info = discovery::WorkerInfo {
+        role: discovery::Role::Prefill,
+        addr: advertise,
+        model: discovery::model_identity(&cfg.model),
+        layout: runtime::layout_info(&layout),
+        engine_version: engine::VERSION.into(),
+        capacity: discovery::Capacity {
+            max_queue: max_queue as u64,
+            ..Default::default()
+        },
+    };
     let svc = service::PrefillService::new(
         jobs_tx,
         Arc::clone(&metrics),
-        cfg.max_queue,
+        max_queue,
         layout,
         max_positions,
         Duration::from_millis(cfg.connect_timeout_ms),
+        gate.clone(),
     );
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(), "prefill node serving");
     let routes = tonic::service::Routes::new(proto::v1::prefill_server::PrefillServer::new(svc));
-    runtime::serve_grpc_with_metrics(listener, routes, render, shutdown).await?;
+    runtime::serve_worker(listener, routes, render, shutdown, &cfg.cluster, info, gate).await?;
     // The server has dropped the service and with it the job sender (the metrics closure's
     // clone too): the thread ends.
     let _ = tokio::task::spawn_blocking(move || compute.join()).await;

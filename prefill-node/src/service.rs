@@ -33,6 +33,7 @@ pub struct PrefillService {
     max_positions: usize,
     connect_timeout: Duration,
     channels: Mutex<HashMap<String, Channel>>,
+    gate: runtime::Gate,
 }
 
 impl PrefillService {
@@ -44,6 +45,7 @@ impl PrefillService {
         layout: KvLayout,
         max_positions: usize,
         connect_timeout: Duration,
+        gate: runtime::Gate,
     ) -> Self {
         Self {
             jobs,
@@ -53,6 +55,7 @@ impl PrefillService {
             max_positions,
             connect_timeout,
             channels: Mutex::default(),
+            gate,
         }
     }
 
@@ -70,6 +73,10 @@ impl PrefillService {
             .map_err(|e| bad(e.to_string()))?
             .connect_timeout(self.connect_timeout)
             .tcp_nodelay(true)
+            // A decode node that stops answering (paused, cut off) fails the transfer within
+            // seconds, so the prompt's KV is freed and the router can retry elsewhere.
+            .http2_keep_alive_interval(runtime::KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(runtime::KEEPALIVE_TIMEOUT)
             .connect_lazy();
         channels.insert(addr.to_string(), channel.clone());
         Ok(channel)
@@ -168,6 +175,7 @@ impl proto::v1::prefill_server::Prefill for PrefillService {
         &self,
         req: Request<PrefillRequest>,
     ) -> Result<Response<PrefillResponse>, Status> {
+        let _pass = self.gate.admit()?;
         let id = runtime::request_id(&req, &req.get_ref().request_id);
         let req = req.into_inner();
         let span = tracing::info_span!("prefill", req_id = %id, prompt_tokens = req.prompt.len());
@@ -191,9 +199,16 @@ impl proto::v1::prefill_server::Prefill for PrefillService {
     }
 
     async fn health(&self, _req: Request<HealthRequest>) -> Result<Response<HealthReply>, Status> {
+        let m = &self.metrics;
         Ok(Response::new(HealthReply {
             role: "prefill".into(),
             layout: Some(proto::layout_to_proto(&self.layout)),
+            draining: self.gate.draining(),
+            load: Some(proto::v1::WorkerLoad {
+                waiting: (self.max_queue - self.jobs.capacity()) as u32,
+                running: m.running.load(std::sync::atomic::Ordering::Relaxed) as u32,
+                ..Default::default()
+            }),
         }))
     }
 }

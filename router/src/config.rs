@@ -5,6 +5,8 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use crate::routing::PolicyKind;
+
 /// How requests are served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {
@@ -161,4 +163,37 @@ pub struct Config {
     /// Largest request body in bytes; larger ones get 413.
     #[arg(long, env = "ROUTER_MAX_BODY_BYTES", default_value_t = 20 << 20)]
     pub max_body_bytes: usize,
+    /// etcd endpoints (host:port), comma separated: workers registered there join the
+    /// static lists and are followed as they come and go.
+    #[arg(long, env = "TANDEM_ETCD_ENDPOINTS", value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+    /// Key prefix of the worker registrations.
+    #[arg(long, env = "TANDEM_ETCD_PREFIX", default_value = discovery::DEFAULT_PREFIX)]
+    pub etcd_prefix: String,
+    /// Milliseconds between full listings of the registrations, on top of the watch, so
+    /// that a missed event cannot leave a stale worker.
+    #[arg(long, env = "ROUTER_RELIST_INTERVAL_MS", default_value_t = 10_000)]
+    pub relist_interval_ms: u64,
+    /// Milliseconds between health probes of each worker; a worker is routed to only after
+    /// answering one with this router's KV layout.
+    #[arg(long, env = "ROUTER_HEALTH_INTERVAL_MS", default_value_t = 1_000)]
+    pub health_interval_ms: u64,
+    /// How workers are chosen.
+    #[arg(long, env = "ROUTER_POLICY", value_enum, default_value_t = PolicyKind::LeastLoad)]
+    pub policy: PolicyKind,
+    /// Extra outstanding prompt tokens a prefill node may have over the least loaded one
+    /// and still get the prompts whose prefix it holds.
+    #[arg(long, env = "ROUTER_AFFINITY_SLACK_TOKENS", default_value_t = 4096)]
+    pub affinity_slack_tokens: u64,
+    /// Attempts per request: one that fails on a worker before its first token reaches
+    /// the client is retried on another pair, up to this many times in all.
+    #[arg(long, env = "ROUTER_MAX_ATTEMPTS", default_value_t = 3)]
+    pub max_attempts: usize,
+    /// Consecutive failed requests that take a worker out of rotation.
+    #[arg(long, env = "ROUTER_BREAKER_FAILURES", default_value_t = 3)]
+    pub breaker_failures: u32,
+    /// Milliseconds a worker stays out after its breaker opens (doubling while it keeps
+    /// failing, up to a minute).
+    #[arg(long, env = "ROUTER_BREAKER_COOLDOWN_MS", default_value_t = 2_000)]
+    pub breaker_cooldown_ms: u64,
 }

@@ -14,6 +14,7 @@ use tracing::Instrument;
 use crate::config::Mode;
 use crate::error::RouterError;
 use crate::state::AppState;
+use crate::workers::{Hold, Worker};
 
 /// A tokenized, validated request.
 #[derive(Debug, Clone)]
@@ -116,10 +117,109 @@ pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<(Piece, Pie
 
 type Tx = mpsc::Sender<Result<Piece, RouterError>>;
 
+/// Why one attempt at a generation failed.
+struct Failed {
+    error: RouterError,
+    /// The worker the failure points at, when one does.
+    culprit: Option<Arc<Worker>>,
+    /// True once a piece has gone to the client: the request can no longer move.
+    progressed: bool,
+}
+
+impl Failed {
+    fn on(worker: &Arc<Worker>, error: RouterError) -> Self {
+        Self {
+            error,
+            culprit: Some(Arc::clone(worker)),
+            progressed: false,
+        }
+    }
+}
+
+/// Runs attempts until one succeeds or the failure may not be retried: a worker that fails
+/// before the first piece reaches the client (down, cut off, draining, full) is avoided and
+/// the request tries another pair, within `--max-attempts` and the retry budget. After
+/// the first piece, a failure ends the stream with an error.
+async fn with_retries<'a, F, Fut>(state: &'a AppState, mut attempt: F) -> Result<(), RouterError>
+where
+    F: FnMut(Vec<String>) -> Fut,
+    Fut: std::future::Future<Output = Result<(), Failed>> + 'a,
+{
+    state.earn_retry();
+    let settings = &state.decode.settings;
+    let mut avoid = Vec::new();
+    let mut last: Option<RouterError> = None;
+    for n in 1.. {
+        let failed = match attempt(avoid.clone()).await {
+            Ok(()) => return Ok(()),
+            // No worker left to try: the failure that ruled the last one out says more.
+            Err(Failed {
+                error: RouterError::NoWorkers(role),
+                ..
+            }) => return Err(last.unwrap_or(RouterError::NoWorkers(role))),
+            Err(f) => f,
+        };
+        if let Some(w) = &failed.culprit {
+            // A full worker is busy, not broken: it is avoided but its breaker stays shut.
+            if !matches!(failed.error, RouterError::WorkerBusy { .. }) {
+                w.failed(settings);
+            }
+            avoid.push(w.addr.clone());
+        }
+        let again = !failed.progressed
+            && failed.error.retryable()
+            && failed.culprit.is_some()
+            && n < state.cfg.max_attempts
+            && state.spend_retry();
+        if !again {
+            return Err(failed.error);
+        }
+        tracing::warn!(attempt = n, error = %failed.error, "retrying on another worker");
+        state.metrics.retried();
+        last = Some(failed.error);
+    }
+    unreachable!("the attempts loop returns")
+}
+
 async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), RouterError> {
-    let p = state.prefill.pick()?;
-    let d = state.decode.pick()?;
+    with_retries(state, |avoid| attempt_pd(state, &req, avoid, tx)).await
+}
+
+/// One try of a PD generation on a pair chosen avoiding `avoid`.
+async fn attempt_pd(
+    state: &AppState,
+    req: &GenRequest,
+    avoid: Vec<String>,
+    tx: &Tx,
+) -> Result<(), Failed> {
+    let no_worker = |error| Failed {
+        error,
+        culprit: None,
+        progressed: false,
+    };
+    let p = state
+        .prefill
+        .pick_prefill(&avoid, &req.prompt)
+        .map_err(no_worker)?;
+    let positions = req.prompt.len() + req.max_tokens;
+    let d = state
+        .decode
+        .pick_decode(&avoid, positions, req.sequences)
+        .map_err(no_worker)?;
     tracing::debug!(prefill = %p.addr, decode = %d.addr, "picked");
+    let result = pd_on(req, &p, &d, tx).await;
+    match &result {
+        Ok(()) => {
+            p.succeeded(&state.prefill.settings);
+            d.succeeded(&state.decode.settings);
+        }
+        Err(_) => state.metrics.pair_failed(&p.addr, &d.addr),
+    }
+    result
+}
+
+/// One PD generation on prefill node `p` and decode node `d`.
+async fn pd_on(req: &GenRequest, p: &Arc<Worker>, d: &Arc<Worker>, tx: &Tx) -> Result<(), Failed> {
     let sampling = Some(proto::v1::SamplingParams::from(&req.sampling));
     let generate = runtime::with_request_id(
         &req.id,
@@ -141,7 +241,7 @@ async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), Router
         &req.id,
         PrefillRequest {
             request_id: req.id.clone(),
-            prompt: req.prompt,
+            prompt: req.prompt.clone(),
             sampling,
             decode_addr: d.addr.clone(),
             top_logprobs: req.top_logprobs as u32,
@@ -149,19 +249,44 @@ async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), Router
             beam_search: beam,
         },
     );
+    let _decode_hold = Hold::new(
+        d,
+        0,
+        req.sequences as u64,
+        decode_blocks(d, req.prompt.len() + req.max_tokens, req.sequences),
+    );
     let (mut dc, mut pc) = (d.decode(), p.prefill());
     // The decode node waits for the KV cache the prefill node sends it, so both calls go
-    // out together.
-    let (stream, first) = tokio::join!(dc.generate(generate), pc.prefill(prefill));
-    let first = first.map_err(|s| RouterError::worker("prefill", &p.addr, s))?;
-    let stream = stream.map_err(|s| RouterError::worker("decode", &d.addr, s))?;
+    // out together; the first to fail cancels the other.
+    let generate = async {
+        dc.generate(generate)
+            .await
+            .map_err(|s| Failed::on(d, RouterError::worker("decode", &d.addr, s)))
+    };
+    let prefill = async {
+        let _hold = Hold::new(p, req.prompt.len() as u64, 0, 0);
+        pc.prefill(prefill).await.map_err(|s| {
+            // A transfer that failed is the decode node's doing as often as not; the
+            // decode call's own failure, when there is one, wins the race above.
+            let culprit = if s.message().starts_with("KV transfer") {
+                d
+            } else {
+                p
+            };
+            Failed::on(culprit, RouterError::worker("prefill", &p.addr, s))
+        })
+    };
+    let (stream, first) = tokio::try_join!(generate, prefill)?;
     let first = first.into_inner();
     if first.first.len() != req.sequences {
-        return Err(RouterError::Internal(format!(
-            "the prefill node sent {} first tokens for {} sequences",
-            first.first.len(),
-            req.sequences
-        )));
+        return Err(Failed::on(
+            p,
+            RouterError::Internal(format!(
+                "the prefill node sent {} first tokens for {} sequences",
+                first.first.len(),
+                req.sequences
+            )),
+        ));
     }
     // The prefill node's figures go with each first token; with beam search the decode
     // node sends the first tokens of the hypotheses it returns, and they get them there.
@@ -178,10 +303,20 @@ async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), Router
         reported,
         Some(&first),
         "decode",
-        &d.addr,
+        d,
         tx,
+        !beam,
     )
     .await
+}
+
+/// KV blocks a request holds on decode node `d`: `positions` for each of `sequences`, in
+/// the node's blocks (0 while its block size is unknown).
+fn decode_blocks(d: &Worker, positions: usize, sequences: usize) -> u64 {
+    match d.load().kv_block_tokens {
+        0 => 0,
+        b => (positions as u64).div_ceil(u64::from(b)) * sequences as u64,
+    }
 }
 
 /// A first token the prefill node sampled, with the prefill's figures.
@@ -200,37 +335,69 @@ fn prefilled(p: &PrefillResponse, choice: u32, token: &proto::v1::Token) -> Toke
 }
 
 async fn run_colocated(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), RouterError> {
-    let w = state.decode.pick()?;
+    with_retries(state, |avoid| attempt_colocated(state, &req, avoid, tx)).await
+}
+
+/// One try of a colocated generation on a worker chosen avoiding `avoid`.
+async fn attempt_colocated(
+    state: &AppState,
+    req: &GenRequest,
+    avoid: Vec<String>,
+    tx: &Tx,
+) -> Result<(), Failed> {
+    let positions = req.prompt.len() + req.max_tokens;
+    let w = state
+        .decode
+        .pick_decode(&avoid, positions, req.sequences)
+        .map_err(|error| Failed {
+            error,
+            culprit: None,
+            progressed: false,
+        })?;
+    let _hold = Hold::new(
+        &w,
+        0,
+        req.sequences as u64,
+        decode_blocks(&w, positions, req.sequences),
+    );
     let reported = req.reported();
-    let beam_width = req.beam_width();
     let generate = runtime::with_request_id(
         &req.id,
         GenerateRequest {
             request_id: req.id.clone(),
-            prompt: req.prompt,
+            prompt: req.prompt.clone(),
             sampling: Some((&req.sampling).into()),
             max_new_tokens: req.max_tokens as u32,
-            stop_token_ids: req.stop_ids,
+            stop_token_ids: req.stop_ids.clone(),
             prefill_here: true,
             top_logprobs: req.top_logprobs as u32,
             n: reported as u32,
-            beam_width,
+            beam_width: req.beam_width(),
         },
     );
-    let stream = w
-        .decode()
-        .generate(generate)
+    let result = async {
+        let stream = w
+            .decode()
+            .generate(generate)
+            .await
+            .map_err(|s| Failed::on(&w, RouterError::worker("colocated", &w.addr, s)))?;
+        forward(
+            stream.into_inner(),
+            reported,
+            None,
+            "colocated",
+            &w,
+            tx,
+            false,
+        )
         .await
-        .map_err(|s| RouterError::worker("colocated", &w.addr, s))?;
-    forward(
-        stream.into_inner(),
-        reported,
-        None,
-        "colocated",
-        &w.addr,
-        tx,
-    )
-    .await
+    }
+    .await;
+    match &result {
+        Ok(()) => w.succeeded(&state.decode.settings),
+        Err(_) => state.metrics.pair_failed("", &w.addr),
+    }
+    result
 }
 
 fn top_of(t: &proto::v1::Token) -> Vec<(u32, f32)> {
@@ -238,21 +405,25 @@ fn top_of(t: &proto::v1::Token) -> Vec<(u32, f32)> {
 }
 
 /// Passes a worker's events on until every sequence has finished. A first token that the
-/// prefill node `prefill` sampled gets that prefill's figures.
+/// prefill node `prefill` sampled gets that prefill's figures. `progressed` says whether
+/// the client has had a piece already (then a failure cannot be retried).
 async fn forward(
     mut stream: Streaming<proto::v1::GenerateEvent>,
     sequences: usize,
     prefill: Option<&PrefillResponse>,
     role: &'static str,
-    addr: &str,
+    worker: &Arc<Worker>,
     tx: &Tx,
-) -> Result<(), RouterError> {
+    mut progressed: bool,
+) -> Result<(), Failed> {
+    let addr = &worker.addr;
     let mut finished = 0;
     while finished < sequences {
-        let event = stream
-            .message()
-            .await
-            .map_err(|s| RouterError::worker(role, addr, s))?;
+        let event = stream.message().await.map_err(|s| Failed {
+            error: RouterError::worker(role, addr, s),
+            culprit: Some(Arc::clone(worker)),
+            progressed,
+        })?;
         let piece = match event.and_then(|e| e.event) {
             Some(Event::Token(t)) => {
                 let token = t.token.unwrap_or_default();
@@ -279,14 +450,19 @@ async fn forward(
                 }
             }
             None => {
-                return Err(RouterError::Internal(format!(
-                    "{role} worker {addr} ended the stream before every sequence finished"
-                )))
+                return Err(Failed {
+                    error: RouterError::Internal(format!(
+                        "{role} worker {addr} ended the stream before every sequence finished"
+                    )),
+                    culprit: Some(Arc::clone(worker)),
+                    progressed,
+                })
             }
         };
         if tx.send(Ok(piece)).await.is_err() {
             return Ok(());
         }
+        progressed = true;
     }
     Ok(())
 }

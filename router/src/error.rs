@@ -38,6 +38,12 @@ pub enum RouterError {
         addr: String,
         message: String,
     },
+    #[error("{role} worker {addr} is at capacity: {message}")]
+    WorkerBusy {
+        role: &'static str,
+        addr: String,
+        message: String,
+    },
     #[error("{role} worker {addr} failed: {status}")]
     Worker {
         role: &'static str,
@@ -82,19 +88,31 @@ impl RouterError {
                 addr: addr.to_string(),
                 message: status.message().to_string(),
             },
-            Code::Unavailable | Code::ResourceExhausted | Code::Cancelled => {
-                Self::WorkerUnavailable {
-                    role,
-                    addr: addr.to_string(),
-                    message: status.message().to_string(),
-                }
-            }
+            Code::ResourceExhausted => Self::WorkerBusy {
+                role,
+                addr: addr.to_string(),
+                message: status.message().to_string(),
+            },
+            Code::Unavailable | Code::Cancelled => Self::WorkerUnavailable {
+                role,
+                addr: addr.to_string(),
+                message: status.message().to_string(),
+            },
             _ => Self::Worker {
                 role,
                 addr: addr.to_string(),
                 status,
             },
         }
+    }
+
+    /// True for a worker that could not take or finish the call (down, cut off, draining,
+    /// full): another worker may well succeed.
+    pub fn retryable(&self) -> bool {
+        matches!(
+            self,
+            RouterError::WorkerUnavailable { .. } | RouterError::WorkerBusy { .. }
+        )
     }
 
     /// The HTTP status this error is answered with.
@@ -108,7 +126,9 @@ impl RouterError {
             | Template(_) => StatusCode::BAD_REQUEST,
             BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ModelNotFound(_) => StatusCode::NOT_FOUND,
-            NoWorkers(_) | WorkerUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            NoWorkers(_) | WorkerUnavailable { .. } | WorkerBusy { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Worker { status, .. } => match status.code() {
                 tonic::Code::InvalidArgument => StatusCode::BAD_REQUEST,
                 tonic::Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
@@ -145,7 +165,7 @@ impl RouterError {
     pub fn retry_after(&self) -> Option<u64> {
         match self {
             RouterError::Overloaded(_) | RouterError::KeyBusy(_) => Some(1),
-            RouterError::WorkerUnavailable { .. } => Some(1),
+            RouterError::WorkerUnavailable { .. } | RouterError::WorkerBusy { .. } => Some(1),
             _ => None,
         }
     }

@@ -9,6 +9,7 @@ pub mod keys;
 pub mod metrics;
 pub mod openai;
 pub mod params;
+pub mod routing;
 pub mod state;
 pub mod stops;
 pub mod structured;
@@ -16,7 +17,6 @@ pub mod workers;
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::StatusCode;
@@ -30,9 +30,6 @@ use tokio::net::TcpListener;
 pub use config::{Config, ErrorFormat, Mode};
 pub use error::RouterError;
 pub use state::AppState;
-
-/// How long a readiness probe waits for each worker.
-const READY_PROBE: Duration = Duration::from_secs(1);
 
 /// The HTTP routes over shared state.
 pub fn app(state: Arc<AppState>) -> Router {
@@ -72,12 +69,13 @@ async fn authorize(State(state): State<Arc<AppState>>, mut req: Request, next: N
     }
 }
 
-/// Ready while at least one prefill and one decode worker answer (one colocated worker in
-/// colocated mode).
+/// Ready while at least one prefill and one decode worker are in rotation (one colocated
+/// worker in colocated mode): answering their health probes, compatible, not draining, and
+/// with their breakers closed.
 async fn ready(State(state): State<Arc<AppState>>) -> Response {
-    let decode = state.decode.answering(READY_PROBE).await;
+    let decode = state.decode.ready_count();
     let prefill = match state.cfg.mode {
-        Mode::Pd => state.prefill.answering(READY_PROBE).await,
+        Mode::Pd => state.prefill.ready_count(),
         Mode::Colocated => 1,
     };
     let status = if prefill > 0 && decode > 0 {
@@ -86,16 +84,28 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     let body = json!({"ready": status == StatusCode::OK,
-        "prefill_answering": prefill, "decode_answering": decode});
+        "prefill_ready": prefill, "decode_ready": decode,
+        "discovery": state.discovery().as_str()});
     (status, Json(body)).into_response()
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    (
-        [("content-type", "text/plain; version=0.0.4")],
-        state.metrics.render(),
-    )
-        .into_response()
+    let mut page = state.metrics.render();
+    page.push_str(&workers::render(&[
+        ("prefill", &state.prefill),
+        ("decode", &state.decode),
+    ]));
+    let degraded = u8::from(state.discovery() == state::Discovery::Degraded);
+    runtime::prom::all(
+        &mut page,
+        "gauge",
+        &[(
+            "router_discovery_degraded",
+            "1 while etcd cannot be reached and the last known workers are used.",
+            f64::from(degraded),
+        )],
+    );
+    ([("content-type", "text/plain; version=0.0.4")], page).into_response()
 }
 
 async fn not_found(uri: axum::http::Uri) -> Response {
@@ -120,6 +130,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let state = Arc::new(AppState::new(cfg)?);
+    state.spawn_background()?;
     tracing::info!(addr = %listener.local_addr()?, model = %state.model_name,
         mode = ?state.cfg.mode, "router serving");
     axum::serve(listener, app(state))

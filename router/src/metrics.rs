@@ -17,6 +17,10 @@ pub struct Metrics {
     overloaded: AtomicU64,
     prompt_tokens: AtomicU64,
     completion_tokens: AtomicU64,
+    retries: AtomicU64,
+    /// Failed attempts by (prefill, decode) address; the prefill one is empty in colocated
+    /// mode.
+    pair_failures: Mutex<BTreeMap<(String, String), u64>>,
     /// From the request's arrival to its first token.
     pub ttft: Histogram,
     /// Per request: the time after its first token over the tokens that followed.
@@ -85,6 +89,21 @@ impl Metrics {
             .fetch_add(completion as u64, Ordering::Relaxed);
     }
 
+    /// Counts an attempt after a request's first.
+    pub fn retried(&self) {
+        self.retries.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a failed attempt on a prefill/decode pair.
+    pub fn pair_failed(&self, prefill: &str, decode: &str) {
+        *self
+            .pair_failures
+            .lock()
+            .expect("metrics lock")
+            .entry((prefill.to_string(), decode.to_string()))
+            .or_default() += 1;
+    }
+
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
@@ -133,8 +152,23 @@ impl Metrics {
                     "Completion tokens of served requests.",
                     g(&self.completion_tokens),
                 ),
+                (
+                    "router_retries_total",
+                    "Attempts after a request's first, on another worker pair.",
+                    g(&self.retries),
+                ),
             ],
         );
+        let name = "router_pair_failures_total";
+        prom::header(
+            &mut out,
+            name,
+            "counter",
+            "Failed attempts by prefill and decode worker.",
+        );
+        for ((p, d), n) in self.pair_failures.lock().expect("metrics lock").iter() {
+            prom::sample(&mut out, name, &[("prefill", p), ("decode", d)], n);
+        }
         self.ttft.render(
             &mut out,
             "router_time_to_first_token_seconds",

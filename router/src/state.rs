@@ -1,6 +1,7 @@
 //! What every handler shares.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::config::{Config, Mode, ReasoningParser, ToolCallParser};
@@ -8,7 +9,7 @@ use crate::error::RouterError;
 use crate::keys::{Key, Keys};
 use crate::metrics::Metrics;
 use crate::structured::ToolFormat;
-use crate::workers::Pool;
+use crate::workers::{Expected, Pool, PoolSettings};
 
 /// The router's shared state.
 pub struct AppState {
@@ -30,6 +31,39 @@ pub struct AppState {
     pub think: bool,
     /// Accepted API keys; none means the API is open.
     api_keys: Keys,
+    /// True while etcd cannot be reached (the last known workers keep serving).
+    pub degraded: AtomicBool,
+    /// Retries left to spend, so that a failing pool cannot make retries storm.
+    retry_budget: Mutex<f64>,
+}
+
+/// Retries a burst may spend before requests have earned more.
+const RETRY_BUDGET_START: f64 = 10.0;
+/// The most retries saved up.
+const RETRY_BUDGET_MAX: f64 = 100.0;
+/// Retries each request earns: retries stay within a fifth of requests.
+const RETRY_BUDGET_PER_REQUEST: f64 = 0.2;
+
+/// Where the worker set comes from, for readiness.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Discovery {
+    /// Static lists only.
+    Static,
+    /// etcd, reachable.
+    Ok,
+    /// etcd, unreachable: the last known workers.
+    Degraded,
+}
+
+impl Discovery {
+    /// Its name in readiness bodies.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Discovery::Static => "static",
+            Discovery::Ok => "ok",
+            Discovery::Degraded => "degraded",
+        }
+    }
 }
 
 impl AppState {
@@ -47,16 +81,41 @@ impl AppState {
                 .unwrap_or_else(|| "model".into())
         });
         let api_keys = Keys::load(&cfg.api_keys, cfg.api_key_file.as_deref())?;
-        let connect = Duration::from_millis(cfg.connect_timeout_ms);
-        let prefill = match cfg.mode {
-            Mode::Pd => Pool::new("prefill", &cfg.prefill_nodes, connect)?,
-            Mode::Colocated => Pool::new("prefill", &[], connect)?,
+        let settings = PoolSettings {
+            connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
+            breaker_failures: cfg.breaker_failures,
+            breaker_cooldown: Duration::from_millis(cfg.breaker_cooldown_ms),
         };
-        let decode_role = match cfg.mode {
+        let expected = Expected {
+            model: discovery::model_identity(&cfg.model),
+            layout: runtime::layout_info(&engine::KvLayout::for_model(&text.config)),
+            engine_version: engine::VERSION.into(),
+        };
+        let policy = cfg.policy.build(cfg.affinity_slack_tokens);
+        let static_prefill: &[String] = match cfg.mode {
+            Mode::Pd => &cfg.prefill_nodes,
+            Mode::Colocated => &[],
+        };
+        let prefill = Pool::new(
+            "prefill",
+            discovery::Role::Prefill,
+            static_prefill,
+            expected.clone(),
+            settings.clone(),
+            Arc::clone(&policy),
+        )?;
+        let decode_name = match cfg.mode {
             Mode::Pd => "decode",
             Mode::Colocated => "colocated",
         };
-        let decode = Pool::new(decode_role, &cfg.decode_nodes, connect)?;
+        let decode = Pool::new(
+            decode_name,
+            discovery::Role::Decode,
+            &cfg.decode_nodes,
+            expected,
+            settings,
+            policy,
+        )?;
         let max_pos = text.config.max_position_embeddings;
         let max_seq_len = cfg.max_seq_len.min(max_pos);
         let max_prompt_tokens = cfg
@@ -89,7 +148,89 @@ impl AppState {
             metrics: Arc::default(),
             started: Instant::now(),
             api_keys,
+            degraded: AtomicBool::new(false),
+            retry_budget: Mutex::new(RETRY_BUDGET_START),
         })
+    }
+
+    /// Where the worker set comes from, and whether that source answers.
+    pub fn discovery(&self) -> Discovery {
+        if self.cfg.etcd_endpoints.is_empty() {
+            Discovery::Static
+        } else if self.degraded.load(Ordering::Relaxed) {
+            Discovery::Degraded
+        } else {
+            Discovery::Ok
+        }
+    }
+
+    /// Credits the retry budget with one request's share.
+    pub fn earn_retry(&self) {
+        let mut b = self.retry_budget.lock().expect("budget lock");
+        *b = (*b + RETRY_BUDGET_PER_REQUEST).min(RETRY_BUDGET_MAX);
+    }
+
+    /// Takes one retry from the budget; false when it is spent.
+    pub fn spend_retry(&self) -> bool {
+        let mut b = self.retry_budget.lock().expect("budget lock");
+        if *b >= 1.0 {
+            *b -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Keeps the pools in step with etcd and the workers' health until the process ends:
+    /// a watch of the registrations (when etcd is configured) and periodic health probes.
+    pub fn spawn_background(self: &Arc<Self>) -> Result<(), RouterError> {
+        let interval = Duration::from_millis(self.cfg.health_interval_ms.max(10));
+        // A probe may take as long as the interval, but no longer than a paused worker
+        // deserves.
+        let probe_timeout = interval.clamp(Duration::from_millis(200), Duration::from_secs(2));
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(state) = weak.upgrade() else { return };
+                tokio::join!(
+                    state.prefill.probe_all(probe_timeout),
+                    state.decode.probe_all(probe_timeout)
+                );
+            }
+        });
+        if self.cfg.etcd_endpoints.is_empty() {
+            return Ok(());
+        }
+        let client = discovery::EtcdClient::new(&self.cfg.etcd_endpoints)
+            .map_err(|e| RouterError::Internal(format!("etcd: {e}")))?;
+        let (tx, mut rx) = tokio::sync::watch::channel(discovery::WorkerSet::default());
+        tokio::spawn(discovery::watch_workers(
+            Arc::new(client),
+            self.cfg.etcd_prefix.clone(),
+            Duration::from_millis(self.cfg.relist_interval_ms.max(100)),
+            tx,
+        ));
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            while rx.changed().await.is_ok() {
+                let Some(state) = weak.upgrade() else { return };
+                let set = rx.borrow_and_update().clone();
+                state.degraded.store(set.degraded, Ordering::Relaxed);
+                if set.synced {
+                    state.prefill.sync(&set.workers);
+                    state.decode.sync(&set.workers);
+                }
+                // New workers are probed at once rather than at the next tick.
+                tokio::join!(
+                    state.prefill.probe_all(probe_timeout),
+                    state.decode.probe_all(probe_timeout)
+                );
+            }
+        });
+        Ok(())
     }
 
     /// The key an `Authorization` header value carries, if it may call the API.

@@ -1,24 +1,150 @@
-//! The prefill and decode workers the router sends requests to: static lists for now,
-//! picked round-robin.
+//! The prefill and decode workers the router sends requests to: listed statically or
+//! discovered in etcd, probed for health and load, each behind a circuit breaker, and
+//! chosen by a routing policy.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
+use discovery::{Role, WorkerInfo};
 use proto::v1::decode_client::DecodeClient;
 use proto::v1::prefill_client::PrefillClient;
-use proto::v1::HealthRequest;
+use proto::v1::{HealthRequest, WorkerLoad};
+use runtime::prom;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::error::RouterError;
+use crate::routing::Policy;
 
-/// One worker and a lazily connected channel to it.
+/// Where a worker stands with the router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    /// In rotation.
+    Ready,
+    /// Not answering its health call (or not yet): never routed to.
+    Unhealthy,
+    /// Its circuit breaker is open after repeated failures; probed back in after a cooldown.
+    Open,
+    /// Serves another model, KV layout or engine version than the router's.
+    Incompatible,
+    /// Told to stop: finishing what it holds, taking nothing new.
+    Draining,
+}
+
+impl State {
+    /// Every state, in the order metrics print them.
+    pub const ALL: [State; 5] = [
+        State::Ready,
+        State::Unhealthy,
+        State::Open,
+        State::Incompatible,
+        State::Draining,
+    ];
+
+    /// The state's name in metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Ready => "ready",
+            State::Unhealthy => "unhealthy",
+            State::Open => "open",
+            State::Incompatible => "incompatible",
+            State::Draining => "draining",
+        }
+    }
+}
+
+/// What a worker must serve for this router to pair it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expected {
+    pub model: String,
+    pub layout: discovery::Layout,
+    pub engine_version: String,
+}
+
+/// How workers are reached and when they are taken out of rotation.
 #[derive(Debug, Clone)]
+pub struct PoolSettings {
+    pub connect_timeout: Duration,
+    /// Consecutive failed requests that open a worker's breaker.
+    pub breaker_failures: u32,
+    /// How long a breaker first stays open; doubled on each failure after, up to a minute.
+    pub breaker_cooldown: Duration,
+}
+
+/// The longest a breaker stays open.
+const MAX_COOLDOWN: Duration = Duration::from_secs(60);
+/// Prompt-prefix hashes remembered per prefill worker for affinity.
+const PREFIX_MEMORY: usize = 16_384;
+/// Tokens per prompt block hashed for prefix affinity (the prefill nodes' cache block).
+pub const AFFINITY_BLOCK: usize = 16;
+
+/// One worker: a lazily connected channel, what the last probe saw, its breaker and the
+/// load this router has placed on it.
+#[derive(Debug)]
 pub struct Worker {
     pub addr: String,
     channel: Channel,
+    /// Why its registration rules it out, whatever it answers.
+    mismatch: Option<String>,
+    probe: Mutex<Probe>,
+    breaker: Mutex<Breaker>,
+    /// Prompt tokens this router has sent it that are still prefilling.
+    pub prefill_tokens: AtomicU64,
+    /// Sequences this router has running on it.
+    pub sequences: AtomicU64,
+    /// KV blocks this router's requests hold on it.
+    pub blocks: AtomicU64,
+    /// Hashes of prompt prefixes sent to it, with when they were last sent.
+    prefixes: Mutex<HashMap<u64, u64>>,
+    prefix_clock: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Probe {
+    ok: bool,
+    incompatible: bool,
+    draining: bool,
+    load: WorkerLoad,
+}
+
+#[derive(Debug)]
+struct Breaker {
+    failures: u32,
+    open_until: Option<Instant>,
+    cooldown: Duration,
 }
 
 impl Worker {
+    fn new(addr: &str, mismatch: Option<String>, s: &PoolSettings) -> Result<Self, RouterError> {
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| RouterError::Internal(format!("bad worker address {addr}: {e}")))?;
+        Ok(Self {
+            addr: addr.to_string(),
+            channel: endpoint
+                .connect_timeout(s.connect_timeout)
+                .tcp_nodelay(true)
+                // A worker that stops answering mid-call (paused, cut off) breaks the call
+                // within seconds instead of hanging it.
+                .http2_keep_alive_interval(runtime::KEEPALIVE_INTERVAL)
+                .keep_alive_timeout(runtime::KEEPALIVE_TIMEOUT)
+                .connect_lazy(),
+            mismatch,
+            probe: Mutex::default(),
+            breaker: Mutex::new(Breaker {
+                failures: 0,
+                open_until: None,
+                cooldown: s.breaker_cooldown,
+            }),
+            prefill_tokens: AtomicU64::new(0),
+            sequences: AtomicU64::new(0),
+            blocks: AtomicU64::new(0),
+            prefixes: Mutex::default(),
+            prefix_clock: AtomicU64::new(0),
+        })
+    }
+
     /// A client for a prefill node.
     pub fn prefill(&self) -> PrefillClient<Channel> {
         PrefillClient::new(self.channel.clone())
@@ -28,75 +154,385 @@ impl Worker {
     pub fn decode(&self) -> DecodeClient<Channel> {
         DecodeClient::new(self.channel.clone())
     }
+
+    /// The worker's state now.
+    pub fn state(&self) -> State {
+        let p = self.probe.lock().expect("probe lock");
+        if self.mismatch.is_some() || p.incompatible {
+            State::Incompatible
+        } else if !p.ok {
+            State::Unhealthy
+        } else if p.draining {
+            State::Draining
+        } else if self.breaker_open() {
+            State::Open
+        } else {
+            State::Ready
+        }
+    }
+
+    fn breaker_open(&self) -> bool {
+        let b = self.breaker.lock().expect("breaker lock");
+        b.open_until.is_some_and(|t| Instant::now() < t)
+    }
+
+    /// What the worker reported holding at its last probe.
+    pub fn load(&self) -> WorkerLoad {
+        self.probe.lock().expect("probe lock").load
+    }
+
+    /// Records a request that failed because of this worker; enough of them in a row open
+    /// its breaker. Past the cooldown it takes requests again (half open): one more failure
+    /// opens it again for twice as long, a success closes it.
+    pub fn failed(&self, s: &PoolSettings) {
+        let mut b = self.breaker.lock().expect("breaker lock");
+        b.failures += 1;
+        if b.failures >= s.breaker_failures.max(1) {
+            let reopened = b.open_until.is_some();
+            if reopened {
+                b.cooldown = (b.cooldown * 2).min(MAX_COOLDOWN);
+            }
+            b.open_until = Some(Instant::now() + b.cooldown);
+            tracing::warn!(worker = %self.addr, failures = b.failures, cooldown = ?b.cooldown,
+                "circuit breaker open");
+        }
+    }
+
+    /// Records a request this worker served.
+    pub fn succeeded(&self, s: &PoolSettings) {
+        let mut b = self.breaker.lock().expect("breaker lock");
+        if b.open_until.is_some() {
+            tracing::info!(worker = %self.addr, "circuit breaker closed");
+        }
+        b.failures = 0;
+        b.open_until = None;
+        b.cooldown = s.breaker_cooldown;
+    }
+
+    /// Asks the worker for its health and load, within `timeout`.
+    async fn probe(&self, role: Role, expected: &Expected, timeout: Duration) {
+        let call = async {
+            match role {
+                Role::Prefill => self.prefill().health(HealthRequest {}).await,
+                Role::Decode => self.decode().health(HealthRequest {}).await,
+            }
+        };
+        let reply = tokio::time::timeout(timeout, call).await;
+        let mut p = self.probe.lock().expect("probe lock");
+        let was_ok = p.ok;
+        match reply {
+            Ok(Ok(r)) => {
+                let r = r.into_inner();
+                let layout = r.layout.as_ref().map(|l| discovery::Layout {
+                    n_layers: l.n_layers,
+                    n_kv_heads: l.n_kv_heads,
+                    head_dim: l.head_dim,
+                    dtype: l.dtype.clone(),
+                });
+                p.incompatible =
+                    r.role != role.as_str() || layout.as_ref() != Some(&expected.layout);
+                p.ok = true;
+                p.draining = r.draining;
+                p.load = r.load.unwrap_or_default();
+                if p.incompatible {
+                    tracing::warn!(worker = %self.addr, role = %r.role, ?layout,
+                        "worker does not match this router's model; not routed to");
+                }
+            }
+            Ok(Err(status)) => {
+                p.ok = false;
+                if was_ok {
+                    tracing::warn!(worker = %self.addr, %status, "worker failed its health call");
+                }
+            }
+            Err(_) => {
+                p.ok = false;
+                if was_ok {
+                    tracing::warn!(worker = %self.addr, ?timeout, "worker did not answer its health call");
+                }
+            }
+        }
+    }
+
+    /// Remembers that a prompt with these block hashes was sent here.
+    pub fn remember_prefix(&self, hashes: &[u64]) {
+        let now = self.prefix_clock.fetch_add(1, Ordering::Relaxed);
+        let mut set = self.prefixes.lock().expect("prefix lock");
+        for h in hashes {
+            set.insert(*h, now);
+        }
+        if set.len() > PREFIX_MEMORY {
+            // Forget the older half at once, so the cost is paid rarely.
+            let mut ages: Vec<u64> = set.values().copied().collect();
+            let (_, median, _) = ages.select_nth_unstable(set.len() / 2);
+            let cut = *median;
+            set.retain(|_, t| *t > cut);
+        }
+    }
+
+    /// How many leading blocks of a prompt with these hashes were sent here before.
+    pub fn prefix_blocks(&self, hashes: &[u64]) -> usize {
+        let set = self.prefixes.lock().expect("prefix lock");
+        hashes.iter().take_while(|h| set.contains_key(h)).count()
+    }
 }
 
-/// A list of workers of one role.
-#[derive(Debug)]
+/// Chained hashes of a prompt's whole blocks: hash i covers tokens [0, (i + 1) × block), so
+/// equal hashes mean equal prefixes.
+pub fn block_hashes(prompt: &[u32]) -> Vec<u64> {
+    use std::hash::{Hash, Hasher};
+    let mut out = Vec::with_capacity(prompt.len() / AFFINITY_BLOCK);
+    let mut prev = 0u64;
+    for block in prompt.chunks_exact(AFFINITY_BLOCK) {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        prev.hash(&mut h);
+        block.hash(&mut h);
+        prev = h.finish();
+        out.push(prev);
+    }
+    out
+}
+
+/// Load a request places on a worker, taken back when dropped.
+pub struct Hold {
+    worker: Arc<Worker>,
+    tokens: u64,
+    sequences: u64,
+    blocks: u64,
+}
+
+impl Hold {
+    /// Counts `tokens` of prefill, or `sequences` and `blocks` of decode, on `worker`.
+    pub fn new(worker: &Arc<Worker>, tokens: u64, sequences: u64, blocks: u64) -> Self {
+        worker.prefill_tokens.fetch_add(tokens, Ordering::Relaxed);
+        worker.sequences.fetch_add(sequences, Ordering::Relaxed);
+        worker.blocks.fetch_add(blocks, Ordering::Relaxed);
+        Self {
+            worker: Arc::clone(worker),
+            tokens,
+            sequences,
+            blocks,
+        }
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        let w = &self.worker;
+        w.prefill_tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+        w.sequences.fetch_sub(self.sequences, Ordering::Relaxed);
+        w.blocks.fetch_sub(self.blocks, Ordering::Relaxed);
+    }
+}
+
+/// The workers of one role, by key (`static/<addr>` or the etcd key).
 pub struct Pool {
-    role: &'static str,
-    workers: Vec<Worker>,
-    next: AtomicUsize,
+    /// The role's name in errors ("prefill", "decode" or "colocated").
+    pub name: &'static str,
+    role: Role,
+    workers: RwLock<BTreeMap<String, Arc<Worker>>>,
+    expected: Expected,
+    pub settings: PoolSettings,
+    policy: Arc<dyn Policy>,
+    rotation: AtomicUsize,
 }
 
 impl Pool {
-    /// Channels to `addrs`; nothing connects until the first call.
+    /// A pool holding the static `addrs`; nothing connects until the first call.
     pub fn new(
-        role: &'static str,
+        name: &'static str,
+        role: Role,
         addrs: &[String],
-        connect_timeout: Duration,
+        expected: Expected,
+        settings: PoolSettings,
+        policy: Arc<dyn Policy>,
     ) -> Result<Self, RouterError> {
-        let workers = addrs
-            .iter()
-            .map(|addr| {
-                let endpoint = Endpoint::from_shared(format!("http://{addr}")).map_err(|e| {
-                    RouterError::Internal(format!("bad {role} worker address {addr}: {e}"))
-                })?;
-                Ok(Worker {
-                    addr: addr.clone(),
-                    channel: endpoint
-                        .connect_timeout(connect_timeout)
-                        .tcp_nodelay(true)
-                        .connect_lazy(),
-                })
-            })
-            .collect::<Result<_, RouterError>>()?;
+        let mut workers = BTreeMap::new();
+        for addr in addrs {
+            let w = Worker::new(addr, None, &settings)?;
+            workers.insert(format!("static/{addr}"), Arc::new(w));
+        }
         Ok(Self {
+            name,
             role,
-            workers,
-            next: AtomicUsize::new(0),
+            workers: RwLock::new(workers),
+            expected,
+            settings,
+            policy,
+            rotation: AtomicUsize::new(0),
         })
     }
 
-    /// The next worker in turn.
-    pub fn pick(&self) -> Result<&Worker, RouterError> {
-        if self.workers.is_empty() {
-            return Err(RouterError::NoWorkers(self.role));
+    /// Makes the discovered workers those registered in `set` (for this pool's role);
+    /// static ones stay. A worker that left keeps serving the calls it has.
+    pub fn sync(&self, set: &BTreeMap<String, WorkerInfo>) {
+        let mut workers = self.workers.write().expect("pool lock");
+        workers.retain(|key, _| key.starts_with("static/") || set.contains_key(key));
+        for (key, info) in set {
+            if info.role != self.role || workers.contains_key(key) {
+                continue;
+            }
+            let mismatch = self.mismatch(info);
+            if let Some(why) = &mismatch {
+                tracing::warn!(%key, %why, "registered worker is incompatible; not routed to");
+            }
+            match Worker::new(&info.addr, mismatch, &self.settings) {
+                Ok(w) => {
+                    workers.insert(key.clone(), Arc::new(w));
+                }
+                Err(e) => tracing::warn!(%key, error = %e, "ignoring a registration"),
+            }
         }
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.workers.len();
-        Ok(&self.workers[i])
     }
 
-    /// How many workers answer a health call within `timeout`.
-    pub async fn answering(&self, timeout: Duration) -> usize {
-        let probes = self.workers.iter().map(|w| {
-            let w = w.clone();
+    fn mismatch(&self, info: &WorkerInfo) -> Option<String> {
+        let e = &self.expected;
+        if info.model != e.model {
+            Some(format!("model {} (router: {})", info.model, e.model))
+        } else if info.layout != e.layout {
+            Some(format!(
+                "KV layout {:?} (router: {:?})",
+                info.layout, e.layout
+            ))
+        } else if info.engine_version != e.engine_version {
+            Some(format!(
+                "engine {} (router: {})",
+                info.engine_version, e.engine_version
+            ))
+        } else {
+            None
+        }
+    }
+
+    fn all(&self) -> Vec<Arc<Worker>> {
+        self.workers
+            .read()
+            .expect("pool lock")
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// Ready workers not in `exclude`, rotated so that ties between equal loads spread.
+    fn ready(&self, exclude: &[String]) -> Vec<Arc<Worker>> {
+        let mut ready: Vec<_> = self
+            .all()
+            .into_iter()
+            .filter(|w| !exclude.contains(&w.addr) && w.state() == State::Ready)
+            .collect();
+        if !ready.is_empty() {
+            let n = self.rotation.fetch_add(1, Ordering::Relaxed) % ready.len();
+            ready.rotate_left(n);
+        }
+        ready
+    }
+
+    /// How many workers are ready.
+    pub fn ready_count(&self) -> usize {
+        self.ready(&[]).len()
+    }
+
+    /// The prefill worker for `prompt`, other than those in `exclude`.
+    pub fn pick_prefill(
+        &self,
+        exclude: &[String],
+        prompt: &[u32],
+    ) -> Result<Arc<Worker>, RouterError> {
+        let ready = self.ready(exclude);
+        if ready.is_empty() {
+            return Err(RouterError::NoWorkers(self.name));
+        }
+        let hashes = block_hashes(prompt);
+        let w = Arc::clone(&ready[self.policy.prefill(&ready, &hashes)]);
+        w.remember_prefix(&hashes);
+        Ok(w)
+    }
+
+    /// The decode worker for a request that needs `tokens` positions for each of
+    /// `sequences` sequences, other than those in `exclude`.
+    pub fn pick_decode(
+        &self,
+        exclude: &[String],
+        tokens: usize,
+        sequences: usize,
+    ) -> Result<Arc<Worker>, RouterError> {
+        let ready = self.ready(exclude);
+        if ready.is_empty() {
+            return Err(RouterError::NoWorkers(self.name));
+        }
+        Ok(Arc::clone(
+            &ready[self.policy.decode(&ready, tokens, sequences)],
+        ))
+    }
+
+    /// Probes every worker at once, each within `timeout`.
+    pub async fn probe_all(&self, timeout: Duration) {
+        let probes = self.all().into_iter().map(|w| {
             let role = self.role;
-            tokio::spawn(async move {
-                let call = async {
-                    match role {
-                        "prefill" => w.prefill().health(HealthRequest {}).await.is_ok(),
-                        _ => w.decode().health(HealthRequest {}).await.is_ok(),
-                    }
-                };
-                tokio::time::timeout(timeout, call).await.unwrap_or(false)
-            })
+            let expected = self.expected.clone();
+            tokio::spawn(async move { w.probe(role, &expected, timeout).await })
         });
-        let mut n = 0;
         for p in probes.collect::<Vec<_>>() {
-            if p.await.unwrap_or(false) {
-                n += 1;
-            }
+            let _ = p.await;
+        }
+    }
+
+    /// Workers in each state, in `State::ALL` order.
+    pub fn states(&self) -> [usize; 5] {
+        let mut n = [0; 5];
+        for w in self.all() {
+            let s = w.state();
+            n[State::ALL
+                .iter()
+                .position(|x| *x == s)
+                .expect("a known state")] += 1;
         }
         n
     }
+
+    /// Writes this pool's samples of the worker metrics (their headers come from
+    /// `render_headers`).
+    fn render(&self, label: &str, states: &mut String, breakers: &mut String) {
+        for (state, n) in State::ALL.iter().zip(self.states()) {
+            prom::sample(
+                states,
+                "router_workers",
+                &[("role", label), ("state", state.as_str())],
+                n,
+            );
+        }
+        for w in self.all() {
+            let open = u8::from(w.breaker_open());
+            prom::sample(
+                breakers,
+                "router_breaker_open",
+                &[("role", label), ("worker", &w.addr)],
+                open,
+            );
+        }
+    }
+}
+
+/// The worker metrics of the router's pools, each `(role label, pool)`.
+pub fn render(pools: &[(&str, &Pool)]) -> String {
+    let mut states = String::new();
+    let mut breakers = String::new();
+    prom::header(
+        &mut states,
+        "router_workers",
+        "gauge",
+        "Known workers by role and state (ready ones are in rotation).",
+    );
+    prom::header(
+        &mut breakers,
+        "router_breaker_open",
+        "gauge",
+        "1 while a worker's circuit breaker keeps it out of rotation.",
+    );
+    for (label, pool) in pools {
+        pool.render(label, &mut states, &mut breakers);
+    }
+    let mut out = states;
+    let _ = write!(out, "{breakers}");
+    out
 }

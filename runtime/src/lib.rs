@@ -2,11 +2,31 @@
 //! the request id carried in gRPC metadata, and why a node could not serve.
 
 pub mod prom;
+pub mod worker;
+
+pub use worker::{serve_worker, ClusterArgs, Gate, Pass, Tracked};
 
 use std::future::Future;
 
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
+
+/// How often an idle gRPC connection to a peer is pinged, and how long a ping may go
+/// unanswered before the connection counts as broken: a peer that stops answering (paused,
+/// partitioned) fails its calls within seconds instead of holding them forever.
+pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+/// See [`KEEPALIVE_INTERVAL`].
+pub const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A cache layout as registrations carry it.
+pub fn layout_info(l: &engine::KvLayout) -> discovery::Layout {
+    discovery::Layout {
+        n_layers: l.n_layers as u32,
+        n_kv_heads: l.n_kv_heads as u32,
+        head_dim: l.head_dim as u32,
+        dtype: l.dtype.clone(),
+    }
+}
 
 /// The gRPC metadata key that carries a request's id from the router to both nodes.
 pub const REQUEST_ID: &str = "x-request-id";
@@ -67,6 +87,10 @@ pub enum ServeError {
     Thread(#[from] std::io::Error),
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
+    #[error("etcd: {0}")]
+    Discovery(#[from] discovery::EtcdError),
+    #[error("configuration: {0}")]
+    Config(String),
 }
 
 /// Serves gRPC `routes` and `GET /metrics` (the text `render` returns) on one listener

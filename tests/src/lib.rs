@@ -4,10 +4,17 @@
 //! Cargo does not hand one package another package's binaries, so the harness looks in
 //! `target/release` (or `$E2E_BIN_DIR`) after `cargo build --release --workspace`.
 
+mod etcd;
+mod fleet;
+
+pub use etcd::Etcd;
+pub use fleet::{registration_key, workers_in, Fleet, Role, Worker, WORKER_PREFIX};
+
 use std::fs::File;
+use std::future::Future;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -118,10 +125,40 @@ impl Proc {
         matches!(self.child.try_wait(), Ok(None))
     }
 
-    /// Kills the process now.
+    /// Kills the process now (SIGKILL, which also ends a stopped process).
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends signal `sig` ("TERM", "STOP", "CONT", "KILL", ...) with `kill(1)`; panics if
+    /// it cannot be delivered (the process is gone).
+    pub fn signal(&self, sig: &str) {
+        let pid = self.pid();
+        let status = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(pid.to_string())
+            .status()
+            .unwrap_or_else(|e| panic!("running kill -{sig} {pid}: {e}"));
+        assert!(
+            status.success(),
+            "kill -{sig} {pid} failed ({status}); log {}",
+            self.log.display()
+        );
+    }
+
+    /// Waits up to `limit` for the process to exit; its status, or `None` if it still
+    /// runs.
+    pub async fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        poll_until(limit, || {
+            std::future::ready(self.child.try_wait().ok().flatten())
+        })
+        .await
     }
 }
 
@@ -327,6 +364,59 @@ pub async fn post_sse(url: &str, body: &Value) -> (u16, Vec<String>) {
     (status, data)
 }
 
+/// A streamed response read one SSE event at a time, for tests that act mid-stream.
+pub struct SseStream {
+    resp: reqwest::Response,
+    buf: Vec<u8>,
+    ended: bool,
+}
+
+impl SseStream {
+    /// POSTs a streaming request to `url`; returns the status and the unread stream.
+    pub async fn open(url: &str, body: &Value) -> (u16, Self) {
+        let resp = send(url, body).await;
+        let status = resp.status().as_u16();
+        let stream = Self {
+            resp,
+            buf: Vec::new(),
+            ended: false,
+        };
+        (status, stream)
+    }
+
+    /// The next event's `data:` payload; `None` once the stream has ended. Panics if the
+    /// connection breaks or an event is not UTF-8.
+    pub async fn next_data(&mut self) -> Option<String> {
+        loop {
+            if let Some(end) = self.buf.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = self.buf.drain(..end + 2).take(end).collect();
+                let event = String::from_utf8(event).expect("an SSE event is valid UTF-8");
+                match event.strip_prefix("data: ") {
+                    Some(data) => return Some(data.to_string()),
+                    // A comment or keep-alive: no payload.
+                    None => continue,
+                }
+            }
+            if self.ended {
+                return None;
+            }
+            match self.resp.chunk().await.expect("reading the stream") {
+                Some(chunk) => self.buf.extend_from_slice(&chunk),
+                None => self.ended = true,
+            }
+        }
+    }
+
+    /// Every payload left, up to the end of the stream.
+    pub async fn rest(&mut self) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Some(data) = self.next_data().await {
+            out.push(data);
+        }
+        out
+    }
+}
+
 /// The JSON chunks of a stream's `data:` payloads; panics unless it ends with `[DONE]` and
 /// every other payload is JSON.
 pub fn sse_chunks(data: &[String]) -> Vec<Value> {
@@ -386,6 +476,70 @@ pub async fn scrape(addr: &str) -> String {
         .text()
         .await
         .expect("a metrics page")
+}
+
+/// `scrape`, or `None` while nothing answers at `addr` (a process starting or gone).
+pub async fn try_scrape(addr: &str) -> Option<String> {
+    let (status, text) = try_get(&format!("http://{addr}/metrics")).await?;
+    (status == 200).then_some(text)
+}
+
+/// A GET bounded to a few seconds: the status and the body, or `None` when the request
+/// failed (nothing listening, no answer in time).
+pub async fn try_get(url: &str) -> Option<(u16, String)> {
+    let resp = reqwest::Client::new()
+        .get(url)
+        .timeout(Duration::from_secs(3))
+        .send()
+        .await
+        .ok()?;
+    let status = resp.status().as_u16();
+    Some((status, resp.text().await.ok()?))
+}
+
+/// Polls GET `url` until its status and body satisfy `ok`, while `proc` runs; `Err` says
+/// why it gave up (the process exited, or `limit` passed).
+async fn wait_answer(
+    proc: &mut Proc,
+    url: &str,
+    limit: Duration,
+    ok: impl Fn(u16, &str) -> bool,
+) -> Result<(), String> {
+    let outcome = poll_until(limit, || {
+        let exited = proc.child.try_wait().ok().flatten();
+        let ok = &ok;
+        async move {
+            if let Some(status) = exited {
+                return Some(Err(format!("it exited ({status})")));
+            }
+            let (status, body) = try_get(url).await?;
+            ok(status, &body).then_some(Ok(()))
+        }
+    })
+    .await;
+    outcome.unwrap_or_else(|| Err(format!("{url} did not answer as expected within {limit:?}")))
+}
+
+/// How often the harness polls for a condition.
+const POLL: Duration = Duration::from_millis(20);
+
+/// Calls `probe` until it gives a value, for at most `limit` (the probe runs at least
+/// once); `None` when time ran out. Callers panic with what they waited for.
+pub async fn poll_until<T, F, Fut>(limit: Duration, mut probe: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(v) = probe().await {
+            return Some(v);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(POLL).await;
+    }
 }
 
 /// Polls `addr`'s metrics until `name` reads `want`; panics with the last page after

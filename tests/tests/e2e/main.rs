@@ -3,6 +3,7 @@
 mod api;
 mod auth;
 mod beam;
+mod cluster;
 mod conformance;
 mod errors;
 mod fuzz;

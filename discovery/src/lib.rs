@@ -1,0 +1,156 @@
+//! Worker discovery through etcd: each worker registers what it serves under a key tied to
+//! a lease it keeps alive, and the router watches the prefix to follow the worker set.
+//!
+//! The etcd client is ours: the few KV, lease and watch calls this needs, generated from a
+//! subset of etcd's own protos (`etcd/etcd.proto`), so the build needs no protoc.
+
+mod etcd;
+mod register;
+mod watch;
+
+use serde::{Deserialize, Serialize};
+
+pub use etcd::{EtcdClient, EtcdError};
+pub use register::Registration;
+pub use watch::{watch_workers, WorkerSet};
+
+/// Generated etcd messages and clients.
+pub mod pb {
+    tonic::include_proto!("etcdserverpb");
+}
+
+/// The key prefix workers register under unless configured otherwise.
+pub const DEFAULT_PREFIX: &str = "/tandem/workers/";
+
+/// What a worker does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    /// The role's name in keys, metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// The KV cache layout a worker computes; a prefill and a decode node pair only when theirs
+/// are equal.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Layout {
+    pub n_layers: u32,
+    pub n_kv_heads: u32,
+    pub head_dim: u32,
+    pub dtype: String,
+}
+
+/// How much a worker can hold; 0 where it does not apply.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Capacity {
+    /// KV blocks of a decode node's budget.
+    pub kv_blocks: u64,
+    /// Positions per KV block.
+    pub block_tokens: u64,
+    /// Sequences per decode step.
+    pub max_batch: u64,
+    /// Requests that may wait in the worker's queue.
+    pub max_queue: u64,
+}
+
+/// One worker's registration: the value stored under its key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerInfo {
+    pub role: Role,
+    /// The gRPC address (host:port) routers and prefill nodes dial.
+    pub addr: String,
+    /// The model's folder or file name.
+    pub model: String,
+    pub layout: Layout,
+    /// The version of the engine that computes the KV cache.
+    pub engine_version: String,
+    #[serde(default)]
+    pub capacity: Capacity,
+}
+
+impl WorkerInfo {
+    /// The key this worker registers under.
+    pub fn key(&self, prefix: &str) -> String {
+        format!("{prefix}{}/{}", self.role.as_str(), self.addr)
+    }
+}
+
+/// The name a model is known by in registrations: its folder or file name, without a
+/// GGUF file's extension.
+pub fn model_identity(path: &std::path::Path) -> String {
+    let stem = if path.is_dir() {
+        path.file_name()
+    } else {
+        path.file_stem()
+    };
+    stem.map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into())
+}
+
+/// The end of the key range that holds every key starting with `prefix` (etcd's
+/// `range_end` convention: the prefix with its last byte incremented).
+pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    // Every byte was 0xff: "\0" means all keys from `prefix` on.
+    vec![0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registrations_round_trip_as_json() {
+        let info = WorkerInfo {
+            role: Role::Decode,
+            addr: "10.0.0.7:50052".into(),
+            model: "qwen".into(),
+            layout: Layout {
+                n_layers: 24,
+                n_kv_heads: 2,
+                head_dim: 64,
+                dtype: "f32".into(),
+            },
+            engine_version: "0.1.0".into(),
+            capacity: Capacity {
+                kv_blocks: 100,
+                block_tokens: 16,
+                max_batch: 32,
+                max_queue: 256,
+            },
+        };
+        let text = serde_json::to_string(&info).unwrap();
+        assert!(text.contains(r#""role":"decode""#), "{text}");
+        assert_eq!(serde_json::from_str::<WorkerInfo>(&text).unwrap(), info);
+        assert_eq!(info.key("/t/"), "/t/decode/10.0.0.7:50052");
+        // A registration without capacity (written by hand, say) still parses.
+        let bare = r#"{"role":"prefill","addr":"a:1","model":"m","engine_version":"x",
+            "layout":{"n_layers":1,"n_kv_heads":1,"head_dim":1,"dtype":"f32"}}"#;
+        let bare: WorkerInfo = serde_json::from_str(bare).unwrap();
+        assert_eq!(bare.capacity, Capacity::default());
+    }
+
+    #[test]
+    fn prefix_end_covers_exactly_the_prefix() {
+        assert_eq!(prefix_end(b"/tandem/"), b"/tandem0".to_vec());
+        assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
+        assert_eq!(prefix_end(b"\xff"), vec![0]);
+    }
+}

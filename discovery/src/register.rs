@@ -1,0 +1,168 @@
+//! A worker's registration: its key under a lease that a background task keeps alive, and
+//! puts back whenever etcd loses it (an outage longer than the TTL, a restored snapshot).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::etcd::{EtcdClient, EtcdError};
+use crate::{pb, WorkerInfo};
+
+/// How long a worker waits before trying etcd again after a failure.
+const RETRY: Duration = Duration::from_millis(500);
+/// How long etcd may take to answer a keep-alive.
+const CALL_WAIT: Duration = Duration::from_secs(3);
+/// How long deregistering may take before the worker goes on draining without it.
+const DEREGISTER_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// A live registration; `deregister` removes it.
+pub struct Registration {
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+    registered: watch::Receiver<bool>,
+}
+
+impl Registration {
+    /// Starts registering `info` under `prefix` in the etcd at `endpoints` with a lease of
+    /// `ttl_s` seconds, and keeps it registered until `deregister`.
+    pub fn spawn(
+        endpoints: &[String],
+        prefix: &str,
+        ttl_s: u64,
+        info: WorkerInfo,
+    ) -> Result<Self, EtcdError> {
+        let client = Arc::new(EtcdClient::new(endpoints)?);
+        let key = info.key(prefix);
+        let value = serde_json::to_vec(&info).expect("a registration serializes");
+        let (stop, stopped) = watch::channel(false);
+        let (up, registered) = watch::channel(false);
+        let ttl = ttl_s.max(1) as i64;
+        let task = tokio::spawn(keep_registered(client, key, value, ttl, stopped, up));
+        Ok(Self {
+            stop,
+            task,
+            registered,
+        })
+    }
+
+    /// Waits until the key is in etcd (or `limit` passes); true when it is.
+    pub async fn wait_registered(&mut self, limit: Duration) -> bool {
+        tokio::time::timeout(limit, self.registered.wait_for(|r| *r))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
+    /// Removes the key (revoking its lease) and stops renewing it.
+    pub async fn deregister(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+    }
+}
+
+/// Registers, renews, and registers again after losing the lease, until `stopped`.
+async fn keep_registered(
+    client: Arc<EtcdClient>,
+    key: String,
+    value: Vec<u8>,
+    ttl: i64,
+    mut stopped: watch::Receiver<bool>,
+    up: watch::Sender<bool>,
+) {
+    let mut lease = None;
+    let mut quiet = false;
+    loop {
+        let held = tokio::select! {
+            r = hold(&client, &key, &value, ttl, &mut lease, &up) => r,
+            _ = stopped.wait_for(|s| *s) => break,
+        };
+        if up.send_replace(false) {
+            quiet = false;
+        }
+        match held {
+            Ok(()) => tracing::warn!(%key, "etcd dropped the lease; registering again"),
+            // Said once per outage, not at every retry.
+            Err(e) if !quiet => {
+                quiet = true;
+                tracing::warn!(%key, error = %e, "etcd registration interrupted; retrying");
+            }
+            Err(e) => tracing::debug!(%key, error = %e, "etcd still unreachable"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(RETRY) => {}
+            _ = stopped.wait_for(|s| *s) => break,
+        }
+    }
+    let _ = up.send(false);
+    let removed = async {
+        match lease {
+            Some(id) => client.revoke(id).await,
+            None => client.delete(&key).await,
+        }
+    };
+    match tokio::time::timeout(DEREGISTER_TIMEOUT, removed).await {
+        Ok(Ok(())) => tracing::info!(%key, "deregistered from etcd"),
+        Ok(Err(e)) => {
+            tracing::warn!(%key, error = %e, "deregistering failed; the lease will expire")
+        }
+        Err(_) => tracing::warn!(%key, "deregistering timed out; the lease will expire"),
+    }
+}
+
+/// Puts the key under a lease (reusing `lease` while etcd still has it) and renews it every
+/// third of the TTL. Returns Ok when etcd reports the lease gone, Err when etcd fails.
+async fn hold(
+    client: &EtcdClient,
+    key: &str,
+    value: &[u8],
+    ttl: i64,
+    lease: &mut Option<i64>,
+    up: &watch::Sender<bool>,
+) -> Result<(), EtcdError> {
+    // After an outage the old lease may still be alive (etcd extends leases over a leader
+    // change); keep it rather than leave a second copy of the key behind.
+    let kept = match *lease {
+        Some(id) => {
+            let (tx, mut replies) = client.keep_alive(id).await?;
+            let reply = next_reply(&mut replies, CALL_WAIT).await?;
+            (reply.ttl > 0).then_some((id, tx, replies))
+        }
+        None => None,
+    };
+    let (id, tx, mut replies) = match kept {
+        Some(k) => k,
+        None => {
+            let id = client.grant(ttl).await?;
+            let (tx, mut replies) = client.keep_alive(id).await?;
+            next_reply(&mut replies, CALL_WAIT).await?;
+            (id, tx, replies)
+        }
+    };
+    *lease = Some(id);
+    client.put(key, value, id).await?;
+    let _ = up.send(true);
+    tracing::info!(%key, lease = id, ttl, "registered in etcd");
+    let period = Duration::from_millis((ttl as u64 * 1000 / 3).max(200));
+    loop {
+        tokio::time::sleep(period).await;
+        tx.send(pb::LeaseKeepAliveRequest { id })
+            .await
+            .map_err(|_| EtcdError::StreamEnded)?;
+        if next_reply(&mut replies, period).await?.ttl <= 0 {
+            *lease = None;
+            return Ok(());
+        }
+    }
+}
+
+/// The next keep-alive reply, within `limit`.
+async fn next_reply(
+    replies: &mut tonic::Streaming<pb::LeaseKeepAliveResponse>,
+    limit: Duration,
+) -> Result<pb::LeaseKeepAliveResponse, EtcdError> {
+    tokio::time::timeout(limit, replies.message())
+        .await
+        .map_err(|_| EtcdError::Timeout(limit))??
+        .ok_or(EtcdError::StreamEnded)
+}

@@ -1,0 +1,187 @@
+//! A worker's life in a cluster: registration in etcd once it serves, and on SIGTERM a
+//! drain (deregister, refuse new work, finish what it holds within a grace period) before
+//! the server stops.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+
+use crate::ServeError;
+
+/// How often a draining worker checks whether it still holds work.
+const DRAIN_POLL: Duration = Duration::from_millis(50);
+/// How long the server may take to close its connections once the drain is over.
+const CLOSE_GRACE: Duration = Duration::from_secs(5);
+
+/// Flags for discovery and draining, shared by the prefill and decode nodes.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ClusterArgs {
+    /// etcd endpoints (host:port), comma separated. With none the worker does not register
+    /// and routers must list it statically.
+    #[arg(long, env = "TANDEM_ETCD_ENDPOINTS", value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+    /// Key prefix of the registrations.
+    #[arg(long, env = "TANDEM_ETCD_PREFIX", default_value = discovery::DEFAULT_PREFIX)]
+    pub etcd_prefix: String,
+    /// The address (host:port) routers and prefill nodes dial; default: the listen address.
+    /// Needed when listening on 0.0.0.0 (in Kubernetes, the pod IP).
+    #[arg(long, env = "TANDEM_ADVERTISE_ADDR")]
+    pub advertise_addr: Option<String>,
+    /// Seconds the registration outlives a worker that stops renewing it (killed, cut off).
+    #[arg(long, env = "TANDEM_LEASE_TTL_S", default_value_t = 10)]
+    pub lease_ttl_s: u64,
+    /// Seconds a worker told to stop may take to finish the work it holds.
+    #[arg(long, env = "TANDEM_DRAIN_GRACE_S", default_value_t = 30)]
+    pub drain_grace_s: u64,
+}
+
+impl ClusterArgs {
+    /// The address to register: `--advertise-addr`, else the listen address when it is a
+    /// specific one.
+    pub fn advertise(&self, listen: SocketAddr) -> Result<String, ServeError> {
+        match &self.advertise_addr {
+            Some(a) => Ok(a.clone()),
+            None if listen.ip().is_unspecified() && !self.etcd_endpoints.is_empty() => {
+                Err(ServeError::Config(format!(
+                    "listening on {listen}: set --advertise-addr to the address others dial"
+                )))
+            }
+            None => Ok(listen.to_string()),
+        }
+    }
+}
+
+/// Refuses new work once the worker drains, and counts the calls it still serves.
+#[derive(Debug, Clone, Default)]
+pub struct Gate {
+    draining: Arc<AtomicBool>,
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// One call the worker serves; the count drops when it is dropped.
+#[derive(Debug)]
+pub struct Pass(Arc<AtomicUsize>);
+
+impl Drop for Pass {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Gate {
+    /// True once the worker has been told to stop.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// Admits a new piece of work, or refuses it as UNAVAILABLE while draining, so that
+    /// the router retries it elsewhere.
+    pub fn admit(&self) -> Result<Pass, tonic::Status> {
+        if self.draining() {
+            return Err(tonic::Status::unavailable(
+                "the worker is draining and takes no new work",
+            ));
+        }
+        Ok(self.track())
+    }
+
+    /// Counts work that belongs to a request already admitted (a KV transfer for a
+    /// Generate call this node holds), which a drain must still accept.
+    pub fn track(&self) -> Pass {
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        Pass(Arc::clone(&self.in_flight))
+    }
+
+    /// Calls in progress.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+}
+
+/// A stream that holds a `Pass` until it is dropped (the call ended or its caller left).
+pub struct Tracked<S> {
+    inner: S,
+    _pass: Pass,
+}
+
+impl<S> Tracked<S> {
+    /// `inner`, counted as in flight while it lives.
+    pub fn new(inner: S, pass: Pass) -> Self {
+        Self { inner, _pass: pass }
+    }
+}
+
+impl<S: tokio_stream::Stream + Unpin> tokio_stream::Stream for Tracked<S> {
+    type Item = S::Item;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        std::pin::Pin::new(&mut self.inner).poll_next(cx)
+    }
+}
+
+/// Serves `routes` (and `/metrics`) on `listener`; registers `info` in etcd when
+/// configured; on `shutdown` drains through `gate` and stops.
+pub async fn serve_worker(
+    listener: TcpListener,
+    routes: tonic::service::Routes,
+    render: impl Fn() -> String + Clone + Send + Sync + 'static,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    args: &ClusterArgs,
+    info: discovery::WorkerInfo,
+    gate: Gate,
+) -> Result<(), ServeError> {
+    let registration = if args.etcd_endpoints.is_empty() {
+        None
+    } else {
+        Some(discovery::Registration::spawn(
+            &args.etcd_endpoints,
+            &args.etcd_prefix,
+            args.lease_ttl_s,
+            info,
+        )?)
+    };
+    let grace = Duration::from_secs(args.drain_grace_s);
+    let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
+    let drain = async move {
+        shutdown.await;
+        gate.draining.store(true, Ordering::Release);
+        tracing::info!(in_flight = gate.in_flight(), "draining: no new work");
+        if let Some(r) = registration {
+            r.deregister().await;
+        }
+        let deadline = tokio::time::Instant::now() + grace;
+        while gate.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(DRAIN_POLL).await;
+        }
+        match gate.in_flight() {
+            0 => tracing::info!("drained"),
+            n => tracing::warn!(
+                in_flight = n,
+                ?grace,
+                "grace period over; stopping with work in flight"
+            ),
+        }
+        let _ = drained_tx.send(());
+    };
+    let server = crate::serve_grpc_with_metrics(listener, routes, render, drain);
+    tokio::pin!(server);
+    // Once drained, connections get CLOSE_GRACE to close; a peer that keeps one open (or
+    // stopped answering) cannot hold the process.
+    tokio::select! {
+        r = &mut server => return Ok(r?),
+        _ = drained_rx => {}
+    }
+    match tokio::time::timeout(CLOSE_GRACE, server).await {
+        Ok(r) => Ok(r?),
+        Err(_) => {
+            tracing::warn!("connections still open after the drain; stopping anyway");
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,183 @@
+//! A real etcd server for one test: a single member on free localhost ports with its own
+//! data folder, which a test can kill and start again on the same ports to play an outage.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::{free_port, scratch, wait_answer, Proc};
+
+/// How long etcd may take to report healthy after a start.
+const START_LIMIT: Duration = Duration::from_secs(20);
+
+/// The etcd server binary: `$ETCD_BIN`, else the Debian package's.
+fn etcd_bin() -> PathBuf {
+    let bin = std::env::var_os("ETCD_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/bin/etcd"));
+    assert!(
+        bin.exists(),
+        "etcd is missing: apt-get install etcd-server etcd-client (.ci/run does this); looked for {}",
+        bin.display()
+    );
+    bin
+}
+
+/// The etcd client binary: `$ETCDCTL_BIN`, else `etcdctl` beside the server.
+fn etcdctl_bin() -> PathBuf {
+    let bin = std::env::var_os("ETCDCTL_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| etcd_bin().with_file_name("etcdctl"));
+    assert!(
+        bin.exists(),
+        "etcdctl is missing: apt-get install etcd-server etcd-client (.ci/run does this); looked for {}",
+        bin.display()
+    );
+    bin
+}
+
+/// A single-member etcd cluster on localhost; killed on drop.
+pub struct Etcd {
+    client_port: u16,
+    peer_port: u16,
+    data_dir: PathBuf,
+    proc: Option<Proc>,
+    /// The log of each start, oldest first (a restart must not overwrite the outage's).
+    logs: Vec<PathBuf>,
+}
+
+impl Etcd {
+    /// Starts etcd on free ports and waits until it reports healthy.
+    pub async fn start() -> Self {
+        let client_port = free_port();
+        let peer_port = loop {
+            // Two ephemeral binds in a row can get the same port.
+            let p = free_port();
+            if p != client_port {
+                break p;
+            }
+        };
+        let mut etcd = Self {
+            client_port,
+            peer_port,
+            data_dir: scratch().join(format!("etcd-{client_port}")),
+            proc: None,
+            logs: Vec::new(),
+        };
+        etcd.launch().await;
+        etcd
+    }
+
+    /// The client endpoint, `127.0.0.1:<port>`, as `--etcd-endpoints` takes it.
+    pub fn endpoint(&self) -> String {
+        format!("127.0.0.1:{}", self.client_port)
+    }
+
+    /// Kills etcd with SIGKILL (its clients get no goodbye, as in a crash) and waits for it
+    /// to exit.
+    pub fn stop(&mut self) {
+        if let Some(mut proc) = self.proc.take() {
+            proc.kill();
+        }
+    }
+
+    /// Starts etcd again on the same ports and data folder, and waits until it is healthy.
+    pub async fn restart(&mut self) {
+        self.stop();
+        self.launch().await;
+    }
+
+    /// Writes `key` = `value`, without a lease: it stays until deleted.
+    pub fn put(&self, key: &str, value: &str) {
+        self.ctl(&["put", key, value]);
+    }
+
+    /// Every key under `prefix` with its value, in key order.
+    pub fn get_prefix(&self, prefix: &str) -> Vec<(String, String)> {
+        let out = self.ctl(&["get", "--prefix", prefix]);
+        // etcdctl prints each key on one line and its value on the next; the values the
+        // tests read (registrations) are one-line JSON.
+        let lines: Vec<&str> = out.lines().collect();
+        assert!(
+            lines.len().is_multiple_of(2),
+            "etcdctl get --prefix {prefix}: a value spans lines:\n{out}"
+        );
+        lines
+            .chunks(2)
+            .map(|kv| (kv[0].to_string(), kv[1].to_string()))
+            .collect()
+    }
+
+    /// Every start's log, for failure messages.
+    pub fn logs(&self) -> String {
+        self.logs
+            .iter()
+            .map(|log| {
+                format!(
+                    "== {}\n{}",
+                    log.display(),
+                    std::fs::read_to_string(log).unwrap_or_default()
+                )
+            })
+            .collect()
+    }
+
+    /// Runs `etcdctl` (v3 API, bounded) against this server; its stdout. Panics with the
+    /// server's log when the command fails.
+    fn ctl(&self, args: &[&str]) -> String {
+        let out = Command::new(etcdctl_bin())
+            .env("ETCDCTL_API", "3")
+            .arg(format!("--endpoints={}", self.endpoint()))
+            .args(["--dial-timeout=2s", "--command-timeout=5s"])
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("running etcdctl: {e}"));
+        assert!(
+            out.status.success(),
+            "etcdctl {args:?} failed ({}): {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            self.logs()
+        );
+        String::from_utf8(out.stdout).expect("etcdctl prints UTF-8")
+    }
+
+    /// Spawns the server on this instance's ports and data folder and waits until its
+    /// health endpoint says so.
+    async fn launch(&mut self) {
+        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let args: Vec<String> = [
+            "--name",
+            "e2e",
+            "--data-dir",
+            &self.data_dir.display().to_string(),
+            "--listen-client-urls",
+            &client,
+            "--advertise-client-urls",
+            &client,
+            "--listen-peer-urls",
+            &peer,
+            "--initial-advertise-peer-urls",
+            &peer,
+            "--initial-cluster",
+            &format!("e2e={peer}"),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let tag = format!("etcd-{}-{}", self.client_port, self.logs.len());
+        let proc = self.proc.insert(Proc::spawn(&etcd_bin(), &args, &tag));
+        self.logs.push(proc.log.clone());
+        let healthy = |status: u16, body: &str| {
+            status == 200
+                && serde_json::from_str::<Value>(body).is_ok_and(|v| v["health"] == "true")
+        };
+        let url = format!("{client}/health");
+        if let Err(why) = wait_answer(proc, &url, START_LIMIT, healthy).await {
+            panic!("etcd is not healthy: {why}; log:\n{}", self.logs());
+        }
+    }
+}
