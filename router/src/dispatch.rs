@@ -145,7 +145,7 @@ where
     F: FnMut(Vec<String>) -> Fut,
     Fut: std::future::Future<Output = Result<(), Failed>> + 'a,
 {
-    state.earn_retry();
+    state.retry_budget.earn();
     let settings = &state.decode.settings;
     let mut avoid = Vec::new();
     let mut last: Option<RouterError> = None;
@@ -161,8 +161,13 @@ where
         };
         if let Some(w) = &failed.culprit {
             // A full worker is busy, not broken: it is avoided but its breaker stays shut.
-            if !matches!(failed.error, RouterError::WorkerBusy { .. }) {
-                w.failed(settings);
+            match failed.error {
+                RouterError::WorkerBusy { .. } => {}
+                RouterError::WorkerUnavailable { .. } => {
+                    w.failed(settings);
+                    w.mark_down();
+                }
+                _ => w.failed(settings),
             }
             avoid.push(w.addr.clone());
         }
@@ -170,7 +175,7 @@ where
             && failed.error.retryable()
             && failed.culprit.is_some()
             && n < state.cfg.max_attempts
-            && state.spend_retry();
+            && state.retry_budget.spend();
         if !again {
             return Err(failed.error);
         }

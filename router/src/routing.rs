@@ -1,7 +1,7 @@
 //! Routing policies: which ready worker takes a request.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::workers::Worker;
 
@@ -120,4 +120,155 @@ impl Policy for LeastLoad {
             .map(|(i, _)| i)
             .expect("ready is not empty")
     }
+}
+
+/// Retries to spend: each request earns a fifth of one, a burst may spend ten before any
+/// are earned, and no more than a hundred are saved, so retries stay a bounded share of
+/// requests however badly a pool fails.
+#[derive(Debug)]
+pub struct RetryBudget(Mutex<u32>);
+
+impl RetryBudget {
+    /// The budget counts fifths of a retry, so that a request's share is exact.
+    const RETRY: u32 = 5;
+    const START: u32 = 10 * Self::RETRY;
+    const MAX: u32 = 100 * Self::RETRY;
+
+    /// Credits one request's share.
+    pub fn earn(&self) {
+        let mut b = self.0.lock().expect("budget lock");
+        *b = (*b + 1).min(Self::MAX);
+    }
+
+    /// Takes one retry; false when the budget is spent.
+    pub fn spend(&self) -> bool {
+        let mut b = self.0.lock().expect("budget lock");
+        match b.checked_sub(Self::RETRY) {
+            Some(left) => {
+                *b = left;
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+impl Default for RetryBudget {
+    fn default() -> Self {
+        Self(Mutex::new(Self::START))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workers::{block_hashes, PoolSettings, Worker};
+    use std::time::Duration;
+
+    fn workers(n: usize) -> Vec<Arc<Worker>> {
+        let s = PoolSettings {
+            connect_timeout: Duration::from_millis(100),
+            breaker_failures: 3,
+            breaker_cooldown: Duration::from_secs(1),
+        };
+        (0..n)
+            .map(|i| {
+                Arc::new(Worker::new_for_tests(
+                    &format!("127.0.0.1:{}", 1000 + i),
+                    &s,
+                ))
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn round_robin_takes_each_in_turn() {
+        let ws = workers(3);
+        let p = RoundRobin::default();
+        let picks: Vec<usize> = (0..6).map(|_| p.decode(&ws, 10, 1)).collect();
+        assert_eq!(picks, [0, 1, 2, 0, 1, 2]);
+    }
+
+    #[tokio::test]
+    async fn least_load_prefill_prefers_fewer_outstanding_tokens() {
+        let ws = workers(3);
+        ws[0].prefill_tokens.store(500, Ordering::Relaxed);
+        ws[1].prefill_tokens.store(100, Ordering::Relaxed);
+        ws[2].prefill_tokens.store(300, Ordering::Relaxed);
+        let p = LeastLoad { affinity_slack: 0 };
+        assert_eq!(p.prefill(&ws, &[]), 1);
+    }
+
+    #[tokio::test]
+    async fn prefix_affinity_wins_unless_the_worker_is_overloaded() {
+        let ws = workers(2);
+        let prompt: Vec<u32> = (0..64).collect();
+        let hashes = block_hashes(&prompt);
+        ws[0].remember_prefix(&hashes);
+        ws[0].prefill_tokens.store(1000, Ordering::Relaxed);
+        let p = LeastLoad {
+            affinity_slack: 2000,
+        };
+        assert_eq!(
+            p.prefill(&ws, &hashes),
+            0,
+            "holds the prefix, within the slack"
+        );
+        ws[0].prefill_tokens.store(5000, Ordering::Relaxed);
+        assert_eq!(p.prefill(&ws, &hashes), 1, "too far above the least loaded");
+        let other: Vec<u32> = (100..164).collect();
+        ws[0].prefill_tokens.store(0, Ordering::Relaxed);
+        ws[1].prefill_tokens.store(10, Ordering::Relaxed);
+        assert_eq!(
+            p.prefill(&ws, &block_hashes(&other)),
+            0,
+            "no affinity: least load"
+        );
+    }
+
+    #[tokio::test]
+    async fn least_load_decode_weighs_free_blocks_then_sequences() {
+        let ws = workers(2);
+        ws[0].set_load_for_tests(proto::v1::WorkerLoad {
+            running: 1,
+            kv_blocks_capacity: 100,
+            kv_blocks_free: 10,
+            kv_block_tokens: 16,
+            ..Default::default()
+        });
+        ws[1].set_load_for_tests(proto::v1::WorkerLoad {
+            running: 5,
+            kv_blocks_capacity: 100,
+            kv_blocks_free: 80,
+            kv_block_tokens: 16,
+            ..Default::default()
+        });
+        let p = LeastLoad { affinity_slack: 0 };
+        assert_eq!(
+            p.decode(&ws, 160, 1),
+            1,
+            "more free KV wins over fewer sequences"
+        );
+        // This router's own placements count when they exceed what the node last said.
+        ws[1].blocks.store(95, Ordering::Relaxed);
+        assert_eq!(p.decode(&ws, 160, 1), 0);
+    }
+}
+
+#[test]
+fn the_retry_budget_bounds_retries_to_a_share_of_requests() {
+    let b = RetryBudget::default();
+    let burst = std::iter::from_fn(|| b.spend().then_some(())).count();
+    assert_eq!(burst, 10, "a burst spends the starting budget");
+    for _ in 0..10 {
+        b.earn();
+    }
+    assert!(b.spend(), "ten requests earn two retries");
+    assert!(b.spend());
+    assert!(!b.spend());
+    for _ in 0..10_000 {
+        b.earn();
+    }
+    let saved = std::iter::from_fn(|| b.spend().then_some(())).count();
+    assert_eq!(saved, 100, "no more than a hundred saved");
 }

@@ -1,13 +1,14 @@
 //! What every handler shares.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::{Config, Mode, ReasoningParser, ToolCallParser};
 use crate::error::RouterError;
 use crate::keys::{Key, Keys};
 use crate::metrics::Metrics;
+use crate::routing::RetryBudget;
 use crate::structured::ToolFormat;
 use crate::workers::{Expected, Pool, PoolSettings};
 
@@ -34,15 +35,8 @@ pub struct AppState {
     /// True while etcd cannot be reached (the last known workers keep serving).
     pub degraded: AtomicBool,
     /// Retries left to spend, so that a failing pool cannot make retries storm.
-    retry_budget: Mutex<f64>,
+    pub retry_budget: RetryBudget,
 }
-
-/// Retries a burst may spend before requests have earned more.
-const RETRY_BUDGET_START: f64 = 10.0;
-/// The most retries saved up.
-const RETRY_BUDGET_MAX: f64 = 100.0;
-/// Retries each request earns: retries stay within a fifth of requests.
-const RETRY_BUDGET_PER_REQUEST: f64 = 0.2;
 
 /// Where the worker set comes from, for readiness.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,7 +143,7 @@ impl AppState {
             started: Instant::now(),
             api_keys,
             degraded: AtomicBool::new(false),
-            retry_budget: Mutex::new(RETRY_BUDGET_START),
+            retry_budget: RetryBudget::default(),
         })
     }
 
@@ -161,23 +155,6 @@ impl AppState {
             Discovery::Degraded
         } else {
             Discovery::Ok
-        }
-    }
-
-    /// Credits the retry budget with one request's share.
-    pub fn earn_retry(&self) {
-        let mut b = self.retry_budget.lock().expect("budget lock");
-        *b = (*b + RETRY_BUDGET_PER_REQUEST).min(RETRY_BUDGET_MAX);
-    }
-
-    /// Takes one retry from the budget; false when it is spent.
-    pub fn spend_retry(&self) -> bool {
-        let mut b = self.retry_budget.lock().expect("budget lock");
-        if *b >= 1.0 {
-            *b -= 1.0;
-            true
-        } else {
-            false
         }
     }
 

@@ -145,6 +145,20 @@ impl Worker {
         })
     }
 
+    /// A healthy worker at `addr` with nothing placed on it, for policy tests.
+    #[cfg(test)]
+    pub fn new_for_tests(addr: &str, s: &PoolSettings) -> Self {
+        let w = Self::new(addr, None, s).expect("a valid address");
+        w.probe.lock().expect("probe lock").ok = true;
+        w
+    }
+
+    /// Sets what the last probe reported, for policy tests.
+    #[cfg(test)]
+    pub fn set_load_for_tests(&self, load: WorkerLoad) {
+        self.probe.lock().expect("probe lock").load = load;
+    }
+
     /// A client for a prefill node.
     pub fn prefill(&self) -> PrefillClient<Channel> {
         PrefillClient::new(self.channel.clone())
@@ -196,6 +210,12 @@ impl Worker {
             tracing::warn!(worker = %self.addr, failures = b.failures, cooldown = ?b.cooldown,
                 "circuit breaker open");
         }
+    }
+
+    /// Takes the worker out of rotation until it answers a health probe again: a call to it
+    /// found it down or cut off, and the next probe may be a second away.
+    pub fn mark_down(&self) {
+        self.probe.lock().expect("probe lock").ok = false;
     }
 
     /// Records a request this worker served.
@@ -535,4 +555,164 @@ pub fn render(pools: &[(&str, &Pool)]) -> String {
     let mut out = states;
     let _ = write!(out, "{breakers}");
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(failures: u32, cooldown_ms: u64) -> PoolSettings {
+        PoolSettings {
+            connect_timeout: Duration::from_millis(100),
+            breaker_failures: failures,
+            breaker_cooldown: Duration::from_millis(cooldown_ms),
+        }
+    }
+
+    fn healthy(addr: &str, s: &PoolSettings) -> Worker {
+        Worker::new_for_tests(addr, s)
+    }
+
+    #[tokio::test]
+    async fn the_breaker_opens_after_repeated_failures_and_lets_a_trial_through_later() {
+        let s = settings(3, 50);
+        let w = healthy("127.0.0.1:1", &s);
+        w.failed(&s);
+        w.failed(&s);
+        assert_eq!(
+            w.state(),
+            State::Ready,
+            "two failures stay under the threshold"
+        );
+        w.failed(&s);
+        assert_eq!(w.state(), State::Open);
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert_eq!(
+            w.state(),
+            State::Ready,
+            "half open once the cooldown has passed"
+        );
+        w.failed(&s);
+        assert_eq!(w.state(), State::Open, "one failed trial opens it again");
+        assert_eq!(
+            w.breaker.lock().unwrap().cooldown,
+            Duration::from_millis(100),
+            "for twice as long"
+        );
+        w.succeeded(&s);
+        assert_eq!(w.state(), State::Ready);
+        w.failed(&s);
+        assert_eq!(w.state(), State::Ready, "a success starts the count again");
+    }
+
+    #[tokio::test]
+    async fn a_success_between_failures_keeps_the_breaker_shut() {
+        let s = settings(2, 1000);
+        let w = healthy("127.0.0.1:1", &s);
+        for _ in 0..5 {
+            w.failed(&s);
+            w.succeeded(&s);
+        }
+        assert_eq!(w.state(), State::Ready);
+    }
+
+    #[tokio::test]
+    async fn states_follow_probes_and_registrations() {
+        let s = settings(3, 1000);
+        let w = Worker::new("127.0.0.1:1", None, &s).unwrap();
+        assert_eq!(
+            w.state(),
+            State::Unhealthy,
+            "never routed to before a probe"
+        );
+        w.probe.lock().unwrap().ok = true;
+        w.probe.lock().unwrap().draining = true;
+        assert_eq!(w.state(), State::Draining);
+        let other = Worker::new("127.0.0.1:1", Some("model x".into()), &s).unwrap();
+        other.probe.lock().unwrap().ok = true;
+        assert_eq!(other.state(), State::Incompatible);
+    }
+
+    fn layout(n: u32) -> discovery::Layout {
+        discovery::Layout {
+            n_layers: n,
+            n_kv_heads: 2,
+            head_dim: 8,
+            dtype: "f32".into(),
+        }
+    }
+
+    fn info(role: Role, addr: &str, model: &str, layers: u32, version: &str) -> WorkerInfo {
+        WorkerInfo {
+            role,
+            addr: addr.into(),
+            model: model.into(),
+            layout: layout(layers),
+            engine_version: version.into(),
+            capacity: Default::default(),
+        }
+    }
+
+    #[tokio::test]
+    async fn sync_follows_registrations_and_rules_out_mismatches() {
+        let expected = Expected {
+            model: "m".into(),
+            layout: layout(2),
+            engine_version: "1".into(),
+        };
+        let policy = crate::routing::PolicyKind::RoundRobin.build(0);
+        let pool = Pool::new(
+            "decode",
+            Role::Decode,
+            &["127.0.0.1:9".into()],
+            expected,
+            settings(3, 1000),
+            policy,
+        )
+        .unwrap();
+        let mut set = BTreeMap::new();
+        set.insert(
+            "k/a".into(),
+            info(Role::Decode, "127.0.0.1:10", "m", 2, "1"),
+        );
+        set.insert(
+            "k/b".into(),
+            info(Role::Decode, "127.0.0.1:11", "other", 2, "1"),
+        );
+        set.insert(
+            "k/c".into(),
+            info(Role::Decode, "127.0.0.1:12", "m", 3, "1"),
+        );
+        set.insert(
+            "k/d".into(),
+            info(Role::Decode, "127.0.0.1:13", "m", 2, "2"),
+        );
+        set.insert(
+            "k/p".into(),
+            info(Role::Prefill, "127.0.0.1:14", "m", 2, "1"),
+        );
+        pool.sync(&set);
+        // The static worker and four decode registrations (not the prefill one); three of
+        // them serve something else.
+        assert_eq!(pool.states(), [0, 2, 0, 3, 0]);
+        set.remove("k/a");
+        pool.sync(&set);
+        assert_eq!(pool.states(), [0, 1, 0, 3, 0], "a worker that left is gone");
+        pool.sync(&BTreeMap::new());
+        assert_eq!(pool.states(), [0, 1, 0, 0, 0], "static workers stay");
+    }
+
+    #[test]
+    fn block_hashes_chain_whole_blocks() {
+        let a: Vec<u32> = (0..40).collect();
+        let mut b = a.clone();
+        b[20] = 999;
+        let (ha, hb) = (block_hashes(&a), block_hashes(&b));
+        assert_eq!(ha.len(), 2, "only whole blocks of {AFFINITY_BLOCK}");
+        assert_eq!(ha[0], hb[0], "same first block");
+        assert_ne!(
+            ha[1], hb[1],
+            "the second differs, and so every hash after it"
+        );
+    }
 }

@@ -388,17 +388,16 @@ async fn kill9_prefill_is_retried() {
     f.wait_workers(Role::Prefill, "ready", 1, SEE).await;
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn kill9_decode_mid_stream() {
-    // A long generation, so the stream is still running when its decode node dies.
-    let max_tokens = 1900;
-    let router_args = ["--max-iter-times", "1900"];
-    let f = start_fleet(&router_args, 1, WORKER, 2, WORKER).await;
-    let probe = request(1, 2, 16, false);
-    let expected = text_of(&f, &probe).await;
+/// A long generation, so that a stream is still running when its decode node is hit.
+const LONG_STREAM: usize = 1900;
+/// Router flags that let a request make `LONG_STREAM` tokens.
+const LONG_ROUTER: &[&str] = &["--max-iter-times", "1900"];
 
+/// Opens a long stream and reads its first chunks; returns the chunks so far, the rest of
+/// the stream, and which decode node runs it.
+async fn stream_in_flight(f: &Fleet) -> (Vec<String>, SseStream, usize) {
     let url = format!("{}/v1/completions", f.url);
-    let (status, mut stream) = SseStream::open(&url, &request(0, 2, max_tokens, true)).await;
+    let (status, mut stream) = SseStream::open(&url, &request(0, 2, LONG_STREAM, true)).await;
     assert_eq!(status, 200);
     let mut data = Vec::new();
     for _ in 0..3 {
@@ -411,14 +410,18 @@ async fn kill9_decode_mid_stream() {
         }
     }
     let &[serving] = serving.as_slice() else {
-        panic!("decode nodes running the stream: {serving:?} (it ended before the kill?)");
+        panic!("decode nodes running the stream: {serving:?} (it ended before the fault?)");
     };
-    f.decode[serving].proc.signal("KILL");
+    (data, stream, serving)
+}
 
+/// Reads the rest of a stream whose decode node failed; panics unless it ends within `SEE`
+/// with an error event and no finish_reason.
+async fn ends_with_error(f: &Fleet, mut data: Vec<String>, mut stream: SseStream) {
     let rest = tokio::time::timeout(SEE, stream.rest()).await;
     data.extend(rest.unwrap_or_else(|_| {
         panic!(
-            "the stream did not end {SEE:?} after its decode node died; logs:\n{}",
+            "the stream did not end {SEE:?} after its decode node failed; logs:\n{}",
             f.logs()
         )
     }));
@@ -434,12 +437,37 @@ async fn kill9_decode_mid_stream() {
             .all(|c| c["choices"][0]["finish_reason"].is_null()),
         "a cut stream claims to have finished: {data:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kill9_decode_mid_stream() {
+    let f = start_fleet(LONG_ROUTER, 1, WORKER, 2, WORKER).await;
+    let probe = request(1, 2, 16, false);
+    let expected = text_of(&f, &probe).await;
+
+    let (data, stream, serving) = stream_in_flight(&f).await;
+    f.decode[serving].proc.signal("KILL");
+    ends_with_error(&f, data, stream).await;
 
     // The other decode node serves what comes next.
     let other = &f.decode[1 - serving];
     let before = decodes_admitted(other).await;
     assert_eq!(text_of(&f, &probe).await, expected);
     assert_eq!(decodes_admitted(other).await, before + 1.0);
+    prefill_holds_nothing(&f.prefill[0]).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stopped_decode_mid_stream_ends_the_stream() {
+    // The lease outlasts the test: only the connection's pings can notice the pause.
+    let decode_args = ["--lease-ttl-s", "120", "--drain-grace-s", "10"];
+    let f = start_fleet(LONG_ROUTER, 1, WORKER, 2, &decode_args).await;
+    let (data, stream, serving) = stream_in_flight(&f).await;
+    f.decode[serving].proc.signal("STOP");
+    ends_with_error(&f, data, stream).await;
+    // Woken up, the node finds its caller gone and frees the sequence's blocks.
+    f.decode[serving].proc.signal("CONT");
+    decode_holds_nothing(&f.decode[serving]).await;
     prefill_holds_nothing(&f.prefill[0]).await;
 }
 
