@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use engine::model::argmax;
 use engine::{Model, SeqCache, SeqInput};
 
+pub mod load;
 pub mod serve;
 
 /// Read bandwidth in bytes/s: `threads` threads each sum their share of a buffer much larger

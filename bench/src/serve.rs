@@ -17,57 +17,21 @@ pub struct Sample {
     pub tokens: usize,
 }
 
-/// Streams one chat request and times it. Each SSE chunk before the last carries one token.
+/// Streams one chat request and times it.
 pub async fn stream_once(
     client: &reqwest::Client,
     url: &str,
     body: &Value,
 ) -> Result<Sample, String> {
-    let started = Instant::now();
-    let mut resp = client
-        .post(format!("{url}/v1/chat/completions"))
-        .json(body)
-        .send()
-        .await
-        .map_err(|e| e.to_string())?;
-    if !resp.status().is_success() {
-        return Err(format!("HTTP {}", resp.status()));
+    let r = crate::load::stream_request(client, &format!("{url}/v1/chat/completions"), body).await;
+    if let Some(e) = r.error {
+        return Err(e);
     }
-    let mut buf = String::new();
-    let mut arrivals = Vec::new();
-    while let Some(bytes) = resp.chunk().await.map_err(|e| e.to_string())? {
-        let now = started.elapsed().as_secs_f64();
-        buf.push_str(&String::from_utf8_lossy(&bytes));
-        while let Some(end) = buf.find("\n\n") {
-            let event: String = buf.drain(..end + 2).collect();
-            let Some(data) = event.trim().strip_prefix("data: ") else {
-                continue;
-            };
-            if data == "[DONE]" {
-                continue;
-            }
-            let v: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
-            if v.get("error").is_some() {
-                return Err(v.to_string());
-            }
-            if v.get("usage").is_none() {
-                arrivals.push(now);
-            }
-        }
-    }
-    let (Some(&first), Some(&last)) = (arrivals.first(), arrivals.last()) else {
-        return Err("no token arrived".into());
-    };
-    let tokens = arrivals.len();
     Ok(Sample {
-        ttft: first,
-        tpot: if tokens > 1 {
-            (last - first) / (tokens - 1) as f64
-        } else {
-            0.0
-        },
-        latency: started.elapsed().as_secs_f64(),
-        tokens,
+        ttft: r.ttft,
+        tpot: r.tpot(),
+        latency: r.latency,
+        tokens: r.output_tokens,
     })
 }
 
