@@ -77,6 +77,8 @@ impl PrefillService {
             // seconds, so the prompt's KV is freed and the router can retry elsewhere.
             .http2_keep_alive_interval(runtime::KEEPALIVE_INTERVAL)
             .keep_alive_timeout(runtime::KEEPALIVE_TIMEOUT)
+            .initial_stream_window_size(runtime::STREAM_WINDOW)
+            .initial_connection_window_size(runtime::CONNECTION_WINDOW)
             .connect_lazy();
         channels.insert(addr.to_string(), channel.clone());
         Ok(channel)

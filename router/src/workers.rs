@@ -129,6 +129,8 @@ impl Worker {
                 // within seconds instead of hanging it.
                 .http2_keep_alive_interval(runtime::KEEPALIVE_INTERVAL)
                 .keep_alive_timeout(runtime::KEEPALIVE_TIMEOUT)
+                .initial_stream_window_size(runtime::STREAM_WINDOW)
+                .initial_connection_window_size(runtime::CONNECTION_WINDOW)
                 .connect_lazy(),
             mismatch,
             probe: Mutex::default(),

@@ -18,6 +18,17 @@ pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_se
 /// See [`KEEPALIVE_INTERVAL`].
 pub const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// HTTP/2 flow-control windows of every gRPC connection, both ends. h2's default of 64 KiB
+/// lets a KV transfer send one window per round trip, a few percent of what loopback
+/// carries; megabytes in flight keep the pipe full.
+pub const STREAM_WINDOW: u32 = 8 << 20;
+/// See [`STREAM_WINDOW`]: one connection carries many transfers at once.
+pub const CONNECTION_WINDOW: u32 = 32 << 20;
+
+/// Largest HTTP/2 frame a worker accepts: a KV chunk crosses in a few frames, not a
+/// hundred 16 KiB ones.
+pub const MAX_FRAME: u32 = 1 << 20;
+
 /// A cache layout as registrations carry it.
 pub fn layout_info(l: &engine::KvLayout) -> discovery::Layout {
     discovery::Layout {
@@ -109,6 +120,9 @@ pub async fn serve_grpc_with_metrics(
     let router = routes.into_axum_router().route("/metrics", metrics);
     tonic::transport::Server::builder()
         .accept_http1(true)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(Some(MAX_FRAME))
         .add_routes(router.into())
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
         .await

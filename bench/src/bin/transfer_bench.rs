@@ -1,0 +1,197 @@
+//! KV transfer against the wire: a real decode node receives whole KV caches of 128 to 4096
+//! tokens over gRPC on loopback (the prefill node's message sizes, layer by layer), timed
+//! from the first message to the acknowledgement, next to the TCP loopback bandwidth
+//! measured in the same run.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Parser;
+use e2e::{bin, free_port, Proc};
+use proto::v1::decode_client::DecodeClient;
+use proto::v1::{kv_transfer::Item, FirstTokens, KvChunk, KvHeader, KvTransfer, Token};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+#[derive(Debug, Parser)]
+#[command(name = "transfer-bench")]
+struct Args {
+    /// Model folder or GGUF file: its KV layout sets the bytes per token.
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt lengths in tokens, comma separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "128,256,512,1024,2048,4096"
+    )]
+    tokens: Vec<usize>,
+    /// Transfers per length; the best is reported.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// K (and V) bytes per message, as the prefill node's --transfer-chunk-bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    chunk_bytes: usize,
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// Loopback TCP bandwidth in bytes/s: 1 GiB through one connection in 1 MiB writes, best
+/// of three.
+async fn loopback_bandwidth() -> anyhow::Result<f64> {
+    const TOTAL: usize = 1 << 30;
+    let mut best = Duration::MAX;
+    for _ in 0..3 {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let reader = tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await?;
+            let mut buf = vec![0u8; 1 << 20];
+            let mut got = 0;
+            while got < TOTAL {
+                let n = sock.read(&mut buf).await?;
+                anyhow::ensure!(n > 0, "the writer closed early");
+                got += n;
+            }
+            Ok::<_, anyhow::Error>(Instant::now())
+        });
+        let mut sock = tokio::net::TcpStream::connect(addr).await?;
+        sock.set_nodelay(true)?;
+        let buf = vec![7u8; 1 << 20];
+        let started = Instant::now();
+        for _ in 0..TOTAL / buf.len() {
+            sock.write_all(&buf).await?;
+        }
+        let done = reader.await??;
+        best = best.min(done - started);
+    }
+    Ok(TOTAL as f64 / best.as_secs_f64())
+}
+
+/// The messages of one transfer of `tokens` positions, as a prefill node sends them.
+fn transfer(
+    id: &str,
+    layout: &engine::KvLayout,
+    tokens: usize,
+    chunk_bytes: usize,
+) -> Vec<KvTransfer> {
+    let row = layout.n_kv_heads * layout.head_dim * 4;
+    let per_message = (chunk_bytes / row).max(1);
+    let mut out = vec![KvTransfer {
+        item: Some(Item::Header(KvHeader {
+            request_id: id.into(),
+            layout: Some(proto::layout_to_proto(layout)),
+            tokens: (0..tokens as u32).map(|t| t % 100 + 1).collect(),
+        })),
+    }];
+    for layer in 0..layout.n_layers as u32 {
+        let mut start = 0;
+        while start < tokens {
+            let len = per_message.min(tokens - start);
+            let bytes = vec![0x3fu8; len * row];
+            out.push(KvTransfer {
+                item: Some(Item::Chunk(KvChunk {
+                    layer,
+                    start: start as u32,
+                    len: len as u32,
+                    k: bytes.clone(),
+                    v: bytes,
+                })),
+            });
+            start += len;
+        }
+    }
+    out.push(KvTransfer {
+        item: Some(Item::First(FirstTokens {
+            tokens: vec![Token {
+                id: 1,
+                ..Default::default()
+            }],
+        })),
+    });
+    out
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let a = Args::parse();
+    let text = engine::load_text(&a.model).context("reading the model's config")?;
+    let layout = engine::KvLayout::for_model(&text.config);
+    let per_token = 2 * layout.n_layers * layout.n_kv_heads * layout.head_dim * 4;
+    let addr = format!("127.0.0.1:{}", free_port());
+    // Caches nobody claims are dropped after a second, so repeats do not pile up.
+    let _decode = Proc::spawn(
+        &bin("tandem-decode"),
+        &[
+            "--model".into(),
+            a.model.display().to_string(),
+            "--listen".into(),
+            addr.clone(),
+            "--kv-timeout-ms".into(),
+            "1000".into(),
+        ],
+        "transfer-bench-decode",
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut client = loop {
+        if let Ok(c) = DecodeClient::connect(format!("http://{addr}")).await {
+            break c;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the decode node did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let wire = loopback_bandwidth().await?;
+    println!(
+        "model: {}  KV bytes per token: {per_token}",
+        a.model.display()
+    );
+    println!(
+        "TCP loopback: {:.2} GB/s (1 GiB, 1 MiB writes, best of 3)",
+        wire / 1e9
+    );
+    println!("| tokens | KV MB | transfer ms | GB/s | % of loopback |");
+    println!("| ---: | ---: | ---: | ---: | ---: |");
+    let mut rows = Vec::new();
+    for &tokens in &a.tokens {
+        let mut best = Duration::MAX;
+        for r in 0..a.repeats {
+            let messages = transfer(
+                &format!("bench-{tokens}-{r}"),
+                &layout,
+                tokens,
+                a.chunk_bytes,
+            );
+            let (tx, rx) = tokio::sync::mpsc::channel(messages.len());
+            for m in messages {
+                tx.send(m).await.expect("the receiver is held");
+            }
+            drop(tx);
+            let started = Instant::now();
+            client
+                .transfer_kv(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+                .context("the transfer")?;
+            best = best.min(started.elapsed());
+        }
+        let bytes = (tokens * per_token) as f64;
+        let rate = bytes / best.as_secs_f64();
+        println!(
+            "| {tokens} | {:.1} | {:.2} | {:.2} | {:.0}% |",
+            bytes / 1e6,
+            best.as_secs_f64() * 1e3,
+            rate / 1e9,
+            100.0 * rate / wire
+        );
+        rows.push(
+            json!({"tokens": tokens, "bytes": bytes, "seconds": best.as_secs_f64(),
+            "bytes_per_s": rate, "share_of_loopback": rate / wire}),
+        );
+    }
+    if let Some(p) = &a.json {
+        let doc = json!({"model": a.model, "kv_bytes_per_token": per_token,
+            "loopback_bytes_per_s": wire, "chunk_bytes": a.chunk_bytes, "rows": rows});
+        std::fs::write(p, serde_json::to_string_pretty(&doc)?)?;
+    }
+    Ok(())
+}
