@@ -1,0 +1,695 @@
+#!/usr/bin/env python3
+"""Offline checks of deploy/k8s, and the launch plan that tests/deploy/entrypoints.sh runs.
+
+  manifests.py check                  render every kustomization, validate every object, check
+                                      flags/env against the binaries' --help and the manifests'
+                                      own consistency; prints `<n> passed, <m> failed` last
+  manifests.py plan OUT.sh [options]  write a bash file with the router, prefill and decode
+                                      commands and environments of one overlay, as its pods
+                                      would run them, rewritten for one machine
+
+Environment: BIN_DIR (the binaries, default target/release), KUBECTL (a kubectl with the
+kustomize subcommand; default: `kubectl` on PATH), K8S_VERSIONS (Kubernetes versions to
+validate against, comma separated, default 1.29.0,1.32.0,1.37.0; kubernetes-validate 1.37
+knows 1.25-1.37).
+Needs PyYAML and kubernetes-validate (tests/deploy/requirements.txt).
+"""
+
+import argparse
+import base64
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import yaml
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+K8S = os.environ.get("DEPLOY_K8S") or os.path.join(ROOT, "deploy", "k8s")
+BINARIES = ("tandem-router", "tandem-prefill", "tandem-decode")
+WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
+# What a worker takes after its drain to close connections (runtime/src/worker.rs CLOSE_GRACE).
+CLOSE_GRACE_S = 5
+# Least margin a terminationGracePeriodSeconds must leave over what it has to cover.
+MIN_MARGIN_S = 5
+# Memory a worker needs beyond its configured cache (model, buffers, the process).
+MEMORY_HEADROOM_MIB = 512
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+
+def kubectl():
+    k = os.environ.get("KUBECTL") or shutil.which("kubectl")
+    if not k:
+        sys.exit("no kubectl: set KUBECTL, or run tests/deploy/get-kubectl.sh (see deploy/README.md)")
+    return k
+
+
+def render(path):
+    """Objects of the kustomization at `path`, rendered by `kubectl kustomize`."""
+    r = subprocess.run([kubectl(), "kustomize", path], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr.strip() or f"kubectl kustomize {path} failed")
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def kustomization_kind(path):
+    for name in ("kustomization.yaml", "kustomization.yml", "Kustomization"):
+        f = os.path.join(path, name)
+        if os.path.exists(f):
+            with open(f) as fh:
+                return (yaml.safe_load(fh) or {}).get("kind", "Kustomization")
+    return None
+
+
+def targets(tmp, k8s=None):
+    """(label, path) of everything to render: the base, each overlay, and base + each component
+    (a component renders only inside a kustomization: one is written for it under `tmp`)."""
+    k8s = k8s or K8S
+    out = [("base", os.path.join(k8s, "base"))]
+    for group in ("overlays", "components"):
+        d = os.path.join(k8s, group)
+        for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+            path = os.path.join(d, name)
+            kind = kustomization_kind(path)
+            if kind is None:
+                continue
+            if kind == "Component":
+                wrap = os.path.join(tmp, name)
+                os.makedirs(wrap)
+                with open(os.path.join(wrap, "kustomization.yaml"), "w") as f:
+                    yaml.safe_dump({
+                        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                        "kind": "Kustomization",
+                        "resources": [os.path.relpath(os.path.join(k8s, "base"), wrap)],
+                        "components": [os.path.relpath(path, wrap)],
+                    }, f)
+                out.append((f"base+{group}/{name}", wrap))
+            else:
+                out.append((f"{group}/{name}", path))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The binaries' --help
+
+
+class Help:
+    """Flags, aliases, env twins, value kinds and possible values from one binary's --help."""
+
+    OPTION = re.compile(r"^\s*(?:-\w,\s*)?--([A-Za-z][\w-]*)(?:\s+<([^>]+)>)?")
+
+    def __init__(self, binary, text):
+        self.binary = binary
+        self.options = {}  # flag name -> info
+        self.env = {}  # env name -> info
+        block = None
+        blocks = []
+        for line in text.splitlines():
+            m = self.OPTION.match(line)
+            if m:
+                block = {"flag": m.group(1), "takes_value": m.group(2) is not None, "text": [line]}
+                blocks.append(block)
+            elif block is not None:
+                block["text"].append(line)
+        for b in blocks:
+            text = "\n".join(b["text"])
+            env = re.search(r"\[env: ([A-Z0-9_]+)", text)
+            default = re.search(r"\[default: ([^\]]*)\]", text)
+            values = re.findall(r"^\s+- ([\w-]+):", text, re.M)
+            aliases = []
+            for a in re.findall(r"\[aliases?: ([^\]]+)\]", text):
+                aliases += [x.strip().lstrip("-") for x in a.split(",")]
+            info = {
+                "flag": b["flag"],
+                "takes_value": b["takes_value"],
+                "env": env.group(1) if env else None,
+                "default": default.group(1) if default else None,
+                "values": values,
+            }
+            for name in [b["flag"]] + aliases:
+                self.options[name] = info
+            if info["env"]:
+                self.env[info["env"]] = info
+
+    def check_value(self, info, value):
+        """None if `value` fits the option, else why not."""
+        if not info["takes_value"]:
+            # A switch's env twin takes true/false; as a flag it takes no value.
+            if value is not None and value.lower() not in ("true", "false"):
+                return f"switch given {value!r}"
+            return None
+        if value is None or value == "":
+            return "needs a value"
+        if info["values"] and value not in info["values"]:
+            return f"{value!r} is none of {info['values']}"
+        if info["default"] is not None and re.fullmatch(r"\d+", info["default"]):
+            if not re.fullmatch(r"\d+", value):
+                return f"{value!r} is not a whole number (default {info['default']})"
+        return None
+
+
+_HELP = {}
+
+
+def binary_help(name):
+    if name not in _HELP:
+        bin_dir = os.environ.get("BIN_DIR", os.path.join(ROOT, "target", "release"))
+        path = os.path.join(bin_dir, name)
+        if not os.access(path, os.X_OK):
+            raise RuntimeError(f"{path} not found: build it, or set BIN_DIR")
+        r = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            raise RuntimeError(f"{path} --help exited {r.returncode}: {r.stderr.strip()}")
+        _HELP[name] = Help(name, r.stdout)
+    return _HELP[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading pods out of the rendered objects
+
+
+def index(objs):
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def pod_specs(objs):
+    """(workload, pod spec) of every workload."""
+    for o in objs:
+        if o["kind"] in WORKLOADS:
+            yield o, o["spec"]["template"]["spec"]
+
+
+def tandem_binary(container):
+    cmd = container.get("command") or []
+    return os.path.basename(cmd[0]) if cmd and os.path.basename(cmd[0]) in BINARIES else None
+
+
+def split_args(container):
+    """[(flag, value or None)] of a container's command tail and args: `--f=v`, `--f v`, `--f`."""
+    items = list((container.get("command") or [])[1:]) + list(container.get("args") or [])
+    out = []
+    i = 0
+    while i < len(items):
+        a = items[i]
+        if not a.startswith("--"):
+            out.append((None, a))
+        elif "=" in a:
+            name, value = a[2:].split("=", 1)
+            out.append((name, value))
+        elif i + 1 < len(items) and not items[i + 1].startswith("--"):
+            out.append((a[2:], items[i + 1]))
+            i += 1
+        else:
+            out.append((a[2:], None))
+        i += 1
+    return out
+
+
+def container_env(container, objs_by_key, field_values=None):
+    """[(name, value, where)] of a container's environment as Kubernetes builds it: envFrom
+    sources first, then `env` (later entries win). Values of fieldRef come from field_values."""
+    field_values = field_values or {}
+    out = []
+    for src in container.get("envFrom") or []:
+        for kind, key in (("ConfigMap", "configMapRef"), ("Secret", "secretRef")):
+            if key in src:
+                name = src[key]["name"]
+                obj = objs_by_key.get((kind, name))
+                if obj is None:
+                    raise KeyError(f"envFrom {kind} {name} is not among the rendered objects")
+                for k, v in (obj.get("data") or {}).items():
+                    out.append((src.get("prefix", "") + k, v, f"{kind} {name}"))
+    for e in container.get("env") or []:
+        if "value" in e:
+            out.append((e["name"], e["value"], "env"))
+        elif "valueFrom" in e:
+            vf = e["valueFrom"]
+            if "fieldRef" in vf:
+                path = vf["fieldRef"]["fieldPath"]
+                out.append((e["name"], field_values.get(path, f"<{path}>"), f"fieldRef {path}"))
+            elif "configMapKeyRef" in vf or "secretKeyRef" in vf:
+                kind = "ConfigMap" if "configMapKeyRef" in vf else "Secret"
+                ref = vf.get("configMapKeyRef") or vf.get("secretKeyRef")
+                obj = objs_by_key.get((kind, ref["name"]))
+                if obj is None or ref["key"] not in (obj.get("data") or {}):
+                    raise KeyError(f"{kind} {ref['name']} has no key {ref['key']}")
+                out.append((e["name"], obj["data"][ref["key"]], f"{kind} {ref['name']}"))
+            else:
+                out.append((e["name"], "", "valueFrom"))
+        else:
+            out.append((e["name"], "", "env"))
+    return out
+
+
+def env_dict(env):
+    d = {}
+    for name, value, _ in env:
+        d[name] = value
+    return d
+
+
+def expand(text, env):
+    """Kubernetes' $(VAR) expansion in command and args ($$ escapes)."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+
+def referenced_vars(container):
+    items = list(container.get("command") or []) + list(container.get("args") or [])
+    return {v for a in items for v in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", a)}
+
+
+def effective(container, env, binary):
+    """{flag: value} a binary ends up with, from args (which win) and env twins."""
+    h = binary_help(binary)
+    out = {}
+    for name, value, _ in env:
+        info = h.env.get(name)
+        if info:
+            out[info["flag"]] = value
+    for flag, value in split_args(container):
+        if flag and flag in h.options:
+            out[h.options[flag]["flag"]] = value
+    return out
+
+
+def mib(quantity):
+    """A memory quantity in MiB."""
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 ** 2,
+             "k": 1e3 / 2 ** 20, "M": 1e6 / 2 ** 20, "G": 1e9 / 2 ** 20, "T": 1e12 / 2 ** 20}
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i?|k)?", str(quantity))
+    if not m:
+        raise ValueError(f"memory quantity {quantity!r}")
+    return float(m.group(1)) * (units[m.group(2)] if m.group(2) else 1 / 2 ** 20)
+
+
+# ---------------------------------------------------------------------------------------------
+# check
+
+
+class Tally:
+    def __init__(self, quiet=False):
+        self.passed = 0
+        self.failed = 0
+        self.quiet = quiet
+        self.failures = []
+
+    def ok(self, label, cond, detail=""):
+        if cond:
+            self.passed += 1
+        else:
+            self.failed += 1
+            line = f"{label}{': ' + detail if detail else ''}"
+            self.failures.append(line)
+            if not self.quiet:
+                print(f"FAIL {line}", flush=True)
+        return cond
+
+
+def check_target(t, label, objs, versions):
+    import kubernetes_validate
+
+    # 1. Every object, strictly, against each Kubernetes version.
+    for o in objs:
+        for v in versions:
+            what = f"{label} {o.get('kind')}/{o.get('metadata', {}).get('name')} k8s {v}"
+            try:
+                kubernetes_validate.validate(o, v, strict=True)
+                t.ok(what, True)
+            except Exception as e:  # ValidationError, SchemaNotFoundError, ...
+                t.ok(what, False, getattr(e, "message", None) or str(e).splitlines()[0])
+
+    by_key = index(objs)
+
+    # 2. Flags and env vars against the binaries' --help; manifest consistency per pod.
+    for wl, spec in pod_specs(objs):
+        wl_label = f"{label} {wl['kind']}/{wl['metadata']['name']}"
+        t.ok(f"{wl_label} runs as non-root",
+             (spec.get("securityContext") or {}).get("runAsNonRoot") is True)
+        mounts_by_volume = {v["name"]: v for v in spec.get("volumes") or []}
+        for c in spec.get("containers", []) + spec.get("initContainers", []):
+            c_label = f"{wl_label} container {c['name']}"
+            binary = tandem_binary(c)
+            if binary is None:
+                continue
+            h = binary_help(binary)
+            try:
+                env = container_env(c, by_key)
+            except KeyError as e:
+                t.ok(c_label, False, str(e))
+                continue
+            helpers = referenced_vars(c)
+            for name, value, where in env:
+                info = h.env.get(name)
+                if info is None and name in helpers:
+                    continue  # only there for $(NAME) in the args, as POD_IP
+                if t.ok(f"{c_label} env {name} ({where}) in {binary} --help", info is not None,
+                        f"{binary} --help has no env var {name}"):
+                    why = h.check_value(info, value)
+                    t.ok(f"{c_label} env {name}={value!r}", why is None, why or "")
+            for flag, value in split_args(c):
+                if flag is None:
+                    t.ok(f"{c_label} arg {value!r}", False, "a value without a flag")
+                    continue
+                info = h.options.get(flag)
+                if t.ok(f"{c_label} --{flag} in {binary} --help", info is not None,
+                        f"{binary} --help has no flag --{flag}"):
+                    why = h.check_value(info, value)
+                    t.ok(f"{c_label} --{flag}={value!r}", why is None, why or "")
+            check_pod_consistency(t, c_label, wl, spec, c, env, binary, mounts_by_volume, by_key)
+
+        # The model fetchers write where the binaries read.
+        for c in spec.get("containers", []) + spec.get("initContainers", []):
+            dest = env_dict(container_env(c, by_key)).get("MODEL_DEST") if c.get("env") else None
+            if dest is None:
+                continue
+            common = next((o for o in objs if o["kind"] == "ConfigMap"
+                           and o["metadata"]["name"].startswith("tandem-common")), None)
+            model = (common or {}).get("data", {}).get("TANDEM_MODEL")
+            t.ok(f"{wl_label} {c['name']} MODEL_DEST is TANDEM_MODEL", dest == model,
+                 f"MODEL_DEST {dest} but TANDEM_MODEL {model}")
+
+    # 3. HPAs and PDBs point at something.
+    for o in objs:
+        if o["kind"] == "HorizontalPodAutoscaler":
+            ref = o["spec"]["scaleTargetRef"]
+            t.ok(f"{label} HPA {o['metadata']['name']} targets {ref['kind']}/{ref['name']}",
+                 (ref["kind"], ref["name"]) in by_key)
+            t.ok(f"{label} HPA {o['metadata']['name']} min <= max",
+                 o["spec"].get("minReplicas", 1) <= o["spec"]["maxReplicas"])
+            target = by_key.get((ref["kind"], ref["name"]))
+            t.ok(f"{label} {ref['kind']}/{ref['name']} leaves replicas to its HPA",
+                 target is None or "replicas" not in target["spec"],
+                 "spec.replicas would reset the HPA's count on every apply")
+        if o["kind"] == "PodDisruptionBudget":
+            sel = o["spec"]["selector"]["matchLabels"]
+            hits = [w for w, _ in pod_specs(objs)
+                    if sel.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+            t.ok(f"{label} PDB {o['metadata']['name']} selects a workload", bool(hits))
+        if o["kind"] == "Deployment" and tandem_binary(
+                o["spec"]["template"]["spec"]["containers"][0]):
+            ru = (o["spec"].get("strategy") or {}).get("rollingUpdate") or {}
+            t.ok(f"{label} Deployment/{o['metadata']['name']} rolls with maxUnavailable 0",
+                 str(ru.get("maxUnavailable")) == "0")
+
+
+def check_pod_consistency(t, c_label, wl, spec, c, env, binary, volumes, by_key):
+    eff = effective(c, env, binary)
+    grace = spec.get("terminationGracePeriodSeconds", 30)
+    ports = {p["containerPort"] for p in c.get("ports") or []}
+    mounts = c.get("volumeMounts") or []
+
+    def mounted(path):
+        return next((m for m in mounts if path == m["mountPath"]
+                     or path.startswith(m["mountPath"].rstrip("/") + "/")), None)
+
+    model = eff.get("model")
+    m = mounted(model or "")
+    t.ok(f"{c_label} the model {model} is on a read-only volume",
+         m is not None and m.get("readOnly") is True, "not under a readOnly volumeMount")
+
+    listen = eff.get("listen") or ""
+    lport = int(listen.rsplit(":", 1)[1]) if ":" in listen else None
+    t.ok(f"{c_label} listens on all addresses ({listen})", listen.startswith("0.0.0.0:"))
+    t.ok(f"{c_label} listen port {lport} is a containerPort", lport in ports)
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        p = c.get(probe)
+        if t.ok(f"{c_label} has a {probe}", p is not None) and "httpGet" in p:
+            port = p["httpGet"]["port"]
+            named = {pp.get("name"): pp["containerPort"] for pp in c.get("ports") or []}
+            t.ok(f"{c_label} {probe} port {port} is the listen port",
+                 named.get(port, port) == lport)
+
+    if binary == "tandem-router":
+        stop = ((c.get("lifecycle") or {}).get("preStop") or {}).get("exec", {}).get("command")
+        sleep = int(stop[1]) if stop and stop[0] == "sleep" else 0
+        timeout = int(eff.get("request-timeout-ms") or binary_help(binary).options[
+            "request-timeout-ms"]["default"]) / 1000
+        t.ok(f"{c_label} terminationGracePeriodSeconds {grace} covers preStop {sleep} s + "
+             f"request timeout {timeout:g} s + {MIN_MARGIN_S} s",
+             grace >= sleep + timeout + MIN_MARGIN_S)
+        keyfile = eff.get("api-key-file")
+        if keyfile:
+            km = mounted(keyfile)
+            vol = volumes.get(km["name"]) if km else None
+            ok = False
+            if vol and "secret" in vol:
+                secret = next((o for (k, n), o in by_key.items()
+                               if k == "Secret" and n == vol["secret"]["secretName"]), None)
+                rel = os.path.relpath(keyfile, km["mountPath"])
+                ok = secret is not None and rel in (secret.get("data") or {})
+            t.ok(f"{c_label} --api-key-file {keyfile} is a key of a mounted Secret", ok)
+    else:
+        drain = int(eff.get("drain-grace-s") or binary_help(binary).options[
+            "drain-grace-s"]["default"])
+        t.ok(f"{c_label} terminationGracePeriodSeconds {grace} covers drain {drain} s + close "
+             f"{CLOSE_GRACE_S} s + {MIN_MARGIN_S} s", grace >= drain + CLOSE_GRACE_S + MIN_MARGIN_S)
+        adv = eff.get("advertise-addr") or ""
+        t.ok(f"{c_label} advertises the pod IP on the listen port ({adv})",
+             adv == f"$(POD_IP):{lport}" and any(
+                 e.get("name") == "POD_IP" and e.get("valueFrom", {}).get("fieldRef", {}).get(
+                     "fieldPath") == "status.podIP" for e in c.get("env") or []))
+        t.ok(f"{c_label} registers in etcd", bool(eff.get("etcd-endpoints")))
+        cache = {"tandem-decode": "kv-cache-mb", "tandem-prefill": "prefix-cache-mb"}[binary]
+        cache_mib = int(eff.get(cache) or binary_help(binary).options[cache]["default"])
+        limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
+        t.ok(f"{c_label} memory limit {limit} covers --{cache} {cache_mib} + "
+             f"{MEMORY_HEADROOM_MIB} MiB",
+             limit is not None and mib(limit) >= cache_mib + MEMORY_HEADROOM_MIB)
+
+
+def check_tree(t, k8s, versions, only=None):
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, path in targets(tmp, k8s):
+            if only and label not in only:
+                continue
+            try:
+                objs = render(path)
+            except RuntimeError as e:
+                t.ok(f"render {label}", False, str(e))
+                continue
+            t.ok(f"render {label} ({len(objs)} objects)", bool(objs))
+            if not t.quiet:
+                print(f"rendered {label}: {len(objs)} objects", flush=True)
+            try:
+                check_target(t, label, objs, versions)
+            except Exception as e:  # a broken manifest must fail the run, not crash it
+                t.ok(f"check {label}", False, f"{type(e).__name__}: {e}")
+
+
+# Each mutation breaks one thing in a copy of deploy/k8s; the checks must catch it (the text
+# expected among the failures), so that a check that silently stopped working fails the run.
+MUTATIONS = [
+    ("unknown flag", "base/prefill.yaml", "- --drain-grace-s=60",
+     "- --drain-grace-s=60\n            - --no-such-flag=1", "no flag --no-such-flag"),
+    ("unknown env var", "base/config/router.env", "ROUTER_POLICY=least-load",
+     "ROUTER_POLICY=least-load\nROUTER_NO_SUCH_VAR=1", "no env var ROUTER_NO_SUCH_VAR"),
+    ("env var of another binary", "base/config/worker.env", "TANDEM_LEASE_TTL_S=10",
+     "TANDEM_LEASE_TTL_S=10\nDECODE_MAX_WAITING=8", "no env var DECODE_MAX_WAITING"),
+    ("bad enum value", "base/config/router.env", "ROUTER_POLICY=least-load",
+     "ROUTER_POLICY=fastest", "'fastest' is none of"),
+    ("bad number", "base/config/decode.env", "DECODE_KV_CACHE_MB=1024",
+     "DECODE_KV_CACHE_MB=1GiB", "not a whole number"),
+    ("unknown field (strict)", "base/router.yaml", "      enableServiceLinks: false",
+     "      enableServiceLinks: false\n      noSuchField: true", "noSuchField"),
+    ("wrong type", "base/router.yaml", "containerPort: 8080", "containerPort: \"8080\"",
+     "is not of type 'integer'"),
+    ("grace shorter than the drain", "base/decode.yaml", "terminationGracePeriodSeconds: 75",
+     "terminationGracePeriodSeconds: 40", "covers drain"),
+    ("memory below the KV budget", "base/config/decode.env", "DECODE_KV_CACHE_MB=1024",
+     "DECODE_KV_CACHE_MB=4096", "covers --kv-cache-mb"),
+    ("replicas under an HPA", "base/decode.yaml", "  revisionHistoryLimit: 5",
+     "  replicas: 2\n  revisionHistoryLimit: 5", "leaves replicas to its HPA"),
+    ("fetch target differs from TANDEM_MODEL", "components/model-fetch-init/init-container.yaml",
+     "value: /models/smollm2-135m-instruct-q4_1.gguf", "value: /models/other.gguf",
+     "MODEL_DEST is TANDEM_MODEL"),
+]
+
+
+def selftest(t, versions):
+    for name, rel, old, new, expect in MUTATIONS:
+        with tempfile.TemporaryDirectory() as tmp:
+            tree = os.path.join(tmp, "k8s")
+            shutil.copytree(K8S, tree)
+            f = os.path.join(tree, rel)
+            with open(f) as fh:
+                text = fh.read()
+            if not t.ok(f"self-test {name}: {rel} has {old!r}", old in text):
+                continue
+            with open(f, "w") as fh:
+                fh.write(text.replace(old, new, 1))
+            inner = Tally(quiet=True)
+            check_tree(inner, tree, versions[:1],
+                       only={"base", "base+components/model-fetch-init"})
+            caught = [x for x in inner.failures if expect in x]
+            t.ok(f"self-test {name} is caught", bool(caught),
+                 f"expected a failure with {expect!r}, got {inner.failures[:3]}")
+
+
+def cmd_check(args):
+    versions = os.environ.get("K8S_VERSIONS", "1.29.0,1.32.0,1.37.0")
+    versions = [v.strip() for v in versions.split(",") if v.strip()]
+    t = Tally()
+    check_tree(t, K8S, versions)
+    selftest(t, versions)
+    print(f"{t.passed} passed, {t.failed} failed")
+    return 1 if t.failed else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cmd_plan(args):
+    """Writes a bash file defining, for router, prefill and decode: <c>_cmd (the command and
+    args), <c>_env (NAME=VALUE of its whole environment), <c>_mounts (HOST:CONTAINER[:ro],
+    container mode only), <c>_podman_opts (its security context and scratch volumes as podman
+    options), <c>_grace, PORT_<c> (its first containerPort's local port); and
+    API_KEY (the first key of the router's Secret), MODEL_NAME."""
+    path = os.path.join(K8S, args.overlay) if not os.path.isabs(args.overlay) else args.overlay
+    objs = render(path)
+    by_key = index(objs)
+    os.makedirs(args.workdir, exist_ok=True)
+    pods = {}
+    for wl, spec in pod_specs(objs):
+        for c in spec.get("containers", []):
+            b = tandem_binary(c)
+            if b:
+                pods[b.split("-", 1)[1]] = (wl, spec, c)
+    missing = {"router", "prefill", "decode"} - set(pods)
+    if missing:
+        sys.exit(f"{args.overlay}: no container runs {sorted(missing)}")
+
+    out = ["# generated by tests/deploy/manifests.py plan from deploy/k8s/" + args.overlay]
+    api_key = ""
+    for comp in ("router", "prefill", "decode"):
+        wl, spec, c = pods[comp]
+        env = container_env(c, by_key, {"status.podIP": "127.0.0.1",
+                                        "metadata.name": f"{wl['metadata']['name']}-0"})
+        envd = env_dict(env)
+        ports = {p["containerPort"]: free_port() for p in c.get("ports") or []}
+        out.append(f"PORT_{comp}={ports[next(iter(ports))]}")
+        if comp == "router":
+            out.append(f"MODEL_NAME={shlex.quote(envd.get('ROUTER_MODEL_NAME', ''))}")
+
+        # Files the pod gets from Secret / ConfigMap volumes: written under workdir.
+        volumes = {v["name"]: v for v in spec.get("volumes") or []}
+        path_map = {}
+        mounts = []
+        for m in c.get("volumeMounts") or []:
+            v = volumes[m["name"]]
+            src = None
+            if "secret" in v:
+                src = by_key[("Secret", v["secret"]["secretName"])]
+            elif "configMap" in v:
+                src = by_key[("ConfigMap", v["configMap"]["name"])]
+            if src is None:
+                continue
+            d = os.path.join(args.workdir, comp, m["name"])
+            os.makedirs(d, exist_ok=True)
+            os.chmod(os.path.join(args.workdir, comp), 0o755)
+            os.chmod(d, 0o755)
+            for k, val in (src.get("data") or {}).items():
+                data = val.encode()
+                if src["kind"] == "Secret":
+                    data = base64.b64decode(val)
+                    if comp == "router" and not api_key:
+                        keys = [ln.split()[0] for ln in data.decode().splitlines()
+                                if ln.strip() and not ln.strip().startswith("#")]
+                        api_key = keys[0] if keys else ""
+                with open(os.path.join(d, k), "wb") as f:
+                    f.write(data)
+                os.chmod(os.path.join(d, k), 0o644)
+            path_map[m["mountPath"]] = d
+            mounts.append(f"{d}:{m['mountPath']}:ro")
+
+        def rewrite(value, name=None):
+            if name == "TANDEM_ETCD_ENDPOINTS":
+                return args.etcd
+            if name == "TANDEM_MODEL":
+                return value if args.mode == "container" else args.model
+
+            def port(m):
+                p = int(m.group(2))
+                return f"127.0.0.1:{ports[p]}" if p in ports else m.group(0)
+
+            value = re.sub(r"(0\.0\.0\.0|127\.0\.0\.1):(\d+)", port, value)
+            if args.mode == "process":
+                for mount_path, d in path_map.items():
+                    if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
+                        value = d + value[len(mount_path):]
+            return value
+
+        cmd = [expand(a, envd) for a in (c.get("command") or []) + (c.get("args") or [])]
+        def rewrite_arg(a):
+            if a.startswith("--") and "=" in a:
+                flag, value = a.split("=", 1)
+                h = binary_help(os.path.basename(cmd[0]))
+                env_name = (h.options.get(flag[2:]) or {}).get("env")
+                return f"{flag}={rewrite(value, env_name)}"
+            return rewrite(a)
+
+        cmd = [cmd[0]] + [rewrite_arg(a) for a in cmd[1:]]
+        env_items = [f"{n}={rewrite(v, n)}" for n, v in envd.items()]
+        if args.mode == "container":
+            model = envd.get("TANDEM_MODEL")
+            if model:
+                mounts.append(f"{args.model}:{model}:ro")
+        # The pod's security context and scratch volumes, as podman options (container mode).
+        opts = []
+        psc, csc = spec.get("securityContext") or {}, c.get("securityContext") or {}
+        uid = csc.get("runAsUser", psc.get("runAsUser"))
+        gid = csc.get("runAsGroup", psc.get("runAsGroup"))
+        if uid is not None:
+            opts.append(f"--user={uid}:{gid if gid is not None else uid}")
+        if csc.get("readOnlyRootFilesystem"):
+            opts.append("--read-only")
+        if "ALL" in ((csc.get("capabilities") or {}).get("drop") or []):
+            opts.append("--cap-drop=ALL")
+        if csc.get("allowPrivilegeEscalation") is False:
+            opts.append("--security-opt=no-new-privileges")
+        for m in c.get("volumeMounts") or []:
+            if "emptyDir" in volumes[m["name"]] and m["mountPath"] != os.path.dirname(
+                    envd.get("TANDEM_MODEL", "")):
+                opts.append(f"--tmpfs={m['mountPath']}")
+        out.append(f"{comp}_podman_opts=({' '.join(shlex.quote(o) for o in opts)})")
+        out.append(f"{comp}_cmd=({' '.join(shlex.quote(a) for a in cmd)})")
+        out.append(f"{comp}_env=({' '.join(shlex.quote(e) for e in env_items)})")
+        out.append(f"{comp}_mounts=({' '.join(shlex.quote(m) for m in mounts)})")
+        out.append(f"{comp}_grace={spec.get('terminationGracePeriodSeconds', 30)}")
+    out.append(f"API_KEY={shlex.quote(api_key)}")
+    with open(args.out, "w") as f:
+        f.write("\n".join(out) + "\n")
+    return 0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("check")
+    pl = sub.add_parser("plan")
+    pl.add_argument("out")
+    pl.add_argument("--overlay", default="overlays/small", help="under deploy/k8s")
+    pl.add_argument("--model", required=True, help="the model file on this machine")
+    pl.add_argument("--etcd", required=True, help="etcd endpoint on this machine")
+    pl.add_argument("--workdir", required=True, help="where Secret/ConfigMap files go")
+    pl.add_argument("--mode", choices=("process", "container"), default="process")
+    args = p.parse_args()
+    return cmd_check(args) if args.cmd == "check" else cmd_plan(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
