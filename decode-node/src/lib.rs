@@ -51,19 +51,19 @@ pub async fn serve(
     let compute = scheduler::spawn(Arc::new(model), limits, Arc::clone(&metrics), admit_rx)?;
     let store = store::TransferStore::new(Duration::from_millis(cfg.kv_timeout_ms));
     let gate = runtime::Gate::default();
-    let info = discovery::WorkerInfo {
-        role: discovery::Role::Decode,
-        addr: advertise,
-        model: discovery::model_identity(&cfg.model),
-        layout: runtime::layout_info(&layout),
-        engine_version: engine::VERSION.into(),
-        capacity: discovery::Capacity {
-            kv_blocks: blocks as u64,
-            block_tokens: block_tokens as u64,
-            max_batch: cfg.max_batch_size as u64,
-            max_queue: cfg.max_waiting as u64,
-        },
+    let capacity = discovery::Capacity {
+        kv_blocks: blocks as u64,
+        block_tokens: block_tokens as u64,
+        max_batch: cfg.max_batch_size as u64,
+        max_queue: cfg.max_waiting as u64,
     };
+    let info = runtime::worker_info(
+        discovery::Role::Decode,
+        advertise,
+        &cfg.model,
+        &layout,
+        capacity,
+    );
     let svc = service::DecodeService::new(
         admit_tx,
         Arc::clone(&store),

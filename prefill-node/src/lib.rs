@@ -45,17 +45,17 @@ pub async fn serve(
     let shown = Arc::clone(&metrics);
     let render = move || shown.render(max_queue - queue.capacity());
     let gate = runtime::Gate::default();
-    let info = discovery::WorkerInfo {
-        role: discovery::Role::Prefill,
-        addr: advertise,
-        model: discovery::model_identity(&cfg.model),
-        layout: runtime::layout_info(&layout),
-        engine_version: engine::VERSION.into(),
-        capacity: discovery::Capacity {
-            max_queue: max_queue as u64,
-            ..Default::default()
-        },
+    let capacity = discovery::Capacity {
+        max_queue: max_queue as u64,
+        ..Default::default()
     };
+    let info = runtime::worker_info(
+        discovery::Role::Prefill,
+        advertise,
+        &cfg.model,
+        &layout,
+        capacity,
+    );
     let svc = service::PrefillService::new(
         jobs_tx,
         Arc::clone(&metrics),

@@ -13,7 +13,7 @@ use proto::v1::{
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
@@ -69,17 +69,10 @@ impl PrefillService {
             addr: addr.to_string(),
             reason,
         };
-        let channel = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| bad(e.to_string()))?
-            .connect_timeout(self.connect_timeout)
-            .tcp_nodelay(true)
-            // A decode node that stops answering (paused, cut off) fails the transfer within
-            // seconds, so the prompt's KV is freed and the router can retry elsewhere.
-            .http2_keep_alive_interval(runtime::KEEPALIVE_INTERVAL)
-            .keep_alive_timeout(runtime::KEEPALIVE_TIMEOUT)
-            .initial_stream_window_size(runtime::STREAM_WINDOW)
-            .initial_connection_window_size(runtime::CONNECTION_WINDOW)
-            .connect_lazy();
+        // A decode node that stops answering fails the transfer within seconds, so the
+        // prompt's KV is freed and the router can retry elsewhere.
+        let channel =
+            runtime::channel(addr, self.connect_timeout).map_err(|e| bad(e.to_string()))?;
         channels.insert(addr.to_string(), channel.clone());
         Ok(channel)
     }

@@ -13,7 +13,7 @@ use proto::v1::decode_client::DecodeClient;
 use proto::v1::prefill_client::PrefillClient;
 use proto::v1::{HealthRequest, WorkerLoad};
 use runtime::prom;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::error::RouterError;
 use crate::routing::Policy;
@@ -118,20 +118,11 @@ struct Breaker {
 
 impl Worker {
     fn new(addr: &str, mismatch: Option<String>, s: &PoolSettings) -> Result<Self, RouterError> {
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        let channel = runtime::channel(addr, s.connect_timeout)
             .map_err(|e| RouterError::Internal(format!("bad worker address {addr}: {e}")))?;
         Ok(Self {
             addr: addr.to_string(),
-            channel: endpoint
-                .connect_timeout(s.connect_timeout)
-                .tcp_nodelay(true)
-                // A worker that stops answering mid-call (paused, cut off) breaks the call
-                // within seconds instead of hanging it.
-                .http2_keep_alive_interval(runtime::KEEPALIVE_INTERVAL)
-                .keep_alive_timeout(runtime::KEEPALIVE_TIMEOUT)
-                .initial_stream_window_size(runtime::STREAM_WINDOW)
-                .initial_connection_window_size(runtime::CONNECTION_WINDOW)
-                .connect_lazy(),
+            channel,
             mismatch,
             probe: Mutex::default(),
             breaker: Mutex::new(Breaker {

@@ -39,6 +39,44 @@ pub fn layout_info(l: &engine::KvLayout) -> discovery::Layout {
     }
 }
 
+/// The registration of a worker of `role` at `addr` serving the model at `model` with
+/// caches of `layout`.
+pub fn worker_info(
+    role: discovery::Role,
+    addr: String,
+    model: &std::path::Path,
+    layout: &engine::KvLayout,
+    capacity: discovery::Capacity,
+) -> discovery::WorkerInfo {
+    discovery::WorkerInfo {
+        role,
+        addr,
+        model: discovery::model_identity(model),
+        layout: layout_info(layout),
+        engine_version: engine::VERSION.into(),
+        capacity,
+    }
+}
+
+/// A lazily connected channel to the worker at `addr` (host:port), set up the way every
+/// hop is: a connect timeout, no Nagle delay, pings so that a peer that stops answering
+/// (paused, cut off) fails its calls within seconds, and wide flow-control windows.
+pub fn channel(
+    addr: &str,
+    connect_timeout: std::time::Duration,
+) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    Ok(
+        tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+            .connect_timeout(connect_timeout)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+            .initial_stream_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .connect_lazy(),
+    )
+}
+
 /// The gRPC metadata key that carries a request's id from the router to both nodes.
 pub const REQUEST_ID: &str = "x-request-id";
 
