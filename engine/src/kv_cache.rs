@@ -5,6 +5,7 @@
 //! `KvChunk`s (one layer, a run of positions) that can be sent while later layers are still
 //! being computed, and `KvAssembler` rebuilds it bit for bit on the other side.
 
+use bytes::Bytes;
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::ModelConfig;
@@ -40,6 +41,19 @@ impl KvLayout {
     }
 }
 
+/// f32 values seen as their bytes, so that a cache export becomes `Bytes` without a copy.
+struct F32Bytes(Vec<f32>);
+
+impl AsRef<[u8]> for F32Bytes {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: any f32 is 4 initialized bytes, and u8 needs no alignment.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast(), self.0.len() * 4) }
+    }
+}
+
+#[cfg(target_endian = "big")]
+compile_error!("KV chunks travel as little-endian f32 in native order");
+
 /// One layer's K and V for the positions `start .. start + len`, as little-endian f32
 /// in `(kv_heads, len, head_dim)` order.
 #[derive(Debug, Clone, PartialEq)]
@@ -47,8 +61,8 @@ pub struct KvChunk {
     pub layer: u32,
     pub start: u32,
     pub len: u32,
-    pub k: Vec<u8>,
-    pub v: Vec<u8>,
+    pub k: Bytes,
+    pub v: Bytes,
 }
 
 #[derive(Debug, Clone)]
@@ -224,9 +238,9 @@ impl SeqCache {
             )));
         }
         let l = &self.layers[layer];
-        let bytes = |t: &Tensor| -> Result<Vec<u8>> {
+        let bytes = |t: &Tensor| -> Result<Bytes> {
             let data: Vec<f32> = t.narrow(1, start, len)?.flatten_all()?.to_vec1()?;
-            Ok(data.iter().flat_map(|x| x.to_le_bytes()).collect())
+            Ok(Bytes::from_owner(F32Bytes(data)))
         };
         Ok(KvChunk {
             layer: layer as u32,
@@ -301,15 +315,11 @@ impl KvAssembler {
                 chunk.v.len()
             ));
         }
-        let shape = (layout.n_kv_heads, len, layout.head_dim);
+        let shape = [layout.n_kv_heads, len, layout.head_dim];
         let device = self.cache.layers[layer].k.device().clone();
-        let tensor = |bytes: &[u8]| -> Result<Tensor> {
-            let data: Vec<f32> = bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
-            Ok(Tensor::from_vec(data, shape, &device)?)
-        };
+        // One copy from the wire's bytes (native order is the wire's little-endian on every
+        // target we build for) into a tensor, one into the cache.
+        let tensor = |bytes: &[u8]| Tensor::from_raw_buffer(bytes, DType::F32, &shape, &device);
         let l = &self.cache.layers[layer];
         l.k.slice_set(&tensor(&chunk.k)?, 1, start)?;
         l.v.slice_set(&tensor(&chunk.v)?, 1, start)?;

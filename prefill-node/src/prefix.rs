@@ -135,8 +135,8 @@ mod tests {
             layer: 0,
             start: 0,
             len: n as u32,
-            k: bytes.clone(),
-            v: bytes,
+            k: bytes.clone().into(),
+            v: bytes.into(),
         })
         .unwrap();
         asm.finish().unwrap()

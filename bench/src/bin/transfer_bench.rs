@@ -95,8 +95,8 @@ fn transfer(
                     layer,
                     start: start as u32,
                     len: len as u32,
-                    k: bytes.clone(),
-                    v: bytes,
+                    k: bytes.clone().into(),
+                    v: bytes.into(),
                 })),
             });
             start += len;
