@@ -1,8 +1,12 @@
 use clap::Parser;
 use prefill_node::Config;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    runtime::fit_compute_threads();
+    tokio::runtime::Runtime::new()?.block_on(run())
+}
+
+async fn run() -> anyhow::Result<()> {
     let cfg = Config::parse();
     runtime::init_tracing();
     let listener = tokio::net::TcpListener::bind(cfg.listen).await?;

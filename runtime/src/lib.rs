@@ -89,6 +89,23 @@ pub fn init_tracing() {
         .init();
 }
 
+/// Sizes the compute thread pools (candle's and rayon's) to the CPUs this process may run
+/// on, as `available_parallelism` reports them (the affinity mask, a cgroup CPU quota),
+/// unless `RAYON_NUM_THREADS` or `CANDLE_NUM_THREADS` is set. candle counts the machine's
+/// physical cores instead, so a worker pinned to one core (or given one CPU by Kubernetes)
+/// ran two spinning threads on it and every step waited on a descheduled one: 30x slower.
+/// Call first thing in `main`, before any thread reads the environment.
+pub fn fit_compute_threads() {
+    if ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+    {
+        return;
+    }
+    let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+}
+
 /// Resolves on Ctrl-C or SIGTERM (what Kubernetes and the quickstart send).
 pub async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
