@@ -25,7 +25,8 @@ def load_axis(summary):
 def main(out, paths):
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     xlabel = ""
-    for path in paths:
+    for i, path in enumerate(paths):
+        color = f"C{i}"
         with open(path) as f:
             run = json.load(f)
         label = run.get("label") or path
@@ -35,9 +36,9 @@ def main(out, paths):
             x, xlabel = load_axis(s)
             xs.append(x)
         for q, style in (("p50", "-o"), ("p99", "--x")):
-            axes[0].plot(xs, [s["ttft_ms"][q] for s in rows], style, label=f"{label} {q}")
-            axes[1].plot(xs, [s["tpot_ms"][q] for s in rows], style, label=f"{label} {q}")
-        axes[2].plot(xs, [100 * s["goodput"] for s in rows], "-o", label=label)
+            for ax, key in ((axes[0], "ttft_ms"), (axes[1], "tpot_ms")):
+                ax.plot(xs, [s[key][q] for s in rows], style, color=color, label=f"{label} {q}")
+        axes[2].plot(xs, [100 * s["goodput"] for s in rows], "-o", color=color, label=label)
     slo = rows[0]["slo"]
     titles = ("time to first token (ms)", "time per output token (ms)",
               f"goodput (% meeting TTFT ≤ {slo['ttft_ms']:g} ms and TPOT ≤ {slo['tpot_ms']:g} ms)")
