@@ -149,6 +149,10 @@ pub struct Record {
     pub shape: Option<Shape>,
     /// Time to the first chunk with a generated token.
     pub ttft: f64,
+    /// Time to the first chunk with visible text (what tools that read only the text, such
+    /// as aiperf, call TTFT): later than `ttft` when the first tokens are parts of a
+    /// character.
+    pub ttft_text: f64,
     /// Gaps between chunks with generated tokens.
     pub gaps: Vec<f64>,
     /// Time to the end of the stream.
@@ -170,6 +174,17 @@ impl Record {
             0.0
         }
     }
+}
+
+/// True for a chunk with non-empty text in the answer (`text` or `delta.content`).
+fn has_text(v: &Value) -> bool {
+    v["choices"].as_array().is_some_and(|cs| {
+        cs.iter().any(|c| {
+            [&c["text"], &c["delta"]["content"]]
+                .iter()
+                .any(|t| t.as_str().is_some_and(|s| !s.is_empty()))
+        })
+    })
 }
 
 /// True for a chunk that carries a generated token, in either API: a choice that is not
@@ -229,6 +244,9 @@ pub async fn stream_request(client: &reqwest::Client, url: &str, body: &Value) -
                 if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
                     r.output_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as usize;
                     r.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+                }
+                if r.ttft_text == 0.0 && has_text(&v) {
+                    r.ttft_text = now;
                 }
                 if is_token(&v) {
                     match last {
@@ -311,6 +329,9 @@ pub async fn run(level: &Level) -> (Vec<Record>, Duration) {
                     // Time spent waiting for a slot is the server's delay too.
                     let queued = started.elapsed().as_secs_f64() - sent_at - r.latency;
                     r.ttft += queued;
+                    if r.ttft_text > 0.0 {
+                        r.ttft_text += queued;
+                    }
                     r.latency += queued;
                     r.sent_at = sent_at;
                     r.shape = Some(shape);
@@ -393,6 +414,9 @@ pub struct Summary {
     pub throughput_rps: f64,
     pub output_tokens_per_s: f64,
     pub ttft_ms: Percentiles,
+    /// Time to the first visible text (see `Record::ttft_text`), over the requests that
+    /// had any.
+    pub ttft_text_ms: Percentiles,
     /// Every gap between text chunks, over all requests.
     pub itl_ms: Percentiles,
     /// Per request: the time after the first token over the tokens after it.
@@ -427,6 +451,12 @@ pub fn summarize(arrivals: Arrivals, records: &[Record], wall: Duration, slo: Sl
         throughput_rps: ok.len() as f64 / wall_s,
         output_tokens_per_s: output as f64 / wall_s,
         ttft_ms: Percentiles::of(&col(&|r| r.ttft)),
+        ttft_text_ms: Percentiles::of(
+            &ok.iter()
+                .map(|r| r.ttft_text)
+                .filter(|t| *t > 0.0)
+                .collect::<Vec<f64>>(),
+        ),
         itl_ms: Percentiles::of(&gaps),
         tpot_ms: Percentiles::of(&col(&|r| r.tpot())),
         latency_ms: Percentiles::of(&col(&|r| r.latency)),

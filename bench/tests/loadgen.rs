@@ -39,6 +39,9 @@ async fn loadgen_measures_every_request_open_and_closed_loop() {
             // A chunk per token, and the finishing chunk when it flushes held-back text.
             assert!((7..=8).contains(&r.gaps.len()), "{r:?}");
             assert!(r.ttft > 0.0 && r.latency >= r.ttft, "{r:?}");
+            // Text may come only with a later token (the first ones can be parts of a
+            // character), never before the first token.
+            assert!(r.ttft_text == 0.0 || r.ttft_text >= r.ttft, "{r:?}");
         }
         assert!(
             records.windows(2).all(|w| w[0].sent_at <= w[1].sent_at),
