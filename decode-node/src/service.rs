@@ -209,7 +209,17 @@ impl proto::v1::decode_server::Decode for DecodeService {
             tokio::spawn(
                 async move {
                     let mut admission = admission;
-                    match store.claim(&id).await {
+                    let claimed = tokio::select! {
+                        c = store.claim(&id) => c,
+                        // The caller left (a retry elsewhere, a client gone): its claim
+                        // goes, so the id is free and nothing waits for a cache nobody
+                        // will read.
+                        _ = admission.events.closed() => {
+                            store.abandon(&id);
+                            return;
+                        }
+                    };
+                    match claimed {
                         Ok(a) => {
                             admission.start = Start::Transferred {
                                 cache: a.cache,

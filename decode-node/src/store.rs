@@ -110,6 +110,14 @@ impl TransferStore {
         }
     }
 
+    /// Forgets the claim of a Generate call whose caller left, unless its cache has come.
+    pub fn abandon(&self, id: &str) {
+        let mut slots = self.slots.lock().expect("store lock");
+        if matches!(slots.get(id), Some(Slot::Waiting(_))) {
+            slots.remove(id);
+        }
+    }
+
     /// Entries held now: delivered caches and waiting calls.
     pub fn len(&self) -> usize {
         self.slots.lock().expect("store lock").len()
@@ -119,9 +127,11 @@ impl TransferStore {
     /// timeout.
     pub fn delivered(&self) -> usize {
         let slots = self.slots.lock().expect("store lock");
+        // A failed transfer is kept only to answer its Generate call at once; it holds no
+        // cache.
         slots
             .values()
-            .filter(|s| matches!(s, Slot::Delivered(..)))
+            .filter(|s| matches!(s, Slot::Delivered(Ok(_), _)))
             .count()
     }
 

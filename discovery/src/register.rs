@@ -21,7 +21,6 @@ const DEREGISTER_TIMEOUT: Duration = Duration::from_secs(3);
 pub struct Registration {
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
-    registered: watch::Receiver<bool>,
 }
 
 impl Registration {
@@ -37,21 +36,9 @@ impl Registration {
         let key = info.key(prefix);
         let value = serde_json::to_vec(&info).expect("a registration serializes");
         let (stop, stopped) = watch::channel(false);
-        let (up, registered) = watch::channel(false);
         let ttl = ttl_s.max(1) as i64;
-        let task = tokio::spawn(keep_registered(client, key, value, ttl, stopped, up));
-        Ok(Self {
-            stop,
-            task,
-            registered,
-        })
-    }
-
-    /// Waits until the key is in etcd (or `limit` passes); true when it is.
-    pub async fn wait_registered(&mut self, limit: Duration) -> bool {
-        tokio::time::timeout(limit, self.registered.wait_for(|r| *r))
-            .await
-            .is_ok_and(|r| r.is_ok())
+        let task = tokio::spawn(keep_registered(client, key, value, ttl, stopped));
+        Ok(Self { stop, task })
     }
 
     /// Removes the key (revoking its lease) and stops renewing it.
@@ -68,16 +55,17 @@ async fn keep_registered(
     value: Vec<u8>,
     ttl: i64,
     mut stopped: watch::Receiver<bool>,
-    up: watch::Sender<bool>,
 ) {
     let mut lease = None;
+    // Whether the key is in etcd now, and whether this outage has been logged.
+    let mut up = false;
     let mut quiet = false;
     loop {
         let held = tokio::select! {
-            r = hold(&client, &key, &value, ttl, &mut lease, &up) => r,
+            r = hold(&client, &key, &value, ttl, &mut lease, &mut up) => r,
             _ = stopped.wait_for(|s| *s) => break,
         };
-        if up.send_replace(false) {
+        if std::mem::replace(&mut up, false) {
             quiet = false;
         }
         match held {
@@ -94,7 +82,6 @@ async fn keep_registered(
             _ = stopped.wait_for(|s| *s) => break,
         }
     }
-    let _ = up.send(false);
     let removed = async {
         match lease {
             Some(id) => client.revoke(id).await,
@@ -118,7 +105,7 @@ async fn hold(
     value: &[u8],
     ttl: i64,
     lease: &mut Option<i64>,
-    up: &watch::Sender<bool>,
+    up: &mut bool,
 ) -> Result<(), EtcdError> {
     // After an outage the old lease may still be alive (etcd extends leases over a leader
     // change); keep it rather than leave a second copy of the key behind.
@@ -141,7 +128,7 @@ async fn hold(
     };
     *lease = Some(id);
     client.put(key, value, id).await?;
-    let _ = up.send(true);
+    *up = true;
     tracing::info!(%key, lease = id, ttl, "registered in etcd");
     let period = Duration::from_millis((ttl as u64 * 1000 / 3).max(200));
     loop {

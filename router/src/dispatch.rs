@@ -212,7 +212,9 @@ async fn attempt_pd(
         .pick_decode(&avoid, positions, req.sequences)
         .map_err(no_worker)?;
     tracing::debug!(prefill = %p.addr, decode = %d.addr, "picked");
-    let result = pd_on(req, &p, &d, tx).await;
+    // Each retry follows a failure that added its worker to `avoid`, so the list's length
+    // numbers the attempts.
+    let result = pd_on(req, avoid.len(), &p, &d, tx).await;
     match &result {
         Ok(()) => {
             p.succeeded(&state.prefill.settings);
@@ -224,12 +226,25 @@ async fn attempt_pd(
 }
 
 /// One PD generation on prefill node `p` and decode node `d`.
-async fn pd_on(req: &GenRequest, p: &Arc<Worker>, d: &Arc<Worker>, tx: &Tx) -> Result<(), Failed> {
+async fn pd_on(
+    req: &GenRequest,
+    attempt: usize,
+    p: &Arc<Worker>,
+    d: &Arc<Worker>,
+    tx: &Tx,
+) -> Result<(), Failed> {
+    // The id the decode node matches the KV transfer by (and the nodes log). A retry gets
+    // its own, since the same decode node may still hold the failed attempt's claim until
+    // it times out.
+    let kv_id = match attempt {
+        0 => req.id.clone(),
+        n => format!("{}-retry{n}", req.id),
+    };
     let sampling = Some(proto::v1::SamplingParams::from(&req.sampling));
     let generate = runtime::with_request_id(
-        &req.id,
+        &kv_id,
         GenerateRequest {
-            request_id: req.id.clone(),
+            request_id: kv_id.clone(),
             prompt: req.prompt.clone(),
             sampling,
             max_new_tokens: (req.max_tokens - 1) as u32,
@@ -243,9 +258,9 @@ async fn pd_on(req: &GenRequest, p: &Arc<Worker>, d: &Arc<Worker>, tx: &Tx) -> R
     let reported = req.reported();
     let beam = req.beam.is_some();
     let prefill = runtime::with_request_id(
-        &req.id,
+        &kv_id,
         PrefillRequest {
-            request_id: req.id.clone(),
+            request_id: kv_id.clone(),
             prompt: req.prompt.clone(),
             sampling,
             decode_addr: d.addr.clone(),
