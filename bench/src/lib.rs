@@ -9,6 +9,7 @@ use engine::{Model, SeqCache, SeqInput};
 
 pub mod load;
 pub mod serve;
+pub mod soak;
 
 /// Read bandwidth in bytes/s: `threads` threads each sum their share of a buffer much larger
 /// than the caches; the best of `rounds` passes.

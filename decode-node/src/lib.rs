@@ -73,7 +73,11 @@ pub async fn serve(
     );
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(),
         kv_blocks = blocks, block_tokens, "decode node serving");
-    let routes = tonic::service::Routes::new(proto::v1::decode_server::DecodeServer::new(svc));
+    let max = cfg.cluster.grpc_max_message_bytes;
+    let server = proto::v1::decode_server::DecodeServer::new(svc)
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max);
+    let routes = tonic::service::Routes::new(server);
     let render = move || metrics.render(store.delivered());
     runtime::serve_worker(listener, routes, render, shutdown, &cfg.cluster, info, gate).await?;
     let _ = tokio::task::spawn_blocking(move || compute.join()).await;

@@ -155,6 +155,7 @@ impl DecodeMetrics {
         for (outcome, n) in [("admitted", &self.admitted), ("rejected", &self.rejected)] {
             prom::sample(&mut out, name, &[("outcome", outcome)], g(n));
         }
+        runtime::process::render(&mut out);
         out
     }
 }

@@ -355,6 +355,19 @@ impl Scheduler {
                     ));
                     return self.fail(&a.events, e);
                 }
+                // A first token outside the vocabulary would fail the whole batch's next
+                // forward pass, not just this request.
+                let vocab = self.model.config().vocab_size;
+                let outside = first_tokens
+                    .iter()
+                    .flat_map(|s| std::iter::once(s.token).chain(s.top.iter().map(|t| t.token)))
+                    .find(|&t| t as usize >= vocab);
+                if let Some(t) = outside {
+                    let e = DecodeError::BadTransfer(format!(
+                        "first token {t} is outside the vocabulary of {vocab}"
+                    ));
+                    return self.fail(&a.events, e);
+                }
                 let mut cache = cache;
                 if let Err(e) = cache.reserve_exact(positions) {
                     return self.fail(&a.events, e.into());

@@ -121,10 +121,16 @@ impl proto::v1::decode_server::Decode for DecodeService {
         let mut stream = req.into_inner();
         let mut bytes = 0;
         let started = Instant::now();
-        let outcome = self
-            .receive(&mut id, &mut stream, &mut bytes)
-            .instrument(span.clone())
-            .await;
+        // A sender that stalls would otherwise hold its partial cache (and a drain) for as
+        // long as it keeps the stream open.
+        let limit = self.store.timeout();
+        let outcome = tokio::time::timeout(
+            limit,
+            self.receive(&mut id, &mut stream, &mut bytes)
+                .instrument(span.clone()),
+        )
+        .await
+        .unwrap_or_else(|_| Err(DecodeError::KvTimeout(id.clone(), limit.as_millis() as u64)));
         span.record("req_id", id.as_str());
         let _entered = span.enter();
         match outcome {
@@ -220,6 +226,17 @@ impl proto::v1::decode_server::Decode for DecodeService {
                         }
                     };
                     match claimed {
+                        // The cache must be the prompt's: a budget is reserved for this
+                        // prompt, and a cache of other tokens would decode garbage.
+                        Ok(a) if a.cache.tokens() != admission.prompt.as_slice() => {
+                            let e = DecodeError::BadTransfer(format!(
+                                "the KV cache covers {} tokens that are not this call's prompt of {}",
+                                a.cache.len(),
+                                admission.prompt.len()
+                            ));
+                            tracing::warn!(error = %e, "KV cache refused");
+                            let _ = admission.events.send(Err(e.into()));
+                        }
                         Ok(a) => {
                             admission.start = Start::Transferred {
                                 cache: a.cache,

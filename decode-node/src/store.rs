@@ -43,6 +43,12 @@ impl TransferStore {
         })
     }
 
+    /// How long an entry waits for its other half; a transfer still arriving after it is
+    /// useless, since its Generate call has given up by then.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Hands a finished (or failed) transfer to its Generate call, or keeps it until that
     /// call comes or the timeout frees it.
     pub fn deliver(self: &Arc<Self>, id: &str, delivery: Delivery) {

@@ -2,6 +2,7 @@
 //! trying the configured endpoints in turn when one fails.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
@@ -10,6 +11,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::Streaming;
 
 use crate::pb;
+use crate::pb::auth_client::AuthClient;
 use crate::pb::kv_client::KvClient;
 use crate::pb::lease_client::LeaseClient;
 use crate::pb::watch_client::WatchClient;
@@ -32,30 +34,56 @@ pub enum EtcdError {
     Lease(String),
     #[error("etcd ended the stream")]
     StreamEnded,
+    #[error("etcd refused the user {0}: {1}")]
+    Auth(String, String),
+}
+
+/// A password, kept out of `Debug` output and so out of logs.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Password(pub String);
+
+impl std::fmt::Debug for Password {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// How to reach a secured etcd: TLS (with a client certificate when etcd asks for one)
+/// and etcd's own user authentication.
+#[derive(Debug, Clone, Default)]
+pub struct EtcdSecurity {
+    /// TLS to every member.
+    pub tls: Option<tls::ClientTls>,
+    /// The user and password to authenticate as.
+    pub user: Option<(String, Password)>,
 }
 
 /// Channels to etcd's members; calls go to one, and move on to the next when it fails.
 pub struct EtcdClient {
     endpoints: Vec<(String, Channel)>,
     current: AtomicUsize,
+    user: Option<(String, Password)>,
+    /// The auth token every call carries while it is valid.
+    token: Mutex<Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>>,
 }
 
 impl EtcdClient {
     /// Lazily connected channels to `endpoints` (host:port or URLs); nothing connects until
     /// the first call.
-    pub fn new(endpoints: &[String]) -> Result<Self, EtcdError> {
+    pub fn new(endpoints: &[String], security: &EtcdSecurity) -> Result<Self, EtcdError> {
         if endpoints.is_empty() {
             return Err(EtcdError::NoEndpoints);
         }
         let endpoints = endpoints
             .iter()
             .map(|e| {
-                let url = if e.contains("://") {
-                    e.clone()
-                } else {
-                    format!("http://{e}")
+                let hostport = e.split_once("://").map_or(e.as_str(), |(_, rest)| rest);
+                // With TLS the connector does the handshake under an http URI.
+                let url = match (&security.tls, e.contains("://")) {
+                    (None, true) => e.clone(),
+                    _ => format!("http://{hostport}"),
                 };
-                let channel = Endpoint::from_shared(url)
+                let endpoint = Endpoint::from_shared(url)
                     .map_err(|err| EtcdError::BadEndpoint(e.clone(), err.to_string()))?
                     .connect_timeout(Duration::from_secs(2))
                     // A member that stops answering (paused, partitioned) breaks its streams
@@ -64,15 +92,61 @@ impl EtcdClient {
                     .http2_keep_alive_interval(Duration::from_secs(6))
                     .keep_alive_timeout(Duration::from_secs(3))
                     .keep_alive_while_idle(true)
-                    .tcp_nodelay(true)
-                    .connect_lazy();
+                    .tcp_nodelay(true);
+                let channel = match &security.tls {
+                    Some(t) => endpoint.connect_with_connector_lazy(tls::Connector::new(t.clone())),
+                    None => endpoint.connect_lazy(),
+                };
                 Ok((e.clone(), channel))
             })
             .collect::<Result<_, EtcdError>>()?;
         Ok(Self {
             endpoints,
             current: AtomicUsize::new(0),
+            user: security.user.clone(),
+            token: Mutex::default(),
         })
+    }
+
+    /// `msg` as a request carrying the auth token, authenticating first when there is
+    /// none yet (or the last one was refused).
+    async fn request<T>(&self, msg: T) -> Result<tonic::Request<T>, EtcdError> {
+        let mut req = tonic::Request::new(msg);
+        let Some((name, password)) = &self.user else {
+            return Ok(req);
+        };
+        let held = self.token.lock().expect("token lock").clone();
+        let token = match held {
+            Some(t) => t,
+            None => {
+                let mut auth = AuthClient::new(self.channel());
+                let call = auth.authenticate(pb::AuthenticateRequest {
+                    name: name.clone(),
+                    password: password.0.clone(),
+                });
+                let resp = match tokio::time::timeout(CALL_TIMEOUT, call).await {
+                    Ok(Ok(r)) => r.into_inner(),
+                    Ok(Err(s)) if s.code() == tonic::Code::InvalidArgument => {
+                        return Err(EtcdError::Auth(name.clone(), s.message().to_string()))
+                    }
+                    Ok(Err(s)) => {
+                        self.failed();
+                        return Err(s.into());
+                    }
+                    Err(_) => {
+                        self.failed();
+                        return Err(EtcdError::Timeout(CALL_TIMEOUT));
+                    }
+                };
+                let t = resp.token.parse().map_err(|_| {
+                    EtcdError::Auth(name.clone(), "the token is not valid metadata".into())
+                })?;
+                *self.token.lock().expect("token lock") = Some(Clone::clone(&t));
+                t
+            }
+        };
+        req.metadata_mut().insert("token", token);
+        Ok(req)
     }
 
     fn channel(&self) -> Channel {
@@ -96,7 +170,12 @@ impl EtcdClient {
         match tokio::time::timeout(CALL_TIMEOUT, f).await {
             Ok(Ok(r)) => Ok(r.into_inner()),
             Ok(Err(s)) => {
-                self.failed();
+                if s.code() == tonic::Code::Unauthenticated {
+                    // An expired or revoked token: the next call authenticates again.
+                    *self.token.lock().expect("token lock") = None;
+                } else {
+                    self.failed();
+                }
                 Err(s.into())
             }
             Err(_) => {
@@ -114,7 +193,7 @@ impl EtcdClient {
             ..Default::default()
         };
         let mut kv = KvClient::new(self.channel());
-        let resp = self.call(kv.range(req)).await?;
+        let resp = self.call(kv.range(self.request(req).await?)).await?;
         let revision = resp.header.map_or(0, |h| h.revision);
         Ok((revision, resp.kvs))
     }
@@ -127,7 +206,7 @@ impl EtcdClient {
             lease,
         };
         let mut kv = KvClient::new(self.channel());
-        self.call(kv.put(req)).await.map(drop)
+        self.call(kv.put(self.request(req).await?)).await.map(drop)
     }
 
     /// Deletes `key`.
@@ -137,14 +216,16 @@ impl EtcdClient {
             range_end: Vec::new(),
         };
         let mut kv = KvClient::new(self.channel());
-        self.call(kv.delete_range(req)).await.map(drop)
+        self.call(kv.delete_range(self.request(req).await?))
+            .await
+            .map(drop)
     }
 
     /// A new lease of `ttl` seconds; returns its id.
     pub async fn grant(&self, ttl: i64) -> Result<i64, EtcdError> {
         let mut lease = LeaseClient::new(self.channel());
         let resp = self
-            .call(lease.lease_grant(pb::LeaseGrantRequest { ttl, id: 0 }))
+            .call(lease.lease_grant(self.request(pb::LeaseGrantRequest { ttl, id: 0 }).await?))
             .await?;
         if !resp.error.is_empty() {
             return Err(EtcdError::Lease(resp.error));
@@ -155,7 +236,7 @@ impl EtcdClient {
     /// Revokes lease `id`, deleting every key tied to it.
     pub async fn revoke(&self, id: i64) -> Result<(), EtcdError> {
         let mut lease = LeaseClient::new(self.channel());
-        self.call(lease.lease_revoke(pb::LeaseRevokeRequest { id }))
+        self.call(lease.lease_revoke(self.request(pb::LeaseRevokeRequest { id }).await?))
             .await
             .map(drop)
     }
@@ -180,7 +261,7 @@ impl EtcdClient {
             .expect("the receiver is held below");
         let mut lease = LeaseClient::new(self.channel());
         let stream = self
-            .call(lease.lease_keep_alive(ReceiverStream::new(rx)))
+            .call(lease.lease_keep_alive(self.request(ReceiverStream::new(rx)).await?))
             .await?;
         Ok((tx, stream))
     }
@@ -204,7 +285,9 @@ impl EtcdClient {
         };
         tx.send(create).await.expect("the receiver is held below");
         let mut watch = WatchClient::new(self.channel());
-        let stream = self.call(watch.watch(ReceiverStream::new(rx))).await?;
+        let stream = self
+            .call(watch.watch(self.request(ReceiverStream::new(rx)).await?))
+            .await?;
         Ok((tx, stream))
     }
 }

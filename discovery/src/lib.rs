@@ -10,7 +10,7 @@ mod watch;
 
 use serde::{Deserialize, Serialize};
 
-pub use etcd::{EtcdClient, EtcdError};
+pub use etcd::{EtcdClient, EtcdError, EtcdSecurity, Password};
 pub use register::Registration;
 pub use watch::{watch_workers, WorkerSet};
 

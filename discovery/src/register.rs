@@ -24,21 +24,16 @@ pub struct Registration {
 }
 
 impl Registration {
-    /// Starts registering `info` under `prefix` in the etcd at `endpoints` with a lease of
-    /// `ttl_s` seconds, and keeps it registered until `deregister`.
-    pub fn spawn(
-        endpoints: &[String],
-        prefix: &str,
-        ttl_s: u64,
-        info: WorkerInfo,
-    ) -> Result<Self, EtcdError> {
-        let client = Arc::new(EtcdClient::new(endpoints)?);
+    /// Starts registering `info` under `prefix` through `client` with a lease of `ttl_s`
+    /// seconds, and keeps it registered until `deregister`.
+    pub fn spawn(client: EtcdClient, prefix: &str, ttl_s: u64, info: WorkerInfo) -> Self {
+        let client = Arc::new(client);
         let key = info.key(prefix);
         let value = serde_json::to_vec(&info).expect("a registration serializes");
         let (stop, stopped) = watch::channel(false);
         let ttl = ttl_s.max(1) as i64;
         let task = tokio::spawn(keep_registered(client, key, value, ttl, stopped));
-        Ok(Self { stop, task })
+        Self { stop, task }
     }
 
     /// Removes the key (revoking its lease) and stops renewing it.

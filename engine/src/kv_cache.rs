@@ -14,6 +14,20 @@ use crate::error::{EngineError, Result};
 /// Positions are allocated in multiples of this, so growth does not copy every step.
 const GROW_TOKENS: usize = 64;
 
+/// Most K+V bytes an assembler allocates on a transfer header's word alone; past it, the
+/// cache grows with the chunks that actually arrive, so a header that claims millions of
+/// positions costs nothing until their bytes come. Whole caches of common prompt sizes
+/// (4096 SmolLM2 positions are 189 MB) still arrive without a copy.
+const UPFRONT_BYTES: usize = 256 << 20;
+
+/// Most K+V bytes one position may take over all layers: a few dozen positions always fit
+/// upfront (the largest models take about 1 MiB a position).
+const MAX_POSITION_BYTES: usize = UPFRONT_BYTES / GROW_TOKENS;
+
+/// More layers than any model has: a layout past it is garbage, not a model, and one
+/// tensor pair per layer is allocated before any position.
+const MAX_LAYERS: usize = 4096;
+
 /// What a cache must agree on to be moved between two engines.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvLayout {
@@ -38,6 +52,34 @@ impl KvLayout {
     /// Bytes of K (or of V) that one position of one layer takes.
     pub fn bytes_per_token_layer(&self) -> usize {
         self.n_kv_heads * self.head_dim * 4
+    }
+
+    /// Checks a layout that came from elsewhere (a transfer header): a dtype the engine
+    /// stores, no empty dimension, and sizes whose arithmetic cannot overflow. Returns the
+    /// K+V bytes of one position over all layers.
+    pub fn validate(&self) -> Result<usize> {
+        let bad = |why: String| Err(EngineError::KvCache(format!("layout {self:?}: {why}")));
+        if self.dtype != "f32" {
+            return bad(format!("dtype {:?} is not f32", self.dtype));
+        }
+        if self.n_layers == 0 || self.n_kv_heads == 0 || self.head_dim == 0 {
+            return bad("a dimension is 0".into());
+        }
+        if self.n_layers > MAX_LAYERS {
+            return bad(format!("more than {MAX_LAYERS} layers"));
+        }
+        let per_position = self
+            .n_kv_heads
+            .checked_mul(self.head_dim)
+            .and_then(|x| x.checked_mul(4 * 2))
+            .and_then(|x| x.checked_mul(self.n_layers))
+            .filter(|&x| x <= MAX_POSITION_BYTES);
+        match per_position {
+            Some(bytes) => Ok(bytes),
+            None => bad(format!(
+                "one position would take more than {MAX_POSITION_BYTES} bytes"
+            )),
+        }
     }
 }
 
@@ -79,6 +121,7 @@ pub struct SeqCache {
     layers: Vec<LayerKv>,
     capacity: usize,
     tokens: Vec<u32>,
+    device: Device,
 }
 
 fn alloc(layout: &KvLayout, capacity: usize, device: &Device) -> Result<Vec<LayerKv>> {
@@ -101,6 +144,7 @@ impl SeqCache {
             layout,
             capacity: 0,
             tokens: Vec::new(),
+            device: device.clone(),
         })
     }
 
@@ -122,6 +166,7 @@ impl SeqCache {
             layers,
             capacity: self.capacity,
             tokens: self.tokens.clone(),
+            device: self.device.clone(),
         })
     }
 
@@ -156,7 +201,8 @@ impl SeqCache {
         if need <= self.capacity {
             return Ok(());
         }
-        self.resize(need.max(self.capacity * 2).div_ceil(GROW_TOKENS) * GROW_TOKENS)
+        let capacity = need.max(self.capacity * 2).div_ceil(GROW_TOKENS) * GROW_TOKENS;
+        self.resize(capacity, self.len())
     }
 
     /// Sizes the storage to hold `positions` in all (never less than it holds), so later
@@ -166,7 +212,7 @@ impl SeqCache {
         if positions <= self.capacity {
             return Ok(());
         }
-        self.resize(positions)
+        self.resize(positions, self.len())
     }
 
     /// Positions the storage holds without growing.
@@ -174,15 +220,15 @@ impl SeqCache {
         self.capacity
     }
 
-    fn resize(&mut self, capacity: usize) -> Result<()> {
-        let device = self.layers[0].k.device().clone();
-        let grown = alloc(&self.layout, capacity, &device)?;
-        if !self.is_empty() {
+    /// Moves the cache into storage of `capacity` positions, keeping the first `keep`.
+    fn resize(&mut self, capacity: usize, keep: usize) -> Result<()> {
+        let grown = alloc(&self.layout, capacity, &self.device)?;
+        if keep > 0 {
             for (new, old) in grown.iter().zip(&self.layers) {
                 new.k
-                    .slice_set(&old.k.narrow(1, 0, self.len())?.contiguous()?, 1, 0)?;
+                    .slice_set(&old.k.narrow(1, 0, keep)?.contiguous()?, 1, 0)?;
                 new.v
-                    .slice_set(&old.v.narrow(1, 0, self.len())?.contiguous()?, 1, 0)?;
+                    .slice_set(&old.v.narrow(1, 0, keep)?.contiguous()?, 1, 0)?;
             }
         }
         self.layers = grown;
@@ -264,7 +310,9 @@ impl SeqCache {
     }
 }
 
-/// Rebuilds a `SeqCache` from chunks that arrive in order within each layer.
+/// Rebuilds a `SeqCache` from chunks that arrive in order within each layer. Everything it
+/// is given may be garbage (it comes off the network): a bad header or chunk is an error,
+/// never a panic, and memory follows the bytes received, not the positions claimed.
 #[derive(Debug)]
 pub struct KvAssembler {
     cache: SeqCache,
@@ -275,8 +323,25 @@ pub struct KvAssembler {
 impl KvAssembler {
     /// Expects K/V for `tokens` in a cache of `layout`.
     pub fn new(layout: KvLayout, tokens: Vec<u32>, device: &Device) -> Result<Self> {
+        Self::with_upfront(layout, tokens, device, UPFRONT_BYTES)
+    }
+
+    /// `new`, allocating at most `upfront_bytes` before chunks arrive.
+    fn with_upfront(
+        layout: KvLayout,
+        tokens: Vec<u32>,
+        device: &Device,
+        upfront_bytes: usize,
+    ) -> Result<Self> {
+        let per_position = layout.validate()?;
+        if tokens.is_empty() {
+            return Err(EngineError::KvCache(
+                "a transfer covers at least one position".into(),
+            ));
+        }
         let mut cache = SeqCache::new(layout, device)?;
-        cache.reserve(tokens.len())?;
+        let upfront = tokens.len().min(upfront_bytes / per_position);
+        cache.reserve_exact(upfront)?;
         let n_layers = cache.layout.n_layers;
         Ok(Self {
             cache,
@@ -290,6 +355,11 @@ impl KvAssembler {
         self.filled.iter().sum()
     }
 
+    /// Bytes the cache being rebuilt occupies now.
+    pub fn allocated_bytes(&self) -> usize {
+        self.cache.allocated_bytes()
+    }
+
     /// Stores one chunk; it must continue its layer where the previous one stopped.
     pub fn accept(&mut self, chunk: &KvChunk) -> Result<()> {
         let layer = chunk.layer as usize;
@@ -297,6 +367,9 @@ impl KvAssembler {
         let bad = |why: String| Err(EngineError::KvCache(why));
         if layer >= self.filled.len() {
             return bad(format!("chunk for layer {layer} of {}", self.filled.len()));
+        }
+        if len == 0 {
+            return bad(format!("layer {layer}: a chunk of no positions"));
         }
         if start != self.filled[layer] || start + len > self.expected.len() {
             return bad(format!(
@@ -316,15 +389,29 @@ impl KvAssembler {
             ));
         }
         let shape = [layout.n_kv_heads, len, layout.head_dim];
-        let device = self.cache.layers[layer].k.device().clone();
+        self.make_room(start + len)?;
+        let device = &self.cache.device;
         // One copy from the wire's bytes (native order is the wire's little-endian on every
         // target we build for) into a tensor, one into the cache.
-        let tensor = |bytes: &[u8]| Tensor::from_raw_buffer(bytes, DType::F32, &shape, &device);
+        let tensor = |bytes: &[u8]| Tensor::from_raw_buffer(bytes, DType::F32, &shape, device);
         let l = &self.cache.layers[layer];
         l.k.slice_set(&tensor(&chunk.k)?, 1, start)?;
         l.v.slice_set(&tensor(&chunk.v)?, 1, start)?;
         self.filled[layer] += len;
         Ok(())
+    }
+
+    /// Grows the cache to hold `positions`, doubling (never past the positions expected)
+    /// so that a long transfer copies what it holds only a few times.
+    fn make_room(&mut self, positions: usize) -> Result<()> {
+        let capacity = self.cache.capacity;
+        if positions <= capacity {
+            return Ok(());
+        }
+        let grown = (positions.max(capacity * 2).div_ceil(GROW_TOKENS) * GROW_TOKENS)
+            .min(self.expected.len());
+        let keep = self.filled.iter().copied().max().unwrap_or(0);
+        self.cache.resize(grown, keep)
     }
 
     /// Whether every layer has every position.
@@ -344,5 +431,429 @@ impl KvAssembler {
         let mut cache = self.cache;
         cache.commit(&self.expected);
         Ok(cache)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    /// xorshift64*: the whole run follows from one seed, so a failure reproduces.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n.max(1) as u64) as usize
+        }
+
+        fn bytes(&mut self, n: usize) -> Vec<u8> {
+            (0..n).map(|_| self.next() as u8).collect()
+        }
+    }
+
+    /// `TANDEM_FUZZ_SEED` (else the clock) and `TANDEM_FUZZ_SECS` (else `default_secs`).
+    fn fuzz_settings(default_secs: u64) -> (u64, Duration) {
+        let seed = std::env::var("TANDEM_FUZZ_SEED")
+            .ok()
+            .and_then(|s| {
+                let s = s.trim();
+                match s.strip_prefix("0x") {
+                    Some(hex) => u64::from_str_radix(hex, 16).ok(),
+                    None => s.parse().ok(),
+                }
+            })
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(1, |d| d.as_nanos() as u64)
+            })
+            | 1;
+        let secs = std::env::var("TANDEM_FUZZ_SECS")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(default_secs);
+        (seed, Duration::from_secs(secs))
+    }
+
+    fn small_layout(rng: &mut Rng) -> KvLayout {
+        KvLayout {
+            n_layers: 1 + rng.below(4),
+            n_kv_heads: 1 + rng.below(3),
+            head_dim: 1 + rng.below(8),
+            dtype: "f32".into(),
+        }
+    }
+
+    /// A layout that is usually a model's and sometimes garbage.
+    fn layout(rng: &mut Rng) -> KvLayout {
+        let mut l = small_layout(rng);
+        match rng.below(10) {
+            0 => l.dtype = ["bf16", "f16", "", "F32", "f32 "][rng.below(5)].into(),
+            1 => l.n_layers = 0,
+            2 => l.n_kv_heads = [0, u32::MAX as usize, 1 << 20][rng.below(3)],
+            3 => l.head_dim = [0, u32::MAX as usize, usize::MAX / 2][rng.below(3)],
+            4 => l.n_layers = [MAX_LAYERS + 1, u32::MAX as usize][rng.below(2)],
+            _ => {}
+        }
+        l
+    }
+
+    fn layout_is_valid(l: &KvLayout) -> bool {
+        l.dtype == "f32"
+            && l.n_layers > 0
+            && l.n_layers <= MAX_LAYERS
+            && l.n_kv_heads > 0
+            && l.head_dim > 0
+            && (2 * 4 * l.n_kv_heads as u128 * l.head_dim as u128 * l.n_layers as u128)
+                <= MAX_POSITION_BYTES as u128
+    }
+
+    /// Prompt lengths: mostly small, sometimes none, sometimes far more than any model
+    /// takes (a header's claim costs 4 bytes a position to hold, nothing more).
+    fn token_count(rng: &mut Rng) -> usize {
+        match rng.below(20) {
+            0 => 0,
+            1 => 1 << (20 + rng.below(5)),
+            2 => 200 + rng.below(400),
+            _ => 1 + rng.below(40),
+        }
+    }
+
+    /// What the assembler must make of a chunk, tracked independently of it.
+    struct Oracle {
+        filled: Vec<usize>,
+        expected: usize,
+        bytes_per_token_layer: usize,
+    }
+
+    impl Oracle {
+        fn valid(&self, c: &KvChunk) -> bool {
+            let layer = c.layer as usize;
+            let (start, len) = (c.start as usize, c.len as usize);
+            layer < self.filled.len()
+                && len > 0
+                && start == self.filled[layer]
+                && start + len <= self.expected
+                && c.k.len() == len * self.bytes_per_token_layer
+                && c.v.len() == len * self.bytes_per_token_layer
+        }
+
+        /// A chunk that continues a layer, of a random length that fits.
+        fn honest(&self, rng: &mut Rng) -> Option<KvChunk> {
+            let open: Vec<usize> = (0..self.filled.len())
+                .filter(|&l| self.filled[l] < self.expected)
+                .collect();
+            let layer = open[rng.below(open.len().max(1))..].first().copied()?;
+            let left = self.expected - self.filled[layer];
+            let most = if rng.below(4) == 0 { 300 } else { 12 };
+            let len = 1 + rng.below(left.min(most));
+            let n = len * self.bytes_per_token_layer;
+            Some(KvChunk {
+                layer: layer as u32,
+                start: self.filled[layer] as u32,
+                len: len as u32,
+                k: rng.bytes(n).into(),
+                v: rng.bytes(n).into(),
+            })
+        }
+    }
+
+    /// One way a chunk goes wrong on the wire.
+    fn corrupt(rng: &mut Rng, mut c: KvChunk, previous: Option<&KvChunk>) -> KvChunk {
+        match rng.below(11) {
+            0 => c.layer = [c.layer + 64, u32::MAX, c.layer.wrapping_add(1)][rng.below(3)],
+            1 => c.start = [c.start + 1, c.start.wrapping_sub(1), u32::MAX][rng.below(3)],
+            2 => c.len = [0, u32::MAX, c.len + 1, c.len.saturating_sub(1)][rng.below(4)],
+            3 => {
+                let cut = rng.below(c.k.len().max(1));
+                c.k.truncate(cut);
+            }
+            4 => {
+                let mut v = c.v.to_vec();
+                let extra = 1 + rng.below(7);
+                v.extend(rng.bytes(extra));
+                c.v = v.into();
+            }
+            5 => {
+                c.k = Bytes::new();
+                c.v = Bytes::new();
+            }
+            6 => {
+                // Lengths that do not divide into f32s.
+                let odd = c.k.len() + 1 + rng.below(3);
+                c.k = rng.bytes(odd).into();
+                c.v = rng.bytes(odd).into();
+            }
+            7 => {
+                c.len = 0;
+                c.k = Bytes::new();
+                c.v = Bytes::new();
+            }
+            8 => {
+                if let Some(p) = previous {
+                    return p.clone();
+                }
+                c.start = c.start.wrapping_add(7);
+            }
+            9 => c.len = c.len.saturating_mul(1 << 16),
+            _ => c.k = c.v.slice(..c.v.len() / 2),
+        }
+        c
+    }
+
+    /// Runs one case; returns (chunks accepted, whether the transfer completed).
+    fn case(rng: &mut Rng) -> (usize, bool) {
+        let layout = layout(rng);
+        let n = token_count(rng);
+        let tokens: Vec<u32> = if n > 1000 {
+            vec![0; n]
+        } else {
+            (0..n).map(|_| rng.next() as u32).collect()
+        };
+        // Sometimes little upfront, so that growth under chunks (and what it keeps) is
+        // exercised by transfers that complete.
+        let upfront_bytes = if rng.below(2) == 0 {
+            UPFRONT_BYTES
+        } else {
+            rng.below(4096)
+        };
+        let asm =
+            KvAssembler::with_upfront(layout.clone(), tokens.clone(), &Device::Cpu, upfront_bytes);
+        let mut asm = match asm {
+            Ok(a) => {
+                assert!(layout_is_valid(&layout), "{layout:?} accepted");
+                assert!(n > 0, "a transfer of no positions accepted");
+                a
+            }
+            Err(e) => {
+                assert!(
+                    !layout_is_valid(&layout) || n == 0,
+                    "{layout:?} with {n} tokens refused: {e}"
+                );
+                assert!(matches!(e, EngineError::KvCache(_)), "{e:?}");
+                return (0, false);
+            }
+        };
+        let per_position = layout.validate().expect("valid");
+        assert!(
+            asm.allocated_bytes() <= upfront_bytes,
+            "{} bytes allocated on a header's word",
+            asm.allocated_bytes()
+        );
+        let mut oracle = Oracle {
+            filled: vec![0; layout.n_layers],
+            expected: n,
+            bytes_per_token_layer: layout.bytes_per_token_layer(),
+        };
+        let mut stored: Vec<KvChunk> = Vec::new();
+        // Enough messages to complete most small transfers, and some that never complete.
+        for _ in 0..rng.below(4 * layout.n_layers * 8 + 4) {
+            let Some(honest) = oracle.honest(rng) else {
+                break;
+            };
+            let chunk = if rng.below(3) == 0 {
+                corrupt(rng, honest, stored.last())
+            } else {
+                honest
+            };
+            let valid = oracle.valid(&chunk);
+            match asm.accept(&chunk) {
+                Ok(()) => {
+                    assert!(valid, "a bad chunk was accepted: {}", describe(&chunk));
+                    oracle.filled[chunk.layer as usize] += chunk.len as usize;
+                    stored.push(chunk);
+                }
+                Err(e) => {
+                    assert!(
+                        !valid,
+                        "a good chunk was refused ({e}): {}",
+                        describe(&chunk)
+                    );
+                    assert!(matches!(e, EngineError::KvCache(_)), "{e:?}");
+                }
+            }
+            let most = oracle.filled.iter().copied().max().unwrap_or(0);
+            let bound = (upfront_bytes / per_position).max((2 * most + GROW_TOKENS).min(n));
+            assert!(
+                asm.allocated_bytes() <= bound * per_position,
+                "{} bytes allocated for {most} positions received of {n}",
+                asm.allocated_bytes()
+            );
+            assert_eq!(asm.received_tokens(), oracle.filled.iter().sum::<usize>());
+        }
+        let complete = oracle.filled.iter().all(|&f| f == n);
+        assert_eq!(asm.is_complete(), complete);
+        match asm.finish() {
+            Ok(cache) => {
+                assert!(complete, "an incomplete transfer finished");
+                assert_eq!(cache.tokens(), tokens.as_slice());
+                for c in &stored {
+                    let back = cache
+                        .export(c.layer as usize, c.start as usize, c.len as usize)
+                        .expect("exporting what was stored");
+                    assert!(
+                        back.k == c.k && back.v == c.v,
+                        "the cache does not hold what {} carried",
+                        describe(c)
+                    );
+                }
+            }
+            Err(e) => {
+                assert!(!complete, "a complete transfer failed to finish: {e}");
+                assert!(e.to_string().contains("incomplete"), "{e}");
+            }
+        }
+        (stored.len(), complete)
+    }
+
+    fn describe(c: &KvChunk) -> String {
+        format!(
+            "layer {} start {} len {} k {} B v {} B",
+            c.layer,
+            c.start,
+            c.len,
+            c.k.len(),
+            c.v.len()
+        )
+    }
+
+    /// Garbage, truncated and mismatched chunks: every one refused with a KV error, every
+    /// good one stored bit for bit, nothing allocated beyond what arrived, never a panic.
+    /// Runs `TANDEM_FUZZ_SECS` (10 by default) from `TANDEM_FUZZ_SEED` (else the clock).
+    #[test]
+    fn fuzzed_chunks_fail_cleanly_and_good_ones_survive() {
+        let (seed, budget) = fuzz_settings(10);
+        eprintln!(
+            "KV assembler fuzz: TANDEM_FUZZ_SEED={seed:#x} for {budget:?} (TANDEM_FUZZ_SECS)"
+        );
+        let started = Instant::now();
+        let mut rng = Rng(seed);
+        let (mut cases, mut accepted, mut completed) = (0usize, 0usize, 0usize);
+        while cases < 50 || started.elapsed() < budget {
+            let mut case_rng = Rng(rng.next() | 1);
+            let outcome = catch_unwind(AssertUnwindSafe(|| case(&mut case_rng)));
+
+            match outcome {
+                Ok((a, c)) => {
+                    accepted += a;
+                    completed += usize::from(c);
+                }
+                Err(_) => panic!(
+                    "case {cases} failed: rerun with TANDEM_FUZZ_SEED={seed:#x} (the panic is above)"
+                ),
+            }
+            cases += 1;
+        }
+        eprintln!("{cases} cases, {accepted} chunks stored, {completed} transfers completed");
+        // Both sides must be reached, or the run proves little.
+        assert!(
+            accepted > cases,
+            "only {accepted} chunks stored in {cases} cases"
+        );
+        assert!(
+            completed * 20 > cases,
+            "only {completed} of {cases} transfers completed"
+        );
+    }
+
+    #[test]
+    fn a_huge_claim_allocates_only_what_arrives() {
+        let layout = KvLayout {
+            n_layers: 2,
+            n_kv_heads: 2,
+            head_dim: 16,
+            dtype: "f32".into(),
+        };
+        let per_position = layout.validate().unwrap();
+        let claimed = 64 << 20;
+        let mut asm = KvAssembler::new(layout.clone(), vec![0; claimed], &Device::Cpu).unwrap();
+        assert!(asm.allocated_bytes() <= UPFRONT_BYTES);
+        let upfront = asm.allocated_bytes() / per_position;
+        let byte = |i: usize| (i % 251) as u8;
+        let early_bytes: Vec<u8> = (0..10 * layout.bytes_per_token_layer())
+            .map(|i| byte(i + 1))
+            .collect();
+        let early = KvChunk {
+            layer: 0,
+            start: 0,
+            len: 10,
+            k: early_bytes.clone().into(),
+            v: early_bytes.into(),
+        };
+        asm.accept(&early).unwrap();
+        // Past the upfront positions, the cache grows with what is sent, keeping what it
+        // held.
+        let len = upfront + 100;
+        let bytes: Vec<u8> = (0..len * layout.bytes_per_token_layer())
+            .map(byte)
+            .collect();
+        let chunk = KvChunk {
+            layer: 1,
+            start: 0,
+            len: len as u32,
+            k: bytes.clone().into(),
+            v: bytes.into(),
+        };
+        asm.accept(&chunk).unwrap();
+        let grown = asm.allocated_bytes() / per_position;
+        assert!(
+            grown >= len && grown <= 2 * len + GROW_TOKENS,
+            "{grown} positions held for {len} received"
+        );
+        let held = asm.cache.export_pending(1, 0, len, len).unwrap();
+        assert!(
+            held.k == chunk.k && held.v == chunk.v,
+            "the chunk that grew the cache is not in it"
+        );
+        let kept = asm.cache.export_pending(0, 0, 10, 10).unwrap();
+        assert!(
+            kept.k == early.k && kept.v == early.v,
+            "growth lost what was received before it"
+        );
+    }
+
+    #[test]
+    fn layouts_that_are_not_a_models_are_refused() {
+        let ok = KvLayout {
+            n_layers: 2,
+            n_kv_heads: 2,
+            head_dim: 16,
+            dtype: "f32".into(),
+        };
+        assert_eq!(ok.validate().unwrap(), 2 * 2 * 2 * 16 * 4);
+        let bad = [
+            KvLayout {
+                dtype: "bf16".into(),
+                ..ok.clone()
+            },
+            KvLayout {
+                n_layers: 0,
+                ..ok.clone()
+            },
+            KvLayout {
+                head_dim: usize::MAX / 2,
+                ..ok.clone()
+            },
+            KvLayout {
+                n_layers: MAX_LAYERS + 1,
+                ..ok.clone()
+            },
+        ];
+        for l in bad {
+            let err = KvAssembler::new(l.clone(), vec![1, 2], &Device::Cpu).unwrap_err();
+            assert!(err.to_string().contains("layout"), "{l:?}: {err}");
+        }
+        let err = KvAssembler::new(ok, vec![], &Device::Cpu).unwrap_err();
+        assert!(err.to_string().contains("at least one position"), "{err}");
     }
 }

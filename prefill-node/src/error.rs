@@ -38,6 +38,16 @@ impl From<PrefillError> for tonic::Status {
             | NoDecodeAddr
             | BadDecodeAddr { .. } => tonic::Status::invalid_argument(msg),
             QueueFull(_) => tonic::Status::resource_exhausted(msg),
+            // The decode node judged the KV itself bad, or a message broke the gRPC size
+            // bound: another pair would fail the same way, so this is no outage to retry.
+            Transfer { status, .. }
+                if matches!(
+                    status.code(),
+                    tonic::Code::InvalidArgument | tonic::Code::OutOfRange
+                ) =>
+            {
+                tonic::Status::internal(msg)
+            }
             ShuttingDown | TransferClosed | Transfer { .. } => tonic::Status::unavailable(msg),
             Cancelled => tonic::Status::cancelled(msg),
             Engine(engine::EngineError::ContextOverflow { .. })

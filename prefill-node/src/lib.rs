@@ -62,11 +62,16 @@ pub async fn serve(
         max_queue,
         layout,
         max_positions,
-        Duration::from_millis(cfg.connect_timeout_ms),
+        cfg.cluster
+            .dialer(Duration::from_millis(cfg.connect_timeout_ms))?,
         gate.clone(),
     );
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(), "prefill node serving");
-    let routes = tonic::service::Routes::new(proto::v1::prefill_server::PrefillServer::new(svc));
+    let max = cfg.cluster.grpc_max_message_bytes;
+    let server = proto::v1::prefill_server::PrefillServer::new(svc)
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max);
+    let routes = tonic::service::Routes::new(server);
     runtime::serve_worker(listener, routes, render, shutdown, &cfg.cluster, info, gate).await?;
     // The server has dropped the service and with it the job sender (the metrics closure's
     // clone too): the thread ends.

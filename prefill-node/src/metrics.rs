@@ -112,6 +112,7 @@ impl PrefillMetrics {
         ] {
             prom::sample(&mut out, name, &[("outcome", outcome)], g(n));
         }
+        runtime::process::render(&mut out);
         out
     }
 }

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use engine::KvLayout;
 use proto::v1::decode_client::DecodeClient;
@@ -31,7 +31,7 @@ pub struct PrefillService {
     max_queue: usize,
     layout: KvLayout,
     max_positions: usize,
-    connect_timeout: Duration,
+    dialer: runtime::Dialer,
     channels: Mutex<HashMap<String, Channel>>,
     gate: runtime::Gate,
 }
@@ -44,7 +44,7 @@ impl PrefillService {
         max_queue: usize,
         layout: KvLayout,
         max_positions: usize,
-        connect_timeout: Duration,
+        dialer: runtime::Dialer,
         gate: runtime::Gate,
     ) -> Self {
         Self {
@@ -53,7 +53,7 @@ impl PrefillService {
             max_queue,
             layout,
             max_positions,
-            connect_timeout,
+            dialer,
             channels: Mutex::default(),
             gate,
         }
@@ -71,8 +71,7 @@ impl PrefillService {
         };
         // A decode node that stops answering fails the transfer within seconds, so the
         // prompt's KV is freed and the router can retry elsewhere.
-        let channel =
-            runtime::channel(addr, self.connect_timeout).map_err(|e| bad(e.to_string()))?;
+        let channel = self.dialer.channel(addr).map_err(|e| bad(e.to_string()))?;
         channels.insert(addr.to_string(), channel.clone());
         Ok(channel)
     }
@@ -106,9 +105,16 @@ impl PrefillService {
         };
         tx.send(header).await.expect("the receiver is held below");
         let call = runtime::with_request_id(&req.request_id, ReceiverStream::new(rx));
+        let max = self.dialer.max_message;
         let transfer = tokio::spawn(
-            async move { DecodeClient::new(channel).transfer_kv(call).await }
-                .instrument(tracing::Span::current()),
+            async move {
+                DecodeClient::new(channel)
+                    .max_decoding_message_size(max)
+                    .max_encoding_message_size(max)
+                    .transfer_kv(call)
+                    .await
+            }
+            .instrument(tracing::Span::current()),
         );
         let (done_tx, done_rx) = oneshot::channel();
         let job = Job {

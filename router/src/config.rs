@@ -153,6 +153,10 @@ pub struct Config {
     /// Reasoning markup parsed out of chat output into `reasoning_content`.
     #[arg(long, env = "ROUTER_REASONING_PARSER", value_enum, default_value_t = ReasoningParser::Auto)]
     pub reasoning_parser: ReasoningParser,
+    /// Debugging only: log each request's prompt text (the rendered prompt) at info. Prompts
+    /// are private: off by default, and a warning at startup says when it is on.
+    #[arg(long, env = "ROUTER_LOG_PROMPTS", default_value_t = false)]
+    pub log_prompts: bool,
     /// Most requests served at once; past it a request gets 503 with Retry-After at once.
     #[arg(long, env = "ROUTER_MAX_IN_FLIGHT", default_value_t = 1024)]
     pub max_in_flight: usize,
@@ -160,6 +164,10 @@ pub struct Config {
     /// Retry-After.
     #[arg(long, env = "ROUTER_MAX_IN_FLIGHT_PER_KEY", default_value_t = 0)]
     pub max_in_flight_per_key: usize,
+    /// Most streamed (SSE) responses open at once (0: no limit beyond --max-in-flight);
+    /// past it a streamed request gets 503 with Retry-After at once.
+    #[arg(long, env = "ROUTER_MAX_STREAMS", default_value_t = 512)]
+    pub max_streams: usize,
     /// Largest request body in bytes; larger ones get 413.
     #[arg(long, env = "ROUTER_MAX_BODY_BYTES", default_value_t = 20 << 20)]
     pub max_body_bytes: usize,
@@ -196,4 +204,23 @@ pub struct Config {
     /// failing, up to a minute).
     #[arg(long, env = "ROUTER_BREAKER_COOLDOWN_MS", default_value_t = 2_000)]
     pub breaker_cooldown_ms: u64,
+    /// PEM certificate (chain) for serving the API over HTTPS; with --https-key. Reloaded
+    /// when the file changes. Without it the API is plain HTTP.
+    #[arg(long, env = "ROUTER_HTTPS_CERT", requires = "https_key")]
+    pub https_cert: Option<std::path::PathBuf>,
+    /// PEM private key of --https-cert.
+    #[arg(long, env = "ROUTER_HTTPS_KEY", requires = "https_cert")]
+    pub https_key: Option<std::path::PathBuf>,
+    /// Largest request header section in bytes (request line and all headers); a larger
+    /// one gets 431. At most 100 headers are read in any case.
+    #[arg(long, env = "ROUTER_MAX_HEADER_BYTES", default_value_t = 64 << 10,
+        value_parser = clap::value_parser!(u64).range(8192..))]
+    pub max_header_bytes: u64,
+    /// Largest gRPC message sent to or accepted from a worker, in bytes.
+    #[arg(long, env = "TANDEM_GRPC_MAX_MESSAGE_BYTES", default_value_t = runtime::DEFAULT_MAX_MESSAGE)]
+    pub grpc_max_message_bytes: usize,
+    #[command(flatten)]
+    pub tls: tls::TlsArgs,
+    #[command(flatten)]
+    pub etcd: runtime::EtcdArgs,
 }

@@ -60,10 +60,14 @@ pub enum RouterError {
     Overloaded(usize),
     #[error("the API key is at its limit of {0} requests in flight; retry shortly")]
     KeyBusy(usize),
+    #[error("the router is at its limit of {0} open streams; retry shortly")]
+    TooManyStreams(usize),
     #[error("the request did not finish within {0} ms")]
     Timeout(u64),
     #[error("internal error: {0}")]
     Internal(String),
+    #[error("TLS: {0}")]
+    Tls(#[from] tls::TlsError),
 }
 
 impl RouterError {
@@ -136,9 +140,9 @@ impl RouterError {
             },
             MissingApiKey | BadApiKey => StatusCode::UNAUTHORIZED,
             QuotaExceeded { .. } | KeyBusy(_) => StatusCode::TOO_MANY_REQUESTS,
-            Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Overloaded(_) | TooManyStreams(_) => StatusCode::SERVICE_UNAVAILABLE,
             Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
-            Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Internal(_) | Tls(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -164,7 +168,9 @@ impl RouterError {
     /// Seconds a client should wait before retrying, for the errors that say "busy".
     pub fn retry_after(&self) -> Option<u64> {
         match self {
-            RouterError::Overloaded(_) | RouterError::KeyBusy(_) => Some(1),
+            RouterError::Overloaded(_)
+            | RouterError::KeyBusy(_)
+            | RouterError::TooManyStreams(_) => Some(1),
             RouterError::WorkerUnavailable { .. } | RouterError::WorkerBusy { .. } => Some(1),
             _ => None,
         }

@@ -5,6 +5,7 @@
 pub mod config;
 pub mod dispatch;
 pub mod error;
+pub mod http;
 pub mod keys;
 pub mod metrics;
 pub mod openai;
@@ -105,6 +106,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             f64::from(degraded),
         )],
     );
+    runtime::process::render(&mut page);
     ([("content-type", "text/plain; version=0.0.4")], page).into_response()
 }
 
@@ -123,18 +125,31 @@ pub enum ServeError {
     Io(#[from] std::io::Error),
 }
 
-/// Serves the API on `listener` until `shutdown` resolves.
+/// Serves the API on `listener` until `shutdown` resolves, over HTTPS when a certificate
+/// is configured.
 pub async fn serve(
     listener: TcpListener,
     cfg: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    let https = match (&cfg.https_cert, &cfg.https_key) {
+        (Some(cert), Some(key)) => Some(
+            tls::ServerTls::load(tls::ServerFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: None,
+                alpn: vec![b"http/1.1".to_vec()],
+            })
+            .map_err(RouterError::from)?,
+        ),
+        _ => None,
+    };
+    let max_header_bytes = usize::try_from(cfg.max_header_bytes).unwrap_or(usize::MAX);
     let state = Arc::new(AppState::new(cfg)?);
     state.spawn_background()?;
     tracing::info!(addr = %listener.local_addr()?, model = %state.model_name,
-        mode = ?state.cfg.mode, "router serving");
-    axum::serve(listener, app(state))
-        .with_graceful_shutdown(shutdown)
-        .await?;
+        mode = ?state.cfg.mode, https = https.is_some(), "router serving");
+    let incoming = tls::accept(listener, https)?;
+    http::serve(incoming, app(state), max_header_bytes, shutdown).await;
     Ok(())
 }

@@ -15,6 +15,9 @@ pub struct Metrics {
     requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
     in_flight: AtomicI64,
     overloaded: AtomicU64,
+    /// SSE responses open, from admission to the end of their stream.
+    streams: AtomicI64,
+    streams_refused: AtomicU64,
     prompt_tokens: AtomicU64,
     completion_tokens: AtomicU64,
     retries: AtomicU64,
@@ -27,10 +30,12 @@ pub struct Metrics {
     pub tpot: Histogram,
 }
 
-/// Counts a request as in flight (in all, and for its API key) until dropped.
+/// Counts a request as in flight (in all, for its API key, and as an open stream once it
+/// is one) until dropped.
 pub struct InFlight {
     metrics: Arc<Metrics>,
     key: Option<Arc<Key>>,
+    stream: bool,
 }
 
 impl Drop for InFlight {
@@ -39,6 +44,30 @@ impl Drop for InFlight {
         if let Some(k) = &self.key {
             k.end();
         }
+        if self.stream {
+            self.metrics.streams.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl InFlight {
+    /// Counts the request as an open stream too, unless `max` (0: no limit) are open: a
+    /// stream holds a connection and a task for as long as it runs, so past the limit it is
+    /// refused at once. The slot goes back when the guard is dropped, which the streaming
+    /// task does when the stream ends for any reason (finished, failed, client gone).
+    pub fn open_stream(&mut self, max: usize) -> Result<(), RouterError> {
+        if self.stream {
+            return Ok(());
+        }
+        let m = &self.metrics;
+        let before = m.streams.fetch_add(1, Ordering::Relaxed);
+        if max > 0 && before >= max as i64 {
+            m.streams.fetch_sub(1, Ordering::Relaxed);
+            m.streams_refused.fetch_add(1, Ordering::Relaxed);
+            return Err(RouterError::TooManyStreams(max));
+        }
+        self.stream = true;
+        Ok(())
     }
 }
 
@@ -61,6 +90,7 @@ impl Metrics {
         let mut guard = InFlight {
             metrics: Arc::clone(self),
             key: None,
+            stream: false,
         };
         if let Some(k) = key {
             if !k.begin(key_max) {
@@ -127,11 +157,18 @@ impl Metrics {
         prom::all(
             &mut out,
             "gauge",
-            &[(
-                "router_requests_in_flight",
-                "Requests being served.",
-                self.in_flight.load(Ordering::Relaxed) as f64,
-            )],
+            &[
+                (
+                    "router_requests_in_flight",
+                    "Requests being served.",
+                    self.in_flight.load(Ordering::Relaxed) as f64,
+                ),
+                (
+                    "router_streams_open",
+                    "Streamed (SSE) responses open, counted against --max-streams.",
+                    self.streams.load(Ordering::Relaxed) as f64,
+                ),
+            ],
         );
         prom::all(
             &mut out,
@@ -141,6 +178,11 @@ impl Metrics {
                     "router_overloaded_total",
                     "Requests refused with 503 because the router was at its in-flight limit.",
                     g(&self.overloaded),
+                ),
+                (
+                    "router_streams_refused_total",
+                    "Streamed requests refused with 503 because --max-streams were open.",
+                    g(&self.streams_refused),
                 ),
                 (
                     "router_prompt_tokens_total",
@@ -180,5 +222,55 @@ impl Metrics {
             "Per request, the time after the first token over the tokens that followed.",
         );
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn streams(m: &Metrics) -> i64 {
+        m.streams.load(Ordering::Relaxed)
+    }
+
+    #[test]
+    fn streams_are_bounded_and_given_back_on_drop() {
+        let m = Arc::new(Metrics::default());
+        let mut a = m.start(8, None, 0).unwrap();
+        let mut b = m.start(8, None, 0).unwrap();
+        a.open_stream(2).unwrap();
+        b.open_stream(2).unwrap();
+        // Asking twice for one request holds one slot, not two.
+        b.open_stream(2).unwrap();
+        assert_eq!(streams(&m), 2);
+        let mut c = m.start(8, None, 0).unwrap();
+        assert!(matches!(
+            c.open_stream(2),
+            Err(RouterError::TooManyStreams(2))
+        ));
+        assert_eq!(streams(&m), 2, "a refusal holds no slot");
+        assert_eq!(m.streams_refused.load(Ordering::Relaxed), 1);
+        drop(a);
+        assert_eq!(streams(&m), 1);
+        c.open_stream(2).unwrap();
+        drop((b, c));
+        assert_eq!(streams(&m), 0);
+        assert_eq!(m.in_flight.load(Ordering::Relaxed), 0);
+        assert!(m.render().contains("router_streams_open 0\n"));
+    }
+
+    #[test]
+    fn zero_streams_means_no_limit() {
+        let m = Arc::new(Metrics::default());
+        let held: Vec<InFlight> = (0..3)
+            .map(|_| {
+                let mut g = m.start(8, None, 0).unwrap();
+                g.open_stream(0).unwrap();
+                g
+            })
+            .collect();
+        assert_eq!(streams(&m), 3);
+        drop(held);
+        assert_eq!(streams(&m), 0);
     }
 }

@@ -123,7 +123,7 @@ async fn run(
     id: String,
     key: Option<Arc<Key>>,
     body: Result<Bytes, BytesRejection>,
-    in_flight: InFlight,
+    mut in_flight: InFlight,
 ) -> Result<Response, RouterError> {
     let arrived = Instant::now();
     let body = body.map_err(|e| {
@@ -137,6 +137,10 @@ async fn run(
     let common = params::common(&o, state.text.config.vocab_size)?;
     if common.model != state.model_name {
         return Err(RouterError::ModelNotFound(common.model));
+    }
+    if common.stream {
+        // Held by the streaming task with the in-flight slot, so both end with the stream.
+        in_flight.open_stream(state.cfg.max_streams)?;
     }
     let (text, param, logprobs, parser) = match kind {
         Kind::Chat => {
@@ -156,6 +160,10 @@ async fn run(
             (c.prompt, "prompt", c.logprobs, None)
         }
     };
+    if state.cfg.log_prompts {
+        // Inside the request's span, so the line carries its req_id.
+        tracing::info!(prompt = ?text, "prompt");
+    }
     let prompt = state
         .text
         .tokenizer

@@ -33,6 +33,92 @@ pub struct Common {
     pub beam: bool,
 }
 
+/// Content part types that carry media, by URL, path, file id or inline data: this is a
+/// text model, and no request makes the router read a file or open a connection.
+const MEDIA_PARTS: &[&str] = &[
+    "image_url",
+    "video_url",
+    "audio_url",
+    "input_audio",
+    "image",
+    "input_image",
+    "video",
+    "audio",
+    "file",
+    "input_file",
+];
+
+/// Keywords by which a JSON schema refers to another schema.
+const REF_KEYWORDS: [&str; 3] = ["$ref", "$dynamicRef", "$recursiveRef"];
+
+/// The first schema reference in `v` that points outside the document itself (a URL or a
+/// path: anything but a `#` fragment). Nothing here resolves schemas, and a reference
+/// that a later feature resolved must never become a fetch. The depth is bounded by
+/// serde_json's recursion limit on the body.
+fn external_ref(v: &Value) -> Option<&str> {
+    match v {
+        Value::Object(m) => m.iter().find_map(|(k, v)| match v {
+            Value::String(r) if REF_KEYWORDS.contains(&k.as_str()) && !r.starts_with('#') => {
+                Some(r.as_str())
+            }
+            _ => external_ref(v),
+        }),
+        Value::Array(items) => items.iter().find_map(external_ref),
+        _ => None,
+    }
+}
+
+/// Refuses the fields for which other servers read a file or fetch a URL (a template, a
+/// web search, a schema): ignoring them would leave a client believing they were used.
+fn no_fetching_fields(o: &Obj) -> Result<(), RouterError> {
+    if get(o, "chat_template").is_some() {
+        return Err(RouterError::param(
+            "chat_template",
+            "chat_template is not accepted: prompts are rendered with the model's own chat \
+             template, never one from a request",
+        ));
+    }
+    if get(o, "web_search_options").is_some() {
+        return Err(RouterError::param(
+            "web_search_options",
+            "web search is not supported: the router opens no connection for a request",
+        ));
+    }
+    response_format(o)
+}
+
+/// `response_format`: only `{"type": "text"}`. Output is not constrained to JSON, so
+/// json_object and json_schema would be silently unmet.
+fn response_format(o: &Obj) -> Result<(), RouterError> {
+    let bad = |m: String| RouterError::param("response_format", m);
+    let Some(format) = get(o, "response_format") else {
+        return Ok(());
+    };
+    if let Some(r) = external_ref(format) {
+        return Err(bad(format!(
+            "response_format refers to {r:?}: only references inside the schema (\"#/...\") \
+             are accepted, the router never fetches a schema"
+        )));
+    }
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(()),
+        Some(kind @ ("json_object" | "json_schema")) => Err(bad(format!(
+            "response_format {kind} is not supported: output is not constrained to a format"
+        ))),
+        _ => Err(bad("response_format must be {\"type\": \"text\"}".into())),
+    }
+}
+
+/// Variables the router gives the chat template itself: a kwarg that replaced them would
+/// slip messages and tools past their checks.
+const TEMPLATE_VARIABLES: [&str; 5] = [
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+];
+
 /// Most stop strings, characters per stop string, and characters over all of them.
 const MAX_STOPS: usize = 1024;
 const MAX_STOP_CHARS: usize = 1024;
@@ -143,9 +229,13 @@ fn ranged(
     (lo, lo_open): (f64, bool),
     (hi, hi_open): (f64, bool),
 ) -> Result<f64, RouterError> {
-    let Some(x) = number(o, key)? else {
+    let Some(sent) = number(o, key)? else {
         return Ok(default);
     };
+    // The engine samples in f32: the range holds for the value it will use, or 1e-310
+    // would pass an open 0 and reach it as 0 (a repetition penalty dividing by 0, or a
+    // temperature of 0 that makes n samples one greedy answer).
+    let x = f64::from(sent as f32);
     let above = if lo_open { x > lo } else { x >= lo };
     let below = if hi_open { x < hi } else { x <= hi };
     if above && below {
@@ -157,7 +247,7 @@ fn ranged(
         );
         Err(RouterError::param(
             key,
-            format!("{key} must be in {l}{lo}, {hi}{r}, got {x}"),
+            format!("{key} must be in {l}{lo}, {hi}{r}, got {sent}"),
         ))
     }
 }
@@ -169,6 +259,7 @@ pub fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
         Some(_) => return Err(RouterError::param("model", "model must be a string")),
         None => return Err(RouterError::param("model", "model is required")),
     };
+    no_fetching_fields(o)?;
     let temperature = ranged(o, "temperature", 1.0, (0.0, false), (2.0, false))?;
     let top_p = ranged(o, "top_p", 1.0, (1e-6, true), (1.0, false))?;
     let top_k = match integer(o, "top_k")? {
@@ -351,6 +442,12 @@ fn tools(o: &Obj) -> Result<Option<Vec<Value>>, RouterError> {
                 return Err(bad(format!("tools[{i}].function.{key} must be {what}")));
             }
         }
+        if let Some(r) = external_ref(t) {
+            return Err(bad(format!(
+                "tools[{i}] refers to {r:?}: only references inside the schema (\"#/...\") \
+                 are accepted, the router never fetches a schema"
+            )));
+        }
     }
     Ok(Some(list.clone()))
 }
@@ -457,6 +554,15 @@ pub fn chat(o: &Obj) -> Result<Chat, RouterError> {
             ))
         }
     };
+    if let Some(k) = kwargs
+        .keys()
+        .find(|k| TEMPLATE_VARIABLES.contains(&k.as_str()))
+    {
+        return Err(RouterError::param(
+            "chat_template_kwargs",
+            format!("chat_template_kwargs.{k} is not accepted: the router sets {k} itself"),
+        ));
+    }
     if let Some(t) = kwargs
         .get("enable_thinking")
         .filter(|v| !v.is_null() && !v.is_boolean())
@@ -526,9 +632,10 @@ fn message(i: usize, m: &Value, chars: &mut usize) -> Result<Value, RouterError>
                             )))
                         }
                     },
-                    "image_url" | "video_url" | "audio_url" => {
+                    kind if MEDIA_PARTS.contains(&kind) => {
                         return Err(bad(format!(
-                            "content[{j}] is {kind}: this is a text model, media is not accepted"
+                            "content[{j}] is {kind}: this is a text model, media is not accepted \
+                             (the router never reads a file or fetches a URL for a request)"
                         )))
                     }
                     other => return Err(bad(format!("content[{j}] has unknown type {other:?}"))),
@@ -888,6 +995,90 @@ mod tests {
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
         ]}))).unwrap();
         assert_eq!(ok.input.messages[0]["content"], "ab");
+    }
+
+    /// Every field through which a request could name a file or a URL is refused with a
+    /// 400 naming it; the router reads and fetches nothing for a request.
+    #[test]
+    fn nothing_in_a_request_names_a_file_or_url() {
+        let url = "http://169.254.169.254/latest/meta-data/";
+        for kind in MEDIA_PARTS {
+            let part = json!({"type": kind, *kind: {"url": url}});
+            match chat(&obj(
+                json!({"messages": [{"role": "user", "content": [part]}]}),
+            )) {
+                Err(RouterError::InvalidParam { param, message }) => {
+                    assert_eq!(param, "messages");
+                    assert!(message.contains(kind), "{kind}: {message}");
+                }
+                other => panic!("{kind}: expected a rejection, got {other:?}"),
+            }
+        }
+        for (extra, param) in [
+            (json!({"chat_template": "/etc/passwd"}), "chat_template"),
+            (
+                json!({"web_search_options": {"search_context_size": "low"}}),
+                "web_search_options",
+            ),
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema":
+                    {"name": "x", "schema": {"$ref": "file:///etc/passwd"}}}}),
+                "response_format",
+            ),
+            (json!({"response_format": "text"}), "response_format"),
+        ] {
+            let mut body = obj(json!({"model": "m"}));
+            body.extend(obj(extra.clone()));
+            assert_eq!(rejected_param(Value::Object(body)), param, "{extra}");
+        }
+        let text = obj(json!({"model": "m", "response_format": {"type": "text"}}));
+        assert!(
+            common(&text, 1000).is_ok(),
+            "text is what is produced anyway"
+        );
+
+        let with_tool = |schema: Value| {
+            chat(&obj(
+                json!({"messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}),
+            ))
+        };
+        for r in [url, "../../etc/passwd", "defs.json#/a", "/etc/passwd"] {
+            for keyword in REF_KEYWORDS {
+                let schema = json!({"type": "object",
+                    "properties": {"a": {"items": [{keyword: r}]}}});
+                match with_tool(schema) {
+                    Err(RouterError::InvalidParam { param, message }) => {
+                        assert_eq!(param, "tools");
+                        assert!(message.contains(r), "{message}");
+                    }
+                    other => panic!("{keyword} {r}: expected a rejection, got {other:?}"),
+                }
+            }
+        }
+        let local = json!({"type": "object", "$defs": {"p": {"type": "string"}},
+            "properties": {"$ref": {"$ref": "#/$defs/p"}}});
+        assert!(
+            with_tool(local).is_ok(),
+            "references inside the schema, and a property named $ref, are fine"
+        );
+
+        for var in TEMPLATE_VARIABLES {
+            let body = json!({"messages": [{"role": "user", "content": "hi"}],
+                "chat_template_kwargs": {var: [{"role": "user", "content":
+                    [{"type": "image_url", "image_url": {"url": url}}]}]}});
+            match chat(&obj(body)) {
+                Err(RouterError::InvalidParam { param, message }) => {
+                    assert_eq!(param, "chat_template_kwargs");
+                    assert!(message.contains(var), "{message}");
+                }
+                other => panic!("{var}: expected a rejection, got {other:?}"),
+            }
+        }
     }
 
     #[test]

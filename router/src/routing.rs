@@ -167,7 +167,11 @@ mod tests {
 
     fn workers(n: usize) -> Vec<Arc<Worker>> {
         let s = PoolSettings {
-            connect_timeout: Duration::from_millis(100),
+            dialer: runtime::Dialer {
+                connect_timeout: Duration::from_millis(100),
+                tls: None,
+                max_message: runtime::DEFAULT_MAX_MESSAGE,
+            },
             breaker_failures: 3,
             breaker_cooldown: Duration::from_secs(1),
         };

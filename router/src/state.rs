@@ -76,7 +76,11 @@ impl AppState {
         });
         let api_keys = Keys::load(&cfg.api_keys, cfg.api_key_file.as_deref())?;
         let settings = PoolSettings {
-            connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
+            dialer: runtime::Dialer {
+                connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
+                tls: cfg.tls.client()?,
+                max_message: cfg.grpc_max_message_bytes,
+            },
             breaker_failures: cfg.breaker_failures,
             breaker_cooldown: Duration::from_millis(cfg.breaker_cooldown_ms),
         };
@@ -129,6 +133,12 @@ impl AppState {
             ReasoningParser::Think => true,
         };
         tracing::info!(?tool_format, think, "chat output parsing");
+        if cfg.log_prompts {
+            tracing::warn!(
+                "--log-prompts is on: the text of every prompt will be written to the logs; \
+                 use it only for debugging, never with private data"
+            );
+        }
         Ok(Self {
             tool_format,
             think,
@@ -181,7 +191,10 @@ impl AppState {
         if self.cfg.etcd_endpoints.is_empty() {
             return Ok(());
         }
-        let client = discovery::EtcdClient::new(&self.cfg.etcd_endpoints)
+        let client = self
+            .cfg
+            .etcd
+            .client(&self.cfg.etcd_endpoints)
             .map_err(|e| RouterError::Internal(format!("etcd: {e}")))?;
         let (tx, mut rx) = tokio::sync::watch::channel(discovery::WorkerSet::default());
         tokio::spawn(discovery::watch_workers(

@@ -66,7 +66,8 @@ pub struct Expected {
 /// How workers are reached and when they are taken out of rotation.
 #[derive(Debug, Clone)]
 pub struct PoolSettings {
-    pub connect_timeout: Duration,
+    /// How workers are dialed (timeout, TLS, message size).
+    pub dialer: runtime::Dialer,
     /// Consecutive failed requests that open a worker's breaker.
     pub breaker_failures: u32,
     /// How long a breaker first stays open; doubled on each failure after, up to a minute.
@@ -86,6 +87,8 @@ pub const AFFINITY_BLOCK: usize = 16;
 pub struct Worker {
     pub addr: String,
     channel: Channel,
+    /// Largest gRPC message sent or accepted.
+    max_message: usize,
     /// Why its registration rules it out, whatever it answers.
     mismatch: Option<String>,
     probe: Mutex<Probe>,
@@ -118,11 +121,14 @@ struct Breaker {
 
 impl Worker {
     fn new(addr: &str, mismatch: Option<String>, s: &PoolSettings) -> Result<Self, RouterError> {
-        let channel = runtime::channel(addr, s.connect_timeout)
+        let channel = s
+            .dialer
+            .channel(addr)
             .map_err(|e| RouterError::Internal(format!("bad worker address {addr}: {e}")))?;
         Ok(Self {
             addr: addr.to_string(),
             channel,
+            max_message: s.dialer.max_message,
             mismatch,
             probe: Mutex::default(),
             breaker: Mutex::new(Breaker {
@@ -155,11 +161,15 @@ impl Worker {
     /// A client for a prefill node.
     pub fn prefill(&self) -> PrefillClient<Channel> {
         PrefillClient::new(self.channel.clone())
+            .max_decoding_message_size(self.max_message)
+            .max_encoding_message_size(self.max_message)
     }
 
     /// A client for a decode node (or colocated worker).
     pub fn decode(&self) -> DecodeClient<Channel> {
         DecodeClient::new(self.channel.clone())
+            .max_decoding_message_size(self.max_message)
+            .max_encoding_message_size(self.max_message)
     }
 
     /// The worker's state now.
@@ -556,7 +566,11 @@ mod tests {
 
     fn settings(failures: u32, cooldown_ms: u64) -> PoolSettings {
         PoolSettings {
-            connect_timeout: Duration::from_millis(100),
+            dialer: runtime::Dialer {
+                connect_timeout: Duration::from_millis(100),
+                tls: None,
+                max_message: runtime::DEFAULT_MAX_MESSAGE,
+            },
             breaker_failures: failures,
             breaker_cooldown: Duration::from_millis(cooldown_ms),
         }

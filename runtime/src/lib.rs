@@ -1,15 +1,15 @@
 //! Process plumbing shared by the router and the nodes: tracing setup, the shutdown signal,
 //! the request id carried in gRPC metadata, and why a node could not serve.
 
+pub mod process;
 pub mod prom;
 pub mod worker;
 
-pub use worker::{serve_worker, ClusterArgs, Gate, Pass, Tracked};
+pub use worker::{serve_worker, ClusterArgs, EtcdArgs, Gate, Pass, Tracked};
 
 use std::future::Future;
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 /// How often an idle gRPC connection to a peer is pinged, and how long a ping may go
 /// unanswered before the connection counts as broken: a peer that stops answering (paused,
@@ -28,6 +28,10 @@ pub const CONNECTION_WINDOW: u32 = 32 << 20;
 /// Largest HTTP/2 frame a worker accepts: a KV chunk crosses in a few frames, not a
 /// hundred 16 KiB ones.
 pub const MAX_FRAME: u32 = 1 << 20;
+
+/// Largest gRPC message on any hop unless configured otherwise (see
+/// `--grpc-max-message-bytes`).
+pub const DEFAULT_MAX_MESSAGE: usize = 64 << 20;
 
 /// A cache layout as registrations carry it.
 pub fn layout_info(l: &engine::KvLayout) -> discovery::Layout {
@@ -58,23 +62,38 @@ pub fn worker_info(
     }
 }
 
-/// A lazily connected channel to the worker at `addr` (host:port), set up the way every
-/// hop is: a connect timeout, no Nagle delay, pings so that a peer that stops answering
-/// (paused, cut off) fails its calls within seconds, and wide flow-control windows.
-pub fn channel(
-    addr: &str,
-    connect_timeout: std::time::Duration,
-) -> Result<tonic::transport::Channel, tonic::transport::Error> {
-    Ok(
-        tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
-            .connect_timeout(connect_timeout)
+/// How a process dials its peers: every hop is set up the same way.
+#[derive(Debug, Clone)]
+pub struct Dialer {
+    /// How long a connection may take to open.
+    pub connect_timeout: std::time::Duration,
+    /// Mutual TLS, when configured.
+    pub tls: Option<tls::ClientTls>,
+    /// Largest gRPC message sent or accepted.
+    pub max_message: usize,
+}
+
+impl Dialer {
+    /// A lazily connected channel to the worker at `addr` (host:port): a connect timeout,
+    /// no Nagle delay, pings so that a peer that stops answering (paused, cut off) fails
+    /// its calls within seconds, wide flow-control windows, and mutual TLS when set.
+    pub fn channel(
+        &self,
+        addr: &str,
+    ) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+        // The connector does the TLS, so the URI keeps the http scheme h2 expects beneath it.
+        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+            .connect_timeout(self.connect_timeout)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
             .keep_alive_timeout(KEEPALIVE_TIMEOUT)
             .initial_stream_window_size(STREAM_WINDOW)
-            .initial_connection_window_size(CONNECTION_WINDOW)
-            .connect_lazy(),
-    )
+            .initial_connection_window_size(CONNECTION_WINDOW);
+        Ok(match &self.tls {
+            Some(t) => endpoint.connect_with_connector_lazy(tls::Connector::new(t.clone())),
+            None => endpoint.connect_lazy(),
+        })
+    }
 }
 
 /// The gRPC metadata key that carries a request's id from the router to both nodes.
@@ -157,30 +176,38 @@ pub enum ServeError {
     Discovery(#[from] discovery::EtcdError),
     #[error("configuration: {0}")]
     Config(String),
+    #[error("TLS: {0}")]
+    Tls(#[from] tls::TlsError),
+    #[error("listening: {0}")]
+    Listen(std::io::Error),
 }
 
 /// Serves gRPC `routes` and `GET /metrics` (the text `render` returns) on one listener
 /// until `shutdown` resolves: HTTP/1 is accepted beside HTTP/2, so a Prometheus scraper
-/// needs no port of its own.
+/// needs no port of its own. With `tls`, every connection is TLS (mutual, when the
+/// configuration asks for client certificates).
 pub async fn serve_grpc_with_metrics(
     listener: TcpListener,
+    tls: Option<tls::ServerTls>,
     routes: tonic::service::Routes,
     render: impl Fn() -> String + Clone + Send + Sync + 'static,
     shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), tonic::transport::Error> {
+) -> Result<(), ServeError> {
     let metrics = axum::routing::get(move || {
         let text = render();
         async move { ([("content-type", "text/plain; version=0.0.4")], text) }
     });
     let router = routes.into_axum_router().route("/metrics", metrics);
+    let incoming = tls::accept(listener, tls).map_err(ServeError::Listen)?;
     tonic::transport::Server::builder()
         .accept_http1(true)
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(Some(MAX_FRAME))
         .add_routes(router.into())
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
-        .await
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await?;
+    Ok(())
 }
 
 #[cfg(test)]

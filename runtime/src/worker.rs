@@ -17,6 +17,51 @@ const DRAIN_POLL: Duration = Duration::from_millis(50);
 /// How long the server may take to close its connections once the drain is over.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
+/// How to reach a secured etcd; shared by the router and the workers.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct EtcdArgs {
+    /// PEM CA bundle etcd's certificate must chain to; with it etcd is dialed over TLS.
+    #[arg(long, env = "TANDEM_ETCD_CA")]
+    pub etcd_ca: Option<std::path::PathBuf>,
+    /// PEM client certificate for an etcd that asks for one (--client-cert-auth).
+    #[arg(long, env = "TANDEM_ETCD_CERT", requires_all = ["etcd_key", "etcd_ca"])]
+    pub etcd_cert: Option<std::path::PathBuf>,
+    /// PEM private key of --etcd-cert.
+    #[arg(long, env = "TANDEM_ETCD_KEY", requires_all = ["etcd_cert", "etcd_ca"])]
+    pub etcd_key: Option<std::path::PathBuf>,
+    /// etcd user to authenticate as (etcd's `auth enable`); the password comes from
+    /// TANDEM_ETCD_PASSWORD.
+    #[arg(long, env = "TANDEM_ETCD_USER", requires = "etcd_password")]
+    pub etcd_user: Option<String>,
+    /// Password of --etcd-user. Give it through the environment (a Kubernetes Secret):
+    /// a flag shows in the process list.
+    #[arg(long, env = "TANDEM_ETCD_PASSWORD", hide_env_values = true, requires = "etcd_user",
+        value_parser = |s: &str| Ok::<_, String>(discovery::Password(s.to_string())))]
+    pub etcd_password: Option<discovery::Password>,
+}
+
+impl EtcdArgs {
+    /// A client for the etcd at `endpoints`.
+    pub fn client(&self, endpoints: &[String]) -> Result<discovery::EtcdClient, ServeError> {
+        let tls = match &self.etcd_ca {
+            Some(ca) => Some(tls::ClientTls::load(
+                tls::ClientFiles {
+                    ca: ca.clone(),
+                    identity: self.etcd_cert.clone().zip(self.etcd_key.clone()),
+                    alpn: vec![b"h2".to_vec()],
+                },
+                None,
+            )?),
+            None => None,
+        };
+        let security = discovery::EtcdSecurity {
+            tls,
+            user: self.etcd_user.clone().zip(self.etcd_password.clone()),
+        };
+        Ok(discovery::EtcdClient::new(endpoints, &security)?)
+    }
+}
+
 /// Flags for discovery and draining, shared by the prefill and decode nodes.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ClusterArgs {
@@ -37,9 +82,27 @@ pub struct ClusterArgs {
     /// Seconds a worker told to stop may take to finish the work it holds.
     #[arg(long, env = "TANDEM_DRAIN_GRACE_S", default_value_t = 30)]
     pub drain_grace_s: u64,
+    /// Largest gRPC message this worker sends or accepts, in bytes. A KV chunk carries one
+    /// layer of up to --chunk-tokens tokens of one prompt, so large models need more than
+    /// gRPC's usual 4 MiB.
+    #[arg(long, env = "TANDEM_GRPC_MAX_MESSAGE_BYTES", default_value_t = crate::DEFAULT_MAX_MESSAGE)]
+    pub grpc_max_message_bytes: usize,
+    #[command(flatten)]
+    pub tls: tls::TlsArgs,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
 }
 
 impl ClusterArgs {
+    /// How this worker dials its peers (a prefill node, its decode nodes).
+    pub fn dialer(&self, connect_timeout: Duration) -> Result<crate::Dialer, ServeError> {
+        Ok(crate::Dialer {
+            connect_timeout,
+            tls: self.tls.client()?,
+            max_message: self.grpc_max_message_bytes,
+        })
+    }
+
     /// The address to register: `--advertise-addr`, else the listen address when it is a
     /// specific one.
     pub fn advertise(&self, listen: SocketAddr) -> Result<String, ServeError> {
@@ -140,11 +203,11 @@ pub async fn serve_worker(
         None
     } else {
         Some(discovery::Registration::spawn(
-            &args.etcd_endpoints,
+            args.etcd.client(&args.etcd_endpoints)?,
             &args.etcd_prefix,
             args.lease_ttl_s,
             info,
-        )?)
+        ))
     };
     let grace = Duration::from_secs(args.drain_grace_s);
     let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
@@ -169,16 +232,17 @@ pub async fn serve_worker(
         }
         let _ = drained_tx.send(());
     };
-    let server = crate::serve_grpc_with_metrics(listener, routes, render, drain);
+    let server =
+        crate::serve_grpc_with_metrics(listener, args.tls.server()?, routes, render, drain);
     tokio::pin!(server);
     // Once drained, connections get CLOSE_GRACE to close; a peer that keeps one open (or
     // stopped answering) cannot hold the process.
     tokio::select! {
-        r = &mut server => return Ok(r?),
+        r = &mut server => return r,
         _ = drained_rx => {}
     }
     match tokio::time::timeout(CLOSE_GRACE, server).await {
-        Ok(r) => Ok(r?),
+        Ok(r) => r,
         Err(_) => {
             tracing::warn!("connections still open after the drain; stopping anyway");
             Ok(())

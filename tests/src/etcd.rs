@@ -38,10 +38,55 @@ fn etcdctl_bin() -> PathBuf {
     bin
 }
 
+/// TLS and a user for a secured etcd: clients must present a certificate from the CA and
+/// authenticate.
+#[derive(Debug, Clone)]
+pub struct EtcdSecurity {
+    /// CA of every certificate below.
+    pub ca: PathBuf,
+    /// The server's certificate and key.
+    pub server: crate::pki::Leaf,
+    /// The certificate etcdctl (and the cluster's processes) present.
+    pub client: crate::pki::Leaf,
+    /// The user the cluster's processes log in as, with read-write rights on
+    /// `/tandem/` only.
+    pub user: String,
+    /// Its password.
+    pub password: String,
+    /// Root's password, for etcdctl.
+    pub root_password: String,
+}
+
+impl EtcdSecurity {
+    /// The flags that make a router or worker reach this etcd as `user`.
+    pub fn client_args(&self) -> Vec<String> {
+        [
+            "--etcd-ca",
+            &self.ca.display().to_string(),
+            "--etcd-cert",
+            &self.client.cert.display().to_string(),
+            "--etcd-key",
+            &self.client.key.display().to_string(),
+            "--etcd-user",
+            &self.user,
+            "--etcd-password",
+            &self.password,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    }
+}
+
 /// A single-member etcd cluster on localhost; killed on drop.
 pub struct Etcd {
     client_port: u16,
     peer_port: u16,
+    /// Plain-HTTP health endpoint's port, which answers whatever the client port asks.
+    metrics_port: u16,
+    security: Option<EtcdSecurity>,
+    /// Whether etcdctl must log in as root.
+    auth_on: bool,
     data_dir: PathBuf,
     proc: Option<Proc>,
     /// The log of each start, oldest first (a restart must not overwrite the outage's).
@@ -51,17 +96,47 @@ pub struct Etcd {
 impl Etcd {
     /// Starts etcd on free ports and waits until it reports healthy.
     pub async fn start() -> Self {
-        let client_port = free_port();
-        let peer_port = loop {
+        Self::start_with(None).await
+    }
+
+    /// Starts etcd serving clients over TLS with client certificates, creates the user of
+    /// `security` and turns authentication on.
+    pub async fn start_secured(security: EtcdSecurity) -> Self {
+        let mut etcd = Self::start_with(Some(security)).await;
+        let s = etcd.security.clone().expect("secured");
+        etcd.ctl(&["user", "add", &format!("root:{}", s.root_password)]);
+        etcd.ctl(&["role", "add", "tandem"]);
+        etcd.ctl(&[
+            "role",
+            "grant-permission",
+            "tandem",
+            "--prefix=true",
+            "readwrite",
+            "/tandem/",
+        ]);
+        etcd.ctl(&["user", "add", &format!("{}:{}", s.user, s.password)]);
+        etcd.ctl(&["user", "grant-role", &s.user, "tandem"]);
+        etcd.ctl(&["auth", "enable"]);
+        etcd.auth_on = true;
+        etcd
+    }
+
+    async fn start_with(security: Option<EtcdSecurity>) -> Self {
+        let mut ports = Vec::new();
+        while ports.len() < 3 {
             // Two ephemeral binds in a row can get the same port.
             let p = free_port();
-            if p != client_port {
-                break p;
+            if !ports.contains(&p) {
+                ports.push(p);
             }
-        };
+        }
+        let (client_port, peer_port, metrics_port) = (ports[0], ports[1], ports[2]);
         let mut etcd = Self {
             client_port,
             peer_port,
+            metrics_port,
+            security,
+            auth_on: false,
             data_dir: scratch().join(format!("etcd-{client_port}")),
             proc: None,
             logs: Vec::new(),
@@ -127,9 +202,24 @@ impl Etcd {
     /// Runs `etcdctl` (v3 API, bounded) against this server; its stdout. Panics with the
     /// server's log when the command fails.
     fn ctl(&self, args: &[&str]) -> String {
-        let out = Command::new(etcdctl_bin())
-            .env("ETCDCTL_API", "3")
-            .arg(format!("--endpoints={}", self.endpoint()))
+        let mut cmd = Command::new(etcdctl_bin());
+        cmd.env("ETCDCTL_API", "3");
+        match &self.security {
+            Some(s) => {
+                cmd.arg(format!("--endpoints=https://{}", self.endpoint()))
+                    .arg(format!("--cacert={}", s.ca.display()))
+                    .arg(format!("--cert={}", s.client.cert.display()))
+                    .arg(format!("--key={}", s.client.key.display()));
+                // Until auth is on, etcd refuses to authenticate anyone.
+                if self.auth_on {
+                    cmd.arg(format!("--user=root:{}", s.root_password));
+                }
+            }
+            None => {
+                cmd.arg(format!("--endpoints={}", self.endpoint()));
+            }
+        }
+        let out = cmd
             .args(["--dial-timeout=2s", "--command-timeout=5s"])
             .args(args)
             .output()
@@ -147,9 +237,15 @@ impl Etcd {
     /// Spawns the server on this instance's ports and data folder and waits until its
     /// health endpoint says so.
     async fn launch(&mut self) {
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let scheme = if self.security.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        let client = format!("{scheme}://127.0.0.1:{}", self.client_port);
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let args: Vec<String> = [
+        let metrics = format!("http://127.0.0.1:{}", self.metrics_port);
+        let mut args: Vec<String> = [
             "--name",
             "e2e",
             "--data-dir",
@@ -164,10 +260,23 @@ impl Etcd {
             &peer,
             "--initial-cluster",
             &format!("e2e={peer}"),
+            "--listen-metrics-urls",
+            &metrics,
         ]
         .iter()
         .map(|s| s.to_string())
         .collect();
+        if let Some(s) = &self.security {
+            args.extend([
+                "--cert-file".to_string(),
+                s.server.cert.display().to_string(),
+                "--key-file".into(),
+                s.server.key.display().to_string(),
+                "--trusted-ca-file".into(),
+                s.ca.display().to_string(),
+                "--client-cert-auth".into(),
+            ]);
+        }
         let tag = format!("etcd-{}-{}", self.client_port, self.logs.len());
         let proc = self.proc.insert(Proc::spawn(&etcd_bin(), &args, &tag));
         self.logs.push(proc.log.clone());
@@ -175,7 +284,7 @@ impl Etcd {
             status == 200
                 && serde_json::from_str::<Value>(body).is_ok_and(|v| v["health"] == "true")
         };
-        let url = format!("{client}/health");
+        let url = format!("{metrics}/health");
         if let Err(why) = wait_answer(proc, &url, START_LIMIT, healthy).await {
             panic!("etcd is not healthy: {why}; log:\n{}", self.logs());
         }

@@ -97,7 +97,11 @@ impl Fleet {
     /// Starts etcd and a router with no static workers (`--etcd-endpoints` only, plus
     /// `router_args`), serving `model` as "test"; waits until the router is live.
     pub async fn start(model: &Path, router_args: &[&str]) -> Self {
-        let etcd = Etcd::start().await;
+        Self::start_on(Etcd::start().await, model, router_args).await
+    }
+
+    /// `start`, on an etcd already running.
+    pub async fn start_on(etcd: Etcd, model: &Path, router_args: &[&str]) -> Self {
         let port = free_port();
         let tag = format!("fleet-{port}");
         let mut router_argv = args(&[

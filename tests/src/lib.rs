@@ -6,8 +6,9 @@
 
 mod etcd;
 mod fleet;
+pub mod pki;
 
-pub use etcd::Etcd;
+pub use etcd::{Etcd, EtcdSecurity};
 pub use fleet::{registration_key, workers_in, Fleet, Role, Worker, WORKER_PREFIX};
 
 use std::fs::File;
@@ -186,6 +187,8 @@ pub struct Cluster {
     pub prefill: Option<String>,
     /// The decode node's (or colocated worker's) address.
     pub decode: String,
+    /// The client that speaks to the router (trusting its CA when it serves HTTPS).
+    pub client: reqwest::Client,
 }
 
 impl Cluster {
@@ -211,6 +214,18 @@ impl Cluster {
         router_args: &[&str],
         prefill_args: &[&str],
         decode_args: &[&str],
+    ) -> Self {
+        Self::launch(mode, model, router_args, prefill_args, decode_args, None).await
+    }
+
+    /// `start_full`, for a router that serves HTTPS with a certificate from `https_ca`.
+    pub async fn launch(
+        mode: Mode,
+        model: &Path,
+        router_args: &[&str],
+        prefill_args: &[&str],
+        decode_args: &[&str],
+        https_ca: Option<&Path>,
     ) -> Self {
         let tag = format!("{:?}-{}", mode, free_port()).to_lowercase();
         let model_arg = model.display().to_string();
@@ -252,8 +267,13 @@ impl Cluster {
             &router,
             &format!("{tag}-router"),
         ));
+        let (scheme, client) = match https_ca {
+            Some(ca) => ("https", pki::https_client(ca)),
+            None => ("http", reqwest::Client::new()),
+        };
         let mut cluster = Self {
-            url: format!("http://127.0.0.1:{port}"),
+            url: format!("{scheme}://127.0.0.1:{port}"),
+            client,
             model_name: "test".into(),
             procs,
             prefill: prefill_addr,
@@ -265,7 +285,7 @@ impl Cluster {
 
     /// Polls `/health/ready` until it answers 200; panics with the logs after `limit`.
     pub async fn wait_ready(&mut self, limit: Duration) {
-        let client = reqwest::Client::new();
+        let client = self.client.clone();
         let deadline = Instant::now() + limit;
         loop {
             let ok = client
@@ -309,12 +329,19 @@ impl Cluster {
 
     /// The router's `/metrics` page.
     pub async fn router_metrics(&self) -> String {
-        scrape(self.url.trim_start_matches("http://")).await
+        self.client
+            .get(format!("{}/metrics", self.url))
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("scraping the router: {e}"))
+            .text()
+            .await
+            .expect("a metrics page")
     }
 
     /// POSTs JSON to `path`; returns the status and the JSON body.
     pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        post(&format!("{}{path}", self.url), body).await
+        read_json(send_with(&self.client, &format!("{}{path}", self.url), body).await).await
     }
 
     /// POSTs a streaming request; returns the status and every SSE `data:` payload.
@@ -329,7 +356,12 @@ fn args(a: &[&str]) -> Vec<String> {
 
 /// Sends a JSON POST, bounded to two minutes.
 async fn send(url: &str, body: &Value) -> reqwest::Response {
-    reqwest::Client::new()
+    send_with(&reqwest::Client::new(), url, body).await
+}
+
+/// `send` through `client`.
+async fn send_with(client: &reqwest::Client, url: &str, body: &Value) -> reqwest::Response {
+    client
         .post(url)
         .json(body)
         .timeout(Duration::from_secs(120))
@@ -340,7 +372,11 @@ async fn send(url: &str, body: &Value) -> reqwest::Response {
 
 /// POSTs JSON; returns the status and the JSON body (Null when it is not JSON).
 pub async fn post(url: &str, body: &Value) -> (u16, Value) {
-    let resp = send(url, body).await;
+    read_json(send(url, body).await).await
+}
+
+/// The status and JSON body (Null when it is not JSON) of `resp`.
+async fn read_json(resp: reqwest::Response) -> (u16, Value) {
     let status = resp.status().as_u16();
     let text = resp.text().await.expect("reading the body");
     (status, serde_json::from_str(&text).unwrap_or(Value::Null))

@@ -273,27 +273,42 @@ async fn clients_that_leave_free_what_they_held_in_every_phase() {
 
 #[tokio::test]
 async fn a_key_at_its_in_flight_limit_gets_429_and_its_streams_finish() {
+    let file = e2e::scratch().join("busy-keys.txt");
+    std::fs::write(&file, "k\nother\n").unwrap();
+    let file = file.display().to_string();
     let c = Cluster::start(
         Mode::Pd,
         &tiny_model(),
-        &["--api-keys", "k", "--max-in-flight-per-key", "2"],
+        &[
+            "--api-key-file",
+            &file,
+            "--max-in-flight-per-key",
+            "2",
+            // Long streams, so that they still run while the limit is probed.
+            "--max-iter-times",
+            "2000",
+        ],
     )
     .await;
     let client = reqwest::Client::new();
-    let ask = |i: usize, max_tokens: usize, stream: bool| {
+    let ask_as = |key: &'static str, i: usize, max_tokens: usize, stream: bool| {
         client
             .post(format!("{}/v1/completions", c.url))
-            .bearer_auth("k")
+            .bearer_auth(key)
             .json(&request(i, 1, max_tokens, stream))
             .send()
     };
+    let ask = |i, max_tokens, stream| ask_as("k", i, max_tokens, stream);
     // Two long streams hold the key's two slots.
     let mut held = Vec::new();
     for i in 0..2 {
-        let resp = ask(i, 300, true).await.unwrap();
+        let resp = ask(i, 2000, true).await.unwrap();
         assert_eq!(resp.status(), 200);
         held.push(resp);
     }
+    // The limit is per key: another key is served meanwhile.
+    let other = ask_as("other", 5, 4, false).await.unwrap();
+    assert_eq!(other.status(), 200, "{}", other.text().await.unwrap());
     let refused = ask(2, 4, false).await.unwrap();
     assert_eq!(refused.status(), 429);
     assert_eq!(
@@ -304,7 +319,8 @@ async fn a_key_at_its_in_flight_limit_gets_429_and_its_streams_finish() {
     let body: Value = refused.json().await.unwrap();
     assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
 
-    // Every accepted stream runs to its end, and then the key is served again.
+    // Every accepted stream runs to its end; a finished one gives its slot back at once
+    // after its last event, which the client may read first: hence the bounded wait.
     for (i, mut resp) in held.into_iter().enumerate() {
         let mut body = Vec::new();
         while let Some(chunk) = resp.chunk().await.unwrap() {
@@ -316,8 +332,19 @@ async fn a_key_at_its_in_flight_limit_gets_429_and_its_streams_finish() {
             "stream {i}: {text}"
         );
         assert!(text.contains("\"finish_reason\":\"length\""), "stream {i}");
+        if i == 0 {
+            let served = e2e::poll_until(Duration::from_secs(10), || async {
+                let status = ask(3, 4, false).await.ok()?.status();
+                (status == 200).then_some(())
+            })
+            .await;
+            assert!(
+                served.is_some(),
+                "the key never got its slot back after a stream finished"
+            );
+        }
     }
-    assert_eq!(ask(3, 4, false).await.unwrap().status(), 200);
+    assert_eq!(ask(4, 4, false).await.unwrap().status(), 200);
 }
 
 #[tokio::test]

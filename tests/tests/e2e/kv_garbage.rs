@@ -1,0 +1,591 @@
+//! A real decode node fed garbage KV transfers over real gRPC, each for a Generate call that
+//! waits for it: bytes that are not protobuf, chunks of a wrong layer, shape or length,
+//! duplicated or missing, a header that claims millions of positions, a cache of another
+//! prompt, a first token outside the vocabulary, a transfer cut or stalled mid-stream.
+//! Each fails its own call with a gRPC error that says why, the node frees what it held,
+//! a sequence decoding beside them is untouched, and the router serves right after.
+
+use std::time::Duration;
+
+use bytes::{Buf, BufMut};
+use e2e::{metric, poll_until, scrape, tiny_model, wait_metric, Cluster, Mode};
+use prost::Message;
+use proto::v1::decode_client::DecodeClient;
+use proto::v1::generate_event::Event;
+use proto::v1::{
+    kv_transfer::Item, FirstTokens, GenerateEvent, GenerateRequest, HealthRequest, KvChunk,
+    KvHeader, KvLayout, KvTransfer, Token, TransferAck,
+};
+use serde_json::json;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tonic::transport::Channel;
+use tonic::{Code, Status, Streaming};
+
+/// The decode node's `--kv-timeout-ms`: short, so that the stalled transfer ends soon.
+const KV_TIMEOUT_MS: u64 = 3_000;
+/// Longest wait for any answer here: the KV timeout and then some.
+const ANSWER: Duration = Duration::from_millis(KV_TIMEOUT_MS + 10_000);
+/// The metadata key the nodes read a request id from (runtime::REQUEST_ID).
+const REQUEST_ID: &str = "x-request-id";
+/// The prompt every transfer here covers: token ids inside the tiny model's vocabulary.
+const PROMPT: [u32; 3] = [1, 2, 3];
+
+/// A message carrying `id` in its metadata, as the router and the prefill node send it.
+fn with_id<T>(id: &str, msg: T) -> tonic::Request<T> {
+    let mut req = tonic::Request::new(msg);
+    req.metadata_mut()
+        .insert(REQUEST_ID, id.parse().expect("an ASCII id"));
+    req
+}
+
+fn header(id: &str, layout: &KvLayout, tokens: Vec<u32>) -> KvTransfer {
+    KvTransfer {
+        item: Some(Item::Header(KvHeader {
+            request_id: id.into(),
+            layout: Some(layout.clone()),
+            tokens,
+        })),
+    }
+}
+
+fn chunk(layer: u32, start: u32, len: u32, k: Vec<u8>, v: Vec<u8>) -> KvTransfer {
+    KvTransfer {
+        item: Some(Item::Chunk(KvChunk {
+            layer,
+            start,
+            len,
+            k: k.into(),
+            v: v.into(),
+        })),
+    }
+}
+
+fn first(token: u32) -> KvTransfer {
+    KvTransfer {
+        item: Some(Item::First(FirstTokens {
+            tokens: vec![Token {
+                id: token,
+                ..Default::default()
+            }],
+        })),
+    }
+}
+
+/// Bytes of K (or V) for `positions` of one layer.
+fn payload_len(layout: &KvLayout, positions: usize) -> usize {
+    positions * layout.n_kv_heads as usize * layout.head_dim as usize * 4
+}
+
+/// A whole, well-formed cache of `PROMPT` whose values are `fill(i)` for byte i.
+fn whole_cache(layout: &KvLayout, fill: impl Fn(usize) -> u8) -> Vec<KvTransfer> {
+    let n = payload_len(layout, PROMPT.len());
+    let bytes: Vec<u8> = (0..n).map(&fill).collect();
+    (0..layout.n_layers)
+        .map(|l| chunk(l, 0, PROMPT.len() as u32, bytes.clone(), bytes.clone()))
+        .collect()
+}
+
+/// A client of the decode node, and the cache layout it serves.
+struct Node {
+    client: DecodeClient<Channel>,
+    channel: Channel,
+    layout: KvLayout,
+}
+
+impl Node {
+    async fn connect(addr: &str) -> Self {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .expect("an endpoint")
+            .connect()
+            .await
+            .unwrap_or_else(|e| panic!("connecting to the decode node at {addr}: {e}"));
+        let mut client = DecodeClient::new(channel.clone());
+        let health = client
+            .health(HealthRequest {})
+            .await
+            .expect("the decode node's health")
+            .into_inner();
+        let layout = health.layout.expect("the decode node reports its layout");
+        Self {
+            client,
+            channel,
+            layout,
+        }
+    }
+
+    /// Opens a Generate call for `id` that waits for its KV, as the router does.
+    async fn generate(&self, id: &str, prompt: &[u32], max_new: u32) -> Streaming<GenerateEvent> {
+        let req = GenerateRequest {
+            request_id: id.into(),
+            prompt: prompt.to_vec(),
+            max_new_tokens: max_new,
+            n: 1,
+            ..Default::default()
+        };
+        self.client
+            .clone()
+            .generate(with_id(id, req))
+            .await
+            .unwrap_or_else(|s| panic!("{id}: the Generate call was refused: {s}"))
+            .into_inner()
+    }
+
+    /// Sends `messages` as one transfer for `id` and ends it; the node's answer.
+    async fn transfer(&self, id: &str, messages: Vec<KvTransfer>) -> Result<TransferAck, Status> {
+        let stream = tokio_stream::iter(messages);
+        let mut client = self.client.clone();
+        let call = client.transfer_kv(with_id(id, stream));
+        tokio::time::timeout(ANSWER, call)
+            .await
+            .unwrap_or_else(|_| panic!("{id}: the transfer got no answer within {ANSWER:?}"))
+            .map(tonic::Response::into_inner)
+    }
+
+    /// Sends raw frames, protobuf or not, as one transfer for `id`.
+    async fn transfer_raw(&self, id: &str, frames: Vec<Vec<u8>>) -> Result<Vec<u8>, Status> {
+        let mut grpc = tonic::client::Grpc::new(self.channel.clone());
+        grpc.ready()
+            .await
+            .unwrap_or_else(|e| panic!("{id}: the channel is not ready: {e}"));
+        let path =
+            tonic::codegen::http::uri::PathAndQuery::from_static("/tandem.v1.Decode/TransferKv");
+        let call = grpc.client_streaming(with_id(id, tokio_stream::iter(frames)), path, Raw);
+        tokio::time::timeout(ANSWER, call)
+            .await
+            .unwrap_or_else(|_| panic!("{id}: the raw transfer got no answer within {ANSWER:?}"))
+            .map(tonic::Response::into_inner)
+    }
+}
+
+/// Frames passed through as they are, so that a test can send bytes that are not protobuf.
+#[derive(Clone, Copy)]
+struct Raw;
+
+impl Codec for Raw {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = Raw;
+    type Decoder = Raw;
+
+    fn encoder(&mut self) -> Raw {
+        Raw
+    }
+
+    fn decoder(&mut self) -> Raw {
+        Raw
+    }
+}
+
+impl Encoder for Raw {
+    type Item = Vec<u8>;
+    type Error = Status;
+
+    fn encode(&mut self, item: Vec<u8>, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl Decoder for Raw {
+    type Item = Vec<u8>;
+    type Error = Status;
+
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Vec<u8>>, Status> {
+        Ok(Some(src.copy_to_bytes(src.remaining()).to_vec()))
+    }
+}
+
+/// Every event of a Generate call up to its end, or the error that ended it.
+async fn outcome(id: &str, mut events: Streaming<GenerateEvent>) -> Result<Vec<Event>, Status> {
+    let read = async {
+        let mut out = Vec::new();
+        while let Some(e) = events.message().await? {
+            out.extend(e.event);
+        }
+        Ok(out)
+    };
+    tokio::time::timeout(ANSWER, read)
+        .await
+        .unwrap_or_else(|_| panic!("{id}: the Generate call did not end within {ANSWER:?}"))
+}
+
+/// Asserts that `got` failed with `code` and a message holding every one of `says`.
+fn assert_failed<T: std::fmt::Debug>(
+    what: &str,
+    got: Result<T, Status>,
+    code: Code,
+    says: &[&str],
+) {
+    let status = match got {
+        Err(s) => s,
+        Ok(v) => panic!("{what}: succeeded ({v:?}), expected {code:?} saying {says:?}"),
+    };
+    assert_eq!(status.code(), code, "{what}: {status}");
+    for s in says {
+        assert!(
+            status.message().contains(s),
+            "{what}: {:?} does not say {s:?}",
+            status.message()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn garbage_kv_fails_its_own_request_and_the_node_keeps_serving() {
+    let kv_timeout = KV_TIMEOUT_MS.to_string();
+    let mut c = Cluster::start_full(
+        Mode::Pd,
+        &tiny_model(),
+        &[],
+        &[],
+        &["--kv-timeout-ms", &kv_timeout],
+    )
+    .await;
+    let node = Node::connect(&c.decode).await;
+    let layout = node.layout.clone();
+    let per_layer = payload_len(&layout, PROMPT.len());
+    let good = || vec![0u8; per_layer];
+    let head = |id: &str| header(id, &layout, PROMPT.to_vec());
+    let n_layers = layout.n_layers;
+
+    // A sequence decoding the whole time, whose batch the bad requests must not disturb.
+    // Its positions stay inside the tiny model's 2048.
+    let bystander_new = 2000;
+    let bystander = node.generate("bystander", &PROMPT, bystander_new).await;
+    let mut messages = vec![head("bystander")];
+    messages.extend(whole_cache(&layout, |i| (i % 7) as u8));
+    messages.push(first(4));
+    node.transfer("bystander", messages)
+        .await
+        .expect("a well-formed transfer is acknowledged");
+    wait_metric(
+        &c.decode,
+        "decode_running_sequences",
+        "",
+        1.0,
+        Duration::from_secs(10),
+    )
+    .await;
+
+    // A first token outside the vocabulary, admitted beside the bystander: it would fail
+    // the whole batch's next forward pass, so it is refused before it joins.
+    let id = "first-outside-vocab";
+    let events = node.generate(id, &PROMPT, 4).await;
+    let mut messages = vec![head(id)];
+    messages.extend(whole_cache(&layout, |_| 0));
+    messages.push(first(u32::MAX));
+    node.transfer(id, messages)
+        .await
+        .expect("the transfer itself is well-formed");
+    assert_failed(
+        &format!("{id}: its Generate call"),
+        outcome(id, events).await,
+        Code::InvalidArgument,
+        &["outside the vocabulary"],
+    );
+
+    // Transfers the node must refuse, each with what its refusal says.
+    let layer_after_last = n_layers;
+    let cases: Vec<(&str, Vec<KvTransfer>, &str)> = vec![
+        (
+            "wrong-layer",
+            vec![
+                head("wrong-layer"),
+                chunk(layer_after_last, 0, 3, good(), good()),
+            ],
+            "layer",
+        ),
+        (
+            "huge-layer",
+            vec![head("huge-layer"), chunk(u32::MAX, 0, 3, good(), good())],
+            "layer",
+        ),
+        (
+            "truncated-payload",
+            vec![head("truncated-payload"), {
+                let mut k = good();
+                k.truncate(per_layer - 3);
+                chunk(0, 0, 3, k, good())
+            }],
+            "payloads of",
+        ),
+        (
+            "wrong-shape",
+            vec![head("wrong-shape"), chunk(0, 0, 2, good(), good())],
+            "payloads of",
+        ),
+        (
+            "empty-payloads",
+            vec![head("empty-payloads"), chunk(0, 0, 3, vec![], vec![])],
+            "payloads of",
+        ),
+        (
+            "no-positions",
+            vec![head("no-positions"), chunk(0, 0, 0, vec![], vec![])],
+            "no positions",
+        ),
+        (
+            "past-the-end",
+            vec![head("past-the-end"), chunk(0, 0, u32::MAX, good(), good())],
+            "does not follow",
+        ),
+        (
+            "duplicate-chunk",
+            vec![
+                head("duplicate-chunk"),
+                chunk(0, 0, 1, vec![0; per_layer / 3], vec![0; per_layer / 3]),
+                chunk(0, 0, 1, vec![0; per_layer / 3], vec![0; per_layer / 3]),
+            ],
+            "does not follow",
+        ),
+        (
+            "missing-layer",
+            vec![
+                head("missing-layer"),
+                chunk(0, 0, 3, good(), good()),
+                first(4),
+            ],
+            "before the whole cache",
+        ),
+        (
+            "cut-after-a-chunk",
+            vec![head("cut-after-a-chunk"), chunk(0, 0, 3, good(), good())],
+            "ended before its first token",
+        ),
+        ("empty", vec![], "must start with its header"),
+        (
+            "no-header",
+            vec![chunk(0, 0, 3, good(), good())],
+            "must start with its header",
+        ),
+        (
+            "second-header",
+            vec![head("second-header"), head("second-header")],
+            "a second header",
+        ),
+        (
+            "other-layout",
+            vec![header(
+                "other-layout",
+                &KvLayout {
+                    dtype: "bf16".into(),
+                    ..layout.clone()
+                },
+                PROMPT.to_vec(),
+            )],
+            "does not match",
+        ),
+        (
+            "no-first-tokens",
+            {
+                let mut m = vec![head("no-first-tokens")];
+                m.extend(whole_cache(&layout, |_| 0));
+                m.push(KvTransfer {
+                    item: Some(Item::First(FirstTokens { tokens: vec![] })),
+                });
+                m
+            },
+            "first tokens",
+        ),
+        (
+            // Three million positions claimed in a 3 MB header (under gRPC's usual 4 MiB):
+            // refused once the first token comes early, having cost no more than the
+            // positions that came.
+            "huge-claim",
+            vec![
+                header("huge-claim", &layout, vec![0; 3 << 20]),
+                chunk(0, 0, 3, good(), good()),
+                first(4),
+            ],
+            "before the whole cache",
+        ),
+    ];
+    let mut refused = 0;
+    for (id, messages, says) in cases {
+        let events = node.generate(id, &PROMPT, 4).await;
+        let sent = node.transfer(id, messages).await;
+        assert_failed(
+            &format!("{id}: the transfer"),
+            sent,
+            Code::InvalidArgument,
+            &[says],
+        );
+        refused += 1;
+        assert_failed(
+            &format!("{id}: its Generate call"),
+            outcome(id, events).await,
+            Code::Aborted,
+            &[id, "failed", says],
+        );
+    }
+
+    // Bytes that are not protobuf, first or after a good header.
+    let mut good_header = Vec::new();
+    head("garbage-after-header")
+        .encode(&mut good_header)
+        .expect("encoding a header");
+    let raw_cases = [
+        ("garbage-first", vec![vec![0xff, 0x13, 0x37, 0x00, 0xee]]),
+        (
+            "garbage-after-header",
+            vec![good_header, vec![0x12, 0xff, 0xff, 0xff, 0xff, 0x0f, 0x01]],
+        ),
+    ];
+    for (id, frames) in raw_cases {
+        let events = node.generate(id, &PROMPT, 4).await;
+        let sent = node.transfer_raw(id, frames).await;
+        assert_failed(
+            &format!("{id}: the transfer"),
+            sent,
+            Code::InvalidArgument,
+            &["bad KV transfer"],
+        );
+        refused += 1;
+        assert_failed(
+            &format!("{id}: its Generate call"),
+            outcome(id, events).await,
+            Code::Aborted,
+            &[id, "bad KV transfer"],
+        );
+    }
+
+    // Whole caches that do not fit their Generate call: acknowledged, then refused there.
+    let id = "other-prompt";
+    let events = node.generate(id, &[7, 8, 9], 4).await;
+    let mut messages = vec![head(id)];
+    messages.extend(whole_cache(&layout, |_| 0));
+    messages.push(first(4));
+    node.transfer(id, messages)
+        .await
+        .expect("the transfer itself is well-formed");
+    assert_failed(
+        &format!("{id}: its Generate call"),
+        outcome(id, events).await,
+        Code::InvalidArgument,
+        &["not this call's prompt"],
+    );
+    // Values that are no numbers (NaN, infinities) in a well-formed cache: nonsense tokens,
+    // but a whole answer.
+    let id = "nan-values";
+    let events = node.generate(id, &PROMPT, 4).await;
+    let mut messages = vec![head(id)];
+    messages.extend(whole_cache(&layout, |i| [0xff, 0xff, 0xc0, 0x7f][i % 4]));
+    messages.push(first(4));
+    node.transfer(id, messages)
+        .await
+        .expect("a well-formed transfer is acknowledged");
+    let got = outcome(id, events)
+        .await
+        .expect("garbage values still decode");
+    assert!(
+        matches!(got.last(), Some(Event::Finish(_))),
+        "{id}: no finish: {got:?}"
+    );
+
+    // Cut without a goodbye: the call dropped (RST_STREAM) after a header and a chunk.
+    let id = "reset-mid-stream";
+    let events = node.generate(id, &PROMPT, 4).await;
+    let (tx, rx) = mpsc::channel(4);
+    tx.send(head(id)).await.expect("the receiver is held");
+    tx.send(chunk(0, 0, 3, good(), good()))
+        .await
+        .expect("the receiver is held");
+    let call = {
+        let mut client = node.client.clone();
+        tokio::spawn(async move {
+            client
+                .transfer_kv(with_id(id, ReceiverStream::new(rx)))
+                .await
+        })
+    };
+    // The client has taken both messages off the channel once it is empty again.
+    poll_until(ANSWER, || {
+        std::future::ready((tx.capacity() == 4).then_some(()))
+    })
+    .await
+    .unwrap_or_else(|| panic!("{id}: the client never sent the messages"));
+    call.abort();
+    let _ = call.await;
+    drop(tx);
+    // Whether the node read the reset or never saw the call, the Generate call fails.
+    match outcome(id, events).await {
+        Err(s) if s.code() == Code::Aborted || s.code() == Code::DeadlineExceeded => {
+            assert!(s.message().contains(id), "{id}: {s}");
+        }
+        other => panic!("{id}: expected a failure, got {other:?}"),
+    }
+
+    // Stalled mid-stream: the sender keeps the stream open and sends nothing more. The node
+    // ends the transfer itself after its KV timeout, freeing the partial cache.
+    let id = "stalled";
+    let events = node.generate(id, &PROMPT, 4).await;
+    let (tx, rx) = mpsc::channel(4);
+    tx.send(head(id)).await.expect("the receiver is held");
+    tx.send(chunk(0, 0, 3, good(), good()))
+        .await
+        .expect("the receiver is held");
+    let mut client = node.client.clone();
+    let call = client.transfer_kv(with_id(id, ReceiverStream::new(rx)));
+    let sent = tokio::time::timeout(ANSWER, call)
+        .await
+        .unwrap_or_else(|_| panic!("{id}: the node held a stalled transfer past {ANSWER:?}"));
+    assert_failed(
+        &format!("{id}: the transfer"),
+        sent.map(tonic::Response::into_inner),
+        Code::DeadlineExceeded,
+        &["did not arrive within"],
+    );
+    refused += 1;
+    // Only now does this side let go of the stream: the node ended it.
+    drop(tx);
+    match outcome(id, events).await {
+        Err(s) if s.code() == Code::Aborted || s.code() == Code::DeadlineExceeded => {
+            assert!(s.message().contains("did not arrive within"), "{id}: {s}");
+        }
+        other => panic!("{id}: expected a failure, got {other:?}"),
+    }
+
+    // The bystander decoded every token it was asked for, untouched by its batch mates.
+    let got = outcome("bystander", bystander)
+        .await
+        .expect("the bystander's call succeeds");
+    let tokens = got.iter().filter(|e| matches!(e, Event::Token(_))).count();
+    assert_eq!(tokens, bystander_new as usize, "bystander: {got:?}");
+    assert!(
+        matches!(got.last(), Some(Event::Finish(_))),
+        "bystander: {got:?}"
+    );
+
+    // Everything held is freed: no blocks, no received cache, nothing queued or running.
+    for gauge in [
+        "decode_kv_blocks_used",
+        "decode_held_transfers",
+        "decode_running_sequences",
+        "decode_waiting_requests",
+    ] {
+        wait_metric(&c.decode, gauge, "", 0.0, ANSWER).await;
+    }
+    let page = scrape(&c.decode).await;
+    let failures = metric(&page, "decode_transfer_failures_total", "").unwrap_or(0.0);
+    assert!(
+        failures >= refused as f64,
+        "{failures} transfer failures counted, {refused} refused:\n{page}"
+    );
+    assert!(
+        c.procs.iter_mut().all(|p| p.running()),
+        "a process died; logs:\n{}",
+        c.logs()
+    );
+
+    // And a normal request right after goes through both nodes.
+    let (status, v) = c
+        .post(
+            "/v1/completions",
+            &json!({"model": c.model_name, "prompt": "still serving", "max_tokens": 4}),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}\nlogs:\n{}", c.logs());
+    assert!(v["choices"][0]["text"].is_string(), "{v}");
+}

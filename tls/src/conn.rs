@@ -1,0 +1,241 @@
+//! Accepting plain or TLS connections, and dialing TLS ones for gRPC channels.
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tonic::transport::server::{Connected, TcpConnectInfo};
+
+use crate::{ClientTls, ServerTls};
+
+/// How long a client may take to finish its handshake; a slow or silent one must not hold
+/// a task and a socket forever.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Handshaken connections waiting for the server to take them.
+const BACKLOG: usize = 128;
+/// Pause after the listener fails (out of file descriptors), so the loop does not spin.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// An accepted connection, in plain text or TLS.
+pub enum Conn {
+    /// Plain TCP.
+    Plain(TcpStream),
+    /// TLS over TCP, handshake done.
+    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+}
+
+impl Conn {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Conn::Plain(s) => s,
+            Conn::Tls(s) => s.get_ref().0,
+        }
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> io::Result<SocketAddr> {
+        self.tcp().peer_addr()
+    }
+}
+
+impl AsyncRead for Conn {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Conn::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Conn {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Conn::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_flush(cx),
+            Conn::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Conn::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Conn::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Conn::Plain(s) => s.is_write_vectored(),
+            Conn::Tls(s) => s.is_write_vectored(),
+        }
+    }
+}
+
+impl Connected for Conn {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.tcp().connect_info()
+    }
+}
+
+/// Connections accepted on a listener, handshaken when TLS is on. A stream for tonic's
+/// `serve_with_incoming`, and a source of connections for an HTTP server loop.
+pub struct Incoming {
+    rx: mpsc::Receiver<Conn>,
+    local_addr: SocketAddr,
+}
+
+impl Incoming {
+    /// The address the listener is bound to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// The next connection; `None` once the accept loop has stopped.
+    pub async fn next(&mut self) -> Option<Conn> {
+        self.rx.recv().await
+    }
+}
+
+impl tokio_stream::Stream for Incoming {
+    type Item = io::Result<Conn>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.rx.poll_recv(cx).map(|c| c.map(Ok))
+    }
+}
+
+/// Accepts connections on `listener` from a background task, each with its TLS handshake
+/// (when `tls` is set) on a task of its own, so a slow client delays nobody else. A
+/// refused handshake (plain text on a TLS port, an unknown CA, an expired or missing
+/// client certificate) is logged with the peer and the reason, and dropped.
+pub fn accept(listener: TcpListener, tls: Option<ServerTls>) -> io::Result<Incoming> {
+    let local_addr = listener.local_addr()?;
+    let (tx, rx) = mpsc::channel(BACKLOG);
+    tokio::spawn(async move {
+        loop {
+            let (tcp, peer) = tokio::select! {
+                r = listener.accept() => match r {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!("accepting a connection on {local_addr}: {e}");
+                        tokio::time::sleep(ACCEPT_BACKOFF).await;
+                        continue;
+                    }
+                },
+                _ = tx.closed() => return,
+            };
+            let _ = tcp.set_nodelay(true);
+            match &tls {
+                None => {
+                    if tx.send(Conn::Plain(tcp)).await.is_err() {
+                        return;
+                    }
+                }
+                Some(tls) => {
+                    let acceptor = tokio_rustls::TlsAcceptor::from(tls.config());
+                    let tx = tx.clone();
+                    tokio::spawn(async move {
+                        match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                            Ok(Ok(s)) => {
+                                let _ = tx.send(Conn::Tls(Box::new(s))).await;
+                            }
+                            Ok(Err(e)) => tracing::warn!(
+                                %peer, "TLS handshake refused on {local_addr}: {e}"
+                            ),
+                            Err(_) => tracing::warn!(
+                                %peer, "TLS handshake on {local_addr} timed out after {HANDSHAKE_TIMEOUT:?}"
+                            ),
+                        }
+                    });
+                }
+            }
+        }
+    });
+    Ok(Incoming { rx, local_addr })
+}
+
+/// Dials TLS connections for a gRPC channel: TCP without Nagle's delay, then a handshake
+/// that checks the server's certificate and presents this process's own.
+#[derive(Clone)]
+pub struct Connector {
+    tls: ClientTls,
+}
+
+impl Connector {
+    /// A connector that uses `tls`'s configuration at the time of each dial.
+    pub fn new(tls: ClientTls) -> Self {
+        Self { tls }
+    }
+
+    /// Dials `host:port` and completes the handshake; a refusal is logged with the peer
+    /// and the reason (an unknown CA, an expired certificate, a name it does not carry).
+    pub async fn connect(&self, host: &str, port: u16) -> io::Result<ClientStream> {
+        let name = self
+            .tls
+            .server_name(host)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        let tcp = TcpStream::connect((host.trim_matches(['[', ']']), port)).await?;
+        let _ = tcp.set_nodelay(true);
+        let connector = tokio_rustls::TlsConnector::from(self.tls.config());
+        connector.connect(name, tcp).await.inspect_err(|e| {
+            tracing::warn!("TLS handshake with {host}:{port} refused: {e}");
+        })
+    }
+}
+
+type Dial = Pin<Box<dyn Future<Output = io::Result<TokioIo<ClientStream>>> + Send>>;
+/// A dialed TLS connection.
+pub type ClientStream = tokio_rustls::client::TlsStream<TcpStream>;
+
+impl tower_service::Service<http::Uri> for Connector {
+    type Response = TokioIo<ClientStream>;
+    type Error = io::Error;
+    type Future = Dial;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Dial {
+        let this = self.clone();
+        Box::pin(async move {
+            let host = uri.host().unwrap_or_default();
+            let port = uri.port_u16().unwrap_or(443);
+            this.connect(host, port).await.map(TokioIo::new)
+        })
+    }
+}
