@@ -305,13 +305,13 @@ struct Load {
 
 impl Load {
     fn plan(&self, rng: &mut Rng, salt: u64) -> Plan {
-        let api = if rng.next_u64() % 2 == 0 {
+        let api = if rng.next_u64().is_multiple_of(2) {
             Api::Chat
         } else {
             Api::Completions
         };
         let leave = rng.unit() * 100.0 <= self.cfg.drop_percent;
-        let stream = leave || rng.next_u64() % 2 == 0;
+        let stream = leave || rng.next_u64().is_multiple_of(2);
         let uniform = |rng: &mut Rng, lo: usize, hi: usize| {
             lo + (rng.next_u64() % (hi.max(lo) - lo + 1) as u64) as usize
         };
@@ -578,7 +578,7 @@ fn busy(kind: Kind, page: &str) -> Vec<String> {
     kind.idle_gauges()
         .iter()
         .filter_map(|name| match metric(page, name, "") {
-            Some(v) if v == 0.0 => None,
+            Some(0.0) => None,
             Some(v) => Some(format!("{name}={v}")),
             None => Some(format!("{name} absent")),
         })
@@ -1270,7 +1270,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport, SoakError> {
             unexpected.push(r.clone());
         }
     }
-    let router_after = pages.get("router").map(|p| router_requests(p));
+    let router_after = pages.get("router").map(|p| router_requests(p.as_str()));
     let router_counted: BTreeMap<String, u64> = router_after
         .unwrap_or_default()
         .into_iter()
@@ -1284,7 +1284,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport, SoakError> {
     let mut processes = Vec::new();
     for p in &cluster.procs {
         let page = pages.get(&p.name);
-        let end = page.and_then(|pg| Resources::from_page(pg));
+        let end = page.and_then(|pg| Resources::from_page(pg.as_str()));
         let base = baseline.get(&p.name).copied();
         let exceeded = match (&base, &end) {
             (Some(b), Some(e)) => tol.exceeded(b, e),

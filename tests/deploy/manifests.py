@@ -38,6 +38,22 @@ CLOSE_GRACE_S = 5
 MIN_MARGIN_S = 5
 # Memory a worker needs beyond its configured cache (model, buffers, the process).
 MEMORY_HEADROOM_MIB = 512
+# Schemas of the custom resources the manifests use (kubernetes-validate knows built-in kinds).
+CRD_SCHEMAS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crd-schemas.yaml")
+# Kinds outside any namespace; every other object must name its namespace, or `kubectl apply`
+# puts it in whatever namespace the caller's context has (a component's resources do not get
+# the base's `namespace:`).
+CLUSTER_SCOPED = {"Namespace", "ClusterIssuer", "ClusterRole", "ClusterRoleBinding",
+                  "CustomResourceDefinition", "PersistentVolume", "PriorityClass", "StorageClass"}
+# Components meant to be used together: rendered and checked together on the base as well.
+COMBINATIONS = [("mtls", "cert-manager-certs"), ("model-fetch-init", "mtls"),
+                ("mtls", "etcd-tls", "cert-manager-certs")]
+# Files of TLS flags, which must come from a mounted Secret.
+TLS_FILE_FLAGS = ("tls-cert", "tls-key", "tls-ca", "https-cert", "https-key",
+                  "etcd-ca", "etcd-cert", "etcd-key")
+# The keys of a kubernetes.io/tls Secret as cert-manager writes it: what a Secret made outside
+# the manifests (not among the rendered objects) is taken to hold.
+TLS_SECRET_KEYS = ("tls.crt", "tls.key", "ca.crt")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,10 +85,26 @@ def kustomization_kind(path):
 
 
 def targets(tmp, k8s=None):
-    """(label, path) of everything to render: the base, each overlay, and base + each component
-    (a component renders only inside a kustomization: one is written for it under `tmp`)."""
+    """(label, path) of everything to render: the base, each overlay, base + each component,
+    and base + each of COMBINATIONS (a component renders only inside a kustomization: one is
+    written for it under `tmp`)."""
     k8s = k8s or K8S
     out = [("base", os.path.join(k8s, "base"))]
+
+    def wrap(names):
+        d = os.path.join(tmp, "+".join(names))
+        os.makedirs(d)
+        with open(os.path.join(d, "kustomization.yaml"), "w") as f:
+            yaml.safe_dump({
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(os.path.join(k8s, "base"), d)],
+                "components": [os.path.relpath(os.path.join(k8s, "components", n), d)
+                               for n in names],
+            }, f)
+        return ("base+" + "+".join(f"components/{n}" for n in names), d)
+
+    components = []
     for group in ("overlays", "components"):
         d = os.path.join(k8s, group)
         for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
@@ -81,18 +113,13 @@ def targets(tmp, k8s=None):
             if kind is None:
                 continue
             if kind == "Component":
-                wrap = os.path.join(tmp, name)
-                os.makedirs(wrap)
-                with open(os.path.join(wrap, "kustomization.yaml"), "w") as f:
-                    yaml.safe_dump({
-                        "apiVersion": "kustomize.config.k8s.io/v1beta1",
-                        "kind": "Kustomization",
-                        "resources": [os.path.relpath(os.path.join(k8s, "base"), wrap)],
-                        "components": [os.path.relpath(path, wrap)],
-                    }, f)
-                out.append((f"base+{group}/{name}", wrap))
+                components.append(name)
+                out.append(wrap([name]))
             else:
                 out.append((f"{group}/{name}", path))
+    for names in COMBINATIONS:
+        if all(n in components for n in names):
+            out.append(wrap(list(names)))
     return out
 
 
@@ -169,6 +196,63 @@ def binary_help(name):
             raise RuntimeError(f"{path} --help exited {r.returncode}: {r.stderr.strip()}")
         _HELP[name] = Help(name, r.stdout)
     return _HELP[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema validation
+
+
+_CRDS = None
+_DEFINITIONS = {}
+_VALIDATORS = {}
+
+
+def crd_schema(api_version, kind):
+    """The schema crd-schemas.yaml has for a custom resource, else None."""
+    global _CRDS
+    if _CRDS is None:
+        with open(CRD_SCHEMAS) as f:
+            _CRDS = yaml.safe_load(f) or {}
+    return (_CRDS.get(api_version) or {}).get(kind)
+
+
+def validate_object(o, version):
+    """Validates `o` strictly (unknown fields fail) for Kubernetes `version`: built-in kinds
+    with kubernetes-validate's schemas, custom resources with crd-schemas.yaml (their metadata
+    against that version's ObjectMeta). Raises on a failure, and SchemaNotFoundError for a kind
+    that neither knows."""
+    import kubernetes_validate
+    schema = crd_schema(o.get("apiVersion"), o.get("kind"))
+    if schema is None:
+        kubernetes_validate.validate(o, version, strict=True)
+        return
+    import jsonschema
+    from kubernetes_validate import utils
+    from packaging.version import Version
+    from referencing import Registry, Resource
+
+    mm = Version(utils.major_minor(version))
+    known = [v for v in utils.all_versions() if Version(utils.major_minor(v)) <= mm]
+    if not known:
+        raise utils.VersionNotSupportedError(version)
+    schema_version = known[-1]
+    key = (o["apiVersion"], o["kind"], schema_version)
+    if key not in _VALIDATORS:
+        if schema_version not in _DEFINITIONS:
+            _DEFINITIONS[schema_version] = utils.schema_contents(
+                f"kubernetes-json-schema/v{schema_version}-local-strict/_definitions.json",
+                version)
+        full = dict(schema)
+        full["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        group_version = o["apiVersion"].replace("/", "-")
+        full["$id"] = f"https://kubernetes.io/api/crd/{group_version}/{o['kind'].lower()}"
+        registry = Resource.from_contents(_DEFINITIONS[schema_version]) @ Registry()
+        _VALIDATORS[key] = jsonschema.validators.Draft202012Validator(full, registry=registry)
+    error = jsonschema.exceptions.best_match(_VALIDATORS[key].iter_errors(o))
+    if error is not None:
+        where = ".".join(str(x) for x in error.absolute_path)
+        error.message = f"{where}: {error.message}" if where else error.message
+        raise error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,21 +398,26 @@ class Tally:
 
 
 def check_target(t, label, objs, versions):
-    import kubernetes_validate
-
-    # 1. Every object, strictly, against each Kubernetes version.
+    # 1. Every object, strictly, against each Kubernetes version (custom resources against
+    #    crd-schemas.yaml), and in a namespace.
     for o in objs:
         for v in versions:
             what = f"{label} {o.get('kind')}/{o.get('metadata', {}).get('name')} k8s {v}"
             try:
-                kubernetes_validate.validate(o, v, strict=True)
+                validate_object(o, v)
                 t.ok(what, True)
             except Exception as e:  # ValidationError, SchemaNotFoundError, ...
                 t.ok(what, False, getattr(e, "message", None) or str(e).splitlines()[0])
+        if o.get("kind") not in CLUSTER_SCOPED:
+            meta = o.get("metadata") or {}
+            t.ok(f"{label} {o.get('kind')}/{meta.get('name')} has a namespace",
+                 bool(meta.get("namespace")),
+                 "no metadata.namespace: kubectl apply would put it in the context's namespace")
 
     by_key = index(objs)
 
     # 2. Flags and env vars against the binaries' --help; manifest consistency per pod.
+    tandem = []  # (container label, binary, its effective flags, the Secret of each TLS file)
     for wl, spec in pod_specs(objs):
         wl_label = f"{label} {wl['kind']}/{wl['metadata']['name']}"
         t.ok(f"{wl_label} runs as non-root",
@@ -363,7 +452,8 @@ def check_target(t, label, objs, versions):
                         f"{binary} --help has no flag --{flag}"):
                     why = h.check_value(info, value)
                     t.ok(f"{c_label} --{flag}={value!r}", why is None, why or "")
-            check_pod_consistency(t, c_label, wl, spec, c, env, binary, mounts_by_volume, by_key)
+            tandem.append((c_label, binary) + check_pod_consistency(
+                t, c_label, wl, spec, c, env, binary, mounts_by_volume, by_key))
 
         # The model fetchers write where the binaries read.
         for c in spec.get("containers", []) + spec.get("initContainers", []):
@@ -375,6 +465,8 @@ def check_target(t, label, objs, versions):
             model = (common or {}).get("data", {}).get("TANDEM_MODEL")
             t.ok(f"{wl_label} {c['name']} MODEL_DEST is TANDEM_MODEL", dest == model,
                  f"MODEL_DEST {dest} but TANDEM_MODEL {model}")
+
+    check_tls(t, label, objs, by_key, tandem)
 
     # 3. HPAs and PDBs point at something.
     for o in objs:
@@ -419,13 +511,42 @@ def check_pod_consistency(t, c_label, wl, spec, c, env, binary, volumes, by_key)
     lport = int(listen.rsplit(":", 1)[1]) if ":" in listen else None
     t.ok(f"{c_label} listens on all addresses ({listen})", listen.startswith("0.0.0.0:"))
     t.ok(f"{c_label} listen port {lport} is a containerPort", lport in ports)
+    # TLS on the listen port: the router's API with --https-cert (server TLS only), a worker's
+    # gRPC port with --tls-cert (mutual: every client must present a certificate of the CA).
+    tls_port = eff.get("https-cert" if binary == "tandem-router" else "tls-cert")
+    mutual = binary != "tandem-router" and tls_port
+    named = {pp.get("name"): pp["containerPort"] for pp in c.get("ports") or []}
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
         p = c.get(probe)
-        if t.ok(f"{c_label} has a {probe}", p is not None) and "httpGet" in p:
-            port = p["httpGet"]["port"]
-            named = {pp.get("name"): pp["containerPort"] for pp in c.get("ports") or []}
-            t.ok(f"{c_label} {probe} port {port} is the listen port",
-                 named.get(port, port) == lport)
+        if not t.ok(f"{c_label} has a {probe}", p is not None):
+            continue
+        kind, port = probe_target(p, named)
+        t.ok(f"{c_label} {probe} ({kind}) port {port} is the listen port", port == lport)
+        if kind == "httpGet":
+            scheme = p["httpGet"].get("scheme", "HTTP")
+            want = "HTTPS" if tls_port else "HTTP"
+            t.ok(f"{c_label} {probe} scheme {scheme} is the listen port's ({want})",
+                 scheme == want)
+        if mutual:
+            t.ok(f"{c_label} {probe} ({kind}) can pass the mutual-TLS port",
+                 kind not in ("httpGet", "grpc"),
+                 "an httpGet or grpc probe is refused in the handshake: the kubelet presents "
+                 "no client certificate")
+    annotations = (wl["spec"]["template"].get("metadata") or {}).get("annotations") or {}
+    if annotations.get("prometheus.io/scrape") == "true":
+        want = "https" if tls_port else "http"
+        t.ok(f"{c_label} prometheus.io/scheme is {want}",
+             annotations.get("prometheus.io/scheme", "http") == want)
+
+    # TLS files come from Secret volumes mounted whole (a subPath mount never sees a renewal).
+    tls_secrets = {}
+    for flag in TLS_FILE_FLAGS:
+        path = eff.get(flag)
+        if not path:
+            continue
+        secret, why = secret_file(path, mounts, volumes, by_key)
+        tls_secrets[flag] = secret
+        t.ok(f"{c_label} --{flag} {path} is a file of a mounted Secret", why is None, why or "")
 
     if binary == "tandem-router":
         stop = ((c.get("lifecycle") or {}).get("preStop") or {}).get("exec", {}).get("command")
@@ -463,6 +584,143 @@ def check_pod_consistency(t, c_label, wl, spec, c, env, binary, volumes, by_key)
         t.ok(f"{c_label} memory limit {limit} covers --{cache} {cache_mib} + "
              f"{MEMORY_HEADROOM_MIB} MiB",
              limit is not None and mib(limit) >= cache_mib + MEMORY_HEADROOM_MIB)
+    return eff, tls_secrets
+
+
+def probe_target(probe, named_ports):
+    """(handler, port) of a probe: httpGet, tcpSocket and grpc with their port (names
+    resolved), exec with the port of a bash /dev/tcp/127.0.0.1/PORT connection in its command
+    (None if it has none)."""
+    for kind in ("httpGet", "tcpSocket", "grpc"):
+        if kind in probe:
+            port = probe[kind]["port"]
+            return kind, named_ports.get(port, port)
+    if "exec" in probe:
+        m = re.search(r"/dev/tcp/(?:127\.0\.0\.1|localhost)/(\d+)",
+                      " ".join(probe["exec"].get("command") or []))
+        return "exec", int(m.group(1)) if m else None
+    return None, None
+
+
+def secret_file(path, mounts, volumes, by_key):
+    """(Secret name, None) when `path` is a key of a Secret volume mounted read-only and whole,
+    else (name or None, why not). A Secret not among the rendered objects (made by
+    cert-manager or kubectl) is taken to hold TLS_SECRET_KEYS."""
+    m = next((m for m in mounts if path == m["mountPath"]
+              or path.startswith(m["mountPath"].rstrip("/") + "/")), None)
+    vol = volumes.get(m["name"]) if m else None
+    if not vol or "secret" not in vol:
+        return None, "not under a Secret volume"
+    name = vol["secret"]["secretName"]
+    if m.get("subPath"):
+        return name, f"Secret {name} is mounted by subPath: a renewed Secret never reaches it"
+    if m.get("readOnly") is not True:
+        return name, f"Secret {name} is not mounted readOnly"
+    rel = os.path.relpath(path, m["mountPath"])
+    items = vol["secret"].get("items")
+    if items:
+        key = next((i["key"] for i in items if i["path"] == rel), None)
+        if key is None:
+            return name, f"no item of Secret {name} is mounted as {rel}"
+    else:
+        key = rel
+    secret = by_key.get(("Secret", name))
+    keys = list((secret.get("data") or {}) if secret else TLS_SECRET_KEYS)
+    if key not in keys:
+        return name, f"Secret {name} has no key {key} (keys: {keys})"
+    return name, None
+
+
+def check_tls(t, label, objs, by_key, tandem):
+    """TLS across the pods of one rendering: mutual TLS on every gRPC hop or on none, one
+    server name, etcd dialed over TLS exactly when the rendered etcd serves it, and
+    cert-manager Certificates that fit how their Secrets are used."""
+    if not tandem:
+        return
+    certs = {}
+    for o in objs:
+        if o["kind"] == "Certificate" and o["apiVersion"].startswith("cert-manager.io/"):
+            certs[o["spec"].get("secretName")] = o
+
+    def cert_has(what, cert, usages=(), names=()):
+        have = cert["spec"].get("usages") or ["digital signature", "key encipherment"]
+        cname = cert["metadata"]["name"]
+        if usages:
+            t.ok(f"{what}: Certificate/{cname} has usages {', '.join(usages)}",
+                 all(u in have for u in usages), f"usages {have}")
+        for n in names:
+            t.ok(f"{what}: Certificate/{cname} carries the name {n}",
+                 n in (cert["spec"].get("dnsNames") or []),
+                 f"dnsNames {cert['spec'].get('dnsNames')}")
+
+    etcd = by_key.get(("StatefulSet", "etcd"))
+    if etcd:
+        espec = etcd["spec"]["template"]["spec"]
+        ec = next(c for c in espec["containers"] if c["name"] == "etcd")
+        args = dict(split_args(ec))
+        https = (args.get("listen-client-urls") or "").startswith("https://")
+        for c_label, _, eff, _ in tandem:
+            t.ok(f"{c_label} dials etcd over TLS exactly when etcd serves TLS ({https})",
+                 bool(eff.get("etcd-ca")) == https,
+                 f"etcd listens on {args.get('listen-client-urls')}, TANDEM_ETCD_CA is "
+                 f"{eff.get('etcd-ca')!r}")
+            if "client-cert-auth" in args:
+                t.ok(f"{c_label} presents a certificate to etcd (--client-cert-auth)",
+                     bool(eff.get("etcd-cert")))
+        if https:
+            volumes = {v["name"]: v for v in espec.get("volumes") or []}
+            secret = None
+            for flag in ("cert-file", "key-file", "trusted-ca-file", "peer-cert-file",
+                         "peer-key-file", "peer-trusted-ca-file"):
+                if args.get(flag):
+                    sname, why = secret_file(args[flag], ec.get("volumeMounts") or [], volumes,
+                                         by_key)
+                    secret = secret or sname
+                    t.ok(f"{label} etcd --{flag} is a file of a mounted Secret", why is None,
+                         why or "")
+            cert = certs.get(secret)
+            if cert is not None:
+                # The names dialed: the binaries' endpoints, and the peers' --initial-cluster.
+                dialed = {e.rsplit(":", 1)[0].split("://")[-1] for _, _, eff, _ in tandem
+                          for e in (eff.get("etcd-endpoints") or "").split(",") if e}
+                dialed |= set(re.findall(r"=https://([^:,]+):", args.get("initial-cluster", "")))
+                cert_has(f"{label} etcd", cert,
+                         ("server auth", "client auth") if "peer-cert-file" in args
+                         else ("server auth",), sorted(dialed))
+    on = {c_label: bool(eff.get("tls-cert")) for c_label, _, eff, _ in tandem}
+    t.ok(f"{label} mutual TLS on all of router, prefill and decode, or on none",
+         len(set(on.values())) == 1,
+         "a process with TLS and one without cannot talk: "
+         + ", ".join(f"{k.split(' container ')[-1]}={v}" for k, v in on.items()))
+    names = {eff.get("tls-server-name") for _, _, eff, _ in tandem if eff.get("tls-cert")}
+    t.ok(f"{label} one TLS server name for every dialer", len(names) <= 1, str(sorted(
+        n or "(none)" for n in names)))
+
+    if not certs:
+        return
+    issuers = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Issuer"}
+    ca_secrets = {s for s, o in certs.items() if o["spec"].get("isCA")}
+    for o in certs.values():
+        name, ref = o["metadata"]["name"], o["spec"]["issuerRef"]
+        if ref.get("kind", "Issuer") == "Issuer":
+            issuer = issuers.get(ref["name"])
+            t.ok(f"{label} Certificate/{name} issuer {ref['name']} is rendered", issuer is not None)
+            ca = ((issuer or {}).get("spec") or {}).get("ca")
+            if ca:
+                t.ok(f"{label} Issuer/{ref['name']} signs with a CA Certificate's Secret",
+                     ca["secretName"] in ca_secrets,
+                     f"no isCA Certificate writes {ca['secretName']}")
+    # What each use of a Secret needs from the certificate in it. Dialers check the TLS server
+    # name on the workers' certificates (they dial pod IPs).
+    for c_label, binary, eff, secrets in tandem:
+        for flag, needs in (("tls-cert", ("server auth", "client auth")),
+                            ("https-cert", ("server auth",)),
+                            ("etcd-cert", ("client auth",))):
+            cert = certs.get(secrets.get(flag))
+            if cert is not None:
+                server_names = sorted(names - {None}) if (
+                    flag == "tls-cert" and binary != "tandem-router") else ()
+                cert_has(f"{c_label} --{flag}", cert, needs, server_names)
 
 
 def check_tree(t, k8s, versions, only=None):
@@ -510,11 +768,60 @@ MUTATIONS = [
     ("fetch target differs from TANDEM_MODEL", "components/model-fetch-init/init-container.yaml",
      "value: /models/smollm2-135m-instruct-q4_1.gguf", "value: /models/other.gguf",
      "MODEL_DEST is TANDEM_MODEL"),
+    ("object without a namespace", "components/model-fill-job/job.yaml",
+     "  namespace: tandem\n", "", "has a namespace", {"base+components/model-fill-job"}),
+    # TLS (components/mtls, components/cert-manager-certs).
+    ("mutual TLS on one binary only", "components/mtls/kustomization.yaml",
+     "  - name: tandem-common\n", "  - name: tandem-prefill\n",
+     "mutual TLS on all of router, prefill and decode", {"base+components/mtls"}),
+    ("TLS file outside its Secret", "components/mtls/kustomization.yaml",
+     "TANDEM_TLS_CA=/etc/tandem/tls/ca.crt", "TANDEM_TLS_CA=/etc/tandem/ca/ca.crt",
+     "is a file of a mounted Secret", {"base+components/mtls"}),
+    ("TLS file not in the Secret", "components/mtls/kustomization.yaml",
+     "TANDEM_TLS_CA=/etc/tandem/tls/ca.crt", "TANDEM_TLS_CA=/etc/tandem/tls/ca.pem",
+     "has no key ca.pem", {"base+components/mtls"}),
+    ("router probe over plain HTTP on the HTTPS port", "components/mtls/router.yaml",
+     "              scheme: HTTPS", "              scheme: HTTP", "is the listen port's (HTTPS)",
+     {"base+components/mtls"}),
+    # Without the replace, the base's httpGet stays beside the exec.
+    ("httpGet probe on a mutual-TLS port", "components/mtls/workers.yaml",
+     "            $patch: replace\n", "", "can pass the mutual-TLS port",
+     {"base+components/mtls"}),
+    ("exec probe on another port", "components/mtls/workers.yaml",
+     "/dev/tcp/127.0.0.1/50051", "/dev/tcp/127.0.0.1/50052", "is the listen port",
+     {"base+components/mtls"}),
+    ("scrape scheme left at http", "components/mtls/workers.yaml",
+     "prometheus.io/scheme: https", "prometheus.io/scheme: http", "prometheus.io/scheme is https",
+     {"base+components/mtls"}),
+    ("Certificate without client auth", "components/cert-manager-certs/certificates.yaml",
+     "    - client auth\n", "", "has usages server auth, client auth",
+     {"base+components/mtls+components/cert-manager-certs"}),
+    ("Certificate without the TLS server name", "components/cert-manager-certs/certificates.yaml",
+     "    - tandem-worker.tandem.svc\n", "    - tandem-workers.tandem.svc\n",
+     "carries the name tandem-worker.tandem.svc",
+     {"base+components/mtls+components/cert-manager-certs"}),
+    ("etcd over TLS, binaries in plain text", "components/etcd-tls/kustomization.yaml",
+     "      - TANDEM_ETCD_CA=/etc/tandem/tls/ca.crt\n", "",
+     "dials etcd over TLS exactly when etcd serves TLS", {"base+components/etcd-tls"}),
+    ("etcd Certificate without a member's name", "components/cert-manager-certs/certificates.yaml",
+     "    - etcd-1.etcd\n", "", "carries the name etcd-1.etcd",
+     {"base+components/mtls+components/etcd-tls+components/cert-manager-certs"}),
+    ("unknown field in a custom resource", "components/cert-manager-certs/certificates.yaml",
+     "  isCA: true\n", "  isCA: true\n  noSuchField: 1\n", "noSuchField",
+     {"base+components/cert-manager-certs"}),
+    ("bad enum in a custom resource", "components/cert-manager-certs/certificates.yaml",
+     "    - server auth\n", "    - serverAuth\n", "'serverAuth' is not one of",
+     {"base+components/cert-manager-certs"}),
+    ("CA Issuer on a Secret no CA Certificate writes",
+     "components/cert-manager-certs/certificates.yaml", "    secretName: tandem-ca\n",
+     "    secretName: tandem-root\n", "signs with a CA Certificate's Secret",
+     {"base+components/cert-manager-certs"}),
 ]
 
 
 def selftest(t, versions):
-    for name, rel, old, new, expect in MUTATIONS:
+    for name, rel, old, new, expect, *only in MUTATIONS:
+        only = only[0] if only else {"base", "base+components/model-fetch-init"}
         with tempfile.TemporaryDirectory() as tmp:
             tree = os.path.join(tmp, "k8s")
             shutil.copytree(K8S, tree)
@@ -526,8 +833,7 @@ def selftest(t, versions):
             with open(f, "w") as fh:
                 fh.write(text.replace(old, new, 1))
             inner = Tally(quiet=True)
-            check_tree(inner, tree, versions[:1],
-                       only={"base", "base+components/model-fetch-init"})
+            check_tree(inner, tree, versions[:1], only=only)
             caught = [x for x in inner.failures if expect in x]
             t.ok(f"self-test {name} is caught", bool(caught),
                  f"expected a failure with {expect!r}, got {inner.failures[:3]}")

@@ -1,7 +1,9 @@
 //! KV transfer against the wire: a real decode node receives whole KV caches of 128 to 4096
 //! tokens over gRPC on loopback (the prefill node's message sizes, layer by layer), timed
 //! from the first message to the acknowledgement, next to the TCP loopback bandwidth
-//! measured in the same run.
+//! measured in the same run. With `--mtls`, a second decode node takes the same transfers
+//! over mutual TLS, dialed the way a prefill node dials, so TLS's cost is a ratio from one
+//! run.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -33,8 +35,90 @@ struct Args {
     /// K (and V) bytes per message, as the prefill node's --transfer-chunk-bytes.
     #[arg(long, default_value_t = 1 << 20)]
     chunk_bytes: usize,
+    /// Also time every transfer over mutual TLS (certificates made for the run).
+    #[arg(long)]
+    mtls: bool,
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+/// A decode node on a free port, and a client for it (over mutual TLS with `tls`).
+async fn decode_node(
+    model: &std::path::Path,
+    tls: Option<(&e2e::pki::Pki, &std::path::Path)>,
+) -> anyhow::Result<(Proc, DecodeClient<tonic::transport::Channel>)> {
+    let addr = format!("127.0.0.1:{}", free_port());
+    // Caches nobody claims are dropped after a second, so repeats do not pile up.
+    let mut args = vec![
+        "--model".into(),
+        model.display().to_string(),
+        "--listen".into(),
+        addr.clone(),
+        "--kv-timeout-ms".into(),
+        "1000".into(),
+    ];
+    let mut client_tls = None;
+    if let Some((pki, ca)) = tls {
+        args.extend(pki.leaf("decode", e2e::pki::Validity::Good).mtls_args(ca));
+        let me = pki.leaf("prefill", e2e::pki::Validity::Good);
+        let files = tls::ClientFiles {
+            ca: ca.to_path_buf(),
+            identity: Some((me.cert, me.key)),
+            alpn: vec![b"h2".to_vec()],
+        };
+        client_tls = Some(tls::ClientTls::load(files, None)?);
+    }
+    let tag = if tls.is_some() { "mtls" } else { "plain" };
+    let proc = Proc::spawn(
+        &bin("tandem-decode"),
+        &args,
+        &format!("transfer-bench-{tag}"),
+    );
+    let dialer = runtime::Dialer {
+        connect_timeout: Duration::from_secs(1),
+        tls: client_tls,
+        max_message: runtime::DEFAULT_MAX_MESSAGE,
+    };
+    let channel = dialer.channel(&addr)?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut client = DecodeClient::new(channel)
+        .max_decoding_message_size(runtime::DEFAULT_MAX_MESSAGE)
+        .max_encoding_message_size(runtime::DEFAULT_MAX_MESSAGE);
+    while client.health(proto::v1::HealthRequest {}).await.is_err() {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the {tag} decode node did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok((proc, client))
+}
+
+/// The best time of `repeats` transfers of `tokens` positions to `client`.
+async fn best_transfer(
+    client: &mut DecodeClient<tonic::transport::Channel>,
+    a: &Args,
+    layout: &engine::KvLayout,
+    tokens: usize,
+    tag: &str,
+) -> anyhow::Result<Duration> {
+    let mut best = Duration::MAX;
+    for r in 0..a.repeats {
+        let id = format!("bench-{tag}-{tokens}-{r}");
+        let messages = transfer(&id, layout, tokens, a.chunk_bytes);
+        let (tx, rx) = tokio::sync::mpsc::channel(messages.len());
+        for m in messages {
+            tx.send(m).await.expect("the receiver is held");
+        }
+        drop(tx);
+        let started = Instant::now();
+        client
+            .transfer_kv(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .context("the transfer")?;
+        best = best.min(started.elapsed());
+    }
+    Ok(best)
 }
 
 /// Loopback TCP bandwidth in bytes/s: 1 GiB through one connection in 1 MiB writes, best
@@ -119,27 +203,13 @@ async fn main() -> anyhow::Result<()> {
     let text = engine::load_text(&a.model).context("reading the model's config")?;
     let layout = engine::KvLayout::for_model(&text.config);
     let per_token = 2 * layout.n_layers * layout.n_kv_heads * layout.head_dim * 4;
-    let addr = format!("127.0.0.1:{}", free_port());
-    // Caches nobody claims are dropped after a second, so repeats do not pile up.
-    let _decode = Proc::spawn(
-        &bin("tandem-decode"),
-        &[
-            "--model".into(),
-            a.model.display().to_string(),
-            "--listen".into(),
-            addr.clone(),
-            "--kv-timeout-ms".into(),
-            "1000".into(),
-        ],
-        "transfer-bench-decode",
-    );
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut client = loop {
-        if let Ok(c) = DecodeClient::connect(format!("http://{addr}")).await {
-            break c;
-        }
-        anyhow::ensure!(Instant::now() < deadline, "the decode node did not start");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    let (_plain, mut client) = decode_node(&a.model, None).await?;
+    let pki_dir = e2e::scratch().join(format!("transfer-bench-pki-{}", free_port()));
+    let pki = a.mtls.then(|| e2e::pki::Pki::new(&pki_dir, "bench"));
+    let ca = pki.as_ref().map(|p| p.ca());
+    let mut secure = match (&pki, &ca) {
+        (Some(p), Some(ca)) => Some(decode_node(&a.model, Some((p, ca))).await?),
+        _ => None,
     };
     let wire = loopback_bandwidth().await?;
     println!(
@@ -150,43 +220,46 @@ async fn main() -> anyhow::Result<()> {
         "TCP loopback: {:.2} GB/s (1 GiB, 1 MiB writes, best of 3)",
         wire / 1e9
     );
-    println!("| tokens | KV MB | transfer ms | GB/s | % of loopback |");
-    println!("| ---: | ---: | ---: | ---: | ---: |");
+    let tls_cols = if secure.is_some() {
+        " mTLS ms | mTLS GB/s | mTLS / plain |"
+    } else {
+        ""
+    };
+    let tls_rule = if secure.is_some() {
+        " ---: | ---: | ---: |"
+    } else {
+        ""
+    };
+    println!("| tokens | KV MB | transfer ms | GB/s | % of loopback |{tls_cols}");
+    println!("| ---: | ---: | ---: | ---: | ---: |{tls_rule}");
     let mut rows = Vec::new();
     for &tokens in &a.tokens {
-        let mut best = Duration::MAX;
-        for r in 0..a.repeats {
-            let messages = transfer(
-                &format!("bench-{tokens}-{r}"),
-                &layout,
-                tokens,
-                a.chunk_bytes,
-            );
-            let (tx, rx) = tokio::sync::mpsc::channel(messages.len());
-            for m in messages {
-                tx.send(m).await.expect("the receiver is held");
-            }
-            drop(tx);
-            let started = Instant::now();
-            client
-                .transfer_kv(tokio_stream::wrappers::ReceiverStream::new(rx))
-                .await
-                .context("the transfer")?;
-            best = best.min(started.elapsed());
-        }
+        let best = best_transfer(&mut client, &a, &layout, tokens, "plain").await?;
         let bytes = (tokens * per_token) as f64;
         let rate = bytes / best.as_secs_f64();
+        let mut row = json!({"tokens": tokens, "bytes": bytes, "seconds": best.as_secs_f64(),
+            "bytes_per_s": rate, "share_of_loopback": rate / wire});
+        let mut tls_text = String::new();
+        if let Some((_, c)) = secure.as_mut() {
+            let t = best_transfer(c, &a, &layout, tokens, "mtls").await?;
+            let r = bytes / t.as_secs_f64();
+            tls_text = format!(
+                " {:.2} | {:.2} | {:.2} |",
+                t.as_secs_f64() * 1e3,
+                r / 1e9,
+                t.as_secs_f64() / best.as_secs_f64()
+            );
+            row["mtls_seconds"] = json!(t.as_secs_f64());
+            row["mtls_bytes_per_s"] = json!(r);
+        }
         println!(
-            "| {tokens} | {:.1} | {:.2} | {:.2} | {:.0}% |",
+            "| {tokens} | {:.1} | {:.2} | {:.2} | {:.0}% |{tls_text}",
             bytes / 1e6,
             best.as_secs_f64() * 1e3,
             rate / 1e9,
             100.0 * rate / wire
         );
-        rows.push(
-            json!({"tokens": tokens, "bytes": bytes, "seconds": best.as_secs_f64(),
-            "bytes_per_s": rate, "share_of_loopback": rate / wire}),
-        );
+        rows.push(row);
     }
     if let Some(p) = &a.json {
         let doc = json!({"model": a.model, "kv_bytes_per_token": per_token,
