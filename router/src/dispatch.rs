@@ -142,7 +142,7 @@ impl Failed {
 /// the first piece, a failure ends the stream with an error.
 async fn with_retries<'a, F, Fut>(state: &'a AppState, mut attempt: F) -> Result<(), RouterError>
 where
-    F: FnMut(Vec<String>) -> Fut,
+    F: FnMut(usize, Vec<String>) -> Fut,
     Fut: std::future::Future<Output = Result<(), Failed>> + 'a,
 {
     state.retry_budget.earn();
@@ -150,7 +150,7 @@ where
     let mut avoid = Vec::new();
     let mut last: Option<RouterError> = None;
     for n in 1.. {
-        let failed = match attempt(avoid.clone()).await {
+        let failed = match attempt(n - 1, avoid.clone()).await {
             Ok(()) => return Ok(()),
             // No worker left to try: the failure that ruled the last one out says more.
             Err(Failed {
@@ -187,13 +187,17 @@ where
 }
 
 async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), RouterError> {
-    with_retries(state, |avoid| attempt_pd(state, &req, avoid, tx)).await
+    with_retries(state, |retry, avoid| {
+        attempt_pd(state, &req, retry, avoid, tx)
+    })
+    .await
 }
 
-/// One try of a PD generation on a pair chosen avoiding `avoid`.
+/// Try `retry` (0: the first) of a PD generation, on a pair chosen avoiding `avoid`.
 async fn attempt_pd(
     state: &AppState,
     req: &GenRequest,
+    retry: usize,
     avoid: Vec<String>,
     tx: &Tx,
 ) -> Result<(), Failed> {
@@ -212,9 +216,7 @@ async fn attempt_pd(
         .pick_decode(&avoid, positions, req.sequences)
         .map_err(no_worker)?;
     tracing::debug!(prefill = %p.addr, decode = %d.addr, "picked");
-    // Each retry follows a failure that added its worker to `avoid`, so the list's length
-    // numbers the attempts.
-    let result = pd_on(req, avoid.len(), &p, &d, tx).await;
+    let result = pd_on(req, retry, &p, &d, tx).await;
     match &result {
         Ok(()) => {
             p.succeeded(&state.prefill.settings);
@@ -355,7 +357,7 @@ fn prefilled(p: &PrefillResponse, choice: u32, token: &proto::v1::Token) -> Toke
 }
 
 async fn run_colocated(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), RouterError> {
-    with_retries(state, |avoid| attempt_colocated(state, &req, avoid, tx)).await
+    with_retries(state, |_, avoid| attempt_colocated(state, &req, avoid, tx)).await
 }
 
 /// One try of a colocated generation on a worker chosen avoiding `avoid`.
