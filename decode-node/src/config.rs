@@ -35,7 +35,8 @@ pub struct Config {
     #[arg(long, env = "DECODE_MAX_WAITING", default_value_t = 256)]
     pub max_waiting: usize,
     /// Milliseconds a received KV cache waits for its Generate call, and a Generate call
-    /// waits for its KV cache, before both are freed and failed.
+    /// waits for its KV cache, before both are freed and failed; also the longest a
+    /// transfer may go quiet before it is cut.
     #[arg(long, env = "DECODE_KV_TIMEOUT_MS", default_value_t = 30_000)]
     pub kv_timeout_ms: u64,
     #[command(flatten)]

@@ -58,7 +58,14 @@ impl DecodeService {
         bytes: &mut u64,
     ) -> Result<Arrived, DecodeError> {
         let bad = |m: &str| DecodeError::BadTransfer(m.to_string());
-        let header = match stream.message().await {
+        // A sender that goes quiet would otherwise hold its partial cache (and a drain) for
+        // as long as it keeps the stream open; its Generate call has given up by then.
+        let idle = self.store.timeout();
+        let quiet = |id: &str| DecodeError::KvTimeout(id.to_string(), idle.as_millis() as u64);
+        let header = match tokio::time::timeout(idle, stream.message())
+            .await
+            .map_err(|_| quiet(id.as_str()))?
+        {
             Ok(Some(KvTransfer {
                 item: Some(Item::Header(h)),
             })) => h,
@@ -79,7 +86,10 @@ impl DecodeService {
         }
         let mut assembler = KvAssembler::new(layout, header.tokens, &Device::Cpu)?;
         loop {
-            let item = match stream.message().await {
+            let item = match tokio::time::timeout(idle, stream.message())
+                .await
+                .map_err(|_| quiet(id.as_str()))?
+            {
                 Ok(Some(KvTransfer { item: Some(item) })) => item,
                 Ok(Some(KvTransfer { item: None })) => return Err(bad("an empty message")),
                 Ok(None) => return Err(bad("the transfer ended before its first token")),
@@ -121,16 +131,10 @@ impl proto::v1::decode_server::Decode for DecodeService {
         let mut stream = req.into_inner();
         let mut bytes = 0;
         let started = Instant::now();
-        // A sender that stalls would otherwise hold its partial cache (and a drain) for as
-        // long as it keeps the stream open.
-        let limit = self.store.timeout();
-        let outcome = tokio::time::timeout(
-            limit,
-            self.receive(&mut id, &mut stream, &mut bytes)
-                .instrument(span.clone()),
-        )
-        .await
-        .unwrap_or_else(|_| Err(DecodeError::KvTimeout(id.clone(), limit.as_millis() as u64)));
+        let outcome = self
+            .receive(&mut id, &mut stream, &mut bytes)
+            .instrument(span.clone())
+            .await;
         span.record("req_id", id.as_str());
         let _entered = span.enter();
         match outcome {

@@ -43,8 +43,8 @@ impl TransferStore {
         })
     }
 
-    /// How long an entry waits for its other half; a transfer still arriving after it is
-    /// useless, since its Generate call has given up by then.
+    /// How long an entry waits for its other half; also how long a transfer may go quiet,
+    /// since its Generate call has given up by then.
     pub fn timeout(&self) -> Duration {
         self.timeout
     }

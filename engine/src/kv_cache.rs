@@ -201,7 +201,7 @@ impl SeqCache {
         if need <= self.capacity {
             return Ok(());
         }
-        let capacity = need.max(self.capacity * 2).div_ceil(GROW_TOKENS) * GROW_TOKENS;
+        let capacity = rounded(need.max(self.capacity * 2));
         self.resize(capacity, self.len())
     }
 
@@ -310,6 +310,11 @@ impl SeqCache {
     }
 }
 
+/// `positions` rounded up to the allocation unit.
+fn rounded(positions: usize) -> usize {
+    positions.div_ceil(GROW_TOKENS) * GROW_TOKENS
+}
+
 /// Rebuilds a `SeqCache` from chunks that arrive in order within each layer. Everything it
 /// is given may be garbage (it comes off the network): a bad header or chunk is an error,
 /// never a panic, and memory follows the bytes received, not the positions claimed.
@@ -340,7 +345,7 @@ impl KvAssembler {
             ));
         }
         let mut cache = SeqCache::new(layout, device)?;
-        let upfront = tokens.len().min(upfront_bytes / per_position);
+        let upfront = rounded(tokens.len()).min(upfront_bytes / per_position);
         cache.reserve_exact(upfront)?;
         let n_layers = cache.layout.n_layers;
         Ok(Self {
@@ -401,15 +406,15 @@ impl KvAssembler {
         Ok(())
     }
 
-    /// Grows the cache to hold `positions`, doubling (never past the positions expected)
+    /// Grows the cache to hold `positions`, doubling (never past the positions expected,
+    /// rounded as `SeqCache` rounds)
     /// so that a long transfer copies what it holds only a few times.
     fn make_room(&mut self, positions: usize) -> Result<()> {
         let capacity = self.cache.capacity;
         if positions <= capacity {
             return Ok(());
         }
-        let grown = (positions.max(capacity * 2).div_ceil(GROW_TOKENS) * GROW_TOKENS)
-            .min(self.expected.len());
+        let grown = rounded(positions.max(capacity * 2)).min(rounded(self.expected.len()));
         let keep = self.filled.iter().copied().max().unwrap_or(0);
         self.cache.resize(grown, keep)
     }
@@ -553,7 +558,7 @@ mod tests {
             let open: Vec<usize> = (0..self.filled.len())
                 .filter(|&l| self.filled[l] < self.expected)
                 .collect();
-            let layer = open[rng.below(open.len().max(1))..].first().copied()?;
+            let layer = *open.get(rng.below(open.len().max(1)))?;
             let left = self.expected - self.filled[layer];
             let most = if rng.below(4) == 0 { 300 } else { 12 };
             let len = 1 + rng.below(left.min(most));
@@ -683,7 +688,8 @@ mod tests {
                 }
             }
             let most = oracle.filled.iter().copied().max().unwrap_or(0);
-            let bound = (upfront_bytes / per_position).max((2 * most + GROW_TOKENS).min(n));
+            let bound =
+                (upfront_bytes / per_position).max((2 * most + GROW_TOKENS).min(rounded(n)));
             assert!(
                 asm.allocated_bytes() <= bound * per_position,
                 "{} bytes allocated for {most} positions received of {n}",

@@ -409,14 +409,13 @@ fn damage(rng: &mut Rng, mut b: Vec<u8>) -> Vec<u8> {
                 b.splice(i..i, esc.bytes());
             }
         }
-        6 => {
-            // A duplicate key: which one wins must not matter to the checks.
-            if b.last() == Some(&b'}') {
-                let dup = format!(",\"{}\":{}}}", rng.pick(KEYS), value(rng, 2));
-                b.pop();
-                b.extend_from_slice(dup.as_bytes());
-            }
+        // A duplicate key: which one wins must not matter to the checks.
+        6 if b.last() == Some(&b'}') => {
+            let dup = format!(",\"{}\":{}}}", rng.pick(KEYS), value(rng, 2));
+            b.pop();
+            b.extend_from_slice(dup.as_bytes());
         }
+        6 => {}
         7 => {
             let pre = *rng.pick(&[&b"\xef\xbb\xbf"[..], b" \n\t", b"\x00"]);
             b.splice(0..0, pre.iter().copied());
@@ -458,8 +457,17 @@ fn request(rng: &mut Rng, seeds: &[Value]) -> (&'static str, Vec<u8>) {
     if rng.chance(25) {
         o.insert("model".into(), json!(rng.pick(&["nope", "", "TEST"])));
     }
+    if rng.chance(100) {
+        // Past the body limit: 413, whatever the rest.
+        o.insert("padding".into(), json!("x".repeat(MAX_BODY_BYTES)));
+    }
     let bytes = serde_json::to_vec(&body).expect("a Value serializes");
-    (path, damage(rng, bytes))
+    // Most bodies stay JSON objects, so that most reach the parameter checks.
+    if rng.chance(3) {
+        (path, damage(rng, bytes))
+    } else {
+        (path, bytes)
+    }
 }
 
 /// What the validator alone makes of a body.
@@ -769,6 +777,7 @@ fn fuzzed_requests_are_answered_and_refusals_name_their_parameter() {
             panic!("{why}\nverdict {verdict:?} for {}", shown());
         }
         let kind = match &verdict {
+            _ if status == 413 => "too large 413".to_string(),
             Verdict::Refused(p) => format!("refused {p}"),
             other => format!("{other:?} {status}"),
         };
@@ -809,7 +818,31 @@ fn fuzzed_requests_are_answered_and_refusals_name_their_parameter() {
         ("refused", cases / 5),
         ("NotAnObject", cases / 50),
         ("OtherModel", cases / 200),
+        ("too large", cases / 500),
     ] {
         assert!(count(side) >= at_least.max(1), "too few {side}: {tally:#?}");
     }
+}
+
+/// Found by the fuzzer: values in range as f64 but 0 as the f32 the engine samples with.
+#[test]
+fn numbers_that_vanish_in_f32_are_checked_as_the_engine_sees_them() {
+    let body = |extra: Value| {
+        let mut o = Map::new();
+        o.insert("model".into(), json!(MODEL));
+        o.extend(extra.as_object().expect("an object").clone());
+        o
+    };
+    let refused = |extra: Value| match params::common(&body(extra.clone()), 1000) {
+        Err(RouterError::InvalidParam { param, .. }) => param,
+        other => panic!("{extra} accepted: {other:?}"),
+    };
+    assert_eq!(
+        refused(json!({"repetition_penalty": f64::MIN_POSITIVE})),
+        "repetition_penalty"
+    );
+    assert_eq!(refused(json!({"temperature": 5e-324, "n": 2})), "n");
+    let greedy = params::common(&body(json!({"temperature": 5e-324})), 1000)
+        .expect("a temperature that is 0 in f32 is a valid 0");
+    assert_eq!(greedy.sampling.temperature, 0.0);
 }

@@ -451,7 +451,7 @@ async fn garbage_kv_fails_its_own_request_and_the_node_keeps_serving() {
         );
     }
 
-    // Whole caches that do not fit their Generate call: acknowledged, then refused there.
+    // A whole cache of another prompt: acknowledged, then refused by its Generate call.
     let id = "other-prompt";
     let events = node.generate(id, &[7, 8, 9], 4).await;
     let mut messages = vec![head(id)];
@@ -466,6 +466,7 @@ async fn garbage_kv_fails_its_own_request_and_the_node_keeps_serving() {
         Code::InvalidArgument,
         &["not this call's prompt"],
     );
+
     // Values that are no numbers (NaN, infinities) in a well-formed cache: nonsense tokens,
     // but a whole answer.
     let id = "nan-values";
@@ -518,7 +519,8 @@ async fn garbage_kv_fails_its_own_request_and_the_node_keeps_serving() {
     }
 
     // Stalled mid-stream: the sender keeps the stream open and sends nothing more. The node
-    // ends the transfer itself after its KV timeout, freeing the partial cache.
+    // ends the transfer itself once it has been quiet for the KV timeout, freeing the
+    // partial cache.
     let id = "stalled";
     let events = node.generate(id, &PROMPT, 4).await;
     let (tx, rx) = mpsc::channel(4);
