@@ -442,53 +442,10 @@ impl KvAssembler {
 #[cfg(test)]
 mod tests {
     use std::panic::{catch_unwind, AssertUnwindSafe};
-    use std::time::{Duration, Instant};
+    use std::time::Instant;
 
     use super::*;
-
-    /// xorshift64*: the whole run follows from one seed, so a failure reproduces.
-    struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-        }
-
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n.max(1) as u64) as usize
-        }
-
-        fn bytes(&mut self, n: usize) -> Vec<u8> {
-            (0..n).map(|_| self.next() as u8).collect()
-        }
-    }
-
-    /// `TANDEM_FUZZ_SEED` (else the clock) and `TANDEM_FUZZ_SECS` (else `default_secs`).
-    fn fuzz_settings(default_secs: u64) -> (u64, Duration) {
-        let seed = std::env::var("TANDEM_FUZZ_SEED")
-            .ok()
-            .and_then(|s| {
-                let s = s.trim();
-                match s.strip_prefix("0x") {
-                    Some(hex) => u64::from_str_radix(hex, 16).ok(),
-                    None => s.parse().ok(),
-                }
-            })
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(1, |d| d.as_nanos() as u64)
-            })
-            | 1;
-        let secs = std::env::var("TANDEM_FUZZ_SECS")
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or(default_secs);
-        (seed, Duration::from_secs(secs))
-    }
+    use crate::fuzz::{settings as fuzz_settings, Rng};
 
     fn small_layout(rng: &mut Rng) -> KvLayout {
         KvLayout {
@@ -623,7 +580,7 @@ mod tests {
         let tokens: Vec<u32> = if n > 1000 {
             vec![0; n]
         } else {
-            (0..n).map(|_| rng.next() as u32).collect()
+            (0..n).map(|_| rng.next_u64() as u32).collect()
         };
         // Sometimes little upfront, so that growth under chunks (and what it keeps) is
         // exercised by transfers that complete.
@@ -746,7 +703,7 @@ mod tests {
         let mut rng = Rng(seed);
         let (mut cases, mut accepted, mut completed) = (0usize, 0usize, 0usize);
         while cases < 50 || started.elapsed() < budget {
-            let mut case_rng = Rng(rng.next() | 1);
+            let mut case_rng = Rng(rng.next_u64() | 1);
             let outcome = catch_unwind(AssertUnwindSafe(|| case(&mut case_rng)));
 
             match outcome {

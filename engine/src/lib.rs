@@ -5,6 +5,7 @@ pub mod beam;
 pub mod chat_template;
 pub mod config;
 pub mod error;
+pub mod fuzz;
 pub mod generate;
 pub mod gguf_export;
 pub mod kv_cache;

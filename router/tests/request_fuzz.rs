@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use engine::fuzz::{settings as fuzz_settings, Rng};
 use router::error::RouterError;
 use router::params::{self, Obj, MAX_CONTENT_CHARS};
 use serde_json::{json, Map, Value};
@@ -26,54 +27,6 @@ const MODEL: &str = "test";
 const MAX_BODY_BYTES: usize = 256 << 10;
 /// Keys a refusal may name although the body lacks them: the required ones.
 const REQUIRED: [&str; 3] = ["model", "messages", "prompt"];
-
-/// xorshift64*: the whole run follows from one seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-
-    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
-        &xs[self.below(xs.len())]
-    }
-
-    fn chance(&mut self, one_in: usize) -> bool {
-        self.below(one_in) == 0
-    }
-}
-
-/// `TANDEM_FUZZ_SEED` (decimal or 0x hex, else the clock) and `TANDEM_FUZZ_SECS`.
-fn fuzz_settings(default_secs: u64) -> (u64, Duration) {
-    let seed = std::env::var("TANDEM_FUZZ_SEED")
-        .ok()
-        .and_then(|s| {
-            let s = s.trim();
-            match s.strip_prefix("0x") {
-                Some(hex) => u64::from_str_radix(hex, 16).ok(),
-                None => s.parse().ok(),
-            }
-        })
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64)
-        })
-        | 1;
-    let secs = std::env::var("TANDEM_FUZZ_SECS")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(default_secs);
-    (seed, Duration::from_secs(secs))
-}
 
 const KEYS: &[&str] = &[
     "model",
@@ -420,7 +373,7 @@ fn damage(rng: &mut Rng, mut b: Vec<u8>) -> Vec<u8> {
             let pre = *rng.pick(&[&b"\xef\xbb\xbf"[..], b" \n\t", b"\x00"]);
             b.splice(0..0, pre.iter().copied());
         }
-        8 => b = (0..rng.below(300)).map(|_| rng.next() as u8).collect(),
+        8 => b = (0..rng.below(300)).map(|_| rng.next_u64() as u8).collect(),
         9 => {
             b = rng
                 .pick(&[&b""[..], b"null", b"[]", b"\"x\"", b"1", b"{", b"}"])
@@ -745,7 +698,7 @@ fn fuzzed_requests_are_answered_and_refusals_name_their_parameter() {
     let mut tally = std::collections::BTreeMap::<String, usize>::new();
     let mut cases = 0usize;
     while cases < 200 || started.elapsed() < budget {
-        let mut case_rng = Rng(rng.next() | 1);
+        let mut case_rng = Rng(rng.next_u64() | 1);
         let (path, bytes) = request(&mut case_rng, &seeds);
         let shown = || {
             let text = String::from_utf8_lossy(&bytes);

@@ -6,27 +6,8 @@
 use std::time::Duration;
 
 use e2e::{seed_requests, tiny_model, Cluster, Mode};
+use engine::fuzz::Rng;
 use serde_json::{json, Map, Value};
-
-/// xorshift64*: a fixed-seed stream, so a failure reproduces.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
-        &xs[self.below(xs.len())]
-    }
-}
 
 const KEYS: &[&str] = &[
     "model",
