@@ -8,8 +8,10 @@ use engine::model::argmax;
 use engine::{Model, SeqCache, SeqInput};
 
 pub mod load;
+pub mod overhead;
 pub mod serve;
 pub mod soak;
+pub mod zero;
 
 /// Read bandwidth in bytes/s: `threads` threads each sum their share of a buffer much larger
 /// than the caches; the best of `rounds` passes.

@@ -376,9 +376,22 @@ pub fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
     })
 }
 
-/// A fresh random u64, for seeds and ids.
+/// A fresh random u64, for seeds and ids: SplitMix64 over a per-thread state seeded once
+/// from the OS. Ids and seeds must differ, not stay secret, and a getrandom call per value
+/// cost the router a system call three times per request.
 pub fn random_u64() -> u64 {
-    getrandom::u64().expect("the OS has randomness")
+    thread_local! {
+        static STATE: std::cell::Cell<u64> =
+            std::cell::Cell::new(getrandom::u64().expect("the OS has randomness"));
+    }
+    let mut z = STATE.with(|s| {
+        let next = s.get().wrapping_add(0x9E37_79B9_7F4A_7C15);
+        s.set(next);
+        next
+    });
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// What a chat request renders its prompt from.
@@ -726,6 +739,19 @@ mod tests {
 
     fn obj(v: Value) -> Obj {
         v.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn random_values_differ_within_and_across_threads() {
+        let mine: std::collections::HashSet<u64> = (0..10_000).map(|_| random_u64()).collect();
+        assert_eq!(mine.len(), 10_000, "a thread repeated a value");
+        let theirs: Vec<u64> = std::thread::spawn(|| (0..100).map(|_| random_u64()).collect())
+            .join()
+            .unwrap();
+        assert!(
+            theirs.iter().all(|v| !mine.contains(v)),
+            "two threads' generators overlap: seeded alike"
+        );
     }
 
     fn rejected_param(v: Value) -> &'static str {
