@@ -2,9 +2,15 @@
 //! define it, so the tokens do not change: each activation row is quantized to Q8_1 blocks,
 //! each output is the sum over blocks, in block order, of the block's integer dot product
 //! scaled by the two blocks' scales plus the weight block's minimum times the activation
-//! block's sum. candle runs that with scalar code for Q4_1; here the integer dot products
-//! use AVX2, eight blocks' sums are reduced together, the weights' f16 scales are widened
-//! once at load, and output rows are split across candle's worker threads.
+//! block's sum. candle runs that with scalar code for Q4_1; here the weights' f16 scales are
+//! widened once at load and weight rows are stored in groups of eight, interleaved, so that
+//! one AVX2 multiply takes four values of each of the eight rows against the same four
+//! activations: the eight rows' integer sums build up in the lanes of one register with no
+//! horizontal reduction, and each lane adds its row's terms in block order, the scalar
+//! order. A group's unpacked block serves a tile of four activation rows. Work is split by
+//! groups across candle's worker threads.
+
+use std::marker::PhantomData;
 
 use half::f16;
 
@@ -14,9 +20,17 @@ use crate::error::{EngineError, Result};
 const QK: usize = 32;
 /// Bytes of one Q4_1 block: `d` (f16), `m` (f16), 16 bytes of nibbles.
 const Q41_BYTES: usize = 20;
+/// Weight rows stored interleaved together.
+const GROUP: usize = 8;
+/// Activation rows that share one unpacked weight block.
+const TILE: usize = 4;
 
 /// A `[rows, cols]` Q4_1 matrix: each block's scale and minimum widened to f32 once at load
 /// (a few more bytes per block read, no f16 conversion per block and row), and its nibbles.
+/// The first `rows / 8 * 8` rows are in groups of eight: for each block, the eight rows'
+/// scales (`d[(g * nb + b) * 8 + i]`, likewise `m`), then four runs of 32 bytes, run `k`
+/// holding bytes `4k .. 4k + 4` of each row's block in row order. The rows after them are
+/// stored one after another. Both parts sit at the offsets the plain layout would give them.
 #[derive(Debug)]
 pub struct Q41Matrix {
     rows: usize,
@@ -29,6 +43,14 @@ pub struct Q41Matrix {
 /// One weight row: its blocks' scales, minimums and nibbles.
 #[derive(Clone, Copy)]
 struct WRow<'a> {
+    d: &'a [f32],
+    m: &'a [f32],
+    qs: &'a [u8],
+}
+
+/// One group of eight interleaved weight rows.
+#[derive(Clone, Copy)]
+struct WGroup<'a> {
     d: &'a [f32],
     m: &'a [f32],
     qs: &'a [u8],
@@ -68,6 +90,23 @@ impl Q81Row {
     }
 }
 
+/// A weight row copied out of its group, in the plain layout.
+struct OwnedRow {
+    d: Vec<f32>,
+    m: Vec<f32>,
+    qs: Vec<u8>,
+}
+
+impl OwnedRow {
+    fn view(&self) -> WRow<'_> {
+        WRow {
+            d: &self.d,
+            m: &self.m,
+            qs: &self.qs,
+        }
+    }
+}
+
 impl Q41Matrix {
     /// Takes GGML Q4_1 data of a `[rows, cols]` tensor.
     pub fn from_ggml(bytes: Vec<u8>, rows: usize, cols: usize) -> Result<Self> {
@@ -77,14 +116,30 @@ impl Q41Matrix {
                 bytes.len()
             )));
         }
-        let n = bytes.len() / Q41_BYTES;
-        let mut d = Vec::with_capacity(n);
-        let mut m = Vec::with_capacity(n);
-        let mut qs = Vec::with_capacity(n * QK / 2);
-        for blk in bytes.chunks_exact(Q41_BYTES) {
-            d.push(f16::from_le_bytes([blk[0], blk[1]]).to_f32());
-            m.push(f16::from_le_bytes([blk[2], blk[3]]).to_f32());
-            qs.extend_from_slice(&blk[4..]);
+        let nb = cols / QK;
+        let grouped = rows / GROUP * GROUP;
+        let n = rows * nb;
+        let mut d = vec![0f32; n];
+        let mut m = vec![0f32; n];
+        let mut qs = vec![0u8; n * QK / 2];
+        for (i, blk) in bytes.chunks_exact(Q41_BYTES).enumerate() {
+            let (r, b) = (i / nb, i % nb);
+            let (at, nibbles) = if r < grouped {
+                let (g, lane) = (r / GROUP, r % GROUP);
+                let at = (g * nb + b) * GROUP + lane;
+                for k in 0..4 {
+                    let to = at / GROUP * GROUP * QK / 2 + k * 4 * GROUP + lane * 4;
+                    qs[to..to + 4].copy_from_slice(&blk[4 + 4 * k..8 + 4 * k]);
+                }
+                (at, None)
+            } else {
+                (i, Some(i * QK / 2))
+            };
+            d[at] = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+            m[at] = f16::from_le_bytes([blk[2], blk[3]]).to_f32();
+            if let Some(to) = nibbles {
+                qs[to..to + QK / 2].copy_from_slice(&blk[4..]);
+            }
         }
         Ok(Self {
             rows,
@@ -100,8 +155,26 @@ impl Q41Matrix {
         self.qs.len() + 4 * (self.d.len() + self.m.len())
     }
 
-    fn row(&self, r: usize) -> WRow<'_> {
-        let nb = self.cols / QK;
+    fn blocks(&self) -> usize {
+        self.cols / QK
+    }
+
+    fn groups(&self) -> usize {
+        self.rows / GROUP
+    }
+
+    fn group(&self, g: usize) -> WGroup<'_> {
+        let n = self.blocks() * GROUP;
+        WGroup {
+            d: &self.d[g * n..(g + 1) * n],
+            m: &self.m[g * n..(g + 1) * n],
+            qs: &self.qs[g * n * QK / 2..(g + 1) * n * QK / 2],
+        }
+    }
+
+    /// A row after the groups.
+    fn loose_row(&self, r: usize) -> WRow<'_> {
+        let nb = self.blocks();
         WRow {
             d: &self.d[r * nb..(r + 1) * nb],
             m: &self.m[r * nb..(r + 1) * nb],
@@ -112,52 +185,122 @@ impl Q41Matrix {
     /// `x Wᵀ` for `x` of `[n, cols]` (row-major): `[n, rows]`.
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
         let q: Vec<Q81Row> = x.chunks_exact(self.cols).map(Q81Row::quantize).collect();
-        // Outputs row-major by weight row, `n` per row, split across candle's own worker
-        // threads by weight rows (a second pool would fight candle's for the cores).
-        let mut by_row = vec![0f32; self.rows * n];
-        let out = SharedOut(by_row.as_mut_ptr());
-        candle_core::utils::barrier_pool().execute_chunked(self.rows, |range| {
-            for r in range {
-                // SAFETY: each weight row's `n` outputs are written by the one worker that
-                // got that row, and `by_row` outlives the call.
-                let o = unsafe { std::slice::from_raw_parts_mut(out.at(r * n), n) };
-                dot_row(self.row(r), &q, o);
+        let groups = self.groups();
+        let mut out = vec![0f32; n * self.rows];
+        let shared = SharedOut::new(&mut out);
+        // Split by groups (and loose rows) across candle's own worker threads: a second pool
+        // would fight candle's for the cores.
+        let items = groups + self.rows - groups * GROUP;
+        candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+            for item in range {
+                if item < groups {
+                    dot_group(self.group(item), &q, |y, vals| {
+                        // SAFETY: each group's eight columns are written by the one worker
+                        // that got the group.
+                        let o = unsafe { shared.slice(y * self.rows + item * GROUP, GROUP) };
+                        o.copy_from_slice(&vals);
+                    });
+                } else {
+                    let r = groups * GROUP + item - groups;
+                    let w = self.loose_row(r);
+                    for (y, row) in q.iter().enumerate() {
+                        // SAFETY: each loose row's column is written by the one worker that
+                        // got the row.
+                        let o = unsafe { shared.slice(y * self.rows + r, 1) };
+                        o[0] = dot_one(w, row);
+                    }
+                }
             }
         });
-        let mut out = vec![0f32; n * self.rows];
-        for (r, vals) in by_row.chunks_exact(n).enumerate() {
-            for (b, &v) in vals.iter().enumerate() {
-                out[b * self.rows + r] = v;
-            }
-        }
         out
     }
 }
 
-/// The output buffer, shared by workers that write disjoint parts of it.
-struct SharedOut(*mut f32);
+/// An output buffer shared by pool workers that each write their own disjoint part of it.
+struct SharedOut<'a> {
+    ptr: *mut f32,
+    len: usize,
+    buf: PhantomData<&'a mut [f32]>,
+}
 
-// SAFETY: workers write disjoint ranges (see `Q41Matrix::matmul`).
-unsafe impl Sync for SharedOut {}
+// SAFETY: workers write disjoint ranges (callers promise it at `slice`).
+unsafe impl Sync for SharedOut<'_> {}
 
-impl SharedOut {
-    fn at(&self, i: usize) -> *mut f32 {
-        // SAFETY: callers stay inside the buffer.
-        unsafe { self.0.add(i) }
+impl<'a> SharedOut<'a> {
+    /// Shares `buf`, which stays borrowed while this lives.
+    fn new(buf: &'a mut [f32]) -> Self {
+        Self {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            buf: PhantomData,
+        }
+    }
+
+    /// `len` values from `start`.
+    ///
+    /// # Safety
+    /// No other slice handed out overlaps this one while it lives.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
+        assert!(start + len <= self.len, "outside the shared buffer");
+        std::slice::from_raw_parts_mut(self.ptr.add(start), len)
     }
 }
 
-/// One weight row against every activation row (it stays in L1 across them).
-fn dot_row(w: WRow<'_>, rows: &[Q81Row], out: &mut [f32]) {
+/// A group of eight weight rows against every activation row: `emit(y, outputs)` gets
+/// activation row `y`'s eight outputs.
+fn dot_group(w: WGroup<'_>, rows: &[Q81Row], emit: impl FnMut(usize, [f32; GROUP])) {
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx2") {
             // SAFETY: AVX2 is present, checked just above.
-            unsafe { avx2::dot_row(w, rows, out) };
+            unsafe { avx2::dot_group(w, rows, emit) };
             return;
         }
     }
-    scalar_dot_row(w, rows, out);
+    scalar_dot_group(w, rows, emit);
+}
+
+fn scalar_dot_group(w: WGroup<'_>, rows: &[Q81Row], mut emit: impl FnMut(usize, [f32; GROUP])) {
+    let mut vals = vec![[0f32; GROUP]; rows.len()];
+    for lane in 0..GROUP {
+        let row = group_row(w, lane);
+        for (y, v) in rows.iter().zip(vals.iter_mut()) {
+            v[lane] = scalar_dot_one(row.view(), y);
+        }
+    }
+    for (y, v) in vals.into_iter().enumerate() {
+        emit(y, v);
+    }
+}
+
+/// Row `lane` of a group, copied into the plain layout.
+fn group_row(w: WGroup<'_>, lane: usize) -> OwnedRow {
+    let nb = w.d.len() / GROUP;
+    let mut qs = Vec::with_capacity(nb * QK / 2);
+    for b in 0..nb {
+        for k in 0..4 {
+            let at = b * GROUP * QK / 2 + k * 4 * GROUP + lane * 4;
+            qs.extend_from_slice(&w.qs[at..at + 4]);
+        }
+    }
+    OwnedRow {
+        d: (0..nb).map(|b| w.d[b * GROUP + lane]).collect(),
+        m: (0..nb).map(|b| w.m[b * GROUP + lane]).collect(),
+        qs,
+    }
+}
+
+/// One weight row against one activation row.
+fn dot_one(w: WRow<'_>, y: &Q81Row) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 is present, checked just above.
+            return unsafe { avx2::dot_one(w, y) };
+        }
+    }
+    scalar_dot_one(w, y)
 }
 
 /// One block's term, in candle's order of operations (no fused multiply-add).
@@ -179,21 +322,92 @@ fn block_sumi(w: WRow<'_>, y: &Q81Row, b: usize) -> i32 {
         .sum()
 }
 
-fn scalar_dot_row(w: WRow<'_>, rows: &[Q81Row], out: &mut [f32]) {
-    for (y, o) in rows.iter().zip(out.iter_mut()) {
-        let mut sumf = 0f32;
-        for b in 0..w.d.len() {
-            sumf += block_term(block_sumi(w, y, b), w, y, b);
-        }
-        *o = sumf;
+fn scalar_dot_one(w: WRow<'_>, y: &Q81Row) -> f32 {
+    let mut sumf = 0f32;
+    for b in 0..w.d.len() {
+        sumf += block_term(block_sumi(w, y, b), w, y, b);
     }
+    sumf
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{block_sumi, block_term, Q81Row, WRow, QK};
+    use super::{block_sumi, block_term, Q81Row, WGroup, WRow, GROUP, QK, TILE};
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn dot_group(
+        w: WGroup<'_>,
+        rows: &[Q81Row],
+        mut emit: impl FnMut(usize, [f32; GROUP]),
+    ) {
+        let mut tiles = rows.chunks_exact(TILE);
+        let mut y = 0;
+        for tile in tiles.by_ref() {
+            let acc = dot_tile::<TILE>(w, tile);
+            for a in acc {
+                emit(y, lanes(a));
+                y += 1;
+            }
+        }
+        for row in tiles.remainder() {
+            emit(y, lanes(dot_tile::<1>(w, std::slice::from_ref(row))[0]));
+            y += 1;
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn lanes(v: __m256) -> [f32; GROUP] {
+        let mut out = [0f32; GROUP];
+        _mm256_storeu_ps(out.as_mut_ptr(), v);
+        out
+    }
+
+    /// `T` activation rows against a group: for each row, the eight weight rows' outputs,
+    /// one lane each, summed over blocks in block order with `block_term`'s operations.
+    #[inline(always)]
+    unsafe fn dot_tile<const T: usize>(w: WGroup<'_>, rows: &[Q81Row]) -> [__m256; T] {
+        let mask = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); T];
+        for b in 0..w.d.len() / GROUP {
+            // Run `k`'s low nibbles are values 4k..4k+4 of each row's block, its high
+            // nibbles values 16+4k..16+4k+4.
+            let at = w.qs.as_ptr().add(b * GROUP * QK / 2);
+            let mut wv = [_mm256_setzero_si256(); 8];
+            for k in 0..4 {
+                let v = _mm256_loadu_si256(at.add(32 * k) as *const __m256i);
+                wv[k] = _mm256_and_si256(v, mask);
+                wv[4 + k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            }
+            let wd = _mm256_loadu_ps(w.d.as_ptr().add(b * GROUP));
+            let wm = _mm256_loadu_ps(w.m.as_ptr().add(b * GROUP));
+            for (y, acc) in rows.iter().zip(acc.iter_mut()) {
+                let ys = y.qs.as_ptr().add(b * QK);
+                // Four activations, the same for every row of the group.
+                let act = |j: usize| {
+                    let off = if j < 4 { 4 * j } else { 16 + 4 * (j - 4) };
+                    _mm256_set1_epi32((ys.add(off) as *const i32).read_unaligned())
+                };
+                // u8 x i8 pairs summed to i16: at most 2 * 15 * 127 = 3810 each, eight of
+                // them at most 30480, inside i16; then pairs of i16 to i32: exact.
+                let mut s16 = _mm256_maddubs_epi16(wv[0], act(0));
+                for (j, &wj) in wv.iter().enumerate().skip(1) {
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wj, act(j)));
+                }
+                let sumi = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+                let yd = _mm256_set1_ps(*y.d.get_unchecked(b));
+                let ysum = _mm256_set1_ps(*y.s.get_unchecked(b));
+                let terms = _mm256_add_ps(
+                    _mm256_mul_ps(_mm256_mul_ps(sumi, wd), yd),
+                    _mm256_mul_ps(wm, ysum),
+                );
+                *acc = _mm256_add_ps(*acc, terms);
+            }
+        }
+        acc
+    }
 
     /// The i32 products of weight block `b` and activation block `b`, in eight lanes.
     #[inline(always)]
@@ -217,50 +431,39 @@ mod avx2 {
         _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))
     }
 
+    /// One weight row in the plain layout against one activation row: eight blocks' integer
+    /// sums in one vector, their terms computed lane by lane with the scalar code's
+    /// operations, then added to the running sum one by one in block order.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn dot_row(w: WRow<'_>, rows: &[Q81Row], out: &mut [f32]) {
+    pub(super) unsafe fn dot_one(w: WRow<'_>, y: &Q81Row) -> f32 {
         let nb = w.d.len();
-        for (y, o) in rows.iter().zip(out.iter_mut()) {
-            let mut sumf = 0f32;
-            let mut b = 0;
-            // Eight blocks at a time: their integer sums in one vector, their terms computed
-            // lane by lane with the scalar code's operations, then added to the running sum
-            // one by one in block order, so the result is the scalar one.
-            while b + 8 <= nb {
-                let lo = sum4([
-                    products(w, y, b),
-                    products(w, y, b + 1),
-                    products(w, y, b + 2),
-                    products(w, y, b + 3),
-                ]);
-                let hi = sum4([
-                    products(w, y, b + 4),
-                    products(w, y, b + 5),
-                    products(w, y, b + 6),
-                    products(w, y, b + 7),
-                ]);
-                let sumi = _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo));
-                let wd = _mm256_loadu_ps(w.d.as_ptr().add(b));
-                let yd = _mm256_loadu_ps(y.d.as_ptr().add(b));
-                let wm = _mm256_loadu_ps(w.m.as_ptr().add(b));
-                let ys = _mm256_loadu_ps(y.s.as_ptr().add(b));
-                let terms = _mm256_add_ps(
-                    _mm256_mul_ps(_mm256_mul_ps(sumi, wd), yd),
-                    _mm256_mul_ps(wm, ys),
-                );
-                let mut t = [0f32; 8];
-                _mm256_storeu_ps(t.as_mut_ptr(), terms);
-                for x in t {
-                    sumf += x;
-                }
-                b += 8;
+        let mut sumf = 0f32;
+        let mut b = 0;
+        while b + 8 <= nb {
+            let p = |i| products(w, y, b + i);
+            let lo = sum4([p(0), p(1), p(2), p(3)]);
+            let hi = sum4([p(4), p(5), p(6), p(7)]);
+            let sumi = _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo));
+            let wd = _mm256_loadu_ps(w.d.as_ptr().add(b));
+            let yd = _mm256_loadu_ps(y.d.as_ptr().add(b));
+            let wm = _mm256_loadu_ps(w.m.as_ptr().add(b));
+            let ys = _mm256_loadu_ps(y.s.as_ptr().add(b));
+            let terms = _mm256_add_ps(
+                _mm256_mul_ps(_mm256_mul_ps(sumi, wd), yd),
+                _mm256_mul_ps(wm, ys),
+            );
+            let mut t = [0f32; 8];
+            _mm256_storeu_ps(t.as_mut_ptr(), terms);
+            for x in t {
+                sumf += x;
             }
-            while b < nb {
-                sumf += block_term(block_sumi(w, y, b), w, y, b);
-                b += 1;
-            }
-            *o = sumf;
+            b += 8;
         }
+        while b < nb {
+            sumf += block_term(block_sumi(w, y, b), w, y, b);
+            b += 1;
+        }
+        sumf
     }
 }
 
@@ -282,13 +485,15 @@ mod tests {
 
     #[test]
     fn equals_candles_q4_1_matmul_bit_for_bit() {
-        // 11 blocks a row: one group of eight and three single blocks.
-        let (rows, cols) = (40, 352);
+        // 11 blocks a row (eight, then three single ones on the plain path); four groups
+        // of eight rows and three loose rows.
+        let (rows, cols) = (35, 352);
         let w = Tensor::from_vec(data(rows * cols, 1), (rows, cols), &Device::Cpu).unwrap();
         let q = QTensor::quantize(&w, GgmlDType::Q4_1).unwrap();
         let ours = Q41Matrix::from_ggml(q.data().unwrap().to_vec(), rows, cols).unwrap();
         let reference = candle_core::quantized::QMatMul::from_qtensor(q).unwrap();
-        for n in [1, 3, 4, 9] {
+        // Every mix of tiles of four and single rows.
+        for n in [1, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 32, 33] {
             let x = data(n * cols, 7 + n as u32);
             let xt = Tensor::from_vec(x.clone(), (n, cols), &Device::Cpu).unwrap();
             let want: Vec<f32> = reference
@@ -301,10 +506,18 @@ mod tests {
             let got = ours.matmul(&x, n);
             assert_eq!(got, want, "{n} rows");
             let q: Vec<Q81Row> = x.chunks_exact(cols).map(Q81Row::quantize).collect();
-            let mut scalar = vec![0f32; n];
-            scalar_dot_row(ours.row(0), &q, &mut scalar);
-            let first_col: Vec<f32> = (0..n).map(|b| got[b * rows]).collect();
-            assert_eq!(scalar, first_col, "the scalar path agrees");
+            let mut scalar = vec![0f32; n * rows];
+            for g in 0..ours.groups() {
+                scalar_dot_group(ours.group(g), &q, |y, vals| {
+                    scalar[y * rows + g * GROUP..][..GROUP].copy_from_slice(&vals)
+                });
+            }
+            for r in ours.groups() * GROUP..rows {
+                for (y, row) in q.iter().enumerate() {
+                    scalar[y * rows + r] = scalar_dot_one(ours.loose_row(r), row);
+                }
+            }
+            assert_eq!(scalar, got, "the scalar path agrees");
         }
     }
 

@@ -83,9 +83,17 @@ impl RouterError {
     pub fn worker(role: &'static str, addr: &str, status: tonic::Status) -> Self {
         use tonic::Code;
         // A connection that broke (the worker died under a call) comes back as Unknown
-        // with a transport error inside: the worker is unavailable, not wrong.
-        let transport = std::error::Error::source(&status)
-            .is_some_and(|e| e.downcast_ref::<tonic::transport::Error>().is_some());
+        // with a transport error inside: tonic's when the call could not be sent, hyper's
+        // (over an I/O error) when a response body was cut mid-way. The worker is
+        // unavailable, not wrong.
+        let mut source = std::error::Error::source(&status);
+        let mut transport = false;
+        while let Some(e) = source {
+            transport |= e.is::<tonic::transport::Error>()
+                || e.is::<hyper::Error>()
+                || e.is::<std::io::Error>();
+            source = e.source();
+        }
         match status.code() {
             _ if transport => Self::WorkerUnavailable {
                 role,

@@ -196,36 +196,59 @@ async fn run(
     let prompt_tokens = req.prompt.len();
     // Beam search returns its n best hypotheses; sampling all best_of sequences.
     let sequences = req.reported();
+    // A non-streamed request has sent nothing yet when a worker fails mid-way, so it can
+    // start over (same seed, same tokens) where a stream has to end with an error.
+    let restart = (!common.stream).then(|| req.clone());
     let (first, rest) = dispatch::start(state, req).await?;
-    let first_at = Instant::now();
-    state.metrics.ttft.observe(first_at - arrived);
-    let choices = (0..sequences)
-        .map(|_| ChoiceOut::new(common.skip_special_tokens, parser.clone()))
-        .collect();
-    let out = Output {
+    let output = |first_at| Output {
         state: Arc::clone(state),
         kind,
-        id,
+        id: id.clone(),
         created: unix_now(),
         prompt_tokens,
-        stop_ids,
-        user_stop_ids: common.stop_token_ids,
-        stops: StopStrings::new(common.stop, common.include_stop_str_in_output),
+        stop_ids: stop_ids.clone(),
+        user_stop_ids: common.stop_token_ids.clone(),
+        stops: StopStrings::new(common.stop.clone(), common.include_stop_str_in_output),
         logprobs: logprobs.is_some(),
         n: common.n,
-        choices,
+        choices: (0..sequences)
+            .map(|_| ChoiceOut::new(common.skip_special_tokens, parser.clone()))
+            .collect(),
         tally: Tally::default(),
         first_at,
-        key,
+        key: key.clone(),
     };
-    if common.stream && common.beam {
-        Ok(stream_whole(out, first, rest, in_flight))
-    } else if common.stream {
-        Ok(stream(out, first, rest, in_flight))
-    } else {
-        collect(out, first, rest)
-            .await
-            .map(|v| Json(v).into_response())
+    let first_at = Instant::now();
+    state.metrics.ttft.observe(first_at - arrived);
+    let out = output(first_at);
+    let Some(req) = restart else {
+        return Ok(if common.beam {
+            stream_whole(out, first, rest, in_flight)
+        } else {
+            stream(out, first, rest, in_flight)
+        });
+    };
+    let (mut out, mut first, mut rest) = (out, first, rest);
+    let mut restarts = 0;
+    loop {
+        match drain(&mut out, first, rest).await {
+            Ok(()) => return Ok(Json(out.response()).into_response()),
+            Err(e)
+                if e.retryable()
+                    && restarts + 1 < state.cfg.max_attempts
+                    && state.retry_budget.spend() =>
+            {
+                restarts += 1;
+                tracing::warn!(error = %e, restart = restarts,
+                    "a worker failed before the answer was sent; starting the generation again");
+                state.metrics.retried();
+                // The key pays for the answer it gets, not for the attempt that failed.
+                out.key = None;
+                (first, rest) = dispatch::start(state, req.clone()).await?;
+                out = output(Instant::now());
+            }
+            Err(e) => return Err(e),
+        }
     }
 }
 
@@ -795,14 +818,6 @@ fn calls_json(calls: &[(String, ToolCall)], first: Option<usize>) -> Value {
         v
     });
     Value::Array(list.collect())
-}
-
-/// Waits for the whole generation and builds the non-streamed body. Returning drops
-/// `rest`, which cancels what the workers still generate (after stop strings ended every
-/// choice).
-async fn collect(mut out: Output, first: Piece, rest: Pieces) -> Result<Value, RouterError> {
-    drain(&mut out, first, rest).await?;
-    Ok(out.response())
 }
 
 /// Takes pieces until every choice has ended.

@@ -458,6 +458,54 @@ async fn kill9_decode_mid_stream() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn kill9_decode_mid_unary_request_starts_it_again_elsewhere() {
+    let f = start_fleet(LONG_ROUTER, 1, WORKER, 2, WORKER).await;
+    let body = request(0, 2, LONG_STREAM, false);
+    let expected = text_of(&f, &body).await;
+    let retries = |page: &str| {
+        page.lines()
+            .find_map(|l| l.strip_prefix("router_retries_total "))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let retried_before = retries(&f.router_metrics().await);
+
+    let url = f.url.clone();
+    let pending =
+        tokio::spawn(async move { e2e::post(&format!("{url}/v1/completions"), &body).await });
+    // Wait (bounded) until one decode node runs the request, then kill that one.
+    let serving = e2e::poll_until(SEE, || async {
+        for (i, w) in f.decode.iter().enumerate() {
+            if w.metric("decode_running_sequences", "").await == 1.0 {
+                return Some(i);
+            }
+        }
+        None
+    })
+    .await
+    .unwrap_or_else(|| panic!("no decode node ran the request; logs:\n{}", f.logs()));
+    f.decode[serving].proc.signal("KILL");
+
+    let (status, v) = tokio::time::timeout(SEE * 3, pending)
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the request hung after its decode node died; logs:\n{}",
+                f.logs()
+            )
+        })
+        .expect("the client task");
+    assert_eq!(status, 200, "{v}\nlogs:\n{}", f.logs());
+    // The same tokens as before the fault, all of them, and counted once.
+    assert_eq!(v["choices"][0]["text"], expected, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], LONG_STREAM, "{v}");
+    assert_eq!(retries(&f.router_metrics().await), retried_before + 1.0);
+    assert!(decodes_admitted(&f.decode[1 - serving]).await >= 1.0);
+    prefill_holds_nothing(&f.prefill[0]).await;
+    decode_holds_nothing(&f.decode[1 - serving]).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn stopped_decode_mid_stream_ends_the_stream() {
     // The lease outlasts the test: only the connection's pings can notice the pause.
     let decode_args = ["--lease-ttl-s", "120", "--drain-grace-s", "10"];
