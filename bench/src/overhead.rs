@@ -115,6 +115,27 @@ pub struct Row {
     pub router_cpu_us_per_request: Option<f64>,
 }
 
+/// Why the bench could not run (a slow or failing router is a row, not an error).
+#[derive(Debug, thiserror::Error)]
+pub enum OverheadError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error("starting {program}: {source}")]
+    Start {
+        program: String,
+        source: std::io::Error,
+    },
+    #[error("{setup} not serving after {limit:?} (last answer: {last}); logs: {logs}")]
+    NotServing {
+        setup: &'static str,
+        limit: Duration,
+        last: String,
+        logs: String,
+    },
+}
+
+type Result<T> = std::result::Result<T, OverheadError>;
+
 /// A child process killed on drop, with its log.
 struct Owned {
     child: Child,
@@ -128,12 +149,7 @@ impl Drop for Owned {
     }
 }
 
-fn spawn(
-    program: &Path,
-    args: &[String],
-    core: Option<&str>,
-    log: PathBuf,
-) -> anyhow::Result<Owned> {
+fn spawn(program: &Path, args: &[String], core: Option<&str>, log: PathBuf) -> Result<Owned> {
     let out = std::fs::File::create(&log)?;
     let mut cmd = match core {
         Some(core) => {
@@ -150,11 +166,14 @@ fn spawn(
         .stdout(out.try_clone()?)
         .stderr(out)
         .spawn()
-        .map_err(|e| anyhow::anyhow!("starting {}: {e}", program.display()))?;
+        .map_err(|source| OverheadError::Start {
+            program: program.display().to_string(),
+            source,
+        })?;
     Ok(Owned { child, log })
 }
 
-fn free_port() -> anyhow::Result<u16> {
+fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
@@ -206,7 +225,7 @@ fn tree_cpu_s(pid: u32) -> f64 {
 struct Running {
     url: String,
     router: Option<u32>,
-    _procs: Vec<Owned>,
+    procs: Vec<Owned>,
 }
 
 fn expand(path: &str) -> PathBuf {
@@ -237,7 +256,7 @@ pub fn missing(cfg: &OverheadConfig, setup: Setup) -> Option<String> {
     })
 }
 
-async fn start(cfg: &OverheadConfig, setup: Setup, round: usize) -> anyhow::Result<Running> {
+async fn start(cfg: &OverheadConfig, setup: Setup, round: usize) -> Result<Running> {
     let log = |what: &str| {
         cfg.log_dir
             .join(format!("{}-{what}-r{round}.log", setup.name()))
@@ -245,7 +264,7 @@ async fn start(cfg: &OverheadConfig, setup: Setup, round: usize) -> anyhow::Resu
     let model = cfg.model.display().to_string();
     let zero = cfg.bin_dir.join("zero-worker");
     let mut procs = Vec::new();
-    let backend = |role: &str, tag: &str, procs: &mut Vec<Owned>| -> anyhow::Result<String> {
+    let backend = |role: &str, tag: &str, procs: &mut Vec<Owned>| -> Result<String> {
         let addr = format!("127.0.0.1:{}", free_port()?);
         let mut args = vec![
             "--listen".into(),
@@ -274,10 +293,11 @@ async fn start(cfg: &OverheadConfig, setup: Setup, round: usize) -> anyhow::Resu
             let addr = backend("openai", "openai", &mut procs)?;
             return ready(
                 cfg,
+                setup,
                 Running {
                     url: format!("http://{addr}"),
                     router: None,
-                    _procs: procs,
+                    procs,
                 },
             )
             .await;
@@ -308,7 +328,7 @@ async fn start(cfg: &OverheadConfig, setup: Setup, round: usize) -> anyhow::Resu
             )?
         }
         Setup::Sglang | Setup::SglangPd | Setup::Vllm | Setup::VllmPd => {
-            let mut url = |tag: &str| -> anyhow::Result<String> {
+            let mut url = |tag: &str| -> Result<String> {
                 Ok(format!("http://{}", backend("openai", tag, &mut procs)?))
             };
             let port = port.to_string();
@@ -364,17 +384,18 @@ async fn start(cfg: &OverheadConfig, setup: Setup, round: usize) -> anyhow::Resu
     procs.push(router);
     ready(
         cfg,
+        setup,
         Running {
             url: format!("http://127.0.0.1:{port}"),
             router: Some(pid),
-            _procs: procs,
+            procs,
         },
     )
     .await
 }
 
 /// Waits (bounded) until one request through the setup succeeds.
-async fn ready(cfg: &OverheadConfig, running: Running) -> anyhow::Result<Running> {
+async fn ready(cfg: &OverheadConfig, setup: Setup, running: Running) -> Result<Running> {
     let client = reqwest::Client::new();
     let limit = Duration::from_secs(60);
     let start = Instant::now();
@@ -387,14 +408,16 @@ async fn ready(cfg: &OverheadConfig, running: Running) -> anyhow::Result<Running
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let logs: Vec<String> = running
-        ._procs
+        .procs
         .iter()
         .map(|p| p.log.display().to_string())
         .collect();
-    anyhow::bail!(
-        "not serving after {limit:?} (last: {last}); logs: {}",
-        logs.join(", ")
-    )
+    Err(OverheadError::NotServing {
+        setup: setup.name(),
+        limit,
+        last,
+        logs: logs.join(", "),
+    })
 }
 
 fn body(cfg: &OverheadConfig, stream: bool) -> Value {
@@ -403,7 +426,11 @@ fn body(cfg: &OverheadConfig, stream: bool) -> Value {
 }
 
 /// One request, read to its end; an error says what was wrong with the answer.
-async fn once(client: &reqwest::Client, url: &str, body: &Value) -> Result<(), String> {
+async fn once(
+    client: &reqwest::Client,
+    url: &str,
+    body: &Value,
+) -> std::result::Result<(), String> {
     let stream = body["stream"].as_bool() == Some(true);
     let r = client
         .post(format!("{url}/v1/chat/completions"))
@@ -505,7 +532,7 @@ pub struct Report {
 }
 
 /// Runs every setup `cfg.rounds` times.
-pub async fn run(cfg: &OverheadConfig) -> anyhow::Result<Report> {
+pub async fn run(cfg: &OverheadConfig) -> Result<Report> {
     std::fs::create_dir_all(&cfg.log_dir)?;
     let mut setups = Vec::new();
     let mut skipped = Vec::new();
