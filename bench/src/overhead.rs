@@ -6,10 +6,11 @@
 //! says how many requests one core sustains.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use e2e::{free_port, Proc};
 use serde::Serialize;
 use serde_json::{json, Value};
 
@@ -48,9 +49,6 @@ pub struct OverheadConfig {
     /// Setups to run, comma separated (default: all).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
-    /// Where the logs of the processes started go.
-    #[arg(long, default_value = "/tmp/router-overhead")]
-    pub log_dir: PathBuf,
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
@@ -118,13 +116,6 @@ pub struct Row {
 /// Why the bench could not run (a slow or failing router is a row, not an error).
 #[derive(Debug, thiserror::Error)]
 pub enum OverheadError {
-    #[error(transparent)]
-    Io(#[from] std::io::Error),
-    #[error("starting {program}: {source}")]
-    Start {
-        program: String,
-        source: std::io::Error,
-    },
     #[error("{setup} not serving after {limit:?} (last answer: {last}); logs: {logs}")]
     NotServing {
         setup: &'static str,
@@ -136,21 +127,9 @@ pub enum OverheadError {
 
 type Result<T> = std::result::Result<T, OverheadError>;
 
-/// A child process killed on drop, with its log.
-struct Owned {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Drop for Owned {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn spawn(program: &Path, args: &[String], core: Option<&str>, log: PathBuf) -> Result<Owned> {
-    let out = std::fs::File::create(&log)?;
+/// Starts `program` with `args` (pinned to `core` when given), logging at WARN so that
+/// logging costs every setup the same little.
+fn spawn(program: &Path, args: &[String], core: Option<&str>, tag: &str) -> Proc {
     let mut cmd = match core {
         Some(core) => {
             let mut c = Command::new("taskset");
@@ -159,24 +138,8 @@ fn spawn(program: &Path, args: &[String], core: Option<&str>, log: PathBuf) -> R
         }
         None => Command::new(program),
     };
-    let child = cmd
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(out.try_clone()?)
-        .stderr(out)
-        .spawn()
-        .map_err(|source| OverheadError::Start {
-            program: program.display().to_string(),
-            source,
-        })?;
-    Ok(Owned { child, log })
-}
-
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    cmd.args(args).env("RUST_LOG", "warn");
+    Proc::start(cmd, tag)
 }
 
 /// User plus system CPU seconds of `pid` and every process below it.
@@ -225,7 +188,7 @@ fn tree_cpu_s(pid: u32) -> f64 {
 struct Running {
     url: String,
     router: Option<u32>,
-    procs: Vec<Owned>,
+    procs: Vec<Proc>,
 }
 
 fn expand(path: &str) -> PathBuf {
@@ -257,15 +220,12 @@ pub fn missing(cfg: &OverheadConfig, setup: Setup) -> Option<String> {
 }
 
 async fn start(cfg: &OverheadConfig, setup: Setup, round: usize) -> Result<Running> {
-    let log = |what: &str| {
-        cfg.log_dir
-            .join(format!("{}-{what}-r{round}.log", setup.name()))
-    };
+    let tag = |what: &str| format!("overhead-{}-{what}-r{round}", setup.name());
     let model = cfg.model.display().to_string();
     let zero = cfg.bin_dir.join("zero-worker");
     let mut procs = Vec::new();
-    let backend = |role: &str, tag: &str, procs: &mut Vec<Owned>| -> Result<String> {
-        let addr = format!("127.0.0.1:{}", free_port()?);
+    let backend = |role: &str, name: &str, procs: &mut Vec<Proc>| -> String {
+        let addr = format!("127.0.0.1:{}", free_port());
         let mut args = vec![
             "--listen".into(),
             addr.clone(),
@@ -281,16 +241,16 @@ async fn start(cfg: &OverheadConfig, setup: Setup, round: usize) -> Result<Runni
                 "zero".into(),
             ]);
         }
-        procs.push(spawn(&zero, &args, None, log(tag))?);
-        Ok(addr)
+        procs.push(spawn(&zero, &args, None, &tag(name)));
+        addr
     };
-    let port = free_port()?;
+    let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let venv = expand(&cfg.peers_venv);
     let core = Some(cfg.router_core.as_str());
     let router = match setup {
         Setup::Direct => {
-            let addr = backend("openai", "openai", &mut procs)?;
+            let addr = backend("openai", "openai", &mut procs);
             return ready(
                 cfg,
                 setup,
@@ -303,7 +263,7 @@ async fn start(cfg: &OverheadConfig, setup: Setup, round: usize) -> Result<Runni
             .await;
         }
         Setup::TandemPd | Setup::TandemColocated => {
-            let d = backend("decode", "decode", &mut procs)?;
+            let d = backend("decode", "decode", &mut procs);
             let mut args = vec![
                 "--model".into(),
                 model.clone(),
@@ -315,7 +275,7 @@ async fn start(cfg: &OverheadConfig, setup: Setup, round: usize) -> Result<Runni
                 d,
             ];
             if setup == Setup::TandemPd {
-                let p = backend("prefill", "prefill", &mut procs)?;
+                let p = backend("prefill", "prefill", &mut procs);
                 args.extend(["--mode".into(), "pd".into(), "--prefill-nodes".into(), p]);
             } else {
                 args.extend(["--mode".into(), "colocated".into()]);
@@ -324,12 +284,12 @@ async fn start(cfg: &OverheadConfig, setup: Setup, round: usize) -> Result<Runni
                 &cfg.bin_dir.join("tandem-router"),
                 &args,
                 core,
-                log("router"),
-            )?
+                &tag("router"),
+            )
         }
         Setup::Sglang | Setup::SglangPd | Setup::Vllm | Setup::VllmPd => {
-            let mut url = |tag: &str| -> Result<String> {
-                Ok(format!("http://{}", backend("openai", tag, &mut procs)?))
+            let mut url = |name: &str| -> String {
+                format!("http://{}", backend("openai", name, &mut procs))
             };
             let port = port.to_string();
             let (program, mut args): (PathBuf, Vec<String>) = match setup {
@@ -363,24 +323,24 @@ async fn start(cfg: &OverheadConfig, setup: Setup, round: usize) -> Result<Runni
                 Setup::SglangPd => args.extend([
                     "--pd-disaggregation".into(),
                     "--prefill".into(),
-                    url("openai-prefill")?,
+                    url("openai-prefill"),
                     "none".into(),
                     "--decode".into(),
-                    url("openai-decode")?,
+                    url("openai-decode"),
                 ]),
                 Setup::VllmPd => args.extend([
                     "--vllm-pd-disaggregation".into(),
                     "--prefill".into(),
-                    url("openai-prefill")?,
+                    url("openai-prefill"),
                     "--decode".into(),
-                    url("openai-decode")?,
+                    url("openai-decode"),
                 ]),
-                _ => args.extend(["--worker-urls".into(), url("openai")?]),
+                _ => args.extend(["--worker-urls".into(), url("openai")]),
             }
-            spawn(&program, &args, core, log("router"))?
+            spawn(&program, &args, core, &tag("router"))
         }
     };
-    let pid = router.child.id();
+    let pid = router.pid();
     procs.push(router);
     ready(
         cfg,
@@ -533,7 +493,6 @@ pub struct Report {
 
 /// Runs every setup `cfg.rounds` times.
 pub async fn run(cfg: &OverheadConfig) -> Result<Report> {
-    std::fs::create_dir_all(&cfg.log_dir)?;
     let mut setups = Vec::new();
     let mut skipped = Vec::new();
     for s in Setup::ALL {

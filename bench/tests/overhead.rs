@@ -8,15 +8,12 @@ use clap::Parser;
 fn config(extra: &[&str]) -> OverheadConfig {
     let model = e2e::tiny_model();
     let bins = e2e::bin_dir();
-    let logs = std::env::temp_dir().join(format!("router-overhead-{}", std::process::id()));
     let mut args = vec![
         "router-overhead".to_string(),
         "--model".into(),
         model.display().to_string(),
         "--bin-dir".into(),
         bins.display().to_string(),
-        "--log-dir".into(),
-        logs.display().to_string(),
         "--peers-venv".into(),
         "/nonexistent/venv".into(),
         "--rounds".into(),

@@ -63,6 +63,24 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The SplitMix64 sequence from a seed: fast, well mixed, and the same on every platform.
+#[derive(Debug, Clone, Copy)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// The sequence that starts from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        let z = self.0;
+        self.0 = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        mix(z)
+    }
+}
+
 /// A uniform draw in [0, 1) for step `step` of the stream `seed`.
 pub fn uniform(seed: u64, step: u64) -> f64 {
     let bits = mix(mix(seed) ^ step.wrapping_mul(0xD1B5_4A32_D192_ED03));

@@ -117,19 +117,11 @@ fn train_tokenizer(vocab_target: usize) -> Result<tokenizers::Tokenizer> {
 }
 
 /// SplitMix64 → Box–Muller normal samples; stable across platforms and versions.
-struct Normal(u64);
+struct Normal(crate::sampling::SplitMix64);
 
 impl Normal {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
     fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        ((self.0.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
     }
 
     fn sample(&mut self) -> f32 {
@@ -157,7 +149,7 @@ pub fn write_model(dir: &Path, size: ModelSize, dtype: DType, seed: u64) -> Resu
         .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
 
     let head_dim = d.hidden / d.heads;
-    let mut rng = Normal(seed);
+    let mut rng = Normal(crate::sampling::SplitMix64::new(seed));
     let mut w: HashMap<String, Tensor> = HashMap::new();
     // Unit-scale embeddings (and head, when untied) make the logits peaked, so greedy
     // decoding is not decided by rounding noise when compared against another implementation.

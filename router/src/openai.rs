@@ -199,7 +199,7 @@ async fn run(
     // A non-streamed request has sent nothing yet when a worker fails mid-way, so it can
     // start over (same seed, same tokens) where a stream has to end with an error.
     let restart = (!common.stream).then(|| req.clone());
-    let (first, rest) = dispatch::start(state, req).await?;
+    let (mut first, mut rest) = dispatch::start(state, req).await?;
     let output = |first_at| Output {
         state: Arc::clone(state),
         kind,
@@ -220,7 +220,7 @@ async fn run(
     };
     let first_at = Instant::now();
     state.metrics.ttft.observe(first_at - arrived);
-    let out = output(first_at);
+    let mut out = output(first_at);
     let Some(req) = restart else {
         return Ok(if common.beam {
             stream_whole(out, first, rest, in_flight)
@@ -228,7 +228,6 @@ async fn run(
             stream(out, first, rest, in_flight)
         });
     };
-    let (mut out, mut first, mut rest) = (out, first, rest);
     let mut restarts = 0;
     loop {
         match drain(&mut out, first, rest).await {

@@ -376,22 +376,21 @@ pub fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
     })
 }
 
-/// A fresh random u64, for seeds and ids: SplitMix64 over a per-thread state seeded once
-/// from the OS. Ids and seeds must differ, not stay secret, and a getrandom call per value
-/// cost the router a system call three times per request.
+/// A fresh random u64, for seeds and ids: a per-thread SplitMix64 seeded once from the OS.
+/// Ids and seeds must differ, not stay secret, and a getrandom call per value cost the
+/// router a system call three times per request.
 pub fn random_u64() -> u64 {
     thread_local! {
-        static STATE: std::cell::Cell<u64> =
-            std::cell::Cell::new(getrandom::u64().expect("the OS has randomness"));
+        static RNG: std::cell::Cell<engine::sampling::SplitMix64> = std::cell::Cell::new(
+            engine::sampling::SplitMix64::new(getrandom::u64().expect("the OS has randomness")),
+        );
     }
-    let mut z = STATE.with(|s| {
-        let next = s.get().wrapping_add(0x9E37_79B9_7F4A_7C15);
-        s.set(next);
-        next
-    });
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    RNG.with(|cell| {
+        let mut rng = cell.get();
+        let v = rng.next_u64();
+        cell.set(rng);
+        v
+    })
 }
 
 /// What a chat request renders its prompt from.

@@ -108,16 +108,22 @@ pub struct Proc {
 impl Proc {
     /// Starts `bin` with `args`, logging to `<scratch>/<tag>.log`.
     pub fn spawn(bin: &Path, args: &[String], tag: &str) -> Self {
+        let mut cmd = Command::new(bin);
+        cmd.args(args).env("RUST_LOG", "info");
+        Self::start(cmd, tag)
+    }
+
+    /// Starts `cmd` as it is set up (program, arguments, environment), logging to
+    /// `<scratch>/<tag>.log`.
+    pub fn start(mut cmd: Command, tag: &str) -> Self {
         let log = scratch().join(format!("{tag}.log"));
         let out = File::create(&log).expect("creating a log file");
-        let child = Command::new(bin)
-            .args(args)
-            .env("RUST_LOG", "info")
+        let child = cmd
             .stdout(out.try_clone().expect("log handle"))
             .stderr(out)
             .stdin(Stdio::null())
             .spawn()
-            .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
+            .unwrap_or_else(|e| panic!("starting {:?}: {e}", cmd.get_program()));
         Self { child, log }
     }
 
