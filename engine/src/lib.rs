@@ -1,6 +1,7 @@
 //! The inference engine shared by the prefill and decode nodes: model, KV cache, tokenizer,
 //! chat template and sampling. No networking lives here.
 
+mod act_quant;
 pub mod beam;
 pub mod chat_template;
 pub mod config;
@@ -12,7 +13,9 @@ pub mod kv_cache;
 pub mod loader;
 pub mod model;
 pub mod q4;
+pub mod q8;
 pub mod sampling;
+mod shared_out;
 pub mod testmodel;
 pub mod tokenizer;
 pub mod weights;

@@ -252,6 +252,7 @@ impl Model {
         if batch.is_empty() {
             return Err(EngineError::InvalidInput("empty batch".into()));
         }
+        join_own_rayon_pool();
         let mut all_tokens = Vec::new();
         for item in batch.iter_mut() {
             if item.tokens.is_empty() {
@@ -380,6 +381,31 @@ impl Model {
         }])?;
         Ok(logits.i(0)?.to_vec1()?)
     }
+}
+
+/// Makes the calling thread the first thread of a rayon pool of its own, once per thread.
+///
+/// candle-nn's norms, ropes and softmaxes split even a decode step's small tensors across
+/// rayon's pool. Called from a thread outside the pool, each op waits for a pool thread to
+/// wake up and run it, which costs more than the op: a batch-16 step makes about 1,500 of
+/// them. From inside its own pool the thread runs its share at once, and the other threads
+/// only take work that is left over (large prefills still spread). The quantized matmuls
+/// use candle's barrier pool, which is not rayon. If the thread already belongs to a rayon
+/// pool, it stays as it is.
+fn join_own_rayon_pool() {
+    thread_local! {
+        static POOL: std::cell::OnceCell<Option<rayon::ThreadPool>> =
+            const { std::cell::OnceCell::new() };
+    }
+    POOL.with(|pool| {
+        pool.get_or_init(|| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(candle_core::utils::get_num_threads())
+                .use_current_thread()
+                .build()
+                .ok()
+        });
+    });
 }
 
 /// cos/sin for every position, computed in f32 the way Hugging Face does.

@@ -10,14 +10,12 @@
 //! order. A group's unpacked block serves a tile of four activation rows. Work is split by
 //! groups across candle's worker threads.
 
-use std::marker::PhantomData;
-
 use half::f16;
 
+use crate::act_quant::{quantize_block, QK};
 use crate::error::{EngineError, Result};
+use crate::shared_out::SharedOut;
 
-/// Values per block, for Q4_1 and Q8_1 alike.
-const QK: usize = 32;
 /// Bytes of one Q4_1 block: `d` (f16), `m` (f16), 16 bytes of nibbles.
 const Q41_BYTES: usize = 20;
 /// Weight rows stored interleaved together.
@@ -72,17 +70,9 @@ impl Q81Row {
             s: Vec::with_capacity(n),
             qs: vec![0; xs.len()],
         };
-        for (b, block) in xs.chunks_exact(QK).enumerate() {
-            let amax = block.iter().fold(0f32, |a, &x| a.max(x.abs()));
-            let d = amax / ((1 << 7) - 1) as f32;
-            let id = if d != 0f32 { 1. / d } else { 0. };
+        for (block, qs) in xs.chunks_exact(QK).zip(row.qs.chunks_exact_mut(QK)) {
+            let (d, sum) = quantize_block(block, qs);
             let d16 = f16::from_f32(d);
-            let mut sum = 0i32;
-            let qs = &mut row.qs[b * QK..(b + 1) * QK];
-            for (q, &x) in qs.iter_mut().zip(block) {
-                *q = f32::round(x * id) as i8;
-                sum += *q as i32;
-            }
             row.d.push(d16.to_f32());
             row.s.push((f16::from_f32(sum as f32) * d16).to_f32());
         }
@@ -213,37 +203,6 @@ impl Q41Matrix {
             }
         });
         out
-    }
-}
-
-/// An output buffer shared by pool workers that each write their own disjoint part of it.
-struct SharedOut<'a> {
-    ptr: *mut f32,
-    len: usize,
-    buf: PhantomData<&'a mut [f32]>,
-}
-
-// SAFETY: workers write disjoint ranges (callers promise it at `slice`).
-unsafe impl Sync for SharedOut<'_> {}
-
-impl<'a> SharedOut<'a> {
-    /// Shares `buf`, which stays borrowed while this lives.
-    fn new(buf: &'a mut [f32]) -> Self {
-        Self {
-            ptr: buf.as_mut_ptr(),
-            len: buf.len(),
-            buf: PhantomData,
-        }
-    }
-
-    /// `len` values from `start`.
-    ///
-    /// # Safety
-    /// No other slice handed out overlaps this one while it lives.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
-        assert!(start + len <= self.len, "outside the shared buffer");
-        std::slice::from_raw_parts_mut(self.ptr.add(start), len)
     }
 }
 

@@ -15,12 +15,14 @@ use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
 use crate::q4::Q41Matrix;
+use crate::q8::Q80Matrix;
 
-/// A projection's weight: candle's (dense or block-quantized), or our Q4_1 kernel.
+/// A projection's weight: candle's (dense or block-quantized), or one of our kernels.
 #[derive(Debug, Clone)]
 enum Weight {
     Candle(QMatMul),
     Q41(Arc<Q41Matrix>),
+    Q80(Arc<Q80Matrix>),
 }
 
 /// A `y = x Wᵀ + b` projection, dense or quantized.
@@ -35,13 +37,8 @@ impl Linear {
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let ys = match &self.weight {
             Weight::Candle(w) => w.forward(xs)?,
-            Weight::Q41(w) => {
-                let (n, _) = xs.dims2()?;
-                let x: Vec<f32> = xs.flatten_all()?.to_vec1()?;
-                let out = w.matmul(&x, n);
-                let cols = out.len() / n.max(1);
-                Tensor::from_vec(out, (n, cols), xs.device())?
-            }
+            Weight::Q41(w) => ours(xs, |x, n| w.matmul(x, n))?,
+            Weight::Q80(w) => ours(xs, |x, n| w.matmul(x, n))?,
         };
         Ok(match &self.bias {
             Some(b) => ys.broadcast_add(b)?,
@@ -56,9 +53,19 @@ impl Linear {
             Weight::Candle(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
             Weight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => dense(t),
             Weight::Q41(q) => q.bytes(),
+            Weight::Q80(q) => q.bytes(),
         };
         w + self.bias.as_ref().map_or(0, dense)
     }
+}
+
+/// One of our kernels applied to `(rows, in_features)` activations.
+fn ours(xs: &Tensor, matmul: impl Fn(&[f32], usize) -> Vec<f32>) -> Result<Tensor> {
+    let (n, _) = xs.dims2()?;
+    let x: Vec<f32> = xs.flatten_all()?.to_vec1()?;
+    let out = matmul(&x, n);
+    let cols = out.len() / n.max(1);
+    Ok(Tensor::from_vec(out, (n, cols), xs.device())?)
 }
 
 /// Tensors by name, from either file format.
@@ -207,10 +214,15 @@ impl WeightSource {
                         format!("{name} has shape {:?}, expected {out_in:?}", q.shape()),
                     ));
                 }
-                // candle multiplies Q4_1 with scalar code; ours gives the same values faster.
+                // candle multiplies Q4_1 with scalar code and Q8_0 one output at a time;
+                // ours give the same values faster.
                 if q.dtype() == GgmlDType::Q4_1 && device.is_cpu() {
                     let bytes = q.data()?.into_owned();
                     Weight::Q41(Arc::new(Q41Matrix::from_ggml(bytes, out_in.0, out_in.1)?))
+                } else if q.dtype() == GgmlDType::Q8_0 && device.is_cpu() && Q80Matrix::supported()
+                {
+                    let m = Q80Matrix::from_ggml(&q.data()?, out_in.0, out_in.1)?;
+                    Weight::Q80(Arc::new(m))
                 } else {
                     Weight::Candle(QMatMul::from_arc(Arc::new(q))?)
                 }
