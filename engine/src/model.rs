@@ -7,6 +7,7 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
+use rayon::prelude::*;
 
 use crate::config::{ModelConfig, RopeStyle};
 use crate::error::{EngineError, Result};
@@ -285,6 +286,14 @@ impl Model {
             item.cache.reserve(item.tokens.len())?;
             all_tokens.extend_from_slice(item.tokens);
         }
+        let spans: Vec<(usize, usize)> = batch
+            .iter()
+            .scan(0, |row, item| {
+                let span = (*row, item.tokens.len());
+                *row += item.tokens.len();
+                Some(span)
+            })
+            .collect();
         let ids = Tensor::new(all_tokens.as_slice(), &self.device)?;
         let mut xs = self.embed.index_select(&ids, 0)?;
         let eps = self.cfg.rms_norm_eps as f32;
@@ -293,19 +302,21 @@ impl Model {
             let q = layer.q.forward(&h)?;
             let k = layer.k.forward(&h)?;
             let v = layer.v.forward(&h)?;
-            let mut outs = Vec::with_capacity(batch.len());
-            let mut row = 0;
-            for item in batch.iter() {
-                let t = item.tokens.len();
-                outs.push(self.attend(
-                    li,
-                    item.cache,
-                    &q.narrow(0, row, t)?,
-                    &k.narrow(0, row, t)?,
-                    &v.narrow(0, row, t)?,
-                )?);
-                row += t;
-            }
+            // Sequences attend independently, so they spread over the cores; each one's
+            // values do not depend on where it runs.
+            let outs = spans
+                .par_iter()
+                .zip(batch.par_iter())
+                .map(|(&(row, t), item)| {
+                    self.attend(
+                        li,
+                        item.cache,
+                        &q.narrow(0, row, t)?,
+                        &k.narrow(0, row, t)?,
+                        &v.narrow(0, row, t)?,
+                    )
+                })
+                .collect::<Result<Vec<_>>>()?;
             let attn = Tensor::cat(&outs, 0)?;
             xs = (xs + layer.o.forward(&attn)?)?;
             let h = candle_nn::ops::rms_norm(&xs, &layer.mlp_norm, eps)?;

@@ -113,8 +113,17 @@ pub fn init_tracing() {
 /// unless `RAYON_NUM_THREADS` or `CANDLE_NUM_THREADS` is set. candle counts the machine's
 /// physical cores instead, so a worker pinned to one core (or given one CPU by Kubernetes)
 /// ran two spinning threads on it and every step waited on a descheduled one: 30x slower.
+///
+/// Also shortens how long candle's pool workers spin after each matmul before they sleep
+/// (`CANDLE_BARRIER_POOL_SPIN_LIMIT`, unless set): 25,000 turns by default, about 0.3 ms
+/// here, during which a spinning worker holds a core that the sequences' attention, which
+/// runs on rayon between the matmuls, could use. 2,000 turns still catch the next matmul
+/// of a decode step; batch-16 decode gained about a quarter (bench/README.md, figure 1).
 /// Call first thing in `main`, before any thread reads the environment.
 pub fn fit_compute_threads() {
+    if std::env::var_os(SPIN_LIMIT).is_none() {
+        std::env::set_var(SPIN_LIMIT, "2000");
+    }
     if ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"]
         .iter()
         .any(|v| std::env::var_os(v).is_some())
@@ -124,6 +133,9 @@ pub fn fit_compute_threads() {
     let n = std::thread::available_parallelism().map_or(1, |n| n.get());
     std::env::set_var("RAYON_NUM_THREADS", n.to_string());
 }
+
+/// How many turns candle's pool workers spin before they sleep.
+const SPIN_LIMIT: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
 
 /// Resolves on Ctrl-C or SIGTERM (what Kubernetes and the quickstart send).
 pub async fn shutdown_signal() {
