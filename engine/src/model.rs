@@ -12,17 +12,16 @@ use rayon::prelude::*;
 use crate::config::{ModelConfig, RopeStyle};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvLayout, SeqCache};
-use crate::weights::{Linear, WeightSource};
+use crate::weights::{Linear, Stacked, WeightSource};
 
 struct Layer {
     attn_norm: Tensor,
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// q, k and v.
+    qkv: Stacked,
     o: Linear,
     mlp_norm: Tensor,
-    gate: Linear,
-    up: Linear,
+    /// gate and up.
+    gate_up: Stacked,
     down: Linear,
 }
 
@@ -36,7 +35,18 @@ pub struct Model {
     lm_head: Linear,
     cos: Tensor,
     sin: Tensor,
+    /// Most query rows attended at once in a prefill.
+    query_chunk: usize,
 }
+
+/// Query rows attended at once by default. A 1536-token prompt attended whole makes
+/// score matrices of 85 MB per layer, each freshly mapped and zeroed by the kernel (a
+/// quarter of the prefill in page faults); in chunks they fit the allocator's reuse and
+/// the L3 cache.
+pub const QUERY_CHUNK: usize = 256;
+
+/// Chunks are at least half this, so every chunk's products have more than 64 rows.
+const MIN_QUERY_CHUNK: usize = 130;
 
 /// One sequence's share of a forward pass: the new tokens and the cache they extend.
 pub struct SeqInput<'a> {
@@ -167,13 +177,22 @@ impl Model {
             let b = |part: &str| format!("{}.bias", n(part));
             layers.push(Layer {
                 attn_norm: src.dense_shaped(&w("attn_norm"), &[h], device)?,
-                q: src.linear(&w("q"), Some(&b("q")), (q_out, h), device)?,
-                k: src.linear(&w("k"), Some(&b("k")), (kv_out, h), device)?,
-                v: src.linear(&w("v"), Some(&b("v")), (kv_out, h), device)?,
+                qkv: src.stacked(
+                    &[
+                        (&w("q"), Some(&b("q")), q_out),
+                        (&w("k"), Some(&b("k")), kv_out),
+                        (&w("v"), Some(&b("v")), kv_out),
+                    ],
+                    h,
+                    device,
+                )?,
                 o: src.linear(&w("o"), None, (h, q_out), device)?,
                 mlp_norm: src.dense_shaped(&w("mlp_norm"), &[h], device)?,
-                gate: src.linear(&w("gate"), None, (inter, h), device)?,
-                up: src.linear(&w("up"), None, (inter, h), device)?,
+                gate_up: src.stacked(
+                    &[(&w("gate"), None, inter), (&w("up"), None, inter)],
+                    h,
+                    device,
+                )?,
                 down: src.linear(&w("down"), None, (h, inter), device)?,
             });
         }
@@ -194,7 +213,14 @@ impl Model {
             lm_head,
             cos,
             sin,
+            query_chunk: QUERY_CHUNK,
         })
+    }
+
+    /// Sets how many query rows a prefill attends at once (at least 130). The values do not
+    /// depend on it: the tests compare chunked and whole attention bit for bit.
+    pub fn set_query_chunk(&mut self, rows: usize) {
+        self.query_chunk = rows.max(MIN_QUERY_CHUNK);
     }
 
     /// The model's hyper-parameters.
@@ -210,10 +236,10 @@ impl Model {
             .layers
             .iter()
             .map(|l| {
-                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
-                    .iter()
-                    .map(|x| x.weight_bytes())
-                    .sum::<usize>()
+                l.qkv.weight_bytes()
+                    + l.gate_up.weight_bytes()
+                    + l.o.weight_bytes()
+                    + l.down.weight_bytes()
                     + norm(&l.attn_norm)
                     + norm(&l.mlp_norm)
             })
@@ -299,9 +325,8 @@ impl Model {
         let eps = self.cfg.rms_norm_eps as f32;
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&xs, &layer.attn_norm, eps)?;
-            let q = layer.q.forward(&h)?;
-            let k = layer.k.forward(&h)?;
-            let v = layer.v.forward(&h)?;
+            let qkv = layer.qkv.forward(&h)?;
+            let (q, k, v) = (&qkv[0], &qkv[1], &qkv[2]);
             // Sequences attend independently, so they spread over the cores; each one's
             // values do not depend on where it runs.
             let outs = spans
@@ -320,7 +345,8 @@ impl Model {
             let attn = Tensor::cat(&outs, 0)?;
             xs = (xs + layer.o.forward(&attn)?)?;
             let h = candle_nn::ops::rms_norm(&xs, &layer.mlp_norm, eps)?;
-            let gated = (layer.gate.forward(&h)?.silu()? * layer.up.forward(&h)?)?;
+            let gate_up = layer.gate_up.forward(&h)?;
+            let gated = (gate_up[0].silu()? * &gate_up[1])?;
             xs = (xs + layer.down.forward(&gated)?)?;
             layer_done(li, batch)?;
         }
@@ -355,19 +381,33 @@ impl Model {
         let v = v.reshape((t, n_kv, hd))?.transpose(0, 1)?.contiguous()?;
         cache.write(layer, &k, &v)?;
         let (keys, values) = cache.view(layer, t)?;
+        let keys_t = keys.t()?;
         let group = cfg.group_size();
-        let q = q.reshape((n_kv, group * t, hd))?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let mut scores = (q.matmul(&keys.t()?)? * scale)?;
-        if t > 1 {
-            scores = scores.broadcast_add(&causal_mask(group, t, pos, &self.device)?)?;
+        // Query rows in equal chunks of at least half `query_chunk`, so that every chunk's
+        // products have more than 64 rows, as the whole one has: `gemm` then splits the sum
+        // over keys at the same points, and each score and output is summed in the same
+        // order as unchunked.
+        let n_chunks = t.div_ceil(self.query_chunk);
+        let rows = t.div_ceil(n_chunks);
+        let mut outs = Vec::with_capacity(n_chunks);
+        for start in (0..t).step_by(rows) {
+            let tc = rows.min(t - start);
+            let q = q.narrow(1, start, tc)?.reshape((n_kv, group * tc, hd))?;
+            let mut scores = (q.matmul(&keys_t)? * scale)?;
+            if t > 1 {
+                let mask = causal_mask(group, start..start + tc, pos, pos + t, &self.device)?;
+                scores = scores.broadcast_add(&mask)?;
+            }
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+            outs.push(probs.matmul(&values)?.reshape((n_heads, tc, hd))?);
         }
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        let out = probs.matmul(&values)?;
-        Ok(out
-            .reshape((n_heads, t, hd))?
-            .transpose(0, 1)?
-            .reshape((t, n_heads * hd))?)
+        let out = if outs.len() == 1 {
+            outs.pop().expect("one chunk")
+        } else {
+            Tensor::cat(&outs, 1)?
+        };
+        Ok(out.transpose(0, 1)?.reshape((t, n_heads * hd))?)
     }
 
     /// Rotates `(heads, t, head_dim)` for positions `pos .. pos + t`.
@@ -443,16 +483,22 @@ fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
     ))
 }
 
-/// Additive mask for `group` heads × `t` query rows at positions `pos ..`, over `pos + t` keys.
-fn causal_mask(group: usize, t: usize, pos: usize, device: &Device) -> Result<Tensor> {
-    let keys = pos + t;
-    let mut m = Vec::with_capacity(group * t * keys);
+/// Additive mask for `group` heads × the new rows `rows` (of those at positions `pos ..`),
+/// over `keys` keys: a row sees the keys up to its own position.
+fn causal_mask(
+    group: usize,
+    rows: std::ops::Range<usize>,
+    pos: usize,
+    keys: usize,
+    device: &Device,
+) -> Result<Tensor> {
+    let mut m = Vec::with_capacity(group * rows.len() * keys);
     for _ in 0..group {
-        for i in 0..t {
+        for i in rows.clone() {
             m.extend((0..keys).map(|j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 }));
         }
     }
-    Ok(Tensor::from_vec(m, (group * t, keys), device)?)
+    Ok(Tensor::from_vec(m, (group * rows.len(), keys), device)?)
 }
 
 /// Index of the largest logit; ties go to the lowest id, as `torch.argmax` does.

@@ -37,8 +37,8 @@ impl Linear {
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let ys = match &self.weight {
             Weight::Candle(w) => w.forward(xs)?,
-            Weight::Q41(w) => ours(xs, |x, n| w.matmul(x, n))?,
-            Weight::Q80(w) => ours(xs, |x, n| w.matmul(x, n))?,
+            Weight::Q41(w) => apply_ours(xs, |x, n| w.matmul(x, n))?,
+            Weight::Q80(w) => apply_ours(xs, |x, n| w.matmul(x, n))?,
         };
         Ok(match &self.bias {
             Some(b) => ys.broadcast_add(b)?,
@@ -59,8 +59,46 @@ impl Linear {
     }
 }
 
+/// Projections of the same input, such as q, k and v. Where our kernels hold all of them
+/// they are stacked into one matrix at load, so a step quantizes the input once and hands
+/// the workers one product instead of one per projection; every output row is computed
+/// exactly as it would be alone.
+#[derive(Debug, Clone)]
+pub struct Stacked {
+    joined: Option<Linear>,
+    parts: Vec<Linear>,
+    widths: Vec<usize>,
+}
+
+impl Stacked {
+    /// Each projection of `(rows, in_features)` activations, in the order they were named.
+    pub fn forward(&self, xs: &Tensor) -> Result<Vec<Tensor>> {
+        let Some(joined) = &self.joined else {
+            return self.parts.iter().map(|p| p.forward(xs)).collect();
+        };
+        let ys = joined.forward(xs)?;
+        let mut at = 0;
+        self.widths
+            .iter()
+            .map(|&w| {
+                at += w;
+                Ok(ys.narrow(1, at - w, w)?)
+            })
+            .collect()
+    }
+
+    /// Bytes a forward pass reads from the weights (and biases).
+    pub fn weight_bytes(&self) -> usize {
+        self.joined
+            .iter()
+            .chain(&self.parts)
+            .map(Linear::weight_bytes)
+            .sum()
+    }
+}
+
 /// One of our kernels applied to `(rows, in_features)` activations.
-fn ours(xs: &Tensor, matmul: impl Fn(&[f32], usize) -> Vec<f32>) -> Result<Tensor> {
+fn apply_ours(xs: &Tensor, matmul: impl Fn(&[f32], usize) -> Vec<f32>) -> Result<Tensor> {
     let (n, _) = xs.dims2()?;
     let x: Vec<f32> = xs.flatten_all()?.to_vec1()?;
     let out = matmul(&x, n);
@@ -207,31 +245,131 @@ impl WeightSource {
                 device,
             )?)),
             Self::Gguf { .. } => {
-                let q = self.qtensor(name, device)?;
-                if q.shape().dims() != [out_in.0, out_in.1] {
-                    return Err(EngineError::invalid_model(
-                        self.path(),
-                        format!("{name} has shape {:?}, expected {out_in:?}", q.shape()),
-                    ));
-                }
-                // candle multiplies Q4_1 with scalar code and Q8_0 one output at a time;
-                // ours give the same values faster.
-                if q.dtype() == GgmlDType::Q4_1 && device.is_cpu() {
-                    let bytes = q.data()?.into_owned();
-                    Weight::Q41(Arc::new(Q41Matrix::from_ggml(bytes, out_in.0, out_in.1)?))
-                } else if q.dtype() == GgmlDType::Q8_0 && device.is_cpu() && Q80Matrix::supported()
-                {
-                    let m = Q80Matrix::from_ggml(&q.data()?, out_in.0, out_in.1)?;
-                    Weight::Q80(Arc::new(m))
-                } else {
-                    Weight::Candle(QMatMul::from_arc(Arc::new(q))?)
-                }
+                let q = self.qtensor_shaped(name, out_in, device)?;
+                quantized_weight(q, out_in, device)?
             }
         };
-        let bias = match bias {
-            Some(b) if self.contains(b) => Some(self.dense_shaped(b, &[out_in.0], device)?),
-            _ => None,
-        };
+        let bias = self.bias(bias, out_in.0, device)?;
         Ok(Linear { weight, bias })
     }
+
+    /// Projections of one input, `parts` naming each one's weight, bias and outputs, all
+    /// with `cols` inputs: stacked into one of our matrices when they all can be.
+    pub fn stacked(
+        &mut self,
+        parts: &[(&str, Option<&str>, usize)],
+        cols: usize,
+        device: &Device,
+    ) -> Result<Stacked> {
+        let widths: Vec<usize> = parts.iter().map(|p| p.2).collect();
+        if matches!(self, Self::SafeTensors { .. }) {
+            let parts = parts
+                .iter()
+                .map(|&(name, bias, rows)| self.linear(name, bias, (rows, cols), device))
+                .collect::<Result<_>>()?;
+            return Ok(Stacked {
+                joined: None,
+                parts,
+                widths,
+            });
+        }
+        let mut qs = Vec::with_capacity(parts.len());
+        let mut biases = Vec::with_capacity(parts.len());
+        for &(name, bias, rows) in parts {
+            qs.push(self.qtensor_shaped(name, (rows, cols), device)?);
+            biases.push(self.bias(bias, rows, device)?);
+        }
+        let dtype = qs[0].dtype();
+        let ours = device.is_cpu()
+            && (dtype == GgmlDType::Q4_1 || (dtype == GgmlDType::Q8_0 && Q80Matrix::supported()));
+        let all_biased = biases.iter().all(Option::is_some);
+        // A zero bias for the parts without one would turn -0.0 into 0.0: keep them apart.
+        if ours
+            && qs.iter().all(|q| q.dtype() == dtype)
+            && (all_biased || biases.iter().all(Option::is_none))
+        {
+            let mut bytes = Vec::new();
+            for q in &qs {
+                bytes.extend_from_slice(&q.data()?);
+            }
+            let rows = widths.iter().sum();
+            let weight = if dtype == GgmlDType::Q4_1 {
+                Weight::Q41(Arc::new(Q41Matrix::from_ggml(bytes, rows, cols)?))
+            } else {
+                Weight::Q80(Arc::new(Q80Matrix::from_ggml(&bytes, rows, cols)?))
+            };
+            let bias = if all_biased {
+                Some(Tensor::cat(
+                    &biases.into_iter().flatten().collect::<Vec<_>>(),
+                    0,
+                )?)
+            } else {
+                None
+            };
+            return Ok(Stacked {
+                joined: Some(Linear { weight, bias }),
+                parts: Vec::new(),
+                widths,
+            });
+        }
+        let parts = qs
+            .into_iter()
+            .zip(biases)
+            .zip(&widths)
+            .map(|((q, bias), &rows)| {
+                Ok(Linear {
+                    weight: quantized_weight(q, (rows, cols), device)?,
+                    bias,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Stacked {
+            joined: None,
+            parts,
+            widths,
+        })
+    }
+
+    /// A GGUF tensor that must have shape `[out, in]`.
+    fn qtensor_shaped(
+        &mut self,
+        name: &str,
+        out_in: (usize, usize),
+        device: &Device,
+    ) -> Result<QTensor> {
+        let q = self.qtensor(name, device)?;
+        if q.shape().dims() != [out_in.0, out_in.1] {
+            return Err(EngineError::invalid_model(
+                self.path(),
+                format!("{name} has shape {:?}, expected {out_in:?}", q.shape()),
+            ));
+        }
+        Ok(q)
+    }
+
+    /// The bias named `name` if it exists, as `[rows]`.
+    fn bias(&mut self, name: Option<&str>, rows: usize, device: &Device) -> Result<Option<Tensor>> {
+        match name {
+            Some(b) if self.contains(b) => Ok(Some(self.dense_shaped(b, &[rows], device)?)),
+            _ => Ok(None),
+        }
+    }
+}
+
+/// A block-quantized weight: ours where we have a kernel for its type, else candle's.
+fn quantized_weight(q: QTensor, out_in: (usize, usize), device: &Device) -> Result<Weight> {
+    // candle multiplies Q4_1 with scalar code and Q8_0 one output at a time; ours give the
+    // same values faster.
+    Ok(if q.dtype() == GgmlDType::Q4_1 && device.is_cpu() {
+        let bytes = q.data()?.into_owned();
+        Weight::Q41(Arc::new(Q41Matrix::from_ggml(bytes, out_in.0, out_in.1)?))
+    } else if q.dtype() == GgmlDType::Q8_0 && device.is_cpu() && Q80Matrix::supported() {
+        Weight::Q80(Arc::new(Q80Matrix::from_ggml(
+            &q.data()?,
+            out_in.0,
+            out_in.1,
+        )?))
+    } else {
+        Weight::Candle(QMatMul::from_arc(Arc::new(q))?)
+    })
 }
