@@ -278,27 +278,29 @@ async fn pd_on(
         decode_blocks(d, req.prompt.len() + req.max_tokens, req.sequences),
     );
     let (mut dc, mut pc) = (d.decode(), p.prefill());
-    // The decode node waits for the KV cache the prefill node sends it, so both calls go
-    // out together; the first to fail cancels the other.
-    let generate = async {
-        dc.generate(generate)
-            .await
-            .map_err(|s| Failed::on(d, RouterError::worker("decode", &d.addr, s)))
-    };
-    let prefill = async {
+    // The prefill node pushes the KV cache to the decode node while it computes, and
+    // answers once the push is done; the decode node keeps a pushed cache until it is
+    // claimed. So the decode call goes out only after the prefill answer: then it finds its
+    // cache at once, and a prompt that waits in the prefill node's queue cannot run out
+    // the decode node's wait for its KV (`--kv-timeout-ms`, which is meant for a stalled
+    // transfer). Both calls are done before the client sees a token, so a failure of
+    // either still leaves the request free to start over on another pair.
+    let first = {
         let _hold = Hold::new(p, req.prompt.len() as u64, 0, 0);
         pc.prefill(prefill).await.map_err(|s| {
-            // A transfer that failed is the decode node's doing as often as not; the
-            // decode call's own failure, when there is one, wins the race above.
+            // A transfer that failed is the decode node's doing as often as not.
             let culprit = if s.message().starts_with("KV transfer") {
                 d
             } else {
                 p
             };
             Failed::on(culprit, RouterError::worker("prefill", &p.addr, s))
-        })
+        })?
     };
-    let (stream, first) = tokio::try_join!(generate, prefill)?;
+    let stream = dc
+        .generate(generate)
+        .await
+        .map_err(|s| Failed::on(d, RouterError::worker("decode", &d.addr, s)))?;
     let first = first.into_inner();
     if first.first.len() != req.sequences {
         return Err(Failed::on(

@@ -30,7 +30,7 @@ pub enum RouterError {
     NoChatTemplate,
     #[error("the chat template failed: {0}")]
     Template(String),
-    #[error("no {0} worker is configured")]
+    #[error("no {0} worker is ready: none is registered, or every one is down or cooling off after failures")]
     NoWorkers(&'static str),
     #[error("{role} worker {addr} is unavailable: {message}")]
     WorkerUnavailable {

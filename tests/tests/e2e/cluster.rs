@@ -505,6 +505,48 @@ async fn kill9_decode_mid_unary_request_starts_it_again_elsewhere() {
     decode_holds_nothing(&f.decode[1 - serving]).await;
 }
 
+/// The decode node's `--kv-timeout-ms` in `prompt_held_at_prefill_outlasts_the_kv_timeout`.
+const SHORT_KV_TIMEOUT: Duration = Duration::from_millis(500);
+
+#[tokio::test(flavor = "multi_thread")]
+async fn prompt_held_at_prefill_outlasts_the_kv_timeout() {
+    // A prompt can wait in a busy prefill node's queue for longer than the decode node
+    // waits for a KV cache. Here the prefill node is paused instead (SIGSTOP, the only
+    // way to hold a prompt there for a set time), for 3x the decode node's KV timeout but
+    // less than the connection's keepalive allows. The lease outlasts the pause.
+    let kv_timeout = SHORT_KV_TIMEOUT.as_millis().to_string();
+    let decode_args = with(WORKER, &["--kv-timeout-ms", &kv_timeout]);
+    let prefill_args = ["--lease-ttl-s", "120", "--drain-grace-s", "10"];
+    let f = start_fleet(&[], 1, &prefill_args, 1, &decode_args).await;
+    let body = request(0, 2, 12, false);
+    let expected = text_of(&f, &body).await;
+
+    f.prefill[0].proc.signal("STOP");
+    let url = f.url.clone();
+    let pending =
+        tokio::spawn(async move { e2e::post(&format!("{url}/v1/completions"), &body).await });
+    f.wait_router("the request in flight", SEE, |page| {
+        page.lines()
+            .find_map(|l| l.strip_prefix("router_requests_in_flight "))
+            .and_then(|v| v.parse::<f64>().ok())
+            == Some(1.0)
+    })
+    .await;
+    // The fault's length, not a synchronisation: the decode node's timeout must pass while
+    // the prompt is held.
+    tokio::time::sleep(SHORT_KV_TIMEOUT * 3).await;
+    f.prefill[0].proc.signal("CONT");
+
+    let (status, v) = tokio::time::timeout(SEE, pending)
+        .await
+        .unwrap_or_else(|_| panic!("the held request never ended; logs:\n{}", f.logs()))
+        .expect("the client task");
+    assert_eq!(status, 200, "{v}\nlogs:\n{}", f.logs());
+    assert_eq!(v["choices"][0]["text"], expected, "{v}");
+    prefill_holds_nothing(&f.prefill[0]).await;
+    decode_holds_nothing(&f.decode[0]).await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn stopped_decode_mid_stream_ends_the_stream() {
     // The lease outlasts the test: only the connection's pings can notice the pause.
