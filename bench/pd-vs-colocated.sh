@@ -6,6 +6,8 @@
 #
 #   MODEL=models/smollm2-135m-instruct-q4_1.gguf RATES=0.1,0.2,0.3 REQUESTS=16 \
 #     bash bench/pd-vs-colocated.sh
+#
+# SETUPS="pd" or SETUPS="colocated" runs one of the two.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-models/smollm2-135m-instruct-q4_1.gguf}
@@ -14,6 +16,7 @@ REQUESTS=${REQUESTS:-16}
 LOAD=${LOAD:---mix fixed --prompt-tokens 512 --output-tokens 64}
 SLO=${SLO:---slo-ttft-ms 5000 --slo-tpot-ms 100}
 OUT=${OUT:-bench/results}
+SETUPS=${SETUPS:-pd colocated}
 BIN=${BIN:-target/release}
 LOGS=$(mktemp -d)
 PIDS=()
@@ -36,6 +39,7 @@ run() { # label, router port
         --rates "$RATES" --requests "$REQUESTS" $LOAD $SLO --label "$1" --json "$OUT/$1.json"
 }
 
+if [[ " $SETUPS " == *" pd "* ]]; then
 echo "== PD: prefill on core 0, decode on core 1"
 P=$(free_port); D=$(free_port); R=$(free_port)
 taskset -c 0 "$BIN/tandem-prefill" --model "$MODEL" --listen "127.0.0.1:$P" >"$LOGS/p.log" 2>&1 & PIDS+=($!)
@@ -45,7 +49,9 @@ taskset -c 1 "$BIN/tandem-decode" --model "$MODEL" --listen "127.0.0.1:$D" >"$LO
 wait_ready "$R"
 run pd-pinned "$R"
 stop
+fi
 
+if [[ " $SETUPS " == *" colocated "* ]]; then
 echo "== colocated: one worker on both cores"
 D=$(free_port); R=$(free_port)
 taskset -c 0,1 "$BIN/tandem-decode" --model "$MODEL" --listen "127.0.0.1:$D" >"$LOGS/c.log" 2>&1 & PIDS+=($!)
@@ -54,7 +60,8 @@ taskset -c 0,1 "$BIN/tandem-decode" --model "$MODEL" --listen "127.0.0.1:$D" >"$
 wait_ready "$R"
 run colocated "$R"
 stop
+fi
 
-if python3 -c 'import matplotlib' 2>/dev/null; then
+if [ -f "$OUT/pd-pinned.json" ] && [ -f "$OUT/colocated.json" ] && python3 -c 'import matplotlib' 2>/dev/null; then
     python3 bench/plot.py "$OUT/pd-vs-colocated.png" "$OUT/pd-pinned.json" "$OUT/colocated.json"
 fi
