@@ -75,6 +75,34 @@ mod avx2 {
     }
 }
 
+/// Inputs and candle's reference products for the kernels' tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use candle_core::quantized::QMatMul;
+    use candle_core::{Device, Module, Tensor};
+
+    /// Weights and activations with a spread of magnitudes and signs.
+    pub fn data(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let x = ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2000) as f32;
+                (x - 1000.0) / 700.0 * if i % 7 == 0 { 3.0 } else { 1.0 }
+            })
+            .collect()
+    }
+
+    /// candle's `x Wᵀ` for `x` of `n` rows of `cols`, flattened.
+    pub fn candle_product(w: &QMatMul, x: &[f32], n: usize, cols: usize) -> Vec<f32> {
+        let xt = Tensor::from_vec(x.to_vec(), (n, cols), &Device::Cpu).unwrap();
+        w.forward(&xt)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

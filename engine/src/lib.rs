@@ -15,7 +15,7 @@ pub mod model;
 pub mod q4;
 pub mod q8;
 pub mod sampling;
-mod shared_out;
+mod split;
 pub mod testmodel;
 pub mod tokenizer;
 pub mod weights;

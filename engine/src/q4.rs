@@ -14,12 +14,10 @@ use half::f16;
 
 use crate::act_quant::{quantize_block, QK};
 use crate::error::{EngineError, Result};
-use crate::shared_out::SharedOut;
+use crate::split::{self, GROUP};
 
 /// Bytes of one Q4_1 block: `d` (f16), `m` (f16), 16 bytes of nibbles.
 const Q41_BYTES: usize = 20;
-/// Weight rows stored interleaved together.
-const GROUP: usize = 8;
 /// Activation rows that share one unpacked weight block.
 const TILE: usize = 4;
 
@@ -149,10 +147,6 @@ impl Q41Matrix {
         self.cols / QK
     }
 
-    fn groups(&self) -> usize {
-        self.rows / GROUP
-    }
-
     fn group(&self, g: usize) -> WGroup<'_> {
         let n = self.blocks() * GROUP;
         WGroup {
@@ -175,34 +169,17 @@ impl Q41Matrix {
     /// `x Wᵀ` for `x` of `[n, cols]` (row-major): `[n, rows]`.
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
         let q: Vec<Q81Row> = x.chunks_exact(self.cols).map(Q81Row::quantize).collect();
-        let groups = self.groups();
-        let mut out = vec![0f32; n * self.rows];
-        let shared = SharedOut::new(&mut out);
-        // Split by groups (and loose rows) across candle's own worker threads: a second pool
-        // would fight candle's for the cores.
-        let items = groups + self.rows - groups * GROUP;
-        candle_core::utils::barrier_pool().execute_chunked(items, |range| {
-            for item in range {
-                if item < groups {
-                    dot_group(self.group(item), &q, |y, vals| {
-                        // SAFETY: each group's eight columns are written by the one worker
-                        // that got the group.
-                        let o = unsafe { shared.slice(y * self.rows + item * GROUP, GROUP) };
-                        o.copy_from_slice(&vals);
-                    });
-                } else {
-                    let r = groups * GROUP + item - groups;
-                    let w = self.loose_row(r);
-                    for (y, row) in q.iter().enumerate() {
-                        // SAFETY: each loose row's column is written by the one worker that
-                        // got the row.
-                        let o = unsafe { shared.slice(y * self.rows + r, 1) };
-                        o[0] = dot_one(w, row);
-                    }
+        split::by_groups(
+            self.rows,
+            n,
+            |g, out| dot_group(self.group(g), &q, |y, vals| out.put(y, &vals)),
+            |r, out| {
+                let w = self.loose_row(r);
+                for (y, row) in q.iter().enumerate() {
+                    out.put(y, &[dot_one(w, row)]);
                 }
-            }
-        });
-        out
+            },
+        )
     }
 }
 
@@ -429,18 +406,9 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::act_quant::testing::{candle_product, data};
     use candle_core::quantized::{GgmlDType, QTensor};
-    use candle_core::{Device, Module, Tensor};
-
-    /// Weights and activations with a spread of magnitudes and signs.
-    fn data(len: usize, seed: u32) -> Vec<f32> {
-        (0..len)
-            .map(|i| {
-                let x = ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2000) as f32;
-                (x - 1000.0) / 700.0 * if i % 7 == 0 { 3.0 } else { 1.0 }
-            })
-            .collect()
-    }
+    use candle_core::{Device, Tensor};
 
     #[test]
     fn equals_candles_q4_1_matmul_bit_for_bit() {
@@ -454,24 +422,17 @@ mod tests {
         // Every mix of tiles of four and single rows.
         for n in [1, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 32, 33] {
             let x = data(n * cols, 7 + n as u32);
-            let xt = Tensor::from_vec(x.clone(), (n, cols), &Device::Cpu).unwrap();
-            let want: Vec<f32> = reference
-                .forward(&xt)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let want = candle_product(&reference, &x, n, cols);
             let got = ours.matmul(&x, n);
             assert_eq!(got, want, "{n} rows");
             let q: Vec<Q81Row> = x.chunks_exact(cols).map(Q81Row::quantize).collect();
             let mut scalar = vec![0f32; n * rows];
-            for g in 0..ours.groups() {
+            for g in 0..(rows / GROUP) {
                 scalar_dot_group(ours.group(g), &q, |y, vals| {
                     scalar[y * rows + g * GROUP..][..GROUP].copy_from_slice(&vals)
                 });
             }
-            for r in ours.groups() * GROUP..rows {
+            for r in (rows / GROUP) * GROUP..rows {
                 for (y, row) in q.iter().enumerate() {
                     scalar[y * rows + r] = scalar_dot_one(ours.loose_row(r), row);
                 }

@@ -14,12 +14,10 @@ use half::f16;
 
 use crate::act_quant::{quantize_block, QK};
 use crate::error::{EngineError, Result};
-use crate::shared_out::SharedOut;
+use crate::split::{self, GROUP};
 
 /// Bytes of one Q8_0 block: `d` (f16), then 32 signed bytes.
 const Q80_BYTES: usize = 34;
-/// Weight rows stored interleaved together.
-const GROUP: usize = 8;
 
 /// A `[rows, cols]` Q8_0 matrix. The first `rows / 8 * 8` rows are in groups of eight: for
 /// each block, the eight rows' f16 scales (`d[(g * nb + b) * 8 + i]`), then eight runs of 32
@@ -121,41 +119,29 @@ impl Q80Matrix {
         );
         let q: Vec<Q80Row> = x.chunks_exact(self.cols).map(Q80Row::quantize).collect();
         let nb = self.cols / QK;
-        let groups = self.rows / GROUP;
-        let mut out = vec![0f32; n * self.rows];
-        let shared = SharedOut::new(&mut out);
-        // Split by groups (and loose rows) across candle's own worker threads: a second pool
-        // would fight candle's for the cores.
-        let items = groups + self.rows - groups * GROUP;
-        candle_core::utils::barrier_pool().execute_chunked(items, |range| {
-            for item in range {
-                if item < groups {
-                    let span = item * nb * GROUP..(item + 1) * nb * GROUP;
-                    let d = &self.d[span.clone()];
-                    let qs = &self.qs[span.start * QK..span.end * QK];
-                    for (y, row) in q.iter().enumerate() {
-                        // SAFETY: AVX2, FMA and F16C are present (asserted above).
-                        let vals = unsafe { avx2::dot_group(d, qs, row) };
-                        // SAFETY: each group's eight columns are written by the one worker
-                        // that got the group.
-                        let o = unsafe { shared.slice(y * self.rows + item * GROUP, GROUP) };
-                        o.copy_from_slice(&vals);
-                    }
-                } else {
-                    let r = groups * GROUP + item - groups;
-                    let d = &self.d[r * nb..(r + 1) * nb];
-                    let qs = &self.qs[r * self.cols..(r + 1) * self.cols];
-                    for (y, row) in q.iter().enumerate() {
-                        // SAFETY: as above; each loose row's column is written by the one
-                        // worker that got the row.
-                        unsafe {
-                            shared.slice(y * self.rows + r, 1)[0] = avx2::dot_one(d, qs, row)
-                        };
-                    }
+        split::by_groups(
+            self.rows,
+            n,
+            |g, out| {
+                let span = g * nb * GROUP..(g + 1) * nb * GROUP;
+                let (d, qs) = (
+                    &self.d[span.clone()],
+                    &self.qs[span.start * QK..span.end * QK],
+                );
+                for (y, row) in q.iter().enumerate() {
+                    // SAFETY: AVX2, FMA and F16C are present (asserted above).
+                    out.put(y, &unsafe { avx2::dot_group(d, qs, row) });
                 }
-            }
-        });
-        out
+            },
+            |r, out| {
+                let d = &self.d[r * nb..(r + 1) * nb];
+                let qs = &self.qs[r * self.cols..(r + 1) * self.cols];
+                for (y, row) in q.iter().enumerate() {
+                    // SAFETY: as above.
+                    out.put(y, &[unsafe { avx2::dot_one(d, qs, row) }]);
+                }
+            },
+        )
     }
 }
 
@@ -235,18 +221,9 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::act_quant::testing::{candle_product, data};
     use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-    use candle_core::{Device, Module, Tensor};
-
-    /// Weights and activations with a spread of magnitudes and signs.
-    fn data(len: usize, seed: u32) -> Vec<f32> {
-        (0..len)
-            .map(|i| {
-                let x = ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2000) as f32;
-                (x - 1000.0) / 700.0 * if i % 7 == 0 { 3.0 } else { 1.0 }
-            })
-            .collect()
-    }
+    use candle_core::{Device, Tensor};
 
     #[test]
     fn equals_candles_q8_0_matmul_bit_for_bit() {
@@ -279,14 +256,7 @@ mod tests {
         let reference = QMatMul::from_qtensor(q).unwrap();
         for n in [1, 2, 3, 4, 5, 8, 16, 17, 33] {
             let x = data(n * cols, 7 + n as u32);
-            let xt = Tensor::from_vec(x.clone(), (n, cols), &Device::Cpu).unwrap();
-            let want: Vec<f32> = reference
-                .forward(&xt)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let want = candle_product(&reference, &x, n, cols);
             assert_eq!(ours.matmul(&x, n), want, "{n} rows");
         }
     }

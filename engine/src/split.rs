@@ -1,0 +1,94 @@
+//! A quantized product's output rows split across candle's pool workers, each writing its
+//! own columns of one shared buffer.
+
+use std::marker::PhantomData;
+
+/// An output buffer shared by pool workers that each write their own disjoint part of it.
+struct SharedOut<'a> {
+    ptr: *mut f32,
+    len: usize,
+    buf: PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: workers write disjoint ranges (callers promise it at `slice`).
+unsafe impl Sync for SharedOut<'_> {}
+
+impl<'a> SharedOut<'a> {
+    /// Shares `buf`, which stays borrowed while this lives.
+    fn new(buf: &'a mut [f32]) -> Self {
+        Self {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            buf: PhantomData,
+        }
+    }
+
+    /// `len` values from `start`.
+    ///
+    /// # Safety
+    /// No other slice handed out overlaps this one while it lives.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
+        assert!(start + len <= self.len, "outside the shared buffer");
+        std::slice::from_raw_parts_mut(self.ptr.add(start), len)
+    }
+}
+
+/// Weight rows stored interleaved together by the kernels.
+pub(crate) const GROUP: usize = 8;
+
+/// Where one group's (or one loose row's) outputs go: its columns of each activation row.
+pub(crate) struct Columns<'a> {
+    out: &'a SharedOut<'a>,
+    rows: usize,
+    col: usize,
+    width: usize,
+}
+
+impl Columns<'_> {
+    /// Activation row `y`'s outputs for these columns.
+    #[inline]
+    pub(crate) fn put(&self, y: usize, vals: &[f32]) {
+        assert!(vals.len() <= self.width, "more outputs than columns");
+        // SAFETY: these columns belong to the one worker that got this group or row.
+        let o = unsafe { self.out.slice(y * self.rows + self.col, vals.len()) };
+        o.copy_from_slice(vals);
+    }
+}
+
+/// The `[n, rows]` product of `n` activation rows with a `rows`-row weight matrix, computed
+/// by candle's pool workers (a second pool would fight candle's for the cores), split by
+/// groups of eight weight rows and then the rows after them: `group(g, out)` computes
+/// group `g`, `loose(r, out)` weight row `r`, each writing its own columns.
+pub(crate) fn by_groups(
+    rows: usize,
+    n: usize,
+    group: impl Fn(usize, &Columns<'_>) + Sync,
+    loose: impl Fn(usize, &Columns<'_>) + Sync,
+) -> Vec<f32> {
+    let groups = rows / GROUP;
+    let mut out = vec![0f32; n * rows];
+    let shared = SharedOut::new(&mut out);
+    let items = groups + rows - groups * GROUP;
+    candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+        for item in range {
+            let (col, width) = if item < groups {
+                (item * GROUP, GROUP)
+            } else {
+                (groups * GROUP + item - groups, 1)
+            };
+            let cols = Columns {
+                out: &shared,
+                rows,
+                col,
+                width,
+            };
+            if item < groups {
+                group(item, &cols);
+            } else {
+                loose(col, &cols);
+            }
+        }
+    });
+    out
+}
