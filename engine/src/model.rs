@@ -402,12 +402,9 @@ impl Model {
             let probs = candle_nn::ops::softmax_last_dim(&scores)?;
             outs.push(probs.matmul(&values)?.reshape((n_heads, tc, hd))?);
         }
-        let out = if outs.len() == 1 {
-            outs.pop().expect("one chunk")
-        } else {
-            Tensor::cat(&outs, 1)?
-        };
-        Ok(out.transpose(0, 1)?.reshape((t, n_heads * hd))?)
+        Ok(Tensor::cat(&outs, 1)?
+            .transpose(0, 1)?
+            .reshape((t, n_heads * hd))?)
     }
 
     /// Rotates `(heads, t, head_dim)` for positions `pos .. pos + t`.

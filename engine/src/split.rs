@@ -72,21 +72,17 @@ pub(crate) fn by_groups(
     let items = groups + rows - groups * GROUP;
     candle_core::utils::barrier_pool().execute_chunked(items, |range| {
         for item in range {
-            let (col, width) = if item < groups {
-                (item * GROUP, GROUP)
-            } else {
-                (groups * GROUP + item - groups, 1)
-            };
-            let cols = Columns {
+            let columns = |col, width| Columns {
                 out: &shared,
                 rows,
                 col,
                 width,
             };
             if item < groups {
-                group(item, &cols);
+                group(item, &columns(item * GROUP, GROUP));
             } else {
-                loose(col, &cols);
+                let r = groups * GROUP + item - groups;
+                loose(r, &columns(r, 1));
             }
         }
     });

@@ -280,24 +280,16 @@ impl WeightSource {
             biases.push(self.bias(bias, rows, device)?);
         }
         let dtype = qs[0].dtype();
-        let ours = device.is_cpu()
-            && (dtype == GgmlDType::Q4_1 || (dtype == GgmlDType::Q8_0 && Q80Matrix::supported()));
         let all_biased = biases.iter().all(Option::is_some);
         // A zero bias for the parts without one would turn -0.0 into 0.0: keep them apart.
-        if ours
-            && qs.iter().all(|q| q.dtype() == dtype)
-            && (all_biased || biases.iter().all(Option::is_none))
-        {
+        let joinable = qs.iter().all(|q| q.dtype() == dtype)
+            && (all_biased || biases.iter().all(Option::is_none));
+        if let Some(build) = our_kernel(dtype, device).filter(|_| joinable) {
             let mut bytes = Vec::new();
             for q in &qs {
                 bytes.extend_from_slice(&q.data()?);
             }
-            let rows = widths.iter().sum();
-            let weight = if dtype == GgmlDType::Q4_1 {
-                Weight::Q41(Arc::new(Q41Matrix::from_ggml(bytes, rows, cols)?))
-            } else {
-                Weight::Q80(Arc::new(Q80Matrix::from_ggml(&bytes, rows, cols)?))
-            };
+            let weight = build(bytes, widths.iter().sum(), cols)?;
             let bias = if all_biased {
                 Some(Tensor::cat(
                     &biases.into_iter().flatten().collect::<Vec<_>>(),
@@ -356,20 +348,34 @@ impl WeightSource {
     }
 }
 
+/// Builds one of our kernels' weights from GGML data of `[rows, cols]`.
+type OurKernel = fn(Vec<u8>, usize, usize) -> Result<Weight>;
+
+/// Our kernel for GGML data of `dtype` on `device`, where there is one: candle multiplies
+/// Q4_1 with scalar code and Q8_0 one output at a time; ours give the same values faster.
+fn our_kernel(dtype: GgmlDType, device: &Device) -> Option<OurKernel> {
+    if !device.is_cpu() {
+        return None;
+    }
+    match dtype {
+        GgmlDType::Q4_1 => Some(|bytes, rows, cols| {
+            Ok(Weight::Q41(Arc::new(Q41Matrix::from_ggml(
+                bytes, rows, cols,
+            )?)))
+        }),
+        GgmlDType::Q8_0 if Q80Matrix::supported() => Some(|bytes, rows, cols| {
+            Ok(Weight::Q80(Arc::new(Q80Matrix::from_ggml(
+                &bytes, rows, cols,
+            )?)))
+        }),
+        _ => None,
+    }
+}
+
 /// A block-quantized weight: ours where we have a kernel for its type, else candle's.
 fn quantized_weight(q: QTensor, out_in: (usize, usize), device: &Device) -> Result<Weight> {
-    // candle multiplies Q4_1 with scalar code and Q8_0 one output at a time; ours give the
-    // same values faster.
-    Ok(if q.dtype() == GgmlDType::Q4_1 && device.is_cpu() {
-        let bytes = q.data()?.into_owned();
-        Weight::Q41(Arc::new(Q41Matrix::from_ggml(bytes, out_in.0, out_in.1)?))
-    } else if q.dtype() == GgmlDType::Q8_0 && device.is_cpu() && Q80Matrix::supported() {
-        Weight::Q80(Arc::new(Q80Matrix::from_ggml(
-            &q.data()?,
-            out_in.0,
-            out_in.1,
-        )?))
-    } else {
-        Weight::Candle(QMatMul::from_arc(Arc::new(q))?)
-    })
+    match our_kernel(q.dtype(), device) {
+        Some(build) => build(q.data()?.into_owned(), out_in.0, out_in.1),
+        None => Ok(Weight::Candle(QMatMul::from_arc(Arc::new(q))?)),
+    }
 }
