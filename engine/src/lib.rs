@@ -2,6 +2,7 @@
 //! chat template and sampling. No networking lives here.
 
 mod act_quant;
+mod attention;
 pub mod beam;
 pub mod chat_template;
 pub mod config;

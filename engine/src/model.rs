@@ -9,6 +9,7 @@ use std::path::Path;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use rayon::prelude::*;
 
+use crate::attention;
 use crate::config::{ModelConfig, RopeStyle};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvLayout, SeqCache};
@@ -381,9 +382,12 @@ impl Model {
         let v = v.reshape((t, n_kv, hd))?.transpose(0, 1)?.contiguous()?;
         cache.write(layer, &k, &v)?;
         let (keys, values) = cache.view(layer, t)?;
-        let keys_t = keys.t()?;
         let group = cfg.group_size();
         let scale = 1.0 / (hd as f64).sqrt();
+        if t == 1 && attention::applies(group, pos + 1, hd) {
+            return attention::decode(&q, &keys, &values, scale);
+        }
+        let keys_t = keys.t()?;
         // Query rows in equal chunks of at least half `query_chunk`, so that every chunk's
         // products have more than 64 rows, as the whole one has: `gemm` then splits the sum
         // over keys at the same points, and each score and output is summed in the same
