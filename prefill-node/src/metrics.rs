@@ -18,6 +18,8 @@ pub struct PrefillMetrics {
     pub prompt_tokens: AtomicU64,
     pub compute_micros: AtomicU64,
     pub queue_wait_micros: AtomicU64,
+    /// Time from each prompt's last computed layer to its transfer's acknowledgement.
+    pub kv_tail_micros: AtomicU64,
     pub transfer_bytes: AtomicU64,
     pub prefix_cache_bytes: AtomicU64,
     pub prefix_hits: AtomicU64,
@@ -84,6 +86,11 @@ impl PrefillMetrics {
                     "prefill_queue_wait_seconds_total",
                     "Time prompts waited for the compute thread.",
                     secs(&self.queue_wait_micros),
+                ),
+                (
+                    "prefill_kv_transfer_tail_seconds_total",
+                    "Time from prompts' last computed layer to the decode node's acknowledgement of their KV.",
+                    secs(&self.kv_tail_micros),
                 ),
                 (
                     "prefill_transfer_bytes_total",

@@ -154,8 +154,13 @@ impl PrefillService {
             .map_err(transfer_error)?
             .into_inner();
         let prefill_time = computed.started.elapsed();
+        // The part of the transfer the compute did not hide: its last layer's chunk and the
+        // decode node's rebuild, up to the acknowledgement.
+        let kv_tail = computed.computed_at.elapsed();
+        PrefillMetrics::add(&self.metrics.kv_tail_micros, kv_tail.as_micros() as u64);
         tracing::info!(
             prefill_ms = prefill_time.as_secs_f64() * 1e3,
+            kv_tail_ms = kv_tail.as_secs_f64() * 1e3,
             bytes = ack.bytes,
             "prefilled"
         );

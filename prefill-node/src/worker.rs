@@ -42,6 +42,8 @@ pub struct Computed {
     pub first: Vec<Sampled>,
     pub queue_wait: Duration,
     pub started: Instant,
+    /// When the last message of the transfer (the first tokens) was handed to it.
+    pub computed_at: Instant,
     /// Prompts in the step that finished this one.
     pub batch_size: usize,
     /// Prompt tokens whose KV came from the prefix cache.
@@ -328,6 +330,7 @@ impl Worker {
                     first,
                     queue_wait,
                     started,
+                    computed_at: Instant::now(),
                     batch_size,
                     cached_tokens: a.cached,
                 })

@@ -3,17 +3,18 @@
 //! from the first message to the acknowledgement, next to the TCP loopback bandwidth
 //! measured in the same run. With `--mtls`, a second decode node takes the same transfers
 //! over mutual TLS, dialed the way a prefill node dials, so TLS's cost is a ratio from one
-//! run.
+//! run. With `--ttft`, a PD cluster serves prompts of the same lengths, and the prefill
+//! node's own clock says how much of each TTFT the transfer took after the compute ended.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
-use e2e::{bin, free_port, Proc};
+use e2e::{bin, free_port, metric, scrape, Cluster, Mode, Proc};
 use proto::v1::decode_client::DecodeClient;
 use proto::v1::{kv_transfer::Item, FirstTokens, KvChunk, KvHeader, KvTransfer, Token};
-use serde_json::json;
+use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[derive(Debug, Parser)]
@@ -38,6 +39,13 @@ struct Args {
     /// Also time every transfer over mutual TLS (certificates made for the run).
     #[arg(long)]
     mtls: bool,
+    /// Also serve prompts of these lengths through a PD cluster and report the transfer's
+    /// share of TTFT.
+    #[arg(long)]
+    ttft: bool,
+    /// Requests per length for `--ttft`; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    ttft_requests: usize,
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -197,6 +205,91 @@ fn transfer(
     out
 }
 
+/// A text prompt of about `tokens` tokens that no earlier prompt starts like (the prefill
+/// node's prefix cache would otherwise skip the compute).
+fn prompt_of(tokenizer: &engine::Tokenizer, tokens: usize, salt: usize) -> anyhow::Result<String> {
+    let words = [
+        "tandem", "prefill", "decode", "router", "cache", "token", "layer", "wire",
+    ];
+    let text: Vec<&str> = (0..tokens * 2).map(|i| words[(i * 7 + salt) % 8]).collect();
+    let text = format!("Request {salt}: {}", text.join(" "));
+    let ids = tokenizer.encode(&text)?;
+    Ok(tokenizer.decode(&ids[..tokens.min(ids.len())], false)?)
+}
+
+/// A prefill node's counter, from its metrics page.
+async fn prefill_counter(addr: &str, name: &str) -> anyhow::Result<f64> {
+    let page = scrape(addr).await;
+    metric(&page, name, "").with_context(|| format!("{name} is missing on {addr}"))
+}
+
+/// Through a PD cluster (router, prefill node, decode node): for each length, the median
+/// TTFT a streaming client saw, and the medians of the prefill node's compute time and
+/// transfer tail (its last layer to the decode node's acknowledgement) for the same
+/// requests, one at a time.
+async fn ttft_shares(a: &Args, tokenizer: &engine::Tokenizer) -> anyhow::Result<Vec<Value>> {
+    let longest = a.tokens.iter().max().copied().unwrap_or(0);
+    let (input, seq) = (longest.to_string(), (longest + 16).to_string());
+    let limits = ["--max-input-token-len", &input, "--max-seq-len", &seq];
+    let cluster = Cluster::start(Mode::Pd, &a.model, &limits).await;
+    let prefill = cluster.prefill.clone().expect("a PD cluster");
+    let url = format!("{}/v1/completions", cluster.url);
+    let body = |prompt: String| {
+        json!({"model": "test", "prompt": prompt, "max_tokens": 2, "ignore_eos": true,
+            "temperature": 0, "stream": true})
+    };
+    let warm =
+        bench::load::stream_request(&cluster.client, &url, &body(prompt_of(tokenizer, 16, 0)?))
+            .await;
+    anyhow::ensure!(warm.error.is_none(), "warm-up: {:?}", warm.error);
+    println!("| prompt tokens | TTFT ms | compute ms | transfer tail ms | tail % of TTFT |");
+    println!("| ---: | ---: | ---: | ---: | ---: |");
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut rows = Vec::new();
+    let mut salt = 1;
+    for &tokens in &a.tokens {
+        let (mut ttft, mut compute, mut tail, mut prompt_tokens) = (vec![], vec![], vec![], 0);
+        for _ in 0..a.ttft_requests.max(1) {
+            salt += 1;
+            let before = (
+                prefill_counter(&prefill, "prefill_compute_seconds_total").await?,
+                prefill_counter(&prefill, "prefill_kv_transfer_tail_seconds_total").await?,
+            );
+            let r = bench::load::stream_request(
+                &cluster.client,
+                &url,
+                &body(prompt_of(tokenizer, tokens, salt)?),
+            )
+            .await;
+            anyhow::ensure!(r.error.is_none(), "{tokens} tokens: {:?}", r.error);
+            compute
+                .push(prefill_counter(&prefill, "prefill_compute_seconds_total").await? - before.0);
+            tail.push(
+                prefill_counter(&prefill, "prefill_kv_transfer_tail_seconds_total").await?
+                    - before.1,
+            );
+            ttft.push(r.ttft);
+            prompt_tokens = r.prompt_tokens;
+        }
+        let (ttft, compute, tail) = (median(ttft), median(compute), median(tail));
+        println!(
+            "| {prompt_tokens} | {:.1} | {:.1} | {:.2} | {:.2}% |",
+            ttft * 1e3,
+            compute * 1e3,
+            tail * 1e3,
+            100.0 * tail / ttft
+        );
+        rows.push(
+            json!({"prompt_tokens": prompt_tokens, "ttft_s": ttft, "compute_s": compute,
+            "transfer_tail_s": tail, "tail_share_of_ttft": tail / ttft}),
+        );
+    }
+    Ok(rows)
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
@@ -261,9 +354,16 @@ async fn main() -> anyhow::Result<()> {
         );
         rows.push(row);
     }
+    let ttft = if a.ttft {
+        println!();
+        ttft_shares(&a, &text.tokenizer).await?
+    } else {
+        Vec::new()
+    };
     if let Some(p) = &a.json {
         let doc = json!({"model": a.model, "kv_bytes_per_token": per_token,
-            "loopback_bytes_per_s": wire, "chunk_bytes": a.chunk_bytes, "rows": rows});
+            "loopback_bytes_per_s": wire, "chunk_bytes": a.chunk_bytes, "rows": rows,
+            "ttft": ttft});
         std::fs::write(p, serde_json::to_string_pretty(&doc)?)?;
     }
     Ok(())

@@ -1,6 +1,6 @@
 //! The seeds' example requests get responses in the seeds' shapes.
 
-use e2e::{tiny_model, Cluster, Mode};
+use e2e::{metric, scrape, tiny_model, Cluster, Mode};
 use serde_json::{json, Value};
 
 /// Checks a non-streamed chat or text completion field by field; returns the text.
@@ -158,4 +158,16 @@ async fn models_health_and_metrics() {
         metrics.contains("router_completion_tokens_total 2"),
         "{metrics}"
     );
+    let prefill = c.prefill.as_ref().expect("a PD cluster has a prefill node");
+    let page = scrape(prefill).await;
+    let value = |name: &str, labels: &str| {
+        metric(&page, name, labels).unwrap_or_else(|| panic!("{name} missing:\n{page}"))
+    };
+    assert_eq!(
+        value("prefill_requests_total", "{outcome=\"completed\"}"),
+        1.0
+    );
+    assert!(value("prefill_transfer_bytes_total", "") > 0.0, "{page}");
+    let tail = value("prefill_kv_transfer_tail_seconds_total", "");
+    assert!(tail > 0.0 && tail < 30.0, "transfer tail {tail} s:\n{page}");
 }
