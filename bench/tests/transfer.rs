@@ -11,11 +11,16 @@ fn transfers_and_ttft_shares_are_measured() {
     let out = std::process::Command::new(e2e::bin("transfer-bench"))
         .args(["--model", &model.display().to_string()])
         .args(["--tokens", "16,64", "--repeats", "1", "--ttft"])
-        .args(["--ttft-requests", "1", "--json", &json.display().to_string()])
+        .args([
+            "--ttft-requests",
+            "1",
+            "--json",
+            &json.display().to_string(),
+        ])
         .output()
         .expect("transfer-bench runs");
-    let printed = String::from_utf8_lossy(&out.stdout).to_string()
-        + &String::from_utf8_lossy(&out.stderr);
+    let printed =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "transfer-bench failed:\n{printed}");
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let rows = doc["rows"].as_array().expect("wire rows");
@@ -28,13 +33,19 @@ fn transfers_and_ttft_shares_are_measured() {
     for (r, want) in ttft.iter().zip([16, 64]) {
         let tokens = r["prompt_tokens"].as_u64().unwrap();
         // Decoding a token prefix and encoding it again may merge a pair at the cut.
-        assert!(tokens.abs_diff(want) <= 2, "{tokens} tokens for {want}: {r}");
+        assert!(
+            tokens.abs_diff(want) <= 2,
+            "{tokens} tokens for {want}: {r}"
+        );
         let (ttft, compute, tail) = (
             r["ttft_s"].as_f64().unwrap(),
             r["compute_s"].as_f64().unwrap(),
             r["transfer_tail_s"].as_f64().unwrap(),
         );
         assert!(compute > 0.0 && tail > 0.0, "{r}");
-        assert!(compute + tail <= ttft, "the prefill node's times exceed TTFT: {r}");
+        assert!(
+            compute + tail <= ttft,
+            "the prefill node's times exceed TTFT: {r}"
+        );
     }
 }

@@ -315,6 +315,46 @@ fn rounded(positions: usize) -> usize {
     positions.div_ceil(GROW_TOKENS) * GROW_TOKENS
 }
 
+/// Writes K or V for positions `start .. start + len` of one layer, as the wire carries
+/// them (`(kv_heads, len, head_dim)`, little-endian f32; lengths checked by the caller),
+/// into that layer's `(kv_heads, capacity, head_dim)` storage in place.
+struct FromWire<'a> {
+    bytes: &'a [u8],
+    start: usize,
+    len: usize,
+}
+
+impl candle_core::InplaceOp1 for FromWire<'_> {
+    fn name(&self) -> &'static str {
+        "kv-from-wire"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &mut candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let candle_core::CpuStorage::F32(data) = storage else {
+            candle_core::bail!("KV caches hold f32");
+        };
+        let (heads, capacity, head_dim) = layout.shape().dims3()?;
+        let Some((first, _)) = layout.contiguous_offsets() else {
+            candle_core::bail!("a KV cache layer is one contiguous tensor");
+        };
+        let row = self.len * head_dim;
+        if self.start + self.len > capacity || self.bytes.len() != heads * row * 4 {
+            candle_core::bail!("K/V chunk does not fit the cache");
+        }
+        for (h, src) in self.bytes.chunks_exact(row * 4).enumerate() {
+            let at = first + (h * capacity + self.start) * head_dim;
+            for (d, s) in data[at..at + row].iter_mut().zip(src.chunks_exact(4)) {
+                *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Rebuilds a `SeqCache` from chunks that arrive in order within each layer. Everything it
 /// is given may be garbage (it comes off the network): a bad header or chunk is an error,
 /// never a panic, and memory follows the bytes received, not the positions claimed.
@@ -393,15 +433,20 @@ impl KvAssembler {
                 chunk.v.len()
             ));
         }
-        let shape = [layout.n_kv_heads, len, layout.head_dim];
         self.make_room(start + len)?;
-        let device = &self.cache.device;
-        // One copy from the wire's bytes (native order is the wire's little-endian on every
-        // target we build for) into a tensor, one into the cache.
-        let tensor = |bytes: &[u8]| Tensor::from_raw_buffer(bytes, DType::F32, &shape, device);
+        // Straight from the wire's bytes into the cache's storage: no tensor in between,
+        // whose fresh buffer cost a page fault per 4 KiB.
         let l = &self.cache.layers[layer];
-        l.k.slice_set(&tensor(&chunk.k)?, 1, start)?;
-        l.v.slice_set(&tensor(&chunk.v)?, 1, start)?;
+        l.k.inplace_op1(&FromWire {
+            bytes: &chunk.k,
+            start,
+            len,
+        })?;
+        l.v.inplace_op1(&FromWire {
+            bytes: &chunk.v,
+            start,
+            len,
+        })?;
         self.filled[layer] += len;
         Ok(())
     }
