@@ -384,7 +384,7 @@ impl Model {
         let (keys, values) = cache.view(layer, t)?;
         let group = cfg.group_size();
         let scale = 1.0 / (hd as f64).sqrt();
-        if t == 1 && attention::applies(group, pos + 1, hd) {
+        if t == 1 && self.device.is_cpu() && attention::applies(group, pos + 1, hd) {
             return attention::decode(&q, &keys, &values, scale);
         }
         let keys_t = keys.t()?;
