@@ -10,6 +10,8 @@
 //! runs of 512, the runs added in order. The scale is candle's `x * scale + 0`, and the
 //! softmax calls candle's own reductions.
 
+use std::sync::OnceLock;
+
 use candle_core::cpu::kernels::VecOps;
 use candle_core::{CpuStorage, Storage, Tensor};
 
@@ -46,8 +48,16 @@ fn fma_available() -> bool {
 
 /// Attention of one new row: `q` is `(heads, 1, head_dim)`, already rotated; `keys` and
 /// `values` are `(kv_heads, len, head_dim)` views of the cache, rows contiguous. Returns
-/// `(1, heads * head_dim)`. Call only where [`applies`] holds.
-pub(crate) fn decode(q: &Tensor, keys: &Tensor, values: &Tensor, scale: f64) -> Result<Tensor> {
+/// `(1, heads * head_dim)`. With `spread`, the K/V heads are shared out over candle's pool
+/// (for a lone sequence: the pool's workers would otherwise wait); each head's values do not
+/// depend on where it runs. Call only where [`applies`] holds.
+pub(crate) fn decode(
+    q: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
+    scale: f64,
+    spread: bool,
+) -> Result<Tensor> {
     let (heads, _, hd) = q.dims3()?;
     let (kv_heads, len, _) = keys.dims3()?;
     let q = q.contiguous()?;
@@ -58,20 +68,37 @@ pub(crate) fn decode(q: &Tensor, keys: &Tensor, values: &Tensor, scale: f64) -> 
     let k = Heads::new(f32_data(&k_store)?, k_layout, kv_heads, len, hd)?;
     let v = Heads::new(f32_data(&v_store)?, v_layout, kv_heads, len, hd)?;
     let group = heads / kv_heads;
-    let mut out = vec![0f32; heads * hd];
-    let mut probs = vec![0f32; group * len];
-    for h in 0..kv_heads {
+    let head = |h: usize| {
         let q = &q[h * group * hd..][..group * hd];
-        let out = &mut out[h * group * hd..][..group * hd];
+        let mut out = vec![0f32; group * hd];
+        let mut probs = vec![0f32; group * len];
         // SAFETY: `applies` found AVX2 and FMA; the slices have the lengths the kernels read.
         #[cfg(target_arch = "x86_64")]
         unsafe {
             fma::scores(q, k.head(h), len, hd, scale as f32, &mut probs);
             softmax_rows(&mut probs, len);
-            fma::weighted_values(&probs, v.head(h), len, hd, out);
+            fma::weighted_values(&probs, v.head(h), len, hd, &mut out);
         }
-    }
-    Ok(Tensor::from_vec(out, (1, heads * hd), keys.device())?)
+        out
+    };
+    let outs: Vec<Vec<f32>> = if spread {
+        let done: Vec<OnceLock<Vec<f32>>> = (0..kv_heads).map(|_| OnceLock::new()).collect();
+        candle_core::utils::barrier_pool().execute_chunked(kv_heads, |range| {
+            for h in range {
+                let _ = done[h].set(head(h));
+            }
+        });
+        done.into_iter()
+            .map(|d| d.into_inner().expect("every head ran"))
+            .collect()
+    } else {
+        (0..kv_heads).map(head).collect()
+    };
+    Ok(Tensor::from_vec(
+        outs.concat(),
+        (1, heads * hd),
+        keys.device(),
+    )?)
 }
 
 fn f32_data(storage: &Storage) -> Result<&[f32]> {
@@ -341,7 +368,7 @@ mod tests {
             let q = Tensor::from_vec(data(kv * group * hd, seed + 2), (kv * group, 1, hd), &dev)
                 .unwrap();
             let scale = 1.0 / (hd as f64).sqrt();
-            let ours: Vec<f32> = decode(&q, &k, &v, scale)
+            let ours: Vec<f32> = decode(&q, &k, &v, scale, i % 2 == 0)
                 .unwrap()
                 .flatten_all()
                 .unwrap()

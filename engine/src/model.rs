@@ -324,17 +324,19 @@ impl Model {
         let ids = Tensor::new(all_tokens.as_slice(), &self.device)?;
         let mut xs = self.embed.index_select(&ids, 0)?;
         let eps = self.cfg.rms_norm_eps as f32;
+        let lone = batch.len() == 1;
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&xs, &layer.attn_norm, eps)?;
             let qkv = layer.qkv.forward(&h)?;
             let (q, k, v) = (&qkv[0], &qkv[1], &qkv[2]);
             // Sequences attend independently, so they spread over the cores; each one's
-            // values do not depend on where it runs.
+            // values do not depend on where it runs. A lone sequence spreads its heads.
             let outs = spans
                 .par_iter()
                 .zip(batch.par_iter())
                 .map(|(&(row, t), item)| {
                     self.attend(
+                        lone,
                         li,
                         item.cache,
                         &q.narrow(0, row, t)?,
@@ -367,6 +369,7 @@ impl Model {
     /// Heads sharing a K/V head are folded into one matrix, so K/V are never repeated.
     fn attend(
         &self,
+        spread: bool,
         layer: usize,
         cache: &SeqCache,
         q: &Tensor,
@@ -385,7 +388,7 @@ impl Model {
         let group = cfg.group_size();
         let scale = 1.0 / (hd as f64).sqrt();
         if t == 1 && self.device.is_cpu() && attention::applies(group, pos + 1, hd) {
-            return attention::decode(&q, &keys, &values, scale);
+            return attention::decode(&q, &keys, &values, scale, spread);
         }
         let keys_t = keys.t()?;
         // Query rows in equal chunks of at least half `query_chunk`, so that every chunk's
