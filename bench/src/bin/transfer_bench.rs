@@ -217,10 +217,17 @@ fn prompt_of(tokenizer: &engine::Tokenizer, tokens: usize, salt: usize) -> anyho
     Ok(tokenizer.decode(&ids[..tokens.min(ids.len())], false)?)
 }
 
-/// A prefill node's counter, from its metrics page.
-async fn prefill_counter(addr: &str, name: &str) -> anyhow::Result<f64> {
+/// A prefill node's compute time and transfer tail so far, in seconds, from one scrape of
+/// its metrics page.
+async fn prefill_times(addr: &str) -> anyhow::Result<(f64, f64)> {
     let page = scrape(addr).await;
-    metric(&page, name, "").with_context(|| format!("{name} is missing on {addr}"))
+    let counter = |name: &str| {
+        metric(&page, name, "").with_context(|| format!("{name} is missing on {addr}"))
+    };
+    Ok((
+        counter("prefill_compute_seconds_total")?,
+        counter("prefill_kv_transfer_tail_seconds_total")?,
+    ))
 }
 
 /// Through a PD cluster (router, prefill node, decode node): for each length, the median
@@ -254,10 +261,7 @@ async fn ttft_shares(a: &Args, tokenizer: &engine::Tokenizer) -> anyhow::Result<
         let (mut ttft, mut compute, mut tail, mut prompt_tokens) = (vec![], vec![], vec![], 0);
         for _ in 0..a.ttft_requests.max(1) {
             salt += 1;
-            let before = (
-                prefill_counter(&prefill, "prefill_compute_seconds_total").await?,
-                prefill_counter(&prefill, "prefill_kv_transfer_tail_seconds_total").await?,
-            );
+            let before = prefill_times(&prefill).await?;
             let r = bench::load::stream_request(
                 &cluster.client,
                 &url,
@@ -265,12 +269,9 @@ async fn ttft_shares(a: &Args, tokenizer: &engine::Tokenizer) -> anyhow::Result<
             )
             .await;
             anyhow::ensure!(r.error.is_none(), "{tokens} tokens: {:?}", r.error);
-            compute
-                .push(prefill_counter(&prefill, "prefill_compute_seconds_total").await? - before.0);
-            tail.push(
-                prefill_counter(&prefill, "prefill_kv_transfer_tail_seconds_total").await?
-                    - before.1,
-            );
+            let after = prefill_times(&prefill).await?;
+            compute.push(after.0 - before.0);
+            tail.push(after.1 - before.1);
             ttft.push(r.ttft);
             prompt_tokens = r.prompt_tokens;
         }
