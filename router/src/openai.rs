@@ -663,47 +663,42 @@ impl Output {
         entries: &[LogprobEntry],
         finish: Option<FinishReason>,
     ) -> Value {
-        let logprobs = self.logprobs_json(entries);
-        let stop_reason = if finish.is_some() {
-            c.stop_reason.clone()
-        } else {
-            Value::Null
+        let ending = Ending {
+            logprobs: self.logprobs_json(entries),
+            stop_reason: match finish {
+                Some(_) => c.stop_reason.clone(),
+                None => Value::Null,
+            },
+            finish: finish.map(|f| finish_str(f, !c.calls.is_empty())),
         };
-        let finish = finish.map(|f| finish_str(f, !c.calls.is_empty()));
-        let content = match part {
+        let content = self.content_of(c, part);
+        let Some(r) = part else {
+            if self.kind == Kind::Completion {
+                return delta_json(self.kind, index, content, &Released::default(), &[], ending);
+            }
+            // OpenAI's shape: a message that only calls tools has null content.
+            let content = if content.is_empty() && !c.calls.is_empty() {
+                Value::Null
+            } else {
+                json!(content)
+            };
+            let mut message = json!({"role": "assistant", "content": content,
+                "tool_calls": calls_json(&c.calls, None)});
+            if !c.reasoning.is_empty() {
+                message["reasoning_content"] = json!(c.reasoning);
+            }
+            return json!({"index": index, "message": message, "logprobs": ending.logprobs,
+                "finish_reason": ending.finish});
+        };
+        delta_json(self.kind, index, content, r, &c.calls, ending)
+    }
+
+    /// The content a choice shows: a chunk's delta, or the whole text so far for the
+    /// whole output and with fullText.
+    fn content_of<'a>(&self, c: &'a ChoiceOut, part: Option<&'a Released>) -> &'a str {
+        match part {
             Some(r) if !self.state.cfg.full_text_enabled => r.content.as_str(),
             _ => c.content.as_str(),
-        };
-        match (self.kind, part) {
-            (Kind::Chat, None) => {
-                // OpenAI's shape: a message that only calls tools has null content.
-                let content = if content.is_empty() && !c.calls.is_empty() {
-                    Value::Null
-                } else {
-                    json!(content)
-                };
-                let mut message = json!({"role": "assistant", "content": content,
-                    "tool_calls": calls_json(&c.calls, None)});
-                if !c.reasoning.is_empty() {
-                    message["reasoning_content"] = json!(c.reasoning);
-                }
-                json!({"index": index, "message": message, "logprobs": logprobs,
-                    "finish_reason": finish})
-            }
-            (Kind::Chat, Some(r)) => {
-                let mut delta = json!({"role": "assistant", "content": content});
-                if !r.reasoning.is_empty() {
-                    delta["reasoning_content"] = json!(r.reasoning);
-                }
-                if !r.calls.is_empty() {
-                    delta["tool_calls"] =
-                        calls_json(&c.calls[r.calls.clone()], Some(r.calls.start));
-                }
-                json!({"index": index, "delta": delta, "logprobs": logprobs,
-                    "finish_reason": finish})
-            }
-            (Kind::Completion, _) => json!({"index": index, "text": content,
-                "logprobs": logprobs, "stop_reason": stop_reason, "finish_reason": finish}),
         }
     }
 
@@ -716,16 +711,35 @@ impl Output {
         m
     }
 
-    /// The chunk for a token of `choice` that released `part`.
-    fn token_chunk(&self, choice: u32, part: &Released) -> Value {
+    /// What every chunk starts with, up to its choices: `{"id":...,"choices":[`.
+    fn chunk_head(&self) -> String {
+        let mut head = Value::Object(self.head(true)).to_string();
+        head.pop();
+        head.push_str(r#","choices":["#);
+        head
+    }
+
+    /// The chunk for a token of `choice` that released `part`, after `head` (from
+    /// `chunk_head`). Most tokens release plain text only; those are written straight
+    /// out, without building a JSON tree (a streamed request's main cost in the router).
+    fn token_chunk(&self, head: &str, choice: u32, part: &Released) -> String {
         let c = &self.choices[choice as usize];
-        let newest = c.entries.len().saturating_sub(1);
-        let mut m = self.head(true);
-        m.insert(
-            "choices".into(),
-            json!([self.choice_json(choice as usize, c, Some(part), &c.entries[newest..], None)]),
-        );
-        Value::Object(m)
+        let mut s = String::with_capacity(head.len() + 128);
+        s.push_str(head);
+        if !self.logprobs && part.reasoning.is_empty() && part.calls.is_empty() {
+            plain_delta(
+                &mut s,
+                self.kind,
+                choice as usize,
+                self.content_of(c, Some(part)),
+            );
+        } else {
+            let newest = c.entries.len().saturating_sub(1);
+            let v = self.choice_json(choice as usize, c, Some(part), &c.entries[newest..], None);
+            s.push_str(&v.to_string());
+        }
+        s.push_str("]}");
+        s
     }
 
     /// The chunk that ends `choice` with what it still held back; the last one to end
@@ -804,6 +818,62 @@ fn finish_str(f: FinishReason, called: bool) -> &'static str {
         _ if called => "tool_calls",
         _ => "stop",
     }
+}
+
+/// The fields that close a choice: null in a chunk of plain text.
+#[derive(Default)]
+struct Ending {
+    logprobs: Value,
+    stop_reason: Value,
+    finish: Option<&'static str>,
+}
+
+/// A choice of a chunk (`r` its delta, `calls` the choice's calls) or of a whole text
+/// completion, in the key order clients see.
+fn delta_json(
+    kind: Kind,
+    index: usize,
+    content: &str,
+    r: &Released,
+    calls: &[(String, ToolCall)],
+    ending: Ending,
+) -> Value {
+    let Ending {
+        logprobs,
+        stop_reason,
+        finish,
+    } = ending;
+    match kind {
+        Kind::Chat => {
+            let mut delta = json!({"role": "assistant", "content": content});
+            if !r.reasoning.is_empty() {
+                delta["reasoning_content"] = json!(r.reasoning);
+            }
+            if !r.calls.is_empty() {
+                delta["tool_calls"] = calls_json(&calls[r.calls.clone()], Some(r.calls.start));
+            }
+            json!({"index": index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish})
+        }
+        Kind::Completion => json!({"index": index, "text": content,
+            "logprobs": logprobs, "stop_reason": stop_reason, "finish_reason": finish}),
+    }
+}
+
+/// Writes what `delta_json` gives for a chunk of plain text, without logprobs, to `s`.
+fn plain_delta(s: &mut String, kind: Kind, index: usize, content: &str) {
+    use std::fmt::Write;
+    let text = Value::String(content.to_owned());
+    let _ = match kind {
+        Kind::Chat => write!(
+            s,
+            r#"{{"index":{index},"delta":{{"role":"assistant","content":{text}}},"logprobs":null,"finish_reason":null}}"#
+        ),
+        Kind::Completion => write!(
+            s,
+            r#"{{"index":{index},"text":{text},"logprobs":null,"stop_reason":null,"finish_reason":null}}"#
+        ),
+    };
 }
 
 /// Tool calls as OpenAI shows them; `first` numbers them for stream deltas.
@@ -896,12 +966,13 @@ async fn pump(
     mut rest: Pieces,
     tx: &mpsc::Sender<Result<Event, Infallible>>,
 ) -> Result<(), RouterError> {
-    let send = |v: Value| tx.send(Ok(Event::default().data(v.to_string())));
+    let send = |v: String| tx.send(Ok(Event::default().data(v)));
+    let head = out.chunk_head();
     let mut piece = first;
     loop {
         if let Piece::Token(t) = &piece {
             if let Some(part) = out.push(t)? {
-                if send(out.token_chunk(t.choice, &part)).await.is_err() {
+                if send(out.token_chunk(&head, t.choice, &part)).await.is_err() {
                     // The client went away; dropping `rest` cancels the generation.
                     return Ok(());
                 }
@@ -909,7 +980,7 @@ async fn pump(
         }
         if let Some((choice, reason)) = out.ending(&piece)? {
             let rest_text = out.finish(choice, reason)?;
-            let _ = send(out.finish_chunk(choice, &rest_text)).await;
+            let _ = send(out.finish_chunk(choice, &rest_text).to_string()).await;
         }
         if out.all_finished() {
             return Ok(());
@@ -920,5 +991,37 @@ async fn pump(
             p = next(&mut rest) => p?,
             _ = tx.closed() => return Ok(()),
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plain_chunk_is_written_as_the_json_tree_would_be() {
+        let texts = [
+            "",
+            " hello",
+            "quote \" and back\\slash",
+            "line\nbreak\ttab\r\u{1}\u{1f}",
+            "中文 and 🙂",
+            "</think>{\"name\": 1}",
+        ];
+        for kind in [Kind::Chat, Kind::Completion] {
+            for (index, text) in texts.iter().enumerate() {
+                let mut fast = String::new();
+                plain_delta(&mut fast, kind, index, text);
+                let tree = delta_json(
+                    kind,
+                    index,
+                    text,
+                    &Released::default(),
+                    &[],
+                    Ending::default(),
+                );
+                assert_eq!(fast, tree.to_string(), "{kind:?} {text:?}");
+            }
+        }
     }
 }
