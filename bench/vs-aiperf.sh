@@ -6,6 +6,7 @@
 # comes from bench/install-peers.sh.
 #
 #   ROUNDS=4 bash bench/vs-aiperf.sh
+#   CONCURRENCY=1 REQUESTS=24 ROUNDS=3 bash bench/vs-aiperf.sh   # TTFT without queueing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-models/small}
@@ -30,6 +31,9 @@ taskset -c 0 "$BIN/tandem-router" --model "$MODEL" --model-name small --mode col
 PIDS+=($!)
 for _ in $(seq 1 600); do curl -sf "http://127.0.0.1:$R/health/ready" >/dev/null && break; sleep 0.1; done
 curl -sf "http://127.0.0.1:$R/health/ready" >/dev/null || { echo "router not ready; logs in $LOGS" >&2; exit 1; }
+# One request first, so that neither tool's first run pays the server's warm-up.
+curl -sf "http://127.0.0.1:$R/v1/completions" -H 'content-type: application/json' \
+    -d '{"model": "small", "prompt": "warm up", "max_tokens": 8}' >/dev/null
 
 for round in $(seq 1 "$ROUNDS"); do
     echo "== round $round ($(uptime | sed 's/.*load/load/'))"
