@@ -12,6 +12,7 @@ pub mod generate;
 pub mod gguf_export;
 pub mod kv_cache;
 pub mod loader;
+mod masked_softmax;
 pub mod model;
 pub mod q4;
 pub mod q8;

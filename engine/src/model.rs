@@ -13,6 +13,7 @@ use crate::attention;
 use crate::config::{ModelConfig, RopeStyle};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvLayout, SeqCache};
+use crate::masked_softmax::MaskedSoftmax;
 use crate::weights::{Linear, Stacked, WeightSource};
 
 struct Layer {
@@ -401,12 +402,22 @@ impl Model {
         for start in (0..t).step_by(rows) {
             let tc = rows.min(t - start);
             let q = q.narrow(1, start, tc)?.reshape((n_kv, group * tc, hd))?;
-            let mut scores = (q.matmul(&keys_t)? * scale)?;
-            if t > 1 {
-                let mask = causal_mask(group, start..start + tc, pos, pos + t, &self.device)?;
-                scores = scores.broadcast_add(&mask)?;
-            }
-            let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+            let scores = q.matmul(&keys_t)?;
+            let probs = if t > 1 && self.device.is_cpu() {
+                scores.inplace_op1(&MaskedSoftmax {
+                    scale,
+                    rows: tc,
+                    first_pos: pos + start,
+                })?;
+                scores
+            } else {
+                let mut scores = (scores * scale)?;
+                if t > 1 {
+                    let mask = causal_mask(group, start..start + tc, pos, pos + t, &self.device)?;
+                    scores = scores.broadcast_add(&mask)?;
+                }
+                candle_nn::ops::softmax_last_dim(&scores)?
+            };
             outs.push(probs.matmul(&values)?.reshape((n_heads, tc, hd))?);
         }
         Ok(Tensor::cat(&outs, 1)?
@@ -489,7 +500,7 @@ fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
 
 /// Additive mask for `group` heads × the new rows `rows` (of those at positions `pos ..`),
 /// over `keys` keys: a row sees the keys up to its own position.
-fn causal_mask(
+pub(crate) fn causal_mask(
     group: usize,
     rows: std::ops::Range<usize>,
     pos: usize,
