@@ -3,6 +3,7 @@
 
 use std::path::Path;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use candle_core::quantized::gguf_file;
 use serde_json::{json, Value};
@@ -13,6 +14,88 @@ use crate::error::{EngineError, Result};
 #[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// Every token's bytes, when the decoder is byte-level alone; `decode` then needs no
+    /// `tokenizers` call.
+    byte_level: Option<Arc<TokenBytes>>,
+}
+
+/// Per token id, what a byte-level decoder turns it into, and whether it is special: one
+/// buffer for the whole vocabulary.
+struct TokenBytes {
+    bytes: Vec<u8>,
+    /// Token `id`'s bytes end at `ends[id]` and start where the previous ones end.
+    ends: Vec<usize>,
+    kinds: Vec<Kind>,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    /// An id the vocabulary lacks: decoding leaves it out.
+    Unknown,
+    Normal,
+    Special,
+}
+
+impl TokenBytes {
+    /// The table for `inner` if its decoder is `ByteLevel` and nothing else.
+    fn of(inner: &tokenizers::Tokenizer) -> Option<Self> {
+        if !matches!(
+            inner.get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        ) {
+            return None;
+        }
+        let to_byte: std::collections::HashMap<char, u8> =
+            (0..=255u8).map(|b| (char_of_byte(b), b)).collect();
+        let last = inner.get_vocab(true).into_values().max()?;
+        let added = inner.get_added_vocabulary();
+        let mut table = Self {
+            bytes: Vec::new(),
+            ends: Vec::with_capacity(last as usize + 1),
+            kinds: Vec::with_capacity(last as usize + 1),
+        };
+        for id in 0..=last {
+            let kind = match inner.id_to_token(id) {
+                None => Kind::Unknown,
+                Some(token) => {
+                    // As `ByteLevel::decode_chain`: a token with a character outside the
+                    // alphabet keeps its UTF-8 bytes.
+                    let mapped: Option<Vec<u8>> =
+                        token.chars().map(|c| to_byte.get(&c).copied()).collect();
+                    table
+                        .bytes
+                        .extend(mapped.unwrap_or_else(|| token.as_bytes().to_vec()));
+                    if added.is_special_token(&token) {
+                        Kind::Special
+                    } else {
+                        Kind::Normal
+                    }
+                }
+            };
+            table.ends.push(table.bytes.len());
+            table.kinds.push(kind);
+        }
+        Some(table)
+    }
+
+    /// `tokenizers::Tokenizer::decode` for a byte-level decoder: the tokens' bytes in
+    /// order (unknown ids and, with `skip_special`, special tokens left out), as text
+    /// with invalid sequences replaced.
+    fn decode(&self, ids: &[u32], skip_special: bool) -> String {
+        let mut out = Vec::with_capacity(ids.len() * 4);
+        for &id in ids {
+            let id = id as usize;
+            let Some(&kind) = self.kinds.get(id) else {
+                continue;
+            };
+            if kind == Kind::Unknown || (skip_special && kind == Kind::Special) {
+                continue;
+            }
+            let start = if id == 0 { 0 } else { self.ends[id - 1] };
+            out.extend_from_slice(&self.bytes[start..self.ends[id]]);
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    }
 }
 
 fn tok_err(e: impl std::fmt::Display) -> EngineError {
@@ -32,13 +115,18 @@ impl Tokenizer {
     pub fn from_file(path: &Path) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| EngineError::invalid_model(path, format!("tokenizer.json: {e}")))?;
-        Ok(Self { inner })
+        Ok(Self::new(inner))
     }
 
     /// Parses the contents of a `tokenizer.json`.
     pub fn from_json(json: &str) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_str(json).map_err(tok_err)?;
-        Ok(Self { inner })
+        Ok(Self::new(inner))
+    }
+
+    fn new(inner: tokenizers::Tokenizer) -> Self {
+        let byte_level = TokenBytes::of(&inner).map(Arc::new);
+        Self { inner, byte_level }
     }
 
     /// Rebuilds a byte-level BPE tokenizer from a GGUF file's vocabulary and merges.
@@ -137,7 +225,10 @@ impl Tokenizer {
 
     /// Text for `ids`; `skip_special` drops special tokens.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special).map_err(tok_err)
+        match &self.byte_level {
+            Some(t) => Ok(t.decode(ids, skip_special)),
+            None => self.inner.decode(ids, skip_special).map_err(tok_err),
+        }
     }
 
     /// The id of a token given as text, if the vocabulary has it.
@@ -177,10 +268,13 @@ impl Tokenizer {
     }
 }
 
+/// Whether GPT-2's byte-level alphabet writes byte `b` as the character of the same code.
+fn printable(b: u32) -> bool {
+    (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b)
+}
+
 /// The byte GPT-2's byte-level alphabet writes as `c`, if `c` belongs to that alphabet.
 fn byte_of_char(c: char) -> Option<u8> {
-    let printable =
-        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
     let cp = c as u32;
     if cp < 256 {
         return printable(cp).then_some(cp as u8);
@@ -191,6 +285,15 @@ fn byte_of_char(c: char) -> Option<u8> {
         .filter(|&b| !printable(b))
         .nth(n)
         .map(|b| b as u8)
+}
+
+/// The character GPT-2's byte-level alphabet writes byte `b` as.
+fn char_of_byte(b: u8) -> char {
+    if printable(u32::from(b)) {
+        return char::from(b);
+    }
+    let n = (0..u32::from(b)).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + n).unwrap_or(char::REPLACEMENT_CHARACTER)
 }
 
 /// Turns a growing list of ids into text pieces that never split a UTF-8 character.

@@ -233,3 +233,57 @@ fn token_bytes_are_the_raw_bytes_of_each_piece() {
     let crab = tiny.encode("🦀").unwrap();
     assert!(std::str::from_utf8(&tiny.token_bytes(crab[0]).unwrap()).is_err());
 }
+
+/// Ids spread over the vocabulary and a little past it, deterministic per seed.
+fn some_ids(n: usize, below: u32, seed: u64) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % u64::from(below)) as u32
+        })
+        .collect()
+}
+
+/// Our byte-level decode gives what the `tokenizers` crate gives: every token alone, and
+/// random runs of tokens (pieces of characters, special tokens skipped or not, ids the
+/// vocabulary lacks).
+pub fn check_byte_level_decode(name: &str, tok: &Tokenizer) {
+    assert!(
+        matches!(
+            tok.inner().get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        ),
+        "{name}: expected a byte-level decoder"
+    );
+    let vocab = tok.vocab_size() as u32;
+    for skip in [false, true] {
+        for id in 0..vocab + 3 {
+            assert_eq!(
+                tok.decode(&[id], skip).unwrap(),
+                tok.inner().decode(&[id], skip).unwrap(),
+                "{name}: id {id}, skip {skip}"
+            );
+        }
+        for seed in 0..300 {
+            let ids = some_ids(1 + (seed as usize % 24), vocab + 3, seed);
+            assert_eq!(
+                tok.decode(&ids, skip).unwrap(),
+                tok.inner().decode(&ids, skip).unwrap(),
+                "{name}: {ids:?}, skip {skip}"
+            );
+        }
+    }
+}
+
+#[test]
+fn byte_level_decoding_equals_the_tokenizers_crate() {
+    for name in ["qwen3", "deepseek_v3"] {
+        let path = common::models_dir().join(name).join("tokenizer.json");
+        check_byte_level_decode(name, &Tokenizer::from_file(&path).unwrap());
+    }
+    let tiny = common::tiny_model_dir().join("tokenizer.json");
+    check_byte_level_decode("tiny", &Tokenizer::from_file(&tiny).unwrap());
+}

@@ -51,6 +51,7 @@ fn tokenizer_rebuilt_from_gguf_matches_reference_ids() {
     }
     let eos = fx["eos_token_id"].as_u64().unwrap() as u32;
     assert_eq!(loaded.model.config().eos_token_ids, vec![eos]);
+    crate::loading::check_byte_level_decode("smollm2", &loaded.tokenizer);
 }
 
 #[test]
