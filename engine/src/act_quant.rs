@@ -91,6 +91,20 @@ pub(crate) mod testing {
             .collect()
     }
 
+    /// Values spread evenly over `-width / 2 .. width / 2` by a xorshift generator,
+    /// deterministic per seed; unlike [`data`], neighbouring seeds give unrelated values.
+    pub fn xorshift_data(n: usize, seed: u64, width: f32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * width
+            })
+            .collect()
+    }
+
     /// candle's `x Wᵀ` for `x` of `n` rows of `cols`, flattened.
     pub fn candle_product(w: &QMatMul, x: &[f32], n: usize, cols: usize) -> Vec<f32> {
         let xt = Tensor::from_vec(x.to_vec(), (n, cols), &Device::Cpu).unwrap();

@@ -326,15 +326,7 @@ mod tests {
 
     /// Values spread like activations, deterministic per seed.
     fn data(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
-            })
-            .collect()
+        crate::act_quant::testing::xorshift_data(n, seed, 4.0)
     }
 
     #[test]

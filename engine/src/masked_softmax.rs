@@ -90,18 +90,12 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     use super::*;
+    use crate::act_quant::testing::xorshift_data;
 
-    /// Deterministic scores spread like real ones.
-    fn data(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 40.0
-            })
-            .collect()
+    /// The values of `t`, as bits.
+    fn bits(t: &Tensor) -> Vec<u32> {
+        let values: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        values.iter().map(|x| x.to_bits()).collect()
     }
 
     #[test]
@@ -122,8 +116,12 @@ mod tests {
         .enumerate()
         {
             let n = kv * group * rows * keys;
-            let scores =
-                Tensor::from_vec(data(n, i as u64), (kv, group * rows, keys), &dev).unwrap();
+            let scores = Tensor::from_vec(
+                xorshift_data(n, i as u64, 40.0),
+                (kv, group * rows, keys),
+                &dev,
+            )
+            .unwrap();
             let scale = 1.0 / 64f64.sqrt();
             let mask = crate::model::causal_mask(group, 0..rows, first_pos, keys, &dev).unwrap();
             let general = candle_nn::ops::softmax_last_dim(
@@ -137,23 +135,7 @@ mod tests {
                 first_pos,
             })
             .unwrap();
-            let a: Vec<u32> = general
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits())
-                .collect();
-            let b: Vec<u32> = ours
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits())
-                .collect();
-            assert!(a == b, "shape {i}: values differ");
+            assert!(bits(&general) == bits(&ours), "shape {i}: values differ");
         }
     }
 }
