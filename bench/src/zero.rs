@@ -17,12 +17,12 @@ use proto::v1::decode_server::{Decode, DecodeServer};
 use proto::v1::prefill_server::{Prefill, PrefillServer};
 use proto::v1::{
     generate_event, FinishReason, GenerateEvent, GenerateRequest, HealthReply, HealthRequest,
-    KvTransfer, PrefillRequest, PrefillResponse, Token, TokenEvent, TransferAck, WorkerLoad,
+    PrefillRequest, PrefillResponse, Token, TokenEvent, WorkerLoad,
 };
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
-use tokio_stream::{Stream, StreamExt};
-use tonic::{Request, Response as GrpcResponse, Status, Streaming};
+use tokio_stream::Stream;
+use tonic::{Request, Response as GrpcResponse, Status};
 
 /// What the zero-compute nodes need from the model: its KV layout (routers check it) and
 /// an ordinary token to emit, so that detokenizing stays part of the router's cost.
@@ -104,15 +104,6 @@ type EventStream = Pin<Box<dyn Stream<Item = Result<GenerateEvent, Status>> + Se
 
 #[tonic::async_trait]
 impl Decode for ZeroDecode {
-    async fn transfer_kv(
-        &self,
-        req: Request<Streaming<KvTransfer>>,
-    ) -> Result<GrpcResponse<TransferAck>, Status> {
-        let mut stream = req.into_inner();
-        while stream.next().await.transpose()?.is_some() {}
-        Ok(GrpcResponse::new(TransferAck { bytes: 0 }))
-    }
-
     type GenerateStream = EventStream;
 
     async fn generate(

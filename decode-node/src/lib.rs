@@ -21,7 +21,11 @@ pub use error::DecodeError;
 use metrics::DecodeMetrics;
 pub use runtime::ServeError;
 
-/// Loads the model and serves `tandem.v1.Decode` on `listener` until `shutdown` resolves.
+/// KV data-plane connections accepted and not yet given a task.
+const KV_BACKLOG: usize = 128;
+
+/// Loads the model and serves `tandem.v1.Decode`, and the KV data plane beside it, on
+/// `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
     cfg: &Config,
@@ -64,22 +68,55 @@ pub async fn serve(
         &layout,
         capacity,
     );
-    let svc = service::DecodeService::new(
+    let max = cfg.cluster.grpc_max_message_bytes;
+    let svc = Arc::new(service::DecodeService::new(
         admit_tx,
         Arc::clone(&store),
         layout,
         Arc::clone(&metrics),
         gate.clone(),
-    );
+        max,
+    ));
+    let (kv_tx, mut kv_rx) = tokio::sync::mpsc::channel(KV_BACKLOG);
+    // Dropped once the server has stopped: KV connections still open (a prefill node's
+    // idle ones) close, and the service they hold goes, so the compute thread can end.
+    let (stop_kv, stopped) = tokio::sync::watch::channel(());
+    let kv_svc = Arc::clone(&svc);
+    let mut accepting = stopped.clone();
+    tokio::spawn(async move {
+        loop {
+            let conn = tokio::select! {
+                c = kv_rx.recv() => match c {
+                    Some(c) => c,
+                    None => return,
+                },
+                _ = accepting.changed() => return,
+            };
+            let (svc, mut stopped) = (Arc::clone(&kv_svc), stopped.clone());
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = svc.serve_kv(conn) => {}
+                    _ = stopped.changed() => {}
+                }
+            });
+        }
+    });
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(),
         kv_blocks = blocks, block_tokens, "decode node serving");
-    let max = cfg.cluster.grpc_max_message_bytes;
-    let server = proto::v1::decode_server::DecodeServer::new(svc)
+    let server = proto::v1::decode_server::DecodeServer::from_arc(svc)
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
     let routes = tonic::service::Routes::new(server);
-    let render = move || metrics.render(store.delivered());
-    runtime::serve_worker(listener, routes, render, shutdown, &cfg.cluster, info, gate).await?;
+    let served = runtime::Served {
+        routes,
+        render: move || metrics.render(store.delivered()),
+        side: Some(runtime::SideProtocol {
+            preface: kvwire::PREFACE,
+            conns: kv_tx,
+        }),
+    };
+    runtime::serve_worker(listener, served, shutdown, &cfg.cluster, info, gate).await?;
+    drop(stop_kv);
     let _ = tokio::task::spawn_blocking(move || compute.join()).await;
     Ok(())
 }

@@ -74,7 +74,12 @@ impl DecodeMetrics {
 
     /// Adds one to a counter.
     pub fn inc(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
+        Self::add(counter, 1);
+    }
+
+    /// Adds `n` to a counter.
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
     }
 
     /// The Prometheus text exposition; `held_transfers` are KV caches received and not

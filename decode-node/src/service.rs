@@ -6,13 +6,11 @@ use std::time::Instant;
 
 use candle_core::Device;
 use engine::{KvAssembler, KvLayout};
-use proto::v1::{
-    kv_transfer::Item, GenerateEvent, GenerateRequest, HealthReply, HealthRequest, KvTransfer,
-    TransferAck,
-};
+use proto::v1::{GenerateEvent, GenerateRequest, HealthReply, HealthRequest, TransferAck};
+use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::error::DecodeError;
@@ -22,6 +20,8 @@ use crate::store::{Arrived, TransferStore};
 
 /// Most sequences one request may decode (the seeds' n and best_of limit).
 const MAX_SEQUENCES: usize = 128;
+/// How long a refused sender may take to read the refusal and close.
+const REFUSAL_DRAIN: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// State shared by the service's handlers.
 pub struct DecodeService {
@@ -30,16 +30,19 @@ pub struct DecodeService {
     layout: KvLayout,
     metrics: Arc<DecodeMetrics>,
     gate: runtime::Gate,
+    max_frame: usize,
 }
 
 impl DecodeService {
-    /// A service feeding `admissions`, holding transfers in `store`.
+    /// A service feeding `admissions`, holding transfers in `store`, taking KV frames of
+    /// at most `max_frame` bytes.
     pub fn new(
         admissions: mpsc::UnboundedSender<Admission>,
         store: Arc<TransferStore>,
         layout: KvLayout,
         metrics: Arc<DecodeMetrics>,
         gate: runtime::Gate,
+        max_frame: usize,
     ) -> Self {
         Self {
             admissions,
@@ -47,32 +50,93 @@ impl DecodeService {
             layout,
             metrics,
             gate,
+            max_frame,
         }
     }
 
-    /// Reads one transfer to its end; the caller delivers the outcome to the store.
-    async fn receive(
+    /// Serves one KV data-plane connection: transfers one after another, each answered,
+    /// until the sender closes it or a transfer fails (answered, then closed).
+    pub async fn serve_kv(&self, conn: runtime::Sniffed) {
+        let peer = conn.peer_addr().ok();
+        let (r, mut w) = tokio::io::split(conn);
+        let mut reader = kvwire::Reader::new(r, self.max_frame);
+        loop {
+            let mut id = String::new();
+            let mut bytes = 0;
+            let span = tracing::info_span!("kv_transfer", req_id = tracing::field::Empty);
+            // Between transfers the connection idles for as long as the sender keeps it.
+            let header = match reader.next(None, self.store.timeout()).await {
+                Ok(None) => return,
+                Ok(Some(kvwire::Frame::Header(h))) => Ok(h),
+                Ok(Some(_)) => Err(DecodeError::BadTransfer(
+                    "a transfer must start with its header".into(),
+                )),
+                Err(e) => Err(DecodeError::BadTransfer(e.to_string())),
+            };
+            // A transfer belongs to a request already admitted here, so a drain still takes it.
+            let _pass = self.gate.track();
+            let started = Instant::now();
+            let outcome = match header {
+                Ok(h) => {
+                    id = h.request_id.clone();
+                    span.record("req_id", id.as_str());
+                    self.receive(h, &mut reader, &mut bytes)
+                        .instrument(span.clone())
+                        .await
+                }
+                Err(e) => Err(e),
+            };
+            let _entered = span.enter();
+            let answered = match outcome {
+                Ok(arrived) => {
+                    tracing::debug!(
+                        bytes,
+                        ms = started.elapsed().as_secs_f64() * 1e3,
+                        "KV received"
+                    );
+                    self.store.deliver(&id, Ok(arrived));
+                    DecodeMetrics::inc(&self.metrics.transfers);
+                    DecodeMetrics::add(
+                        &self.metrics.transfer_micros,
+                        started.elapsed().as_micros() as u64,
+                    );
+                    DecodeMetrics::add(&self.metrics.transfer_bytes, bytes);
+                    kvwire::write_ack(&mut w, &TransferAck { bytes }).await
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, ?peer, "KV transfer failed");
+                    DecodeMetrics::inc(&self.metrics.transfer_failures);
+                    if !id.is_empty() {
+                        self.store.deliver(&id, Err(e.to_string()));
+                    }
+                    let _ = kvwire::write_refusal(&mut w, &Status::from(e)).await;
+                    // The sender may still be writing: read what it sends until it has
+                    // seen the refusal and closed, so that closing here resets nothing
+                    // it has not read.
+                    let _ = w.shutdown().await;
+                    reader.drain(REFUSAL_DRAIN).await;
+                    return;
+                }
+            };
+            if answered.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Reads one transfer after its header to its end; the caller delivers the outcome
+    /// to the store.
+    async fn receive<R: tokio::io::AsyncRead + Unpin>(
         &self,
-        id: &mut String,
-        stream: &mut Streaming<KvTransfer>,
+        header: proto::v1::KvHeader,
+        reader: &mut kvwire::Reader<R>,
         bytes: &mut u64,
     ) -> Result<Arrived, DecodeError> {
         let bad = |m: &str| DecodeError::BadTransfer(m.to_string());
         // A sender that goes quiet would otherwise hold its partial cache (and a drain) for
-        // as long as it keeps the stream open; its Generate call has given up by then.
+        // as long as it keeps the connection open; its Generate call has given up by then.
         let idle = self.store.timeout();
-        let quiet = |id: &str| DecodeError::KvTimeout(id.to_string(), idle.as_millis() as u64);
-        let header = match tokio::time::timeout(idle, stream.message())
-            .await
-            .map_err(|_| quiet(id.as_str()))?
-        {
-            Ok(Some(KvTransfer {
-                item: Some(Item::Header(h)),
-            })) => h,
-            Ok(_) => return Err(bad("a transfer must start with its header")),
-            Err(status) => return Err(bad(&status.to_string())),
-        };
-        *id = header.request_id;
+        let id = header.request_id;
         let layout = header
             .layout
             .as_ref()
@@ -86,21 +150,26 @@ impl DecodeService {
         }
         let mut assembler = KvAssembler::new(layout, header.tokens, &Device::Cpu)?;
         loop {
-            let item = match tokio::time::timeout(idle, stream.message())
-                .await
-                .map_err(|_| quiet(id.as_str()))?
-            {
-                Ok(Some(KvTransfer { item: Some(item) })) => item,
-                Ok(Some(KvTransfer { item: None })) => return Err(bad("an empty message")),
+            let frame = match reader.next(Some(idle), idle).await {
+                Ok(Some(f)) => f,
                 Ok(None) => return Err(bad("the transfer ended before its first token")),
-                Err(status) => return Err(bad(&format!("the transfer broke: {status}"))),
-            };
-            match item {
-                Item::Chunk(c) => {
-                    *bytes += (c.k.len() + c.v.len()) as u64;
-                    assembler.accept(&proto::chunk_from_proto(c))?;
+                Err(kvwire::WireError::Quiet(_)) => {
+                    return Err(DecodeError::KvTimeout(id, idle.as_millis() as u64))
                 }
-                Item::First(f) => {
+                Err(e) => return Err(bad(&format!("the transfer broke: {e}"))),
+            };
+            match frame {
+                kvwire::Frame::Chunk {
+                    layer,
+                    start,
+                    len,
+                    k,
+                    v,
+                } => {
+                    *bytes += (k.len() + v.len()) as u64;
+                    assembler.accept_parts(layer, start, len, k, v)?;
+                }
+                kvwire::Frame::First(f) => {
                     if !assembler.is_complete() {
                         return Err(bad("the first token came before the whole cache"));
                     }
@@ -112,7 +181,7 @@ impl DecodeService {
                         first_tokens: f.tokens.iter().map(proto::token_from_proto).collect(),
                     });
                 }
-                Item::Header(_) => return Err(bad("a second header")),
+                kvwire::Frame::Header(_) => return Err(bad("a second header")),
             }
         }
     }
@@ -120,52 +189,6 @@ impl DecodeService {
 
 #[tonic::async_trait]
 impl proto::v1::decode_server::Decode for DecodeService {
-    async fn transfer_kv(
-        &self,
-        req: Request<Streaming<KvTransfer>>,
-    ) -> Result<Response<TransferAck>, Status> {
-        // A transfer belongs to a request already admitted here, so a drain still takes it.
-        let _pass = self.gate.track();
-        let mut id = runtime::request_id(&req, "");
-        let span = tracing::info_span!("kv_transfer", req_id = tracing::field::Empty);
-        let mut stream = req.into_inner();
-        let mut bytes = 0;
-        let started = Instant::now();
-        let outcome = self
-            .receive(&mut id, &mut stream, &mut bytes)
-            .instrument(span.clone())
-            .await;
-        span.record("req_id", id.as_str());
-        let _entered = span.enter();
-        match outcome {
-            Ok(arrived) => {
-                tracing::debug!(
-                    bytes,
-                    ms = started.elapsed().as_secs_f64() * 1e3,
-                    "KV received"
-                );
-                self.store.deliver(&id, Ok(arrived));
-                DecodeMetrics::inc(&self.metrics.transfers);
-                self.metrics.transfer_micros.fetch_add(
-                    started.elapsed().as_micros() as u64,
-                    std::sync::atomic::Ordering::Relaxed,
-                );
-                self.metrics
-                    .transfer_bytes
-                    .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
-                Ok(Response::new(TransferAck { bytes }))
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "KV transfer failed");
-                DecodeMetrics::inc(&self.metrics.transfer_failures);
-                if !id.is_empty() {
-                    self.store.deliver(&id, Err(e.to_string()));
-                }
-                Err(e.into())
-            }
-        }
-    }
-
     type GenerateStream = runtime::Tracked<UnboundedReceiverStream<Result<GenerateEvent, Status>>>;
 
     async fn generate(

@@ -407,8 +407,20 @@ impl KvAssembler {
 
     /// Stores one chunk; it must continue its layer where the previous one stopped.
     pub fn accept(&mut self, chunk: &KvChunk) -> Result<()> {
-        let layer = chunk.layer as usize;
-        let (start, len) = (chunk.start as usize, chunk.len as usize);
+        self.accept_parts(chunk.layer, chunk.start, chunk.len, &chunk.k, &chunk.v)
+    }
+
+    /// `accept` for a chunk whose K and V bytes lie in the receiver's own buffer.
+    pub fn accept_parts(
+        &mut self,
+        layer: u32,
+        start: u32,
+        len: u32,
+        k: &[u8],
+        v: &[u8],
+    ) -> Result<()> {
+        let layer = layer as usize;
+        let (start, len) = (start as usize, len as usize);
         let bad = |why: String| Err(EngineError::KvCache(why));
         if layer >= self.filled.len() {
             return bad(format!("chunk for layer {layer} of {}", self.filled.len()));
@@ -426,11 +438,11 @@ impl KvAssembler {
         }
         let layout = &self.cache.layout;
         let want = len * layout.bytes_per_token_layer();
-        if chunk.k.len() != want || chunk.v.len() != want {
+        if k.len() != want || v.len() != want {
             return bad(format!(
                 "layer {layer}: payloads of {} and {} bytes, expected {want}",
-                chunk.k.len(),
-                chunk.v.len()
+                k.len(),
+                v.len()
             ));
         }
         self.make_room(start + len)?;
@@ -438,12 +450,12 @@ impl KvAssembler {
         // whose fresh buffer cost a page fault per 4 KiB.
         let l = &self.cache.layers[layer];
         l.k.inplace_op1(&FromWire {
-            bytes: &chunk.k,
+            bytes: k,
             start,
             len,
         })?;
         l.v.inplace_op1(&FromWire {
-            bytes: &chunk.v,
+            bytes: v,
             start,
             len,
         })?;

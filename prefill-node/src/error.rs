@@ -19,8 +19,6 @@ pub enum PrefillError {
     Cancelled,
     #[error("engine: {0}")]
     Engine(#[from] engine::EngineError),
-    #[error("invalid decode node address {addr}: {reason}")]
-    BadDecodeAddr { addr: String, reason: String },
     #[error("the decode node closed the KV transfer")]
     TransferClosed,
     #[error("KV transfer to {addr} failed: {status}")]
@@ -32,11 +30,9 @@ impl From<PrefillError> for tonic::Status {
         use PrefillError::*;
         let msg = e.to_string();
         match e {
-            EmptyPrompt
-            | PromptTooLong { .. }
-            | TooManySequences(_)
-            | NoDecodeAddr
-            | BadDecodeAddr { .. } => tonic::Status::invalid_argument(msg),
+            EmptyPrompt | PromptTooLong { .. } | TooManySequences(_) | NoDecodeAddr => {
+                tonic::Status::invalid_argument(msg)
+            }
             QueueFull(_) => tonic::Status::resource_exhausted(msg),
             // The decode node judged the KV itself bad, or a message broke the gRPC size
             // bound: another pair would fail the same way, so this is no outage to retry.

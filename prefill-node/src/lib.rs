@@ -62,8 +62,10 @@ pub async fn serve(
         max_queue,
         layout,
         max_positions,
-        cfg.cluster
-            .dialer(Duration::from_millis(cfg.connect_timeout_ms))?,
+        kvwire::Client::new(
+            Duration::from_millis(cfg.connect_timeout_ms),
+            cfg.cluster.tls.client()?,
+        ),
         gate.clone(),
     );
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(), "prefill node serving");
@@ -72,7 +74,12 @@ pub async fn serve(
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
     let routes = tonic::service::Routes::new(server);
-    runtime::serve_worker(listener, routes, render, shutdown, &cfg.cluster, info, gate).await?;
+    let served = runtime::Served {
+        routes,
+        render,
+        side: None,
+    };
+    runtime::serve_worker(listener, served, shutdown, &cfg.cluster, info, gate).await?;
     // The server has dropped the service and with it the job sender (the metrics closure's
     // clone too): the thread ends.
     let _ = tokio::task::spawn_blocking(move || compute.join()).await;

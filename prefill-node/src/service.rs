@@ -1,19 +1,12 @@
 //! The `tandem.v1.Prefill` service: queues prompts for the compute thread and runs each
 //! request's KV transfer to its decode node.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use engine::KvLayout;
-use proto::v1::decode_client::DecodeClient;
-use proto::v1::{
-    kv_transfer::Item, HealthReply, HealthRequest, KvHeader, KvTransfer, PrefillRequest,
-    PrefillResponse,
-};
+use proto::v1::{HealthReply, HealthRequest, KvHeader, PrefillRequest, PrefillResponse};
 use tokio::sync::{mpsc, oneshot};
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
@@ -31,8 +24,7 @@ pub struct PrefillService {
     max_queue: usize,
     layout: KvLayout,
     max_positions: usize,
-    dialer: runtime::Dialer,
-    channels: Mutex<HashMap<String, Channel>>,
+    kv: Arc<kvwire::Client>,
     gate: runtime::Gate,
 }
 
@@ -44,7 +36,7 @@ impl PrefillService {
         max_queue: usize,
         layout: KvLayout,
         max_positions: usize,
-        dialer: runtime::Dialer,
+        kv: kvwire::Client,
         gate: runtime::Gate,
     ) -> Self {
         Self {
@@ -53,27 +45,9 @@ impl PrefillService {
             max_queue,
             layout,
             max_positions,
-            dialer,
-            channels: Mutex::default(),
+            kv: Arc::new(kv),
             gate,
         }
-    }
-
-    /// One lazily connected channel per decode node, reused across requests.
-    fn channel(&self, addr: &str) -> Result<Channel, PrefillError> {
-        let mut channels = self.channels.lock().expect("channel map lock");
-        if let Some(c) = channels.get(addr) {
-            return Ok(c.clone());
-        }
-        let bad = |reason: String| PrefillError::BadDecodeAddr {
-            addr: addr.to_string(),
-            reason,
-        };
-        // A decode node that stops answering fails the transfer within seconds, so the
-        // prompt's KV is freed and the router can retry elsewhere.
-        let channel = self.dialer.channel(addr).map_err(|e| bad(e.to_string()))?;
-        channels.insert(addr.to_string(), channel.clone());
-        Ok(channel)
     }
 
     async fn run(&self, req: PrefillRequest) -> Result<PrefillResponse, PrefillError> {
@@ -94,27 +68,16 @@ impl PrefillService {
         if req.decode_addr.is_empty() {
             return Err(PrefillError::NoDecodeAddr);
         }
-        let channel = self.channel(&req.decode_addr)?;
         let (tx, rx) = mpsc::channel(TRANSFER_BUFFER);
-        let header = KvTransfer {
-            item: Some(Item::Header(KvHeader {
-                request_id: req.request_id.clone(),
-                layout: Some(proto::layout_to_proto(&self.layout)),
-                tokens: req.prompt.clone(),
-            })),
+        let header = KvHeader {
+            request_id: req.request_id.clone(),
+            layout: Some(proto::layout_to_proto(&self.layout)),
+            tokens: req.prompt.clone(),
         };
-        tx.send(header).await.expect("the receiver is held below");
-        let call = runtime::with_request_id(&req.request_id, ReceiverStream::new(rx));
-        let max = self.dialer.max_message;
+        let (kv, addr) = (Arc::clone(&self.kv), req.decode_addr.clone());
         let transfer = tokio::spawn(
-            async move {
-                DecodeClient::new(channel)
-                    .max_decoding_message_size(max)
-                    .max_encoding_message_size(max)
-                    .transfer_kv(call)
-                    .await
-            }
-            .instrument(tracing::Span::current()),
+            async move { kv.transfer(&addr, header, rx).await }
+                .instrument(tracing::Span::current()),
         );
         let (done_tx, done_rx) = oneshot::channel();
         let job = Job {
@@ -133,9 +96,9 @@ impl PrefillService {
             mpsc::error::TrySendError::Closed(_) => PrefillError::ShuttingDown,
         })?;
         let computed = done_rx.await.map_err(|_| PrefillError::ShuttingDown)?;
-        let transfer_error = |status| PrefillError::Transfer {
+        let transfer_error = |e: kvwire::WireError| PrefillError::Transfer {
             addr: req.decode_addr.clone(),
-            status,
+            status: e.into(),
         };
         let computed = match computed {
             Ok(c) => c,
@@ -151,8 +114,7 @@ impl PrefillService {
         let ack = transfer
             .await
             .map_err(|_| PrefillError::TransferClosed)?
-            .map_err(transfer_error)?
-            .into_inner();
+            .map_err(transfer_error)?;
         let prefill_time = computed.started.elapsed();
         // The part of the transfer the compute did not hide: its last layer's chunk and the
         // decode node's rebuild, up to the acknowledgement.

@@ -11,7 +11,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use engine::{EngineError, Model, Sampled, SamplingParams, SeqCache, SeqInput};
-use proto::v1::{kv_transfer::Item, FirstTokens, KvTransfer};
+use kvwire::Item;
+use proto::v1::FirstTokens;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::PrefillError;
@@ -31,7 +32,7 @@ pub struct Job {
     pub span: tracing::Span,
     /// Where the chunks and then the first token go; dropping it without the first token
     /// tells the decode node the transfer failed.
-    pub transfer: mpsc::Sender<KvTransfer>,
+    pub transfer: mpsc::Sender<Item>,
     pub done: oneshot::Sender<Result<Computed, PrefillError>>,
 }
 
@@ -217,7 +218,7 @@ impl Worker {
         let logits = {
             // The transfer also carries what came from the prefix cache: it starts at
             // what was sent, not at what this step computes.
-            let transfers: Vec<(mpsc::Sender<KvTransfer>, usize)> = self
+            let transfers: Vec<(mpsc::Sender<Item>, usize)> = self
                 .active
                 .iter()
                 .take(takes.len())
@@ -246,10 +247,7 @@ impl Worker {
                     for start in (*sent..end).step_by(message_tokens) {
                         let len = message_tokens.min(end - start);
                         let chunk = s.cache.export_pending(layer, start, len, n)?;
-                        let msg = KvTransfer {
-                            item: Some(Item::Chunk(proto::chunk_to_proto(chunk))),
-                        };
-                        if tx.blocking_send(msg).is_err() {
+                        if tx.blocking_send(Item::Chunk(chunk)).is_err() {
                             closed[k] = true;
                             break;
                         }
@@ -313,11 +311,9 @@ impl Worker {
             job.top_logprobs,
             job.beam,
         );
-        let msg = KvTransfer {
-            item: Some(Item::First(FirstTokens {
-                tokens: first.iter().map(proto::token_to_proto).collect(),
-            })),
-        };
+        let msg = Item::First(FirstTokens {
+            tokens: first.iter().map(proto::token_to_proto).collect(),
+        });
         let result = match job.transfer.blocking_send(msg) {
             Ok(()) => {
                 let started = a.started.unwrap_or_else(Instant::now);

@@ -82,28 +82,6 @@ pub fn layout_from_proto(l: &v1::KvLayout) -> engine::KvLayout {
     }
 }
 
-/// The wire form of a KV chunk; moves the bytes.
-pub fn chunk_to_proto(c: engine::KvChunk) -> v1::KvChunk {
-    v1::KvChunk {
-        layer: c.layer,
-        start: c.start,
-        len: c.len,
-        k: c.k,
-        v: c.v,
-    }
-}
-
-/// A KV chunk from the wire; moves the bytes.
-pub fn chunk_from_proto(c: v1::KvChunk) -> engine::KvChunk {
-    engine::KvChunk {
-        layer: c.layer,
-        start: c.start,
-        len: c.len,
-        k: c.k,
-        v: c.v,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

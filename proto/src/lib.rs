@@ -7,7 +7,4 @@ pub mod v1 {
 
 mod convert;
 
-pub use convert::{
-    chunk_from_proto, chunk_to_proto, layout_from_proto, layout_to_proto, token_from_proto,
-    token_to_proto,
-};
+pub use convert::{layout_from_proto, layout_to_proto, token_from_proto, token_to_proto};

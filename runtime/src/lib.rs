@@ -3,9 +3,11 @@
 
 pub mod process;
 pub mod prom;
+pub mod sniff;
 pub mod worker;
 
-pub use worker::{serve_worker, ClusterArgs, EtcdArgs, Gate, Pass, Tracked};
+pub use sniff::{SideProtocol, Sniffed};
+pub use worker::{serve_worker, ClusterArgs, EtcdArgs, Gate, Pass, Served, Tracked};
 
 use std::future::Future;
 
@@ -196,11 +198,13 @@ pub enum ServeError {
 
 /// Serves gRPC `routes` and `GET /metrics` (the text `render` returns) on one listener
 /// until `shutdown` resolves: HTTP/1 is accepted beside HTTP/2, so a Prometheus scraper
-/// needs no port of its own. With `tls`, every connection is TLS (mutual, when the
-/// configuration asks for client certificates).
+/// needs no port of its own, and connections of a `side` protocol go to its handler. With
+/// `tls`, every connection is TLS (mutual, when the configuration asks for client
+/// certificates).
 pub async fn serve_grpc_with_metrics(
     listener: TcpListener,
     tls: Option<tls::ServerTls>,
+    side: Option<SideProtocol>,
     routes: tonic::service::Routes,
     render: impl Fn() -> String + Clone + Send + Sync + 'static,
     shutdown: impl Future<Output = ()> + Send,
@@ -210,7 +214,10 @@ pub async fn serve_grpc_with_metrics(
         async move { ([("content-type", "text/plain; version=0.0.4")], text) }
     });
     let router = routes.into_axum_router().route("/metrics", metrics);
-    let incoming = tls::accept(listener, tls).map_err(ServeError::Listen)?;
+    let incoming = sniff::split(
+        tls::accept(listener, tls).map_err(ServeError::Listen)?,
+        side,
+    );
     tonic::transport::Server::builder()
         .accept_http1(true)
         .initial_stream_window_size(STREAM_WINDOW)

@@ -82,9 +82,9 @@ pub struct ClusterArgs {
     /// Seconds a worker told to stop may take to finish the work it holds.
     #[arg(long, env = "TANDEM_DRAIN_GRACE_S", default_value_t = 30)]
     pub drain_grace_s: u64,
-    /// Largest gRPC message this worker sends or accepts, in bytes. A KV chunk carries one
-    /// layer of up to --chunk-tokens tokens of one prompt, so large models need more than
-    /// gRPC's usual 4 MiB.
+    /// Largest gRPC message this worker sends or accepts, and largest KV data-plane frame a
+    /// decode node accepts, in bytes. A KV frame carries K and V of one layer for up to
+    /// --transfer-chunk-bytes each, so it must hold twice that and a little more.
     #[arg(long, env = "TANDEM_GRPC_MAX_MESSAGE_BYTES", default_value_t = crate::DEFAULT_MAX_MESSAGE)]
     pub grpc_max_message_bytes: usize,
     #[command(flatten)]
@@ -94,15 +94,6 @@ pub struct ClusterArgs {
 }
 
 impl ClusterArgs {
-    /// How this worker dials its peers (a prefill node, its decode nodes).
-    pub fn dialer(&self, connect_timeout: Duration) -> Result<crate::Dialer, ServeError> {
-        Ok(crate::Dialer {
-            connect_timeout,
-            tls: self.tls.client()?,
-            max_message: self.grpc_max_message_bytes,
-        })
-    }
-
     /// The address to register: `--advertise-addr`, else the listen address when it is a
     /// specific one.
     pub fn advertise(&self, listen: SocketAddr) -> Result<String, ServeError> {
@@ -188,12 +179,21 @@ impl<S: tokio_stream::Stream + Unpin> tokio_stream::Stream for Tracked<S> {
     }
 }
 
-/// Serves `routes` (and `/metrics`) on `listener`; registers `info` in etcd when
-/// configured; on `shutdown` drains through `gate` and stops.
-pub async fn serve_worker(
+/// What a worker serves on its port.
+pub struct Served<R> {
+    /// Its gRPC services.
+    pub routes: tonic::service::Routes,
+    /// The text of `GET /metrics`.
+    pub render: R,
+    /// A protocol beside gRPC on the same port (the KV data plane of a decode node).
+    pub side: Option<crate::SideProtocol>,
+}
+
+/// Serves `served` on `listener`; registers `info` in etcd when configured; on `shutdown`
+/// drains through `gate` and stops.
+pub async fn serve_worker<R: Fn() -> String + Clone + Send + Sync + 'static>(
     listener: TcpListener,
-    routes: tonic::service::Routes,
-    render: impl Fn() -> String + Clone + Send + Sync + 'static,
+    served: Served<R>,
     shutdown: impl Future<Output = ()> + Send + 'static,
     args: &ClusterArgs,
     info: discovery::WorkerInfo,
@@ -232,8 +232,14 @@ pub async fn serve_worker(
         }
         let _ = drained_tx.send(());
     };
-    let server =
-        crate::serve_grpc_with_metrics(listener, args.tls.server()?, routes, render, drain);
+    let server = crate::serve_grpc_with_metrics(
+        listener,
+        args.tls.server()?,
+        served.side,
+        served.routes,
+        served.render,
+        drain,
+    );
     tokio::pin!(server);
     // Once drained, connections get CLOSE_GRACE to close; a peer that keeps one open (or
     // stopped answering) cannot hold the process.

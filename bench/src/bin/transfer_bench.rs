@@ -1,5 +1,6 @@
 //! KV transfer against the wire: a real decode node receives whole KV caches of 128 to 4096
-//! tokens over gRPC on loopback (the prefill node's message sizes, layer by layer), timed
+//! tokens on its KV data plane on loopback (the prefill node's client and chunk sizes, layer
+//! by layer), timed
 //! from the first message to the acknowledgement, next to the TCP loopback bandwidth
 //! measured in the same run. With `--mtls`, a second decode node takes the same transfers
 //! over mutual TLS, dialed the way a prefill node dials, so TLS's cost is a ratio from one
@@ -12,8 +13,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use e2e::{bin, free_port, metric, scrape, Cluster, Mode, Proc};
+use kvwire::Item;
 use proto::v1::decode_client::DecodeClient;
-use proto::v1::{kv_transfer::Item, FirstTokens, KvChunk, KvHeader, KvTransfer, Token};
+use proto::v1::{FirstTokens, KvHeader, Token};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -50,11 +52,17 @@ struct Args {
     json: Option<PathBuf>,
 }
 
-/// A decode node on a free port, and a client for it (over mutual TLS with `tls`).
+/// A decode node's address and a KV client for it.
+struct Target {
+    addr: String,
+    client: kvwire::Client,
+}
+
+/// A decode node on a free port, and a KV client for it (over mutual TLS with `tls`).
 async fn decode_node(
     model: &std::path::Path,
     tls: Option<(&e2e::pki::Pki, &std::path::Path)>,
-) -> anyhow::Result<(Proc, DecodeClient<tonic::transport::Channel>)> {
+) -> anyhow::Result<(Proc, Target)> {
     let addr = format!("127.0.0.1:{}", free_port());
     // Caches nobody claims are dropped after a second, so repeats do not pile up.
     let mut args = vec![
@@ -84,27 +92,25 @@ async fn decode_node(
     );
     let dialer = runtime::Dialer {
         connect_timeout: Duration::from_secs(1),
-        tls: client_tls,
+        tls: client_tls.clone(),
         max_message: runtime::DEFAULT_MAX_MESSAGE,
     };
-    let channel = dialer.channel(&addr)?;
     let deadline = Instant::now() + Duration::from_secs(60);
-    let mut client = DecodeClient::new(channel)
-        .max_decoding_message_size(runtime::DEFAULT_MAX_MESSAGE)
-        .max_encoding_message_size(runtime::DEFAULT_MAX_MESSAGE);
-    while client.health(proto::v1::HealthRequest {}).await.is_err() {
+    let mut health = DecodeClient::new(dialer.channel(&addr)?);
+    while health.health(proto::v1::HealthRequest {}).await.is_err() {
         anyhow::ensure!(
             Instant::now() < deadline,
             "the {tag} decode node did not start"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    Ok((proc, client))
+    let client = kvwire::Client::new(Duration::from_secs(1), client_tls);
+    Ok((proc, Target { addr, client }))
 }
 
 /// The best time of `repeats` transfers of `tokens` positions to `client`.
 async fn best_transfer(
-    client: &mut DecodeClient<tonic::transport::Channel>,
+    target: &Target,
     a: &Args,
     layout: &engine::KvLayout,
     tokens: usize,
@@ -113,15 +119,16 @@ async fn best_transfer(
     let mut best = Duration::MAX;
     for r in 0..a.repeats {
         let id = format!("bench-{tag}-{tokens}-{r}");
-        let messages = transfer(&id, layout, tokens, a.chunk_bytes);
-        let (tx, rx) = tokio::sync::mpsc::channel(messages.len());
-        for m in messages {
+        let (header, items) = transfer(&id, layout, tokens, a.chunk_bytes);
+        let (tx, rx) = tokio::sync::mpsc::channel(items.len());
+        for m in items {
             tx.send(m).await.expect("the receiver is held");
         }
         drop(tx);
         let started = Instant::now();
-        client
-            .transfer_kv(tokio_stream::wrappers::ReceiverStream::new(rx))
+        target
+            .client
+            .transfer(&target.addr, header, rx)
             .await
             .context("the transfer")?;
         best = best.min(started.elapsed());
@@ -161,48 +168,44 @@ async fn loopback_bandwidth() -> anyhow::Result<f64> {
     Ok(TOTAL as f64 / best.as_secs_f64())
 }
 
-/// The messages of one transfer of `tokens` positions, as a prefill node sends them.
+/// The header and items of one transfer of `tokens` positions, as a prefill node sends
+/// them.
 fn transfer(
     id: &str,
     layout: &engine::KvLayout,
     tokens: usize,
     chunk_bytes: usize,
-) -> Vec<KvTransfer> {
+) -> (KvHeader, Vec<Item>) {
     let row = layout.n_kv_heads * layout.head_dim * 4;
     let per_message = (chunk_bytes / row).max(1);
-    let mut out = vec![KvTransfer {
-        item: Some(Item::Header(KvHeader {
-            request_id: id.into(),
-            layout: Some(proto::layout_to_proto(layout)),
-            tokens: (0..tokens as u32).map(|t| t % 100 + 1).collect(),
-        })),
-    }];
+    let header = KvHeader {
+        request_id: id.into(),
+        layout: Some(proto::layout_to_proto(layout)),
+        tokens: (0..tokens as u32).map(|t| t % 100 + 1).collect(),
+    };
+    let mut out = Vec::new();
     for layer in 0..layout.n_layers as u32 {
         let mut start = 0;
         while start < tokens {
             let len = per_message.min(tokens - start);
             let bytes = vec![0x3fu8; len * row];
-            out.push(KvTransfer {
-                item: Some(Item::Chunk(KvChunk {
-                    layer,
-                    start: start as u32,
-                    len: len as u32,
-                    k: bytes.clone().into(),
-                    v: bytes.into(),
-                })),
-            });
+            out.push(Item::Chunk(engine::KvChunk {
+                layer,
+                start: start as u32,
+                len: len as u32,
+                k: bytes.clone().into(),
+                v: bytes.into(),
+            }));
             start += len;
         }
     }
-    out.push(KvTransfer {
-        item: Some(Item::First(FirstTokens {
-            tokens: vec![Token {
-                id: 1,
-                ..Default::default()
-            }],
-        })),
-    });
-    out
+    out.push(Item::First(FirstTokens {
+        tokens: vec![Token {
+            id: 1,
+            ..Default::default()
+        }],
+    }));
+    (header, out)
 }
 
 /// A text prompt of about `tokens` tokens that no earlier prompt starts like (the prefill
@@ -297,11 +300,11 @@ async fn main() -> anyhow::Result<()> {
     let text = engine::load_text(&a.model).context("reading the model's config")?;
     let layout = engine::KvLayout::for_model(&text.config);
     let per_token = 2 * layout.n_layers * layout.n_kv_heads * layout.head_dim * 4;
-    let (_plain, mut client) = decode_node(&a.model, None).await?;
+    let (_plain, plain) = decode_node(&a.model, None).await?;
     let pki_dir = e2e::scratch().join(format!("transfer-bench-pki-{}", free_port()));
     let pki = a.mtls.then(|| e2e::pki::Pki::new(&pki_dir, "bench"));
     let ca = pki.as_ref().map(|p| p.ca());
-    let mut secure = match (&pki, &ca) {
+    let secure = match (&pki, &ca) {
         (Some(p), Some(ca)) => Some(decode_node(&a.model, Some((p, ca))).await?),
         _ => None,
     };
@@ -328,13 +331,13 @@ async fn main() -> anyhow::Result<()> {
     println!("| ---: | ---: | ---: | ---: | ---: |{tls_rule}");
     let mut rows = Vec::new();
     for &tokens in &a.tokens {
-        let best = best_transfer(&mut client, &a, &layout, tokens, "plain").await?;
+        let best = best_transfer(&plain, &a, &layout, tokens, "plain").await?;
         let bytes = (tokens * per_token) as f64;
         let rate = bytes / best.as_secs_f64();
         let mut row = json!({"tokens": tokens, "bytes": bytes, "seconds": best.as_secs_f64(),
             "bytes_per_s": rate, "share_of_loopback": rate / wire});
         let mut tls_text = String::new();
-        if let Some((_, c)) = secure.as_mut() {
+        if let Some((_, c)) = &secure {
             let t = best_transfer(c, &a, &layout, tokens, "mtls").await?;
             let r = bytes / t.as_secs_f64();
             tls_text = format!(

@@ -1,25 +1,24 @@
-//! A real decode node fed garbage KV transfers over real gRPC, each for a Generate call that
-//! waits for it: bytes that are not protobuf, chunks of a wrong layer, shape or length,
-//! duplicated or missing, a header that claims millions of positions, a cache of another
-//! prompt, a first token outside the vocabulary, a transfer cut or stalled mid-stream.
-//! Each fails its own call with a gRPC error that says why, the node frees what it held,
-//! a sequence decoding beside them is untouched, and the router serves right after.
+//! A real decode node fed garbage KV transfers on its real KV data plane (a TCP connection
+//! to its port), each for a Generate call that waits for it: frames that do not decode,
+//! chunks of a wrong layer, shape or length, duplicated or missing, a header that claims
+//! millions of positions, a cache of another prompt, a first token outside the vocabulary,
+//! a transfer cut or stalled mid-stream. Each fails its own call with an error that says
+//! why, the node frees what it held, a sequence decoding beside them is untouched, and the
+//! router serves right after.
 
 use std::time::Duration;
 
-use bytes::{Buf, BufMut};
-use e2e::{metric, poll_until, scrape, tiny_model, wait_metric, Cluster, Mode};
-use prost::Message;
+use e2e::{metric, scrape, tiny_model, wait_metric, Cluster, Mode};
+use kvwire::Item;
 use proto::v1::decode_client::DecodeClient;
 use proto::v1::generate_event::Event;
 use proto::v1::{
-    kv_transfer::Item, FirstTokens, GenerateEvent, GenerateRequest, HealthRequest, KvChunk,
-    KvHeader, KvLayout, KvTransfer, Token, TransferAck,
+    FirstTokens, GenerateEvent, GenerateRequest, HealthRequest, KvHeader, KvLayout, Token,
+    TransferAck,
 };
 use serde_json::json;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
 use tonic::transport::Channel;
 use tonic::{Code, Status, Streaming};
 
@@ -32,7 +31,7 @@ const REQUEST_ID: &str = "x-request-id";
 /// The prompt every transfer here covers: token ids inside the tiny model's vocabulary.
 const PROMPT: [u32; 3] = [1, 2, 3];
 
-/// A message carrying `id` in its metadata, as the router and the prefill node send it.
+/// A message carrying `id` in its metadata, as the router sends it.
 fn with_id<T>(id: &str, msg: T) -> tonic::Request<T> {
     let mut req = tonic::Request::new(msg);
     req.metadata_mut()
@@ -40,37 +39,49 @@ fn with_id<T>(id: &str, msg: T) -> tonic::Request<T> {
     req
 }
 
-fn header(id: &str, layout: &KvLayout, tokens: Vec<u32>) -> KvTransfer {
-    KvTransfer {
-        item: Some(Item::Header(KvHeader {
-            request_id: id.into(),
-            layout: Some(layout.clone()),
-            tokens,
-        })),
-    }
+fn header(id: &str, layout: &KvLayout, tokens: Vec<u32>) -> Item {
+    Item::Header(KvHeader {
+        request_id: id.into(),
+        layout: Some(layout.clone()),
+        tokens,
+    })
 }
 
-fn chunk(layer: u32, start: u32, len: u32, k: Vec<u8>, v: Vec<u8>) -> KvTransfer {
-    KvTransfer {
-        item: Some(Item::Chunk(KvChunk {
-            layer,
-            start,
-            len,
-            k: k.into(),
-            v: v.into(),
-        })),
-    }
+fn chunk(layer: u32, start: u32, len: u32, k: Vec<u8>, v: Vec<u8>) -> Item {
+    Item::Chunk(engine::KvChunk {
+        layer,
+        start,
+        len,
+        k: k.into(),
+        v: v.into(),
+    })
 }
 
-fn first(token: u32) -> KvTransfer {
-    KvTransfer {
-        item: Some(Item::First(FirstTokens {
-            tokens: vec![Token {
-                id: token,
-                ..Default::default()
-            }],
-        })),
-    }
+fn first(token: u32) -> Item {
+    Item::First(FirstTokens {
+        tokens: vec![Token {
+            id: token,
+            ..Default::default()
+        }],
+    })
+}
+
+/// A frame of `kind` as the data plane lays one out (kvwire's docs): the kind, the body's
+/// length as a little-endian u32, the body. For frames the encoder would never write.
+fn frame(kind: u8, len: u32, body: &[u8]) -> Vec<u8> {
+    let mut f = vec![kind];
+    f.extend_from_slice(&len.to_le_bytes());
+    f.extend_from_slice(body);
+    f
+}
+
+/// The bytes of `item`'s frame.
+async fn encode(item: &Item) -> Vec<u8> {
+    let mut out = Vec::new();
+    kvwire::write_item(&mut out, item)
+        .await
+        .expect("writing to memory");
+    out
 }
 
 /// Bytes of K (or V) for `positions` of one layer.
@@ -79,7 +90,7 @@ fn payload_len(layout: &KvLayout, positions: usize) -> usize {
 }
 
 /// A whole, well-formed cache of `PROMPT` whose values are `fill(i)` for byte i.
-fn whole_cache(layout: &KvLayout, fill: impl Fn(usize) -> u8) -> Vec<KvTransfer> {
+fn whole_cache(layout: &KvLayout, fill: impl Fn(usize) -> u8) -> Vec<Item> {
     let n = payload_len(layout, PROMPT.len());
     let bytes: Vec<u8> = (0..n).map(&fill).collect();
     (0..layout.n_layers)
@@ -90,7 +101,7 @@ fn whole_cache(layout: &KvLayout, fill: impl Fn(usize) -> u8) -> Vec<KvTransfer>
 /// A client of the decode node, and the cache layout it serves.
 struct Node {
     client: DecodeClient<Channel>,
-    channel: Channel,
+    addr: String,
     layout: KvLayout,
 }
 
@@ -101,7 +112,7 @@ impl Node {
             .connect()
             .await
             .unwrap_or_else(|e| panic!("connecting to the decode node at {addr}: {e}"));
-        let mut client = DecodeClient::new(channel.clone());
+        let mut client = DecodeClient::new(channel);
         let health = client
             .health(HealthRequest {})
             .await
@@ -110,7 +121,7 @@ impl Node {
         let layout = health.layout.expect("the decode node reports its layout");
         Self {
             client,
-            channel,
+            addr: addr.to_string(),
             layout,
         }
     }
@@ -132,68 +143,47 @@ impl Node {
             .into_inner()
     }
 
-    /// Sends `messages` as one transfer for `id` and ends it; the node's answer.
-    async fn transfer(&self, id: &str, messages: Vec<KvTransfer>) -> Result<TransferAck, Status> {
-        let stream = tokio_stream::iter(messages);
-        let mut client = self.client.clone();
-        let call = client.transfer_kv(with_id(id, stream));
-        tokio::time::timeout(ANSWER, call)
+    /// A data-plane connection to the node, its preface sent, carrying `frames`.
+    async fn open(&self, what: &str, frames: &[Vec<u8>]) -> TcpStream {
+        let mut conn = TcpStream::connect(&self.addr)
             .await
-            .unwrap_or_else(|_| panic!("{id}: the transfer got no answer within {ANSWER:?}"))
-            .map(tonic::Response::into_inner)
-    }
-
-    /// Sends raw frames, protobuf or not, as one transfer for `id`.
-    async fn transfer_raw(&self, id: &str, frames: Vec<Vec<u8>>) -> Result<Vec<u8>, Status> {
-        let mut grpc = tonic::client::Grpc::new(self.channel.clone());
-        grpc.ready()
+            .unwrap_or_else(|e| panic!("{what}: connecting to {}: {e}", self.addr));
+        conn.write_all(kvwire::PREFACE)
             .await
-            .unwrap_or_else(|e| panic!("{id}: the channel is not ready: {e}"));
-        let path =
-            tonic::codegen::http::uri::PathAndQuery::from_static("/tandem.v1.Decode/TransferKv");
-        let call = grpc.client_streaming(with_id(id, tokio_stream::iter(frames)), path, Raw);
-        tokio::time::timeout(ANSWER, call)
+            .unwrap_or_else(|e| panic!("{what}: sending the preface: {e}"));
+        for f in frames {
+            conn.write_all(f)
+                .await
+                .unwrap_or_else(|e| panic!("{what}: sending a frame: {e}"));
+        }
+        conn
+    }
+
+    /// The node's answer on `conn`.
+    async fn answer(what: &str, conn: &mut TcpStream) -> Result<TransferAck, Status> {
+        tokio::time::timeout(ANSWER, kvwire::read_reply(conn))
             .await
-            .unwrap_or_else(|_| panic!("{id}: the raw transfer got no answer within {ANSWER:?}"))
-            .map(tonic::Response::into_inner)
-    }
-}
-
-/// Frames passed through as they are, so that a test can send bytes that are not protobuf.
-#[derive(Clone, Copy)]
-struct Raw;
-
-impl Codec for Raw {
-    type Encode = Vec<u8>;
-    type Decode = Vec<u8>;
-    type Encoder = Raw;
-    type Decoder = Raw;
-
-    fn encoder(&mut self) -> Raw {
-        Raw
+            .unwrap_or_else(|_| panic!("{what}: no answer within {ANSWER:?}"))
+            .map_err(Status::from)
     }
 
-    fn decoder(&mut self) -> Raw {
-        Raw
+    /// Sends `items` as one transfer and ends the connection's sending side; the node's
+    /// answer.
+    async fn transfer(&self, what: &str, items: Vec<Item>) -> Result<TransferAck, Status> {
+        let mut frames = Vec::new();
+        for item in &items {
+            frames.push(encode(item).await);
+        }
+        self.transfer_raw(what, frames).await
     }
-}
 
-impl Encoder for Raw {
-    type Item = Vec<u8>;
-    type Error = Status;
-
-    fn encode(&mut self, item: Vec<u8>, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        dst.put_slice(&item);
-        Ok(())
-    }
-}
-
-impl Decoder for Raw {
-    type Item = Vec<u8>;
-    type Error = Status;
-
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Vec<u8>>, Status> {
-        Ok(Some(src.copy_to_bytes(src.remaining()).to_vec()))
+    /// Sends raw frames, well-formed or not, as one transfer.
+    async fn transfer_raw(&self, what: &str, frames: Vec<Vec<u8>>) -> Result<TransferAck, Status> {
+        let mut conn = self.open(what, &frames).await;
+        conn.shutdown()
+            .await
+            .unwrap_or_else(|e| panic!("{what}: closing the sending side: {e}"));
+        Self::answer(what, &mut conn).await
     }
 }
 
@@ -288,7 +278,7 @@ async fn garbage_kv_fails_its_own_request_and_the_node_keeps_serving() {
 
     // Transfers the node must refuse, each with what its refusal says.
     let layer_after_last = n_layers;
-    let cases: Vec<(&str, Vec<KvTransfer>, &str)> = vec![
+    let cases: Vec<(&str, Vec<Item>, &str)> = vec![
         (
             "wrong-layer",
             vec![
@@ -354,12 +344,6 @@ async fn garbage_kv_fails_its_own_request_and_the_node_keeps_serving() {
             vec![head("cut-after-a-chunk"), chunk(0, 0, 3, good(), good())],
             "ended before its first token",
         ),
-        ("empty", vec![], "must start with its header"),
-        (
-            "no-header",
-            vec![chunk(0, 0, 3, good(), good())],
-            "must start with its header",
-        ),
         (
             "second-header",
             vec![head("second-header"), head("second-header")],
@@ -382,9 +366,7 @@ async fn garbage_kv_fails_its_own_request_and_the_node_keeps_serving() {
             {
                 let mut m = vec![head("no-first-tokens")];
                 m.extend(whole_cache(&layout, |_| 0));
-                m.push(KvTransfer {
-                    item: Some(Item::First(FirstTokens { tokens: vec![] })),
-                });
+                m.push(Item::First(FirstTokens { tokens: vec![] }));
                 m
             },
             "first tokens",
@@ -421,34 +403,100 @@ async fn garbage_kv_fails_its_own_request_and_the_node_keeps_serving() {
         );
     }
 
-    // Bytes that are not protobuf, first or after a good header.
-    let mut good_header = Vec::new();
-    head("garbage-after-header")
-        .encode(&mut good_header)
-        .expect("encoding a header");
-    let raw_cases = [
-        ("garbage-first", vec![vec![0xff, 0x13, 0x37, 0x00, 0xee]]),
+    // Frames the encoder never writes. Before a header the node cannot know the request,
+    // so only the transfer is refused; after one, its Generate call fails too.
+    let per_layer_u32 = per_layer as u32;
+    let mut bad_k = frame(2, 16 + 2 * per_layer_u32, &[]);
+    for field in [0, 0, 3, 2 * per_layer_u32 + 1] {
+        bad_k.extend_from_slice(&field.to_le_bytes());
+    }
+    bad_k.extend(vec![0u8; 2 * per_layer]);
+    let raw_cases: Vec<(&str, bool, Vec<Vec<u8>>, &str)> = vec![
         (
-            "garbage-after-header",
-            vec![good_header, vec![0x12, 0xff, 0xff, 0xff, 0xff, 0x0f, 0x01]],
+            "garbage-first",
+            false,
+            vec![vec![0xff, 0x13, 0x37, 0x00, 0xee]],
+            "the limit is",
+        ),
+        (
+            "chunk-first",
+            false,
+            vec![encode(&chunk(0, 0, 3, good(), good())).await],
+            "must start with its header",
+        ),
+        (
+            "header-not-protobuf",
+            false,
+            vec![frame(1, 7, &[0x12, 0xff, 0xff, 0xff, 0xff, 0x0f, 0x01])],
+            "does not decode",
+        ),
+        (
+            "unknown-kind-after-header",
+            true,
+            vec![
+                encode(&head("unknown-kind-after-header")).await,
+                frame(9, 0, &[]),
+            ],
+            "kind 9",
+        ),
+        (
+            "short-chunk",
+            true,
+            vec![encode(&head("short-chunk")).await, frame(2, 3, &[0, 0, 0])],
+            "a chunk of 3 bytes",
+        ),
+        (
+            "k-past-payload",
+            true,
+            vec![encode(&head("k-past-payload")).await, bad_k],
+            "exceeds its",
+        ),
+        (
+            // A 4 GiB frame claimed: refused from its length, nothing allocated for it.
+            "huge-frame",
+            true,
+            vec![
+                encode(&head("huge-frame")).await,
+                frame(2, u32::MAX, &[0; 64]),
+            ],
+            "the limit is",
+        ),
+        (
+            "first-not-protobuf",
+            true,
+            {
+                let mut m = vec![encode(&head("first-not-protobuf")).await];
+                for c in whole_cache(&layout, |_| 0) {
+                    m.push(encode(&c).await);
+                }
+                m.push(frame(3, 2, &[0x0a, 0x05]));
+                m
+            },
+            "does not decode",
         ),
     ];
-    for (id, frames) in raw_cases {
-        let events = node.generate(id, &PROMPT, 4).await;
+    for (id, named, frames, says) in raw_cases {
+        let events = if named {
+            Some(node.generate(id, &PROMPT, 4).await)
+        } else {
+            None
+        };
         let sent = node.transfer_raw(id, frames).await;
         assert_failed(
             &format!("{id}: the transfer"),
             sent,
             Code::InvalidArgument,
-            &["bad KV transfer"],
+            &["bad KV transfer", says],
         );
         refused += 1;
-        assert_failed(
-            &format!("{id}: its Generate call"),
-            outcome(id, events).await,
-            Code::Aborted,
-            &[id, "bad KV transfer"],
-        );
+        if let Some(events) = events {
+            assert_failed(
+                &format!("{id}: its Generate call"),
+                outcome(id, events).await,
+                Code::Aborted,
+                &[id, "bad KV transfer", says],
+            );
+        }
     }
 
     // A whole cache of another prompt: acknowledged, then refused by its Generate call.
@@ -485,32 +533,18 @@ async fn garbage_kv_fails_its_own_request_and_the_node_keeps_serving() {
         "{id}: no finish: {got:?}"
     );
 
-    // Cut without a goodbye: the call dropped (RST_STREAM) after a header and a chunk.
+    // Cut without a goodbye: the connection reset after a header and a chunk.
     let id = "reset-mid-stream";
     let events = node.generate(id, &PROMPT, 4).await;
-    let (tx, rx) = mpsc::channel(4);
-    tx.send(head(id)).await.expect("the receiver is held");
-    tx.send(chunk(0, 0, 3, good(), good()))
-        .await
-        .expect("the receiver is held");
-    let call = {
-        let mut client = node.client.clone();
-        tokio::spawn(async move {
-            client
-                .transfer_kv(with_id(id, ReceiverStream::new(rx)))
-                .await
-        })
-    };
-    // The client has taken both messages off the channel once it is empty again.
-    poll_until(ANSWER, || {
-        std::future::ready((tx.capacity() == 4).then_some(()))
-    })
-    .await
-    .unwrap_or_else(|| panic!("{id}: the client never sent the messages"));
-    call.abort();
-    let _ = call.await;
-    drop(tx);
-    // Whether the node read the reset or never saw the call, the Generate call fails.
+    let frames = [
+        encode(&head(id)).await,
+        encode(&chunk(0, 0, 3, good(), good())).await,
+    ];
+    let conn = node.open(id, &frames).await;
+    conn.set_zero_linger()
+        .unwrap_or_else(|e| panic!("{id}: setting a zero linger: {e}"));
+    drop(conn);
+    // Whether the node read the frames before the reset or not, the Generate call fails.
     match outcome(id, events).await {
         Err(s) if s.code() == Code::Aborted || s.code() == Code::DeadlineExceeded => {
             assert!(s.message().contains(id), "{id}: {s}");
@@ -518,30 +552,25 @@ async fn garbage_kv_fails_its_own_request_and_the_node_keeps_serving() {
         other => panic!("{id}: expected a failure, got {other:?}"),
     }
 
-    // Stalled mid-stream: the sender keeps the stream open and sends nothing more. The node
-    // ends the transfer itself once it has been quiet for the KV timeout, freeing the
+    // Stalled mid-stream: the sender keeps the connection open and sends nothing more. The
+    // node ends the transfer itself once it has been quiet for the KV timeout, freeing the
     // partial cache.
     let id = "stalled";
     let events = node.generate(id, &PROMPT, 4).await;
-    let (tx, rx) = mpsc::channel(4);
-    tx.send(head(id)).await.expect("the receiver is held");
-    tx.send(chunk(0, 0, 3, good(), good()))
-        .await
-        .expect("the receiver is held");
-    let mut client = node.client.clone();
-    let call = client.transfer_kv(with_id(id, ReceiverStream::new(rx)));
-    let sent = tokio::time::timeout(ANSWER, call)
-        .await
-        .unwrap_or_else(|_| panic!("{id}: the node held a stalled transfer past {ANSWER:?}"));
+    let frames = [
+        encode(&head(id)).await,
+        encode(&chunk(0, 0, 3, good(), good())).await,
+    ];
+    let mut conn = node.open(id, &frames).await;
     assert_failed(
         &format!("{id}: the transfer"),
-        sent.map(tonic::Response::into_inner),
+        Node::answer(id, &mut conn).await,
         Code::DeadlineExceeded,
         &["did not arrive within"],
     );
     refused += 1;
-    // Only now does this side let go of the stream: the node ended it.
-    drop(tx);
+    // Only now does this side let go of the connection: the node ended the transfer.
+    drop(conn);
     match outcome(id, events).await {
         Err(s) if s.code() == Code::Aborted || s.code() == Code::DeadlineExceeded => {
             assert!(s.message().contains("did not arrive within"), "{id}: {s}");

@@ -1,0 +1,159 @@
+//! The sending side: connections to decode nodes, kept open between transfers.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Mutex;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use proto::v1::{KvHeader, TransferAck};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+
+use crate::{read_reply, write_item, Item, WireError, PREFACE};
+
+/// How long a write may wait for a decode node that stopped reading, and the answer may
+/// take once the transfer is sent (the node answers as soon as it has the last frame).
+const STALL: Duration = Duration::from_secs(10);
+/// Idle connections kept per decode node.
+const MAX_IDLE: usize = 16;
+
+trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
+type Conn = Box<dyn Io>;
+
+/// Dials decode nodes for transfers, over TCP or mutual TLS, and keeps connections that
+/// ended a transfer well for the next one.
+pub struct Client {
+    connect_timeout: Duration,
+    tls: Option<tls::ClientTls>,
+    idle: Mutex<HashMap<String, Vec<Conn>>>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("connect_timeout", &self.connect_timeout)
+            .field("tls", &self.tls.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Client {
+    /// A client that gives a connection `connect_timeout` to open, with mutual TLS when
+    /// `tls` is set.
+    pub fn new(connect_timeout: Duration, tls: Option<tls::ClientTls>) -> Self {
+        Self {
+            connect_timeout,
+            tls,
+            idle: Mutex::default(),
+        }
+    }
+
+    /// Sends one transfer to the decode node at `addr` (host:port): `header`, then `items`
+    /// until the first tokens, and returns the node's acknowledgement. `items` closing
+    /// before the first tokens abandons the transfer (the node frees what it got), and a
+    /// refusal ends it as soon as it arrives.
+    pub async fn transfer(
+        &self,
+        addr: &str,
+        header: KvHeader,
+        mut items: mpsc::Receiver<Item>,
+    ) -> Result<TransferAck, WireError> {
+        let conn = self.connection(addr).await?;
+        let (mut r, mut w) = tokio::io::split(conn);
+        let ack = {
+            let reply = read_reply(&mut r);
+            tokio::pin!(reply);
+            let send = async {
+                stall(write_item(&mut w, &Item::Header(header))).await?;
+                while let Some(item) = items.recv().await {
+                    stall(write_item(&mut w, &item)).await?;
+                    if matches!(item, Item::First(_)) {
+                        return stall(w.flush()).await;
+                    }
+                }
+                Err(WireError::Abandoned)
+            };
+            // An answer before the whole transfer is sent can only be a refusal.
+            tokio::select! {
+                early = &mut reply => return match early {
+                    Ok(_) => Err(WireError::Malformed(
+                        "an acknowledgement before the first tokens".into(),
+                    )),
+                    Err(e) => Err(e),
+                },
+                sent = send => sent?,
+            }
+            tokio::time::timeout(STALL, reply)
+                .await
+                .map_err(|_| WireError::Stalled(STALL))??
+        };
+        let mut idle = self.idle.lock().expect("idle connections lock");
+        let kept = idle.entry(addr.to_string()).or_default();
+        if kept.len() < MAX_IDLE {
+            kept.push(r.unsplit(w));
+        }
+        Ok(ack)
+    }
+
+    fn take_idle(&self, addr: &str) -> Option<Conn> {
+        self.idle
+            .lock()
+            .expect("idle connections lock")
+            .get_mut(addr)
+            .and_then(Vec::pop)
+    }
+
+    /// An idle connection to `addr` that is still open, else a new one.
+    async fn connection(&self, addr: &str) -> Result<Conn, WireError> {
+        while let Some(mut c) = self.take_idle(addr) {
+            if open(&mut c) {
+                return Ok(c);
+            }
+        }
+        let failed = |source: std::io::Error| WireError::Connect {
+            addr: addr.to_string(),
+            source,
+        };
+        let (host, port) = addr
+            .rsplit_once(':')
+            .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
+            .filter(|(h, _)| !h.is_empty())
+            .ok_or_else(|| WireError::BadAddr(addr.to_string()))?;
+        let dial = async {
+            let mut conn: Conn = match &self.tls {
+                None => {
+                    let tcp = TcpStream::connect((host.trim_matches(['[', ']']), port)).await?;
+                    tcp.set_nodelay(true)?;
+                    Box::new(tcp)
+                }
+                Some(t) => Box::new(tls::Connector::new(t.clone()).connect(host, port).await?),
+            };
+            conn.write_all(PREFACE).await?;
+            Ok(conn)
+        };
+        tokio::time::timeout(self.connect_timeout, dial)
+            .await
+            .map_err(|_| failed(std::io::ErrorKind::TimedOut.into()))?
+            .map_err(failed)
+    }
+}
+
+/// Whether an idle connection is still usable: a decode node sends nothing unasked, so a
+/// connection with anything to read (its close, a reset) is done.
+fn open(conn: &mut Conn) -> bool {
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    let mut byte = [0u8; 1];
+    let mut buf = ReadBuf::new(&mut byte);
+    matches!(Pin::new(conn).poll_read(&mut cx, &mut buf), Poll::Pending)
+}
+
+async fn stall(f: impl std::future::Future<Output = std::io::Result<()>>) -> Result<(), WireError> {
+    tokio::time::timeout(STALL, f)
+        .await
+        .map_err(|_| WireError::Stalled(STALL))?
+        .map_err(WireError::from)
+}
