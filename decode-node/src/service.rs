@@ -86,30 +86,14 @@ impl DecodeService {
                 }
                 Err(e) => Err(e),
             };
-            let _entered = span.enter();
-            let answered = match outcome {
-                Ok(arrived) => {
-                    tracing::debug!(
-                        bytes,
-                        ms = started.elapsed().as_secs_f64() * 1e3,
-                        "KV received"
-                    );
-                    self.store.deliver(&id, Ok(arrived));
-                    DecodeMetrics::inc(&self.metrics.transfers);
-                    DecodeMetrics::add(
-                        &self.metrics.transfer_micros,
-                        started.elapsed().as_micros() as u64,
-                    );
-                    DecodeMetrics::add(&self.metrics.transfer_bytes, bytes);
-                    kvwire::write_ack(&mut w, &TransferAck { bytes }).await
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, ?peer, "KV transfer failed");
-                    DecodeMetrics::inc(&self.metrics.transfer_failures);
-                    if !id.is_empty() {
-                        self.store.deliver(&id, Err(e.to_string()));
+            match span.in_scope(|| self.settle(&id, outcome, started, bytes, peer)) {
+                Ok(ack) => {
+                    if kvwire::write_ack(&mut w, &ack).await.is_err() {
+                        return;
                     }
-                    let _ = kvwire::write_refusal(&mut w, &Status::from(e)).await;
+                }
+                Err(status) => {
+                    let _ = kvwire::write_refusal(&mut w, &status).await;
                     // The sender may still be writing: read what it sends until it has
                     // seen the refusal and closed, so that closing here resets nothing
                     // it has not read.
@@ -117,9 +101,36 @@ impl DecodeService {
                     reader.drain(REFUSAL_DRAIN).await;
                     return;
                 }
-            };
-            if answered.is_err() {
-                return;
+            }
+        }
+    }
+
+    /// Delivers a transfer's outcome to the store and counts it; the answer to send.
+    fn settle(
+        &self,
+        id: &str,
+        outcome: Result<Arrived, DecodeError>,
+        started: Instant,
+        bytes: u64,
+        peer: Option<std::net::SocketAddr>,
+    ) -> Result<TransferAck, Status> {
+        match outcome {
+            Ok(arrived) => {
+                let took = started.elapsed();
+                tracing::debug!(bytes, ms = took.as_secs_f64() * 1e3, "KV received");
+                self.store.deliver(id, Ok(arrived));
+                DecodeMetrics::inc(&self.metrics.transfers);
+                DecodeMetrics::add(&self.metrics.transfer_micros, took.as_micros() as u64);
+                DecodeMetrics::add(&self.metrics.transfer_bytes, bytes);
+                Ok(TransferAck { bytes })
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, ?peer, "KV transfer failed");
+                DecodeMetrics::inc(&self.metrics.transfer_failures);
+                if !id.is_empty() {
+                    self.store.deliver(id, Err(e.to_string()));
+                }
+                Err(e.into())
             }
         }
     }

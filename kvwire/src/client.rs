@@ -62,6 +62,11 @@ impl Client {
         header: KvHeader,
         mut items: mpsc::Receiver<Item>,
     ) -> Result<TransferAck, WireError> {
+        // Nothing goes out before the first item: a prompt that waits in the prefill
+        // queue holds no connection, and the node's quiet timer starts with the data.
+        let Some(first) = items.recv().await else {
+            return Err(WireError::Abandoned);
+        };
         let conn = self.connection(addr).await?;
         let (mut r, mut w) = tokio::io::split(conn);
         let ack = {
@@ -69,13 +74,14 @@ impl Client {
             tokio::pin!(reply);
             let send = async {
                 stall(write_item(&mut w, &Item::Header(header))).await?;
-                while let Some(item) = items.recv().await {
+                let mut item = first;
+                loop {
                     stall(write_item(&mut w, &item)).await?;
                     if matches!(item, Item::First(_)) {
                         return stall(w.flush()).await;
                     }
+                    item = items.recv().await.ok_or(WireError::Abandoned)?;
                 }
-                Err(WireError::Abandoned)
             };
             // An answer before the whole transfer is sent can only be a refusal.
             tokio::select! {

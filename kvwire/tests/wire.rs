@@ -245,9 +245,26 @@ async fn a_connection_the_receiver_closed_is_not_reused() {
 }
 
 #[tokio::test]
+async fn a_transfer_abandoned_before_its_first_item_dials_nothing() {
+    let (addr, mut rx) = receiver(Mode::Answer).await;
+    let c = client();
+    let got = c.transfer(&addr, header("never"), items(vec![])).await;
+    assert!(matches!(got, Err(WireError::Abandoned)), "{got:?}");
+    // The next transfer's connection is the first the receiver sees.
+    c.transfer(&addr, header("after"), items(vec![chunk(0, 1), first(1)]))
+        .await
+        .expect("the next transfer");
+    assert_eq!(seen(&mut rx).await, Seen::Connection);
+    match seen(&mut rx).await {
+        Seen::Transfer { id, .. } => assert_eq!(id, "after"),
+        other => panic!("expected the transfer \"after\", got {other:?}"),
+    }
+}
+
+#[tokio::test]
 async fn a_bad_address_is_refused_before_dialing() {
     let got = client()
-        .transfer("no-port", header("x"), items(vec![]))
+        .transfer("no-port", header("x"), items(vec![first(1)]))
         .await;
     assert!(matches!(got, Err(WireError::BadAddr(_))), "{got:?}");
     let status = tonic::Status::from(got.unwrap_err());
