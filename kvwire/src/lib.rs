@@ -88,6 +88,11 @@ impl From<WireError> for tonic::Status {
     }
 }
 
+/// A frame's kind and body length, from its prefix.
+fn split_prefix(p: [u8; FRAME_PREFIX]) -> (u8, usize) {
+    (p[0], u32::from_le_bytes([p[1], p[2], p[3], p[4]]) as usize)
+}
+
 fn frame_prefix(kind: u8, len: usize) -> io::Result<[u8; FRAME_PREFIX]> {
     let len = u32::try_from(len)
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a frame over 4 GiB"))?;
@@ -182,11 +187,6 @@ impl<R: AsyncRead + Unpin> Reader<R> {
         }
     }
 
-    /// The connection back.
-    pub fn into_inner(self) -> R {
-        self.io
-    }
-
     /// The next frame, or `None` when the sender closed the connection between frames. Its
     /// first byte may take as long as `wait` allows (`None`: an idle connection between
     /// transfers waits for as long as the sender keeps it); every later read must come
@@ -208,8 +208,7 @@ impl<R: AsyncRead + Unpin> Reader<R> {
             return Ok(None);
         }
         within(quiet, read_full(&mut self.io, &mut prefix[n..])).await?;
-        let kind = prefix[0];
-        let len = u32::from_le_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
+        let (kind, len) = split_prefix(prefix);
         if len > self.max_frame {
             return Err(WireError::TooLarge {
                 len,
@@ -307,16 +306,15 @@ const MAX_REPLY: usize = 64 << 10;
 pub async fn read_reply<R: AsyncRead + Unpin>(r: &mut R) -> Result<TransferAck, WireError> {
     let mut prefix = [0u8; FRAME_PREFIX];
     read_full(r, &mut prefix).await?;
-    let len = u32::from_le_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
+    let (kind, len) = split_prefix(prefix);
     if len > MAX_REPLY {
-        return Err(WireError::TooLarge {
-            len,
-            max: MAX_REPLY,
-        });
+        return Err(WireError::Malformed(format!(
+            "an answer of {len} bytes, over the {MAX_REPLY} an answer may take"
+        )));
     }
     let mut body = vec![0u8; len];
     read_full(r, &mut body).await?;
-    match prefix[0] {
+    match kind {
         ACK => TransferAck::decode(body.as_slice())
             .map_err(|_| WireError::Malformed("an acknowledgement that does not decode".into())),
         REFUSED if len >= 4 => {
