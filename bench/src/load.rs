@@ -416,6 +416,9 @@ pub struct Summary {
     pub ttft_text_ms: Percentiles,
     /// Every gap between text chunks, over all requests.
     pub itl_ms: Percentiles,
+    /// Each request's first gap. Under PD it spans the decode node taking the request
+    /// into its batch, which stalls every running sequence.
+    pub first_itl_ms: Percentiles,
     /// Per request: the time after the first token over the tokens after it.
     pub tpot_ms: Percentiles,
     pub latency_ms: Percentiles,
@@ -455,6 +458,11 @@ pub fn summarize(arrivals: Arrivals, records: &[Record], wall: Duration, slo: Sl
                 .collect::<Vec<f64>>(),
         ),
         itl_ms: Percentiles::of(&gaps),
+        first_itl_ms: Percentiles::of(
+            &ok.iter()
+                .filter_map(|r| r.gaps.first().copied())
+                .collect::<Vec<f64>>(),
+        ),
         tpot_ms: Percentiles::of(&col(&|r| r.tpot())),
         latency_ms: Percentiles::of(&col(&|r| r.latency)),
         slo,
@@ -535,5 +543,8 @@ mod tests {
         assert_eq!(s.output_tokens_per_s, 4.5);
         assert!((records[2].tpot() - 0.05).abs() < 1e-12);
         assert_eq!(s.itl_ms.p99, 50.0);
+        // One first gap per successful request: 20, 20 and 50 ms.
+        assert_eq!(s.first_itl_ms.p50, 20.0);
+        assert_eq!(s.first_itl_ms.p99, 50.0);
     }
 }

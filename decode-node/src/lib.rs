@@ -51,6 +51,10 @@ pub async fn serve(
         max_waiting: cfg.max_waiting,
         block_tokens,
     };
+    let budget = scheduler::Budget {
+        max_positions: model.config().max_position_embeddings,
+        block_tokens,
+    };
     let (admit_tx, admit_rx) = tokio::sync::mpsc::unbounded_channel();
     let compute = scheduler::spawn(Arc::new(model), limits, Arc::clone(&metrics), admit_rx)?;
     let store = store::TransferStore::new(Duration::from_millis(cfg.kv_timeout_ms));
@@ -76,6 +80,7 @@ pub async fn serve(
         Arc::clone(&metrics),
         gate.clone(),
         max,
+        budget,
     ));
     let (kv_tx, mut kv_rx) = tokio::sync::mpsc::channel(KV_BACKLOG);
     // Dropped once the server has stopped: KV connections still open (a prefill node's

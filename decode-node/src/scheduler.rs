@@ -108,6 +108,27 @@ pub struct Limits {
     pub block_tokens: usize,
 }
 
+/// How many KV positions a sequence is given.
+#[derive(Debug, Clone, Copy)]
+pub struct Budget {
+    /// The model's context length.
+    pub max_positions: usize,
+    /// Positions per KV block.
+    pub block_tokens: usize,
+}
+
+impl Budget {
+    /// Positions for a prompt, the first token (fed back in), then `max_new` more, within
+    /// the model's context and rounded up to whole blocks.
+    pub fn positions(&self, prompt: usize, max_new: usize) -> usize {
+        let positions = prompt
+            .saturating_add(max_new)
+            .saturating_add(1)
+            .min(self.max_positions);
+        positions.div_ceil(self.block_tokens) * self.block_tokens
+    }
+}
+
 /// Starts the compute thread; it ends when every sender of `admissions` is gone and the
 /// running sequences are done.
 pub fn spawn(
@@ -205,11 +226,12 @@ impl Scheduler {
 
     /// Positions each sequence of `a` may fill, and the blocks that takes for all of them.
     fn budget_of(&self, a: &Admission) -> (usize, usize) {
-        let max_pos = self.model.config().max_position_embeddings;
-        // The prompt, the first token (fed back in), then max_new more.
-        let positions = (a.prompt.len() + a.max_new + 1).min(max_pos);
-        let per_seq = positions.div_ceil(self.limits.block_tokens);
-        (per_seq * self.limits.block_tokens, per_seq * sequences(a))
+        let budget = Budget {
+            max_positions: self.model.config().max_position_embeddings,
+            block_tokens: self.limits.block_tokens,
+        };
+        let positions = budget.positions(a.prompt.len(), a.max_new);
+        (positions, positions / budget.block_tokens * sequences(a))
     }
 
     /// Queues a request, or refuses one that could never fit or finds the queue full.
@@ -672,5 +694,25 @@ fn sequences(a: &Admission) -> usize {
         a.beam_width
     } else {
         a.n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Budget;
+
+    #[test]
+    fn a_sequence_gets_whole_blocks_within_the_context() {
+        let b = Budget {
+            max_positions: 100,
+            block_tokens: 16,
+        };
+        // 10 prompt positions, the first token, 5 more: 16, one block.
+        assert_eq!(b.positions(10, 5), 16);
+        assert_eq!(b.positions(10, 6), 32);
+        // Past the context, the context rounded up to blocks.
+        assert_eq!(b.positions(90, 50), 112);
+        // A header's max_new is untrusted: no overflow.
+        assert_eq!(b.positions(10, usize::MAX), 112);
     }
 }

@@ -15,7 +15,7 @@ use tracing::Instrument;
 
 use crate::error::DecodeError;
 use crate::metrics::DecodeMetrics;
-use crate::scheduler::{Admission, Start};
+use crate::scheduler::{Admission, Budget, Start};
 use crate::store::{Arrived, TransferStore};
 
 /// Most sequences one request may decode (the seeds' n and best_of limit).
@@ -31,11 +31,12 @@ pub struct DecodeService {
     metrics: Arc<DecodeMetrics>,
     gate: runtime::Gate,
     max_frame: usize,
+    budget: Budget,
 }
 
 impl DecodeService {
     /// A service feeding `admissions`, holding transfers in `store`, taking KV frames of
-    /// at most `max_frame` bytes.
+    /// at most `max_frame` bytes into caches sized by `budget`.
     pub fn new(
         admissions: mpsc::UnboundedSender<Admission>,
         store: Arc<TransferStore>,
@@ -43,6 +44,7 @@ impl DecodeService {
         metrics: Arc<DecodeMetrics>,
         gate: runtime::Gate,
         max_frame: usize,
+        budget: Budget,
     ) -> Self {
         Self {
             admissions,
@@ -51,6 +53,7 @@ impl DecodeService {
             metrics,
             gate,
             max_frame,
+            budget,
         }
     }
 
@@ -159,7 +162,12 @@ impl DecodeService {
                 self.layout
             )));
         }
-        let mut assembler = KvAssembler::new(layout, header.tokens, &Device::Cpu)?;
+        // Sized for the whole sequence now, while the bytes arrive off the compute thread:
+        // growing it there when decoding starts would copy the cache and stall the batch.
+        let reserve = self
+            .budget
+            .positions(header.tokens.len(), header.max_new_tokens as usize);
+        let mut assembler = KvAssembler::new(layout, header.tokens, reserve, &Device::Cpu)?;
         loop {
             let frame = match reader.next(Some(idle), idle).await {
                 Ok(Some(f)) => f,

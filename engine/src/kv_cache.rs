@@ -366,15 +366,23 @@ pub struct KvAssembler {
 }
 
 impl KvAssembler {
-    /// Expects K/V for `tokens` in a cache of `layout`.
-    pub fn new(layout: KvLayout, tokens: Vec<u32>, device: &Device) -> Result<Self> {
-        Self::with_upfront(layout, tokens, device, UPFRONT_BYTES)
+    /// Expects K/V for `tokens` in a cache of `layout` that will hold `reserve` positions
+    /// in all once decoding starts: it is allocated at that size, so it is never moved to
+    /// grow (a smaller `reserve` than `tokens` counts as `tokens`).
+    pub fn new(
+        layout: KvLayout,
+        tokens: Vec<u32>,
+        reserve: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::with_upfront(layout, tokens, reserve, device, UPFRONT_BYTES)
     }
 
     /// `new`, allocating at most `upfront_bytes` before chunks arrive.
     fn with_upfront(
         layout: KvLayout,
         tokens: Vec<u32>,
+        reserve: usize,
         device: &Device,
         upfront_bytes: usize,
     ) -> Result<Self> {
@@ -385,7 +393,8 @@ impl KvAssembler {
             ));
         }
         let mut cache = SeqCache::new(layout, device)?;
-        let upfront = rounded(tokens.len()).min(upfront_bytes / per_position);
+        let wanted = reserve.max(rounded(tokens.len()));
+        let upfront = wanted.min(upfront_bytes / per_position);
         cache.reserve_exact(upfront)?;
         let n_layers = cache.layout.n_layers;
         Ok(Self {
@@ -646,8 +655,19 @@ mod tests {
         } else {
             rng.below(4096)
         };
-        let asm =
-            KvAssembler::with_upfront(layout.clone(), tokens.clone(), &Device::Cpu, upfront_bytes);
+        // The decode budget the header asks for: none, a sequence's worth, or garbage.
+        let reserve = match rng.below(3) {
+            0 => 0,
+            1 => n + rng.below(300),
+            _ => rng.below(1 << 30),
+        };
+        let asm = KvAssembler::with_upfront(
+            layout.clone(),
+            tokens.clone(),
+            reserve,
+            &Device::Cpu,
+            upfront_bytes,
+        );
         let mut asm = match asm {
             Ok(a) => {
                 assert!(layout_is_valid(&layout), "{layout:?} accepted");
@@ -717,6 +737,11 @@ mod tests {
             Ok(cache) => {
                 assert!(complete, "an incomplete transfer finished");
                 assert_eq!(cache.tokens(), tokens.as_slice());
+                assert!(
+                    cache.capacity() >= reserve.min(upfront_bytes / per_position),
+                    "{} positions held, {reserve} reserved",
+                    cache.capacity()
+                );
                 for c in &stored {
                     let back = cache
                         .export(c.layer as usize, c.start as usize, c.len as usize)
@@ -787,6 +812,38 @@ mod tests {
     }
 
     #[test]
+    fn a_cache_arrives_at_the_size_its_decoding_needs() {
+        let layout = KvLayout {
+            n_layers: 2,
+            n_kv_heads: 2,
+            head_dim: 4,
+            dtype: "f32".into(),
+        };
+        let row = layout.bytes_per_token_layer();
+        let mut asm = KvAssembler::new(layout.clone(), vec![7; 10], 100, &Device::Cpu).unwrap();
+        for layer in 0..2 {
+            let bytes: Vec<u8> = (0..10 * row).map(|i| (i % 199) as u8).collect();
+            asm.accept(&KvChunk {
+                layer,
+                start: 0,
+                len: 10,
+                k: bytes.clone().into(),
+                v: bytes.into(),
+            })
+            .unwrap();
+        }
+        let mut cache = asm.finish().unwrap();
+        assert_eq!(cache.capacity(), 100);
+        let held = cache.allocated_bytes();
+        cache.reserve_exact(100).unwrap();
+        assert_eq!(cache.allocated_bytes(), held, "the arrived cache was moved");
+
+        // A reservation is a header's word too: it is bounded like a claimed prompt.
+        let asm = KvAssembler::new(layout, vec![7; 10], usize::MAX, &Device::Cpu).unwrap();
+        assert!(asm.allocated_bytes() <= UPFRONT_BYTES);
+    }
+
+    #[test]
     fn a_huge_claim_allocates_only_what_arrives() {
         let layout = KvLayout {
             n_layers: 2,
@@ -796,7 +853,7 @@ mod tests {
         };
         let per_position = layout.validate().unwrap();
         let claimed = 64 << 20;
-        let mut asm = KvAssembler::new(layout.clone(), vec![0; claimed], &Device::Cpu).unwrap();
+        let mut asm = KvAssembler::new(layout.clone(), vec![0; claimed], 0, &Device::Cpu).unwrap();
         assert!(asm.allocated_bytes() <= UPFRONT_BYTES);
         let upfront = asm.allocated_bytes() / per_position;
         let byte = |i: usize| (i % 251) as u8;
@@ -870,10 +927,10 @@ mod tests {
             },
         ];
         for l in bad {
-            let err = KvAssembler::new(l.clone(), vec![1, 2], &Device::Cpu).unwrap_err();
+            let err = KvAssembler::new(l.clone(), vec![1, 2], 0, &Device::Cpu).unwrap_err();
             assert!(err.to_string().contains("layout"), "{l:?}: {err}");
         }
-        let err = KvAssembler::new(ok, vec![], &Device::Cpu).unwrap_err();
+        let err = KvAssembler::new(ok, vec![], 0, &Device::Cpu).unwrap_err();
         assert!(err.to_string().contains("at least one position"), "{err}");
     }
 }

@@ -124,6 +124,7 @@ fn header(id: &str) -> KvHeader {
         request_id: id.into(),
         layout: None,
         tokens: vec![1, 2, 3],
+        max_new_tokens: 0,
     }
 }
 

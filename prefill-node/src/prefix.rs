@@ -118,7 +118,7 @@ mod tests {
     /// A cache of `tokens` whose K and V at position i are all i.
     fn cache(tokens: &[u32]) -> SeqCache {
         let n = tokens.len();
-        let mut asm = KvAssembler::new(layout(), tokens.to_vec(), &Device::Cpu).unwrap();
+        let mut asm = KvAssembler::new(layout(), tokens.to_vec(), 0, &Device::Cpu).unwrap();
         let values: Vec<f32> = (0..n).flat_map(|i| [i as f32, i as f32]).collect();
         let t = Tensor::from_vec(values, (1, n, 2), &Device::Cpu).unwrap();
         let bytes: Vec<u8> = t

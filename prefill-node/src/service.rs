@@ -73,6 +73,7 @@ impl PrefillService {
             request_id: req.request_id.clone(),
             layout: Some(proto::layout_to_proto(&self.layout)),
             tokens: req.prompt.clone(),
+            max_new_tokens: req.max_new_tokens,
         };
         let (kv, addr) = (Arc::clone(&self.kv), req.decode_addr.clone());
         let transfer = tokio::spawn(

@@ -269,6 +269,7 @@ async fn pd_on(
             top_logprobs: req.top_logprobs as u32,
             n: req.sequences as u32,
             beam_search: beam,
+            max_new_tokens: (req.max_tokens - 1) as u32,
         },
     );
     let _decode_hold = Hold::new(

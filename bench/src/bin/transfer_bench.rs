@@ -182,6 +182,7 @@ fn transfer(
         request_id: id.into(),
         layout: Some(proto::layout_to_proto(layout)),
         tokens: (0..tokens as u32).map(|t| t % 100 + 1).collect(),
+        max_new_tokens: 0,
     };
     let mut out = Vec::new();
     for layer in 0..layout.n_layers as u32 {

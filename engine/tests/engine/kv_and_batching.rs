@@ -58,9 +58,16 @@ fn kv_round_trip_between_instances_matches_uninterrupted_decode() {
         let chunks = cache.export_all(16).unwrap();
         assert_eq!(chunks.len(), 2 * 3, "2 layers x ceil(45/16) chunks");
 
-        // "D" rebuilds the cache from the wire form and decodes the rest.
-        let mut asm =
-            KvAssembler::new(d_model.kv_layout(), prompt.clone(), d_model.device()).unwrap();
+        // "D" rebuilds the cache from the wire form, in storage sized for the whole
+        // sequence as a decode node sizes it, and decodes the rest.
+        let reserve = prompt.len() + 64;
+        let mut asm = KvAssembler::new(
+            d_model.kv_layout(),
+            prompt.clone(),
+            reserve,
+            d_model.device(),
+        )
+        .unwrap();
         for c in &chunks {
             assert!(!asm.is_complete());
             asm.accept(c).unwrap();
@@ -104,7 +111,7 @@ fn assembler_rejects_gaps_bad_sizes_and_incomplete_transfers() {
     }])
     .unwrap();
     let chunks = cache.export_all(8).unwrap();
-    let mut asm = KvAssembler::new(m.kv_layout(), prompt.clone(), m.device()).unwrap();
+    let mut asm = KvAssembler::new(m.kv_layout(), prompt.clone(), 0, m.device()).unwrap();
     assert!(
         asm.accept(&chunks[1]).is_err(),
         "out-of-order chunk accepted"
@@ -288,7 +295,7 @@ fn layers_stream_out_while_the_prompt_is_computed() {
     .unwrap();
     assert_eq!(order, (0..m.config().num_hidden_layers).collect::<Vec<_>>());
     assert_eq!(streamed, cache.export_all(16).unwrap());
-    let mut asm = KvAssembler::new(m.kv_layout(), prompt.clone(), m.device()).unwrap();
+    let mut asm = KvAssembler::new(m.kv_layout(), prompt.clone(), 0, m.device()).unwrap();
     for c in &streamed {
         asm.accept(c).unwrap();
     }

@@ -44,6 +44,7 @@ fn header(id: &str, layout: &KvLayout, tokens: Vec<u32>) -> Item {
         request_id: id.into(),
         layout: Some(layout.clone()),
         tokens,
+        max_new_tokens: 0,
     })
 }
 
