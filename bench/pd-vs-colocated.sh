@@ -7,7 +7,8 @@
 #   MODEL=models/smollm2-135m-instruct-q4_1.gguf RATES=0.1,0.2,0.3 REQUESTS=16 \
 #     bash bench/pd-vs-colocated.sh
 #
-# SETUPS="pd" or SETUPS="colocated" runs one of the two.
+# SETUPS="pd" or SETUPS="colocated" runs one of the two; CONCURRENCY=1,4 runs closed-loop
+# levels (that many clients) in place of the Poisson RATES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-models/smollm2-135m-instruct-q4_1.gguf}
@@ -34,9 +35,11 @@ wait_ready() {
     exit 1
 }
 
+LEVELS=(--rates "$RATES")
+if [ -n "${CONCURRENCY:-}" ]; then LEVELS=(--concurrency "$CONCURRENCY"); fi
 run() { # label, router port
     "$BIN/loadgen" --url "http://127.0.0.1:$2" --model bench --api completions \
-        --rates "$RATES" --requests "$REQUESTS" $LOAD $SLO --label "$1" --json "$OUT/$1.json"
+        "${LEVELS[@]}" --requests "$REQUESTS" $LOAD $SLO --label "$1" --json "$OUT/$1.json"
 }
 
 if [[ " $SETUPS " == *" pd "* ]]; then
