@@ -64,14 +64,14 @@ pub async fn serve(
     metrics
         .kv_block_tokens
         .store(block_tokens as u64, Ordering::Relaxed);
-    let limits = scheduler::Limits {
-        max_batch: cfg.max_batch_size,
-        max_waiting: cfg.max_waiting,
-        block_tokens,
-    };
     let budget = scheduler::Budget {
         max_positions: model.config().max_position_embeddings,
         block_tokens,
+    };
+    let limits = scheduler::Limits {
+        max_batch: cfg.max_batch_size,
+        max_waiting: cfg.max_waiting,
+        budget,
     };
     let (admit_tx, admit_rx) = tokio::sync::mpsc::unbounded_channel();
     let compute = scheduler::spawn(Arc::new(model), limits, Arc::clone(&metrics), admit_rx)?;

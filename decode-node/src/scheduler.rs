@@ -104,8 +104,8 @@ pub struct Limits {
     pub max_batch: usize,
     /// Most requests queued.
     pub max_waiting: usize,
-    /// Positions per KV block.
-    pub block_tokens: usize,
+    /// The KV positions each sequence is given.
+    pub budget: Budget,
 }
 
 /// How many KV positions a sequence is given.
@@ -183,7 +183,10 @@ impl Scheduler {
             model,
             limits: Limits {
                 max_batch: limits.max_batch.max(1),
-                block_tokens: limits.block_tokens.max(1),
+                budget: Budget {
+                    block_tokens: limits.budget.block_tokens.max(1),
+                    ..limits.budget
+                },
                 ..limits
             },
             metrics,
@@ -226,10 +229,7 @@ impl Scheduler {
 
     /// Positions each sequence of `a` may fill, and the blocks that takes for all of them.
     fn budget_of(&self, a: &Admission) -> (usize, usize) {
-        let budget = Budget {
-            max_positions: self.model.config().max_position_embeddings,
-            block_tokens: self.limits.block_tokens,
-        };
+        let budget = self.limits.budget;
         let positions = budget.positions(a.prompt.len(), a.max_new);
         (positions, positions / budget.block_tokens * sequences(a))
     }
