@@ -34,11 +34,15 @@ pub struct Config {
     /// (RESOURCE_EXHAUSTED, which the router answers with 503).
     #[arg(long, env = "DECODE_MAX_WAITING", default_value_t = 256)]
     pub max_waiting: usize,
-    /// Milliseconds a received KV cache waits for its Generate call, and a Generate call
-    /// waits for its KV cache, before both are freed and failed; also the longest a
-    /// transfer may go quiet before it is cut.
+    /// Milliseconds a received KV cache waits for its Generate call before it is freed;
+    /// also the longest a transfer may go quiet before it is cut.
     #[arg(long, env = "DECODE_KV_TIMEOUT_MS", default_value_t = 30_000)]
     pub kv_timeout_ms: u64,
+    /// Milliseconds a Generate call waits for its KV transfer before it fails. The router
+    /// calls at the same time as it sends the prompt to the prefill node, so this covers
+    /// the prompt's time in that node's queue; the default is the router's request timeout.
+    #[arg(long, env = "DECODE_KV_WAIT_MS", default_value_t = 600_000)]
+    pub kv_wait_ms: u64,
     #[command(flatten)]
     pub cluster: runtime::ClusterArgs,
 }

@@ -75,7 +75,10 @@ pub async fn serve(
     };
     let (admit_tx, admit_rx) = tokio::sync::mpsc::unbounded_channel();
     let compute = scheduler::spawn(Arc::new(model), limits, Arc::clone(&metrics), admit_rx)?;
-    let store = store::TransferStore::new(Duration::from_millis(cfg.kv_timeout_ms));
+    let store = store::TransferStore::new(
+        Duration::from_millis(cfg.kv_timeout_ms),
+        Duration::from_millis(cfg.kv_wait_ms),
+    );
     let gate = runtime::Gate::default();
     let capacity = discovery::Capacity {
         kv_blocks: blocks as u64,
@@ -132,7 +135,7 @@ pub async fn serve(
     let routes = tonic::service::Routes::new(server);
     let served = runtime::Served {
         routes,
-        render: move || metrics.render(store.delivered()),
+        render: move || metrics.render(store.delivered(), store.awaited()),
         side: Some(runtime::SideProtocol {
             preface: kvwire::PREFACE,
             conns: kv_tx,

@@ -83,8 +83,9 @@ impl DecodeMetrics {
     }
 
     /// The Prometheus text exposition; `held_transfers` are KV caches received and not
-    /// yet claimed by their Generate call.
-    pub fn render(&self, held_transfers: usize) -> String {
+    /// yet claimed by their Generate call, `awaited_transfers` Generate calls waiting for
+    /// their cache.
+    pub fn render(&self, held_transfers: usize, awaited_transfers: usize) -> String {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
         let secs = |a: &AtomicU64| g(a) / 1e6;
         let cap = g(&self.kv_blocks_capacity);
@@ -128,6 +129,11 @@ impl DecodeMetrics {
                     "decode_held_transfers",
                     "Received KV caches waiting for their Generate call.",
                     held_transfers as f64,
+                ),
+                (
+                    "decode_awaited_transfers",
+                    "Generate calls waiting for their KV transfer.",
+                    awaited_transfers as f64,
                 ),
             ],
         );

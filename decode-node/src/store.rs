@@ -1,5 +1,7 @@
-//! KV caches in flight: a transfer and its Generate call meet here, whichever comes first,
-//! and neither waits longer than the configured timeout.
+//! KV caches in flight: a transfer and its Generate call meet here, whichever comes first.
+//! A received cache waits for its call at most the KV timeout; a call waits for its
+//! transfer at most the (longer) KV wait, since its prompt may queue at the prefill node
+//! first.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -30,21 +32,24 @@ enum Slot {
 pub struct TransferStore {
     slots: Mutex<HashMap<String, Slot>>,
     timeout: Duration,
+    wait: Duration,
     next_gen: AtomicU64,
 }
 
 impl TransferStore {
-    /// A store whose entries live at most `timeout` unclaimed.
-    pub fn new(timeout: Duration) -> Arc<Self> {
+    /// A store whose caches live at most `timeout` unclaimed, and whose claims wait at most
+    /// `wait` for their transfer.
+    pub fn new(timeout: Duration, wait: Duration) -> Arc<Self> {
         Arc::new(Self {
             slots: Mutex::default(),
             timeout,
+            wait,
             next_gen: AtomicU64::new(0),
         })
     }
 
-    /// How long an entry waits for its other half; also how long a transfer may go quiet,
-    /// since its Generate call has given up by then.
+    /// How long a received cache waits for its Generate call; also how long a transfer may
+    /// go quiet before it is cut.
     pub fn timeout(&self) -> Duration {
         self.timeout
     }
@@ -77,7 +82,7 @@ impl TransferStore {
         });
     }
 
-    /// Waits for the transfer of `id`, at most the store's timeout.
+    /// Waits for the transfer of `id`, at most the store's KV wait.
     pub async fn claim(&self, id: &str) -> Result<Arrived, DecodeError> {
         let failed = |reason| DecodeError::TransferFailed {
             id: id.to_string(),
@@ -99,7 +104,7 @@ impl TransferStore {
             }
         };
         let mut rx = rx;
-        match tokio::time::timeout(self.timeout, &mut rx).await {
+        match tokio::time::timeout(self.wait, &mut rx).await {
             Ok(Ok(d)) => d.map_err(failed),
             Ok(Err(_)) => Err(DecodeError::ShuttingDown),
             Err(_) => {
@@ -109,7 +114,7 @@ impl TransferStore {
                     Ok(d) => d.map_err(failed),
                     Err(_) => Err(DecodeError::KvTimeout(
                         id.to_string(),
-                        self.timeout.as_millis() as u64,
+                        self.wait.as_millis() as u64,
                     )),
                 }
             }
@@ -138,6 +143,15 @@ impl TransferStore {
         slots
             .values()
             .filter(|s| matches!(s, Slot::Delivered(Ok(_), _)))
+            .count()
+    }
+
+    /// Generate calls waiting for their transfer.
+    pub fn awaited(&self) -> usize {
+        let slots = self.slots.lock().expect("store lock");
+        slots
+            .values()
+            .filter(|s| matches!(s, Slot::Waiting(_)))
             .count()
     }
 
@@ -170,7 +184,7 @@ mod tests {
 
     #[tokio::test]
     async fn transfer_first_then_claim() {
-        let store = TransferStore::new(Duration::from_secs(5));
+        let store = TransferStore::new(Duration::from_secs(5), Duration::from_secs(5));
         store.deliver("a", Ok(arrived()));
         assert_eq!(store.claim("a").await.unwrap().first_tokens[0].token, 7);
         assert!(store.is_empty());
@@ -178,7 +192,7 @@ mod tests {
 
     #[tokio::test]
     async fn claim_first_then_transfer() {
-        let store = TransferStore::new(Duration::from_secs(5));
+        let store = TransferStore::new(Duration::from_secs(5), Duration::from_secs(5));
         let waiter = {
             let store = Arc::clone(&store);
             tokio::spawn(async move { store.claim("b").await.map(|a| a.first_tokens[0].token) })
@@ -193,7 +207,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn unclaimed_transfer_is_freed_after_the_timeout() {
-        let store = TransferStore::new(Duration::from_millis(500));
+        // A claim would wait far longer: the cache's own timeout frees it.
+        let store = TransferStore::new(Duration::from_millis(500), Duration::from_secs(600));
         store.deliver("c", Ok(arrived()));
         assert_eq!(store.len(), 1);
         tokio::time::sleep(Duration::from_millis(501)).await;
@@ -206,15 +221,35 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn claim_without_transfer_times_out_and_leaves_nothing() {
-        let store = TransferStore::new(Duration::from_millis(300));
+        let store = TransferStore::new(Duration::from_millis(100), Duration::from_millis(300));
+        let started = tokio::time::Instant::now();
         let err = store.claim("d").await.err().unwrap();
-        assert!(matches!(err, DecodeError::KvTimeout(..)), "{err}");
+        assert!(matches!(err, DecodeError::KvTimeout(_, 300)), "{err}");
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(300),
+            "the KV wait bounds it"
+        );
+        assert!(store.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn claim_outlasts_the_kv_timeout_while_its_prompt_queues() {
+        let store = TransferStore::new(Duration::from_millis(100), Duration::from_secs(10));
+        let waiter = {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move { store.claim("f").await.map(|a| a.first_tokens[0].token) })
+        };
+        // The prompt's turn at the prefill node comes long after the KV timeout.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        store.deliver("f", Ok(arrived()));
+        assert_eq!(waiter.await.unwrap().unwrap(), 7);
         assert!(store.is_empty());
     }
 
     #[tokio::test]
     async fn failed_transfer_fails_its_claim() {
-        let store = TransferStore::new(Duration::from_secs(5));
+        let store = TransferStore::new(Duration::from_secs(5), Duration::from_secs(5));
         store.deliver("e", Err("prefill node went away".into()));
         let err = store.claim("e").await.err().unwrap();
         assert!(err.to_string().contains("prefill node went away"), "{err}");

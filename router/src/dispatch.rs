@@ -236,7 +236,7 @@ async fn pd_on(
     tx: &Tx,
 ) -> Result<(), Failed> {
     // The id the decode node matches the KV transfer by (and the nodes log). A retry gets
-    // its own, since the same decode node may still hold the failed attempt's claim until
+    // its own, since the same decode node may still hold the failed attempt's cache until
     // it times out.
     let kv_id = match attempt {
         0 => req.id.clone(),
@@ -279,14 +279,14 @@ async fn pd_on(
         decode_blocks(d, req.prompt.len() + req.max_tokens, req.sequences),
     );
     let (mut dc, mut pc) = (d.decode(), p.prefill());
-    // The prefill node pushes the KV cache to the decode node while it computes, and
-    // answers once the push is done; the decode node keeps a pushed cache until it is
-    // claimed. So the decode call goes out only after the prefill answer: then it finds its
-    // cache at once, and a prompt that waits in the prefill node's queue cannot run out
-    // the decode node's wait for its KV (`--kv-timeout-ms`, which is meant for a stalled
-    // transfer). Both calls are done before the client sees a token, so a failure of
-    // either still leaves the request free to start over on another pair.
-    let first = {
+    // Both calls go out at once. The prefill node pushes the KV cache to the decode node
+    // while it computes and answers once the push is done; the decode node takes the
+    // Generate call at once and waits for that cache (`--kv-wait-ms`, long enough for the
+    // prompt's time in the prefill node's queue). So the Generate round trip overlaps the
+    // prefill instead of following it. Both calls are answered before the client sees a
+    // token, so a failure of either still leaves the request free to start over on another
+    // pair; the first failure drops the other call, and its node frees what it held.
+    let prefill_call = async {
         let _hold = Hold::new(p, req.prompt.len() as u64, 0, 0);
         pc.prefill(prefill).await.map_err(|s| {
             // A transfer that failed is the decode node's doing as often as not.
@@ -296,12 +296,14 @@ async fn pd_on(
                 p
             };
             Failed::on(culprit, RouterError::worker("prefill", &p.addr, s))
-        })?
+        })
     };
-    let stream = dc
-        .generate(generate)
-        .await
-        .map_err(|s| Failed::on(d, RouterError::worker("decode", &d.addr, s)))?;
+    let generate_call = async {
+        dc.generate(generate)
+            .await
+            .map_err(|s| Failed::on(d, RouterError::worker("decode", &d.addr, s)))
+    };
+    let (first, stream) = tokio::try_join!(prefill_call, generate_call)?;
     let first = first.into_inner();
     if first.first.len() != req.sequences {
         return Err(Failed::on(

@@ -116,10 +116,12 @@ async fn decodes_admitted(w: &Worker) -> f64 {
         .await
 }
 
-/// Waits until `w` (a decode node) holds no KV blocks and no unclaimed transfer.
+/// Waits until `w` (a decode node) holds no KV blocks, no unclaimed transfer and no call
+/// waiting for one.
 async fn decode_holds_nothing(w: &Worker) {
     wait_metric(&w.addr, "decode_kv_blocks_used", "", 0.0, FREE).await;
     wait_metric(&w.addr, "decode_held_transfers", "", 0.0, FREE).await;
+    wait_metric(&w.addr, "decode_awaited_transfers", "", 0.0, FREE).await;
 }
 
 /// Waits until `w` (a prefill node) holds no KV.
@@ -532,9 +534,18 @@ async fn prompt_held_at_prefill_outlasts_the_kv_timeout() {
             == Some(1.0)
     })
     .await;
+    // The Generate call went out with the prompt, not after it: the decode node already
+    // waits for the cache.
+    wait_metric(&f.decode[0].addr, "decode_awaited_transfers", "", 1.0, SEE).await;
     // The fault's length, not a synchronisation: the decode node's timeout must pass while
     // the prompt is held.
     tokio::time::sleep(SHORT_KV_TIMEOUT * 3).await;
+    assert_eq!(
+        f.decode[0].metric("decode_awaited_transfers", "").await,
+        1.0,
+        "the decode node gave up on the held prompt's cache; logs:\n{}",
+        f.logs()
+    );
     f.prefill[0].proc.signal("CONT");
 
     let (status, v) = tokio::time::timeout(SEE, pending)
