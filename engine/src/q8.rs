@@ -19,6 +19,9 @@ use crate::split::{self, GROUP};
 /// Bytes of one Q8_0 block: `d` (f16), then 32 signed bytes.
 const Q80_BYTES: usize = 34;
 
+/// A group of eight weight rows (scales, interleaved bytes) against one activation row.
+type GroupKernel = unsafe fn(&[f16], &[i8], &Q80Row) -> [f32; GROUP];
+
 /// A `[rows, cols]` Q8_0 matrix. The first `rows / 8 * 8` rows are in groups of eight: for
 /// each block, the eight rows' f16 scales (`d[(g * nb + b) * 8 + i]`), then eight runs of 32
 /// bytes, run `k` holding bytes `4k .. 4k + 4` of each row's block in row order. The rows
@@ -119,6 +122,7 @@ impl Q80Matrix {
         );
         let q: Vec<Q80Row> = x.chunks_exact(self.cols).map(Q80Row::quantize).collect();
         let nb = self.cols / QK;
+        let group = avx2::group_kernel();
         split::by_groups(
             self.rows,
             n,
@@ -129,8 +133,9 @@ impl Q80Matrix {
                     &self.qs[span.start * QK..span.end * QK],
                 );
                 for (y, row) in q.iter().enumerate() {
-                    // SAFETY: AVX2, FMA and F16C are present (asserted above).
-                    out.put(y, &unsafe { avx2::dot_group(d, qs, row) });
+                    // SAFETY: `group_kernel` picked a kernel this CPU runs (AVX2, FMA and
+                    // F16C asserted above).
+                    out.put(y, &unsafe { group(d, qs, row) });
                 }
             },
             |r, out| {
@@ -151,19 +156,51 @@ mod avx2 {
 
     use half::f16;
 
-    use super::{Q80Row, GROUP, QK};
+    use super::{GroupKernel, Q80Row, GROUP, QK};
 
     /// The integer sums of bytes `4k .. 4k + 4` of `w` times `y`, as candle's
-    /// `mul_sum_i8_pairs_float` computes them: |w| times y with w's sign.
+    /// `mul_sum_i8_pairs_float` computes them: |w| times y with w's sign. With VNNI the four
+    /// products go into i32 in one instruction; the integers are exact both ways (at most
+    /// 2 * 128 * 127 in a pair), so the sums are the same.
     #[inline(always)]
-    unsafe fn lane_sums(w: __m256i, y: __m256i) -> __m256 {
-        let p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(y, w));
-        _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), p))
+    unsafe fn lane_sums<const VNNI: bool>(w: __m256i, y: __m256i) -> __m256 {
+        let (abs, signed) = (_mm256_sign_epi8(w, w), _mm256_sign_epi8(y, w));
+        let sums = if VNNI {
+            _mm256_dpbusd_epi32(_mm256_setzero_si256(), abs, signed)
+        } else {
+            _mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(abs, signed))
+        };
+        _mm256_cvtepi32_ps(sums)
+    }
+
+    /// True where the CPU has AVX-512 VNNI for 256-bit vectors (Zen 4, Ice Lake and later).
+    pub(super) fn has_vnni() -> bool {
+        is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
+    }
+
+    /// The fastest group kernel this CPU runs, given AVX2, FMA and F16C.
+    pub(super) fn group_kernel() -> GroupKernel {
+        if has_vnni() {
+            dot_group_vnni
+        } else {
+            dot_group
+        }
     }
 
     /// One group of eight interleaved weight rows against one activation row.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_group(d: &[f16], qs: &[i8], y: &Q80Row) -> [f32; GROUP] {
+        group::<false>(d, qs, y)
+    }
+
+    /// [`dot_group`] with VNNI's four-way dot products.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub(super) unsafe fn dot_group_vnni(d: &[f16], qs: &[i8], y: &Q80Row) -> [f32; GROUP] {
+        group::<true>(d, qs, y)
+    }
+
+    #[inline(always)]
+    unsafe fn group<const VNNI: bool>(d: &[f16], qs: &[i8], y: &Q80Row) -> [f32; GROUP] {
         let mut acc = [_mm256_setzero_ps(); GROUP];
         for (b, &yd) in y.d.iter().enumerate() {
             let wd = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().add(b * GROUP) as *const _));
@@ -173,7 +210,7 @@ mod avx2 {
             for (k, acc) in acc.iter_mut().enumerate() {
                 let wv = _mm256_loadu_si256(w.add(32 * k) as *const __m256i);
                 let yv = _mm256_set1_epi32((ys.add(4 * k) as *const i32).read_unaligned());
-                *acc = _mm256_fmadd_ps(scale, lane_sums(wv, yv), *acc);
+                *acc = _mm256_fmadd_ps(scale, lane_sums::<VNNI>(wv, yv), *acc);
             }
         }
         // candle's `hsum_float_8`, for eight rows at once: (l0 + l4) + (l2 + l6), plus
@@ -194,7 +231,7 @@ mod avx2 {
             let scale = _mm256_set1_ps(wd.to_f32() * yd);
             let wv = _mm256_loadu_si256(qs.as_ptr().add(b * QK) as *const __m256i);
             let yv = _mm256_loadu_si256(y.qs.as_ptr().add(b * QK) as *const __m256i);
-            acc = _mm256_fmadd_ps(scale, lane_sums(wv, yv), acc);
+            acc = _mm256_fmadd_ps(scale, lane_sums::<false>(wv, yv), acc);
         }
         let res = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
         let res = _mm_add_ps(res, _mm_movehl_ps(res, res));
@@ -207,9 +244,9 @@ mod avx2 {
 mod avx2 {
     use half::f16;
 
-    use super::{Q80Row, GROUP};
+    use super::GroupKernel;
 
-    pub(super) unsafe fn dot_group(_: &[f16], _: &[i8], _: &Q80Row) -> [f32; GROUP] {
+    pub(super) fn group_kernel() -> GroupKernel {
         unreachable!("the Q8_0 kernel needs x86-64")
     }
 
@@ -254,10 +291,34 @@ mod tests {
         )
         .unwrap();
         let reference = QMatMul::from_qtensor(q).unwrap();
+        let nb = cols / QK;
+        let mut kernels: Vec<(&str, GroupKernel)> = vec![("AVX2", avx2::dot_group)];
+        if avx2::has_vnni() {
+            kernels.push(("VNNI", avx2::dot_group_vnni));
+        }
         for n in [1, 2, 3, 4, 5, 8, 16, 17, 33] {
             let x = data(n * cols, 7 + n as u32);
             let want = candle_product(&reference, &x, n, cols);
             assert_eq!(ours.matmul(&x, n), want, "{n} rows");
+            // Every group kernel this CPU runs, not only the one `matmul` picks.
+            for (name, kernel) in &kernels {
+                for (y, row) in x.chunks_exact(cols).map(Q80Row::quantize).enumerate() {
+                    for g in 0..rows / GROUP {
+                        let span = g * nb * GROUP..(g + 1) * nb * GROUP;
+                        let (d, qs) = (
+                            &ours.d[span.clone()],
+                            &ours.qs[span.start * QK..span.end * QK],
+                        );
+                        // SAFETY: `supported` (checked above) and `has_vnni` for VNNI.
+                        let got = unsafe { kernel(d, qs, &row) };
+                        assert_eq!(
+                            got[..],
+                            want[y * rows + g * GROUP..][..GROUP],
+                            "{name}, {n} rows"
+                        );
+                    }
+                }
+            }
         }
     }
 
