@@ -136,6 +136,29 @@ fn alloc(layout: &KvLayout, capacity: usize, device: &Device) -> Result<Vec<Laye
         .collect()
 }
 
+/// Storage for `capacity` positions of every layer, not written: zeroing a received cache
+/// cost as much as copying its bytes in. Only the assembler uses it.
+///
+/// # Safety
+/// Every position must be written before it is read: the assembler writes the received
+/// ones from the wire and zeroes the rest in `finish`, and copies only what it has written
+/// when it grows (`regrow_unwritten`).
+unsafe fn alloc_unwritten(
+    layout: &KvLayout,
+    capacity: usize,
+    device: &Device,
+) -> Result<Vec<LayerKv>> {
+    let shape = (layout.n_kv_heads, capacity, layout.head_dim);
+    (0..layout.n_layers)
+        .map(|_| {
+            Ok(LayerKv {
+                k: Tensor::empty(shape, DType::F32, device)?,
+                v: Tensor::empty(shape, DType::F32, device)?,
+            })
+        })
+        .collect()
+}
+
 impl SeqCache {
     /// An empty cache for a model with this layout.
     pub fn new(layout: KvLayout, device: &Device) -> Result<Self> {
@@ -236,6 +259,35 @@ impl SeqCache {
         Ok(())
     }
 
+    /// Moves the cache into unwritten storage of `capacity` positions, keeping the first
+    /// `kept[layer]` positions of each layer.
+    ///
+    /// # Safety
+    /// As `alloc_unwritten`: the caller writes every other position before it is read.
+    unsafe fn regrow_unwritten(&mut self, capacity: usize, kept: &[usize]) -> Result<()> {
+        let grown = alloc_unwritten(&self.layout, capacity, &self.device)?;
+        for ((new, old), &keep) in grown.iter().zip(&self.layers).zip(kept) {
+            if keep > 0 {
+                new.k
+                    .slice_set(&old.k.narrow(1, 0, keep)?.contiguous()?, 1, 0)?;
+                new.v
+                    .slice_set(&old.v.narrow(1, 0, keep)?.contiguous()?, 1, 0)?;
+            }
+        }
+        self.layers = grown;
+        self.capacity = capacity;
+        Ok(())
+    }
+
+    /// Zeroes positions `from ..` of every layer, up to the capacity.
+    fn zero_from(&self, from: usize) -> Result<()> {
+        for l in &self.layers {
+            l.k.inplace_op1(&ZeroFrom(from))?;
+            l.v.inplace_op1(&ZeroFrom(from))?;
+        }
+        Ok(())
+    }
+
     /// Writes K/V `(kv_heads, n, head_dim)` for positions `len() .. len() + n` of one layer;
     /// `reserve` must have made room. The position count moves only in `commit`.
     pub(crate) fn write(&self, layer: usize, k: &Tensor, v: &Tensor) -> Result<()> {
@@ -313,6 +365,35 @@ impl SeqCache {
 /// `positions` rounded up to the allocation unit.
 fn rounded(positions: usize) -> usize {
     positions.div_ceil(GROW_TOKENS) * GROW_TOKENS
+}
+
+/// Zeroes positions `.0 ..` of one layer's `(kv_heads, capacity, head_dim)` storage.
+struct ZeroFrom(usize);
+
+impl candle_core::InplaceOp1 for ZeroFrom {
+    fn name(&self) -> &'static str {
+        "kv-zero-from"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &mut candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let candle_core::CpuStorage::F32(data) = storage else {
+            candle_core::bail!("KV caches hold f32");
+        };
+        let (heads, capacity, head_dim) = layout.shape().dims3()?;
+        let Some((first, _)) = layout.contiguous_offsets() else {
+            candle_core::bail!("a KV cache layer is one contiguous tensor");
+        };
+        let from = self.0.min(capacity);
+        for h in 0..heads {
+            let head = first + h * capacity * head_dim;
+            data[head + from * head_dim..head + capacity * head_dim].fill(0.0);
+        }
+        Ok(())
+    }
 }
 
 /// Writes K or V for positions `start .. start + len` of one layer, as the wire carries
@@ -395,8 +476,9 @@ impl KvAssembler {
         let mut cache = SeqCache::new(layout, device)?;
         let wanted = reserve.max(rounded(tokens.len()));
         let upfront = wanted.min(upfront_bytes / per_position);
-        cache.reserve_exact(upfront)?;
         let n_layers = cache.layout.n_layers;
+        // SAFETY: the assembler writes every position before the cache leaves it (`finish`).
+        unsafe { cache.regrow_unwritten(upfront, &vec![0; n_layers])? };
         Ok(Self {
             cache,
             expected: tokens,
@@ -481,8 +563,9 @@ impl KvAssembler {
             return Ok(());
         }
         let grown = rounded(positions.max(capacity * 2)).min(rounded(self.expected.len()));
-        let keep = self.filled.iter().copied().max().unwrap_or(0);
-        self.cache.resize(grown, keep)
+        // SAFETY: each layer keeps what it has received; the rest is written before the
+        // cache leaves the assembler (`finish`).
+        unsafe { self.cache.regrow_unwritten(grown, &self.filled) }
     }
 
     /// Whether every layer has every position.
@@ -500,6 +583,9 @@ impl KvAssembler {
             )));
         }
         let mut cache = self.cache;
+        // Every layer holds every received position; the room for decoding is zeroed, so
+        // nothing unwritten is ever read.
+        cache.zero_from(self.expected.len())?;
         cache.commit(&self.expected);
         Ok(cache)
     }
@@ -820,6 +906,10 @@ mod tests {
             dtype: "f32".into(),
         };
         let row = layout.bytes_per_token_layer();
+        // Memory of the storage's size, dirtied and freed, for the allocator to hand back:
+        // the room past the prompt must not show what was there before.
+        let positions = 100 * layout.n_kv_heads * layout.head_dim;
+        drop((0..8).map(|_| vec![1.5f32; positions]).collect::<Vec<_>>());
         let mut asm = KvAssembler::new(layout.clone(), vec![7; 10], 100, &Device::Cpu).unwrap();
         for layer in 0..2 {
             let bytes: Vec<u8> = (0..10 * row).map(|i| (i % 199) as u8).collect();
@@ -834,6 +924,20 @@ mod tests {
         }
         let mut cache = asm.finish().unwrap();
         assert_eq!(cache.capacity(), 100);
+        // The storage came unwritten: the room past the prompt reads as zeros.
+        for layer in 0..2 {
+            let (k, v) = cache.view(layer, 90).unwrap();
+            for t in [k, v] {
+                let tail: Vec<f32> = t
+                    .narrow(1, 10, 90)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                assert!(tail.iter().all(|&x| x == 0.0), "layer {layer}: {tail:?}");
+            }
+        }
         let held = cache.allocated_bytes();
         cache.reserve_exact(100).unwrap();
         assert_eq!(cache.allocated_bytes(), held, "the arrived cache was moved");
