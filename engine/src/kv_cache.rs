@@ -124,36 +124,37 @@ pub struct SeqCache {
     device: Device,
 }
 
-fn alloc(layout: &KvLayout, capacity: usize, device: &Device) -> Result<Vec<LayerKv>> {
-    let shape = (layout.n_kv_heads, capacity, layout.head_dim);
-    (0..layout.n_layers)
-        .map(|_| {
-            Ok(LayerKv {
-                k: Tensor::zeros(shape, DType::F32, device)?,
-                v: Tensor::zeros(shape, DType::F32, device)?,
-            })
-        })
-        .collect()
+/// How new storage starts out.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fill {
+    Zeros,
+    /// Not written: zeroing a received cache cost as much as copying its bytes in. Only
+    /// the assembler uses it, which writes every position before the cache is read (the
+    /// received ones from the wire, the rest zeroed in `finish`) and keeps only what it
+    /// has written when it grows.
+    Unwritten,
 }
 
-/// Storage for `capacity` positions of every layer, not written: zeroing a received cache
-/// cost as much as copying its bytes in. Only the assembler uses it.
+/// Storage for `capacity` positions of every layer.
 ///
 /// # Safety
-/// Every position must be written before it is read: the assembler writes the received
-/// ones from the wire and zeroes the rest in `finish`, and copies only what it has written
-/// when it grows (`regrow_unwritten`).
-unsafe fn alloc_unwritten(
+/// With `Fill::Unwritten` every position must be written before it is read.
+unsafe fn alloc(
     layout: &KvLayout,
     capacity: usize,
     device: &Device,
+    fill: Fill,
 ) -> Result<Vec<LayerKv>> {
     let shape = (layout.n_kv_heads, capacity, layout.head_dim);
+    let make = || match fill {
+        Fill::Zeros => Tensor::zeros(shape, DType::F32, device),
+        Fill::Unwritten => Tensor::empty(shape, DType::F32, device),
+    };
     (0..layout.n_layers)
         .map(|_| {
             Ok(LayerKv {
-                k: Tensor::empty(shape, DType::F32, device)?,
-                v: Tensor::empty(shape, DType::F32, device)?,
+                k: make()?,
+                v: make()?,
             })
         })
         .collect()
@@ -163,7 +164,8 @@ impl SeqCache {
     /// An empty cache for a model with this layout.
     pub fn new(layout: KvLayout, device: &Device) -> Result<Self> {
         Ok(Self {
-            layers: alloc(&layout, 0, device)?,
+            // SAFETY: zeroed storage is written.
+            layers: unsafe { alloc(&layout, 0, device, Fill::Zeros)? },
             layout,
             capacity: 0,
             tokens: Vec::new(),
@@ -243,29 +245,21 @@ impl SeqCache {
         self.capacity
     }
 
-    /// Moves the cache into storage of `capacity` positions, keeping the first `keep`.
+    /// Moves the cache into zeroed storage of `capacity` positions, keeping the first
+    /// `keep`.
     fn resize(&mut self, capacity: usize, keep: usize) -> Result<()> {
-        let grown = alloc(&self.layout, capacity, &self.device)?;
-        if keep > 0 {
-            for (new, old) in grown.iter().zip(&self.layers) {
-                new.k
-                    .slice_set(&old.k.narrow(1, 0, keep)?.contiguous()?, 1, 0)?;
-                new.v
-                    .slice_set(&old.v.narrow(1, 0, keep)?.contiguous()?, 1, 0)?;
-            }
-        }
-        self.layers = grown;
-        self.capacity = capacity;
-        Ok(())
+        let kept = vec![keep; self.layers.len()];
+        // SAFETY: zeroed storage is written.
+        unsafe { self.move_to(capacity, &kept, Fill::Zeros) }
     }
 
-    /// Moves the cache into unwritten storage of `capacity` positions, keeping the first
+    /// Moves the cache into new storage of `capacity` positions, keeping the first
     /// `kept[layer]` positions of each layer.
     ///
     /// # Safety
-    /// As `alloc_unwritten`: the caller writes every other position before it is read.
-    unsafe fn regrow_unwritten(&mut self, capacity: usize, kept: &[usize]) -> Result<()> {
-        let grown = alloc_unwritten(&self.layout, capacity, &self.device)?;
+    /// As `alloc`.
+    unsafe fn move_to(&mut self, capacity: usize, kept: &[usize], fill: Fill) -> Result<()> {
+        let grown = alloc(&self.layout, capacity, &self.device, fill)?;
         for ((new, old), &keep) in grown.iter().zip(&self.layers).zip(kept) {
             if keep > 0 {
                 new.k
@@ -367,6 +361,44 @@ fn rounded(positions: usize) -> usize {
     positions.div_ceil(GROW_TOKENS) * GROW_TOKENS
 }
 
+/// One layer's `(kv_heads, capacity, head_dim)` storage as an in-place op sees it.
+struct LayerStorage<'a> {
+    data: &'a mut [f32],
+    /// Offset of the layer's first value in `data`.
+    first: usize,
+    heads: usize,
+    capacity: usize,
+    head_dim: usize,
+}
+
+impl<'a> LayerStorage<'a> {
+    fn of(
+        storage: &'a mut candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<Self> {
+        let candle_core::CpuStorage::F32(data) = storage else {
+            candle_core::bail!("KV caches hold f32");
+        };
+        let (heads, capacity, head_dim) = layout.shape().dims3()?;
+        let Some((first, _)) = layout.contiguous_offsets() else {
+            candle_core::bail!("a KV cache layer is one contiguous tensor");
+        };
+        Ok(Self {
+            data,
+            first,
+            heads,
+            capacity,
+            head_dim,
+        })
+    }
+
+    /// Head `h`'s values for positions `start .. start + len`.
+    fn run(&mut self, h: usize, start: usize, len: usize) -> &mut [f32] {
+        let at = self.first + (h * self.capacity + start) * self.head_dim;
+        &mut self.data[at..at + len * self.head_dim]
+    }
+}
+
 /// Zeroes positions `.0 ..` of one layer's `(kv_heads, capacity, head_dim)` storage.
 struct ZeroFrom(usize);
 
@@ -380,17 +412,10 @@ impl candle_core::InplaceOp1 for ZeroFrom {
         storage: &mut candle_core::CpuStorage,
         layout: &candle_core::Layout,
     ) -> candle_core::Result<()> {
-        let candle_core::CpuStorage::F32(data) = storage else {
-            candle_core::bail!("KV caches hold f32");
-        };
-        let (heads, capacity, head_dim) = layout.shape().dims3()?;
-        let Some((first, _)) = layout.contiguous_offsets() else {
-            candle_core::bail!("a KV cache layer is one contiguous tensor");
-        };
-        let from = self.0.min(capacity);
-        for h in 0..heads {
-            let head = first + h * capacity * head_dim;
-            data[head + from * head_dim..head + capacity * head_dim].fill(0.0);
+        let mut layer = LayerStorage::of(storage, layout)?;
+        let from = self.0.min(layer.capacity);
+        for h in 0..layer.heads {
+            layer.run(h, from, layer.capacity - from).fill(0.0);
         }
         Ok(())
     }
@@ -415,20 +440,14 @@ impl candle_core::InplaceOp1 for FromWire<'_> {
         storage: &mut candle_core::CpuStorage,
         layout: &candle_core::Layout,
     ) -> candle_core::Result<()> {
-        let candle_core::CpuStorage::F32(data) = storage else {
-            candle_core::bail!("KV caches hold f32");
-        };
-        let (heads, capacity, head_dim) = layout.shape().dims3()?;
-        let Some((first, _)) = layout.contiguous_offsets() else {
-            candle_core::bail!("a KV cache layer is one contiguous tensor");
-        };
-        let row = self.len * head_dim;
-        if self.start + self.len > capacity || self.bytes.len() != heads * row * 4 {
+        let mut layer = LayerStorage::of(storage, layout)?;
+        let row = self.len * layer.head_dim;
+        if self.start + self.len > layer.capacity || self.bytes.len() != layer.heads * row * 4 {
             candle_core::bail!("K/V chunk does not fit the cache");
         }
         for (h, src) in self.bytes.chunks_exact(row * 4).enumerate() {
-            let at = first + (h * capacity + self.start) * head_dim;
-            for (d, s) in data[at..at + row].iter_mut().zip(src.chunks_exact(4)) {
+            let run = layer.run(h, self.start, self.len);
+            for (d, s) in run.iter_mut().zip(src.chunks_exact(4)) {
                 *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
             }
         }
@@ -478,7 +497,7 @@ impl KvAssembler {
         let upfront = wanted.min(upfront_bytes / per_position);
         let n_layers = cache.layout.n_layers;
         // SAFETY: the assembler writes every position before the cache leaves it (`finish`).
-        unsafe { cache.regrow_unwritten(upfront, &vec![0; n_layers])? };
+        unsafe { cache.move_to(upfront, &vec![0; n_layers], Fill::Unwritten)? };
         Ok(Self {
             cache,
             expected: tokens,
@@ -565,7 +584,7 @@ impl KvAssembler {
         let grown = rounded(positions.max(capacity * 2)).min(rounded(self.expected.len()));
         // SAFETY: each layer keeps what it has received; the rest is written before the
         // cache leaves the assembler (`finish`).
-        unsafe { self.cache.regrow_unwritten(grown, &self.filled) }
+        unsafe { self.cache.move_to(grown, &self.filled, Fill::Unwritten) }
     }
 
     /// Whether every layer has every position.
