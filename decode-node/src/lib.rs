@@ -135,7 +135,10 @@ pub async fn serve(
     let routes = tonic::service::Routes::new(server);
     let served = runtime::Served {
         routes,
-        render: move || metrics.render(store.delivered(), store.awaited()),
+        render: move || {
+            let (delivered, awaited) = store.held();
+            metrics.render(delivered, awaited)
+        },
         side: Some(runtime::SideProtocol {
             preface: kvwire::PREFACE,
             conns: kv_tx,

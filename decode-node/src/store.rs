@@ -134,25 +134,20 @@ impl TransferStore {
         self.slots.lock().expect("store lock").len()
     }
 
-    /// Delivered caches not yet claimed: memory outside the block budget, bounded by the
-    /// timeout.
-    pub fn delivered(&self) -> usize {
-        let slots = self.slots.lock().expect("store lock");
-        // A failed transfer is kept only to answer its Generate call at once; it holds no
-        // cache.
-        slots
-            .values()
-            .filter(|s| matches!(s, Slot::Delivered(Ok(_), _)))
-            .count()
-    }
-
-    /// Generate calls waiting for their transfer.
-    pub fn awaited(&self) -> usize {
+    /// What the store holds, for the gauges: delivered caches not yet claimed (memory
+    /// outside the block budget, bounded by the timeout), then Generate calls waiting for
+    /// their transfer. One look under the lock, so the two agree.
+    pub fn held(&self) -> (usize, usize) {
         let slots = self.slots.lock().expect("store lock");
         slots
             .values()
-            .filter(|s| matches!(s, Slot::Waiting(_)))
-            .count()
+            .fold((0, 0), |(delivered, awaited), s| match s {
+                Slot::Delivered(Ok(_), _) => (delivered + 1, awaited),
+                // A failed transfer is kept only to answer its Generate call at once; it holds
+                // no cache.
+                Slot::Delivered(Err(_), _) => (delivered, awaited),
+                Slot::Waiting(_) => (delivered, awaited + 1),
+            })
     }
 
     /// True when nothing is held.
@@ -186,6 +181,7 @@ mod tests {
     async fn transfer_first_then_claim() {
         let store = TransferStore::new(Duration::from_secs(5), Duration::from_secs(5));
         store.deliver("a", Ok(arrived()));
+        assert_eq!(store.held(), (1, 0), "one cache delivered, no call waiting");
         assert_eq!(store.claim("a").await.unwrap().first_tokens[0].token, 7);
         assert!(store.is_empty());
     }
@@ -200,6 +196,7 @@ mod tests {
         while store.is_empty() {
             tokio::task::yield_now().await;
         }
+        assert_eq!(store.held(), (0, 1), "one call waiting, no cache");
         store.deliver("b", Ok(arrived()));
         assert_eq!(waiter.await.unwrap().unwrap(), 7);
         assert!(store.is_empty());
@@ -251,6 +248,7 @@ mod tests {
     async fn failed_transfer_fails_its_claim() {
         let store = TransferStore::new(Duration::from_secs(5), Duration::from_secs(5));
         store.deliver("e", Err("prefill node went away".into()));
+        assert_eq!(store.held(), (0, 0), "a failed transfer holds no cache");
         let err = store.claim("e").await.err().unwrap();
         assert!(err.to_string().contains("prefill node went away"), "{err}");
     }

@@ -6,6 +6,13 @@
 /// Values per block.
 pub(crate) const QK: usize = 32;
 
+/// True where the CPU has AVX-512 VNNI for 256-bit vectors (Zen 4, Ice Lake and later): both
+/// quantized kernels then sum their integers with `vpdpbusd`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn has_vnni() -> bool {
+    is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
+}
+
 /// Quantizes one block of 32 values into `qs`: returns the scale `max |x| / 127`, before
 /// any rounding to f16, and the sum of the quantized values.
 pub(crate) fn quantize_block(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {

@@ -12,6 +12,8 @@
 
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
+use crate::act_quant::has_vnni;
 use crate::act_quant::{quantize_block, QK};
 use crate::error::{EngineError, Result};
 use crate::split::{self, GROUP};
@@ -188,14 +190,14 @@ impl Q41Matrix {
 fn dot_group(w: WGroup<'_>, rows: &[Q81Row], emit: impl FnMut(usize, [f32; GROUP])) {
     #[cfg(target_arch = "x86_64")]
     {
-        if avx2::has_vnni() {
-            // SAFETY: AVX2 and AVX-512 VNNI/VL are present, checked just above.
-            unsafe { avx2::dot_group_vnni(w, rows, emit) };
-            return;
-        }
         if is_x86_feature_detected!("avx2") {
-            // SAFETY: AVX2 is present, checked just above.
-            unsafe { avx2::dot_group(w, rows, emit) };
+            if has_vnni() {
+                // SAFETY: AVX2 and AVX-512 VNNI/VL are present, checked just above.
+                unsafe { avx2::dot_group_vnni(w, rows, emit) };
+            } else {
+                // SAFETY: AVX2 is present, checked just above.
+                unsafe { avx2::dot_group(w, rows, emit) };
+            }
             return;
         }
     }
@@ -276,13 +278,6 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{block_sumi, block_term, Q81Row, WGroup, WRow, GROUP, QK, TILE};
-
-    /// True where the CPU has AVX-512 VNNI for 256-bit vectors (Zen 4, Ice Lake and later).
-    pub(super) fn has_vnni() -> bool {
-        is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("avx512vnni")
-            && is_x86_feature_detected!("avx512vl")
-    }
 
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn dot_group(
@@ -508,7 +503,7 @@ mod tests {
                 // SAFETY: AVX2 is present, checked just above.
                 kernels.push(("AVX2", |w, q, emit| unsafe { avx2::dot_group(w, q, emit) }));
             }
-            if avx2::has_vnni() {
+            if is_x86_feature_detected!("avx2") && has_vnni() {
                 // SAFETY: AVX2 and AVX-512 VNNI/VL are present, checked just above.
                 kernels.push(("VNNI", |w, q, emit| unsafe {
                     avx2::dot_group_vnni(w, q, emit)

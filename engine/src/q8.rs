@@ -157,6 +157,7 @@ mod avx2 {
     use half::f16;
 
     use super::{GroupKernel, Q80Row, GROUP, QK};
+    use crate::act_quant::has_vnni;
 
     /// The integer sums of bytes `4k .. 4k + 4` of `w` times `y`, as candle's
     /// `mul_sum_i8_pairs_float` computes them: |w| times y with w's sign. With VNNI the four
@@ -171,11 +172,6 @@ mod avx2 {
             _mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(abs, signed))
         };
         _mm256_cvtepi32_ps(sums)
-    }
-
-    /// True where the CPU has AVX-512 VNNI for 256-bit vectors (Zen 4, Ice Lake and later).
-    pub(super) fn has_vnni() -> bool {
-        is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
     }
 
     /// The fastest group kernel this CPU runs, given AVX2, FMA and F16C.
@@ -293,7 +289,7 @@ mod tests {
         let reference = QMatMul::from_qtensor(q).unwrap();
         let nb = cols / QK;
         let mut kernels: Vec<(&str, GroupKernel)> = vec![("AVX2", avx2::dot_group)];
-        if avx2::has_vnni() {
+        if crate::act_quant::has_vnni() {
             kernels.push(("VNNI", avx2::dot_group_vnni));
         }
         for n in [1, 2, 3, 4, 5, 8, 16, 17, 33] {

@@ -3,8 +3,9 @@
 //! by layer), timed from the first message to the acknowledgement, next to the TCP loopback
 //! bandwidth measured in the same run. Each cache is then claimed and freed, as in service.
 //! With `--mtls`, a second decode node takes the same transfers over mutual TLS, dialed the
-//! way a prefill node dials, so TLS's cost is a ratio from one run. With `--ttft`, a PD cluster serves prompts of the same lengths, and the prefill
-//! node's own clock says how much of each TTFT the transfer took after the compute ended.
+//! way a prefill node dials, so TLS's cost is a ratio from one run. With `--ttft`, a PD
+//! cluster serves prompts of the same lengths, and the prefill node's own clock says how
+//! much of each TTFT the transfer took after the compute ended.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
