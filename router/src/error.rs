@@ -82,24 +82,10 @@ impl RouterError {
     /// A failed worker call, classed by its gRPC status.
     pub fn worker(role: &'static str, addr: &str, status: tonic::Status) -> Self {
         use tonic::Code;
-        // A connection that broke (the worker died under a call) comes back as Unknown
-        // with a transport error inside: tonic's when the call could not be sent, hyper's
-        // (over an I/O error) when a response body was cut mid-way. The worker is
+        // The channel (`runtime::Channel`) reports a call it could not send or finish on the
+        // wire (the worker died under it, stopped answering) as Unavailable: the worker is
         // unavailable, not wrong.
-        let mut source = std::error::Error::source(&status);
-        let mut transport = false;
-        while let Some(e) = source {
-            transport |= e.is::<tonic::transport::Error>()
-                || e.is::<hyper::Error>()
-                || e.is::<std::io::Error>();
-            source = e.source();
-        }
         match status.code() {
-            _ if transport => Self::WorkerUnavailable {
-                role,
-                addr: addr.to_string(),
-                message: status.message().to_string(),
-            },
             Code::ResourceExhausted => Self::WorkerBusy {
                 role,
                 addr: addr.to_string(),

@@ -13,7 +13,7 @@ use proto::v1::decode_client::DecodeClient;
 use proto::v1::prefill_client::PrefillClient;
 use proto::v1::{HealthRequest, WorkerLoad};
 use runtime::prom;
-use tonic::transport::Channel;
+use runtime::Channel;
 
 use crate::error::RouterError;
 use crate::routing::Policy;

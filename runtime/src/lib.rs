@@ -1,11 +1,13 @@
 //! Process plumbing shared by the router and the nodes: tracing setup, the shutdown signal,
 //! the request id carried in gRPC metadata, and why a node could not serve.
 
+pub mod channel;
 pub mod process;
 pub mod prom;
 pub mod sniff;
 pub mod worker;
 
+pub use channel::{Channel, ChannelError};
 pub use sniff::{SideProtocol, Sniffed};
 pub use worker::{serve_worker, ClusterArgs, EtcdArgs, Gate, Pass, Served, Tracked};
 
@@ -79,22 +81,8 @@ impl Dialer {
     /// A lazily connected channel to the worker at `addr` (host:port): a connect timeout,
     /// no Nagle delay, pings so that a peer that stops answering (paused, cut off) fails
     /// its calls within seconds, wide flow-control windows, and mutual TLS when set.
-    pub fn channel(
-        &self,
-        addr: &str,
-    ) -> Result<tonic::transport::Channel, tonic::transport::Error> {
-        // The connector does the TLS, so the URI keeps the http scheme h2 expects beneath it.
-        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
-            .connect_timeout(self.connect_timeout)
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
-            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
-            .initial_stream_window_size(STREAM_WINDOW)
-            .initial_connection_window_size(CONNECTION_WINDOW);
-        Ok(match &self.tls {
-            Some(t) => endpoint.connect_with_connector_lazy(tls::Connector::new(t.clone())),
-            None => endpoint.connect_lazy(),
-        })
+    pub fn channel(&self, addr: &str) -> Result<Channel, ChannelError> {
+        Channel::new(self.clone(), addr)
     }
 }
 

@@ -56,7 +56,7 @@ struct Args {
 struct Target {
     addr: String,
     client: kvwire::Client,
-    decode: DecodeClient<tonic::transport::Channel>,
+    decode: DecodeClient<runtime::Channel>,
 }
 
 /// A decode node on a free port, and a KV client for it (over mutual TLS with `tls`).

@@ -1,0 +1,570 @@
+//! The gRPC channel every hop dials its peers with: one HTTP/2 connection per peer, opened on
+//! the first call and again after it breaks, with keepalive pings and mutual TLS when set.
+//!
+//! It writes each call's headers and message in one go. tonic's own channel hands the
+//! message to hyper, which sends the headers first and the message only once the connection
+//! has opened the stream: two writes, and two wake-ups of the peer, per call. Our calls all
+//! send one message (unary or server-streaming), so the message is encoded before the
+//! stream opens and both frames are queued together.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{ready, Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use h2::client::SendRequest;
+use h2::{PingPong, Reason, RecvStream};
+use http::uri::{Authority, Scheme};
+use http::{HeaderMap, Request, Response, Uri};
+use http_body::{Body, Frame};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+use tonic::Status;
+
+use crate::{
+    Dialer, CONNECTION_WINDOW, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, MAX_FRAME, STREAM_WINDOW,
+};
+
+/// Why a channel could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ChannelError {
+    #[error("not a host:port address: {0}")]
+    Address(String),
+}
+
+/// A lazily connected gRPC channel to one peer; clones share the connection.
+#[derive(Clone)]
+pub struct Channel {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    authority: Authority,
+    host: String,
+    port: u16,
+    dialer: Dialer,
+    /// The open connection's request handle and its number, if one is open.
+    live: Mutex<Option<(u64, SendRequest<Bytes>)>>,
+    /// Held while dialing, so that calls arriving together open one connection.
+    dialing: tokio::sync::Mutex<()>,
+    dialed: AtomicU64,
+}
+
+impl fmt::Debug for Channel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Channel")
+            .field("peer", &self.inner.authority)
+            .finish()
+    }
+}
+
+impl Channel {
+    /// A channel to `addr` (host:port) that connects on its first call.
+    pub(crate) fn new(dialer: Dialer, addr: &str) -> Result<Self, ChannelError> {
+        let bad = || ChannelError::Address(addr.to_string());
+        let authority: Authority = addr.parse().map_err(|_| bad())?;
+        let port = authority.port_u16().ok_or_else(bad)?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                host: authority.host().trim_matches(['[', ']']).to_string(),
+                port,
+                authority,
+                dialer,
+                live: Mutex::new(None),
+                dialing: tokio::sync::Mutex::new(()),
+                dialed: AtomicU64::new(0),
+            }),
+        })
+    }
+}
+
+type CallFuture = Pin<Box<dyn Future<Output = Result<Response<ResponseBody>, Status>> + Send>>;
+
+impl tower_service::Service<Request<tonic::body::Body>> for Channel {
+    type Response = Response<ResponseBody>;
+    type Error = Status;
+    type Future = CallFuture;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        // Readiness is the connection's, checked in the call once it is dialed.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<tonic::body::Body>) -> CallFuture {
+        let inner = Arc::clone(&self.inner);
+        Box::pin(async move { inner.call(req).await })
+    }
+}
+
+impl Inner {
+    async fn call(
+        self: Arc<Self>,
+        req: Request<tonic::body::Body>,
+    ) -> Result<Response<ResponseBody>, Status> {
+        let (mut head, mut body) = req.into_parts();
+        let (message, trailers) = collect(&mut body).await?;
+        let mut uri = head.uri.clone().into_parts();
+        uri.scheme = Some(Scheme::HTTP);
+        uri.authority = Some(self.authority.clone());
+        head.uri = Uri::from_parts(uri).map_err(|e| Status::internal(e.to_string()))?;
+
+        let mut send = self.sender().await?.ready().await.map_err(unavailable)?;
+        let only_headers = message.is_empty() && trailers.is_none();
+        let (response, mut stream) = send
+            .send_request(Request::from_parts(head, ()), only_headers)
+            .map_err(unavailable)?;
+        if !only_headers {
+            stream
+                .send_data(message, trailers.is_none())
+                .map_err(unavailable)?;
+        }
+        if let Some(trailers) = trailers {
+            stream.send_trailers(trailers).map_err(unavailable)?;
+        }
+        let response = response.await.map_err(unavailable)?;
+        Ok(response.map(ResponseBody::new))
+    }
+
+    /// The open connection's handle, dialing one if there is none.
+    async fn sender(self: &Arc<Self>) -> Result<SendRequest<Bytes>, Status> {
+        if let Some(send) = self.open() {
+            return Ok(send);
+        }
+        let _dialing = self.dialing.lock().await;
+        if let Some(send) = self.open() {
+            return Ok(send);
+        }
+        let timeout = self.dialer.connect_timeout;
+        let dialed = tokio::time::timeout(timeout, self.dial())
+            .await
+            .map_err(|_| {
+                Status::unavailable(format!(
+                    "connecting to {} timed out after {timeout:?}",
+                    self.authority
+                ))
+            })?;
+        dialed.map_err(|e| Status::unavailable(format!("connecting to {}: {e}", self.authority)))
+    }
+
+    fn open(&self) -> Option<SendRequest<Bytes>> {
+        let live = self.live.lock().expect("channel lock");
+        live.as_ref().map(|(_, send)| send.clone())
+    }
+
+    async fn dial(self: &Arc<Self>) -> std::io::Result<SendRequest<Bytes>> {
+        match &self.dialer.tls {
+            Some(tls) => {
+                let io = tls::Connector::new(tls.clone())
+                    .connect(&self.host, self.port)
+                    .await?;
+                self.start(io).await
+            }
+            None => {
+                let io = TcpStream::connect((self.host.as_str(), self.port)).await?;
+                io.set_nodelay(true)?;
+                self.start(io).await
+            }
+        }
+    }
+
+    /// Opens HTTP/2 over `io` and runs the connection, with its pings, on a task of its own
+    /// that forgets the connection when it ends.
+    async fn start<T>(self: &Arc<Self>, io: T) -> std::io::Result<SendRequest<Bytes>>
+    where
+        T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let (send, mut conn) = h2::client::Builder::new()
+            .initial_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .max_frame_size(MAX_FRAME)
+            .enable_push(false)
+            .handshake::<_, Bytes>(io)
+            .await
+            .map_err(std::io::Error::other)?;
+        let pings = conn.ping_pong().expect("a new connection's pings");
+        let id = self.dialed.fetch_add(1, Ordering::Relaxed);
+        *self.live.lock().expect("channel lock") = Some((id, send.clone()));
+        let channel: Weak<Inner> = Arc::downgrade(self);
+        let peer = self.authority.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                ended = conn => if let Err(e) = ended {
+                    tracing::debug!(%peer, "connection ended: {e}");
+                },
+                () = keepalive(pings) => tracing::warn!(
+                    %peer,
+                    "no answer to a ping within {KEEPALIVE_TIMEOUT:?}; dropping the connection"
+                ),
+            }
+            if let Some(channel) = channel.upgrade() {
+                let mut live = channel.live.lock().expect("channel lock");
+                if live.as_ref().is_some_and(|(open, _)| *open == id) {
+                    *live = None;
+                }
+            }
+        });
+        Ok(send)
+    }
+}
+
+/// Pings every [`KEEPALIVE_INTERVAL`]; returns once a ping goes unanswered for
+/// [`KEEPALIVE_TIMEOUT`] or the connection is gone, so that a peer that stops answering
+/// (paused, cut off) fails its calls within seconds instead of holding them forever.
+async fn keepalive(mut pings: PingPong) {
+    loop {
+        tokio::time::sleep(KEEPALIVE_INTERVAL).await;
+        let pong = tokio::time::timeout(KEEPALIVE_TIMEOUT, pings.ping(h2::Ping::opaque())).await;
+        if !matches!(pong, Ok(Ok(_))) {
+            return;
+        }
+    }
+}
+
+/// The request body tonic encoded (one message for every call we make), whole.
+async fn collect(body: &mut tonic::body::Body) -> Result<(Bytes, Option<HeaderMap>), Status> {
+    let mut first: Option<Bytes> = None;
+    let mut more = BytesMut::new();
+    let mut trailers = None;
+    while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await {
+        match frame?.into_data() {
+            Ok(data) if first.is_none() => first = Some(data),
+            Ok(data) => more.extend_from_slice(&data),
+            Err(frame) => trailers = frame.into_trailers().ok(),
+        }
+    }
+    let message = match first {
+        Some(first) if more.is_empty() => first,
+        Some(first) => {
+            let mut all = BytesMut::from(first);
+            all.extend_from_slice(&more);
+            all.freeze()
+        }
+        None => Bytes::new(),
+    };
+    Ok((message, trailers))
+}
+
+/// A call that could not be sent or finished on the wire: the peer could not take or
+/// finish it (down, cut off, restarting), so another may; one the peer cancelled says so.
+fn unavailable(e: h2::Error) -> Status {
+    if e.reason() == Some(Reason::CANCEL) {
+        Status::cancelled(format!("the peer cancelled the call: {e}"))
+    } else {
+        Status::unavailable(format!("the connection failed: {e}"))
+    }
+}
+
+/// A response body read off its HTTP/2 stream, handing the flow-control window back as
+/// the data is taken.
+pub struct ResponseBody {
+    recv: RecvStream,
+    data_done: bool,
+    done: bool,
+}
+
+impl ResponseBody {
+    fn new(recv: RecvStream) -> Self {
+        Self {
+            recv,
+            data_done: false,
+            done: false,
+        }
+    }
+}
+
+impl Body for ResponseBody {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        if !self.data_done {
+            match ready!(self.recv.poll_data(cx)) {
+                Some(Ok(data)) => {
+                    let _ = self.recv.flow_control().release_capacity(data.len());
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Some(Err(e)) => {
+                    self.done = true;
+                    return Poll::Ready(Some(Err(unavailable(e))));
+                }
+                None => self.data_done = true,
+            }
+        }
+        let trailers = ready!(self.recv.poll_trailers(cx));
+        self.done = true;
+        Poll::Ready(match trailers {
+            Ok(Some(trailers)) => Some(Ok(Frame::trailers(trailers))),
+            Ok(None) => None,
+            Err(e) => Some(Err(unavailable(e))),
+        })
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done || self.recv.is_end_stream()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+    use std::time::{Duration, Instant};
+
+    use proto::v1::decode_client::DecodeClient;
+    use proto::v1::decode_server::{Decode, DecodeServer};
+    use proto::v1::{
+        generate_event, GenerateEvent, GenerateRequest, HealthReply, HealthRequest, Token,
+        TokenEvent, TopLogprob,
+    };
+    use tokio::net::TcpListener;
+    use tokio::sync::mpsc;
+    use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+    use tokio_stream::StreamExt;
+    use tonic::{Code, Request, Response};
+
+    use super::*;
+
+    /// A decode service that streams `max_new_tokens` events of `top_logprobs` entries each,
+    /// then holds the call open until its caller leaves, and says so on `left`.
+    #[derive(Clone)]
+    struct Echo {
+        left: mpsc::UnboundedSender<()>,
+    }
+
+    type Events = ReceiverStream<Result<GenerateEvent, Status>>;
+
+    #[tonic::async_trait]
+    impl Decode for Echo {
+        type GenerateStream = Events;
+
+        async fn generate(
+            &self,
+            req: Request<GenerateRequest>,
+        ) -> Result<Response<Events>, Status> {
+            let req = req.into_inner();
+            let (tx, rx) = mpsc::channel(4);
+            let left = self.left.clone();
+            tokio::spawn(async move {
+                for i in 0..req.max_new_tokens {
+                    let top = (0..req.top_logprobs)
+                        .map(|id| TopLogprob { id, logprob: -1.0 })
+                        .collect();
+                    let token = Token {
+                        id: i,
+                        logprob: 0.0,
+                        top,
+                    };
+                    let event = GenerateEvent {
+                        event: Some(generate_event::Event::Token(TokenEvent {
+                            token: Some(token),
+                            ..TokenEvent::default()
+                        })),
+                    };
+                    if tx.send(Ok(event)).await.is_err() {
+                        break;
+                    }
+                }
+                tx.closed().await;
+                let _ = left.send(());
+            });
+            Ok(Response::new(ReceiverStream::new(rx)))
+        }
+
+        async fn health(&self, _: Request<HealthRequest>) -> Result<Response<HealthReply>, Status> {
+            Ok(Response::new(HealthReply {
+                role: "decode".into(),
+                ..HealthReply::default()
+            }))
+        }
+    }
+
+    /// Serves [`Echo`] on `addr` from a runtime of its own, so that dropping the runtime
+    /// kills the server and every connection it holds, as a dead process would.
+    fn serve(addr: SocketAddr) -> (tokio::runtime::Runtime, mpsc::UnboundedReceiver<()>) {
+        let rt = tokio::runtime::Runtime::new().expect("a server runtime");
+        let (left, left_rx) = mpsc::unbounded_channel();
+        let listener = std::net::TcpListener::bind(addr).expect("the test port is free");
+        listener
+            .set_nonblocking(true)
+            .expect("a non-blocking socket");
+        rt.spawn(async move {
+            let listener = TcpListener::from_std(listener).expect("a tokio listener");
+            tonic::transport::Server::builder()
+                .add_service(DecodeServer::new(Echo { left }))
+                .serve_with_incoming(TcpListenerStream::new(listener))
+                .await
+        });
+        (rt, left_rx)
+    }
+
+    async fn free_addr() -> SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").await.expect("a port");
+        l.local_addr().expect("its address")
+    }
+
+    fn client(addr: SocketAddr) -> DecodeClient<Channel> {
+        let dialer = Dialer {
+            connect_timeout: Duration::from_secs(1),
+            tls: None,
+            max_message: crate::DEFAULT_MAX_MESSAGE,
+        };
+        let channel = dialer.channel(&addr.to_string()).expect("a valid address");
+        DecodeClient::new(channel).max_decoding_message_size(crate::DEFAULT_MAX_MESSAGE)
+    }
+
+    fn generate(tokens: u32, top: u32) -> GenerateRequest {
+        GenerateRequest {
+            max_new_tokens: tokens,
+            top_logprobs: top,
+            ..GenerateRequest::default()
+        }
+    }
+
+    /// Waits for the next item of `stream`, failing the test after `limit`.
+    async fn next<S: tokio_stream::Stream + Unpin>(stream: &mut S, limit: Duration) -> S::Item {
+        tokio::time::timeout(limit, stream.next())
+            .await
+            .unwrap_or_else(|_| panic!("nothing from the stream within {limit:?}"))
+            .expect("the stream ended early")
+    }
+
+    #[test]
+    fn addresses_without_a_port_are_refused() {
+        let dialer = Dialer {
+            connect_timeout: Duration::from_secs(1),
+            tls: None,
+            max_message: crate::DEFAULT_MAX_MESSAGE,
+        };
+        assert!(matches!(
+            dialer.channel("decode-0"),
+            Err(ChannelError::Address(a)) if a == "decode-0"
+        ));
+        assert!(dialer.channel("[::1]:50051").is_ok());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn unary_and_streamed_calls_carry_more_than_a_flow_control_window() {
+        let addr = free_addr().await;
+        let (server, _left) = serve(addr);
+        let mut c = client(addr);
+        let reply = c.health(HealthRequest {}).await.expect("a health reply");
+        assert_eq!(reply.into_inner().role, "decode");
+        // 48 events of 40,000 top entries each: about 14 MB, past the 8 MiB stream window,
+        // which only a body that hands the window back as it reads gets through.
+        let mut events = c
+            .generate(generate(48, 40_000))
+            .await
+            .expect("the call is taken")
+            .into_inner();
+        for i in 0..48 {
+            let event = next(&mut events, Duration::from_secs(30))
+                .await
+                .expect("an event");
+            let Some(generate_event::Event::Token(t)) = event.event else {
+                panic!("not a token event: {event:?}");
+            };
+            let token = t.token.expect("a token");
+            assert_eq!((token.id, token.top.len()), (i, 40_000));
+        }
+        drop(events);
+        server.shutdown_background();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dead_peer_fails_calls_as_unavailable_and_is_dialed_again_once_back() {
+        let addr = free_addr().await;
+        let mut c = client(addr);
+        let refused = c
+            .health(HealthRequest {})
+            .await
+            .expect_err("nothing listens");
+        assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+
+        let (server, _left) = serve(addr);
+        c.health(HealthRequest {})
+            .await
+            .expect("dialed once it listens");
+        let mut held = c
+            .generate(generate(1, 0))
+            .await
+            .expect("the call is taken")
+            .into_inner();
+        next(&mut held, Duration::from_secs(10))
+            .await
+            .expect("its one token");
+        server.shutdown_background();
+        let cut = next(&mut held, Duration::from_secs(10))
+            .await
+            .expect_err("the peer died under the call");
+        assert_eq!(cut.code(), Code::Unavailable, "{cut:?}");
+
+        let (server, _left) = serve(addr);
+        let start = Instant::now();
+        loop {
+            match c.health(HealthRequest {}).await {
+                Ok(_) => break,
+                Err(e) if start.elapsed() < Duration::from_secs(10) => {
+                    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+                    tokio::task::yield_now().await;
+                }
+                Err(e) => panic!("not dialed again within 10 s: {e:?}"),
+            }
+        }
+        server.shutdown_background();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_that_stops_answering_fails_its_calls_within_the_keepalive() {
+        // A peer that takes the connection and then never reads or answers: a paused
+        // process looks the same from here.
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("a port");
+        let addr = listener.local_addr().expect("its address");
+        let silent = tokio::spawn(async move {
+            let (socket, _) = listener.accept().await.expect("the client dials");
+            std::future::pending::<()>().await;
+            drop(socket);
+        });
+        let start = Instant::now();
+        let limit = KEEPALIVE_INTERVAL + KEEPALIVE_TIMEOUT + Duration::from_secs(5);
+        let failed = tokio::time::timeout(limit, client(addr).health(HealthRequest {}))
+            .await
+            .unwrap_or_else(|_| panic!("the call still hung after {limit:?}"))
+            .expect_err("nothing answers");
+        assert_eq!(failed.code(), Code::Unavailable, "{failed:?}");
+        assert!(
+            start.elapsed() >= KEEPALIVE_TIMEOUT,
+            "failed before a ping could go unanswered: {failed:?}"
+        );
+        silent.abort();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dropping_a_stream_cancels_the_call_at_the_peer() {
+        let addr = free_addr().await;
+        let (server, mut left) = serve(addr);
+        let mut c = client(addr);
+        let mut held = c
+            .generate(generate(1, 0))
+            .await
+            .expect("the call is taken")
+            .into_inner();
+        next(&mut held, Duration::from_secs(10))
+            .await
+            .expect("its one token");
+        assert!(left.try_recv().is_err(), "the call is still held");
+        drop(held);
+        tokio::time::timeout(Duration::from_secs(10), left.recv())
+            .await
+            .expect("the peer saw the caller leave within 10 s")
+            .expect("the server is up");
+        server.shutdown_background();
+    }
+}
