@@ -6,6 +6,7 @@ mod attention;
 pub mod beam;
 pub mod chat_template;
 pub mod config;
+mod encode;
 pub mod error;
 pub mod fuzz;
 pub mod generate;

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use candle_core::quantized::gguf_file;
 use serde_json::{json, Value};
 
+use crate::encode::FastEncoder;
 use crate::error::{EngineError, Result};
 
 /// A loaded tokenizer plus the special tokens the server needs to know about.
@@ -17,6 +18,9 @@ pub struct Tokenizer {
     /// Every token's bytes, when the decoder is byte-level alone; `decode` then needs no
     /// `tokenizers` call.
     byte_level: Option<Arc<TokenBytes>>,
+    /// `encode` without the `tokenizers` crate's offsets bookkeeping, for the byte-level
+    /// BPE tokenizers whose steps it reproduces.
+    fast: Option<Arc<FastEncoder>>,
 }
 
 /// Per token id, what a byte-level decoder turns it into, and whether it is special: one
@@ -126,7 +130,12 @@ impl Tokenizer {
 
     fn new(inner: tokenizers::Tokenizer) -> Self {
         let byte_level = TokenBytes::of(&inner).map(Arc::new);
-        Self { inner, byte_level }
+        let fast = FastEncoder::of(&inner).map(Arc::new);
+        Self {
+            inner,
+            byte_level,
+            fast,
+        }
     }
 
     /// Rebuilds a byte-level BPE tokenizer from a GGUF file's vocabulary and merges.
@@ -219,8 +228,18 @@ impl Tokenizer {
 
     /// Token ids for `text`; special tokens written in the text are recognised.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let model = self.inner.get_model();
+        if let Some(ids) = self.fast.as_ref().and_then(|f| f.encode(model, text)) {
+            return Ok(ids);
+        }
         let enc = self.inner.encode_fast(text, false).map_err(tok_err)?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Whether `encode` can skip the `tokenizers` crate's bookkeeping for this tokenizer
+    /// (for ASCII text at least).
+    pub fn encodes_fast(&self) -> bool {
+        self.fast.is_some()
     }
 
     /// Text for `ids`; `skip_special` drops special tokens.
@@ -288,7 +307,7 @@ fn byte_of_char(c: char) -> Option<u8> {
 }
 
 /// The character GPT-2's byte-level alphabet writes byte `b` as.
-fn char_of_byte(b: u8) -> char {
+pub(crate) fn char_of_byte(b: u8) -> char {
     if printable(u32::from(b)) {
         return char::from(b);
     }

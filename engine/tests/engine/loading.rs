@@ -287,3 +287,118 @@ fn byte_level_decoding_equals_the_tokenizers_crate() {
     let tiny = common::tiny_model_dir().join("tokenizer.json");
     check_byte_level_decode("tiny", &Tokenizer::from_file(&tiny).unwrap());
 }
+
+/// Random text built from what trips tokenizers up: added tokens and pieces of them,
+/// contractions in either case, runs of spaces and newlines, digits, punctuation, accents
+/// composed and not, CJK, emoji, and the tokenizer's own added tokens.
+fn tricky_text(rng: &mut engine::fuzz::Rng, added: &[String]) -> String {
+    const PARTS: &[&str] = &[
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<|im",
+        "_start|>",
+        "<think>",
+        "</think>",
+        " ",
+        "  ",
+        "   ",
+        "\n",
+        "\n\n",
+        "\r\n",
+        "\t",
+        " \n",
+        " \t ",
+        "'s",
+        "'S",
+        "'ll",
+        "'RE",
+        "'",
+        "\u{2019}",
+        "a",
+        "Hello",
+        " world",
+        "ABC",
+        "don't",
+        "x1",
+        "123",
+        "4567",
+        "3.14",
+        "!",
+        "?!",
+        "...",
+        "(",
+        ")",
+        "{\"k\": 1}",
+        "-",
+        "_",
+        "#",
+        "\u{e9}",
+        "\u{c9}",
+        "e\u{301}",
+        "\u{df}",
+        "\u{4e2d}\u{6587}",
+        "\u{65e5}\u{672c}\u{8a9e}",
+        "\u{30ab}\u{30bf}",
+        "\u{3072}\u{3089}",
+        "\u{1f600}",
+        "\u{1f44d}\u{1f3fd}",
+        "\u{3a9}",
+        "\u{212a}",
+        "\u{661}\u{662}",
+        "\u{a0}",
+        "\u{3000}",
+        "\u{fb01}",
+    ];
+    let mut text = String::new();
+    for _ in 0..1 + rng.below(30) {
+        if !added.is_empty() && rng.chance(8) {
+            let token: &String = rng.pick(added);
+            text.push_str(token);
+        } else {
+            let part: &&str = rng.pick(PARTS);
+            text.push_str(part);
+        }
+    }
+    text
+}
+
+/// `Tokenizer::encode` skips the `tokenizers` crate's bookkeeping for byte-level BPE
+/// tokenizers; it must give the crate's ids for every text, the generated model's, Qwen3's
+/// (NFC: the short path takes ASCII text only) and DeepSeek-V3's (three splits) alike.
+#[test]
+fn fast_encoding_equals_the_tokenizers_crate() {
+    let corpus =
+        std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/corpus.txt"))
+            .unwrap();
+    let mut tokenizers = vec![(
+        "tiny".to_string(),
+        Tokenizer::from_file(&common::tiny_model_dir().join("tokenizer.json")).unwrap(),
+    )];
+    for name in ["qwen3", "deepseek_v3"] {
+        let path = common::models_dir().join(name).join("tokenizer.json");
+        tokenizers.push((name.to_string(), Tokenizer::from_file(&path).unwrap()));
+    }
+    let (seed, _) = engine::fuzz::settings(0);
+    let mut rng = engine::fuzz::Rng(seed | 1);
+    for (name, tok) in &tokenizers {
+        assert!(tok.encodes_fast(), "{name}: the short path is not taken");
+        let added: Vec<String> = tok
+            .inner()
+            .get_added_tokens_decoder()
+            .into_values()
+            .map(|t| t.content)
+            .collect();
+        let mut texts: Vec<String> = (0..3000).map(|_| tricky_text(&mut rng, &added)).collect();
+        texts.extend(corpus.lines().take(200).map(str::to_string));
+        texts.push(String::new());
+        for text in &texts {
+            let want = tok.inner().encode_fast(text.as_str(), false).unwrap();
+            assert_eq!(
+                tok.encode(text).unwrap(),
+                want.get_ids(),
+                "{name}: {text:?} (seed {seed})"
+            );
+        }
+    }
+}
