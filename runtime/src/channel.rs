@@ -436,6 +436,19 @@ mod tests {
             .expect("the stream ended early")
     }
 
+    /// A call whose one token has arrived and that the peer then holds open.
+    async fn held_call(c: &mut DecodeClient<Channel>) -> tonic::Streaming<GenerateEvent> {
+        let mut held = c
+            .generate(generate(1, 0))
+            .await
+            .expect("the call is taken")
+            .into_inner();
+        next(&mut held, Duration::from_secs(10))
+            .await
+            .expect("its one token");
+        held
+    }
+
     #[test]
     fn addresses_without_a_port_are_refused() {
         let dialer = Dialer {
@@ -492,14 +505,7 @@ mod tests {
         c.health(HealthRequest {})
             .await
             .expect("dialed once it listens");
-        let mut held = c
-            .generate(generate(1, 0))
-            .await
-            .expect("the call is taken")
-            .into_inner();
-        next(&mut held, Duration::from_secs(10))
-            .await
-            .expect("its one token");
+        let mut held = held_call(&mut c).await;
         server.shutdown_background();
         let cut = next(&mut held, Duration::from_secs(10))
             .await
@@ -551,14 +557,7 @@ mod tests {
         let addr = free_addr().await;
         let (server, mut left) = serve(addr);
         let mut c = client(addr);
-        let mut held = c
-            .generate(generate(1, 0))
-            .await
-            .expect("the call is taken")
-            .into_inner();
-        next(&mut held, Duration::from_secs(10))
-            .await
-            .expect("its one token");
+        let held = held_call(&mut c).await;
         assert!(left.try_recv().is_err(), "the call is still held");
         drop(held);
         tokio::time::timeout(Duration::from_secs(10), left.recv())
