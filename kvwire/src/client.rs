@@ -7,8 +7,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use proto::v1::{KvHeader, TransferAck};
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 use tokio::sync::mpsc;
 
 use crate::{read_reply, write_item, Item, WireError, PREFACE};
@@ -19,10 +18,7 @@ const STALL: Duration = Duration::from_secs(10);
 /// Idle connections kept per decode node.
 const MAX_IDLE: usize = 16;
 
-trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
-impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
-
-type Conn = Box<dyn Io>;
+type Conn = Box<dyn tls::Io>;
 
 /// Dials decode nodes for transfers, over TCP or mutual TLS, and keeps connections that
 /// ended a transfer well for the next one.
@@ -130,14 +126,7 @@ impl Client {
             .filter(|(h, _)| !h.is_empty())
             .ok_or_else(|| WireError::BadAddr(addr.to_string()))?;
         let dial = async {
-            let mut conn: Conn = match &self.tls {
-                None => {
-                    let tcp = TcpStream::connect((host.trim_matches(['[', ']']), port)).await?;
-                    tcp.set_nodelay(true)?;
-                    Box::new(tcp)
-                }
-                Some(t) => Box::new(tls::Connector::new(t.clone()).connect(host, port).await?),
-            };
+            let mut conn = tls::dial(self.tls.as_ref(), host, port).await?;
             conn.write_all(PREFACE).await?;
             Ok(conn)
         };

@@ -21,7 +21,6 @@ use http::uri::{Authority, Scheme};
 use http::{HeaderMap, Request, Response, Uri};
 use http_body::{Body, Frame};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::TcpStream;
 use tonic::Status;
 
 use crate::{
@@ -106,7 +105,7 @@ impl Inner {
     ) -> Result<Response<ResponseBody>, Status> {
         let (mut head, mut body) = req.into_parts();
         let (message, trailers) = collect(&mut body).await?;
-        let mut uri = head.uri.clone().into_parts();
+        let mut uri = std::mem::take(&mut head.uri).into_parts();
         uri.scheme = Some(Scheme::HTTP);
         uri.authority = Some(self.authority.clone());
         head.uri = Uri::from_parts(uri).map_err(|e| Status::internal(e.to_string()))?;
@@ -155,19 +154,8 @@ impl Inner {
     }
 
     async fn dial(self: &Arc<Self>) -> std::io::Result<SendRequest<Bytes>> {
-        match &self.dialer.tls {
-            Some(tls) => {
-                let io = tls::Connector::new(tls.clone())
-                    .connect(&self.host, self.port)
-                    .await?;
-                self.start(io).await
-            }
-            None => {
-                let io = TcpStream::connect((self.host.as_str(), self.port)).await?;
-                io.set_nodelay(true)?;
-                self.start(io).await
-            }
-        }
+        let io = tls::dial(self.dialer.tls.as_ref(), &self.host, self.port).await?;
+        self.start(io).await
     }
 
     /// Opens HTTP/2 over `io` and runs the connection, with its pings, on a task of its own
@@ -410,13 +398,19 @@ mod tests {
         l.local_addr().expect("its address")
     }
 
-    fn client(addr: SocketAddr) -> DecodeClient<Channel> {
-        let dialer = Dialer {
+    /// Plain connections, a second to open.
+    fn dialer() -> Dialer {
+        Dialer {
             connect_timeout: Duration::from_secs(1),
             tls: None,
             max_message: crate::DEFAULT_MAX_MESSAGE,
-        };
-        let channel = dialer.channel(&addr.to_string()).expect("a valid address");
+        }
+    }
+
+    fn client(addr: SocketAddr) -> DecodeClient<Channel> {
+        let channel = dialer()
+            .channel(&addr.to_string())
+            .expect("a valid address");
         DecodeClient::new(channel).max_decoding_message_size(crate::DEFAULT_MAX_MESSAGE)
     }
 
@@ -451,11 +445,7 @@ mod tests {
 
     #[test]
     fn addresses_without_a_port_are_refused() {
-        let dialer = Dialer {
-            connect_timeout: Duration::from_secs(1),
-            tls: None,
-            max_message: crate::DEFAULT_MAX_MESSAGE,
-        };
+        let dialer = dialer();
         assert!(matches!(
             dialer.channel("decode-0"),
             Err(ChannelError::Address(a)) if a == "decode-0"

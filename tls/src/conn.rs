@@ -217,6 +217,25 @@ impl Connector {
     }
 }
 
+/// A dialed connection, plain or TLS.
+pub trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
+/// Dials `host:port` (an IPv6 host with or without its brackets): TCP without Nagle's
+/// delay, then, with `tls`, the handshake of [`Connector::connect`].
+pub async fn dial(tls: Option<&ClientTls>, host: &str, port: u16) -> io::Result<Box<dyn Io>> {
+    match tls {
+        Some(t) => Ok(Box::new(
+            Connector::new(t.clone()).connect(host, port).await?,
+        )),
+        None => {
+            let tcp = TcpStream::connect((host.trim_matches(['[', ']']), port)).await?;
+            tcp.set_nodelay(true)?;
+            Ok(Box::new(tcp))
+        }
+    }
+}
+
 type Dial = Pin<Box<dyn Future<Output = io::Result<TokioIo<ClientStream>>> + Send>>;
 /// A dialed TLS connection.
 pub type ClientStream = tokio_rustls::client::TlsStream<TcpStream>;
