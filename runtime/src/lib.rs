@@ -149,7 +149,10 @@ pub fn request_id<T>(req: &tonic::Request<T>, fallback: &str) -> String {
 /// `msg` as a request that carries `id` as metadata.
 pub fn with_request_id<T>(id: &str, msg: T) -> tonic::Request<T> {
     let mut r = tonic::Request::new(msg);
-    if let Ok(v) = id.parse() {
+    if let Ok(mut v) = id.parse::<tonic::metadata::MetadataValue<_>>() {
+        // Marked sensitive so HPACK sends it as a literal: every id is new, and entering
+        // each in the connection's header table would evict the headers that repeat.
+        v.set_sensitive(true);
         r.metadata_mut().insert(REQUEST_ID, v);
     }
     r
