@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+use bench::zero::{serve_grpc, ZeroModel, ZeroRole};
 use clap::{Parser, Subcommand};
 use tokio::net::TcpListener;
 
@@ -42,10 +43,10 @@ async fn main() -> anyhow::Result<()> {
     let listener = TcpListener::bind(&args.listen).await?;
     match args.role {
         Role::Prefill => {
-            bench::zero::serve_prefill(listener, bench::zero::ZeroModel::load(&args.model)?).await?
+            serve_grpc(listener, ZeroModel::load(&args.model)?, ZeroRole::Prefill).await?
         }
         Role::Decode => {
-            bench::zero::serve_decode(listener, bench::zero::ZeroModel::load(&args.model)?).await?
+            serve_grpc(listener, ZeroModel::load(&args.model)?, ZeroRole::Decode).await?
         }
         Role::Openai { tokens, model_name } => {
             let path = args.model.display().to_string();
