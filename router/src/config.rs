@@ -216,6 +216,10 @@ pub struct Config {
     #[arg(long, env = "ROUTER_MAX_HEADER_BYTES", default_value_t = 64 << 10,
         value_parser = clap::value_parser!(u64).range(8192..))]
     pub max_header_bytes: u64,
+    /// Threads serving requests (default: one per CPU the process may use, by its affinity
+    /// mask and cgroup quota); with one, tokio's current-thread scheduler.
+    #[arg(long, env = "ROUTER_THREADS", value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: Option<u16>,
     /// Largest gRPC message sent to or accepted from a worker, in bytes.
     #[arg(long, env = "TANDEM_GRPC_MAX_MESSAGE_BYTES", default_value_t = runtime::DEFAULT_MAX_MESSAGE)]
     pub grpc_max_message_bytes: usize,

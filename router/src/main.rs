@@ -7,11 +7,12 @@ use router::Config;
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cfg = Config::parse();
-    runtime::init_tracing();
-    let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
-    router::serve(listener, cfg, runtime::shutdown_signal()).await?;
-    Ok(())
+    runtime::io_runtime(cfg.threads.map(usize::from))?.block_on(async {
+        runtime::init_tracing();
+        let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
+        router::serve(listener, cfg, runtime::shutdown_signal()).await?;
+        Ok(())
+    })
 }

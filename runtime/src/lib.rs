@@ -124,6 +124,25 @@ pub fn fit_compute_threads() {
     std::env::set_var("RAYON_NUM_THREADS", n.to_string());
 }
 
+/// The tokio runtime a serving process runs its I/O on: `threads` threads, else one per
+/// CPU this process may use (`available_parallelism`: the affinity mask, a cgroup CPU
+/// quota). One thread gets the current-thread scheduler: with a single worker the
+/// multi-thread one only adds its cross-thread bookkeeping to every wake-up, about a
+/// quarter of the router's CPU per request on one core (bench/README.md, figure 4).
+pub fn io_runtime(threads: Option<usize>) -> std::io::Result<tokio::runtime::Runtime> {
+    let n = threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .max(1);
+    let mut builder = if n == 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(n);
+        b
+    };
+    builder.enable_all().build()
+}
+
 /// How many turns candle's pool workers spin before they sleep.
 const SPIN_LIMIT: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
 
@@ -229,5 +248,22 @@ mod tests {
         let req = with_request_id("chatcmpl-1", ());
         assert_eq!(request_id(&req, "fallback"), "chatcmpl-1");
         assert_eq!(request_id(&tonic::Request::new(()), "fallback"), "fallback");
+        let id = req.metadata().get(REQUEST_ID).expect("the id is set");
+        assert!(id.is_sensitive(), "ids are kept out of the HPACK table");
+    }
+
+    #[test]
+    fn one_serving_thread_gets_the_current_thread_scheduler() {
+        use tokio::runtime::RuntimeFlavor;
+        let flavor = |threads| io_runtime(threads).unwrap().handle().runtime_flavor();
+        assert_eq!(flavor(Some(1)), RuntimeFlavor::CurrentThread);
+        assert_eq!(flavor(Some(2)), RuntimeFlavor::MultiThread);
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let expected = if cpus == 1 {
+            RuntimeFlavor::CurrentThread
+        } else {
+            RuntimeFlavor::MultiThread
+        };
+        assert_eq!(flavor(None), expected);
     }
 }
