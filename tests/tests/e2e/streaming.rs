@@ -1,7 +1,7 @@
 //! Streamed text: valid UTF-8 in every chunk, the same text as the non-streamed answer,
-//! and the seeds' fullTextEnabled shape.
+//! the seeds' fullTextEnabled shape, and all of it from a router on one thread.
 
-use e2e::{smollm2, Cluster, Mode};
+use e2e::{smollm2, tiny_model, Cluster, Mode};
 use serde_json::{json, Value};
 
 fn content(ch: &Value) -> &str {
@@ -66,4 +66,55 @@ async fn full_text_enabled_streams_cumulative_content_and_full_text() {
     assert_eq!(content(last), whole);
     assert!(last["usage"]["completion_tokens"].as_u64().unwrap() >= 1);
     assert!(last["choices"][0]["finish_reason"].is_string());
+}
+
+#[tokio::test]
+async fn a_router_on_one_thread_serves_concurrent_unary_and_streamed_requests() {
+    let c = Cluster::start(Mode::Pd, &tiny_model(), &["--threads", "1"]).await;
+    let body = json!({"model": "test", "max_tokens": 16, "temperature": 0, "ignore_eos": true,
+        "messages": [{"role": "user", "content": "Count with me."}]});
+    let url = format!("{}/v1/chat/completions", c.url);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let unary: Vec<_> = (0..3)
+        .map(|_| {
+            let (url, body) = (url.clone(), body.clone());
+            tokio::spawn(async move { e2e::post(&url, &body).await })
+        })
+        .collect();
+    let streams: Vec<_> = (0..3)
+        .map(|_| {
+            let (url, body) = (url.clone(), streamed.clone());
+            tokio::spawn(async move { e2e::post_sse(&url, &body).await })
+        })
+        .collect();
+    let mut texts = Vec::new();
+    for u in unary {
+        let (status, answer) = u.await.unwrap();
+        assert_eq!(status, 200, "{answer}");
+        texts.push(
+            answer["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    for s in streams {
+        let (status, data) = s.await.unwrap();
+        assert_eq!(status, 200, "{data:?}");
+        let chunks = e2e::sse_chunks(&data);
+        let pieces: Vec<&str> = chunks
+            .iter()
+            .filter_map(|ch| ch["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        texts.push(pieces.concat());
+    }
+    assert!(!texts[0].is_empty());
+    assert!(texts.iter().all(|t| *t == texts[0]), "{texts:?}");
+    let page = e2e::scrape(c.url.trim_start_matches("http://")).await;
+    assert_eq!(
+        e2e::metric(&page, "process_threads", ""),
+        Some(1.0),
+        "one thread serves everything:\n{page}"
+    );
 }
