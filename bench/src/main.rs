@@ -27,7 +27,7 @@ struct Config {
     #[arg(long, default_value_t = 32)]
     steps: usize,
     /// Threads for the bandwidth probe (the engine uses every core).
-    #[arg(long, default_value_t = std::thread::available_parallelism().map_or(1, |n| n.get()))]
+    #[arg(long, default_value_t = runtime::usable_cpus())]
     threads: usize,
     /// Where to write the JSON results.
     #[arg(long)]

@@ -98,11 +98,10 @@ pub fn init_tracing() {
         .init();
 }
 
-/// Sizes the compute thread pools (candle's and rayon's) to the CPUs this process may run
-/// on, as `available_parallelism` reports them (the affinity mask, a cgroup CPU quota),
-/// unless `RAYON_NUM_THREADS` or `CANDLE_NUM_THREADS` is set. candle counts the machine's
-/// physical cores instead, so a worker pinned to one core (or given one CPU by Kubernetes)
-/// ran two spinning threads on it and every step waited on a descheduled one: 30x slower.
+/// Sizes the compute thread pools (candle's and rayon's) to [`usable_cpus`], unless
+/// `RAYON_NUM_THREADS` or `CANDLE_NUM_THREADS` is set. candle counts the machine's physical
+/// cores instead, so a worker pinned to one core (or given one CPU by Kubernetes) ran two
+/// spinning threads on it and every step waited on a descheduled one: 30x slower.
 ///
 /// Also shortens how long candle's pool workers spin after each matmul before they sleep
 /// (`CANDLE_BARRIER_POOL_SPIN_LIMIT`, unless set): 25,000 turns by default, about 0.3 ms
@@ -120,19 +119,22 @@ pub fn fit_compute_threads() {
     {
         return;
     }
-    let n = std::thread::available_parallelism().map_or(1, |n| n.get());
-    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    std::env::set_var("RAYON_NUM_THREADS", usable_cpus().to_string());
+}
+
+/// The CPUs this process may run on, as `available_parallelism` reports them (the affinity
+/// mask, a cgroup CPU quota); 1 when it cannot tell.
+pub fn usable_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// The tokio runtime a serving process runs its I/O on: `threads` threads, else one per
-/// CPU this process may use (`available_parallelism`: the affinity mask, a cgroup CPU
-/// quota). One thread gets the current-thread scheduler: with a single worker the
-/// multi-thread one only adds its cross-thread bookkeeping to every wake-up, about a
-/// quarter of the router's CPU per request on one core (bench/README.md, figure 4).
+/// CPU this process may use ([`usable_cpus`]). One thread gets the current-thread
+/// scheduler: with a single worker the multi-thread one only adds its cross-thread
+/// bookkeeping to every wake-up, about a quarter of the router's CPU per request on one
+/// core (bench/README.md, figure 4).
 pub fn io_runtime(threads: Option<usize>) -> std::io::Result<tokio::runtime::Runtime> {
-    let n = threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-        .max(1);
+    let n = threads.unwrap_or_else(usable_cpus).max(1);
     let mut builder = if n == 1 {
         tokio::runtime::Builder::new_current_thread()
     } else {
@@ -258,8 +260,7 @@ mod tests {
         let flavor = |threads| io_runtime(threads).unwrap().handle().runtime_flavor();
         assert_eq!(flavor(Some(1)), RuntimeFlavor::CurrentThread);
         assert_eq!(flavor(Some(2)), RuntimeFlavor::MultiThread);
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let expected = if cpus == 1 {
+        let expected = if usable_cpus() == 1 {
             RuntimeFlavor::CurrentThread
         } else {
             RuntimeFlavor::MultiThread

@@ -1,5 +1,6 @@
 //! Streamed text: valid UTF-8 in every chunk, the same text as the non-streamed answer,
-//! the seeds' fullTextEnabled shape, and all of it from a router on one thread.
+//! the seeds' fullTextEnabled shape, and both kinds served at once by a router on one
+//! thread.
 
 use e2e::{smollm2, tiny_model, Cluster, Mode};
 use serde_json::{json, Value};
