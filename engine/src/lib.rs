@@ -19,6 +19,7 @@ pub mod q4;
 pub mod q8;
 pub mod sampling;
 mod split;
+mod swiglu;
 pub mod testmodel;
 pub mod tokenizer;
 pub mod weights;

@@ -14,6 +14,7 @@ use crate::config::{ModelConfig, RopeStyle};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvLayout, SeqCache};
 use crate::masked_softmax::MaskedSoftmax;
+use crate::swiglu;
 use crate::weights::{Linear, Stacked, WeightSource};
 
 struct Layer {
@@ -350,7 +351,7 @@ impl Model {
             xs = (xs + layer.o.forward(&attn)?)?;
             let h = candle_nn::ops::rms_norm(&xs, &layer.mlp_norm, eps)?;
             let gate_up = layer.gate_up.forward(&h)?;
-            let gated = (gate_up[0].silu()? * &gate_up[1])?;
+            let gated = swiglu::silu_mul(&gate_up[0], &gate_up[1])?;
             xs = (xs + layer.down.forward(&gated)?)?;
             layer_done(li, batch)?;
         }

@@ -1,10 +1,10 @@
 //! A quantized product's output rows split across candle's pool workers, each writing its
-//! own columns of one shared buffer.
+//! own columns of one shared buffer (which other kernels share out the same way).
 
 use std::marker::PhantomData;
 
 /// An output buffer shared by pool workers that each write their own disjoint part of it.
-struct SharedOut<'a> {
+pub(crate) struct SharedOut<'a> {
     ptr: *mut f32,
     len: usize,
     buf: PhantomData<&'a mut [f32]>,
@@ -15,7 +15,7 @@ unsafe impl Sync for SharedOut<'_> {}
 
 impl<'a> SharedOut<'a> {
     /// Shares `buf`, which stays borrowed while this lives.
-    fn new(buf: &'a mut [f32]) -> Self {
+    pub(crate) fn new(buf: &'a mut [f32]) -> Self {
         Self {
             ptr: buf.as_mut_ptr(),
             len: buf.len(),
@@ -28,7 +28,7 @@ impl<'a> SharedOut<'a> {
     /// # Safety
     /// No other slice handed out overlaps this one while it lives.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
+    pub(crate) unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
         assert!(start + len <= self.len, "outside the shared buffer");
         std::slice::from_raw_parts_mut(self.ptr.add(start), len)
     }
