@@ -112,6 +112,20 @@ pub(crate) mod testing {
             .collect()
     }
 
+    /// A tensor's values, flattened.
+    pub fn values(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// How many values differ in any bit between two lists of the same length.
+    pub fn bits_differ(a: &[f32], b: &[f32]) -> usize {
+        assert_eq!(a.len(), b.len(), "lists of different lengths");
+        a.iter()
+            .zip(b)
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count()
+    }
+
     /// candle's `x Wᵀ` for `x` of `n` rows of `cols`, flattened.
     pub fn candle_product(w: &QMatMul, x: &[f32], n: usize, cols: usize) -> Vec<f32> {
         let xt = Tensor::from_vec(x.to_vec(), (n, cols), &Device::Cpu).unwrap();

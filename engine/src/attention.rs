@@ -309,6 +309,7 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     use super::*;
+    use crate::act_quant::testing::{bits_differ, values};
 
     /// `Model::attend`'s general path for one new row.
     fn general(q: &Tensor, keys: &Tensor, values: &Tensor, scale: f64) -> Tensor {
@@ -360,22 +361,8 @@ mod tests {
             let q = Tensor::from_vec(data(kv * group * hd, seed + 2), (kv * group, 1, hd), &dev)
                 .unwrap();
             let scale = 1.0 / (hd as f64).sqrt();
-            let ours: Vec<f32> = decode(&q, &k, &v, scale, i % 2 == 0)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let theirs: Vec<f32> = general(&q, &k, &v, scale)
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let differ = ours
-                .iter()
-                .zip(&theirs)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
+            let ours = values(&decode(&q, &k, &v, scale, i % 2 == 0).unwrap());
+            let differ = bits_differ(&ours, &values(&general(&q, &k, &v, scale)));
             assert_eq!(
                 differ,
                 0,

@@ -77,6 +77,7 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     use super::*;
+    use crate::act_quant::testing::{bits_differ, values, xorshift_data};
 
     #[test]
     fn equals_candles_silu_then_product_bit_for_bit() {
@@ -87,29 +88,14 @@ mod tests {
             .enumerate()
         {
             // Spread wide enough for exp to overflow and underflow at the ends.
-            let data = crate::act_quant::testing::xorshift_data(n * 2 * w, i as u64, 240.0);
+            let data = xorshift_data(n * 2 * w, i as u64, 240.0);
             let stacked = Tensor::from_vec(data, (n, 2 * w), &dev).unwrap();
             let (gate, up) = (
                 stacked.narrow(1, 0, w).unwrap(),
                 stacked.narrow(1, w, w).unwrap(),
             );
-            let ours: Vec<f32> = silu_mul(&gate, &up)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let theirs: Vec<f32> = (gate.silu().unwrap() * &up)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let differ = ours
-                .iter()
-                .zip(&theirs)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
+            let ours = values(&silu_mul(&gate, &up).unwrap());
+            let differ = bits_differ(&ours, &values(&(gate.silu().unwrap() * &up).unwrap()));
             assert_eq!(differ, 0, "{n}x{w}: {differ} of {} values differ", n * w);
         }
     }
@@ -122,19 +108,8 @@ mod tests {
             .t()
             .unwrap();
         let up = Tensor::ones((4, 3), candle_core::DType::F32, &dev).unwrap();
-        let ours: Vec<f32> = silu_mul(&gate, &up)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let theirs: Vec<f32> = gate
-            .silu()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let ours = values(&silu_mul(&gate, &up).unwrap());
+        let theirs = values(&gate.silu().unwrap());
         assert_eq!(ours, theirs, "a transposed gate is still silu(gate) * 1");
     }
 }
