@@ -290,17 +290,17 @@ fn canned(body: &Value, unary: &Bytes, stream: &Bytes) -> Response {
     }
 }
 
-async fn chat(State(c): State<std::sync::Arc<Canned>>, Json(body): Json<Value>) -> Response {
+async fn chat(State(c): State<Arc<Canned>>, Json(body): Json<Value>) -> Response {
     canned(&body, &c.chat, &c.chat_stream)
 }
 
-async fn completion(State(c): State<std::sync::Arc<Canned>>, Json(body): Json<Value>) -> Response {
+async fn completion(State(c): State<Arc<Canned>>, Json(body): Json<Value>) -> Response {
     canned(&body, &c.completion, &c.completion_stream)
 }
 
 /// What the routers' worker probes read: SGLang's `/server_info` and `/model_info` (the
 /// model path leads sglang-router to a local tokenizer, so it fetches nothing).
-async fn info(State(c): State<std::sync::Arc<Canned>>) -> Json<Value> {
+async fn info(State(c): State<Arc<Canned>>) -> Json<Value> {
     Json(
         json!({"model_path": c.model_path, "tokenizer_path": c.model_path,
                 "is_generation": true, "served_model_name": c.model_path}),
@@ -315,7 +315,7 @@ pub async fn serve_openai(
     model_path: &str,
     tokens: usize,
 ) -> std::io::Result<()> {
-    let canned = std::sync::Arc::new(Canned::new(model_name, model_path, tokens));
+    let canned = Arc::new(Canned::new(model_name, model_path, tokens));
     let models = json!({"object": "list", "data": [{"id": model_name, "object": "model"}]});
     let app = axum::Router::new()
         .route("/v1/chat/completions", post(chat))

@@ -469,6 +469,15 @@ pub fn sse_chunks(data: &[String]) -> Vec<Value> {
         .collect()
 }
 
+/// The text a streamed chat answer's first choice sent as content, chunk after chunk
+/// (chunks without content, such as the role's and the finish's, add nothing).
+pub fn chat_stream_content(chunks: &[Value]) -> String {
+    chunks
+        .iter()
+        .filter_map(|ch| ch["choices"][0]["delta"]["content"].as_str())
+        .collect()
+}
+
 /// Every example request body in the API documents, with the document it is from
 /// (`tests/fixtures/seed_requests.json`, written by `scripts/extract-seed-requests.py`).
 pub fn seed_requests() -> Vec<(String, Value)> {

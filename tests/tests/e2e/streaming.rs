@@ -103,12 +103,7 @@ async fn a_router_on_one_thread_serves_concurrent_unary_and_streamed_requests() 
     for s in streams {
         let (status, data) = s.await.unwrap();
         assert_eq!(status, 200, "{data:?}");
-        let chunks = e2e::sse_chunks(&data);
-        let pieces: Vec<&str> = chunks
-            .iter()
-            .filter_map(|ch| ch["choices"][0]["delta"]["content"].as_str())
-            .collect();
-        texts.push(pieces.concat());
+        texts.push(e2e::chat_stream_content(&e2e::sse_chunks(&data)));
     }
     assert!(!texts[0].is_empty());
     assert!(texts.iter().all(|t| *t == texts[0]), "{texts:?}");

@@ -79,10 +79,7 @@ async fn required_and_named_tool_choice_return_parsed_calls_streamed_and_not() {
         let streamed_args: Value =
             serde_json::from_str(deltas[0]["function"]["arguments"].as_str().unwrap()).unwrap();
         assert_eq!(streamed_args, json!({"location": city}));
-        let content: String = chunks
-            .iter()
-            .filter_map(|ch| ch["choices"][0]["delta"]["content"].as_str())
-            .collect();
+        let content = e2e::chat_stream_content(&chunks);
         assert_eq!(content, "", "the call is not also sent as content");
         let last = chunks.last().unwrap();
         assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
