@@ -45,7 +45,8 @@ run() { # label, router port
 if [[ " $SETUPS " == *" pd "* ]]; then
 echo "== PD: prefill on core 0, decode on core 1"
 P=$(free_port); D=$(free_port); R=$(free_port)
-taskset -c 0 "$BIN/tandem-prefill" --model "$MODEL" --listen "127.0.0.1:$P" >"$LOGS/p.log" 2>&1 & PIDS+=($!)
+taskset -c 0 "$BIN/tandem-prefill" --model "$MODEL" --listen "127.0.0.1:$P" \
+    --decode-nodes "127.0.0.1:$D" >"$LOGS/p.log" 2>&1 & PIDS+=($!)
 taskset -c 1 "$BIN/tandem-decode" --model "$MODEL" --listen "127.0.0.1:$D" >"$LOGS/d.log" 2>&1 & PIDS+=($!)
 "$BIN/tandem-router" --model "$MODEL" --model-name bench --listen "127.0.0.1:$R" \
     --prefill-nodes "127.0.0.1:$P" --decode-nodes "127.0.0.1:$D" >"$LOGS/r.log" 2>&1 & PIDS+=($!)

@@ -58,7 +58,8 @@ start() { # server; sets PORT
         ;;
     tandem-pd)
         P=$(free_port); D=$(free_port)
-        "$BIN/tandem-prefill" --model "$MODEL" --listen "127.0.0.1:$P" >"$LOGS/p.log" 2>&1 &
+        "$BIN/tandem-prefill" --model "$MODEL" --listen "127.0.0.1:$P" \
+    --decode-nodes "127.0.0.1:$D" >"$LOGS/p.log" 2>&1 &
         PIDS+=($!)
         "$BIN/tandem-decode" --model "$MODEL" --listen "127.0.0.1:$D" >"$LOGS/d.log" 2>&1 &
         PIDS+=($!)

@@ -21,6 +21,8 @@ export ROUTER_LISTEN="${ROUTER_LISTEN:-127.0.0.1:8080}"
 export PREFILL_LISTEN="${PREFILL_LISTEN:-127.0.0.1:50051}"
 export DECODE_LISTEN="${DECODE_LISTEN:-127.0.0.1:50052}"
 export ROUTER_PREFILL_NODES="$PREFILL_LISTEN" ROUTER_DECODE_NODES="$DECODE_LISTEN"
+# The prefill node sends KV caches only to decode nodes it knows.
+export PREFILL_DECODE_NODES="$DECODE_LISTEN"
 
 bin="${TANDEM_BIN_DIR:-}"
 if [ -z "$bin" ]; then

@@ -78,8 +78,9 @@ pub enum ZeroRole {
     /// A prefill node that answers with first tokens at once and sends no KV cache.
     Prefill,
     /// A decode node that streams its whole token budget at once, without waiting for a
-    /// KV cache (none comes from the zero prefill node); in colocated requests it produces
-    /// the first token too.
+    /// KV cache (none comes from the zero prefill node): in PD requests after the KV
+    /// reservation a real node sends first (with a ticket nothing redeems), in colocated
+    /// ones with the first token too.
     Decode,
 }
 
@@ -130,6 +131,13 @@ impl ZeroModel {
                     ));
                 }
                 let mut events = Vec::new();
+                if !req.prefill_here {
+                    events.push(framed(&GenerateEvent {
+                        event: Some(generate_event::Event::Reserved(proto::v1::KvReserved {
+                            ticket: vec![0; 32],
+                        })),
+                    }));
+                }
                 for choice in 0..req.n.max(1) {
                     for i in 0..req.max_new_tokens {
                         events.push(framed(&GenerateEvent {
@@ -385,12 +393,13 @@ mod tests {
             prefill_here: true,
             ..GenerateRequest::default()
         };
-        let mut stream = d.generate(req).await.unwrap().into_inner();
         let mut seen = Vec::new();
+        let mut stream = d.generate(req.clone()).await.unwrap().into_inner();
         while let Some(event) = stream.message().await.unwrap() {
             seen.push(match event.event.unwrap() {
                 generate_event::Event::Token(t) => (t.choice, Some(t.from_prefill)),
                 generate_event::Event::Finish(f) => (f.choice, None),
+                generate_event::Event::Reserved(_) => panic!("a colocated call reserved KV"),
             });
         }
         let one = |c| {
@@ -402,6 +411,17 @@ mod tests {
             ]
         };
         assert_eq!(seen, [one(0), one(1)].concat());
+        // Under PD the reservation comes first, then the decode node's own tokens.
+        let pd = GenerateRequest {
+            prefill_here: false,
+            ..req
+        };
+        let mut stream = d.generate(pd).await.unwrap().into_inner();
+        let first = stream.message().await.unwrap().and_then(|e| e.event);
+        assert!(
+            matches!(first, Some(generate_event::Event::Reserved(_))),
+            "{first:?}"
+        );
         let beam = GenerateRequest {
             beam_width: 2,
             ..GenerateRequest::default()

@@ -9,12 +9,30 @@ pub enum DecodeError {
     TransferFailed { id: String, reason: String },
     #[error("bad KV transfer: {0}")]
     BadTransfer(String),
+    #[error("the KV transfer presents no ticket this node issued for its request")]
+    BadTicket,
+    #[error("the KV transfer asks for more than its ticket reserved: {0}")]
+    BeyondReservation(String),
+    #[error("the KV transfer was not received within {0} ms")]
+    TransferDeadline(u64),
+    #[error("nothing arrived on the KV transfer for {0} ms")]
+    Quiet(u64),
+    #[error("the request stopped waiting for its KV cache")]
+    Abandoned,
     #[error("request {0} is already waiting for its KV cache")]
     Duplicate(String),
+    #[error(
+        "prompt plus max tokens need {blocks} KV blocks and the decode node has {capacity} in all"
+    )]
+    TooLarge { blocks: usize, capacity: usize },
+    #[error("the decode node's KV budget is taken and {0} requests already wait for it")]
+    QueueFull(usize),
     #[error("invalid request: {0}")]
     InvalidRequest(String),
     #[error("the decode node is shutting down")]
     ShuttingDown,
+    #[error("internal: {0}")]
+    Internal(String),
     #[error("engine: {0}")]
     Engine(#[from] engine::EngineError),
 }
@@ -24,11 +42,17 @@ impl From<DecodeError> for tonic::Status {
         use DecodeError::*;
         let msg = e.to_string();
         match e {
-            KvTimeout(..) => tonic::Status::deadline_exceeded(msg),
+            KvTimeout(..) | TransferDeadline(_) | Quiet(_) => tonic::Status::deadline_exceeded(msg),
             TransferFailed { .. } => tonic::Status::aborted(msg),
-            BadTransfer(_) | InvalidRequest(_) => tonic::Status::invalid_argument(msg),
+            BadTransfer(_) | InvalidRequest(_) | TooLarge { .. } => {
+                tonic::Status::invalid_argument(msg)
+            }
+            BadTicket | BeyondReservation(_) => tonic::Status::permission_denied(msg),
             Duplicate(_) => tonic::Status::already_exists(msg),
+            QueueFull(_) => tonic::Status::resource_exhausted(msg),
             ShuttingDown => tonic::Status::unavailable(msg),
+            Abandoned => tonic::Status::cancelled(msg),
+            Internal(_) => tonic::Status::internal(msg),
             Engine(engine::EngineError::ContextOverflow { .. })
             | Engine(engine::EngineError::InvalidInput(_))
             | Engine(engine::EngineError::KvCache(_)) => tonic::Status::invalid_argument(msg),

@@ -1,8 +1,10 @@
 //! The decode node: a gRPC service that receives KV caches from prefill nodes and decodes
 //! many sequences at once. It also serves as the colocated worker, prefilling prompts itself.
 
+pub mod budget;
 pub mod config;
 pub mod error;
+pub mod kv;
 pub mod metrics;
 pub mod scheduler;
 pub mod service;
@@ -52,11 +54,20 @@ pub async fn serve(
     let advertise = cfg.cluster.advertise(listener.local_addr()?)?;
     let model = runtime::load_model(&cfg.model).await?;
     let layout = model.kv_layout();
+    let max_positions = model.config().max_position_embeddings;
     let block_tokens = cfg.kv_block_tokens.max(1);
-    let block_bytes = 2 * layout.n_layers * block_tokens * layout.bytes_per_token_layer();
-    let blocks = cfg
-        .kv_blocks
-        .unwrap_or((cfg.kv_cache_mb << 20) / block_bytes);
+    let blocks = cfg.kv_blocks.unwrap_or(budget::KvBudget::blocks_in(
+        cfg.kv_cache_mb << 20,
+        &layout,
+        block_tokens,
+    ));
+    let budget = Arc::new(budget::KvBudget::new(
+        layout.clone(),
+        max_positions,
+        block_tokens,
+        blocks,
+        cfg.max_waiting,
+    ));
     let metrics = Arc::new(DecodeMetrics::default());
     metrics
         .kv_blocks_capacity
@@ -64,21 +75,14 @@ pub async fn serve(
     metrics
         .kv_block_tokens
         .store(block_tokens as u64, Ordering::Relaxed);
-    let budget = scheduler::Budget {
-        max_positions: model.config().max_position_embeddings,
-        block_tokens,
-    };
-    let limits = scheduler::Limits {
-        max_batch: cfg.max_batch_size,
-        max_waiting: cfg.max_waiting,
-        budget,
-    };
     let (admit_tx, admit_rx) = tokio::sync::mpsc::unbounded_channel();
-    let compute = scheduler::spawn(Arc::new(model), limits, Arc::clone(&metrics), admit_rx)?;
-    let store = store::TransferStore::new(
-        Duration::from_millis(cfg.kv_timeout_ms),
-        Duration::from_millis(cfg.kv_wait_ms),
-    );
+    let compute = scheduler::spawn(
+        Arc::new(model),
+        cfg.max_batch_size,
+        Arc::clone(&metrics),
+        admit_rx,
+    )?;
+    let tickets = store::Tickets::new();
     let gate = runtime::Gate::default();
     let capacity = discovery::Capacity {
         kv_blocks: blocks as u64,
@@ -96,18 +100,32 @@ pub async fn serve(
     let max = cfg.cluster.grpc_max_message_bytes;
     let svc = Arc::new(service::DecodeService::new(
         admit_tx,
-        Arc::clone(&store),
+        Arc::clone(&tickets),
+        Arc::clone(&budget),
+        layout.clone(),
+        Arc::clone(&metrics),
+        gate.clone(),
+        Duration::from_millis(cfg.kv_wait_ms),
+    ));
+    let plane = Arc::new(kv::KvPlane::new(
+        Arc::clone(&tickets),
         layout,
         Arc::clone(&metrics),
         gate.clone(),
-        max,
-        budget,
+        kv::KvLimits {
+            header: Duration::from_millis(cfg.kv_header_timeout_ms),
+            idle: Duration::from_millis(cfg.kv_idle_timeout_ms),
+            quiet: Duration::from_millis(cfg.kv_timeout_ms),
+            min_rate: cfg.kv_min_transfer_kib_s.saturating_mul(1024),
+            max_header: kv::KvLimits::header_bytes(max_positions),
+            max_transfers: cfg.kv_max_transfers,
+        },
     ));
     let (kv_tx, mut kv_rx) = tokio::sync::mpsc::channel(KV_BACKLOG);
     // Dropped once the server has stopped: KV connections still open (a prefill node's
     // idle ones) close, and the service they hold goes, so the compute thread can end.
     let (stop_kv, stopped) = tokio::sync::watch::channel(());
-    let kv_svc = Arc::clone(&svc);
+    let kv_plane = Arc::clone(&plane);
     let mut accepting = stopped.clone();
     tokio::spawn(async move {
         loop {
@@ -118,10 +136,10 @@ pub async fn serve(
                 },
                 _ = accepting.changed() => return,
             };
-            let (svc, mut stopped) = (Arc::clone(&kv_svc), stopped.clone());
+            let (plane, mut stopped) = (Arc::clone(&kv_plane), stopped.clone());
             tokio::spawn(async move {
                 tokio::select! {
-                    () = svc.serve_kv(conn) => {}
+                    () = plane.serve(conn) => {}
                     _ = stopped.changed() => {}
                 }
             });
@@ -136,8 +154,12 @@ pub async fn serve(
     let served = runtime::Served {
         routes,
         render: move || {
-            let (delivered, awaited) = store.held();
-            metrics.render(delivered, awaited)
+            metrics.render(metrics::Held {
+                used_blocks: budget.used(),
+                reserving: budget.waiting(),
+                receiving: plane.receiving(),
+                tickets: tickets.len(),
+            })
         },
         side: Some(runtime::SideProtocol {
             preface: kvwire::PREFACE,

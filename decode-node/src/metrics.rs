@@ -1,7 +1,6 @@
 //! The decode node's Prometheus metrics, served at `/metrics` on its gRPC port.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 
 use runtime::prom;
 
@@ -9,7 +8,6 @@ use runtime::prom;
 #[derive(Debug, Default)]
 pub struct DecodeMetrics {
     pub kv_blocks_capacity: AtomicU64,
-    pub kv_blocks_used: AtomicU64,
     pub kv_block_tokens: AtomicU64,
     pub running_sequences: AtomicU64,
     pub waiting_requests: AtomicU64,
@@ -34,44 +32,24 @@ pub struct DecodeMetrics {
     /// Time from a transfer's header to its first tokens, summed.
     pub transfer_micros: AtomicU64,
     pub transfer_failures: AtomicU64,
+    /// KV connections refused before a ticket was redeemed.
+    pub kv_refused: AtomicU64,
 }
 
-/// Blocks of the KV budget that one sequence (or one beam search) holds; they go back
-/// when it is dropped, whichever way it ends.
-#[derive(Debug)]
-pub struct Lease {
-    blocks: u64,
-    metrics: Arc<DecodeMetrics>,
-}
-
-impl Lease {
-    /// Takes `blocks` from the budget; the caller has checked that they are free.
-    pub fn take(metrics: &Arc<DecodeMetrics>, blocks: usize) -> Self {
-        metrics
-            .kv_blocks_used
-            .fetch_add(blocks as u64, Ordering::Relaxed);
-        Self {
-            blocks: blocks as u64,
-            metrics: Arc::clone(metrics),
-        }
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        self.metrics
-            .kv_blocks_used
-            .fetch_sub(self.blocks, Ordering::Relaxed);
-    }
+/// What the budget and the data plane hold at the moment of a scrape.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Held {
+    /// Blocks reserved.
+    pub used_blocks: usize,
+    /// Reservations waiting for blocks.
+    pub reserving: usize,
+    /// Transfers being received.
+    pub receiving: usize,
+    /// Tickets issued whose transfer has not begun.
+    pub tickets: usize,
 }
 
 impl DecodeMetrics {
-    /// KV blocks not held by any sequence.
-    pub fn free_blocks(&self) -> usize {
-        let cap = self.kv_blocks_capacity.load(Ordering::Relaxed);
-        cap.saturating_sub(self.kv_blocks_used.load(Ordering::Relaxed)) as usize
-    }
-
     /// Adds one to a counter.
     pub fn inc(counter: &AtomicU64) {
         Self::add(counter, 1);
@@ -82,14 +60,12 @@ impl DecodeMetrics {
         counter.fetch_add(n, Ordering::Relaxed);
     }
 
-    /// The Prometheus text exposition; `held_transfers` are KV caches received and not
-    /// yet claimed by their Generate call, `awaited_transfers` Generate calls waiting for
-    /// their cache.
-    pub fn render(&self, held_transfers: usize, awaited_transfers: usize) -> String {
+    /// The Prometheus text exposition, with what `held` says is held now.
+    pub fn render(&self, held: Held) -> String {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
         let secs = |a: &AtomicU64| g(a) / 1e6;
         let cap = g(&self.kv_blocks_capacity);
-        let used = g(&self.kv_blocks_used);
+        let used = held.used_blocks as f64;
         let mut out = String::new();
         prom::all(
             &mut out,
@@ -102,7 +78,7 @@ impl DecodeMetrics {
                 ),
                 (
                     "decode_kv_blocks_used",
-                    "KV blocks held by running sequences.",
+                    "KV blocks reserved: running and queued sequences, caches being received or awaited.",
                     used,
                 ),
                 (
@@ -123,17 +99,17 @@ impl DecodeMetrics {
                 (
                     "decode_waiting_requests",
                     "Requests queued for KV blocks or a batch slot.",
-                    g(&self.waiting_requests),
+                    g(&self.waiting_requests) + held.reserving as f64,
                 ),
                 (
                     "decode_held_transfers",
-                    "Received KV caches waiting for their Generate call.",
-                    held_transfers as f64,
+                    "KV transfers being received.",
+                    held.receiving as f64,
                 ),
                 (
                     "decode_awaited_transfers",
-                    "Generate calls waiting for their KV transfer.",
-                    awaited_transfers as f64,
+                    "Generate calls holding a ticket whose transfer has not begun.",
+                    held.tickets as f64,
                 ),
             ],
         );
@@ -151,7 +127,8 @@ impl DecodeMetrics {
                 ("decode_cancellations_total", "Sequences, beam searches and queued requests dropped because their caller left.", g(&self.cancellations)),
                 ("decode_failures_total", "Requests failed by an error of the node.", g(&self.failures)),
                 ("decode_transfers_total", "KV transfers received whole.", g(&self.transfers)),
-                ("decode_transfer_failures_total", "KV transfers that broke or were refused.", g(&self.transfer_failures)),
+                ("decode_transfer_failures_total", "KV transfers that broke or were refused after their ticket was redeemed.", g(&self.transfer_failures)),
+                ("decode_kv_refused_total", "KV connections refused before a ticket was redeemed: no ticket, a wrong or spent one, a bad or late header.", g(&self.kv_refused)),
                 ("decode_transfer_seconds_total", "Time from each received transfer's header to its first tokens.", secs(&self.transfer_micros)),
                 ("decode_transfer_bytes_total", "KV bytes received.", g(&self.transfer_bytes)),
             ],

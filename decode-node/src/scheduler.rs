@@ -2,10 +2,10 @@
 //! two steps and leave as soon as they finish or their caller goes away; every step is one
 //! batched forward pass over all running sequences.
 //!
-//! KV memory is a budget of fixed-size blocks. A request starts only once the blocks for
-//! its whole budget (prompt plus max tokens, per sequence) are free, and its caches are
-//! allocated at that size, so a running sequence never needs memory it does not hold and
-//! nothing is ever preempted; requests that do not fit yet wait in a bounded FIFO queue.
+//! A request arrives here with its KV memory reserved for its whole length (prompt plus max
+//! tokens, per sequence; see `budget`), and its caches are allocated at that size, so a
+//! running sequence never needs memory it does not hold and nothing is ever preempted.
+//! Requests wait here, in order, only for a batch slot.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -19,8 +19,9 @@ use proto::v1::{generate_event::Event, Finish, FinishReason, GenerateEvent, Toke
 use tokio::sync::mpsc;
 use tonic::Status;
 
+use crate::budget::Lease;
 use crate::error::DecodeError;
-use crate::metrics::{DecodeMetrics, Lease};
+use crate::metrics::DecodeMetrics;
 
 /// Where a sequence's events go; closed when its caller is gone.
 pub type Events = mpsc::UnboundedSender<Result<GenerateEvent, Status>>;
@@ -50,12 +51,16 @@ pub struct Admission {
     pub beam_width: usize,
     /// Tokens this node may produce (the first one included when it prefills).
     pub max_new: usize,
+    /// Positions each sequence's cache is allocated with.
+    pub positions: usize,
     pub stop_ids: Vec<u32>,
     pub start: Start,
     pub enqueued: Instant,
     pub events: Events,
-    /// Counted as having waited for blocks or a batch slot.
+    /// Counted as having waited for a batch slot.
     pub delayed: bool,
+    /// The KV memory of all its sequences.
+    pub lease: Lease,
 }
 
 struct Seq {
@@ -76,11 +81,18 @@ struct Seq {
     events: Events,
 }
 
-/// What one beam carries: its cache and the events of its tokens so far, sent only once
-/// the search has chosen the beams it returns.
+/// What one beam carries: its cache while it is live (a finished hypothesis lets it go)
+/// and the events of its tokens so far, sent only once the search has chosen the beams it
+/// returns.
 struct BeamState {
-    cache: SeqCache,
+    cache: Option<SeqCache>,
     history: Vec<TokenEvent>,
+}
+
+impl BeamState {
+    fn cache(&self) -> &SeqCache {
+        self.cache.as_ref().expect("a live beam holds its cache")
+    }
 }
 
 /// A beam search in progress: its live beams step with the rest of the batch.
@@ -97,54 +109,23 @@ struct BeamGroup {
     _lease: Lease,
 }
 
-/// How the compute thread batches and budgets.
-#[derive(Debug, Clone)]
-pub struct Limits {
-    /// Most sequences in one step (a request with more runs alone).
-    pub max_batch: usize,
-    /// Most requests queued.
-    pub max_waiting: usize,
-    /// The KV positions each sequence is given.
-    pub budget: Budget,
-}
-
-/// How many KV positions a sequence is given.
-#[derive(Debug, Clone, Copy)]
-pub struct Budget {
-    /// The model's context length.
-    pub max_positions: usize,
-    /// Positions per KV block.
-    pub block_tokens: usize,
-}
-
-impl Budget {
-    /// Positions for a prompt, the first token (fed back in), then `max_new` more, within
-    /// the model's context and rounded up to whole blocks.
-    pub fn positions(&self, prompt: usize, max_new: usize) -> usize {
-        let positions = prompt
-            .saturating_add(max_new)
-            .saturating_add(1)
-            .min(self.max_positions);
-        positions.div_ceil(self.block_tokens) * self.block_tokens
-    }
-}
-
-/// Starts the compute thread; it ends when every sender of `admissions` is gone and the
+/// Starts the compute thread, which runs at most `max_batch` sequences a step (a request
+/// with more runs alone); it ends when every sender of `admissions` is gone and the
 /// running sequences are done.
 pub fn spawn(
     model: Arc<Model>,
-    limits: Limits,
+    max_batch: usize,
     metrics: Arc<DecodeMetrics>,
     admissions: mpsc::UnboundedReceiver<Admission>,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name("decode-compute".into())
-        .spawn(move || Scheduler::new(model, limits, metrics).run(admissions))
+        .spawn(move || Scheduler::new(model, max_batch, metrics).run(admissions))
 }
 
 struct Scheduler {
     model: Arc<Model>,
-    limits: Limits,
+    max_batch: usize,
     metrics: Arc<DecodeMetrics>,
     running: Vec<Seq>,
     groups: Vec<BeamGroup>,
@@ -178,17 +159,10 @@ fn finish_event(reason: FinishReason, choice: u32) -> GenerateEvent {
 }
 
 impl Scheduler {
-    fn new(model: Arc<Model>, limits: Limits, metrics: Arc<DecodeMetrics>) -> Self {
+    fn new(model: Arc<Model>, max_batch: usize, metrics: Arc<DecodeMetrics>) -> Self {
         Self {
             model,
-            limits: Limits {
-                max_batch: limits.max_batch.max(1),
-                budget: Budget {
-                    block_tokens: limits.budget.block_tokens.max(1),
-                    ..limits.budget
-                },
-                ..limits
-            },
+            max_batch: max_batch.max(1),
             metrics,
             running: Vec::new(),
             groups: Vec::new(),
@@ -211,12 +185,12 @@ impl Scheduler {
             if self.batch_len() == 0 && self.waiting.is_empty() {
                 self.publish();
                 match admissions.blocking_recv() {
-                    Some(a) => self.enqueue(a),
+                    Some(a) => self.waiting.push_back(a),
                     None => return,
                 }
             }
             while let Ok(a) = admissions.try_recv() {
-                self.enqueue(a);
+                self.waiting.push_back(a);
             }
             self.drop_cancelled();
             self.start_waiting();
@@ -224,41 +198,6 @@ impl Scheduler {
             if self.batch_len() > 0 {
                 self.step();
             }
-        }
-    }
-
-    /// Positions each sequence of `a` may fill, and the blocks that takes for all of them.
-    fn budget_of(&self, a: &Admission) -> (usize, usize) {
-        let budget = self.limits.budget;
-        let positions = budget.positions(a.prompt.len(), a.max_new);
-        (positions, positions / budget.block_tokens * sequences(a))
-    }
-
-    /// Queues a request, or refuses one that could never fit or finds the queue full.
-    fn enqueue(&mut self, a: Admission) {
-        let (_, blocks) = self.budget_of(&a);
-        let capacity = self.metrics.kv_blocks_capacity.load(Ordering::Relaxed) as usize;
-        // A request larger than the whole budget is the request's fault (400 at the
-        // router); a full queue is the node's state now (503, retry).
-        let refusal = if blocks > capacity {
-            Some(Status::invalid_argument(format!(
-                "prompt plus max tokens need {blocks} KV blocks and the decode node has {capacity} in all"
-            )))
-        } else if self.waiting.len() >= self.limits.max_waiting {
-            Some(Status::resource_exhausted(format!(
-                "the decode queue is full ({} requests)",
-                self.limits.max_waiting
-            )))
-        } else {
-            None
-        };
-        match refusal {
-            Some(status) => {
-                tracing::warn!(parent: &a.span, "refused: {}", status.message());
-                DecodeMetrics::inc(&self.metrics.rejected);
-                let _ = a.events.send(Err(status));
-            }
-            None => self.waiting.push_back(a),
         }
     }
 
@@ -295,19 +234,16 @@ impl Scheduler {
         }
     }
 
-    /// Starts queued requests, oldest first, while the next one has a batch slot and its
-    /// KV blocks.
+    /// Starts queued requests, oldest first, while the next one has a batch slot.
     fn start_waiting(&mut self) {
         while let Some(a) = self.waiting.front() {
-            let (_, blocks) = self.budget_of(a);
             let batch = self.batch_len();
-            let room = batch == 0 || batch + sequences(a) <= self.limits.max_batch;
-            if !room || blocks > self.metrics.free_blocks() {
+            if batch > 0 && batch + sequences(a) > self.max_batch {
                 break;
             }
             let a = self.waiting.pop_front().expect("the front exists");
             if a.delayed {
-                tracing::debug!(parent: &a.span, "started after waiting for blocks or a slot");
+                tracing::debug!(parent: &a.span, "started after waiting for a slot");
             }
             self.metrics
                 .queue_wait_micros
@@ -356,13 +292,13 @@ impl Scheduler {
         }
     }
 
-    /// Starts a request whose blocks are free: its caches are sized to its whole budget and
-    /// each sequence (or the beam search) holds the blocks for them.
-    fn admit(&mut self, a: Admission) {
+    /// Starts a request: its caches are sized to its whole length, and each sequence (or
+    /// the beam search) holds its share of the request's reservation.
+    fn admit(&mut self, mut a: Admission) {
         let _entered = a.span.clone().entered();
         let width = sequences(&a);
-        let (positions, blocks) = self.budget_of(&a);
-        let per_seq = blocks / width;
+        let positions = a.positions;
+        let per_seq = a.lease.blocks() / width;
         // The prompt's cache, each sequence's first token, the events of the first tokens
         // when this node sampled them, and since when the sequences wait for their next step.
         let (cache, first, prefilled, ready_since) = match a.start {
@@ -452,13 +388,14 @@ impl Scheduler {
                 .into_iter()
                 .zip(histories)
                 .map(|(cache, e)| BeamState {
-                    cache,
+                    cache: Some(cache),
                     history: vec![e],
                 });
             let search = BeamSearch::new(
                 a.prompt.len(),
                 a.stop_ids,
                 first.into_iter().zip(states).collect(),
+                ended,
             );
             self.keep_or_end(BeamGroup {
                 span: a.span.clone(),
@@ -469,7 +406,7 @@ impl Scheduler {
                 produced,
                 ready_since,
                 events: a.events,
-                _lease: Lease::take(&self.metrics, blocks),
+                _lease: a.lease,
             });
             return;
         }
@@ -494,7 +431,8 @@ impl Scheduler {
                 max_new: a.max_new,
                 stop_ids: a.stop_ids.clone(),
                 cache,
-                _lease: Lease::take(&self.metrics, per_seq),
+                // The lease holds `width` shares of `per_seq` blocks: a split never fails.
+                _lease: a.lease.split(per_seq).unwrap_or_default(),
                 output: vec![first.token],
                 produced,
                 ready_since,
@@ -517,7 +455,7 @@ impl Scheduler {
             || g.search
                 .live()
                 .iter()
-                .any(|b| b.state.cache.len() >= max_pos);
+                .any(|b| b.state.cache().len() >= max_pos);
         if !at_limit && !g.search.converged() {
             self.groups.push(g);
             return;
@@ -595,9 +533,11 @@ impl Scheduler {
             .collect();
         let rows = {
             let caches = self.running.iter_mut().map(|s| &mut s.cache).chain(
-                self.groups
-                    .iter_mut()
-                    .flat_map(|g| g.search.live_states_mut().map(|b| &mut b.cache)),
+                self.groups.iter_mut().flat_map(|g| {
+                    g.search
+                        .live_states_mut()
+                        .map(|b| b.cache.as_mut().expect("a live beam holds its cache"))
+                }),
             );
             let mut seqs: Vec<SeqInput<'_>> = caches
                 .zip(&inputs)
@@ -671,10 +611,11 @@ impl Scheduler {
                 g.top_logprobs,
                 |b: &BeamState| {
                     Ok::<_, EngineError>(BeamState {
-                        cache: b.cache.fork()?,
+                        cache: Some(b.cache().fork()?),
                         history: b.history.clone(),
                     })
                 },
+                ended,
                 |b, s| b.history.push(token(s, 0, ms, batch, wait)),
             );
             if let Err(e) = stepped {
@@ -688,31 +629,19 @@ impl Scheduler {
     }
 }
 
+/// What a finished hypothesis keeps: its history, not its cache.
+fn ended(b: &BeamState) -> BeamState {
+    BeamState {
+        cache: None,
+        history: b.history.clone(),
+    }
+}
+
 /// Sequences a request decodes at once: its beams, or its n (best_of) samples.
 fn sequences(a: &Admission) -> usize {
     if a.beam_width > 0 {
         a.beam_width
     } else {
         a.n
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Budget;
-
-    #[test]
-    fn a_sequence_gets_whole_blocks_within_the_context() {
-        let b = Budget {
-            max_positions: 100,
-            block_tokens: 16,
-        };
-        // 10 prompt positions, the first token, 5 more: 16, one block.
-        assert_eq!(b.positions(10, 5), 16);
-        assert_eq!(b.positions(10, 6), 32);
-        // Past the context, the context rounded up to blocks.
-        assert_eq!(b.positions(90, 50), 112);
-        // A header's max_new is untrusted: no overflow.
-        assert_eq!(b.positions(10, usize::MAX), 112);
     }
 }

@@ -1,156 +1,132 @@
-//! KV caches in flight: a transfer and its Generate call meet here, whichever comes first.
-//! A received cache waits for its call at most the KV timeout; a call waits for its
-//! transfer at most the (longer) KV wait, since its prompt may queue at the prefill node
-//! first.
+//! Tickets: a Generate call whose KV comes from a prefill node reserves the memory first and
+//! is given a ticket for the transfer; the transfer must present it. A ticket is single use,
+//! unguessable (256 random bits), bound to the request id, prompt length and generation
+//! length it was issued for, and valid until its call stops waiting. Nothing is allocated
+//! for a transfer before its ticket is redeemed, and the cache it brings is allocated from
+//! the reservation the ticket carries.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use engine::{Sampled, SeqCache};
+use subtle::ConstantTimeEq;
 use tokio::sync::oneshot;
 
+use crate::budget::Lease;
 use crate::error::DecodeError;
 
-/// A complete transfer: the prompt's cache and the first token of each sequence.
+/// Bytes of a ticket.
+pub const TICKET_BYTES: usize = 32;
+
+/// A complete transfer: the prompt's cache, the first token of each sequence, and the
+/// reservation they are held under.
 pub struct Arrived {
     pub cache: SeqCache,
     pub first_tokens: Vec<Sampled>,
+    pub lease: Lease,
 }
 
-type Delivery = Result<Arrived, String>;
+/// How a transfer ended, for the call that waits for it.
+pub type Delivery = Result<Arrived, DecodeError>;
 
-enum Slot {
-    /// Delivered, not yet claimed; `u64` tells a reaper whether the slot is still its own.
-    Delivered(Delivery, u64),
-    /// Claimed, not yet delivered.
-    Waiting(oneshot::Sender<Delivery>),
+/// What a ticket was issued for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reserved {
+    /// Prompt positions the transfer must carry.
+    pub prompt: usize,
+    /// Tokens to generate after the first: a header may ask for fewer, never more.
+    pub max_new: usize,
+    /// Positions the cache is allocated with (prompt, first token, max_new, in blocks).
+    pub positions: usize,
 }
 
-/// Transfers keyed by request id.
-pub struct TransferStore {
-    slots: Mutex<HashMap<String, Slot>>,
-    timeout: Duration,
-    wait: Duration,
-    next_gen: AtomicU64,
+struct Pending {
+    ticket: [u8; TICKET_BYTES],
+    reserved: Reserved,
+    lease: Lease,
+    deliver: oneshot::Sender<Delivery>,
 }
 
-impl TransferStore {
-    /// A store whose caches live at most `timeout` unclaimed, and whose claims wait at most
-    /// `wait` for their transfer.
-    pub fn new(timeout: Duration, wait: Duration) -> Arc<Self> {
-        Arc::new(Self {
-            slots: Mutex::default(),
-            timeout,
-            wait,
-            next_gen: AtomicU64::new(0),
+/// A redeemed ticket: what the transfer may fill, the reservation it fills it under, and
+/// where its outcome goes.
+pub struct Redeemed {
+    pub reserved: Reserved,
+    pub lease: Lease,
+    pub deliver: oneshot::Sender<Delivery>,
+}
+
+/// Tickets issued and not yet redeemed, by request id.
+#[derive(Default)]
+pub struct Tickets {
+    pending: Mutex<HashMap<String, Pending>>,
+}
+
+impl Tickets {
+    /// An empty table.
+    pub fn new() -> Arc<Self> {
+        Arc::default()
+    }
+
+    /// Issues the ticket of request `id`, holding `lease` until the transfer redeems it;
+    /// the receiver gets the transfer's outcome. A second ticket for an id that holds one
+    /// is refused.
+    pub fn issue(
+        &self,
+        id: &str,
+        reserved: Reserved,
+        lease: Lease,
+    ) -> Result<([u8; TICKET_BYTES], oneshot::Receiver<Delivery>), DecodeError> {
+        let mut ticket = [0u8; TICKET_BYTES];
+        getrandom::fill(&mut ticket)
+            .map_err(|e| DecodeError::Internal(format!("no randomness for a ticket: {e}")))?;
+        let (deliver, rx) = oneshot::channel();
+        let mut pending = self.pending.lock().expect("tickets lock");
+        if pending.contains_key(id) {
+            return Err(DecodeError::Duplicate(id.to_string()));
+        }
+        pending.insert(
+            id.to_string(),
+            Pending {
+                ticket,
+                reserved,
+                lease,
+                deliver,
+            },
+        );
+        Ok((ticket, rx))
+    }
+
+    /// Redeems the ticket a transfer's header presents for request `id`. A wrong ticket
+    /// leaves the right one in place (a guess costs its sender the connection, not the
+    /// request); the right one is gone once presented, whatever follows.
+    pub fn redeem(&self, id: &str, ticket: &[u8]) -> Result<Redeemed, DecodeError> {
+        let mut pending = self.pending.lock().expect("tickets lock");
+        let matches = pending
+            .get(id)
+            .is_some_and(|p| bool::from(p.ticket.as_slice().ct_eq(ticket)));
+        if !matches {
+            return Err(DecodeError::BadTicket);
+        }
+        let p = pending.remove(id).expect("the entry was just found");
+        Ok(Redeemed {
+            reserved: p.reserved,
+            lease: p.lease,
+            deliver: p.deliver,
         })
     }
 
-    /// How long a received cache waits for its Generate call; also how long a transfer may
-    /// go quiet before it is cut.
-    pub fn timeout(&self) -> Duration {
-        self.timeout
+    /// Withdraws the ticket of `id` if it was not redeemed: its call stopped waiting. The
+    /// ticket is then refused, and its reservation goes back.
+    pub fn withdraw(&self, id: &str) {
+        self.pending.lock().expect("tickets lock").remove(id);
     }
 
-    /// Hands a finished (or failed) transfer to its Generate call, or keeps it until that
-    /// call comes or the timeout frees it.
-    pub fn deliver(self: &Arc<Self>, id: &str, delivery: Delivery) {
-        let mut slots = self.slots.lock().expect("store lock");
-        let delivery = match slots.remove(id) {
-            Some(Slot::Waiting(tx)) => match tx.send(delivery) {
-                Ok(()) => return,
-                // The waiter gave up; keep the cache until the reaper frees it, so a retried
-                // Generate call can still find it.
-                Err(d) => d,
-            },
-            _ => delivery,
-        };
-        let gen = self.next_gen.fetch_add(1, Ordering::Relaxed);
-        slots.insert(id.to_string(), Slot::Delivered(delivery, gen));
-        drop(slots);
-        let store = Arc::clone(self);
-        let id = id.to_string();
-        tokio::spawn(async move {
-            tokio::time::sleep(store.timeout).await;
-            let mut slots = store.slots.lock().expect("store lock");
-            if matches!(slots.get(&id), Some(Slot::Delivered(_, g)) if *g == gen) {
-                slots.remove(&id);
-                tracing::warn!(req_id = %id, "KV cache never claimed; freed");
-            }
-        });
-    }
-
-    /// Waits for the transfer of `id`, at most the store's KV wait.
-    pub async fn claim(&self, id: &str) -> Result<Arrived, DecodeError> {
-        let failed = |reason| DecodeError::TransferFailed {
-            id: id.to_string(),
-            reason,
-        };
-        let rx = {
-            let mut slots = self.slots.lock().expect("store lock");
-            match slots.remove(id) {
-                Some(Slot::Delivered(d, _)) => return d.map_err(failed),
-                Some(w @ Slot::Waiting(_)) => {
-                    slots.insert(id.to_string(), w);
-                    return Err(DecodeError::Duplicate(id.to_string()));
-                }
-                None => {
-                    let (tx, rx) = oneshot::channel();
-                    slots.insert(id.to_string(), Slot::Waiting(tx));
-                    rx
-                }
-            }
-        };
-        let mut rx = rx;
-        match tokio::time::timeout(self.wait, &mut rx).await {
-            Ok(Ok(d)) => d.map_err(failed),
-            Ok(Err(_)) => Err(DecodeError::ShuttingDown),
-            Err(_) => {
-                self.slots.lock().expect("store lock").remove(id);
-                // A delivery may have landed between the timeout and the removal.
-                match rx.try_recv() {
-                    Ok(d) => d.map_err(failed),
-                    Err(_) => Err(DecodeError::KvTimeout(
-                        id.to_string(),
-                        self.wait.as_millis() as u64,
-                    )),
-                }
-            }
-        }
-    }
-
-    /// Forgets the claim of a Generate call whose caller left, unless its cache has come.
-    pub fn abandon(&self, id: &str) {
-        let mut slots = self.slots.lock().expect("store lock");
-        if matches!(slots.get(id), Some(Slot::Waiting(_))) {
-            slots.remove(id);
-        }
-    }
-
-    /// Entries held now: delivered caches and waiting calls.
+    /// Tickets issued and not yet redeemed.
     pub fn len(&self) -> usize {
-        self.slots.lock().expect("store lock").len()
+        self.pending.lock().expect("tickets lock").len()
     }
 
-    /// What the store holds, for the gauges: delivered caches not yet claimed (memory
-    /// outside the block budget, bounded by the timeout), then Generate calls waiting for
-    /// their transfer. One look under the lock, so the two agree.
-    pub fn held(&self) -> (usize, usize) {
-        let slots = self.slots.lock().expect("store lock");
-        slots
-            .values()
-            .fold((0, 0), |(delivered, awaited), s| match s {
-                Slot::Delivered(Ok(_), _) => (delivered + 1, awaited),
-                // A failed transfer is kept only to answer its Generate call at once; it holds
-                // no cache.
-                Slot::Delivered(Err(_), _) => (delivered, awaited),
-                Slot::Waiting(_) => (delivered, awaited + 1),
-            })
-    }
-
-    /// True when nothing is held.
+    /// True when no ticket is outstanding.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -159,97 +135,92 @@ impl TransferStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::budget::KvBudget;
 
-    fn arrived() -> Arrived {
+    fn reserved() -> Reserved {
+        Reserved {
+            prompt: 10,
+            max_new: 5,
+            positions: 16,
+        }
+    }
+
+    async fn lease(budget: &KvBudget) -> Lease {
+        budget.reserve(2).await.unwrap().0
+    }
+
+    fn budget() -> KvBudget {
         let layout = engine::KvLayout {
             n_layers: 1,
             n_kv_heads: 1,
             head_dim: 2,
             dtype: "f32".into(),
         };
-        Arrived {
-            cache: SeqCache::new(layout, &candle_core::Device::Cpu).unwrap(),
-            first_tokens: vec![Sampled {
-                token: 7,
-                logprob: -0.5,
-                top: vec![],
-            }],
-        }
+        KvBudget::new(layout, 100, 16, 10, 4)
     }
 
     #[tokio::test]
-    async fn transfer_first_then_claim() {
-        let store = TransferStore::new(Duration::from_secs(5), Duration::from_secs(5));
-        store.deliver("a", Ok(arrived()));
-        assert_eq!(store.held(), (1, 0), "one cache delivered, no call waiting");
-        assert_eq!(store.claim("a").await.unwrap().first_tokens[0].token, 7);
-        assert!(store.is_empty());
+    async fn a_ticket_is_redeemed_once_and_only_by_its_bytes() {
+        let (tickets, budget) = (Tickets::new(), budget());
+        let (ticket, _rx) = tickets
+            .issue("a", reserved(), lease(&budget).await)
+            .unwrap();
+        let mut other = ticket;
+        other[TICKET_BYTES - 1] ^= 1;
+        for wrong in [
+            &other[..],
+            &ticket[..TICKET_BYTES - 1],
+            b"",
+            &[0u8; TICKET_BYTES],
+        ] {
+            assert!(matches!(
+                tickets.redeem("a", wrong),
+                Err(DecodeError::BadTicket)
+            ));
+        }
+        assert!(
+            matches!(tickets.redeem("b", &ticket), Err(DecodeError::BadTicket)),
+            "a ticket is bound to its request id"
+        );
+        assert_eq!(tickets.len(), 1, "wrong tickets leave the right one");
+        let r = tickets.redeem("a", &ticket).ok().unwrap();
+        assert_eq!(r.reserved, reserved());
+        assert_eq!(r.lease.blocks(), 2);
+        assert!(
+            matches!(tickets.redeem("a", &ticket), Err(DecodeError::BadTicket)),
+            "a replayed ticket is refused"
+        );
+        assert!(tickets.is_empty());
     }
 
     #[tokio::test]
-    async fn claim_first_then_transfer() {
-        let store = TransferStore::new(Duration::from_secs(5), Duration::from_secs(5));
-        let waiter = {
-            let store = Arc::clone(&store);
-            tokio::spawn(async move { store.claim("b").await.map(|a| a.first_tokens[0].token) })
-        };
-        while store.is_empty() {
-            tokio::task::yield_now().await;
-        }
-        assert_eq!(store.held(), (0, 1), "one call waiting, no cache");
-        store.deliver("b", Ok(arrived()));
-        assert_eq!(waiter.await.unwrap().unwrap(), 7);
-        assert!(store.is_empty());
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn unclaimed_transfer_is_freed_after_the_timeout() {
-        // A claim would wait far longer: the cache's own timeout frees it.
-        let store = TransferStore::new(Duration::from_millis(500), Duration::from_secs(600));
-        store.deliver("c", Ok(arrived()));
-        assert_eq!(store.len(), 1);
-        tokio::time::sleep(Duration::from_millis(501)).await;
-        assert!(store.is_empty(), "the reaper frees the cache");
+    async fn tickets_differ_and_an_id_holds_one() {
+        let (tickets, budget) = (Tickets::new(), budget());
+        let (a, _ra) = tickets
+            .issue("a", reserved(), lease(&budget).await)
+            .unwrap();
+        let (b, _rb) = tickets
+            .issue("b", reserved(), lease(&budget).await)
+            .unwrap();
+        assert_ne!(a, b);
         assert!(matches!(
-            store.claim("c").await,
-            Err(DecodeError::KvTimeout(..))
+            tickets.issue("a", reserved(), lease(&budget).await),
+            Err(DecodeError::Duplicate(_))
         ));
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn claim_without_transfer_times_out_and_leaves_nothing() {
-        let store = TransferStore::new(Duration::from_millis(100), Duration::from_millis(300));
-        let started = tokio::time::Instant::now();
-        let err = store.claim("d").await.err().unwrap();
-        assert!(matches!(err, DecodeError::KvTimeout(_, 300)), "{err}");
-        assert_eq!(
-            started.elapsed(),
-            Duration::from_millis(300),
-            "the KV wait bounds it"
-        );
-        assert!(store.is_empty());
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn claim_outlasts_the_kv_timeout_while_its_prompt_queues() {
-        let store = TransferStore::new(Duration::from_millis(100), Duration::from_secs(10));
-        let waiter = {
-            let store = Arc::clone(&store);
-            tokio::spawn(async move { store.claim("f").await.map(|a| a.first_tokens[0].token) })
-        };
-        // The prompt's turn at the prefill node comes long after the KV timeout.
-        tokio::time::sleep(Duration::from_secs(5)).await;
-        store.deliver("f", Ok(arrived()));
-        assert_eq!(waiter.await.unwrap().unwrap(), 7);
-        assert!(store.is_empty());
-    }
-
     #[tokio::test]
-    async fn failed_transfer_fails_its_claim() {
-        let store = TransferStore::new(Duration::from_secs(5), Duration::from_secs(5));
-        store.deliver("e", Err("prefill node went away".into()));
-        assert_eq!(store.held(), (0, 0), "a failed transfer holds no cache");
-        let err = store.claim("e").await.err().unwrap();
-        assert!(err.to_string().contains("prefill node went away"), "{err}");
+    async fn a_withdrawn_ticket_is_refused_and_its_reservation_freed() {
+        let (tickets, budget) = (Tickets::new(), budget());
+        let (ticket, _rx) = tickets
+            .issue("a", reserved(), lease(&budget).await)
+            .unwrap();
+        assert_eq!(budget.used(), 2);
+        tickets.withdraw("a");
+        assert_eq!(budget.used(), 0, "the reservation went back");
+        assert!(matches!(
+            tickets.redeem("a", &ticket),
+            Err(DecodeError::BadTicket)
+        ));
     }
 }

@@ -44,8 +44,14 @@ pub fn first_tokens(raw: &[f32], width: usize, top_logprobs: usize) -> Vec<Sampl
 
 impl<T> BeamSearch<T> {
     /// Starts from the first tokens (from [`first_tokens`], possibly on another node) and the
-    /// state of each.
-    pub fn new(prompt_len: usize, stop_ids: Vec<u32>, first: Vec<(Sampled, T)>) -> Self {
+    /// state of each. A first token that is a stop token ends its hypothesis at once, and
+    /// `ended` keeps of its state only what it reports (see [`step`](Self::step)).
+    pub fn new(
+        prompt_len: usize,
+        stop_ids: Vec<u32>,
+        first: Vec<(Sampled, T)>,
+        mut ended: impl FnMut(&T) -> T,
+    ) -> Self {
         let mut search = Self {
             width: first.len().max(1),
             prompt_len,
@@ -55,6 +61,7 @@ impl<T> BeamSearch<T> {
         };
         for (s, state) in first {
             let stopped = search.stop_ids.contains(&s.token);
+            let state = if stopped { ended(&state) } else { state };
             let beam = Beam {
                 tokens: vec![s.token],
                 cumulative: f64::from(s.logprob),
@@ -88,13 +95,21 @@ impl<T> BeamSearch<T> {
 
     /// One step: `rows[i]` are the logits after live beam `i`'s newest token. The best
     /// `width` continuations become the new live beams; one that ends on a stop token among
-    /// them is a finished hypothesis. `fork` copies a parent's state for its second and later
-    /// children; `record` tells a child's state the token it took.
+    /// them is a finished hypothesis. `fork` copies a parent's state for its second and
+    /// later children that go on; `ended` makes a finished hypothesis's state from its
+    /// parent's, keeping only what it reports; `record` tells a child's state the token it
+    /// took.
+    ///
+    /// The states that exist at once never outnumber `width` live ones: a parent none of
+    /// whose children goes on is dropped before any fork, and finished hypotheses hold
+    /// what `ended` kept. A caller whose state holds a KV cache so holds at most `width`
+    /// caches, the memory it reserved for the search.
     pub fn step<E>(
         &mut self,
         rows: &[Vec<f32>],
         top_logprobs: usize,
         mut fork: impl FnMut(&T) -> Result<T, E>,
+        mut ended: impl FnMut(&T) -> T,
         mut record: impl FnMut(&mut T, &Sampled),
     ) -> Result<(), E> {
         // Each beam's 2 * width best tokens are enough: at most width of them can end.
@@ -124,14 +139,47 @@ impl<T> BeamSearch<T> {
             }
             chosen.push((c, stops));
         }
-        let mut children = vec![0usize; self.live.len()];
-        for ((parent, ..), _) in &chosen {
-            children[*parent] += 1;
-        }
         let mut parents: Vec<Option<Beam<T>>> = self.live.drain(..).map(Some).collect();
-        for ((parent, s, cumulative), stopped) in chosen {
-            children[parent] -= 1;
-            let (mut tokens, mut state) = if children[parent] == 0 {
+        // Children in the order chosen, built in two passes: first the ones that end, from
+        // their parents' states; then, once every parent with no child that goes on is
+        // gone, the ones that go on.
+        let mut children: Vec<Option<Beam<T>>> = Vec::with_capacity(chosen.len());
+        for ((parent, s, cumulative), stopped) in &chosen {
+            if !*stopped {
+                children.push(None);
+                continue;
+            }
+            let p = parents[*parent]
+                .as_ref()
+                .expect("parents live until pass two");
+            let mut state = ended(&p.state);
+            record(&mut state, s);
+            let mut tokens = p.tokens.clone();
+            tokens.push(s.token);
+            children.push(Some(Beam {
+                tokens,
+                cumulative: *cumulative,
+                stopped: true,
+                state,
+            }));
+        }
+        let mut going_on = vec![0usize; parents.len()];
+        for ((parent, ..), stopped) in &chosen {
+            if !*stopped {
+                going_on[*parent] += 1;
+            }
+        }
+        for (p, &n) in parents.iter_mut().zip(&going_on) {
+            if n == 0 {
+                *p = None;
+            }
+        }
+        for (slot, ((parent, s, cumulative), stopped)) in children.iter_mut().zip(chosen) {
+            if stopped {
+                continue;
+            }
+            going_on[parent] -= 1;
+            let (mut tokens, mut state) = if going_on[parent] == 0 {
                 let p = parents[parent]
                     .take()
                     .expect("a parent is taken by its last child");
@@ -144,13 +192,15 @@ impl<T> BeamSearch<T> {
             };
             tokens.push(s.token);
             record(&mut state, &s);
-            let beam = Beam {
+            *slot = Some(Beam {
                 tokens,
                 cumulative,
-                stopped,
+                stopped: false,
                 state,
-            };
-            if stopped {
+            });
+        }
+        for beam in children.into_iter().flatten() {
+            if beam.stopped {
                 self.done.push(beam);
             } else {
                 self.live.push(beam);
@@ -210,56 +260,148 @@ mod tests {
         // followed by 0.9: 0.36. A width-2 search keeps both and finds the better one.
         let first = first_tokens(&row(&[0.6, 0.4, 1e-9]), 2, 0);
         assert_eq!(first.iter().map(|s| s.token).collect::<Vec<_>>(), [0, 1]);
-        let mut search = BeamSearch::new(3, vec![], first.into_iter().map(|s| (s, ())).collect());
+        let mut search = BeamSearch::new(
+            3,
+            vec![],
+            first.into_iter().map(|s| (s, ())).collect(),
+            |_| (),
+        );
         let after0 = row(&[0.3, 0.3, 0.4]);
         let after1 = row(&[0.05, 0.05, 0.9]);
         search
-            .step(&[after0, after1], 0, |_| Ok::<_, ()>(()), |_, _| {})
+            .step(&[after0, after1], 0, |_| Ok::<_, ()>(()), |_| (), |_, _| {})
             .unwrap();
         let best = search.finish(2);
         assert_eq!(tokens(&best), [vec![1, 2], vec![0, 2]]);
         assert!((best[0].cumulative - (0.4f64 * 0.9).ln()).abs() < 1e-5);
     }
 
-    #[test]
-    fn children_fork_their_parent_and_stop_tokens_finish_hypotheses() {
-        // Both children come from beam 0, so its state is forked once and moved once;
-        // token 2 is a stop token and ranks first, so it becomes a finished hypothesis.
-        let first = vec![
-            Sampled {
-                token: 5,
-                logprob: -0.1,
-                top: vec![],
-            },
-            Sampled {
-                token: 6,
-                logprob: -5.0,
-                top: vec![],
-            },
-        ];
-        let mut search = BeamSearch::new(
-            1,
-            vec![2],
-            first.into_iter().zip([vec![5], vec![6]]).collect(),
-        );
-        let mut forks = 0;
+    /// A beam's state as a decode node's: its tokens, and a stand-in for a KV cache that
+    /// counts how many exist at once.
+    #[derive(Debug, PartialEq)]
+    struct State {
+        seen: Vec<u32>,
+        cache: Option<std::rc::Rc<()>>,
+    }
+
+    fn sampled(token: u32, logprob: f32) -> Sampled {
+        Sampled {
+            token,
+            logprob,
+            top: vec![],
+        }
+    }
+
+    /// Steps `search` once; returns how many forks it made and the most caches that
+    /// existed at once while it did.
+    fn step_counting(
+        search: &mut BeamSearch<State>,
+        caches: &std::rc::Rc<()>,
+        rows: &[Vec<f32>],
+    ) -> (usize, usize) {
+        let (mut forks, mut most) = (0, 0);
+        let alive = || std::rc::Rc::strong_count(caches) - 1;
         search
             .step(
-                &[row(&[0.1, 0.3, 0.6]), row(&[0.98, 0.01, 0.01])],
+                rows,
                 1,
-                |s: &Vec<u32>| {
+                |s: &State| {
                     forks += 1;
-                    Ok::<_, ()>(s.clone())
+                    most = most.max(alive() + 1);
+                    Ok::<_, ()>(State {
+                        seen: s.seen.clone(),
+                        cache: s.cache.clone(),
+                    })
                 },
-                |s, t| s.push(t.token),
+                |s: &State| State {
+                    seen: s.seen.clone(),
+                    cache: None,
+                },
+                |s, t| s.seen.push(t.token),
             )
             .unwrap();
-        assert_eq!(forks, 1);
+        (forks, most.max(alive()))
+    }
+
+    fn start(caches: &std::rc::Rc<()>, stop_ids: Vec<u32>) -> BeamSearch<State> {
+        let first = [sampled(5, -0.1), sampled(6, -5.0)];
+        BeamSearch::new(
+            1,
+            stop_ids,
+            first
+                .into_iter()
+                .map(|s| {
+                    let state = State {
+                        seen: vec![s.token],
+                        cache: Some(caches.clone()),
+                    };
+                    (s, state)
+                })
+                .collect(),
+            |s| State {
+                seen: s.seen.clone(),
+                cache: None,
+            },
+        )
+    }
+
+    #[test]
+    fn children_fork_their_parent_and_stop_tokens_finish_hypotheses() {
+        // Both children come from beam 0, so its state is moved to one and nothing is
+        // forked; token 2 is a stop token and ranks first, so it becomes a finished
+        // hypothesis, which keeps no cache.
+        let caches = std::rc::Rc::new(());
+        let mut search = start(&caches, vec![2]);
+        let (forks, most) = step_counting(
+            &mut search,
+            &caches,
+            &[row(&[0.1, 0.3, 0.6]), row(&[0.98, 0.01, 0.01])],
+        );
+        assert_eq!(forks, 0);
+        assert!(most <= 2, "{most} caches at once for a width of 2");
         assert_eq!(tokens(search.live()), [vec![5, 1]]);
+        assert_eq!(
+            std::rc::Rc::strong_count(&caches) - 1,
+            1,
+            "only the live beam holds a cache"
+        );
         let best = search.finish(2);
         assert_eq!(tokens(&best), [vec![5, 2], vec![5, 1]]);
         assert!(best[0].stopped && !best[1].stopped);
-        assert_eq!(best[0].state, vec![5, 2], "the state saw the token it took");
+        assert_eq!(
+            best[0].state.seen,
+            vec![5, 2],
+            "the state saw the token it took"
+        );
+        assert_eq!(
+            best[0].state.cache, None,
+            "a finished hypothesis holds no cache"
+        );
+    }
+
+    #[test]
+    fn a_search_never_holds_more_caches_than_its_width() {
+        // Beam 0's two children both go on, so its state is forked once; beam 1 has no
+        // child, and its cache must be gone before the fork, or three caches exist at once
+        // for a width of two.
+        let caches = std::rc::Rc::new(());
+        let mut search = start(&caches, vec![]);
+        let (forks, most) = step_counting(
+            &mut search,
+            &caches,
+            &[row(&[0.5, 0.5, 1e-9]), row(&[0.98, 0.01, 0.01])],
+        );
+        assert_eq!(forks, 1);
+        assert_eq!(tokens(search.live()), [vec![5, 0], vec![5, 1]]);
+        assert!(most <= 2, "{most} caches at once for a width of 2");
+    }
+
+    #[test]
+    fn a_first_token_that_stops_keeps_no_cache() {
+        let caches = std::rc::Rc::new(());
+        let search = start(&caches, vec![6]);
+        assert_eq!(tokens(search.live()), [vec![5]]);
+        assert_eq!(std::rc::Rc::strong_count(&caches) - 1, 1);
     }
 
     #[test]
@@ -269,10 +411,21 @@ mod tests {
             logprob: -0.01,
             top: vec![],
         }];
-        let mut search = BeamSearch::new(1, vec![0], first.into_iter().map(|s| (s, ())).collect());
+        let mut search = BeamSearch::new(
+            1,
+            vec![0],
+            first.into_iter().map(|s| (s, ())).collect(),
+            |_| (),
+        );
         assert!(!search.converged());
         search
-            .step(&[row(&[0.99, 0.01])], 0, |_| Ok::<_, ()>(()), |_, _| {})
+            .step(
+                &[row(&[0.99, 0.01])],
+                0,
+                |_| Ok::<_, ()>(()),
+                |_| (),
+                |_, _| {},
+            )
             .unwrap();
         assert!(
             search.converged(),

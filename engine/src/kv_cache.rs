@@ -14,15 +14,14 @@ use crate::error::{EngineError, Result};
 /// Positions are allocated in multiples of this, so growth does not copy every step.
 const GROW_TOKENS: usize = 64;
 
-/// Most K+V bytes an assembler allocates on a transfer header's word alone; past it, the
-/// cache grows with the chunks that actually arrive, so a header that claims millions of
-/// positions costs nothing until their bytes come. Whole caches of common prompt sizes
-/// (4096 SmolLM2 positions are 189 MB) still arrive without a copy.
-const UPFRONT_BYTES: usize = 256 << 20;
+/// The allocator's bookkeeping before each allocation (glibc's chunk header).
+const ALLOC_HEADER: usize = 16;
+/// The unit the kernel maps memory in.
+const PAGE: usize = 4096;
 
-/// Most K+V bytes one position may take over all layers: a few dozen positions always fit
-/// upfront (the largest models take about 1 MiB a position).
-const MAX_POSITION_BYTES: usize = UPFRONT_BYTES / GROW_TOKENS;
+/// Most K+V bytes one position may take over all layers (the largest models take about
+/// 1 MiB a position): a layout past it is garbage, not a model.
+const MAX_POSITION_BYTES: usize = 4 << 20;
 
 /// More layers than any model has: a layout past it is garbage, not a model, and one
 /// tensor pair per layer is allocated before any position.
@@ -52,6 +51,18 @@ impl KvLayout {
     /// Bytes of K (or of V) that one position of one layer takes.
     pub fn bytes_per_token_layer(&self) -> usize {
         self.n_kv_heads * self.head_dim * 4
+    }
+
+    /// Memory a cache of `positions` takes from the allocator: each layer's K and V are one
+    /// allocation each, which costs its bytes, the allocator's header, rounded up to whole
+    /// pages (large ones are mapped pages of their own; a decode node makes every cache
+    /// one: `decode_node::hold_freed_memory`). A budget counted in this unit counts
+    /// resident memory.
+    pub fn resident_bytes(&self, positions: usize) -> usize {
+        let one = positions
+            .saturating_mul(self.bytes_per_token_layer())
+            .saturating_add(ALLOC_HEADER);
+        2 * self.n_layers * one.next_multiple_of(PAGE)
     }
 
     /// Checks a layout that came from elsewhere (a transfer header): a dtype the engine
@@ -421,18 +432,14 @@ impl candle_core::InplaceOp1 for ZeroFrom {
     }
 }
 
-/// Writes K or V for positions `start .. start + len` of one layer, as the wire carries
-/// them (`(kv_heads, len, head_dim)`, little-endian f32; lengths checked by the caller),
-/// into that layer's `(kv_heads, capacity, head_dim)` storage in place.
-struct FromWire<'a> {
-    bytes: &'a [u8],
-    start: usize,
-    len: usize,
-}
+/// Finds where one layer's `(kv_heads, capacity, head_dim)` storage lies, for writing into
+/// it from outside an op.
+#[derive(Default)]
+struct Locate(std::cell::Cell<Option<(*mut f32, usize)>>);
 
-impl candle_core::InplaceOp1 for FromWire<'_> {
+impl candle_core::InplaceOp1 for Locate {
     fn name(&self) -> &'static str {
-        "kv-from-wire"
+        "kv-locate"
     }
 
     fn cpu_fwd(
@@ -440,51 +447,72 @@ impl candle_core::InplaceOp1 for FromWire<'_> {
         storage: &mut candle_core::CpuStorage,
         layout: &candle_core::Layout,
     ) -> candle_core::Result<()> {
-        let mut layer = LayerStorage::of(storage, layout)?;
-        let row = self.len * layer.head_dim;
-        if self.start + self.len > layer.capacity || self.bytes.len() != layer.heads * row * 4 {
-            candle_core::bail!("K/V chunk does not fit the cache");
+        let layer = LayerStorage::of(storage, layout)?;
+        let n = layer.heads * layer.capacity * layer.head_dim;
+        if layer.first + n > layer.data.len() {
+            candle_core::bail!("a KV cache layer lies outside its storage");
         }
-        for (h, src) in self.bytes.chunks_exact(row * 4).enumerate() {
-            let run = layer.run(h, self.start, self.len);
-            for (d, s) in run.iter_mut().zip(src.chunks_exact(4)) {
-                *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-            }
-        }
+        let at = layer.data[layer.first..].as_mut_ptr();
+        self.0.set(Some((at, n)));
         Ok(())
     }
 }
 
 /// Rebuilds a `SeqCache` from chunks that arrive in order within each layer. Everything it
-/// is given may be garbage (it comes off the network): a bad header or chunk is an error,
-/// never a panic, and memory follows the bytes received, not the positions claimed.
-#[derive(Debug)]
+/// is given may be garbage (it comes off the network): a bad chunk is an error, never a
+/// panic. The cache is allocated once, at the size the caller reserved for it, and the
+/// chunks' bytes are written straight into it.
 pub struct KvAssembler {
     cache: SeqCache,
     expected: Vec<u32>,
     filled: Vec<usize>,
+    /// Each layer's K and V storage: `(start, values)`.
+    storage: Vec<[(*mut f32, usize); 2]>,
+}
+
+impl std::fmt::Debug for KvAssembler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvAssembler")
+            .field("layout", &self.cache.layout)
+            .field("expected", &self.expected.len())
+            .field("filled", &self.filled)
+            .finish_non_exhaustive()
+    }
+}
+
+// SAFETY: the pointers address storage the assembler's own tensors own, which nothing else
+// references (see `new`); moving the assembler to another thread moves that ownership.
+unsafe impl Send for KvAssembler {}
+
+/// Where one chunk's bytes go: K's run of each head, then V's, in the order the wire
+/// carries them. [`done`](Self::done) records them as received once they are written.
+pub struct ChunkWrite<'a> {
+    runs: Vec<&'a mut [u8]>,
+    filled: &'a mut usize,
+    len: usize,
+}
+
+impl<'a> ChunkWrite<'a> {
+    /// The runs to fill, in wire order; each must be written whole before `done`.
+    pub fn runs(&mut self) -> &mut [&'a mut [u8]] {
+        &mut self.runs
+    }
+
+    /// Records the chunk's positions as received.
+    pub fn done(self) {
+        *self.filled += self.len;
+    }
 }
 
 impl KvAssembler {
-    /// Expects K/V for `tokens` in a cache of `layout` that will hold `reserve` positions
-    /// in all once decoding starts: it is allocated at that size, so it is never moved to
-    /// grow (a smaller `reserve` than `tokens` counts as `tokens`).
+    /// Expects K/V for `tokens` in a cache of `layout` that holds `capacity` positions in
+    /// all (at least the tokens), allocated now: the caller has reserved that memory and
+    /// bounded `capacity` by it, and the cache is never moved to grow.
     pub fn new(
         layout: KvLayout,
         tokens: Vec<u32>,
-        reserve: usize,
+        capacity: usize,
         device: &Device,
-    ) -> Result<Self> {
-        Self::with_upfront(layout, tokens, reserve, device, UPFRONT_BYTES)
-    }
-
-    /// `new`, allocating at most `upfront_bytes` before chunks arrive.
-    fn with_upfront(
-        layout: KvLayout,
-        tokens: Vec<u32>,
-        reserve: usize,
-        device: &Device,
-        upfront_bytes: usize,
     ) -> Result<Self> {
         let per_position = layout.validate()?;
         if tokens.is_empty() {
@@ -492,17 +520,40 @@ impl KvAssembler {
                 "a transfer covers at least one position".into(),
             ));
         }
+        let capacity = capacity.max(tokens.len());
+        if capacity.checked_mul(per_position).is_none() {
+            return Err(EngineError::KvCache(format!(
+                "{capacity} positions of {per_position} bytes do not fit in memory"
+            )));
+        }
         let mut cache = SeqCache::new(layout, device)?;
-        let wanted = reserve.max(rounded(tokens.len()));
-        let upfront = wanted.min(upfront_bytes / per_position);
         let n_layers = cache.layout.n_layers;
         // SAFETY: the assembler writes every position before the cache leaves it (`finish`).
-        unsafe { cache.move_to(upfront, &vec![0; n_layers], Fill::Unwritten)? };
+        unsafe { cache.move_to(capacity, &vec![0; n_layers], Fill::Unwritten)? };
+        let locate = |t: &Tensor| -> Result<(*mut f32, usize)> {
+            let found = Locate::default();
+            t.inplace_op1(&found)?;
+            found
+                .0
+                .get()
+                .ok_or_else(|| EngineError::KvCache("a KV layer was not located".into()))
+        };
+        let storage = cache
+            .layers
+            .iter()
+            .map(|l| Ok([locate(&l.k)?, locate(&l.v)?]))
+            .collect::<Result<_>>()?;
         Ok(Self {
             cache,
             expected: tokens,
             filled: vec![0; n_layers],
+            storage,
         })
+    }
+
+    /// Positions the transfer covers.
+    pub fn expected(&self) -> usize {
+        self.expected.len()
     }
 
     /// Positions received so far, summed over layers.
@@ -510,7 +561,7 @@ impl KvAssembler {
         self.filled.iter().sum()
     }
 
-    /// Bytes the cache being rebuilt occupies now.
+    /// Bytes the cache being rebuilt occupies.
     pub fn allocated_bytes(&self) -> usize {
         self.cache.allocated_bytes()
     }
@@ -520,7 +571,7 @@ impl KvAssembler {
         self.accept_parts(chunk.layer, chunk.start, chunk.len, &chunk.k, &chunk.v)
     }
 
-    /// `accept` for a chunk whose K and V bytes lie in the receiver's own buffer.
+    /// `accept` for a chunk whose K and V bytes lie in a buffer of the caller's.
     pub fn accept_parts(
         &mut self,
         layer: u32,
@@ -529,6 +580,31 @@ impl KvAssembler {
         k: &[u8],
         v: &[u8],
     ) -> Result<()> {
+        let mut write = self.chunk(layer, start, len, k.len(), v.len())?;
+        let row = write.runs.len() / 2;
+        let (k_runs, v_runs) = write.runs().split_at_mut(row);
+        for (runs, bytes) in [(k_runs, k), (v_runs, v)] {
+            let mut at = 0;
+            for run in runs.iter_mut() {
+                run.copy_from_slice(&bytes[at..at + run.len()]);
+                at += run.len();
+            }
+        }
+        write.done();
+        Ok(())
+    }
+
+    /// Checks a chunk's place and size, and gives the storage its K and V bytes go to, as
+    /// the wire carries them (`(kv_heads, len, head_dim)` little-endian f32 each, which is
+    /// how the cache stores them).
+    pub fn chunk(
+        &mut self,
+        layer: u32,
+        start: u32,
+        len: u32,
+        k_len: usize,
+        v_len: usize,
+    ) -> Result<ChunkWrite<'_>> {
         let layer = layer as usize;
         let (start, len) = (start as usize, len as usize);
         let bad = |why: String| Err(EngineError::KvCache(why));
@@ -548,43 +624,34 @@ impl KvAssembler {
         }
         let layout = &self.cache.layout;
         let want = len * layout.bytes_per_token_layer();
-        if k.len() != want || v.len() != want {
+        if k_len != want || v_len != want {
             return bad(format!(
-                "layer {layer}: payloads of {} and {} bytes, expected {want}",
-                k.len(),
-                v.len()
+                "layer {layer}: payloads of {k_len} and {v_len} bytes, expected {want}"
             ));
         }
-        self.make_room(start + len)?;
-        // Straight from the wire's bytes into the cache's storage: no tensor in between,
-        // whose fresh buffer cost a page fault per 4 KiB.
-        let l = &self.cache.layers[layer];
-        l.k.inplace_op1(&FromWire {
-            bytes: k,
-            start,
-            len,
-        })?;
-        l.v.inplace_op1(&FromWire {
-            bytes: v,
-            start,
-            len,
-        })?;
-        self.filled[layer] += len;
-        Ok(())
-    }
-
-    /// Grows the cache to hold `positions`, doubling (never past the positions expected,
-    /// rounded as `SeqCache` rounds)
-    /// so that a long transfer copies what it holds only a few times.
-    fn make_room(&mut self, positions: usize) -> Result<()> {
+        let (heads, head_dim) = (layout.n_kv_heads, layout.head_dim);
         let capacity = self.cache.capacity;
-        if positions <= capacity {
-            return Ok(());
+        let mut runs = Vec::with_capacity(2 * heads);
+        for (data, values) in self.storage[layer] {
+            debug_assert_eq!(values, heads * capacity * head_dim);
+            for h in 0..heads {
+                let at = (h * capacity + start) * head_dim;
+                // SAFETY: `data` is this layer's storage of `values` f32s, which the
+                // assembler's own tensor owns and nothing else reads or writes while the
+                // assembler is borrowed; `start + len <= expected <= capacity`, so the run
+                // lies within it, and runs of different heads (and K and V) do not overlap.
+                // Any bytes are a valid f32.
+                let run = unsafe {
+                    std::slice::from_raw_parts_mut(data.add(at).cast::<u8>(), len * head_dim * 4)
+                };
+                runs.push(run);
+            }
         }
-        let grown = rounded(positions.max(capacity * 2)).min(rounded(self.expected.len()));
-        // SAFETY: each layer keeps what it has received; the rest is written before the
-        // cache leaves the assembler (`finish`).
-        unsafe { self.cache.move_to(grown, &self.filled, Fill::Unwritten) }
+        Ok(ChunkWrite {
+            runs,
+            filled: &mut self.filled[layer],
+            len,
+        })
     }
 
     /// Whether every layer has every position.
@@ -651,13 +718,12 @@ mod tests {
                 <= MAX_POSITION_BYTES as u128
     }
 
-    /// Prompt lengths: mostly small, sometimes none, sometimes far more than any model
-    /// takes (a header's claim costs 4 bytes a position to hold, nothing more).
+    /// Prompt lengths: mostly small, sometimes none. (How many positions a transfer may
+    /// claim is the decode node's reservation to bound, not the assembler's.)
     fn token_count(rng: &mut Rng) -> usize {
         match rng.below(20) {
             0 => 0,
-            1 => 1 << (20 + rng.below(5)),
-            2 => 200 + rng.below(400),
+            1 | 2 => 200 + rng.below(400),
             _ => 1 + rng.below(40),
         }
     }
@@ -748,31 +814,13 @@ mod tests {
     fn case(rng: &mut Rng) -> (usize, bool) {
         let layout = layout(rng);
         let n = token_count(rng);
-        let tokens: Vec<u32> = if n > 1000 {
-            vec![0; n]
-        } else {
-            (0..n).map(|_| rng.next_u64() as u32).collect()
-        };
-        // Sometimes little upfront, so that growth under chunks (and what it keeps) is
-        // exercised by transfers that complete.
-        let upfront_bytes = if rng.below(2) == 0 {
-            UPFRONT_BYTES
-        } else {
-            rng.below(4096)
-        };
-        // The decode budget the header asks for: none, a sequence's worth, or garbage.
-        let reserve = match rng.below(3) {
+        let tokens: Vec<u32> = (0..n).map(|_| rng.next_u64() as u32).collect();
+        // The room reserved for decoding: none (the prompt's), or a sequence's worth.
+        let reserve = match rng.below(2) {
             0 => 0,
-            1 => n + rng.below(300),
-            _ => rng.below(1 << 30),
+            _ => n + rng.below(300),
         };
-        let asm = KvAssembler::with_upfront(
-            layout.clone(),
-            tokens.clone(),
-            reserve,
-            &Device::Cpu,
-            upfront_bytes,
-        );
+        let asm = KvAssembler::new(layout.clone(), tokens.clone(), reserve, &Device::Cpu);
         let mut asm = match asm {
             Ok(a) => {
                 assert!(layout_is_valid(&layout), "{layout:?} accepted");
@@ -789,10 +837,11 @@ mod tests {
             }
         };
         let per_position = layout.validate().expect("valid");
-        assert!(
-            asm.allocated_bytes() <= upfront_bytes,
-            "{} bytes allocated on a header's word",
-            asm.allocated_bytes()
+        let allocated = reserve.max(n) * per_position;
+        assert_eq!(
+            asm.allocated_bytes(),
+            allocated,
+            "allocated once, as reserved"
         );
         let mut oracle = Oracle {
             filled: vec![0; layout.n_layers],
@@ -826,14 +875,7 @@ mod tests {
                     assert!(matches!(e, EngineError::KvCache(_)), "{e:?}");
                 }
             }
-            let most = oracle.filled.iter().copied().max().unwrap_or(0);
-            let bound =
-                (upfront_bytes / per_position).max((2 * most + GROW_TOKENS).min(rounded(n)));
-            assert!(
-                asm.allocated_bytes() <= bound * per_position,
-                "{} bytes allocated for {most} positions received of {n}",
-                asm.allocated_bytes()
-            );
+            assert_eq!(asm.allocated_bytes(), allocated, "the cache never moves");
             assert_eq!(asm.received_tokens(), oracle.filled.iter().sum::<usize>());
         }
         let complete = oracle.filled.iter().all(|&f| f == n);
@@ -842,11 +884,7 @@ mod tests {
             Ok(cache) => {
                 assert!(complete, "an incomplete transfer finished");
                 assert_eq!(cache.tokens(), tokens.as_slice());
-                assert!(
-                    cache.capacity() >= reserve.min(upfront_bytes / per_position),
-                    "{} positions held, {reserve} reserved",
-                    cache.capacity()
-                );
+                assert_eq!(cache.capacity(), reserve.max(n), "the reserved positions");
                 for c in &stored {
                     let back = cache
                         .export(c.layer as usize, c.start as usize, c.len as usize)
@@ -878,7 +916,7 @@ mod tests {
     }
 
     /// Garbage, truncated and mismatched chunks: every one refused with a KV error, every
-    /// good one stored bit for bit, nothing allocated beyond what arrived, never a panic.
+    /// good one stored bit for bit, nothing allocated beyond the reservation, never a panic.
     /// Runs `TANDEM_FUZZ_SECS` (10 by default) from `TANDEM_FUZZ_SEED` (else the clock).
     #[test]
     fn fuzzed_chunks_fail_cleanly_and_good_ones_survive() {
@@ -961,65 +999,9 @@ mod tests {
         cache.reserve_exact(100).unwrap();
         assert_eq!(cache.allocated_bytes(), held, "the arrived cache was moved");
 
-        // A reservation is a header's word too: it is bounded like a claimed prompt.
-        let asm = KvAssembler::new(layout, vec![7; 10], usize::MAX, &Device::Cpu).unwrap();
-        assert!(asm.allocated_bytes() <= UPFRONT_BYTES);
-    }
-
-    #[test]
-    fn a_huge_claim_allocates_only_what_arrives() {
-        let layout = KvLayout {
-            n_layers: 2,
-            n_kv_heads: 2,
-            head_dim: 16,
-            dtype: "f32".into(),
-        };
-        let per_position = layout.validate().unwrap();
-        let claimed = 64 << 20;
-        let mut asm = KvAssembler::new(layout.clone(), vec![0; claimed], 0, &Device::Cpu).unwrap();
-        assert!(asm.allocated_bytes() <= UPFRONT_BYTES);
-        let upfront = asm.allocated_bytes() / per_position;
-        let byte = |i: usize| (i % 251) as u8;
-        let early_bytes: Vec<u8> = (0..10 * layout.bytes_per_token_layer())
-            .map(|i| byte(i + 1))
-            .collect();
-        let early = KvChunk {
-            layer: 0,
-            start: 0,
-            len: 10,
-            k: early_bytes.clone().into(),
-            v: early_bytes.into(),
-        };
-        asm.accept(&early).unwrap();
-        // Past the upfront positions, the cache grows with what is sent, keeping what it
-        // held.
-        let len = upfront + 100;
-        let bytes: Vec<u8> = (0..len * layout.bytes_per_token_layer())
-            .map(byte)
-            .collect();
-        let chunk = KvChunk {
-            layer: 1,
-            start: 0,
-            len: len as u32,
-            k: bytes.clone().into(),
-            v: bytes.into(),
-        };
-        asm.accept(&chunk).unwrap();
-        let grown = asm.allocated_bytes() / per_position;
-        assert!(
-            grown >= len && grown <= 2 * len + GROW_TOKENS,
-            "{grown} positions held for {len} received"
-        );
-        let held = asm.cache.export_pending(1, 0, len, len).unwrap();
-        assert!(
-            held.k == chunk.k && held.v == chunk.v,
-            "the chunk that grew the cache is not in it"
-        );
-        let kept = asm.cache.export_pending(0, 0, 10, 10).unwrap();
-        assert!(
-            kept.k == early.k && kept.v == early.v,
-            "growth lost what was received before it"
-        );
+        // A reservation that cannot be addressed is refused, not attempted.
+        let err = KvAssembler::new(layout, vec![7; 10], usize::MAX, &Device::Cpu).unwrap_err();
+        assert!(err.to_string().contains("do not fit"), "{err}");
     }
 
     #[test]

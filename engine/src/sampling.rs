@@ -6,6 +6,10 @@
 
 use std::collections::HashMap;
 
+/// The most alternatives one token reports (the API's `top_logprobs` limit); the workers
+/// refuse requests for more, so a request's logprob entries stay bounded.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
 /// Per-request sampling settings, already validated by the caller.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {

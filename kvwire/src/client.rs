@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Mutex;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use proto::v1::{KvHeader, TransferAck};
 use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
@@ -17,6 +17,10 @@ use crate::{read_reply, write_item, Item, WireError, PREFACE};
 const STALL: Duration = Duration::from_secs(10);
 /// Idle connections kept per decode node.
 const MAX_IDLE: usize = 16;
+/// How long an idle connection is kept: well under the time a decode node lets one idle
+/// (`--kv-idle-timeout-ms`, 60 s by default), so that a kept connection is not closed by
+/// the node just as a transfer starts on it.
+pub const IDLE_KEEP: Duration = Duration::from_secs(20);
 
 type Conn = Box<dyn tls::Io>;
 
@@ -25,7 +29,7 @@ type Conn = Box<dyn tls::Io>;
 pub struct Client {
     connect_timeout: Duration,
     tls: Option<tls::ClientTls>,
-    idle: Mutex<HashMap<String, Vec<Conn>>>,
+    idle: Mutex<HashMap<String, Vec<(Conn, Instant)>>>,
 }
 
 impl std::fmt::Debug for Client {
@@ -56,7 +60,7 @@ impl Client {
         &self,
         addr: &str,
         header: KvHeader,
-        mut items: mpsc::Receiver<Item>,
+        mut items: mpsc::UnboundedReceiver<Item>,
     ) -> Result<TransferAck, WireError> {
         // Nothing goes out before the first item: a prompt that waits in the prefill
         // queue holds no connection, and the node's quiet timer starts with the data.
@@ -96,17 +100,18 @@ impl Client {
         let mut idle = self.idle.lock().expect("idle connections lock");
         let kept = idle.entry(addr.to_string()).or_default();
         if kept.len() < MAX_IDLE {
-            kept.push(r.unsplit(w));
+            kept.push((r.unsplit(w), Instant::now()));
         }
         Ok(ack)
     }
 
+    /// The newest connection kept for `addr` that has idled less than [`IDLE_KEEP`];
+    /// older ones are closed.
     fn take_idle(&self, addr: &str) -> Option<Conn> {
-        self.idle
-            .lock()
-            .expect("idle connections lock")
-            .get_mut(addr)
-            .and_then(Vec::pop)
+        let mut idle = self.idle.lock().expect("idle connections lock");
+        let kept = idle.get_mut(addr)?;
+        kept.retain(|(_, since)| since.elapsed() < IDLE_KEEP);
+        kept.pop().map(|(c, _)| c)
     }
 
     /// An idle connection to `addr` that is still open, else a new one.

@@ -60,9 +60,7 @@ pub enum WireError {
     Io(#[from] io::Error),
     #[error("the connection closed in the middle of a frame")]
     Truncated,
-    #[error(
-        "a message of {len} bytes is too large: the limit is {max} (--grpc-max-message-bytes)"
-    )]
+    #[error("a frame of {len} bytes is over the {max} this connection takes now")]
     TooLarge { len: usize, max: usize },
     #[error("{0}")]
     Malformed(String),
@@ -152,50 +150,64 @@ pub async fn write_refusal<W: AsyncWrite + Unpin>(
     w.flush().await
 }
 
-/// One frame as the receiver reads it; a chunk's K and V borrow the reader's buffer.
+/// One frame as the receiver reads it. A chunk's K and V are not read with it: the
+/// receiver reads them with [`Reader::payload`] straight into where they go, before the
+/// next frame.
 #[derive(Debug)]
-pub enum Frame<'a> {
+pub enum Frame {
     Header(KvHeader),
-    Chunk {
-        layer: u32,
-        start: u32,
-        len: u32,
-        k: &'a [u8],
-        v: &'a [u8],
-    },
+    Chunk(ChunkHead),
     First(FirstTokens),
 }
 
-/// Reads frames off a connection into one buffer that it reuses, grown as bytes arrive (so
-/// a length that lies costs what was sent, not what was claimed).
+/// A chunk's fixed fields; `k_len` bytes of K and then `v_len` of V follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkHead {
+    pub layer: u32,
+    pub start: u32,
+    pub len: u32,
+    pub k_len: usize,
+    pub v_len: usize,
+}
+
+/// The largest frames a reader takes now: a message (a header, the first tokens), which it
+/// buffers, and a chunk, whose payload goes where the caller says.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub message: usize,
+    pub chunk: usize,
+}
+
+/// Reads frames off a connection. Headers and first tokens go into one buffer that it
+/// reuses, grown as bytes arrive (so a length that lies costs what was sent, not what was
+/// claimed); chunk payloads go where the caller says.
 pub struct Reader<R> {
     io: R,
     buf: Vec<u8>,
-    max_frame: usize,
 }
 
 /// The most a frame body grows the buffer before more of it has arrived.
 const GROW: usize = 1 << 20;
 
 impl<R: AsyncRead + Unpin> Reader<R> {
-    /// A reader of `io` that refuses frames over `max_frame` bytes.
-    pub fn new(io: R, max_frame: usize) -> Self {
+    /// A reader of `io`.
+    pub fn new(io: R) -> Self {
         Self {
             io,
             buf: Vec::new(),
-            max_frame,
         }
     }
 
     /// The next frame, or `None` when the sender closed the connection between frames. Its
-    /// first byte may take as long as `wait` allows (`None`: an idle connection between
-    /// transfers waits for as long as the sender keeps it); every later read must come
-    /// within `quiet`.
+    /// first byte may take as long as `wait` allows (`None`: as long as the sender keeps
+    /// the connection); every later read must come within `quiet`. A frame over its kind's
+    /// limit is refused before its body is read.
     pub async fn next(
         &mut self,
         wait: Option<Duration>,
         quiet: Duration,
-    ) -> Result<Option<Frame<'_>>, WireError> {
+        limits: Limits,
+    ) -> Result<Option<Frame>, WireError> {
         let mut prefix = [0u8; FRAME_PREFIX];
         let first = self.io.read(&mut prefix);
         let n = match wait {
@@ -207,52 +219,66 @@ impl<R: AsyncRead + Unpin> Reader<R> {
         if n == 0 {
             return Ok(None);
         }
-        within(quiet, read_full(&mut self.io, &mut prefix[n..])).await?;
+        read_quiet(&mut self.io, &mut prefix[n..], quiet).await?;
         let (kind, len) = split_prefix(prefix);
-        if len > self.max_frame {
-            return Err(WireError::TooLarge {
-                len,
-                max: self.max_frame,
-            });
+        let limit = if kind == CHUNK {
+            limits.chunk
+        } else {
+            limits.message
+        };
+        if len > limit {
+            return Err(WireError::TooLarge { len, max: limit });
         }
-        within(quiet, self.fill(len)).await?;
-        let body = &self.buf[..len];
         let malformed = |what: &str| WireError::Malformed(format!("{what} that does not decode"));
+        if kind == CHUNK {
+            if len < CHUNK_FIELDS {
+                return Err(WireError::Malformed(format!("a chunk of {len} bytes")));
+            }
+            let mut fields = [0u8; CHUNK_FIELDS];
+            read_quiet(&mut self.io, &mut fields, quiet).await?;
+            let field =
+                |i: usize| u32::from_le_bytes(fields[4 * i..4 * i + 4].try_into().expect("four"));
+            let (k_len, payload) = (field(3) as usize, len - CHUNK_FIELDS);
+            if k_len > payload {
+                return Err(WireError::Malformed(format!(
+                    "a chunk whose K of {k_len} bytes exceeds its {payload} payload bytes"
+                )));
+            }
+            return Ok(Some(Frame::Chunk(ChunkHead {
+                layer: field(0),
+                start: field(1),
+                len: field(2),
+                k_len,
+                v_len: payload - k_len,
+            })));
+        }
+        self.fill(len, quiet).await?;
+        let body = &self.buf[..len];
         Ok(Some(match kind {
             HEADER => Frame::Header(KvHeader::decode(body).map_err(|_| malformed("a header"))?),
             FIRST => Frame::First(
                 FirstTokens::decode(body).map_err(|_| malformed("a first-tokens frame"))?,
             ),
-            CHUNK => {
-                if len < CHUNK_FIELDS {
-                    return Err(WireError::Malformed(format!("a chunk of {len} bytes")));
-                }
-                let field = |i: usize| {
-                    u32::from_le_bytes(body[4 * i..4 * i + 4].try_into().expect("four bytes"))
-                };
-                let k_len = field(3) as usize;
-                let payload = &body[CHUNK_FIELDS..];
-                if k_len > payload.len() {
-                    return Err(WireError::Malformed(format!(
-                        "a chunk whose K of {k_len} bytes exceeds its {} payload bytes",
-                        payload.len()
-                    )));
-                }
-                let (k, v) = payload.split_at(k_len);
-                Frame::Chunk {
-                    layer: field(0),
-                    start: field(1),
-                    len: field(2),
-                    k,
-                    v,
-                }
-            }
             other => return Err(WireError::Malformed(format!("a frame of kind {other}"))),
         }))
     }
 
+    /// Reads the payload of the chunk [`next`](Self::next) just returned into `runs`, in
+    /// order; their lengths must add up to its `k_len + v_len`. Each read must come within
+    /// `quiet`.
+    pub async fn payload(
+        &mut self,
+        runs: &mut [&mut [u8]],
+        quiet: Duration,
+    ) -> Result<(), WireError> {
+        for run in runs {
+            read_quiet(&mut self.io, run, quiet).await?;
+        }
+        Ok(())
+    }
+
     /// Reads `len` bytes into the front of the buffer.
-    async fn fill(&mut self, len: usize) -> Result<(), WireError> {
+    async fn fill(&mut self, len: usize, quiet: Duration) -> Result<(), WireError> {
         let mut got = 0;
         while got < len {
             if self.buf.len() == got {
@@ -260,7 +286,10 @@ impl<R: AsyncRead + Unpin> Reader<R> {
                 self.buf.resize(got + grow, 0);
             }
             let end = self.buf.len().min(len);
-            let n = self.io.read(&mut self.buf[got..end]).await?;
+            let n = within(quiet, async {
+                Ok(self.io.read(&mut self.buf[got..end]).await?)
+            })
+            .await?;
             if n == 0 {
                 return Err(WireError::Truncated);
             }
@@ -269,16 +298,38 @@ impl<R: AsyncRead + Unpin> Reader<R> {
         Ok(())
     }
 
+    /// Lets go of the buffer a large header grew, between transfers.
+    pub fn shrink(&mut self) {
+        self.buf = Vec::new();
+    }
+
     /// Reads and drops whatever the sender still sends, for at most `limit`, so that
     /// closing the connection after a refusal does not reset it before the sender has read
     /// the refusal.
     pub async fn drain(&mut self, limit: Duration) {
-        let mut sink = [0u8; 64 << 10];
+        let mut sink = [0u8; 16 << 10];
         let _ = tokio::time::timeout(limit, async {
             while matches!(self.io.read(&mut sink).await, Ok(n) if n > 0) {}
         })
         .await;
     }
+}
+
+/// Fills `buf`, each read within `quiet`.
+async fn read_quiet<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut [u8],
+    quiet: Duration,
+) -> Result<(), WireError> {
+    let mut got = 0;
+    while got < buf.len() {
+        let n = within(quiet, async { Ok(r.read(&mut buf[got..]).await?) }).await?;
+        if n == 0 {
+            return Err(WireError::Truncated);
+        }
+        got += n;
+    }
+    Ok(())
 }
 
 async fn within<T>(

@@ -10,6 +10,10 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 const WAIT: Duration = Duration::from_secs(10);
+const LIMITS: kvwire::Limits = kvwire::Limits {
+    message: 1 << 20,
+    chunk: 1 << 20,
+};
 
 /// How the receiver treats each transfer.
 #[derive(Clone, Copy)]
@@ -53,9 +57,9 @@ async fn receiver(mode: Mode) -> (String, mpsc::UnboundedReceiver<Seen>) {
                     .unwrap();
                 assert_eq!(&preface[..], kvwire::PREFACE);
                 let (r, mut w) = tokio::io::split(conn);
-                let mut reader = Reader::new(r, 1 << 20);
+                let mut reader = Reader::new(r);
                 loop {
-                    let id = match reader.next(None, WAIT).await {
+                    let id = match reader.next(None, WAIT, LIMITS).await {
                         Ok(Some(Frame::Header(h))) => h.request_id,
                         Ok(None) => return,
                         other => panic!("expected a header, got {other:?}"),
@@ -64,21 +68,17 @@ async fn receiver(mode: Mode) -> (String, mpsc::UnboundedReceiver<Seen>) {
                     let (mut bytes, first) = (
                         0,
                         loop {
-                            match reader.next(Some(WAIT), WAIT).await {
-                                Ok(Some(Frame::Chunk {
-                                    layer,
-                                    start,
-                                    len,
-                                    k,
-                                    v,
-                                })) => {
+                            match reader.next(Some(WAIT), WAIT, LIMITS).await {
+                                Ok(Some(Frame::Chunk(head))) => {
+                                    let (mut k, mut v) = (vec![0; head.k_len], vec![0; head.v_len]);
+                                    reader.payload(&mut [&mut k, &mut v], WAIT).await.unwrap();
                                     if matches!(mode, Mode::Refuse) {
                                         let no = tonic::Status::invalid_argument("no thanks");
                                         kvwire::write_refusal(&mut w, &no).await.unwrap();
                                         reader.drain(WAIT).await;
                                         return;
                                     }
-                                    chunks.push((layer, start, len, k.to_vec(), v.to_vec()));
+                                    chunks.push((head.layer, head.start, head.len, k, v));
                                 }
                                 Ok(Some(Frame::First(f))) => {
                                     break f.tokens.iter().map(|t| t.id).collect::<Vec<_>>()
@@ -122,9 +122,8 @@ async fn seen(rx: &mut mpsc::UnboundedReceiver<Seen>) -> Seen {
 fn header(id: &str) -> KvHeader {
     KvHeader {
         request_id: id.into(),
-        layout: None,
         tokens: vec![1, 2, 3],
-        max_new_tokens: 0,
+        ..Default::default()
     }
 }
 
@@ -148,10 +147,10 @@ fn first(id: u32) -> Item {
 }
 
 /// Items on a channel that is already closed behind them.
-fn items(list: Vec<Item>) -> mpsc::Receiver<Item> {
-    let (tx, rx) = mpsc::channel(list.len().max(1));
+fn items(list: Vec<Item>) -> mpsc::UnboundedReceiver<Item> {
+    let (tx, rx) = mpsc::unbounded_channel();
     for i in list {
-        tx.try_send(i).unwrap();
+        tx.send(i).unwrap();
     }
     rx
 }
@@ -197,8 +196,8 @@ async fn a_refusal_ends_the_transfer_before_it_is_sent() {
     let (addr, mut rx) = receiver(Mode::Refuse).await;
     // The sender keeps the channel open and never sends the first tokens: only the
     // refusal can end the transfer.
-    let (tx, items) = mpsc::channel(4);
-    tx.send(chunk(0, 1)).await.unwrap();
+    let (tx, items) = mpsc::unbounded_channel();
+    tx.send(chunk(0, 1)).unwrap();
     let got = tokio::time::timeout(WAIT, client().transfer(&addr, header("r"), items))
         .await
         .expect("the refusal ended the transfer within the wait");

@@ -31,6 +31,11 @@ pub struct Config {
     /// well under tonic's 4 MiB default.
     #[arg(long, env = "PREFILL_TRANSFER_CHUNK_BYTES", default_value_t = 1 << 20)]
     pub transfer_chunk_bytes: usize,
+    /// Decode nodes (host:port, as the router names them) this node may send KV caches to,
+    /// comma separated, beside those registered in etcd as decode workers. A request that
+    /// names any other is refused: a request alone never makes this node dial an address.
+    #[arg(long, env = "PREFILL_DECODE_NODES", value_delimiter = ',')]
+    pub decode_nodes: Vec<String>,
     /// Milliseconds to connect to a decode node before the transfer fails.
     #[arg(long, env = "PREFILL_CONNECT_TIMEOUT_MS", default_value_t = 2_000)]
     pub connect_timeout_ms: u64,

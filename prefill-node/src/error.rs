@@ -9,8 +9,18 @@ pub enum PrefillError {
     PromptTooLong { got: usize, limit: usize },
     #[error("{0} sequences asked for, the limit is 128")]
     TooManySequences(u32),
+    #[error("{0} alternatives per token asked for, the limit is {max}", max = engine::sampling::MAX_TOP_LOGPROBS)]
+    TooManyLogprobs(u32),
     #[error("no decode node address was given")]
     NoDecodeAddr,
+    #[error("decode node {0} is neither listed (--decode-nodes) nor registered in etcd as a decode worker")]
+    UnknownDecode(String),
+    #[error(
+        "no KV ticket was given: the decode node issues one when it reserves the request's memory"
+    )]
+    NoTicket,
+    #[error("prompt token {token} at position {at} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange { token: u32, at: usize, vocab: usize },
     #[error("the prefill queue is full ({0} prompts)")]
     QueueFull(usize),
     #[error("the prefill node is shutting down")]
@@ -30,9 +40,14 @@ impl From<PrefillError> for tonic::Status {
         use PrefillError::*;
         let msg = e.to_string();
         match e {
-            EmptyPrompt | PromptTooLong { .. } | TooManySequences(_) | NoDecodeAddr => {
-                tonic::Status::invalid_argument(msg)
-            }
+            EmptyPrompt
+            | PromptTooLong { .. }
+            | TooManySequences(_)
+            | TooManyLogprobs(_)
+            | NoDecodeAddr
+            | NoTicket
+            | TokenOutOfRange { .. } => tonic::Status::invalid_argument(msg),
+            UnknownDecode(_) => tonic::Status::failed_precondition(msg),
             QueueFull(_) => tonic::Status::resource_exhausted(msg),
             // The decode node judged the KV itself bad, or a message broke the gRPC size
             // bound: another pair would fail the same way, so this is no outage to retry.

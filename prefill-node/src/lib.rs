@@ -6,6 +6,7 @@ pub mod error;
 pub mod metrics;
 pub mod prefix;
 pub mod service;
+pub mod targets;
 pub mod worker;
 
 use std::future::Future;
@@ -19,6 +20,29 @@ pub use error::PrefillError;
 use metrics::PrefillMetrics;
 pub use runtime::ServeError;
 
+/// How often the view of etcd's decode workers is listed again whole.
+const RELIST: Duration = Duration::from_secs(30);
+
+/// The decode workers registered in etcd, followed for as long as the node runs; `None`
+/// without etcd.
+fn registered_decoders(
+    cfg: &Config,
+) -> Result<Option<tokio::sync::watch::Receiver<discovery::WorkerSet>>, ServeError> {
+    let c = &cfg.cluster;
+    if c.etcd_endpoints.is_empty() {
+        return Ok(None);
+    }
+    let client = Arc::new(c.etcd.client(&c.etcd_endpoints)?);
+    let (tx, rx) = tokio::sync::watch::channel(discovery::WorkerSet::default());
+    tokio::spawn(discovery::watch_workers(
+        client,
+        c.etcd_prefix.clone(),
+        RELIST,
+        tx,
+    ));
+    Ok(Some(rx))
+}
+
 /// Loads the model and serves `tandem.v1.Prefill` on `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
@@ -29,6 +53,7 @@ pub async fn serve(
     let model = runtime::load_model(&cfg.model).await?;
     let layout = model.kv_layout();
     let max_positions = model.config().max_position_embeddings;
+    let vocab = model.config().vocab_size;
     let bytes_per_token = layout.n_kv_heads * layout.head_dim * 4;
     let message_tokens = (cfg.transfer_chunk_bytes / bytes_per_token).max(1);
     let max_queue = cfg.max_queue.max(1);
@@ -56,16 +81,27 @@ pub async fn serve(
         &layout,
         capacity,
     );
+    let targets = targets::DecodeTargets::new(&cfg.decode_nodes, registered_decoders(cfg)?);
+    if targets.is_unconfigured() {
+        tracing::warn!(
+            "no --decode-nodes and no etcd: every request will be refused, for want of a decode node to send to"
+        );
+    }
+    let setup = service::Setup {
+        layout,
+        max_positions,
+        vocab,
+        kv: kvwire::Client::new(
+            Duration::from_millis(cfg.connect_timeout_ms),
+            cfg.cluster.tls.client()?,
+        ),
+        targets,
+    };
     let svc = service::PrefillService::new(
         jobs_tx,
         Arc::clone(&metrics),
         max_queue,
-        layout,
-        max_positions,
-        kvwire::Client::new(
-            Duration::from_millis(cfg.connect_timeout_ms),
-            cfg.cluster.tls.client()?,
-        ),
+        setup,
         gate.clone(),
     );
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(), "prefill node serving");

@@ -1,6 +1,7 @@
 //! The `tandem.v1.Prefill` service: queues prompts for the compute thread and runs each
 //! request's KV transfer to its decode node.
 
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -12,10 +13,8 @@ use tracing::Instrument;
 
 use crate::error::PrefillError;
 use crate::metrics::PrefillMetrics;
+use crate::targets::DecodeTargets;
 use crate::worker::Job;
-
-/// Transfer messages buffered between the compute thread and the network.
-const TRANSFER_BUFFER: usize = 16;
 
 /// State shared by the service's handlers.
 pub struct PrefillService {
@@ -24,28 +23,40 @@ pub struct PrefillService {
     max_queue: usize,
     layout: KvLayout,
     max_positions: usize,
+    vocab: usize,
     kv: Arc<kvwire::Client>,
+    targets: DecodeTargets,
     gate: runtime::Gate,
 }
 
+/// What a prefill node is given beside its queue: its model's shape, and where it may send
+/// KV caches.
+pub struct Setup {
+    pub layout: KvLayout,
+    pub max_positions: usize,
+    pub vocab: usize,
+    pub kv: kvwire::Client,
+    pub targets: DecodeTargets,
+}
+
 impl PrefillService {
-    /// A service feeding `jobs`, for a model with this cache layout and context.
+    /// A service feeding `jobs`.
     pub fn new(
         jobs: mpsc::Sender<Job>,
         metrics: Arc<PrefillMetrics>,
         max_queue: usize,
-        layout: KvLayout,
-        max_positions: usize,
-        kv: kvwire::Client,
+        setup: Setup,
         gate: runtime::Gate,
     ) -> Self {
         Self {
             jobs,
             metrics,
             max_queue,
-            layout,
-            max_positions,
-            kv: Arc::new(kv),
+            layout: setup.layout,
+            max_positions: setup.max_positions,
+            vocab: setup.vocab,
+            kv: Arc::new(setup.kv),
+            targets: setup.targets,
             gate,
         }
     }
@@ -65,15 +76,34 @@ impl PrefillService {
         if req.n > 128 {
             return Err(PrefillError::TooManySequences(req.n));
         }
-        if req.decode_addr.is_empty() {
-            return Err(PrefillError::NoDecodeAddr);
+        if req.top_logprobs as usize > engine::sampling::MAX_TOP_LOGPROBS {
+            return Err(PrefillError::TooManyLogprobs(req.top_logprobs));
         }
-        let (tx, rx) = mpsc::channel(TRANSFER_BUFFER);
+        // An id outside the vocabulary would fail the whole batch's forward pass, not just
+        // this request.
+        if let Some((at, &token)) = req
+            .prompt
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= self.vocab)
+        {
+            return Err(PrefillError::TokenOutOfRange {
+                token,
+                at,
+                vocab: self.vocab,
+            });
+        }
+        if req.kv_ticket.is_empty() {
+            return Err(PrefillError::NoTicket);
+        }
+        self.targets.check(&req.decode_addr).await?;
+        let (tx, rx) = mpsc::unbounded_channel();
         let header = KvHeader {
             request_id: req.request_id.clone(),
             layout: Some(proto::layout_to_proto(&self.layout)),
             tokens: req.prompt.clone(),
             max_new_tokens: req.max_new_tokens,
+            ticket: req.kv_ticket.clone(),
         };
         let (kv, addr) = (Arc::clone(&self.kv), req.decode_addr.clone());
         let transfer = tokio::spawn(
@@ -138,6 +168,28 @@ impl PrefillService {
     }
 }
 
+/// Counts one call's outcome: what it settles with, or, when the call goes away before
+/// it settles (the router cancelled it), a cancellation.
+struct Outcome<'a> {
+    metrics: &'a PrefillMetrics,
+    settled: bool,
+}
+
+impl Outcome<'_> {
+    fn settle(mut self, counter: &AtomicU64) {
+        PrefillMetrics::inc(counter);
+        self.settled = true;
+    }
+}
+
+impl Drop for Outcome<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            PrefillMetrics::inc(&self.metrics.cancelled);
+        }
+    }
+}
+
 #[tonic::async_trait]
 impl proto::v1::prefill_server::Prefill for PrefillService {
     async fn prefill(
@@ -149,19 +201,21 @@ impl proto::v1::prefill_server::Prefill for PrefillService {
         let req = req.into_inner();
         let span = tracing::info_span!("prefill", req_id = %id, prompt_tokens = req.prompt.len());
         let m = &self.metrics;
+        let outcome = Outcome {
+            metrics: m,
+            settled: false,
+        };
         match self.run(req).instrument(span).await {
             Ok(resp) => {
-                PrefillMetrics::inc(&m.completed);
+                outcome.settle(&m.completed);
                 PrefillMetrics::add(&m.transfer_bytes, resp.transfer_bytes);
                 Ok(Response::new(resp))
             }
             Err(e) => {
-                // A cancelled prefill never answers here: the compute thread counts it.
-                let counter = match e {
+                outcome.settle(match e {
                     PrefillError::QueueFull(_) => &m.rejected,
                     _ => &m.failed,
-                };
-                PrefillMetrics::inc(counter);
+                });
                 Err(e.into())
             }
         }

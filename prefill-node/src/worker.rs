@@ -31,8 +31,11 @@ pub struct Job {
     pub enqueued: Instant,
     pub span: tracing::Span,
     /// Where the chunks and then the first token go; dropping it without the first token
-    /// tells the decode node the transfer failed.
-    pub transfer: mpsc::Sender<Item>,
+    /// tells the decode node the transfer failed. Unbounded, so that the compute thread
+    /// never waits for a slow decode node: what it holds is at most this prompt's cache,
+    /// which the thread holds anyway, and a transfer that stalls fails on its own deadline
+    /// (the channel then closes, and only this prompt fails).
+    pub transfer: mpsc::UnboundedSender<Item>,
     pub done: oneshot::Sender<Result<Computed, PrefillError>>,
 }
 
@@ -139,7 +142,6 @@ impl Worker {
         let _entered = job.span.clone().entered();
         if job.done.is_closed() {
             tracing::debug!("cancelled before it started");
-            PrefillMetrics::inc(&self.metrics.cancelled);
             return;
         }
         let cache = match self.prefix.lookup(&job.prompt) {
@@ -170,13 +172,12 @@ impl Worker {
         self.publish();
     }
 
+    /// Lets go of prompts whose call has gone (the service counts them as cancelled).
     fn drop_cancelled(&mut self) {
-        let metrics = &self.metrics;
         self.active.retain(|a| {
             let gone = a.job.done.is_closed();
             if gone {
                 tracing::info!(parent: &a.job.span, "cancelled during the prefill");
-                PrefillMetrics::inc(&metrics.cancelled);
             }
             !gone
         });
@@ -218,7 +219,7 @@ impl Worker {
         let logits = {
             // The transfer also carries what came from the prefix cache: it starts at
             // what was sent, not at what this step computes.
-            let transfers: Vec<(mpsc::Sender<Item>, usize)> = self
+            let transfers: Vec<(mpsc::UnboundedSender<Item>, usize)> = self
                 .active
                 .iter()
                 .take(takes.len())
@@ -247,7 +248,7 @@ impl Worker {
                     for start in (*sent..end).step_by(message_tokens) {
                         let len = message_tokens.min(end - start);
                         let chunk = s.cache.export_pending(layer, start, len, n)?;
-                        if tx.blocking_send(Item::Chunk(chunk)).is_err() {
+                        if tx.send(Item::Chunk(chunk)).is_err() {
                             closed[k] = true;
                             break;
                         }
@@ -303,6 +304,12 @@ impl Worker {
     fn complete(&mut self, a: Active, row: &[f32], batch_size: usize) {
         let _entered = a.job.span.clone().entered();
         let job = &a.job;
+        if job.done.is_closed() {
+            // Cancelled during its last step: no first tokens, so the transfer fails and
+            // the decode node frees what it received.
+            tracing::info!("cancelled during the prefill");
+            return;
+        }
         let first = engine::sampling::pick_first(
             row,
             &job.sampling,
@@ -314,7 +321,7 @@ impl Worker {
         let msg = Item::First(FirstTokens {
             tokens: first.iter().map(proto::token_to_proto).collect(),
         });
-        let result = match job.transfer.blocking_send(msg) {
+        let result = match job.transfer.send(msg) {
             Ok(()) => {
                 let started = a.started.unwrap_or_else(Instant::now);
                 let queue_wait = started.saturating_duration_since(job.enqueued);

@@ -132,6 +132,12 @@ pub struct Config {
     /// Milliseconds a request may take from start to last token before it fails with 504.
     #[arg(long, env = "ROUTER_REQUEST_TIMEOUT_MS", default_value_t = 600_000)]
     pub request_timeout_ms: u64,
+    /// Milliseconds a PD request waits in a decode node's queue for its KV memory to be
+    /// reserved; then it tries another decode node, or fails with 503. A burst larger than
+    /// the decode nodes' budgets waits its turn: half the request timeout by default, so that
+    /// a retry elsewhere still has time.
+    #[arg(long, env = "ROUTER_KV_RESERVE_TIMEOUT_MS", default_value_t = 300_000)]
+    pub kv_reserve_timeout_ms: u64,
     /// API keys clients must send as `Authorization: Bearer <key>`, comma separated. With
     /// none (and no key file) the API is open.
     #[arg(

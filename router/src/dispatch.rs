@@ -216,7 +216,7 @@ async fn attempt_pd(
         .pick_decode(&avoid, positions, req.sequences)
         .map_err(no_worker)?;
     tracing::debug!(prefill = %p.addr, decode = %d.addr, "picked");
-    let result = pd_on(req, retry, &p, &d, tx).await;
+    let result = pd_on(req, retry, state.cfg.kv_reserve_timeout_ms, &p, &d, tx).await;
     match &result {
         Ok(()) => {
             p.succeeded(&state.prefill.settings);
@@ -231,6 +231,7 @@ async fn attempt_pd(
 async fn pd_on(
     req: &GenRequest,
     attempt: usize,
+    reserve_timeout_ms: u64,
     p: &Arc<Worker>,
     d: &Arc<Worker>,
     tx: &Tx,
@@ -259,6 +260,54 @@ async fn pd_on(
     );
     let reported = req.reported();
     let beam = req.beam.is_some();
+    let _decode_hold = Hold::new(
+        d,
+        0,
+        req.sequences as u64,
+        decode_blocks(d, req.prompt.len() + req.max_tokens, req.sequences),
+    );
+    let (mut dc, mut pc) = (d.decode(), p.prefill());
+    // The decode node reserves the request's KV memory first (queueing for it if need be)
+    // and answers with the ticket of its transfer; only then does the prompt go to the
+    // prefill node, which presents the ticket when it pushes the cache. So no cache is
+    // computed or sent for a decode node that has no room for it. Both calls are answered
+    // before the client sees a token, so a failure of either still leaves the request free
+    // to start over on another pair; the first failure drops the other call, and its node
+    // frees what it held.
+    let decode_failed = |s| Failed::on(d, RouterError::worker("decode", &d.addr, s));
+    let mut stream = dc
+        .generate(generate)
+        .await
+        .map_err(decode_failed)?
+        .into_inner();
+    let wait = Duration::from_millis(reserve_timeout_ms);
+    let ticket = match tokio::time::timeout(wait, stream.message()).await {
+        Ok(Ok(Some(proto::v1::GenerateEvent {
+            event: Some(Event::Reserved(r)),
+        }))) => r.ticket,
+        Ok(Ok(_)) => {
+            return Err(Failed::on(
+                d,
+                RouterError::Internal(format!(
+                    "decode worker {} answered without reserving the request's KV memory",
+                    d.addr
+                )),
+            ))
+        }
+        Ok(Err(s)) => return Err(decode_failed(s)),
+        Err(_) => {
+            return Err(Failed::on(
+                d,
+                RouterError::WorkerBusy {
+                    role: "decode",
+                    addr: d.addr.clone(),
+                    message: format!(
+                        "it found no KV memory for the request within {reserve_timeout_ms} ms"
+                    ),
+                },
+            ))
+        }
+    };
     let prefill = runtime::with_request_id(
         &kv_id,
         PrefillRequest {
@@ -270,23 +319,10 @@ async fn pd_on(
             n: req.sequences as u32,
             beam_search: beam,
             max_new_tokens: (req.max_tokens - 1) as u32,
+            kv_ticket: ticket,
         },
     );
-    let _decode_hold = Hold::new(
-        d,
-        0,
-        req.sequences as u64,
-        decode_blocks(d, req.prompt.len() + req.max_tokens, req.sequences),
-    );
-    let (mut dc, mut pc) = (d.decode(), p.prefill());
-    // Both calls go out at once. The prefill node pushes the KV cache to the decode node
-    // while it computes and answers once the push is done; the decode node takes the
-    // Generate call at once and waits for that cache (`--kv-wait-ms`, long enough for the
-    // prompt's time in the prefill node's queue). So the Generate round trip overlaps the
-    // prefill instead of following it. Both calls are answered before the client sees a
-    // token, so a failure of either still leaves the request free to start over on another
-    // pair; the first failure drops the other call, and its node frees what it held.
-    let prefill_call = async {
+    let first = {
         let _hold = Hold::new(p, req.prompt.len() as u64, 0, 0);
         pc.prefill(prefill).await.map_err(|s| {
             // A transfer that failed is the decode node's doing as often as not.
@@ -296,14 +332,8 @@ async fn pd_on(
                 p
             };
             Failed::on(culprit, RouterError::worker("prefill", &p.addr, s))
-        })
+        })?
     };
-    let generate_call = async {
-        dc.generate(generate)
-            .await
-            .map_err(|s| Failed::on(d, RouterError::worker("decode", &d.addr, s)))
-    };
-    let (first, stream) = tokio::try_join!(prefill_call, generate_call)?;
     let first = first.into_inner();
     if first.first.len() != req.sequences {
         return Err(Failed::on(
@@ -325,16 +355,7 @@ async fn pd_on(
             }
         }
     }
-    forward(
-        stream.into_inner(),
-        reported,
-        Some(&first),
-        "decode",
-        d,
-        tx,
-        !beam,
-    )
-    .await
+    forward(stream, reported, Some(&first), "decode", d, tx, !beam).await
 }
 
 /// KV blocks a request holds on decode node `d`: `positions` for each of `sequences`, in
@@ -475,6 +496,15 @@ async fn forward(
                     choice: f.choice,
                     reason: FinishReason::try_from(f.reason).unwrap_or(FinishReason::Stop),
                 }
+            }
+            Some(Event::Reserved(_)) => {
+                return Err(Failed {
+                    error: RouterError::Internal(format!(
+                        "{role} worker {addr} reserved KV memory in the middle of a stream"
+                    )),
+                    culprit: Some(Arc::clone(worker)),
+                    progressed,
+                })
             }
             None => {
                 return Err(Failed {

@@ -82,9 +82,9 @@ pub struct ClusterArgs {
     /// Seconds a worker told to stop may take to finish the work it holds.
     #[arg(long, env = "TANDEM_DRAIN_GRACE_S", default_value_t = 30)]
     pub drain_grace_s: u64,
-    /// Largest gRPC message this worker sends or accepts, and largest KV data-plane frame a
-    /// decode node accepts, in bytes. A KV frame carries K and V of one layer for up to
-    /// --transfer-chunk-bytes each, so it must hold twice that and a little more.
+    /// Largest gRPC message this worker sends or accepts, in bytes. (KV data-plane chunks
+    /// are bounded by the memory their ticket reserved instead: they are read straight into
+    /// it.)
     #[arg(long, env = "TANDEM_GRPC_MAX_MESSAGE_BYTES", default_value_t = crate::DEFAULT_MAX_MESSAGE)]
     pub grpc_max_message_bytes: usize,
     #[command(flatten)]

@@ -6,6 +6,7 @@
 
 mod etcd;
 mod fleet;
+pub mod kv;
 pub mod pki;
 
 pub use etcd::{Etcd, EtcdSecurity};
@@ -143,6 +144,33 @@ impl Proc {
         self.child.id()
     }
 
+    /// Resident memory now (`rss`) and at its peak so far (`peak`), in bytes, from
+    /// `/proc/<pid>/status` (VmRSS and VmHWM).
+    pub fn memory(&self) -> Memory {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .unwrap_or_else(|e| panic!("reading the status of {}: {e}", self.pid()));
+        let field = |name: &str| -> u64 {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("no {name} in the status of {}", self.pid()))
+                * 1024
+        };
+        Memory {
+            rss: field("VmRSS:"),
+            peak: field("VmHWM:"),
+        }
+    }
+
+    /// Starts the process's peak resident memory afresh from what it holds now (writes 5
+    /// to `/proc/<pid>/clear_refs`), so that a later [`memory`](Self::memory)'s `peak`
+    /// covers only what came after.
+    pub fn reset_peak_memory(&self) {
+        std::fs::write(format!("/proc/{}/clear_refs", self.pid()), "5")
+            .unwrap_or_else(|e| panic!("resetting the peak memory of {}: {e}", self.pid()));
+    }
+
     /// Sends signal `sig` ("TERM", "STOP", "CONT", "KILL", ...) with `kill(1)`; panics if
     /// it cannot be delivered (the process is gone).
     pub fn signal(&self, sig: &str) {
@@ -173,6 +201,13 @@ impl Drop for Proc {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// A process's resident memory, in bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct Memory {
+    pub rss: u64,
+    pub peak: u64,
 }
 
 /// How a test cluster serves.
@@ -248,7 +283,14 @@ impl Cluster {
         let mut router = args(&["--model", &model_arg, "--decode-nodes", &decode]);
         if mode == Mode::Pd {
             let prefill = format!("127.0.0.1:{}", free_port());
-            let mut p_args = args(&["--model", &model_arg, "--listen", &prefill]);
+            let mut p_args = args(&[
+                "--model",
+                &model_arg,
+                "--listen",
+                &prefill,
+                "--decode-nodes",
+                &decode,
+            ]);
             p_args.extend(args(prefill_args));
             procs.push(Proc::spawn(
                 &bin("tandem-prefill"),

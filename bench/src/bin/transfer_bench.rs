@@ -65,14 +65,11 @@ async fn decode_node(
     tls: Option<(&e2e::pki::Pki, &std::path::Path)>,
 ) -> anyhow::Result<(Proc, Target)> {
     let addr = format!("127.0.0.1:{}", free_port());
-    // A cache whose claim failed is dropped after a second.
     let mut args = vec![
         "--model".into(),
         model.display().to_string(),
         "--listen".into(),
         addr.clone(),
-        "--kv-timeout-ms".into(),
-        "1000".into(),
     ];
     let mut client_tls = None;
     if let Some((pki, ca)) = tls {
@@ -116,11 +113,10 @@ async fn decode_node(
     ))
 }
 
-/// The best time of `repeats` transfers of `tokens` positions to `client`. Each cache is
-/// then claimed, as a router's Generate call claims it, so the decode node frees it and
-/// the next lands in memory the node already holds, as on a node in service (left to wait
-/// out `--kv-timeout-ms`, every cache landed in fresh memory, whose first touch costs a
-/// page fault per 4 KiB).
+/// The best time of `repeats` transfers of `tokens` positions to `client`. Each is first
+/// reserved with a Generate call, as a router does, for the ticket the transfer presents;
+/// the call then decodes nothing past the first token and ends, which frees the cache, so
+/// the next lands in memory the node already holds, as on a node in service.
 async fn best_transfer(
     target: &Target,
     a: &Args,
@@ -131,11 +127,12 @@ async fn best_transfer(
     let mut best = Duration::MAX;
     for r in 0..a.repeats {
         let id = format!("bench-{tag}-{tokens}-{r}");
-        let (header, items) = transfer(&id, layout, tokens, a.chunk_bytes);
-        let prompt = header.tokens.clone();
-        let (tx, rx) = tokio::sync::mpsc::channel(items.len());
+        let (mut header, items) = transfer(&id, layout, tokens, a.chunk_bytes);
+        let mut events = reserve(target, &id, header.tokens.clone()).await?;
+        header.ticket = e2e::kv::ticket(&id, &mut events).await;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         for m in items {
-            tx.send(m).await.expect("the receiver is held");
+            tx.send(m).expect("the receiver is held");
         }
         drop(tx);
         let started = Instant::now();
@@ -145,34 +142,36 @@ async fn best_transfer(
             .await
             .context("the transfer")?;
         best = best.min(started.elapsed());
-        claim(target, id, prompt).await?;
+        while events
+            .message()
+            .await
+            .context("the Generate call")?
+            .is_some()
+        {}
     }
     Ok(best)
 }
 
-/// Claims a transferred cache with a Generate call for no tokens past the first, and
-/// waits for the request to end, which frees the cache.
-async fn claim(target: &Target, id: String, prompt: Vec<u32>) -> anyhow::Result<()> {
+/// Reserves room for a transferred cache of `prompt` with a Generate call for no tokens
+/// past the first.
+async fn reserve(
+    target: &Target,
+    id: &str,
+    prompt: Vec<u32>,
+) -> anyhow::Result<tonic::Streaming<proto::v1::GenerateEvent>> {
     let req = GenerateRequest {
-        request_id: id,
+        request_id: id.into(),
         prompt,
         n: 1,
         ..Default::default()
     };
-    let mut events = target
+    Ok(target
         .decode
         .clone()
         .generate(req)
         .await
-        .context("claiming a cache")?
-        .into_inner();
-    while events
-        .message()
-        .await
-        .context("claiming a cache")?
-        .is_some()
-    {}
-    Ok(())
+        .context("reserving a cache")?
+        .into_inner())
 }
 
 /// Loopback TCP bandwidth in bytes/s: 1 GiB through one connection in 1 MiB writes, best
@@ -221,7 +220,7 @@ fn transfer(
         request_id: id.into(),
         layout: Some(proto::layout_to_proto(layout)),
         tokens: (0..tokens as u32).map(|t| t % 100 + 1).collect(),
-        max_new_tokens: 0,
+        ..Default::default()
     };
     let mut out = Vec::new();
     for layer in 0..layout.n_layers as u32 {

@@ -29,6 +29,7 @@ fn reference(prompt: &str, width: usize, n: usize, max_tokens: usize) -> Vec<Str
         ids.len(),
         vec![],
         first.into_iter().map(|s| (s, ())).collect(),
+        |_| (),
     );
     for _ in 1..max_tokens {
         let rows: Vec<Vec<f32>> = search
@@ -37,7 +38,7 @@ fn reference(prompt: &str, width: usize, n: usize, max_tokens: usize) -> Vec<Str
             .map(|b| logits_after(&[ids.clone(), b.tokens.clone()].concat()))
             .collect();
         search
-            .step(&rows, 0, |_| Ok::<_, ()>(()), |_, _| {})
+            .step(&rows, 0, |_| Ok::<_, ()>(()), |_| (), |_, _| {})
             .unwrap();
     }
     search

@@ -258,8 +258,8 @@ async fn clients_that_leave_free_what_they_held_in_every_phase() {
     let page = scrape(&d).await;
     assert_eq!(
         metric(&page, "decode_cancellations_total", ""),
-        Some(2.0),
-        "the decoding and the queued request: {page}"
+        Some(3.0),
+        "the prefilling request (its Generate call waited for its KV), the decoding and the queued one: {page}"
     );
     assert_eq!(
         metric(&page, "decode_finished_sequences_total", ""),
