@@ -104,13 +104,20 @@ impl Policy for LeastLoad {
             let own_seqs = w.sequences.load(Ordering::Relaxed);
             let running = own_seqs.max(u64::from(load.running + load.waiting));
             if load.kv_blocks_capacity == 0 {
-                return (0, running);
+                return (0u128, running);
             }
+            // A worker's report is a peer's word: free past capacity, or counts near the
+            // type's end, must not wrap the arithmetic.
             let block = u64::from(load.kv_block_tokens.max(1));
-            let need = (tokens as u64).div_ceil(block) * sequences as u64;
-            let used = (load.kv_blocks_capacity - load.kv_blocks_free)
+            let need = (tokens as u64)
+                .div_ceil(block)
+                .saturating_mul(sequences as u64);
+            let used = load
+                .kv_blocks_capacity
+                .saturating_sub(load.kv_blocks_free)
                 .max(w.blocks.load(Ordering::Relaxed));
-            let share = (used + need) * 1000 / load.kv_blocks_capacity;
+            let share =
+                (u128::from(used) + u128::from(need)) * 1000 / u128::from(load.kv_blocks_capacity);
             (share, running)
         };
         ready
@@ -256,6 +263,28 @@ mod tests {
         // This router's own placements count when they exceed what the node last said.
         ws[1].blocks.store(95, Ordering::Relaxed);
         assert_eq!(p.decode(&ws, 160, 1), 0);
+    }
+
+    #[tokio::test]
+    async fn a_load_report_that_makes_no_sense_does_not_wrap() {
+        let ws = workers(2);
+        // More free than capacity, and counts at the type's end.
+        ws[0].set_load_for_tests(proto::v1::WorkerLoad {
+            kv_blocks_capacity: 10,
+            kv_blocks_free: 1000,
+            kv_block_tokens: 1,
+            ..Default::default()
+        });
+        ws[1].set_load_for_tests(proto::v1::WorkerLoad {
+            kv_blocks_capacity: u64::MAX,
+            kv_blocks_free: 0,
+            kv_block_tokens: 1,
+            ..Default::default()
+        });
+        let p = LeastLoad { affinity_slack: 0 };
+        // Worker 0 counts as empty, worker 1 as full; neither overflows.
+        assert_eq!(p.decode(&ws, 4, 1), 0);
+        assert_eq!(p.decode(&ws, usize::MAX, 128), 1, "worker 0 cannot hold it");
     }
 }
 
