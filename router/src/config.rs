@@ -174,7 +174,25 @@ pub struct Config {
     /// past it a streamed request gets 503 with Retry-After at once.
     #[arg(long, env = "ROUTER_MAX_STREAMS", default_value_t = 512)]
     pub max_streams: usize,
-    /// Largest request body in bytes; larger ones get 413.
+    /// Milliseconds a request's body may take to arrive once its head has; past it, 408
+    /// and the connection closes (a client that announces a body and never sends it).
+    #[arg(long, env = "ROUTER_BODY_TIMEOUT_MS", default_value_t = 30_000)]
+    pub body_timeout_ms: u64,
+    /// Milliseconds a request's head may take to arrive (and an idle keep-alive connection
+    /// may wait for the next one).
+    #[arg(long, env = "ROUTER_HEADER_TIMEOUT_MS", default_value_t = 30_000)]
+    pub header_timeout_ms: u64,
+    /// Most client connections open at once; past it new connections wait in the listen
+    /// backlog until one closes, and the open ones keep working.
+    #[arg(long, env = "ROUTER_MAX_CONNECTIONS", default_value_t = 4096)]
+    pub max_connections: usize,
+    /// Milliseconds a response may wait on a client that reads nothing of it; then the
+    /// connection closes and its generation is cancelled on the workers
+    /// (router_client_stalls_total).
+    #[arg(long, env = "ROUTER_CLIENT_STALL_TIMEOUT_MS", default_value_t = 30_000)]
+    pub client_stall_timeout_ms: u64,
+    /// Largest request body in bytes; larger ones get 413 (from the Content-Length before
+    /// any of it is read, or as a chunked body's bytes arrive).
     #[arg(long, env = "ROUTER_MAX_BODY_BYTES", default_value_t = 20 << 20)]
     pub max_body_bytes: usize,
     /// etcd endpoints (host:port), comma separated: workers registered there join the

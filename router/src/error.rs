@@ -13,6 +13,8 @@ pub enum RouterError {
     InvalidJson(String),
     #[error("the request body is larger than {0} bytes")]
     BodyTooLarge(usize),
+    #[error("the request body did not arrive within {0} ms")]
+    BodyTimeout(u64),
     #[error("{message}")]
     InvalidParam {
         param: &'static str,
@@ -123,6 +125,7 @@ impl RouterError {
             | NoChatTemplate
             | Template(_) => StatusCode::BAD_REQUEST,
             BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ModelNotFound(_) => StatusCode::NOT_FOUND,
             NoWorkers(_) | WorkerUnavailable { .. } | WorkerBusy { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE

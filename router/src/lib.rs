@@ -19,7 +19,7 @@ pub mod workers;
 use std::future::Future;
 use std::sync::Arc;
 
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -48,7 +48,6 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/health/ready", get(ready))
         .route("/metrics", get(metrics))
         .fallback(not_found)
-        .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
         .with_state(state)
 }
 
@@ -144,12 +143,18 @@ pub async fn serve(
         ),
         _ => None,
     };
-    let max_header_bytes = usize::try_from(cfg.max_header_bytes).unwrap_or(usize::MAX);
+    let limits = http::Limits {
+        max_header_bytes: usize::try_from(cfg.max_header_bytes).unwrap_or(usize::MAX),
+        header_timeout: std::time::Duration::from_millis(cfg.header_timeout_ms),
+        max_connections: cfg.max_connections,
+        write_stall: std::time::Duration::from_millis(cfg.client_stall_timeout_ms),
+    };
     let state = Arc::new(AppState::new(cfg)?);
     state.spawn_background()?;
     tracing::info!(addr = %listener.local_addr()?, model = %state.model_name,
         mode = ?state.cfg.mode, https = https.is_some(), "router serving");
     let incoming = tls::accept(listener, https)?;
-    http::serve(incoming, app(state), max_header_bytes, shutdown).await;
+    let metrics = Arc::clone(&state.metrics);
+    http::serve(incoming, app(state), limits, metrics, shutdown).await;
     Ok(())
 }

@@ -21,6 +21,10 @@ pub struct Metrics {
     prompt_tokens: AtomicU64,
     completion_tokens: AtomicU64,
     retries: AtomicU64,
+    /// Client connections closed because a response write waited past --client-stall-timeout-ms.
+    client_stalls: AtomicU64,
+    /// Request bodies that did not arrive within --body-timeout-ms.
+    body_timeouts: AtomicU64,
     /// Failed attempts by (prefill, decode) address; the prefill one is empty in colocated
     /// mode.
     pair_failures: Mutex<BTreeMap<(String, String), u64>>,
@@ -119,6 +123,16 @@ impl Metrics {
             .fetch_add(completion as u64, Ordering::Relaxed);
     }
 
+    /// Counts a connection closed on a client that stopped reading.
+    pub fn client_stalled(&self) {
+        self.client_stalls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a request whose body did not arrive in time.
+    pub fn body_timed_out(&self) {
+        self.body_timeouts.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Counts an attempt after a request's first.
     pub fn retried(&self) {
         self.retries.fetch_add(1, Ordering::Relaxed);
@@ -198,6 +212,16 @@ impl Metrics {
                     "router_retries_total",
                     "Attempts after a request's first, on another worker pair.",
                     g(&self.retries),
+                ),
+                (
+                    "router_client_stalls_total",
+                    "Connections closed because a client read nothing of its response for --client-stall-timeout-ms (its generation cancelled).",
+                    g(&self.client_stalls),
+                ),
+                (
+                    "router_body_timeouts_total",
+                    "Requests answered 408 because their body did not arrive within --body-timeout-ms.",
+                    g(&self.body_timeouts),
                 ),
             ],
         );

@@ -5,10 +5,9 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
@@ -26,6 +25,12 @@ use crate::params::{self, ToolChoice};
 use crate::state::AppState;
 use crate::stops::{Scan, StopStrings};
 use crate::structured::{prompt_opens_reasoning, Parser, ToolCall};
+
+/// Bodies up to this size are parsed, templated and tokenized on the thread serving the
+/// connection: a few thousand tokens at most, about a millisecond, a bounded stall; the hop
+/// to the blocking pool would cost every request two thread switches, and a one-thread
+/// router (`--threads 1`) its single thread. Larger bodies go to the blocking pool.
+const INLINE_BODY_BYTES: usize = 16 << 10;
 
 /// Which endpoint a request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,18 +52,53 @@ impl Kind {
 pub async fn chat(
     State(state): State<Arc<AppState>>,
     key: Option<Extension<Arc<Key>>>,
-    body: Result<Bytes, BytesRejection>,
+    headers: HeaderMap,
+    body: Body,
 ) -> Response {
-    handle(state, Kind::Chat, key.map(|k| k.0), body).await
+    handle(state, Kind::Chat, key.map(|k| k.0), (headers, body)).await
 }
 
 /// `POST /v1/completions`.
 pub async fn completions(
     State(state): State<Arc<AppState>>,
     key: Option<Extension<Arc<Key>>>,
-    body: Result<Bytes, BytesRejection>,
+    headers: HeaderMap,
+    body: Body,
 ) -> Response {
-    handle(state, Kind::Completion, key.map(|k| k.0), body).await
+    handle(state, Kind::Completion, key.map(|k| k.0), (headers, body)).await
+}
+
+/// Reads a request's body, after its in-flight slot is taken: a body announced over
+/// `--max-body-bytes` is refused before a byte of it is read, a chunked one as soon as its
+/// bytes pass the limit, and one that takes longer than `--body-timeout-ms` gets 408.
+async fn read_body(
+    state: &AppState,
+    (headers, body): (HeaderMap, Body),
+) -> Result<Bytes, RouterError> {
+    use http_body_util::BodyExt;
+    let max = state.cfg.max_body_bytes;
+    let announced = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > max as u64) {
+        return Err(RouterError::BodyTooLarge(max));
+    }
+    let limit = state.cfg.body_timeout_ms;
+    let read = http_body_util::Limited::new(body, max).collect();
+    match tokio::time::timeout(std::time::Duration::from_millis(limit), read).await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(RouterError::BodyTooLarge(max))
+        }
+        Ok(Err(e)) => Err(RouterError::InvalidJson(format!(
+            "the request body could not be read: {e}"
+        ))),
+        Err(_) => {
+            state.metrics.body_timed_out();
+            Err(RouterError::BodyTimeout(limit))
+        }
+    }
 }
 
 /// `GET /v1/models`.
@@ -81,7 +121,7 @@ async fn handle(
     state: Arc<AppState>,
     kind: Kind,
     key: Option<Arc<Key>>,
-    body: Result<Bytes, BytesRejection>,
+    body: (HeaderMap, Body),
 ) -> Response {
     let prefix = match kind {
         Kind::Chat => "chatcmpl",
@@ -122,60 +162,32 @@ async fn run(
     kind: Kind,
     id: String,
     key: Option<Arc<Key>>,
-    body: Result<Bytes, BytesRejection>,
+    body: (HeaderMap, Body),
     mut in_flight: InFlight,
 ) -> Result<Response, RouterError> {
     let arrived = Instant::now();
-    let body = body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            RouterError::BodyTooLarge(state.cfg.max_body_bytes)
-        } else {
-            RouterError::InvalidJson(e.body_text())
-        }
-    })?;
-    let o = params::object(&body)?;
-    let common = params::common(&o, state.text.config.vocab_size)?;
-    if common.model != state.model_name {
-        return Err(RouterError::ModelNotFound(common.model));
-    }
+    let body = read_body(state, body).await?;
+    let Prepared {
+        common,
+        prompt,
+        logprobs,
+        parser,
+    } = if body.len() <= INLINE_BODY_BYTES {
+        prepare(state, kind, &body)?
+    } else {
+        let _turn = state
+            .preparing
+            .acquire()
+            .await
+            .map_err(|_| RouterError::Internal("the router is stopping".into()))?;
+        let (st, span) = (Arc::clone(state), tracing::Span::current());
+        tokio::task::spawn_blocking(move || span.in_scope(|| prepare(&st, kind, &body)))
+            .await
+            .map_err(|e| RouterError::Internal(format!("preparing the request: {e}")))??
+    };
     if common.stream {
         // Held by the streaming task with the in-flight slot, so both end with the stream.
         in_flight.open_stream(state.cfg.max_streams)?;
-    }
-    let (text, param, logprobs, parser) = match kind {
-        Kind::Chat => {
-            let chat = params::chat(&o)?;
-            let template = state
-                .text
-                .template
-                .as_ref()
-                .ok_or(RouterError::NoChatTemplate)?;
-            let mut text = crate::structured::render(template, &chat.input)
-                .map_err(|e| RouterError::Template(e.to_string()))?;
-            let parser = chat_parser(state, &chat.tool_choice, &mut text)?;
-            (text, "messages", chat.logprobs, parser)
-        }
-        Kind::Completion => {
-            let c = params::completion(&o)?;
-            (c.prompt, "prompt", c.logprobs, None)
-        }
-    };
-    if state.cfg.log_prompts {
-        // Inside the request's span, so the line carries its req_id.
-        tracing::info!(prompt = ?text, "prompt");
-    }
-    let prompt = state
-        .text
-        .tokenizer
-        .encode(&text)
-        .map_err(|e| RouterError::param(param, e.to_string()))?;
-    tracing::Span::current().record("prompt_tokens", prompt.len());
-    if prompt.len() > state.max_prompt_tokens {
-        return Err(RouterError::PromptTooLong {
-            param,
-            got: prompt.len(),
-            limit: state.max_prompt_tokens,
-        });
     }
     let mut stop_ids = if common.ignore_eos {
         Vec::new()
@@ -249,6 +261,76 @@ async fn run(
             Err(e) => return Err(e),
         }
     }
+}
+
+/// A request parsed, validated, templated and tokenized.
+struct Prepared {
+    common: params::Common,
+    prompt: Vec<u32>,
+    logprobs: Option<usize>,
+    parser: Option<Parser>,
+}
+
+/// Parses and validates a request's body, renders its chat template and tokenizes its
+/// prompt: the work whose cost grows with the input, run on the blocking pool. Text longer
+/// than any prompt of `max_prompt_tokens` can be is refused before it is tokenized.
+fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, RouterError> {
+    let o = params::object(body)?;
+    let common = params::common(&o, state.text.config.vocab_size)?;
+    if common.model != state.model_name {
+        return Err(RouterError::ModelNotFound(common.model));
+    }
+    let (text, param, logprobs, parser) = match kind {
+        Kind::Chat => {
+            let chat = params::chat(&o)?;
+            let template = state
+                .text
+                .template
+                .as_ref()
+                .ok_or(RouterError::NoChatTemplate)?;
+            let mut text = crate::structured::render(template, &chat.input)
+                .map_err(|e| RouterError::Template(e.to_string()))?;
+            let parser = chat_parser(state, &chat.tool_choice, &mut text)?;
+            (text, "messages", chat.logprobs, parser)
+        }
+        Kind::Completion => {
+            let c = params::completion(&o)?;
+            (c.prompt, "prompt", c.logprobs, None)
+        }
+    };
+    if state.cfg.log_prompts {
+        // Inside the request's span, so the line carries its req_id.
+        tracing::info!(prompt = ?text, "prompt");
+    }
+    if text.len() > state.max_prompt_bytes {
+        return Err(RouterError::param(
+            param,
+            format!(
+                "the prompt is {} bytes, more than {} tokens (the limit) can be",
+                text.len(),
+                state.max_prompt_tokens
+            ),
+        ));
+    }
+    let prompt = state
+        .text
+        .tokenizer
+        .encode(&text)
+        .map_err(|e| RouterError::param(param, e.to_string()))?;
+    tracing::Span::current().record("prompt_tokens", prompt.len());
+    if prompt.len() > state.max_prompt_tokens {
+        return Err(RouterError::PromptTooLong {
+            param,
+            got: prompt.len(),
+            limit: state.max_prompt_tokens,
+        });
+    }
+    Ok(Prepared {
+        common,
+        prompt,
+        logprobs,
+        parser,
+    })
 }
 
 /// The parser for a chat's output, if it needs one, with the prompt extended by what

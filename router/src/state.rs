@@ -22,6 +22,12 @@ pub struct AppState {
     pub decode: Pool,
     /// Most prompt tokens: min(maxInputTokenLen, maxSeqLen - 1, max_position_embeddings).
     pub max_prompt_tokens: usize,
+    /// The most bytes of prompt text that can make `max_prompt_tokens` tokens: longer text
+    /// is refused before it is tokenized.
+    pub max_prompt_bytes: usize,
+    /// Requests being parsed, templated and tokenized at once, on the blocking pool, so
+    /// that a large input never runs on the threads that serve connections.
+    pub preparing: tokio::sync::Semaphore,
     /// maxSeqLen capped by the model's context.
     pub max_seq_len: usize,
     pub metrics: Arc<Metrics>,
@@ -133,6 +139,16 @@ impl AppState {
             ReasoningParser::Think => true,
         };
         tracing::info!(?tool_format, think, "chat output parsing");
+        // A text of more bytes than this cannot be max_prompt_tokens tokens: every token
+        // stands for at most the longest token's bytes, and a normalizer shrinks text by
+        // less than four times (NFKC composes at most three bytes into one).
+        let longest = (0..text.tokenizer.vocab_size() as u32)
+            .filter_map(|id| text.tokenizer.token_bytes(id))
+            .map(|b| b.len())
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let max_prompt_bytes = max_prompt_tokens.saturating_mul(longest).saturating_mul(4);
         if cfg.log_prompts {
             tracing::warn!(
                 "--log-prompts is on: the text of every prompt will be written to the logs; \
@@ -148,7 +164,9 @@ impl AppState {
             prefill,
             decode,
             max_prompt_tokens,
+            max_prompt_bytes,
             max_seq_len,
+            preparing: tokio::sync::Semaphore::new(runtime::usable_cpus()),
             metrics: Arc::default(),
             started: Instant::now(),
             api_keys,

@@ -8,6 +8,7 @@ mod cluster;
 mod conformance;
 mod errors;
 mod fuzz;
+mod http_bounds;
 mod kv_budget;
 mod kv_garbage;
 mod kv_hostile;
