@@ -58,6 +58,8 @@ pub enum RouterError {
     BadApiKey,
     #[error("insufficient balance: the API key has used {used} of its {quota} tokens")]
     QuotaExceeded { used: u64, quota: u64 },
+    #[error("insufficient balance: this request may use up to {need} tokens (its prompt and max_tokens for each sequence) and the API key has {left} of its {quota} left; lower max_tokens")]
+    QuotaTooSmall { need: u64, left: u64, quota: u64 },
     #[error("the router is at its limit of {0} requests in flight; retry shortly")]
     Overloaded(usize),
     #[error("the API key is at its limit of {0} requests in flight; retry shortly")]
@@ -136,7 +138,9 @@ impl RouterError {
                 _ => StatusCode::BAD_GATEWAY,
             },
             MissingApiKey | BadApiKey => StatusCode::UNAUTHORIZED,
-            QuotaExceeded { .. } | KeyBusy(_) => StatusCode::TOO_MANY_REQUESTS,
+            QuotaExceeded { .. } | QuotaTooSmall { .. } | KeyBusy(_) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             Overloaded(_) | TooManyStreams(_) => StatusCode::SERVICE_UNAVAILABLE,
             Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             Internal(_) | Tls(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -151,7 +155,7 @@ impl RouterError {
                 use RouterError::*;
                 // 003's codes.
                 let code = match self {
-                    QuotaExceeded { .. } => 701,
+                    QuotaExceeded { .. } | QuotaTooSmall { .. } => 701,
                     MissingApiKey => 702,
                     BadApiKey => 801,
                     Timeout(_) => 802,
@@ -205,7 +209,9 @@ impl RouterError {
             ModelNotFound(_) => ("invalid_request_error", Some("model_not_found")),
             MissingApiKey | BadApiKey => ("authentication_error", Some("invalid_api_key")),
             // OpenAI's answer for a spent quota.
-            QuotaExceeded { .. } => ("insufficient_quota", Some("insufficient_quota")),
+            QuotaExceeded { .. } | QuotaTooSmall { .. } => {
+                ("insufficient_quota", Some("insufficient_quota"))
+            }
             KeyBusy(_) => ("rate_limit_exceeded", Some("rate_limit_exceeded")),
             _ if status.is_client_error() => ("invalid_request_error", None),
             _ if status == StatusCode::SERVICE_UNAVAILABLE => ("service_unavailable", None),

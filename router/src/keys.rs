@@ -14,7 +14,32 @@ pub struct Key {
     /// Most tokens (prompt plus completion, over all its requests) the key may use.
     quota: Option<u64>,
     used: AtomicU64,
+    /// Tokens set aside for requests in flight: each holds the most it can use until it
+    /// ends and is charged what it did use, so concurrent requests cannot overrun the quota.
+    held: AtomicU64,
     in_flight: AtomicU64,
+}
+
+/// Tokens a request in flight holds of its key's quota; given back when dropped, after
+/// [`QuotaHold::charge`] has counted what the request used.
+#[derive(Debug)]
+pub struct QuotaHold {
+    key: Arc<Key>,
+    tokens: u64,
+}
+
+impl QuotaHold {
+    /// Counts `used` tokens against the key (at most what was held: a request cannot use
+    /// more than its worst case).
+    pub fn charge(&self, used: u64) {
+        self.key.charge(used.min(self.tokens));
+    }
+}
+
+impl Drop for QuotaHold {
+    fn drop(&mut self) {
+        self.key.held.fetch_sub(self.tokens, Ordering::AcqRel);
+    }
 }
 
 impl Key {
@@ -34,12 +59,37 @@ impl Key {
     }
 
     /// Counts tokens a request of this key used.
-    pub fn charge(&self, tokens: u64) {
-        self.used.fetch_add(tokens, Ordering::Relaxed);
+    fn charge(&self, tokens: u64) {
+        self.used.fetch_add(tokens, Ordering::AcqRel);
+    }
+
+    /// Sets aside `tokens` (a request's worst case: its prompt and every completion token it
+    /// may make) if the quota has room for them beside what was used and what requests in
+    /// flight hold; one atomic step, so concurrent requests cannot all pass one check.
+    pub fn hold(self: &Arc<Self>, tokens: u64) -> Result<QuotaHold, RouterError> {
+        if let Some(quota) = self.quota {
+            self.held
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                    let used = self.used.load(Ordering::Acquire);
+                    let taken = used.saturating_add(held);
+                    (taken.saturating_add(tokens) <= quota).then(|| held + tokens)
+                })
+                .map_err(|held| RouterError::QuotaTooSmall {
+                    need: tokens,
+                    left: quota.saturating_sub(self.used.load(Ordering::Acquire) + held),
+                    quota,
+                })?;
+        } else {
+            self.held.fetch_add(tokens, Ordering::AcqRel);
+        }
+        Ok(QuotaHold {
+            key: Arc::clone(self),
+            tokens,
+        })
     }
 
     fn check_quota(&self) -> Result<(), RouterError> {
-        let used = self.used.load(Ordering::Relaxed);
+        let used = self.used.load(Ordering::Acquire);
         match self.quota {
             Some(quota) if used >= quota => Err(RouterError::QuotaExceeded { used, quota }),
             _ => Ok(()),
@@ -124,6 +174,7 @@ fn key(secret: ApiKey, quota: Option<u64>) -> Arc<Key> {
         secret,
         quota,
         used: AtomicU64::new(0),
+        held: AtomicU64::new(0),
         in_flight: AtomicU64::new(0),
     })
 }
@@ -167,9 +218,9 @@ mod tests {
             Err(RouterError::MissingApiKey)
         ));
         let small = keys.authorize(Some("Bearer sk-small")).unwrap().unwrap();
-        small.charge(99);
+        small.hold(99).unwrap().charge(99);
         assert!(keys.authorize(Some("Bearer sk-small")).is_ok());
-        small.charge(1);
+        small.hold(1).unwrap().charge(1);
         assert!(matches!(
             keys.authorize(Some("Bearer sk-small")),
             Err(RouterError::QuotaExceeded {
@@ -178,10 +229,44 @@ mod tests {
             })
         ));
         let open = keys.authorize(Some("Bearer sk-open")).unwrap().unwrap();
-        open.charge(u64::from(u32::MAX));
+        open.hold(u64::from(u32::MAX))
+            .unwrap()
+            .charge(u64::from(u32::MAX));
         assert!(keys.authorize(Some("Bearer sk-open")).is_ok(), "no quota");
         std::fs::write(&file, "sk-bad lots\n").unwrap();
         assert!(Keys::load(&[], Some(&file)).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn concurrent_requests_cannot_overrun_a_quota() {
+        let k = key(ApiKey("sk".into()), Some(100));
+        // Eight threads race to hold 30 tokens each: three fit in 100, never a fourth.
+        let holds: Vec<_> = std::thread::scope(|s| {
+            let tries: Vec<_> = (0..8).map(|_| s.spawn(|| k.hold(30))).collect();
+            tries.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        let granted: Vec<_> = holds.into_iter().filter_map(Result::ok).collect();
+        assert_eq!(granted.len(), 3);
+        assert!(matches!(
+            k.hold(11),
+            Err(RouterError::QuotaTooSmall {
+                need: 11,
+                left: 10,
+                quota: 100
+            })
+        ));
+        // Each used only 5: once they end, the unused tokens are free again.
+        for h in &granted {
+            h.charge(5);
+        }
+        drop(granted);
+        assert_eq!(k.used.load(Ordering::Acquire), 15);
+        assert_eq!(k.held.load(Ordering::Acquire), 0);
+        let h = k.hold(85).expect("85 of 100 are left");
+        // A request is charged at most what it held.
+        h.charge(1000);
+        drop(h);
+        assert_eq!(k.used.load(Ordering::Acquire), 100);
     }
 }

@@ -19,7 +19,7 @@ use tracing::Instrument;
 
 use crate::dispatch::{self, GenRequest, Piece, Pieces, TokenStat};
 use crate::error::RouterError;
-use crate::keys::Key;
+use crate::keys::{Key, QuotaHold};
 use crate::metrics::InFlight;
 use crate::params::{self, ToolChoice};
 use crate::state::AppState;
@@ -211,6 +211,8 @@ async fn run(
     // A non-streamed request has sent nothing yet when a worker fails mid-way, so it can
     // start over (same seed, same tokens) where a stream has to end with an error.
     let restart = (!common.stream).then(|| req.clone());
+    let worst = prompt_tokens + req.max_tokens * req.sequences.max(sequences);
+    let hold = key.as_ref().map(|k| k.hold(worst as u64)).transpose()?;
     let (mut first, mut rest) = dispatch::start(state, req).await?;
     let output = |first_at| Output {
         state: Arc::clone(state),
@@ -228,7 +230,7 @@ async fn run(
             .collect(),
         tally: Tally::default(),
         first_at,
-        key: key.clone(),
+        hold: None,
     };
     let first_at = Instant::now();
     state.metrics.ttft.observe(first_at - arrived);
@@ -236,6 +238,7 @@ async fn run(
     let Some(req) = restart else {
         return Ok(if common.beam {
             stream_whole(out, first, rest, in_flight)
+    out.hold = hold;
         } else {
             stream(out, first, rest, in_flight)
         });
@@ -253,13 +256,15 @@ async fn run(
                 tracing::warn!(error = %e, restart = restarts,
                     "a worker failed before the answer was sent; starting the generation again");
                 state.metrics.retried();
-                // The key pays for the answer it gets, not for the attempt that failed.
-                out.key = None;
+                // The key pays for the answer it gets, not for the attempt that failed: the
+                // hold moves to the new attempt's output, and the failed one charges nothing.
+                let hold = out.hold.take();
                 (first, rest) = dispatch::start(state, req.clone()).await?;
                 out = output(Instant::now());
             }
             Err(e) => return Err(e),
         }
+                out.hold = hold;
     }
 }
 
@@ -537,15 +542,16 @@ struct Output {
     tally: Tally,
     /// When the first token arrived.
     first_at: Instant,
-    /// The API key charged for the tokens.
-    key: Option<Arc<Key>>,
+    /// What the request holds of its API key's quota, charged for the tokens it used.
+    hold: Option<QuotaHold>,
 }
 
 impl Drop for Output {
-    /// Charges the key for every token the request used, also when the client left early.
+    /// Charges the key for every token the request used, also when the client left early;
+    /// the hold then gives back the rest.
     fn drop(&mut self) {
-        if let Some(key) = &self.key {
-            key.charge((self.prompt_tokens + self.tally.completion_tokens) as u64);
+        if let Some(hold) = &self.hold {
+            hold.charge((self.prompt_tokens + self.tally.completion_tokens) as u64);
         }
     }
 }

@@ -24,7 +24,7 @@ async fn api_keys_guard_the_api_but_not_health_or_metrics() {
     let file = scratch().join("keys.txt");
     std::fs::write(
         &file,
-        "# one key per line, with an optional token quota\n\nfile-key\nsmall-key 10\n",
+        "# one key per line, with an optional token quota\n\nfile-key\nsmall-key 10\nburst-key 40\n",
     )
     .unwrap();
     let file = file.display().to_string();
@@ -43,19 +43,58 @@ async fn api_keys_guard_the_api_but_not_health_or_metrics() {
         let (status, v) = ask(&c, "/v1/completions", Some(key), &hello()).await;
         assert_eq!(status, 200, "{key}: {v}");
     }
-    // small-key may use 10 tokens: requests pass while it has used fewer, then get 429.
+    // small-key may use 10 tokens: a request passes while the rest of the quota covers its
+    // worst case (prompt and max_tokens), then gets 429; the key never uses more than 10.
     let mut used = 0;
+    let mut refused = false;
     for _ in 0..10 {
         let (status, v) = ask(&c, "/v1/completions", Some("small-key"), &hello()).await;
-        if used >= 10 {
-            assert_eq!(status, 429, "{used} tokens used: {v}");
+        if status == 429 {
             assert_eq!(v["error"]["code"], "insufficient_quota", "{v}");
+            refused = true;
             break;
         }
         assert_eq!(status, 200, "{used} tokens used: {v}");
         used += v["usage"]["total_tokens"].as_u64().unwrap();
     }
-    assert!(used >= 10, "the quota was never reached");
+    assert!(
+        refused && used <= 10,
+        "{used} tokens used, refused: {refused}"
+    );
+
+    // Sixteen requests at once, each certain to use its prompt and 8 tokens: they all pass
+    // the check at the door together, but only as many as the quota covers are served.
+    let burst = json!({"model": "test", "prompt": "hello", "max_tokens": 8, "ignore_eos": true});
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..16 {
+        let (url, burst) = (c.url.clone(), burst.clone());
+        tasks.spawn(async move {
+            let resp = reqwest::Client::new()
+                .post(format!("{url}/v1/completions"))
+                .bearer_auth("burst-key")
+                .json(&burst)
+                .send()
+                .await
+                .unwrap();
+            let status = resp.status().as_u16();
+            (status, resp.json::<Value>().await.unwrap())
+        });
+    }
+    let answers = tasks.join_all().await;
+    let served: u64 = answers
+        .iter()
+        .filter(|(status, _)| *status == 200)
+        .map(|(_, v)| v["usage"]["total_tokens"].as_u64().unwrap())
+        .sum();
+    let too_big = answers.iter().filter(|(status, v)| {
+        *status == 429
+            && v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("lower max_tokens")
+    });
+    assert!(served <= 40, "the burst used {served} of a 40-token quota");
+    assert!(too_big.count() >= 12, "{answers:?}");
     let (status, _) = ask(&c, "/v1/completions", Some("file-key"), &hello()).await;
     assert_eq!(status, 200, "other keys keep their own account");
 
