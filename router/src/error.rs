@@ -161,7 +161,7 @@ impl RouterError {
                     Timeout(_) => 802,
                     _ => 9999,
                 };
-                json!({"code": code, "result": null, "message": self.to_string()})
+                json!({"code": code, "result": null, "message": self.public_message()})
             }
         }
     }
@@ -217,12 +217,88 @@ impl RouterError {
             _ if status == StatusCode::SERVICE_UNAVAILABLE => ("service_unavailable", None),
             _ => ("server_error", None),
         };
-        json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": code}})
+        json!({"error": {"message": self.public_message(), "type": kind, "param": param, "code": code}})
+    }
+
+    /// The message a client is shown: the log's, less what is internal to the cluster
+    /// (worker addresses, transport errors, file paths), which stays in the router's log.
+    /// A worker's refusal of the request itself (INVALID_ARGUMENT) and a full worker's
+    /// reason are kept: they tell the client what to change or that it may retry.
+    pub fn public_message(&self) -> String {
+        use RouterError::*;
+        match self {
+            WorkerUnavailable { role, .. } => {
+                format!("the {role} worker is unavailable; retry shortly")
+            }
+            WorkerBusy { role, message, .. } => {
+                format!("the {role} worker is at capacity: {message}")
+            }
+            Worker { role, status, .. } if status.code() == tonic::Code::InvalidArgument => {
+                format!(
+                    "the {role} worker refused the request: {}",
+                    status.message()
+                )
+            }
+            Worker { role, status, .. } => {
+                format!("the {role} worker failed: {}", status.code().description())
+            }
+            Internal(_) | Tls(_) => "internal error; the router's log has the details".to_string(),
+            _ => self.to_string(),
+        }
     }
 }
 
 impl IntoResponse for RouterError {
     fn into_response(self) -> Response {
         self.response_in(ErrorFormat::Openai)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_bodies_keep_the_cluster_s_addresses_to_the_log() {
+        let addr = "10.1.2.3:50051";
+        let cases = [
+            RouterError::worker(
+                "decode",
+                addr,
+                tonic::Status::unavailable(format!("transport error: connecting to {addr}")),
+            ),
+            RouterError::worker(
+                "prefill",
+                addr,
+                tonic::Status::failed_precondition(format!("{addr} is not a decode worker")),
+            ),
+            RouterError::Internal(format!("decode worker {addr} answered oddly")),
+        ];
+        for e in cases {
+            assert!(e.to_string().contains(addr), "the log keeps it: {e}");
+            for format in [ErrorFormat::Openai, ErrorFormat::Provider] {
+                let body = e.body_in(format).to_string();
+                assert!(!body.contains("10.1.2.3"), "{body}");
+            }
+        }
+        let busy = RouterError::worker(
+            "decode",
+            addr,
+            tonic::Status::resource_exhausted("the KV budget is taken"),
+        );
+        assert_eq!(
+            busy.body()["error"]["message"],
+            "the decode worker is at capacity: the KV budget is taken"
+        );
+        let refused = RouterError::worker(
+            "prefill",
+            addr,
+            tonic::Status::invalid_argument("token id 99999 is outside the vocabulary"),
+        );
+        assert_eq!(refused.http_status(), StatusCode::BAD_REQUEST);
+        assert!(refused.body()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .ends_with("token id 99999 is outside the vocabulary"));
     }
 }
