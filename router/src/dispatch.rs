@@ -13,6 +13,7 @@ use tracing::Instrument;
 
 use crate::config::Mode;
 use crate::error::RouterError;
+use crate::metrics::Culprit;
 use crate::state::AppState;
 use crate::workers::{Hold, Worker};
 
@@ -222,7 +223,11 @@ async fn attempt_pd(
             p.succeeded(&state.prefill.settings);
             d.succeeded(&state.decode.settings);
         }
-        Err(_) => state.metrics.pair_failed(&p.addr, &d.addr),
+        Err(f) => state.metrics.attempt_failed(match &f.culprit {
+            Some(w) if Arc::ptr_eq(w, &p) => Culprit::Prefill,
+            Some(_) => Culprit::Decode,
+            None => Culprit::None,
+        }),
     }
     result
 }
@@ -443,7 +448,10 @@ async fn attempt_colocated(
     .await;
     match &result {
         Ok(()) => w.succeeded(&state.decode.settings),
-        Err(_) => state.metrics.pair_failed("", &w.addr),
+        Err(f) => state.metrics.attempt_failed(match f.culprit {
+            Some(_) => Culprit::Colocated,
+            None => Culprit::None,
+        }),
     }
     result
 }

@@ -25,13 +25,42 @@ pub struct Metrics {
     client_stalls: AtomicU64,
     /// Request bodies that did not arrive within --body-timeout-ms.
     body_timeouts: AtomicU64,
-    /// Failed attempts by (prefill, decode) address; the prefill one is empty in colocated
-    /// mode.
-    pair_failures: Mutex<BTreeMap<(String, String), u64>>,
+    /// Failed attempts by the kind of worker the failure points at, in
+    /// [`Culprit::ALL`] order. Not by worker address: pairs of pod IPs would add label
+    /// sets without bound as pods come and go (the log names the workers).
+    attempt_failures: [AtomicU64; 4],
     /// From the request's arrival to its first token.
     pub ttft: Histogram,
     /// Per request: the time after its first token over the tokens that followed.
     pub tpot: Histogram,
+}
+
+/// The kind of worker a failed attempt points at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Culprit {
+    Prefill,
+    Decode,
+    Colocated,
+    /// No one worker (no worker to pick, a timeout).
+    None,
+}
+
+impl Culprit {
+    const ALL: [Culprit; 4] = [
+        Culprit::Prefill,
+        Culprit::Decode,
+        Culprit::Colocated,
+        Culprit::None,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Culprit::Prefill => "prefill",
+            Culprit::Decode => "decode",
+            Culprit::Colocated => "colocated",
+            Culprit::None => "none",
+        }
+    }
 }
 
 /// Counts a request as in flight (in all, for its API key, and as an open stream once it
@@ -138,14 +167,9 @@ impl Metrics {
         self.retries.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Counts a failed attempt on a prefill/decode pair.
-    pub fn pair_failed(&self, prefill: &str, decode: &str) {
-        *self
-            .pair_failures
-            .lock()
-            .expect("metrics lock")
-            .entry((prefill.to_string(), decode.to_string()))
-            .or_default() += 1;
+    /// Counts a failed attempt, by the kind of worker it points at.
+    pub fn attempt_failed(&self, culprit: Culprit) {
+        self.attempt_failures[culprit as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// The Prometheus text exposition.
@@ -225,15 +249,16 @@ impl Metrics {
                 ),
             ],
         );
-        let name = "router_pair_failures_total";
+        let name = "router_attempt_failures_total";
         prom::header(
             &mut out,
             name,
             "counter",
-            "Failed attempts by prefill and decode worker.",
+            "Failed attempts, by the kind of worker the failure points at.",
         );
-        for ((p, d), n) in self.pair_failures.lock().expect("metrics lock").iter() {
-            prom::sample(&mut out, name, &[("prefill", p), ("decode", d)], n);
+        for c in Culprit::ALL {
+            let n = self.attempt_failures[c as usize].load(Ordering::Relaxed);
+            prom::sample(&mut out, name, &[("culprit", c.as_str())], n);
         }
         self.ttft.render(
             &mut out,
@@ -296,5 +321,27 @@ mod tests {
         assert_eq!(streams(&m), 3);
         drop(held);
         assert_eq!(streams(&m), 0);
+    }
+
+    #[test]
+    fn attempt_failures_have_one_label_set_per_kind_of_worker() {
+        let m = Metrics::default();
+        m.attempt_failed(Culprit::Decode);
+        m.attempt_failed(Culprit::Decode);
+        m.attempt_failed(Culprit::None);
+        let page = m.render();
+        let lines: Vec<_> = page
+            .lines()
+            .filter(|l| l.starts_with("router_attempt_failures_total{"))
+            .collect();
+        assert_eq!(
+            lines,
+            [
+                "router_attempt_failures_total{culprit=\"prefill\"} 0",
+                "router_attempt_failures_total{culprit=\"decode\"} 2",
+                "router_attempt_failures_total{culprit=\"colocated\"} 0",
+                "router_attempt_failures_total{culprit=\"none\"} 1",
+            ]
+        );
     }
 }
