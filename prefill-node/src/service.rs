@@ -117,6 +117,7 @@ impl PrefillService {
             top_logprobs: req.top_logprobs as usize,
             n: (req.n as usize).max(1),
             beam: req.beam_search,
+            cache_partition: req.cache_partition,
             enqueued,
             span: tracing::Span::current(),
             transfer: tx,

@@ -28,6 +28,8 @@ pub struct Job {
     pub n: usize,
     /// Beam search: the n most likely first tokens instead of n samples.
     pub beam: bool,
+    /// The prefix-cache partition the prompt may reuse and joins.
+    pub cache_partition: Vec<u8>,
     pub enqueued: Instant,
     pub span: tracing::Span,
     /// Where the chunks and then the first token go; dropping it without the first token
@@ -144,7 +146,7 @@ impl Worker {
             tracing::debug!("cancelled before it started");
             return;
         }
-        let cache = match self.prefix.lookup(&job.prompt) {
+        let cache = match self.prefix.lookup(&job.cache_partition, &job.prompt) {
             Ok(Some(hit)) => {
                 tracing::debug!(cached_tokens = hit.tokens, "prefix cache hit");
                 PrefillMetrics::inc(&self.metrics.prefix_hits);
@@ -343,7 +345,8 @@ impl Worker {
         let ok = result.is_ok();
         let _ = a.job.done.send(result);
         if ok {
-            self.prefix.insert(a.job.prompt, a.cache);
+            self.prefix
+                .insert(a.job.cache_partition, a.job.prompt, a.cache);
         }
     }
 }

@@ -33,6 +33,8 @@ pub struct GenRequest {
     pub sequences: usize,
     /// Beam search returning this many hypotheses.
     pub beam: Option<usize>,
+    /// The prefix-cache partition of the request's API key (empty without keys).
+    pub cache_partition: Vec<u8>,
 }
 
 impl GenRequest {
@@ -325,6 +327,7 @@ async fn pd_on(
             beam_search: beam,
             max_new_tokens: (req.max_tokens - 1) as u32,
             kv_ticket: ticket,
+            cache_partition: req.cache_partition.clone(),
         },
     );
     let first = {

@@ -18,6 +18,9 @@ pub struct Key {
     /// ends and is charged what it did use, so concurrent requests cannot overrun the quota.
     held: AtomicU64,
     in_flight: AtomicU64,
+    /// The key's prefix-cache partition on the prefill nodes: a digest of the secret, the
+    /// same on every router, from which the secret cannot be read back.
+    partition: [u8; 16],
 }
 
 /// Tokens a request in flight holds of its key's quota; given back when dropped, after
@@ -56,6 +59,11 @@ impl Key {
     /// Counts a request of this key as ended.
     pub fn end(&self) {
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// The prefix-cache partition of this key's prompts.
+    pub fn cache_partition(&self) -> &[u8] {
+        &self.partition
     }
 
     /// Counts tokens a request of this key used.
@@ -170,7 +178,13 @@ impl Keys {
 }
 
 fn key(secret: ApiKey, quota: Option<u64>) -> Arc<Key> {
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    ctx.update(b"tandem prefix-cache partition\0");
+    ctx.update(secret.0.as_bytes());
+    let mut partition = [0; 16];
+    partition.copy_from_slice(&ctx.finish().as_ref()[..16]);
     Arc::new(Key {
+        partition,
         secret,
         quota,
         used: AtomicU64::new(0),

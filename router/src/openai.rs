@@ -204,15 +204,18 @@ async fn run(
         top_logprobs: logprobs.unwrap_or(0),
         sequences: common.best_of,
         beam: common.beam.then_some(common.n),
+        cache_partition: key
+            .as_ref()
+            .map_or_else(Vec::new, |k| k.cache_partition().to_vec()),
     };
     let prompt_tokens = req.prompt.len();
     // Beam search returns its n best hypotheses; sampling all best_of sequences.
     let sequences = req.reported();
+    let worst = prompt_tokens + req.max_tokens * req.sequences.max(sequences);
+    let hold = key.as_ref().map(|k| k.hold(worst as u64)).transpose()?;
     // A non-streamed request has sent nothing yet when a worker fails mid-way, so it can
     // start over (same seed, same tokens) where a stream has to end with an error.
     let restart = (!common.stream).then(|| req.clone());
-    let worst = prompt_tokens + req.max_tokens * req.sequences.max(sequences);
-    let hold = key.as_ref().map(|k| k.hold(worst as u64)).transpose()?;
     let (mut first, mut rest) = dispatch::start(state, req).await?;
     let output = |first_at| Output {
         state: Arc::clone(state),
@@ -235,10 +238,10 @@ async fn run(
     let first_at = Instant::now();
     state.metrics.ttft.observe(first_at - arrived);
     let mut out = output(first_at);
+    out.hold = hold;
     let Some(req) = restart else {
         return Ok(if common.beam {
             stream_whole(out, first, rest, in_flight)
-    out.hold = hold;
         } else {
             stream(out, first, rest, in_flight)
         });
@@ -261,10 +264,10 @@ async fn run(
                 let hold = out.hold.take();
                 (first, rest) = dispatch::start(state, req.clone()).await?;
                 out = output(Instant::now());
+                out.hold = hold;
             }
             Err(e) => return Err(e),
         }
-                out.hold = hold;
     }
 }
 

@@ -65,6 +65,39 @@ async fn a_shared_prefix_is_reused_and_gives_the_same_tokens() {
     assert!(metric(&page, "prefill_prefix_cache_bytes", "").unwrap() > 0.0);
 }
 
+/// The `cached_tokens` of `turn(question)` sent with API key `key`.
+async fn cached_with_key(c: &Cluster, key: &str, question: &str) -> u64 {
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", c.url))
+        .bearer_auth(key)
+        .json(&turn(question))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let v: Value = resp.json().await.unwrap();
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn one_api_key_cannot_see_another_key_s_prompts_in_the_prefix_cache() {
+    let c = Cluster::start(Mode::Pd, &smollm2(), &["--api-keys", "key-a,key-b"]).await;
+    assert_eq!(
+        cached_with_key(&c, "key-a", "What is a prefill pool?").await,
+        0
+    );
+    // key-b sends the same system prompt: it computes it all, as if key-a had sent nothing.
+    assert_eq!(
+        cached_with_key(&c, "key-b", "What is a decode pool?").await,
+        0
+    );
+    // Each key reuses its own.
+    assert!(cached_with_key(&c, "key-a", "What is a router?").await > 0);
+    assert!(cached_with_key(&c, "key-b", "What is a router?").await > 0);
+}
+
 #[tokio::test]
 async fn a_short_prompt_behind_a_long_one_joins_its_chunks_and_finishes_first() {
     let c = Cluster::start_with(
