@@ -43,6 +43,15 @@ pub struct EtcdArgs {
 impl EtcdArgs {
     /// A client for the etcd at `endpoints`.
     pub fn client(&self, endpoints: &[String]) -> Result<discovery::EtcdClient, ServeError> {
+        if self.etcd_user.is_some() && self.etcd_ca.is_none() {
+            // etcd's Authenticate call carries the password as it is: without TLS anyone on
+            // the path reads it, and with it the cluster's registrations.
+            return Err(ServeError::Config(
+                "--etcd-user sends its password to etcd: set --etcd-ca too, so that it \
+                 travels over TLS"
+                    .into(),
+            ));
+        }
         let tls = match &self.etcd_ca {
             Some(ca) => Some(tls::ClientTls::load(
                 tls::ClientFiles {
@@ -253,5 +262,24 @@ pub async fn serve_worker<R: Fn() -> String + Clone + Send + Sync + 'static>(
             tracing::warn!("connections still open after the drain; stopping anyway");
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_etcd_password_is_never_sent_without_tls() {
+        let args = EtcdArgs {
+            etcd_user: Some("tandem".into()),
+            etcd_password: Some(discovery::Password("secret".into())),
+            ..EtcdArgs::default()
+        };
+        let refused = args.client(&["127.0.0.1:2379".into()]).err();
+        assert!(
+            matches!(&refused, Some(ServeError::Config(m)) if m.contains("--etcd-ca")),
+            "{refused:?}"
+        );
     }
 }
