@@ -13,8 +13,44 @@ use crate::etcd::{EtcdClient, EtcdError};
 use crate::pb::event::EventType;
 use crate::WorkerInfo;
 
-/// How long the watcher waits before trying etcd again after a failure.
+/// How long the watcher first waits before trying etcd again after a failure or a
+/// cancelled watch; each failure in a row doubles it, up to [`RETRY_MAX`].
 const RETRY: Duration = Duration::from_millis(500);
+/// See [`RETRY`].
+const RETRY_MAX: Duration = Duration::from_secs(10);
+
+/// The wait before the next try: doubles with each failure in a row, back to the first
+/// once a watch has followed etcd to the end of its period.
+#[derive(Debug)]
+struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    fn new() -> Self {
+        Self { next: RETRY }
+    }
+
+    /// The wait after one more failure.
+    fn failed(&mut self) -> Duration {
+        let wait = self.next;
+        self.next = (self.next * 2).min(RETRY_MAX);
+        wait
+    }
+
+    fn succeeded(&mut self) {
+        self.next = RETRY;
+    }
+}
+
+/// How one period of following etcd ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    /// The re-list period is over (or nobody listens any more).
+    Period,
+    /// etcd cancelled the watch (compacted past its revision, or refused it).
+    Cancelled,
+}
 
 /// The registered workers as last seen, by key.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -34,26 +70,41 @@ pub async fn watch_workers(
     relist: Duration,
     tx: watch::Sender<WorkerSet>,
 ) {
+    let mut backoff = Backoff::new();
     loop {
         let result = follow(&client, &prefix, relist, &tx).await;
         if tx.is_closed() {
             return;
         }
-        if let Err(e) = result {
-            tx.send_if_modified(|set| !std::mem::replace(&mut set.degraded, true));
-            tracing::warn!(error = %e, "etcd unreachable; routing to the last known workers");
-            tokio::time::sleep(RETRY).await;
+        // A watch that etcd cancels at once every time (it refuses it, or a proxy ends it)
+        // would otherwise list and watch again in a tight loop.
+        let wait = match result {
+            Ok(Ended::Period) => {
+                backoff.succeeded();
+                continue;
+            }
+            Ok(Ended::Cancelled) => backoff.failed(),
+            Err(e) => {
+                tx.send_if_modified(|set| !std::mem::replace(&mut set.degraded, true));
+                tracing::warn!(error = %e, "etcd unreachable; routing to the last known workers");
+                backoff.failed()
+            }
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = tx.closed() => return,
         }
     }
 }
 
-/// Lists, then applies watch events until the re-list period ends (Ok) or etcd fails.
+/// Lists, then applies watch events until the re-list period ends, etcd cancels the
+/// watch, or etcd fails.
 async fn follow(
     client: &EtcdClient,
     prefix: &str,
     relist: Duration,
     tx: &watch::Sender<WorkerSet>,
-) -> Result<(), EtcdError> {
+) -> Result<Ended, EtcdError> {
     let (revision, kvs) = client.range_prefix(prefix).await?;
     let mut workers = BTreeMap::new();
     for kv in kvs {
@@ -81,13 +132,13 @@ async fn follow(
     loop {
         let msg = tokio::select! {
             m = stream.message() => m?.ok_or(EtcdError::StreamEnded)?,
-            _ = tokio::time::sleep_until(deadline) => return Ok(()),
-            _ = tx.closed() => return Ok(()),
+            _ = tokio::time::sleep_until(deadline) => return Ok(Ended::Period),
+            _ = tx.closed() => return Ok(Ended::Period),
         };
         if msg.canceled {
             // Compacted past our revision, or refused: a fresh listing catches up.
             tracing::info!(reason = %msg.cancel_reason, "etcd cancelled the watch; listing again");
-            return Ok(());
+            return Ok(Ended::Cancelled);
         }
         if msg.events.is_empty() {
             continue;
@@ -121,5 +172,19 @@ fn parse(key: &[u8], value: &[u8]) -> Option<(String, WorkerInfo)> {
             tracing::warn!(%key, error = %e, "ignoring a registration that does not parse");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failures_in_a_row_wait_longer_up_to_a_limit() {
+        let mut b = Backoff::new();
+        let waits: Vec<u128> = (0..7).map(|_| b.failed().as_millis()).collect();
+        assert_eq!(waits, [500, 1000, 2000, 4000, 8000, 10000, 10000]);
+        b.succeeded();
+        assert_eq!(b.failed(), RETRY);
     }
 }
