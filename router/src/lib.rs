@@ -91,6 +91,7 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let mut page = state.metrics.render();
+    runtime::prom::tls(&mut page);
     page.push_str(&workers::render(&[
         ("prefill", &state.prefill),
         ("decode", &state.decode),

@@ -222,7 +222,8 @@ pub async fn serve_grpc_with_metrics(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let metrics = axum::routing::get(move || {
-        let text = render();
+        let mut text = render();
+        prom::tls(&mut text);
         async move { ([("content-type", "text/plain; version=0.0.4")], text) }
     });
     let router = routes.into_axum_router().route("/metrics", metrics);

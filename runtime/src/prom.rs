@@ -22,6 +22,22 @@ pub fn sample(out: &mut String, name: &str, labels: &[(&str, &str)], value: impl
     let _ = writeln!(out, " {value}");
 }
 
+/// The process-wide TLS counters, which every binary exports beside its own.
+pub fn tls(out: &mut String) {
+    all(
+        out,
+        "counter",
+        &[
+            (
+                "tls_handshakes_refused_total",
+                "TLS handshakes refused or timed out on this process's listeners (bad or missing \
+             certificates, plain text on a TLS port, probes).",
+                tls::handshakes_refused() as f64,
+            ),
+        ],
+    );
+}
+
 /// Unlabelled metrics of one kind (`gauge` or `counter`), each `(name, help, value)`.
 pub fn all(out: &mut String, kind: &str, metrics: &[(&str, &str, f64)]) {
     for (name, help, value) in metrics {

@@ -110,7 +110,9 @@ impl Proc {
     /// Starts `bin` with `args`, logging to `<scratch>/<tag>.log`.
     pub fn spawn(bin: &Path, args: &[String], tag: &str) -> Self {
         let mut cmd = Command::new(bin);
-        cmd.args(args).env("RUST_LOG", "info");
+        // Refused TLS handshakes are logged one by one at debug (a warning a minute sums
+        // them up): the tests read each one's reason.
+        cmd.args(args).env("RUST_LOG", "info,tls=debug");
         Self::start(cmd, tag)
     }
 

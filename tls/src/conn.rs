@@ -4,8 +4,10 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -22,6 +24,42 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const BACKLOG: usize = 128;
 /// Pause after the listener fails (out of file descriptors), so the loop does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// At most one warning per listener in this period says how many handshakes were refused;
+/// each refusal is logged at debug. A scanner or a probe that speaks plain text would
+/// otherwise write a warning per connection.
+const REFUSAL_LOG_PERIOD: Duration = Duration::from_secs(60);
+
+/// Handshakes refused or timed out on every listener of this process.
+static HANDSHAKES_REFUSED: AtomicU64 = AtomicU64::new(0);
+
+/// Handshakes refused or timed out on every listener of this process since it started
+/// (exported as `tls_handshakes_refused_total`).
+pub fn handshakes_refused() -> u64 {
+    HANDSHAKES_REFUSED.load(Ordering::Relaxed)
+}
+
+/// Refused handshakes of one listener, and when one was last logged as a warning.
+#[derive(Debug)]
+struct Refusals {
+    last_warned: Option<Instant>,
+    since: u64,
+}
+
+impl Refusals {
+    /// Counts a refusal at `now`; the number refused since the last warning when this one
+    /// is to be logged as a warning.
+    fn refused(&mut self, now: Instant) -> Option<u64> {
+        HANDSHAKES_REFUSED.fetch_add(1, Ordering::Relaxed);
+        self.since += 1;
+        let due = self
+            .last_warned
+            .is_none_or(|t| now.duration_since(t) >= REFUSAL_LOG_PERIOD);
+        due.then(|| {
+            self.last_warned = Some(now);
+            std::mem::take(&mut self.since)
+        })
+    }
+}
 
 /// An accepted connection, in plain text or TLS.
 pub enum Conn {
@@ -159,6 +197,10 @@ pub fn accept(listener: TcpListener, tls: Option<ServerTls>) -> io::Result<Incom
                 _ = tx.closed() => return,
             };
             let _ = tcp.set_nodelay(true);
+    let refusals = Arc::new(Mutex::new(Refusals {
+        last_warned: None,
+        since: 0,
+    }));
             match &tls {
                 None => {
                     if tx.send(Conn::Plain(tcp)).await.is_err() {
@@ -167,18 +209,30 @@ pub fn accept(listener: TcpListener, tls: Option<ServerTls>) -> io::Result<Incom
                 }
                 Some(tls) => {
                     let acceptor = tokio_rustls::TlsAcceptor::from(tls.config());
-                    let tx = tx.clone();
+                    let (tx, refusals) = (tx.clone(), Arc::clone(&refusals));
                     tokio::spawn(async move {
-                        match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                            Ok(Ok(s)) => {
-                                let _ = tx.send(Conn::Tls(Box::new(s))).await;
+                        let why =
+                            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp))
+                                .await
+                            {
+                                Ok(Ok(s)) => {
+                                    let _ = tx.send(Conn::Tls(Box::new(s))).await;
+                                    return;
+                                }
+                                Ok(Err(e)) => e.to_string(),
+                                Err(_) => format!("timed out after {HANDSHAKE_TIMEOUT:?}"),
+                            };
+                        let warn = refusals
+                            .lock()
+                            .expect("the refusal count's lock is never poisoned")
+                            .refused(Instant::now());
+                        match warn {
+                            Some(n) => tracing::warn!(%peer, refused = n,
+                                "TLS handshake refused on {local_addr}: {why} ({n} refused since the last warning; \
+                                 the rest are logged at debug, at most one warning a minute)"),
+                            None => {
+                                tracing::debug!(%peer, "TLS handshake refused on {local_addr}: {why}")
                             }
-                            Ok(Err(e)) => tracing::warn!(
-                                %peer, "TLS handshake refused on {local_addr}: {e}"
-                            ),
-                            Err(_) => tracing::warn!(
-                                %peer, "TLS handshake on {local_addr} timed out after {HANDSHAKE_TIMEOUT:?}"
-                            ),
                         }
                     });
                 }
@@ -256,5 +310,30 @@ impl tower_service::Service<http::Uri> for Connector {
             let port = uri.port_u16().unwrap_or(443);
             this.connect(host, port).await.map(TokioIo::new)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refused_handshakes_warn_at_most_once_a_period() {
+        let mut r = Refusals {
+            last_warned: None,
+            since: 0,
+        };
+        let t0 = Instant::now();
+        let before = handshakes_refused();
+        assert_eq!(r.refused(t0), Some(1), "the first one warns");
+        for s in 1..=100 {
+            assert_eq!(r.refused(t0 + Duration::from_millis(s * 100)), None);
+        }
+        assert_eq!(
+            r.refused(t0 + REFUSAL_LOG_PERIOD),
+            Some(101),
+            "the next warning counts the quiet ones"
+        );
+        assert!(handshakes_refused() >= before + 102, "every one is counted");
     }
 }

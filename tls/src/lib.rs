@@ -8,7 +8,7 @@ mod config;
 mod conn;
 
 pub use config::{ClientFiles, ClientTls, ServerFiles, ServerTls, TlsArgs};
-pub use conn::{accept, dial, ClientStream, Conn, Connector, Incoming, Io};
+pub use conn::{accept, dial, handshakes_refused, ClientStream, Conn, Connector, Incoming, Io};
 
 use std::path::PathBuf;
 

@@ -173,6 +173,14 @@ async fn every_hop_is_tls_and_peers_without_a_good_certificate_are_refused() {
     decode_health(&c.decode, Some(worker_client(&ca, Some(&good))))
         .await
         .expect("a good certificate is served");
+    // Four refusals within a minute, each with its reason at debug, make one warning: a
+    // scanner or a probe cannot flood the log.
+    let log = std::fs::read_to_string(&d.log).unwrap_or_default();
+    let warnings = log
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("TLS handshake refused"))
+        .count();
+    assert_eq!(warnings, 1, "{log}");
     let (status, body) = c
         .post("/v1/chat/completions", &chat("still there?", 4))
         .await;
