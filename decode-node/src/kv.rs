@@ -105,7 +105,25 @@ impl KvPlane {
     /// then closed).
     pub async fn serve(&self, conn: runtime::Sniffed) {
         let peer = conn.peer_addr().ok();
+        let identity = conn.identity();
         let (r, mut w) = tokio::io::split(conn);
+        if !identity.may(&[tls::Role::Prefill]) {
+            // Under mutual TLS only a prefill node's certificate may send KV: a router's or
+            // a decode node's (or any other the CA signed) is refused before its header.
+            tracing::debug!(
+                ?identity,
+                ?peer,
+                "KV connection refused: not a prefill node"
+            );
+            DecodeMetrics::inc(&self.metrics.kv_refused);
+            let status = Status::permission_denied(format!(
+                "only a certificate with {} may send KV; this one carries {identity:?}",
+                tls::Role::Prefill.uri()
+            ));
+            let _ = kvwire::write_refusal(&mut w, &status).await;
+            let _ = w.shutdown().await;
+            return;
+        }
         let mut reader = kvwire::Reader::new(r);
         let limits = self.limits;
         // A new connection's header must come whole within the header deadline; between

@@ -208,16 +208,59 @@ pub enum ServeError {
     Listen(std::io::Error),
 }
 
+/// Calls refused because the caller's certificate does not carry a role the service is
+/// open to.
+static ROLE_REFUSALS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Calls refused for their caller's role since the process started.
+pub fn role_refusals() -> u64 {
+    ROLE_REFUSALS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Lets a gRPC call through only from a caller whose identity may use the services:
+/// under mutual TLS, a certificate with one of `callers`' roles; others get
+/// PERMISSION_DENIED before the service sees the call.
+async fn gate_callers(
+    callers: &'static [tls::Role],
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let identity = req
+        .extensions()
+        .get::<tls::Peer>()
+        .map_or(tls::Identity::Plain, |p| p.identity);
+    if identity.may(callers) {
+        return next.run(req).await;
+    }
+    ROLE_REFUSALS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = req.uri().path();
+    tracing::debug!(
+        ?identity,
+        path,
+        "refused a call from a peer without the role for it"
+    );
+    tonic::Status::permission_denied(format!(
+        "{path} takes calls from {} only; the caller's certificate carries {identity:?}",
+        callers
+            .iter()
+            .map(|r| r.uri())
+            .collect::<Vec<_>>()
+            .join(", ")
+    ))
+    .into_http()
+}
+
 /// Serves gRPC `routes` and `GET /metrics` (the text `render` returns) on one listener
 /// until `shutdown` resolves: HTTP/1 is accepted beside HTTP/2, so a Prometheus scraper
 /// needs no port of its own, and connections of a `side` protocol go to its handler. With
 /// `tls`, every connection is TLS (mutual, when the configuration asks for client
-/// certificates).
+/// certificates), and the gRPC services take calls only from certificates with one of
+/// `callers`' roles; `/metrics` from any certificate the CA signed (a scraper's).
 pub async fn serve_grpc_with_metrics(
     listener: TcpListener,
     tls: Option<tls::ServerTls>,
     side: Option<SideProtocol>,
-    routes: tonic::service::Routes,
+    (routes, callers): (tonic::service::Routes, &'static [tls::Role]),
     render: impl Fn() -> String + Clone + Send + Sync + 'static,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
@@ -226,7 +269,12 @@ pub async fn serve_grpc_with_metrics(
         prom::tls(&mut text);
         async move { ([("content-type", "text/plain; version=0.0.4")], text) }
     });
-    let router = routes.into_axum_router().route("/metrics", metrics);
+    let router = routes
+        .into_axum_router()
+        .layer(axum::middleware::from_fn(move |req, next| {
+            gate_callers(callers, req, next)
+        }))
+        .route("/metrics", metrics);
     let incoming = sniff::split(
         tls::accept(listener, tls).map_err(ServeError::Listen)?,
         side,

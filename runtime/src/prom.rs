@@ -34,6 +34,12 @@ pub fn tls(out: &mut String) {
              certificates, plain text on a TLS port, probes).",
                 tls::handshakes_refused() as f64,
             ),
+            (
+                "tls_role_refusals_total",
+                "Calls refused because the caller's certificate lacks the role the service takes \
+             (a URI SAN spiffe://tandem/<role>).",
+                crate::role_refusals() as f64,
+            ),
         ],
     );
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc;
-use tonic::transport::server::{Connected, TcpConnectInfo};
+use tonic::transport::server::Connected;
 
 /// How long a new connection may take to send the bytes that tell its protocol.
 const SNIFF_TIMEOUT: Duration = Duration::from_secs(10);
@@ -36,6 +36,11 @@ impl Sniffed {
     /// The peer's address.
     pub fn peer_addr(&self) -> io::Result<std::net::SocketAddr> {
         self.conn.peer_addr()
+    }
+
+    /// What the TLS handshake proved about the peer.
+    pub fn identity(&self) -> tls::Identity {
+        self.conn.identity()
     }
 }
 
@@ -165,7 +170,7 @@ impl AsyncWrite for Sniffed {
 }
 
 impl Connected for Sniffed {
-    type ConnectInfo = TcpConnectInfo;
+    type ConnectInfo = tls::Peer;
 
     fn connect_info(&self) -> Self::ConnectInfo {
         self.conn.connect_info()

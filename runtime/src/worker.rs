@@ -245,7 +245,9 @@ pub async fn serve_worker<R: Fn() -> String + Clone + Send + Sync + 'static>(
         listener,
         args.tls.server()?,
         served.side,
-        served.routes,
+        // The workers' request services are the router's to call (the KV plane, which
+        // prefill nodes use, checks its own callers).
+        (served.routes, &[tls::Role::Router]),
         served.render,
         drain,
     );

@@ -1,6 +1,7 @@
 //! Certificates for the TLS tests, made fresh in a scratch folder: a CA, leaves it signs
-//! (valid or expired), and a second CA that nobody trusts. Leaves name `localhost` and
-//! 127.0.0.1, and carry both the server and client usages, as the cluster's do.
+//! (valid or expired, with a cluster role or none), and a second CA that nobody trusts.
+//! Leaves name `localhost` and 127.0.0.1, and carry both the server and client usages, as
+//! the cluster's do.
 
 use std::path::{Path, PathBuf};
 
@@ -64,12 +65,25 @@ impl Pki {
         self.dir.join(format!("{}-ca.pem", self.name))
     }
 
-    /// A leaf called `name`, signed by this CA, written as `<name>.pem` and `<name>.key`.
+    /// A leaf called `name` with no cluster role, signed by this CA, written as
+    /// `<name>.pem` and `<name>.key`.
     pub fn leaf(&self, name: &str, validity: Validity) -> Leaf {
+        self.leaf_as(None, name, validity)
+    }
+
+    /// A leaf called `name` whose URI SAN `spiffe://tandem/<role>` gives it a cluster role
+    /// (`router`, `prefill`, `decode`), when `role` is set.
+    pub fn leaf_as(&self, role: Option<&str>, name: &str, validity: Validity) -> Leaf {
         let mut params = CertificateParams::new(vec!["localhost".to_string()]).expect("params");
         params
             .subject_alt_names
             .push(SanType::IpAddress([127, 0, 0, 1].into()));
+        if let Some(role) = role {
+            let uri = format!("spiffe://tandem/{role}");
+            params
+                .subject_alt_names
+                .push(SanType::URI(uri.try_into().expect("an IA5 URI")));
+        }
         params.distinguished_name.push(DnType::CommonName, name);
         params.extended_key_usages = vec![
             ExtendedKeyUsagePurpose::ServerAuth,

@@ -13,9 +13,9 @@ use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-use tonic::transport::server::{Connected, TcpConnectInfo};
+use tonic::transport::server::Connected;
 
-use crate::{ClientTls, ServerTls};
+use crate::{ClientTls, Identity, Peer, Role, ServerTls};
 
 /// How long a client may take to finish its handshake; a slow or silent one must not hold
 /// a task and a socket forever.
@@ -81,6 +81,17 @@ impl Conn {
     pub fn peer_addr(&self) -> io::Result<SocketAddr> {
         self.tcp().peer_addr()
     }
+
+    /// What the handshake proved about the peer.
+    pub fn identity(&self) -> Identity {
+        match self {
+            Conn::Plain(_) => Identity::Plain,
+            Conn::Tls(s) => match s.get_ref().1.peer_certificates() {
+                Some([leaf, ..]) => Identity::Certified(Role::of(leaf)),
+                _ => Identity::Anonymous,
+            },
+        }
+    }
 }
 
 impl AsyncRead for Conn {
@@ -142,10 +153,13 @@ impl AsyncWrite for Conn {
 }
 
 impl Connected for Conn {
-    type ConnectInfo = TcpConnectInfo;
+    type ConnectInfo = Peer;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.tcp().connect_info()
+        Peer {
+            tcp: self.tcp().connect_info(),
+            identity: self.identity(),
+        }
     }
 }
 
@@ -183,6 +197,10 @@ impl tokio_stream::Stream for Incoming {
 pub fn accept(listener: TcpListener, tls: Option<ServerTls>) -> io::Result<Incoming> {
     let local_addr = listener.local_addr()?;
     let (tx, rx) = mpsc::channel(BACKLOG);
+    let refusals = Arc::new(Mutex::new(Refusals {
+        last_warned: None,
+        since: 0,
+    }));
     tokio::spawn(async move {
         loop {
             let (tcp, peer) = tokio::select! {
@@ -197,10 +215,6 @@ pub fn accept(listener: TcpListener, tls: Option<ServerTls>) -> io::Result<Incom
                 _ = tx.closed() => return,
             };
             let _ = tcp.set_nodelay(true);
-    let refusals = Arc::new(Mutex::new(Refusals {
-        last_warned: None,
-        since: 0,
-    }));
             match &tls {
                 None => {
                     if tx.send(Conn::Plain(tcp)).await.is_err() {

@@ -6,9 +6,11 @@
 
 mod config;
 mod conn;
+mod role;
 
 pub use config::{ClientFiles, ClientTls, ServerFiles, ServerTls, TlsArgs};
 pub use conn::{accept, dial, handshakes_refused, ClientStream, Conn, Connector, Incoming, Io};
+pub use role::{Identity, Peer, Role};
 
 use std::path::PathBuf;
 

@@ -73,8 +73,11 @@ async fn decode_node(
     ];
     let mut client_tls = None;
     if let Some((pki, ca)) = tls {
-        args.extend(pki.leaf("decode", e2e::pki::Validity::Good).mtls_args(ca));
-        let me = pki.leaf("prefill", e2e::pki::Validity::Good);
+        args.extend(
+            pki.leaf_as(Some("decode"), "decode", e2e::pki::Validity::Good)
+                .mtls_args(ca),
+        );
+        let me = pki.leaf_as(Some("prefill"), "prefill", e2e::pki::Validity::Good);
         let files = tls::ClientFiles {
             ca: ca.to_path_buf(),
             identity: Some((me.cert, me.key)),

@@ -82,9 +82,15 @@ async fn every_hop_is_tls_and_peers_without_a_good_certificate_are_refused() {
     let pki = Pki::new(&dir, "cluster");
     let ca = pki.ca();
     let api = pki.leaf("api", Validity::Good);
-    let router = pki.leaf("router", Validity::Good).mtls_args(&ca);
-    let prefill = pki.leaf("prefill", Validity::Good).mtls_args(&ca);
-    let decode = pki.leaf("decode", Validity::Good).mtls_args(&ca);
+    let router = pki
+        .leaf_as(Some("router"), "router", Validity::Good)
+        .mtls_args(&ca);
+    let prefill = pki
+        .leaf_as(Some("prefill"), "prefill", Validity::Good)
+        .mtls_args(&ca);
+    let decode = pki
+        .leaf_as(Some("decode"), "decode", Validity::Good)
+        .mtls_args(&ca);
     let mut router_args = router.clone();
     router_args.extend([
         "--https-cert".into(),
@@ -167,12 +173,6 @@ async fn every_hop_is_tls_and_peers_without_a_good_certificate_are_refused() {
         .expect_err("no client certificate");
     println!("no certificate: {err}");
     wait_log_line(d, &["TLS handshake refused", "no certificates"], "none").await;
-
-    // A peer with a good certificate is served, and so is the cluster.
-    let good = pki.leaf("good-client", Validity::Good);
-    decode_health(&c.decode, Some(worker_client(&ca, Some(&good))))
-        .await
-        .expect("a good certificate is served");
     // Four refusals within a minute, each with its reason at debug, make one warning: a
     // scanner or a probe cannot flood the log.
     let log = std::fs::read_to_string(&d.log).unwrap_or_default();
@@ -181,9 +181,54 @@ async fn every_hop_is_tls_and_peers_without_a_good_certificate_are_refused() {
         .filter(|l| l.contains("WARN") && l.contains("TLS handshake refused"))
         .count();
     assert_eq!(warnings, 1, "{log}");
+
+    // A peer with a good certificate and the router's role is served, and so is the
+    // cluster.
+    let good = pki.leaf_as(Some("router"), "good-client", Validity::Good);
+    decode_health(&c.decode, Some(worker_client(&ca, Some(&good))))
+        .await
+        .expect("a good certificate is served");
     let (status, body) = c
         .post("/v1/chat/completions", &chat("still there?", 4))
         .await;
+    assert_eq!(status, 200, "{body}");
+
+    // Roles: the same CA's certificates without the router's role (none, a prefill
+    // node's) may not call the decode node's services, and only a prefill node's may send
+    // it KV.
+    let no_role = pki.leaf("no-role", Validity::Good);
+    let prefill_role = pki.leaf_as(Some("prefill"), "prefill-client", Validity::Good);
+    for (what, leaf) in [("no role", &no_role), ("prefill", &prefill_role)] {
+        let err = decode_health(&c.decode, Some(worker_client(&ca, Some(leaf))))
+            .await
+            .expect_err(what);
+        assert!(
+            err.contains("takes calls from spiffe://tandem/router only"),
+            "{what}: {err}"
+        );
+    }
+    let (host, port) = c.decode.rsplit_once(':').expect("host:port");
+    for (what, leaf) in [("router", &good), ("no role", &no_role)] {
+        let files = tls::ClientFiles {
+            ca: ca.clone(),
+            identity: Some((leaf.cert.clone(), leaf.key.clone())),
+            alpn: vec![],
+        };
+        let client = tls::ClientTls::load(files, None).expect("client TLS loads");
+        let mut io = tls::dial(Some(&client), host, port.parse().unwrap())
+            .await
+            .expect("the handshake passes: the CA signed it");
+        io.write_all(kvwire::PREFACE).await.unwrap();
+        let reply = tokio::time::timeout(Duration::from_secs(10), kvwire::read_reply(&mut io))
+            .await
+            .expect("answered at once");
+        assert!(
+            matches!(&reply, Err(kvwire::WireError::Refused(s))
+                if s.code() == tonic::Code::PermissionDenied),
+            "{what}: {reply:?}"
+        );
+    }
+    let (status, body) = c.post("/v1/chat/completions", &chat("and now?", 4)).await;
     assert_eq!(status, 200, "{body}");
 }
 
@@ -216,12 +261,18 @@ async fn the_router_skips_workers_whose_certificates_fail_and_serves_through_goo
         );
         bad.push((name, addr, p));
     }
-    let mut router_args = pki.leaf("router", Validity::Good).mtls_args(&ca);
+    let mut router_args = pki
+        .leaf_as(Some("router"), "router", Validity::Good)
+        .mtls_args(&ca);
     for (_, addr, _) in &bad {
         router_args.extend(["--prefill-nodes".into(), addr.clone()]);
     }
-    let prefill = pki.leaf("prefill", Validity::Good).mtls_args(&ca);
-    let decode = pki.leaf("decode", Validity::Good).mtls_args(&ca);
+    let prefill = pki
+        .leaf_as(Some("prefill"), "prefill", Validity::Good)
+        .mtls_args(&ca);
+    let decode = pki
+        .leaf_as(Some("decode"), "decode", Validity::Good)
+        .mtls_args(&ca);
     let c = Cluster::launch(
         Mode::Pd,
         &tiny_model(),
