@@ -24,12 +24,20 @@ pub const IDLE_KEEP: Duration = Duration::from_secs(20);
 
 type Conn = Box<dyn tls::Io>;
 
+/// A connection kept between transfers: when it opened, and since when it idles.
+struct Kept {
+    conn: Conn,
+    opened: Instant,
+    since: Instant,
+}
+
 /// Dials decode nodes for transfers, over TCP or mutual TLS, and keeps connections that
 /// ended a transfer well for the next one.
 pub struct Client {
     connect_timeout: Duration,
     tls: Option<tls::ClientTls>,
-    idle: Mutex<HashMap<String, Vec<(Conn, Instant)>>>,
+    /// Idle connections per decode node.
+    idle: Mutex<HashMap<String, Vec<Kept>>>,
 }
 
 impl std::fmt::Debug for Client {
@@ -67,7 +75,7 @@ impl Client {
         let Some(first) = items.recv().await else {
             return Err(WireError::Abandoned);
         };
-        let conn = self.connection(addr).await?;
+        let (conn, opened) = self.connection(addr).await?;
         let (mut r, mut w) = tokio::io::split(conn);
         let ack = {
             let reply = read_reply(&mut r);
@@ -100,25 +108,33 @@ impl Client {
         let mut idle = self.idle.lock().expect("idle connections lock");
         let kept = idle.entry(addr.to_string()).or_default();
         if kept.len() < MAX_IDLE {
-            kept.push((r.unsplit(w), Instant::now()));
+            kept.push(Kept {
+                conn: r.unsplit(w),
+                opened,
+                since: Instant::now(),
+            });
         }
         Ok(ack)
     }
 
-    /// The newest connection kept for `addr` that has idled less than [`IDLE_KEEP`];
-    /// older ones are closed.
-    fn take_idle(&self, addr: &str) -> Option<Conn> {
+    /// The newest connection kept for `addr` that has idled less than [`IDLE_KEEP`] and
+    /// is younger than [`tls::MAX_CONNECTION_AGE`] (so that rotated certificates take
+    /// effect), with when it opened; others are closed.
+    fn take_idle(&self, addr: &str) -> Option<(Conn, Instant)> {
         let mut idle = self.idle.lock().expect("idle connections lock");
         let kept = idle.get_mut(addr)?;
-        kept.retain(|(_, since)| since.elapsed() < IDLE_KEEP);
-        kept.pop().map(|(c, _)| c)
+        kept.retain(|k| {
+            k.since.elapsed() < IDLE_KEEP && k.opened.elapsed() < tls::MAX_CONNECTION_AGE
+        });
+        kept.pop().map(|k| (k.conn, k.opened))
     }
 
-    /// An idle connection to `addr` that is still open, else a new one.
-    async fn connection(&self, addr: &str) -> Result<Conn, WireError> {
-        while let Some(mut c) = self.take_idle(addr) {
+    /// An idle connection to `addr` that is still open, else a new one, with when it
+    /// opened.
+    async fn connection(&self, addr: &str) -> Result<(Conn, Instant), WireError> {
+        while let Some((mut c, opened)) = self.take_idle(addr) {
             if open(&mut c) {
-                return Ok(c);
+                return Ok((c, opened));
             }
         }
         let failed = |source: std::io::Error| WireError::Connect {
@@ -135,10 +151,11 @@ impl Client {
             conn.write_all(PREFACE).await?;
             Ok(conn)
         };
-        tokio::time::timeout(self.connect_timeout, dial)
+        let conn = tokio::time::timeout(self.connect_timeout, dial)
             .await
             .map_err(|_| failed(std::io::ErrorKind::TimedOut.into()))?
-            .map_err(failed)
+            .map_err(failed)?;
+        Ok((conn, Instant::now()))
     }
 }
 

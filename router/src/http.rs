@@ -4,13 +4,16 @@
 //! response may wait on a client that stopped reading. It serves plain or TLS connections
 //! alike.
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use axum::body::Body;
+use axum::http::{header, HeaderValue, Request, Response};
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
@@ -71,7 +74,11 @@ pub async fn serve(
             _ = &mut shutdown => break,
         };
         let conn = WriteStall::new(conn, limits.write_stall, Arc::clone(&metrics));
-        let service = TowerToHyperService::new(app.clone());
+        let service = aging(
+            TowerToHyperService::new(app.clone()),
+            Instant::now(),
+            tls::MAX_CONNECTION_AGE,
+        );
         let served = graceful.watch(http.serve_connection(TokioIo::new(conn), service));
         tokio::spawn(async move {
             let _place = place;
@@ -82,6 +89,38 @@ pub async fn serve(
     }
     drop(incoming);
     graceful.shutdown().await;
+}
+
+/// `service`, answering `Connection: close` once its connection (opened at `born`) is
+/// older than `age`: the client's next request opens a new connection, which gets the
+/// certificate the router holds now. The request itself is served in full.
+fn aging<S, B>(
+    service: S,
+    born: Instant,
+    age: Duration,
+) -> impl hyper::service::Service<
+    Request<B>,
+    Response = Response<Body>,
+    Error = Infallible,
+    Future = impl Future<Output = Result<Response<Body>, Infallible>> + Send,
+> + Clone
+where
+    B: hyper::body::Body,
+    S: hyper::service::Service<Request<B>, Response = Response<Body>, Error = Infallible> + Clone,
+    S::Future: Send,
+{
+    hyper::service::service_fn(move |req| {
+        let served = service.call(req);
+        async move {
+            let mut response = served.await?;
+            if born.elapsed() >= age {
+                response
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            Ok(response)
+        }
+    })
 }
 
 /// A connection whose writes fail once one has waited `limit` for the socket: hyper then
@@ -182,7 +221,22 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for WriteStall<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hyper::service::Service;
     use tokio::io::AsyncWriteExt;
+
+    #[tokio::test]
+    async fn a_connection_past_its_age_is_asked_to_close_after_its_answer() {
+        let ok = hyper::service::service_fn(|_: Request<String>| async {
+            Ok::<_, Infallible>(Response::new(Body::from("ok")))
+        });
+        let young = aging(ok, Instant::now(), Duration::from_secs(3600));
+        let answer = young.call(Request::new(String::new())).await.unwrap();
+        assert!(answer.headers().get(header::CONNECTION).is_none());
+        let old = aging(ok, Instant::now(), Duration::ZERO);
+        let answer = old.call(Request::new(String::new())).await.unwrap();
+        assert_eq!(answer.headers()[header::CONNECTION], "close");
+        assert_eq!(answer.status(), 200, "the request itself is served");
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_write_that_waits_past_the_limit_fails_and_is_counted() {

@@ -178,6 +178,7 @@ mod tests {
                 connect_timeout: Duration::from_millis(100),
                 tls: None,
                 max_message: runtime::DEFAULT_MAX_MESSAGE,
+                max_age: tls::MAX_CONNECTION_AGE,
             },
             breaker_failures: 3,
             breaker_cooldown: Duration::from_secs(1),

@@ -86,6 +86,7 @@ impl AppState {
                 connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
                 tls: cfg.tls.client()?,
                 max_message: cfg.grpc_max_message_bytes,
+                max_age: tls::MAX_CONNECTION_AGE,
             },
             breaker_failures: cfg.breaker_failures,
             breaker_cooldown: Duration::from_millis(cfg.breaker_cooldown_ms),

@@ -570,6 +570,7 @@ mod tests {
                 connect_timeout: Duration::from_millis(100),
                 tls: None,
                 max_message: runtime::DEFAULT_MAX_MESSAGE,
+                max_age: tls::MAX_CONNECTION_AGE,
             },
             breaker_failures: failures,
             breaker_cooldown: Duration::from_millis(cooldown_ms),

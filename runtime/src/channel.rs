@@ -13,6 +13,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{ready, Context, Poll};
+use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use h2::client::SendRequest;
@@ -45,8 +46,9 @@ struct Inner {
     host: String,
     port: u16,
     dialer: Dialer,
-    /// The open connection's request handle and its number, if one is open.
-    live: Mutex<Option<(u64, SendRequest<Bytes>)>>,
+    /// The open connection's number, when it opened, and its request handle, if one is
+    /// open.
+    live: Mutex<Option<(u64, Instant, SendRequest<Bytes>)>>,
     /// Held while dialing, so that calls arriving together open one connection.
     dialing: tokio::sync::Mutex<()>,
     dialed: AtomicU64,
@@ -148,9 +150,18 @@ impl Inner {
         dialed.map_err(|e| Status::unavailable(format!("connecting to {}: {e}", self.authority)))
     }
 
+    /// The open connection's handle, unless it is older than the dialer's `max_age`: then
+    /// it is let go (its calls go on until they end) and the next call dials a new one,
+    /// with the TLS files as they are now.
     fn open(&self) -> Option<SendRequest<Bytes>> {
-        let live = self.live.lock().expect("channel lock");
-        live.as_ref().map(|(_, send)| send.clone())
+        let mut live = self.live.lock().expect("channel lock");
+        if live
+            .as_ref()
+            .is_some_and(|(_, opened, _)| opened.elapsed() >= self.dialer.max_age)
+        {
+            *live = None;
+        }
+        live.as_ref().map(|(_, _, send)| send.clone())
     }
 
     async fn dial(self: &Arc<Self>) -> std::io::Result<SendRequest<Bytes>> {
@@ -174,7 +185,7 @@ impl Inner {
             .map_err(std::io::Error::other)?;
         let pings = conn.ping_pong().expect("a new connection's pings");
         let id = self.dialed.fetch_add(1, Ordering::Relaxed);
-        *self.live.lock().expect("channel lock") = Some((id, send.clone()));
+        *self.live.lock().expect("channel lock") = Some((id, Instant::now(), send.clone()));
         let channel: Weak<Inner> = Arc::downgrade(self);
         let peer = self.authority.clone();
         tokio::spawn(async move {
@@ -189,7 +200,7 @@ impl Inner {
             }
             if let Some(channel) = channel.upgrade() {
                 let mut live = channel.live.lock().expect("channel lock");
-                if live.as_ref().is_some_and(|(open, _)| *open == id) {
+                if live.as_ref().is_some_and(|(open, _, _)| *open == id) {
                     *live = None;
                 }
             }
@@ -404,6 +415,7 @@ mod tests {
             connect_timeout: Duration::from_secs(1),
             tls: None,
             max_message: crate::DEFAULT_MAX_MESSAGE,
+            max_age: tls::MAX_CONNECTION_AGE,
         }
     }
 
@@ -554,6 +566,35 @@ mod tests {
             .await
             .expect("the peer saw the caller leave within 10 s")
             .expect("the server is up");
+        server.shutdown_background();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_past_its_age_takes_no_new_calls_and_its_calls_go_on() {
+        let addr = free_addr().await;
+        let (server, mut left) = serve(addr);
+        // Every connection is past an age of zero once it has opened.
+        let channel = Dialer {
+            max_age: Duration::ZERO,
+            ..dialer()
+        }
+        .channel(&addr.to_string())
+        .expect("a valid address");
+        let mut c = DecodeClient::new(channel.clone());
+        let held = held_call(&mut c).await;
+        assert_eq!(channel.inner.dialed.load(Ordering::Relaxed), 1);
+        c.health(HealthRequest {}).await.expect("served");
+        c.health(HealthRequest {}).await.expect("served");
+        assert_eq!(
+            channel.inner.dialed.load(Ordering::Relaxed),
+            3,
+            "each call past the age dials anew"
+        );
+        assert!(
+            left.try_recv().is_err(),
+            "the call on the first connection still runs"
+        );
+        drop(held);
         server.shutdown_background();
     }
 }

@@ -75,6 +75,9 @@ pub struct Dialer {
     pub tls: Option<tls::ClientTls>,
     /// Largest gRPC message sent or accepted.
     pub max_message: usize,
+    /// How long a connection takes new calls ([`tls::MAX_CONNECTION_AGE`]) before the
+    /// next call dials a new one.
+    pub max_age: std::time::Duration,
 }
 
 impl Dialer {

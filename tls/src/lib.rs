@@ -13,6 +13,14 @@ pub use conn::{accept, dial, handshakes_refused, ClientStream, Conn, Connector, 
 pub use role::{Identity, Peer, Role};
 
 use std::path::PathBuf;
+use std::time::Duration;
+
+/// How long a connection between the cluster's processes (a gRPC channel, a KV data-plane
+/// connection) or from an API client is used for new work. Certificates are reloaded for new
+/// connections only, so a connection that lived forever would keep a rotated (or revoked)
+/// one forever: past this age a dialer opens a new connection for new calls, and the
+/// router asks its clients to (`Connection: close`). Calls on the old connection finish.
+pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(600);
 
 /// Why TLS could not be set up from the configured files.
 #[derive(Debug, thiserror::Error)]

@@ -95,6 +95,7 @@ async fn decode_node(
         connect_timeout: Duration::from_secs(1),
         tls: client_tls.clone(),
         max_message: runtime::DEFAULT_MAX_MESSAGE,
+        max_age: tls::MAX_CONNECTION_AGE,
     };
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut health = DecodeClient::new(dialer.channel(&addr)?);
