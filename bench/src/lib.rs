@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use engine::model::argmax;
 use engine::{Model, SeqCache, SeqInput};
 
+pub mod hostile;
 pub mod load;
 pub mod overhead;
 pub mod serve;

@@ -62,6 +62,11 @@ pub struct SoakConfig {
     /// Kill nothing.
     #[arg(long)]
     pub no_kills: bool,
+    /// Run hostile peers and broken clients beside the load for the whole steady run
+    /// (see `hostile`): forged KV tickets, silent and dripping KV connections, bodiless
+    /// requests and streams whose client stops reading.
+    #[arg(long)]
+    pub hostile: bool,
     /// The prefill nodes' prefix cache (`--prefix-cache-mb`): small, so that it fills during
     /// the warm-up and the whole run evicts, and the baseline is taken with it full.
     #[arg(long, default_value_t = 32)]
@@ -728,6 +733,8 @@ pub struct SoakReport {
     pub clients_saw: BTreeMap<String, u64>,
     /// Requests that did not end well outside a kill (the first 100).
     pub unexpected: Vec<RequestRecord>,
+    /// What the hostile peers did, with `--hostile`.
+    pub hostile: Option<crate::hostile::HostileReport>,
     /// Where the processes' logs are.
     pub logs: String,
     pub checks: Vec<Check>,
@@ -758,6 +765,22 @@ impl SoakReport {
                     .map_or("never".into(), |t| format!("{t:.1} s")),
                 k.restarted_at_s,
                 k.back_at_s.map_or("never".into(), |t| format!("{t:.1} s")),
+            );
+        }
+        if let Some(h) = &self.hostile {
+            s += &format!(
+                "hostile: {} forged KV tickets refused ({} accepted), {} silent and {} dripping \
+                 KV connections cut (longest {:.1} s), bodiless requests {:?}, {} stalled streams \
+                 cut and {} complete, {} never closed\n",
+                h.kv_forged_refused,
+                h.kv_forged_accepted,
+                h.kv_idle_closed,
+                h.kv_slow_closed,
+                h.kv_longest_open_s,
+                h.no_body_statuses,
+                h.stalled_cut,
+                h.stalled_complete,
+                h.never_closed,
             );
         }
         s += &format!(
@@ -1211,6 +1234,17 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport, SoakError> {
     let steady_start = Instant::now();
     let steady_until = steady_start + Duration::from_secs_f64(cfg.duration_s);
     let steady = tokio::spawn(drive(load(), steady_until, cfg.clients));
+    let hostile = cfg.hostile.then(|| {
+        let decode = cluster
+            .procs
+            .iter()
+            .filter(|p| p.kind == Kind::Decode)
+            .map(|p| p.addr.clone())
+            .collect();
+        let router = cluster.router_addr().to_string();
+        let model = cluster.model_name.clone();
+        tokio::spawn(crate::hostile::run(decode, router, model, steady_until))
+    });
     let mut kills = Vec::new();
     for (role, at) in &kills_planned {
         tokio::time::sleep_until((steady_start + Duration::from_secs_f64(*at)).into()).await;
@@ -1218,6 +1252,10 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport, SoakError> {
         kills.push(cluster.kill_and_restart(&scraper, *role, down, t0).await);
     }
     let steady_records = steady.await.expect("the load task");
+    let hostile = match hostile {
+        Some(h) => Some(h.await.expect("the hostile task")),
+        None => None,
+    };
     let steady_s = steady_start.elapsed().as_secs_f64();
     let steady_count = steady_records.len();
     records.extend(steady_records);
@@ -1269,6 +1307,9 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport, SoakError> {
         if bad && unexpected.len() < 100 {
             unexpected.push(r.clone());
         }
+    }
+    for (k, n) in hostile.iter().flat_map(|h| h.router_saw()) {
+        *clients_saw.entry(k).or_default() += n;
     }
     let router_after = pages.get("router").map(|p| router_requests(p.as_str()));
     let router_counted: BTreeMap<String, u64> = router_after
@@ -1361,6 +1402,9 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport, SoakError> {
             ),
         ));
     }
+    for (name, passed, detail) in hostile.iter().flat_map(|h| h.checks()) {
+        checks.push(check(&name, passed, detail));
+    }
     if kills.len() < kills_planned.len() {
         checks.push(check("kills", false, "a planned kill did not happen"));
     }
@@ -1414,6 +1458,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport, SoakError> {
         router_counted,
         clients_saw,
         unexpected,
+        hostile,
         logs: e2e::scratch().display().to_string(),
         checks,
         passed,

@@ -1,6 +1,7 @@
 //! The soak in CI: about two minutes of steady mixed load on the tiny model through a
 //! router, two prefill and two decode nodes found through etcd, with a tenth of the clients
-//! leaving mid-stream and one P and one D killed and restarted; every check must pass.
+//! leaving mid-stream, one P and one D killed and restarted, and hostile peers and broken
+//! clients on the decode nodes' and the router's ports all along; every check must pass.
 
 use bench::soak::{run, SoakConfig};
 use clap::Parser;
@@ -23,6 +24,7 @@ async fn a_short_soak_leaks_nothing() {
         "55",
         "--restart-after-s",
         "3",
+        "--hostile",
     ])
     .expect("the soak's flags");
     let report = run(&cfg).await.expect("the soak runs");
@@ -46,9 +48,10 @@ async fn a_short_soak_leaks_nothing() {
     for p in &report.processes {
         assert!(p.baseline.is_some() && p.end.is_some(), "{p:?}");
     }
+    let hostile = report.hostile.as_ref().expect("hostile peers ran");
     assert_eq!(
         report.router_counted.values().sum::<u64>(),
-        report.requests as u64,
+        report.requests as u64 + hostile.router_saw().values().sum::<u64>(),
         "{summary}"
     );
 }
