@@ -642,7 +642,7 @@ def check_tls(t, label, objs, by_key, tandem):
         if o["kind"] == "Certificate" and o["apiVersion"].startswith("cert-manager.io/"):
             certs[o["spec"].get("secretName")] = o
 
-    def cert_has(what, cert, usages=(), names=()):
+    def cert_has(what, cert, usages=(), names=(), uris=()):
         have = cert["spec"].get("usages") or ["digital signature", "key encipherment"]
         cname = cert["metadata"]["name"]
         if usages:
@@ -652,6 +652,9 @@ def check_tls(t, label, objs, by_key, tandem):
             t.ok(f"{what}: Certificate/{cname} carries the name {n}",
                  n in (cert["spec"].get("dnsNames") or []),
                  f"dnsNames {cert['spec'].get('dnsNames')}")
+        for u in uris:
+            t.ok(f"{what}: Certificate/{cname} carries the role URI {u}",
+                 u in (cert["spec"].get("uris") or []), f"uris {cert['spec'].get('uris')}")
 
     etcd = by_key.get(("StatefulSet", "etcd"))
     if etcd:
@@ -720,7 +723,10 @@ def check_tls(t, label, objs, by_key, tandem):
             if cert is not None:
                 server_names = sorted(names - {None}) if (
                     flag == "tls-cert" and binary != "tandem-router") else ()
-                cert_has(f"{c_label} --{flag}", cert, needs, server_names)
+                # The role the binary's peers check (docs/security.md, "Roles").
+                roles = (f"spiffe://tandem/{binary.removeprefix('tandem-')}",) if (
+                    flag == "tls-cert") else ()
+                cert_has(f"{c_label} --{flag}", cert, needs, server_names, roles)
 
 
 def check_tree(t, k8s, versions, only=None):
@@ -799,6 +805,10 @@ MUTATIONS = [
     ("Certificate without the TLS server name", "components/cert-manager-certs/certificates.yaml",
      "    - tandem-worker.tandem.svc\n", "    - tandem-workers.tandem.svc\n",
      "carries the name tandem-worker.tandem.svc",
+     {"base+components/mtls+components/cert-manager-certs"}),
+    ("decode Certificate with the prefill role", "components/cert-manager-certs/certificates.yaml",
+     "    - spiffe://tandem/decode\n", "    - spiffe://tandem/prefill\n",
+     "carries the role URI spiffe://tandem/decode",
      {"base+components/mtls+components/cert-manager-certs"}),
     ("etcd over TLS, binaries in plain text", "components/etcd-tls/kustomization.yaml",
      "      - TANDEM_ETCD_CA=/etc/tandem/tls/ca.crt\n", "",
