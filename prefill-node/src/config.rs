@@ -16,6 +16,12 @@ pub struct Config {
     /// Prompts that may wait for the compute thread; more are refused as resource exhausted.
     #[arg(long, env = "PREFILL_MAX_QUEUE", default_value_t = 256)]
     pub max_queue: usize,
+    /// Most prompt tokens started at once, over all prompts being computed or sent (each
+    /// holds a KV cache of its whole length): this bounds the node's KV memory beside the
+    /// prefix cache. Prompts past it wait in the queue, holding no cache; one prompt longer
+    /// than this still runs, alone.
+    #[arg(long, env = "PREFILL_MAX_ACTIVE_TOKENS", default_value_t = 16384)]
+    pub max_active_tokens: usize,
     /// Most prompt tokens computed in one step, over all the prompts batched into it.
     #[arg(long, env = "PREFILL_STEP_TOKENS", default_value_t = 2048)]
     pub step_tokens: usize,

@@ -64,6 +64,7 @@ pub async fn serve(
         chunk_tokens: cfg.chunk_tokens,
         message_tokens,
         prefix_cache_bytes: cfg.prefix_cache_mb << 20,
+        max_active_tokens: cfg.max_active_tokens,
     };
     let compute = worker::spawn(Arc::new(model), limits, Arc::clone(&metrics), jobs_rx)?;
     let queue = jobs_tx.clone();

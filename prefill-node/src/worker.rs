@@ -67,6 +67,9 @@ pub struct Limits {
     pub message_tokens: usize,
     /// Bytes the prefix cache may hold (0: off).
     pub prefix_cache_bytes: usize,
+    /// Most prompt tokens started at once (each started prompt holds a cache of its
+    /// length); one prompt longer than this still runs, alone.
+    pub max_active_tokens: usize,
 }
 
 /// A prompt being computed.
@@ -104,6 +107,7 @@ pub fn spawn(
                 limits,
                 metrics,
                 active: VecDeque::new(),
+                next: None,
             }
             .run(jobs)
         })
@@ -115,26 +119,45 @@ struct Worker {
     metrics: Arc<PrefillMetrics>,
     /// Prompts started, oldest first.
     active: VecDeque<Active>,
+    /// A prompt taken from the queue that waits for room among the started ones.
+    next: Option<Job>,
     prefix: PrefixCache,
 }
 
 impl Worker {
     fn run(mut self, mut jobs: mpsc::Receiver<Job>) {
         loop {
-            if self.active.is_empty() {
+            if self.active.is_empty() && self.next.is_none() {
                 match jobs.blocking_recv() {
-                    Some(job) => self.start(job),
+                    Some(job) => self.next = Some(job),
                     None => return,
                 }
             }
-            while let Ok(job) = jobs.try_recv() {
-                self.start(job);
-            }
+            self.start_what_fits(&mut jobs);
             self.drop_cancelled();
             if !self.active.is_empty() {
                 self.step();
             }
             self.publish();
+        }
+    }
+
+    /// Starts waiting prompts, oldest first, while their tokens fit beside those of the
+    /// prompts started (`max_active_tokens`): a started prompt holds a cache of its whole
+    /// length, so this bounds the node's KV memory; the others wait in the queue (at most
+    /// `--max-queue`) holding none. With nothing started, the next prompt starts whatever
+    /// its length.
+    fn start_what_fits(&mut self, jobs: &mut mpsc::Receiver<Job>) {
+        loop {
+            let Some(job) = self.next.take().or_else(|| jobs.try_recv().ok()) else {
+                return;
+            };
+            let held: usize = self.active.iter().map(|a| a.job.prompt.len()).sum();
+            if !self.active.is_empty() && held + job.prompt.len() > self.limits.max_active_tokens {
+                self.next = Some(job);
+                return;
+            }
+            self.start(job);
         }
     }
 

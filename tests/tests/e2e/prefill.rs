@@ -140,3 +140,52 @@ async fn a_short_prompt_behind_a_long_one_joins_its_chunks_and_finishes_first() 
         "the short prompt shared a step with the long one's chunk: {v}"
     );
 }
+
+#[tokio::test]
+async fn prompts_past_the_active_token_bound_wait_without_a_cache() {
+    // A long prompt (about 600 tokens) runs alone past --max-active-tokens 100; a short one
+    // that arrives meanwhile waits for it instead of taking a cache beside it.
+    let c = Cluster::start_with(
+        Mode::Pd,
+        &smollm2(),
+        &[],
+        &[
+            "--chunk-tokens",
+            "32",
+            "--prefix-cache-mb",
+            "0",
+            "--max-active-tokens",
+            "100",
+        ],
+    )
+    .await;
+    let p = c.prefill.clone().unwrap();
+    let long = json!({"model": "test", "max_tokens": 1, "temperature": 0,
+        "prompt": "The prefill node computes long prompts in chunks. ".repeat(60)});
+    let short = json!({"model": "test", "max_tokens": 1, "temperature": 0,
+        "prompt": "Hello"});
+    let url = format!("{}/v1/completions", c.url);
+    let long_url = url.clone();
+    let long_task = tokio::spawn(async move {
+        let r = e2e::post(&long_url, &long).await;
+        (r, Instant::now())
+    });
+    wait_metric(
+        &p,
+        "prefill_running_prompts",
+        "",
+        1.0,
+        Duration::from_secs(20),
+    )
+    .await;
+    let (status, v) = e2e::post(&url, &short).await;
+    let short_done = Instant::now();
+    assert_eq!(status, 200, "{v}");
+    let ((status, long_v), long_done) = long_task.await.unwrap();
+    assert_eq!(status, 200, "{long_v}");
+    assert!(
+        long_done < short_done,
+        "the short prompt started beside the long one"
+    );
+    assert_eq!(v["usage"]["batch_size"][0], 1, "it ran alone: {v}");
+}
