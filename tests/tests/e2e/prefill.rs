@@ -98,15 +98,13 @@ async fn one_api_key_cannot_see_another_key_s_prompts_in_the_prefix_cache() {
     assert!(cached_with_key(&c, "key-b", "What is a router?").await > 0);
 }
 
-#[tokio::test]
-async fn a_short_prompt_behind_a_long_one_joins_its_chunks_and_finishes_first() {
-    let c = Cluster::start_with(
-        Mode::Pd,
-        &smollm2(),
-        &[],
-        &["--chunk-tokens", "32", "--prefix-cache-mb", "0"],
-    )
-    .await;
+/// Sends a long prompt (about 600 tokens) to a cluster whose prefill node computes it in
+/// chunks of 32, and once the node runs it, a short one: the short prompt's answer, and
+/// when each ended.
+async fn short_behind_long(prefill_args: &[&str]) -> (Value, Instant, Instant) {
+    let mut args = vec!["--chunk-tokens", "32", "--prefix-cache-mb", "0"];
+    args.extend(prefill_args);
+    let c = Cluster::start_with(Mode::Pd, &smollm2(), &[], &args).await;
     let p = c.prefill.clone().unwrap();
     let long = json!({"model": "test", "max_tokens": 1, "temperature": 0,
         "prompt": "The prefill node computes long prompts in chunks. ".repeat(60)});
@@ -131,6 +129,12 @@ async fn a_short_prompt_behind_a_long_one_joins_its_chunks_and_finishes_first() 
     assert_eq!(status, 200, "{v}");
     let ((status, long_v), long_done) = long_task.await.unwrap();
     assert_eq!(status, 200, "{long_v}");
+    (v, short_done, long_done)
+}
+
+#[tokio::test]
+async fn a_short_prompt_behind_a_long_one_joins_its_chunks_and_finishes_first() {
+    let (v, short_done, long_done) = short_behind_long(&[]).await;
     assert!(
         short_done < long_done,
         "the short prompt waited for the whole long one"
@@ -143,46 +147,9 @@ async fn a_short_prompt_behind_a_long_one_joins_its_chunks_and_finishes_first() 
 
 #[tokio::test]
 async fn prompts_past_the_active_token_bound_wait_without_a_cache() {
-    // A long prompt (about 600 tokens) runs alone past --max-active-tokens 100; a short one
-    // that arrives meanwhile waits for it instead of taking a cache beside it.
-    let c = Cluster::start_with(
-        Mode::Pd,
-        &smollm2(),
-        &[],
-        &[
-            "--chunk-tokens",
-            "32",
-            "--prefix-cache-mb",
-            "0",
-            "--max-active-tokens",
-            "100",
-        ],
-    )
-    .await;
-    let p = c.prefill.clone().unwrap();
-    let long = json!({"model": "test", "max_tokens": 1, "temperature": 0,
-        "prompt": "The prefill node computes long prompts in chunks. ".repeat(60)});
-    let short = json!({"model": "test", "max_tokens": 1, "temperature": 0,
-        "prompt": "Hello"});
-    let url = format!("{}/v1/completions", c.url);
-    let long_url = url.clone();
-    let long_task = tokio::spawn(async move {
-        let r = e2e::post(&long_url, &long).await;
-        (r, Instant::now())
-    });
-    wait_metric(
-        &p,
-        "prefill_running_prompts",
-        "",
-        1.0,
-        Duration::from_secs(20),
-    )
-    .await;
-    let (status, v) = e2e::post(&url, &short).await;
-    let short_done = Instant::now();
-    assert_eq!(status, 200, "{v}");
-    let ((status, long_v), long_done) = long_task.await.unwrap();
-    assert_eq!(status, 200, "{long_v}");
+    // The long prompt runs alone past --max-active-tokens 100; the short one waits for it
+    // instead of taking a cache beside it.
+    let (v, short_done, long_done) = short_behind_long(&["--max-active-tokens", "100"]).await;
     assert!(
         long_done < short_done,
         "the short prompt started beside the long one"

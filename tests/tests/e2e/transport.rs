@@ -69,6 +69,13 @@ async fn wait_log_line(proc: &Proc, needles: &[&str], what: &str) {
     );
 }
 
+/// The mutual-TLS flags of a router, a prefill and a decode node, each with a certificate
+/// of its role from `pki`.
+fn role_args(pki: &Pki, ca: &Path) -> [Vec<String>; 3] {
+    ["router", "prefill", "decode"]
+        .map(|role| pki.leaf_as(Some(role), role, Validity::Good).mtls_args(ca))
+}
+
 fn proc_tagged<'a>(c: &'a Cluster, tag: &str) -> &'a Proc {
     c.procs
         .iter()
@@ -82,16 +89,7 @@ async fn every_hop_is_tls_and_peers_without_a_good_certificate_are_refused() {
     let pki = Pki::new(&dir, "cluster");
     let ca = pki.ca();
     let api = pki.leaf("api", Validity::Good);
-    let router = pki
-        .leaf_as(Some("router"), "router", Validity::Good)
-        .mtls_args(&ca);
-    let prefill = pki
-        .leaf_as(Some("prefill"), "prefill", Validity::Good)
-        .mtls_args(&ca);
-    let decode = pki
-        .leaf_as(Some("decode"), "decode", Validity::Good)
-        .mtls_args(&ca);
-    let mut router_args = router.clone();
+    let [mut router_args, prefill, decode] = role_args(&pki, &ca);
     router_args.extend([
         "--https-cert".into(),
         api.cert.display().to_string(),
@@ -261,18 +259,10 @@ async fn the_router_skips_workers_whose_certificates_fail_and_serves_through_goo
         );
         bad.push((name, addr, p));
     }
-    let mut router_args = pki
-        .leaf_as(Some("router"), "router", Validity::Good)
-        .mtls_args(&ca);
+    let [mut router_args, prefill, decode] = role_args(&pki, &ca);
     for (_, addr, _) in &bad {
         router_args.extend(["--prefill-nodes".into(), addr.clone()]);
     }
-    let prefill = pki
-        .leaf_as(Some("prefill"), "prefill", Validity::Good)
-        .mtls_args(&ca);
-    let decode = pki
-        .leaf_as(Some("decode"), "decode", Validity::Good)
-        .mtls_args(&ca);
     let c = Cluster::launch(
         Mode::Pd,
         &tiny_model(),
