@@ -207,9 +207,11 @@ async fn past_the_connection_cap_new_clients_wait_and_open_ones_keep_working() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn streams_whose_clients_stop_reading_are_dropped_and_cancelled() {
-    // Eight long sequences per request, each token with 20 alternatives: megabytes of
-    // output, far more than the sockets' buffers hold, so that each generation is still
-    // running when its client's stall is noticed.
+    // 32 sequences of 2000 tokens per request, each token with 20 alternatives: more
+    // than the sockets' buffers hold, and more than the decode node's 8 MiB gRPC stream
+    // window, so that each generation is still running when its client's stall is noticed
+    // however fast the node computes (with 8 sequences of 1500 tokens it could finish into
+    // the window first, and there was then nothing to cancel).
     let c = Cluster::start(
         Mode::Pd,
         &tiny_model(),
@@ -217,12 +219,12 @@ async fn streams_whose_clients_stop_reading_are_dropped_and_cancelled() {
             "--client-stall-timeout-ms",
             "2000",
             "--max-iter-times",
-            "1500",
+            "2000",
         ],
     )
     .await;
     let host = host(&c);
-    let body = json!({"model": c.model_name, "stream": true, "max_tokens": 1500, "n": 8,
+    let body = json!({"model": c.model_name, "stream": true, "max_tokens": 2000, "n": 32,
         "ignore_eos": true, "logprobs": true, "top_logprobs": 20,
         "messages": [{"role": "user", "content": "Tell me a very long story."}]})
     .to_string();
