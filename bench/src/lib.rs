@@ -12,6 +12,7 @@ pub mod load;
 pub mod overhead;
 pub mod serve;
 pub mod soak;
+pub mod stats;
 pub mod zero;
 
 /// Read bandwidth in bytes/s: `threads` threads each sum their share of a buffer much larger

@@ -11,7 +11,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
-use crate::serve::quantile;
+use crate::stats::quantile;
 use engine::sampling::SplitMix64;
 
 /// A small deterministic generator (SplitMix64): the same seed gives the same load.

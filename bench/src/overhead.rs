@@ -14,7 +14,7 @@ use e2e::{free_port, Proc};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::serve::quantile;
+use crate::stats::quantile;
 
 /// The bench's settings.
 #[derive(Debug, Clone, Parser)]

@@ -36,7 +36,7 @@ pub struct ZeroModel {
 impl ZeroModel {
     /// Reads the config and tokenizer of the model at `path` (no weights).
     pub fn load(path: &Path) -> engine::Result<Self> {
-        let text = engine::load_text(path)?;
+        let text = text::load(path)?;
         let token = text
             .tokenizer
             .encode(" hello")?
@@ -44,7 +44,7 @@ impl ZeroModel {
             .copied()
             .unwrap_or(0);
         Ok(Self {
-            layout: proto::layout_to_proto(&engine::KvLayout::for_model(&text.config)),
+            layout: kvwire::convert::layout_to_proto(&engine::KvLayout::for_model(&text.config)),
             token,
         })
     }

@@ -213,7 +213,7 @@ impl KvPlane {
             let layout = header
                 .layout
                 .as_ref()
-                .map(proto::layout_from_proto)
+                .map(kvwire::convert::layout_from_proto)
                 .ok_or_else(|| DecodeError::BadTransfer("the header has no layout".into()))?;
             if layout != self.layout {
                 return Err(DecodeError::BadTransfer(format!(
@@ -322,7 +322,11 @@ impl KvPlane {
                     if f.tokens.is_empty() || f.tokens.len() > MAX_SEQUENCES {
                         return Err(bad("a transfer carries 1 to 128 first tokens".into()));
                     }
-                    let first = f.tokens.iter().map(proto::token_from_proto).collect();
+                    let first = f
+                        .tokens
+                        .iter()
+                        .map(kvwire::convert::token_from_proto)
+                        .collect();
                     return Ok((asm.finish()?, first));
                 }
                 kvwire::Frame::Header(_) => return Err(bad("a second header".into())),

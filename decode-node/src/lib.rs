@@ -52,7 +52,9 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let advertise = cfg.cluster.advertise(listener.local_addr()?)?;
-    let model = runtime::load_model(&cfg.model).await?;
+    let path = cfg.model.clone();
+    let model =
+        runtime::load_model(move || engine::Model::load(&path, &candle_core::Device::Cpu)).await?;
     let layout = model.kv_layout();
     let max_positions = model.config().max_position_embeddings;
     let block_tokens = cfg.kv_block_tokens.max(1);
@@ -94,7 +96,7 @@ pub async fn serve(
         discovery::Role::Decode,
         advertise,
         &cfg.model,
-        &layout,
+        kvwire::convert::layout_info(&layout),
         capacity,
     );
     let max = cfg.cluster.grpc_max_message_bytes;

@@ -134,7 +134,7 @@ struct Scheduler {
 
 fn token(s: &Sampled, choice: u32, ms: f64, batch: usize, wait_us: u64) -> TokenEvent {
     TokenEvent {
-        token: Some(proto::token_to_proto(s)),
+        token: Some(kvwire::convert::token_to_proto(s)),
         step_time_ms: ms,
         batch_size: batch as u32,
         queue_wait_us: wait_us,

@@ -238,7 +238,11 @@ impl proto::v1::decode_server::Decode for DecodeService {
         let admission = Admission {
             span: span.clone(),
             prompt: req.prompt,
-            sampling: req.sampling.as_ref().map(Into::into).unwrap_or_default(),
+            sampling: req
+                .sampling
+                .as_ref()
+                .map(kvwire::convert::sampling_from_proto)
+                .unwrap_or_default(),
             top_logprobs: req.top_logprobs as usize,
             n,
             beam_width: width,
@@ -283,7 +287,7 @@ impl proto::v1::decode_server::Decode for DecodeService {
         let capacity = self.budget.capacity() as u64;
         Ok(Response::new(HealthReply {
             role: "decode".into(),
-            layout: Some(proto::layout_to_proto(&self.layout)),
+            layout: Some(kvwire::convert::layout_to_proto(&self.layout)),
             draining: self.gate.draining(),
             load: Some(proto::v1::WorkerLoad {
                 waiting: (get(&m.waiting_requests) as usize + self.budget.waiting()) as u32,

@@ -5,7 +5,7 @@
 //! Beam search is deterministic: it follows the model's raw distribution, so temperature,
 //! top-k, top-p, penalties and the seed do not apply.
 
-use crate::sampling::{log_softmax, top_n, Sampled};
+use crate::logprobs::{log_softmax, top_n, Sampled};
 
 /// One hypothesis: its generated tokens, their summed log-probability, and the caller's state.
 #[derive(Debug)]

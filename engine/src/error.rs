@@ -15,10 +15,8 @@ pub enum EngineError {
     InvalidModel { path: PathBuf, reason: String },
     #[error("tensor computation failed: {0}")]
     Tensor(#[from] candle_core::Error),
-    #[error("tokenizer: {0}")]
-    Tokenizer(String),
-    #[error("chat template: {0}")]
-    Template(String),
+    #[error(transparent)]
+    Text(#[from] text::TextError),
     #[error("KV cache: {0}")]
     KvCache(String),
     #[error("sequence of {got} tokens exceeds the model's {limit} positions")]

@@ -9,9 +9,9 @@ use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::Device;
 
-use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::model::gguf_name_of;
+use text::ModelConfig;
 
 fn read_json(path: &Path) -> Result<serde_json::Value> {
     let text = std::fs::read_to_string(path).map_err(|e| EngineError::io(path, e))?;

@@ -8,8 +8,8 @@
 use bytes::Bytes;
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
+use text::ModelConfig;
 
 /// Positions are allocated in multiples of this, so growth does not copy every step.
 const GROW_TOKENS: usize = 64;

@@ -1,18 +1,17 @@
-//! The inference engine shared by the prefill and decode nodes: model, KV cache, tokenizer,
-//! chat template and sampling. No networking lives here.
+//! The inference engine shared by the prefill and decode nodes: model, KV cache, kernels and
+//! sampling. The text side (tokenizer, chat template) is the `text` crate's. No networking
+//! lives here.
 
 mod act_quant;
 mod attention;
 pub mod beam;
-pub mod chat_template;
-pub mod config;
-mod encode;
 pub mod error;
 pub mod fuzz;
 pub mod generate;
 pub mod gguf_export;
 pub mod kv_cache;
 pub mod loader;
+mod logprobs;
 mod masked_softmax;
 pub mod model;
 pub mod q4;
@@ -21,17 +20,10 @@ pub mod sampling;
 mod split;
 mod swiglu;
 pub mod testmodel;
-pub mod tokenizer;
 pub mod weights;
 
-pub use chat_template::{py_json, ChatInput, ChatTemplate};
-pub use config::ModelConfig;
 pub use error::{EngineError, Result};
 pub use kv_cache::{KvAssembler, KvChunk, KvLayout, SeqCache};
-pub use loader::{load, load_text, Loaded, TextModel};
+pub use loader::{load, Loaded};
 pub use model::{Model, SeqInput};
 pub use sampling::{Sampled, SamplingParams};
-pub use tokenizer::{IncrementalDecoder, Tokenizer};
-
-/// The engine's version: caches are exchanged only between workers of the same one.
-pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -10,12 +10,12 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use rayon::prelude::*;
 
 use crate::attention;
-use crate::config::{ModelConfig, RopeStyle};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvLayout, SeqCache};
 use crate::masked_softmax::MaskedSoftmax;
 use crate::swiglu;
 use crate::weights::{Linear, Stacked, WeightSource};
+use text::{ModelConfig, RopeStyle};
 
 struct Layer {
     attn_norm: Tensor,
@@ -149,16 +149,13 @@ impl Model {
             let mut src = WeightSource::open_hf_folder(path, device)?;
             Self::from_source(cfg, &mut src, &HF_NAMES, device)
         } else {
-            Self::from_gguf(&mut WeightSource::open_gguf(path)?, path, device)
+            let cfg = ModelConfig::from_gguf(&text::gguf::Metadata::open(path)?, path)?;
+            Self::from_gguf(&mut WeightSource::open_gguf(path)?, cfg, device)
         }
     }
 
-    /// Loads the model of an already opened GGUF file, so its header is parsed once.
-    pub fn from_gguf(src: &mut WeightSource, path: &Path, device: &Device) -> Result<Self> {
-        let content = src
-            .gguf_content()
-            .ok_or_else(|| EngineError::invalid_model(path, "not a GGUF source"))?;
-        let cfg = ModelConfig::from_gguf(content, path)?;
+    /// Loads the weights of an opened GGUF file whose hyper-parameters are `cfg`.
+    pub fn from_gguf(src: &mut WeightSource, cfg: ModelConfig, device: &Device) -> Result<Self> {
         Self::from_source(cfg, src, &GGUF_NAMES, device)
     }
 

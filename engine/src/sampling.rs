@@ -6,6 +6,9 @@
 
 use std::collections::HashMap;
 
+use crate::logprobs::{log_softmax, top_n};
+pub use crate::logprobs::{Sampled, TokenLogprob};
+
 /// The most alternatives one token reports (the API's `top_logprobs` limit); the workers
 /// refuse requests for more, so a request's logprob entries stay bounded.
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -40,23 +43,6 @@ impl Default for SamplingParams {
             seed: 0,
         }
     }
-}
-
-/// One token's log-probability.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct TokenLogprob {
-    pub token: u32,
-    pub logprob: f32,
-}
-
-/// What the sampler chose, with log-probabilities when asked for.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Sampled {
-    pub token: u32,
-    /// Log-probability of `token` under the model's distribution (before sampling settings).
-    pub logprob: f32,
-    /// The most likely tokens, best first; as many as were asked for.
-    pub top: Vec<TokenLogprob>,
 }
 
 /// SplitMix64: a tiny, well-mixed hash from (seed, step) to 64 random bits.
@@ -153,37 +139,6 @@ pub fn apply_penalties(logits: &mut [f32], p: &SamplingParams, prompt: &[u32], o
             }
         }
     }
-}
-
-/// Log-softmax of the raw logits, in f64 for stable sums.
-pub(crate) fn log_softmax(logits: &[f32]) -> Vec<f32> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
-    let log_z = max as f64 + sum.ln();
-    logits.iter().map(|&x| (x as f64 - log_z) as f32).collect()
-}
-
-/// The `n` best entries of `values`, best first; ties keep the lower id first.
-pub(crate) fn top_n(values: &[f32], n: usize) -> Vec<TokenLogprob> {
-    let mut idx: Vec<u32> = (0..values.len() as u32).collect();
-    let n = n.min(idx.len());
-    if n == 0 {
-        return vec![];
-    }
-    let by_value = |a: &u32, b: &u32| {
-        values[*b as usize]
-            .total_cmp(&values[*a as usize])
-            .then(a.cmp(b))
-    };
-    idx.select_nth_unstable_by(n - 1, by_value);
-    idx.truncate(n);
-    idx.sort_by(by_value);
-    idx.into_iter()
-        .map(|t| TokenLogprob {
-            token: t,
-            logprob: values[t as usize],
-        })
-        .collect()
 }
 
 /// Chooses the token for step `step` of a request.

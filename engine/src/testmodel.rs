@@ -18,14 +18,15 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use crate::error::{EngineError, Result};
-use crate::tokenizer::QWEN2_SPLIT;
+use text::tokenizer::QWEN2_SPLIT;
+use text::TextError;
 
 /// Seed of the committed reference models.
 pub const DEFAULT_SEED: u64 = 20_261_122;
 
 const CORPUS: &str = include_str!("../data/corpus.txt");
 /// The ChatML template the generated models carry.
-pub const CHATML_TEMPLATE: &str = include_str!("chatml.jinja");
+pub const CHATML_TEMPLATE: &str = text::CHATML_TEMPLATE;
 /// Special tokens, matched whole and dropped by `skip_special_tokens`.
 const SPECIAL: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
 /// Added tokens that stay in the text, as Qwen2.5 and Qwen3 treat them.
@@ -82,7 +83,7 @@ impl ModelSize {
 
 /// Trains the byte-level BPE tokenizer on the bundled corpus.
 fn train_tokenizer(vocab_target: usize) -> Result<tokenizers::Tokenizer> {
-    let err = |e: tokenizers::Error| EngineError::Tokenizer(e.to_string());
+    let err = |e: tokenizers::Error| EngineError::from(TextError::Tokenizer(e.to_string()));
     let mut tk = tokenizers::Tokenizer::new(BPE::default());
     let split = Split::new(
         SplitPattern::Regex(QWEN2_SPLIT.into()),
@@ -146,7 +147,7 @@ pub fn write_model(dir: &Path, size: ModelSize, dtype: DType, seed: u64) -> Resu
     let (eos, pad) = (id("<|im_end|>"), id("<|endoftext|>"));
     let tk_path = dir.join("tokenizer.json");
     tk.save(&tk_path, true)
-        .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        .map_err(|e| EngineError::from(TextError::Tokenizer(e.to_string())))?;
 
     let head_dim = d.hidden / d.heads;
     let mut rng = Normal(crate::sampling::SplitMix64::new(seed));

@@ -170,14 +170,6 @@ impl WeightSource {
         })
     }
 
-    /// The GGUF header (metadata and tensor index), for GGUF sources.
-    pub fn gguf_content(&self) -> Option<&gguf_file::Content> {
-        match self {
-            Self::Gguf { content, .. } => Some(content),
-            Self::SafeTensors { .. } => None,
-        }
-    }
-
     fn path(&self) -> &Path {
         match self {
             Self::SafeTensors { path, .. } | Self::Gguf { path, .. } => path,

@@ -15,6 +15,7 @@
 //! closes the connection.
 
 mod client;
+pub mod convert;
 
 pub use client::Client;
 

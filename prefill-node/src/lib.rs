@@ -50,7 +50,9 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let advertise = cfg.cluster.advertise(listener.local_addr()?)?;
-    let model = runtime::load_model(&cfg.model).await?;
+    let path = cfg.model.clone();
+    let model =
+        runtime::load_model(move || engine::Model::load(&path, &candle_core::Device::Cpu)).await?;
     let layout = model.kv_layout();
     let max_positions = model.config().max_position_embeddings;
     let vocab = model.config().vocab_size;
@@ -79,7 +81,7 @@ pub async fn serve(
         discovery::Role::Prefill,
         advertise,
         &cfg.model,
-        &layout,
+        kvwire::convert::layout_info(&layout),
         capacity,
     );
     let targets = targets::DecodeTargets::new(&cfg.decode_nodes, registered_decoders(cfg)?);

@@ -100,7 +100,7 @@ impl PrefillService {
         let (tx, rx) = mpsc::unbounded_channel();
         let header = KvHeader {
             request_id: req.request_id.clone(),
-            layout: Some(proto::layout_to_proto(&self.layout)),
+            layout: Some(kvwire::convert::layout_to_proto(&self.layout)),
             tokens: req.prompt.clone(),
             max_new_tokens: req.max_new_tokens,
             ticket: req.kv_ticket.clone(),
@@ -113,7 +113,11 @@ impl PrefillService {
         let (done_tx, done_rx) = oneshot::channel();
         let job = Job {
             prompt: req.prompt,
-            sampling: req.sampling.as_ref().map(Into::into).unwrap_or_default(),
+            sampling: req
+                .sampling
+                .as_ref()
+                .map(kvwire::convert::sampling_from_proto)
+                .unwrap_or_default(),
             top_logprobs: req.top_logprobs as usize,
             n: (req.n as usize).max(1),
             beam: req.beam_search,
@@ -159,7 +163,11 @@ impl PrefillService {
             "prefilled"
         );
         Ok(PrefillResponse {
-            first: computed.first.iter().map(proto::token_to_proto).collect(),
+            first: computed
+                .first
+                .iter()
+                .map(kvwire::convert::token_to_proto)
+                .collect(),
             prefill_time_ms: prefill_time.as_secs_f64() * 1e3,
             queue_wait_us: computed.queue_wait.as_micros() as u64,
             cached_tokens: computed.cached_tokens as u32,
@@ -226,7 +234,7 @@ impl proto::v1::prefill_server::Prefill for PrefillService {
         let m = &self.metrics;
         Ok(Response::new(HealthReply {
             role: "prefill".into(),
-            layout: Some(proto::layout_to_proto(&self.layout)),
+            layout: Some(kvwire::convert::layout_to_proto(&self.layout)),
             draining: self.gate.draining(),
             load: Some(proto::v1::WorkerLoad {
                 waiting: (self.max_queue - self.jobs.capacity()) as u32,

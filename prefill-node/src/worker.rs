@@ -344,7 +344,7 @@ impl Worker {
             job.beam,
         );
         let msg = Item::First(FirstTokens {
-            tokens: first.iter().map(proto::token_to_proto).collect(),
+            tokens: first.iter().map(kvwire::convert::token_to_proto).collect(),
         });
         let result = match job.transfer.send(msg) {
             Ok(()) => {

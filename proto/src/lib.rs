@@ -1,10 +1,7 @@
-//! The `tandem.v1` gRPC contracts, and conversions between their messages and engine types.
+//! The `tandem.v1` gRPC contracts. They carry plain values (token ids, sampling settings, a
+//! cache layout) and depend on no engine type; the nodes convert (`kvwire::convert`).
 
 /// Generated messages, clients and servers of `tandem.v1`.
 pub mod v1 {
     tonic::include_proto!("tandem.v1");
 }
-
-mod convert;
-
-pub use convert::{layout_from_proto, layout_to_proto, token_from_proto, token_to_proto};

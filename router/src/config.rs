@@ -5,6 +5,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use crate::error::ErrorFormat;
 use crate::routing::PolicyKind;
 
 /// How requests are served.
@@ -14,15 +15,6 @@ pub enum Mode {
     Pd,
     /// One worker (a decode node) prefills and decodes each request itself.
     Colocated,
-}
-
-/// How error bodies look.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum ErrorFormat {
-    /// `{"error": {"message", "type", "param", "code"}}`.
-    Openai,
-    /// The hosted provider's (seed 003): `{"code", "result": null, "message"}`.
-    Provider,
 }
 
 /// Which tool-call markup chat output is parsed for.

@@ -15,14 +15,14 @@ use crate::config::Mode;
 use crate::error::RouterError;
 use crate::metrics::Culprit;
 use crate::state::AppState;
-use crate::workers::{Hold, Worker};
+use crate::worker::{Hold, Worker};
 
 /// A tokenized, validated request.
 #[derive(Debug, Clone)]
 pub struct GenRequest {
     pub id: String,
     pub prompt: Vec<u32>,
-    pub sampling: engine::SamplingParams,
+    pub sampling: proto::v1::SamplingParams,
     /// Completion tokens allowed in all, the prefill node's first one included.
     pub max_tokens: usize,
     pub stop_ids: Vec<u32>,
@@ -250,7 +250,7 @@ async fn pd_on(
         0 => req.id.clone(),
         n => format!("{}-retry{n}", req.id),
     };
-    let sampling = Some(proto::v1::SamplingParams::from(&req.sampling));
+    let sampling = Some(req.sampling);
     let generate = runtime::with_request_id(
         &kv_id,
         GenerateRequest {
@@ -422,7 +422,7 @@ async fn attempt_colocated(
         GenerateRequest {
             request_id: req.id.clone(),
             prompt: req.prompt.clone(),
-            sampling: Some((&req.sampling).into()),
+            sampling: Some(req.sampling),
             max_new_tokens: req.max_tokens as u32,
             stop_token_ids: req.stop_ids.clone(),
             prefill_here: true,

@@ -4,7 +4,14 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-use crate::config::ErrorFormat;
+/// How error bodies look.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ErrorFormat {
+    /// `{"error": {"message", "type", "param", "code"}}`.
+    Openai,
+    /// The hosted provider's (seed 003): `{"code", "result": null, "message"}`.
+    Provider,
+}
 
 /// Why a request failed.
 #[derive(Debug, thiserror::Error)]

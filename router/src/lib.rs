@@ -10,11 +10,11 @@ pub mod keys;
 pub mod metrics;
 pub mod openai;
 pub mod params;
+pub mod pool;
 pub mod routing;
 pub mod state;
 pub mod stops;
-pub mod structured;
-pub mod workers;
+pub mod worker;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -28,7 +28,8 @@ use axum::{Json, Router};
 use serde_json::json;
 use tokio::net::TcpListener;
 
-pub use config::{Config, ErrorFormat, Mode};
+pub use config::{Config, Mode};
+pub use error::ErrorFormat;
 pub use error::RouterError;
 pub use state::AppState;
 
@@ -92,7 +93,7 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let mut page = state.metrics.render();
     runtime::prom::tls(&mut page);
-    page.push_str(&workers::render(&[
+    page.push_str(&pool::render(&[
         ("prefill", &state.prefill),
         ("decode", &state.decode),
     ]));

@@ -24,7 +24,7 @@ use crate::metrics::InFlight;
 use crate::params::{self, ToolChoice};
 use crate::state::AppState;
 use crate::stops::{Scan, StopStrings};
-use crate::structured::{prompt_opens_reasoning, Parser, ToolCall};
+use text::structured::{prompt_opens_reasoning, Parser, ToolCall};
 
 /// Bodies up to this size are parsed, templated and tokenized on the thread serving the
 /// connection: a few thousand tokens at most, about a millisecond, a bounded stall; the hop
@@ -296,7 +296,7 @@ fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, Router
                 .template
                 .as_ref()
                 .ok_or(RouterError::NoChatTemplate)?;
-            let mut text = crate::structured::render(template, &chat.input)
+            let mut text = text::structured::render(template, &chat.input)
                 .map_err(|e| RouterError::Template(e.to_string()))?;
             let parser = chat_parser(state, &chat.tool_choice, &mut text)?;
             (text, "messages", chat.logprobs, parser)
@@ -422,7 +422,7 @@ struct Released {
 
 /// One sequence's output as it grows.
 struct ChoiceOut {
-    decoder: engine::IncrementalDecoder,
+    decoder: text::IncrementalDecoder,
     /// Decoded text; past a matched stop string it is cut where the output ends.
     text: String,
     text_chars: usize,
@@ -447,7 +447,7 @@ struct ChoiceOut {
 impl ChoiceOut {
     fn new(skip_special: bool, parser: Option<Parser>) -> Self {
         Self {
-            decoder: engine::IncrementalDecoder::new(skip_special),
+            decoder: text::IncrementalDecoder::new(skip_special),
             text: String::new(),
             text_chars: 0,
             sent: 0,

@@ -16,7 +16,7 @@ pub const MAX_CONTENT_CHARS: usize = 4 * 1024 * 1024;
 pub struct Common {
     pub model: String,
     pub stream: bool,
-    pub sampling: engine::SamplingParams,
+    pub sampling: proto::v1::SamplingParams,
     pub max_tokens: Option<u64>,
     pub ignore_eos: bool,
     pub skip_special_tokens: bool,
@@ -264,7 +264,7 @@ pub fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
     let top_p = ranged(o, "top_p", 1.0, (1e-6, true), (1.0, false))?;
     let top_k = match integer(o, "top_k")? {
         None | Some(-1) | Some(0) => 0,
-        Some(k) if k > 0 && k <= i32::MAX as i128 => (k as usize).min(vocab_size),
+        Some(k) if k > 0 && k <= i32::MAX as i128 => (k as usize).min(vocab_size) as u32,
         Some(k) => {
             return Err(RouterError::param(
                 "top_k",
@@ -355,7 +355,7 @@ pub fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
     Ok(Common {
         model,
         stream,
-        sampling: engine::SamplingParams {
+        sampling: proto::v1::SamplingParams {
             temperature: temperature as f32,
             top_k,
             top_p: top_p as f32,
@@ -376,27 +376,17 @@ pub fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
     })
 }
 
-/// A fresh random u64, for seeds and ids: a per-thread SplitMix64 seeded once from the OS.
-/// Ids and seeds must differ, not stay secret, and a getrandom call per value cost the
+/// A fresh random u64, for seeds and ids: fastrand's per-thread generator, seeded once per
+/// thread. Ids and seeds must differ, not stay secret, and a getrandom call per value cost the
 /// router a system call three times per request.
 pub fn random_u64() -> u64 {
-    thread_local! {
-        static RNG: std::cell::Cell<engine::sampling::SplitMix64> = std::cell::Cell::new(
-            engine::sampling::SplitMix64::new(getrandom::u64().expect("the OS has randomness")),
-        );
-    }
-    RNG.with(|cell| {
-        let mut rng = cell.get();
-        let v = rng.next_u64();
-        cell.set(rng);
-        v
-    })
+    fastrand::u64(..)
 }
 
 /// What a chat request renders its prompt from.
 #[derive(Debug, Clone)]
 pub struct Chat {
-    pub input: engine::ChatInput,
+    pub input: text::ChatInput,
     /// `Some(k)`: report each token's logprob and its k best alternatives.
     pub logprobs: Option<usize>,
     pub tool_choice: ToolChoice,
@@ -591,7 +581,7 @@ pub fn chat(o: &Obj) -> Result<Chat, RouterError> {
         _ => tools.map(Value::Array),
     };
     Ok(Chat {
-        input: engine::ChatInput {
+        input: text::ChatInput {
             messages: Value::Array(out),
             tools,
             add_generation_prompt: true,

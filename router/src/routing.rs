@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::workers::Worker;
+use crate::worker::Worker;
 
 /// Chooses a worker among ready ones (never an empty list; rotated by the pool, so that
 /// returning the first of equals spreads load).
@@ -169,20 +169,10 @@ impl Default for RetryBudget {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workers::{block_hashes, PoolSettings, Worker};
-    use std::time::Duration;
+    use crate::worker::{block_hashes, test_settings, Worker};
 
     fn workers(n: usize) -> Vec<Arc<Worker>> {
-        let s = PoolSettings {
-            dialer: runtime::Dialer {
-                connect_timeout: Duration::from_millis(100),
-                tls: None,
-                max_message: runtime::DEFAULT_MAX_MESSAGE,
-                max_age: tls::MAX_CONNECTION_AGE,
-            },
-            breaker_failures: 3,
-            breaker_cooldown: Duration::from_secs(1),
-        };
+        let s = test_settings(3, 1000);
         (0..n)
             .map(|i| {
                 Arc::new(Worker::new_for_tests(

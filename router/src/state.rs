@@ -8,16 +8,17 @@ use crate::config::{Config, Mode, ReasoningParser, ToolCallParser};
 use crate::error::RouterError;
 use crate::keys::{Key, Keys};
 use crate::metrics::Metrics;
+use crate::pool::Pool;
 use crate::routing::RetryBudget;
-use crate::structured::ToolFormat;
-use crate::workers::{Expected, Pool, PoolSettings};
+use crate::worker::{Expected, PoolSettings};
+use text::structured::ToolFormat;
 
 /// The router's shared state.
 pub struct AppState {
     pub cfg: Config,
     /// The name requests must give as `model`.
     pub model_name: String,
-    pub text: engine::TextModel,
+    pub text: text::TextModel,
     pub prefill: Pool,
     pub decode: Pool,
     /// Most prompt tokens: min(maxInputTokenLen, maxSeqLen - 1, max_position_embeddings).
@@ -66,10 +67,23 @@ impl Discovery {
     }
 }
 
+/// The layout of the caches the workers of `cfg`'s model hold and register, to refuse workers
+/// of another. The engine keeps its caches in f32 (`engine::KvLayout::for_model`); the router
+/// does not link the engine, and every cluster test would fail if the two disagreed, since
+/// the router would refuse every worker.
+fn cache_layout(cfg: &text::ModelConfig) -> discovery::Layout {
+    discovery::Layout {
+        n_layers: cfg.num_hidden_layers as u32,
+        n_kv_heads: cfg.num_key_value_heads as u32,
+        head_dim: cfg.head_dim as u32,
+        dtype: "f32".into(),
+    }
+}
+
 impl AppState {
     /// Loads the model's tokenizer and template and sets up the worker pools.
     pub fn new(cfg: Config) -> Result<Self, RouterError> {
-        let text = engine::load_text(&cfg.model)
+        let text = text::load(&cfg.model)
             .map_err(|e| RouterError::Internal(format!("loading {}: {e}", cfg.model.display())))?;
         let model_name = cfg.model_name.clone().unwrap_or_else(|| {
             let stem = if cfg.model.is_dir() {
@@ -93,8 +107,8 @@ impl AppState {
         };
         let expected = Expected {
             model: discovery::model_identity(&cfg.model),
-            layout: runtime::layout_info(&engine::KvLayout::for_model(&text.config)),
-            engine_version: engine::VERSION.into(),
+            layout: cache_layout(&text.config),
+            engine_version: runtime::VERSION.into(),
         };
         let policy = cfg.policy.build(cfg.affinity_slack_tokens);
         let static_prefill: &[String] = match cfg.mode {

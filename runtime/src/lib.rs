@@ -37,15 +37,9 @@ pub const MAX_FRAME: u32 = 1 << 20;
 /// `--grpc-max-message-bytes`).
 pub const DEFAULT_MAX_MESSAGE: usize = 64 << 20;
 
-/// A cache layout as registrations carry it.
-pub fn layout_info(l: &engine::KvLayout) -> discovery::Layout {
-    discovery::Layout {
-        n_layers: l.n_layers as u32,
-        n_kv_heads: l.n_kv_heads as u32,
-        head_dim: l.head_dim as u32,
-        dtype: l.dtype.clone(),
-    }
-}
+/// The build's version, which every crate of the workspace shares: caches and requests pass
+/// only between processes of the same build, so workers register it and the router checks it.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The registration of a worker of `role` at `addr` serving the model at `model` with
 /// caches of `layout`.
@@ -53,15 +47,15 @@ pub fn worker_info(
     role: discovery::Role,
     addr: String,
     model: &std::path::Path,
-    layout: &engine::KvLayout,
+    layout: discovery::Layout,
     capacity: discovery::Capacity,
 ) -> discovery::WorkerInfo {
     discovery::WorkerInfo {
         role,
         addr,
         model: discovery::model_identity(model),
-        layout: layout_info(layout),
-        engine_version: engine::VERSION.into(),
+        layout,
+        engine_version: VERSION.into(),
         capacity,
     }
 }
@@ -182,21 +176,26 @@ pub fn with_request_id<T>(id: &str, msg: T) -> tonic::Request<T> {
     r
 }
 
-/// Loads a model's weights for CPU inference, off the async threads.
-pub async fn load_model(path: &std::path::Path) -> Result<engine::Model, ServeError> {
-    let path = path.to_path_buf();
-    let model =
-        tokio::task::spawn_blocking(move || engine::Model::load(&path, &candle_core::Device::Cpu))
-            .await
-            .expect("model loading does not panic")?;
-    Ok(model)
+/// Runs a model's loading on the blocking pool, off the async threads. Plumbing knows no
+/// model: the node passes the call that loads its own.
+pub async fn load_model<M, E>(
+    load: impl FnOnce() -> Result<M, E> + Send + 'static,
+) -> Result<M, ServeError>
+where
+    M: Send + 'static,
+    E: std::error::Error + Send + Sync + 'static,
+{
+    tokio::task::spawn_blocking(load)
+        .await
+        .expect("model loading does not panic")
+        .map_err(|e| ServeError::Model(Box::new(e)))
 }
 
 /// Why a node could not start or stopped serving.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error("loading the model: {0}")]
-    Model(#[from] engine::EngineError),
+    Model(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("starting the compute thread: {0}")]
     Thread(#[from] std::io::Error),
     #[error("gRPC server: {0}")]

@@ -3,7 +3,8 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use bench::serve::{quantile, run_level};
+use bench::serve::run_level;
+use bench::stats::quantile;
 use clap::Parser;
 use e2e::{Cluster, Mode};
 use serde_json::json;

@@ -222,7 +222,7 @@ fn transfer(
     let per_message = (chunk_bytes / row).max(1);
     let header = KvHeader {
         request_id: id.into(),
-        layout: Some(proto::layout_to_proto(layout)),
+        layout: Some(kvwire::convert::layout_to_proto(layout)),
         tokens: (0..tokens as u32).map(|t| t % 100 + 1).collect(),
         ..Default::default()
     };
@@ -253,7 +253,7 @@ fn transfer(
 
 /// A text prompt of about `tokens` tokens that no earlier prompt starts like (the prefill
 /// node's prefix cache would otherwise skip the compute).
-fn prompt_of(tokenizer: &engine::Tokenizer, tokens: usize, salt: usize) -> anyhow::Result<String> {
+fn prompt_of(tokenizer: &text::Tokenizer, tokens: usize, salt: usize) -> anyhow::Result<String> {
     let words = [
         "tandem", "prefill", "decode", "router", "cache", "token", "layer", "wire",
     ];
@@ -280,7 +280,7 @@ async fn prefill_times(addr: &str) -> anyhow::Result<(f64, f64)> {
 /// TTFT a streaming client saw, and the medians of the prefill node's compute time and
 /// transfer tail (its last layer to the decode node's acknowledgement) for the same
 /// requests, one at a time.
-async fn ttft_shares(a: &Args, tokenizer: &engine::Tokenizer) -> anyhow::Result<Vec<Value>> {
+async fn ttft_shares(a: &Args, tokenizer: &text::Tokenizer) -> anyhow::Result<Vec<Value>> {
     let longest = a.tokens.iter().max().copied().unwrap_or(0);
     let (input, seq) = (longest.to_string(), (longest + 16).to_string());
     let limits = ["--max-input-token-len", &input, "--max-seq-len", &seq];
@@ -340,7 +340,7 @@ async fn ttft_shares(a: &Args, tokenizer: &engine::Tokenizer) -> anyhow::Result<
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
-    let text = engine::load_text(&a.model).context("reading the model's config")?;
+    let text = text::load(&a.model).context("reading the model's config")?;
     let layout = engine::KvLayout::for_model(&text.config);
     let per_token = 2 * layout.n_layers * layout.n_kv_heads * layout.head_dim * 4;
     let (_plain, plain) = decode_node(&a.model, None).await?;

@@ -8,8 +8,9 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use engine::gguf_export::export_gguf;
 use engine::testmodel::{write_model, ModelSize, DEFAULT_SEED};
-use engine::{ChatInput, IncrementalDecoder, Model, Tokenizer};
+use engine::Model;
 use serde_json::json;
+use text::{ChatInput, IncrementalDecoder, Tokenizer};
 
 use crate::common;
 

@@ -4,8 +4,9 @@
 //! if the generator changes, rerun that script (see scripts/README.md).
 
 use engine::generate::generate;
-use engine::{ChatInput, SamplingParams};
+use engine::SamplingParams;
 use serde_json::Value;
+use text::ChatInput;
 
 use crate::common;
 

@@ -11,8 +11,9 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use engine::generate::generate;
-use engine::{ChatInput, SamplingParams};
+use engine::SamplingParams;
 use serde_json::{json, Value};
+use text::ChatInput;
 
 fn gguf_path() -> PathBuf {
     let p = common::models_dir().join("smollm2-135m-instruct-q4_1.gguf");

@@ -5,8 +5,8 @@ use crate::common;
 
 use std::path::Path;
 
-use engine::{ChatInput, ChatTemplate, Tokenizer};
 use serde_json::Value;
+use text::{ChatInput, ChatTemplate, Tokenizer};
 
 fn read_json(path: &Path) -> Value {
     let text = std::fs::read_to_string(path)

@@ -133,7 +133,7 @@ async fn prefill_holds_nothing(w: &Worker) {
 /// model's name, KV layout and engine version, and a capacity object.
 fn check_registration(reg: &Value, w: &Worker) {
     let model = tiny_model();
-    let cfg = engine::ModelConfig::from_hf_file(&model.join("config.json"))
+    let cfg = text::ModelConfig::from_hf_file(&model.join("config.json"))
         .expect("the tiny model's config");
     let layout = engine::KvLayout::for_model(&cfg);
     assert_eq!(reg["role"], w.role.name(), "{reg}");
@@ -328,7 +328,7 @@ async fn scale_under_load() {
 
 /// A prompt of at least `tokens` tokens of the tiny model, counted with its tokenizer.
 fn long_prompt(tokens: usize) -> String {
-    let tk = engine::Tokenizer::from_file(&tiny_model().join("tokenizer.json"))
+    let tk = text::Tokenizer::from_file(&tiny_model().join("tokenizer.json"))
         .expect("the tiny model's tokenizer");
     let mut prompt = String::new();
     let mut sentence = 0;

@@ -5,11 +5,12 @@ use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
 
-use candle_core::quantized::gguf_file;
 use serde_json::{json, Value};
 
+use crate::alphabet::{byte_of_char, char_of_byte};
 use crate::encode::FastEncoder;
-use crate::error::{EngineError, Result};
+use crate::error::{Result, TextError};
+use crate::gguf::{Metadata, Value as GgufValue};
 
 /// A loaded tokenizer plus the special tokens the server needs to know about.
 #[derive(Clone)]
@@ -102,8 +103,8 @@ impl TokenBytes {
     }
 }
 
-fn tok_err(e: impl std::fmt::Display) -> EngineError {
-    EngineError::Tokenizer(e.to_string())
+fn tok_err(e: impl std::fmt::Display) -> TextError {
+    TextError::Tokenizer(e.to_string())
 }
 
 /// GPT-2's split, used when a GGUF names no pre-tokenizer we know.
@@ -118,7 +119,7 @@ impl Tokenizer {
     /// Loads a `tokenizer.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| EngineError::invalid_model(path, format!("tokenizer.json: {e}")))?;
+            .map_err(|e| TextError::invalid_model(path, format!("tokenizer.json: {e}")))?;
         Ok(Self::new(inner))
     }
 
@@ -139,11 +140,11 @@ impl Tokenizer {
     }
 
     /// Rebuilds a byte-level BPE tokenizer from a GGUF file's vocabulary and merges.
-    pub fn from_gguf(content: &gguf_file::Content, path: &Path) -> Result<Self> {
-        let md = |k: &str| content.metadata.get(k);
-        let bad = |r: &str| EngineError::invalid_model(path, r.to_string());
+    pub fn from_gguf(meta: &Metadata, path: &Path) -> Result<Self> {
+        let md = |k: &str| meta.get(k);
+        let bad = |r: &str| TextError::invalid_model(path, r.to_string());
         let model = md("tokenizer.ggml.model")
-            .and_then(|v| v.to_string().ok())
+            .and_then(GgufValue::as_str)
             .ok_or_else(|| bad("no tokenizer.ggml.model"))?;
         if model != "gpt2" {
             return Err(bad(&format!(
@@ -152,28 +153,24 @@ impl Tokenizer {
         }
         let strings = |k: &str| -> Result<Vec<String>> {
             md(k)
-                .and_then(|v| v.to_vec().ok())
+                .and_then(GgufValue::as_array)
                 .ok_or_else(|| bad(&format!("no {k}")))?
                 .iter()
                 .map(|v| {
-                    v.to_string()
-                        .cloned()
-                        .map_err(|_| bad(&format!("{k}: not strings")))
+                    v.as_str()
+                        .map(str::to_string)
+                        .ok_or_else(|| bad(&format!("{k}: not strings")))
                 })
                 .collect()
         };
         let tokens = strings("tokenizer.ggml.tokens")?;
         let merges = strings("tokenizer.ggml.merges")?;
-        let types: Vec<i64> = match md("tokenizer.ggml.token_type").and_then(|v| v.to_vec().ok()) {
-            Some(v) => v
-                .iter()
-                .map(|x| x.to_i32().map(i64::from).unwrap_or(1))
-                .collect(),
+        let types: Vec<i64> = match md("tokenizer.ggml.token_type").and_then(GgufValue::as_array) {
+            Some(v) => v.iter().map(|x| x.to_i32().map_or(1, i64::from)).collect(),
             None => vec![1; tokens.len()],
         };
         let pre = md("tokenizer.ggml.pre")
-            .and_then(|v| v.to_string().ok())
-            .map(String::as_str)
+            .and_then(GgufValue::as_str)
             .unwrap_or("default");
         let vocab: serde_json::Map<String, Value> = tokens
             .iter()
@@ -285,34 +282,6 @@ impl Tokenizer {
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
-}
-
-/// Whether GPT-2's byte-level alphabet writes byte `b` as the character of the same code.
-fn printable(b: u32) -> bool {
-    (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b)
-}
-
-/// The byte GPT-2's byte-level alphabet writes as `c`, if `c` belongs to that alphabet.
-fn byte_of_char(c: char) -> Option<u8> {
-    let cp = c as u32;
-    if cp < 256 {
-        return printable(cp).then_some(cp as u8);
-    }
-    // The other 68 bytes are written as U+0100 onwards, in byte order.
-    let n = (cp - 256) as usize;
-    (0u32..256)
-        .filter(|&b| !printable(b))
-        .nth(n)
-        .map(|b| b as u8)
-}
-
-/// The character GPT-2's byte-level alphabet writes byte `b` as.
-pub(crate) fn char_of_byte(b: u8) -> char {
-    if printable(u32::from(b)) {
-        return char::from(b);
-    }
-    let n = (0..u32::from(b)).filter(|&x| !printable(x)).count() as u32;
-    char::from_u32(256 + n).unwrap_or(char::REPLACEMENT_CHARACTER)
 }
 
 /// Turns a growing list of ids into text pieces that never split a UTF-8 character.

@@ -511,7 +511,7 @@ fn check_common(o: &Obj, c: &params::Common, vocab: usize) {
         s.temperature
     );
     assert!(s.top_p > 1e-6 && s.top_p <= 1.0, "top_p {}", s.top_p);
-    assert!(s.top_k <= vocab, "top_k {}", s.top_k);
+    assert!(s.top_k as usize <= vocab, "top_k {}", s.top_k);
     for (name, x) in [
         ("presence_penalty", s.presence_penalty),
         ("frequency_penalty", s.frequency_penalty),
@@ -639,7 +639,7 @@ fn check_answer(verdict: &Verdict, body_len: usize, status: u16, v: &Value) {
 }
 
 fn seed_bodies() -> Vec<Value> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/seed_requests.json");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/seed_requests.json");
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     let all: Vec<Value> = serde_json::from_str(&text).expect("the fixture is JSON");
@@ -663,7 +663,7 @@ fn fuzzed_requests_are_answered_and_refusals_name_their_parameter() {
     let (seed, budget) = fuzz_settings(20);
     eprintln!("request fuzz: TANDEM_FUZZ_SEED={seed:#x} for {budget:?} (TANDEM_FUZZ_SECS)");
     let model = tiny_model();
-    let vocab = engine::load_text(&model)
+    let vocab = text::load(&model)
         .expect("the tiny model's text side")
         .config
         .vocab_size;

@@ -11,7 +11,7 @@ use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, ErrorKind};
 use serde_json::Map;
 
-use crate::error::{EngineError, Result};
+use crate::error::{Result, TextError};
 
 /// A compiled chat template with the special tokens it may refer to.
 pub struct ChatTemplate {
@@ -33,14 +33,14 @@ pub struct ChatInput {
     pub kwargs: Map<String, serde_json::Value>,
 }
 
-fn template_err(e: minijinja::Error) -> EngineError {
+fn template_err(e: minijinja::Error) -> TextError {
     let mut msg = e.to_string();
     let mut source = std::error::Error::source(&e);
     while let Some(s) = source {
         msg.push_str(&format!(": {s}"));
         source = s.source();
     }
-    EngineError::Template(msg)
+    TextError::Template(msg)
 }
 
 /// The text of a special token in `tokenizer_config.json`: a string or `{"content": ...}`.
@@ -83,13 +83,13 @@ impl ChatTemplate {
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
             Ok(text) => serde_json::from_str(&text)
-                .map_err(|e| EngineError::invalid_model(&cfg_path, e.to_string()))?,
+                .map_err(|e| TextError::invalid_model(&cfg_path, e.to_string()))?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
-            Err(e) => return Err(EngineError::io(&cfg_path, e)),
+            Err(e) => return Err(TextError::io(&cfg_path, e)),
         };
         let jinja = dir.join("chat_template.jinja");
         let source = if jinja.exists() {
-            Some(std::fs::read_to_string(&jinja).map_err(|e| EngineError::io(&jinja, e))?)
+            Some(std::fs::read_to_string(&jinja).map_err(|e| TextError::io(&jinja, e))?)
         } else {
             match cfg.get("chat_template") {
                 Some(serde_json::Value::String(s)) => Some(s.clone()),

@@ -2,10 +2,10 @@
 
 use std::path::Path;
 
-use candle_core::quantized::gguf_file;
 use serde::Deserialize;
 
-use crate::error::{EngineError, Result};
+use crate::error::{Result, TextError};
+use crate::gguf::{Metadata, Value};
 
 /// How rotary embeddings pair the dimensions of a head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,27 +82,27 @@ fn default_max_pos() -> usize {
 impl ModelConfig {
     /// Reads `config.json` from a Hugging Face model folder.
     pub fn from_hf_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| EngineError::io(path, e))?;
+        let text = std::fs::read_to_string(path).map_err(|e| TextError::io(path, e))?;
         let hf: HfConfig = serde_json::from_str(&text)
-            .map_err(|e| EngineError::invalid_model(path, format!("config.json: {e}")))?;
+            .map_err(|e| TextError::invalid_model(path, format!("config.json: {e}")))?;
         let model_type = hf.model_type.clone().unwrap_or_default();
         let arch = hf.architectures.first().cloned().unwrap_or_default();
         let supported = matches!(model_type.as_str(), "llama" | "qwen2")
             || matches!(arch.as_str(), "LlamaForCausalLM" | "Qwen2ForCausalLM");
         if !supported {
-            return Err(EngineError::invalid_model(
+            return Err(TextError::invalid_model(
                 path,
                 format!("unsupported architecture {arch:?} (model_type {model_type:?}); expected llama or qwen2"),
             ));
         }
         if let Some(scaling) = hf.rope_scaling.as_ref().filter(|v| !v.is_null()) {
-            return Err(EngineError::invalid_model(
+            return Err(TextError::invalid_model(
                 path,
                 format!("rope_scaling {scaling} is not supported"),
             ));
         }
         if let Some(act) = hf.hidden_act.as_deref().filter(|a| *a != "silu") {
-            return Err(EngineError::invalid_model(
+            return Err(TextError::invalid_model(
                 path,
                 format!("hidden_act {act:?} is not supported; expected silu"),
             ));
@@ -138,11 +138,11 @@ impl ModelConfig {
     }
 
     /// Reads the `llama`/`qwen2` keys of a GGUF file's metadata.
-    pub fn from_gguf(content: &gguf_file::Content, path: &Path) -> Result<Self> {
-        let md = |key: &str| content.metadata.get(key);
-        let bad = |reason: String| EngineError::invalid_model(path, reason);
+    pub fn from_gguf(meta: &Metadata, path: &Path) -> Result<Self> {
+        let md = |key: &str| meta.get(key);
+        let bad = |reason: String| TextError::invalid_model(path, reason);
         let arch = md("general.architecture")
-            .and_then(|v| v.to_string().ok().cloned())
+            .and_then(|v| v.as_str().map(str::to_string))
             .ok_or_else(|| bad("no general.architecture".into()))?;
         if arch != "llama" && arch != "qwen2" {
             return Err(bad(format!("unsupported GGUF architecture {arch:?}")));
@@ -150,23 +150,23 @@ impl ModelConfig {
         let num = |key: &str| -> Result<usize> {
             let full = format!("{arch}.{key}");
             md(&full)
-                .and_then(|v| v.to_u64().ok())
+                .and_then(Value::to_u64)
                 .map(|v| v as usize)
                 .ok_or_else(|| bad(format!("missing {full}")))
         };
         let float = |key: &str, default: f64| -> f64 {
             md(&format!("{arch}.{key}"))
-                .and_then(|v| v.to_f64().ok().or_else(|| v.to_f32().ok().map(f64::from)))
+                .and_then(Value::to_f64)
                 .unwrap_or(default)
         };
         let hidden = num("embedding_length")?;
         let heads = num("attention.head_count")?;
-        let vocab = match md("tokenizer.ggml.tokens").and_then(|v| v.to_vec().ok()) {
+        let vocab = match md("tokenizer.ggml.tokens").and_then(Value::as_array) {
             Some(tokens) => tokens.len(),
             None => num("vocab_size")?,
         };
-        let tied = !content.tensor_infos.contains_key("output.weight");
-        let token_id = |key: &str| md(key).and_then(|v| v.to_u64().ok()).map(|v| v as u32);
+        let tied = !meta.tensors.contains("output.weight");
+        let token_id = |key: &str| md(key).and_then(Value::to_u64).map(|v| v as u32);
         let cfg = Self {
             architecture: arch.clone(),
             vocab_size: vocab,
@@ -206,7 +206,7 @@ impl ModelConfig {
         if ok {
             Ok(())
         } else {
-            Err(EngineError::invalid_model(
+            Err(TextError::invalid_model(
                 path,
                 format!("inconsistent hyper-parameters: {self:?}"),
             ))

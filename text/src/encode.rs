@@ -80,7 +80,7 @@ impl FastEncoder {
             normalized: Added::new(normalized)?,
             splits,
             ascii_only,
-            byte_chars: std::array::from_fn(|b| crate::tokenizer::char_of_byte(b as u8)),
+            byte_chars: std::array::from_fn(|b| crate::alphabet::char_of_byte(b as u8)),
         })
     }
 

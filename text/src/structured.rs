@@ -57,7 +57,7 @@ impl ToolFormat {
             (Self::Hermes, None) => "\n".to_string(),
             (Self::Hermes, Some(n)) => format!(
                 "\n{{\"name\": {}, \"arguments\": ",
-                engine::py_json(&Value::from(n))
+                crate::py_json(&Value::from(n))
             ),
             (Self::DeepSeek, None) => DS_CALL_OPEN.to_string(),
             (Self::DeepSeek, Some(n)) => format!("{DS_CALL_OPEN}function{DS_SEP}{n}\n```json\n"),
@@ -100,7 +100,7 @@ fn hermes_call(block: &str) -> Option<ToolCall> {
     let args = v.get("arguments").or_else(|| v.get("parameters"));
     Some(ToolCall {
         name: name.to_string(),
-        arguments: args.map_or_else(|| "{}".to_string(), engine::py_json),
+        arguments: args.map_or_else(|| "{}".to_string(), crate::py_json),
     })
 }
 
@@ -353,10 +353,7 @@ fn held<'a>(buf: &str, tags: impl IntoIterator<Item = &'a str>) -> usize {
 /// arguments with `tojson`, DeepSeek-V3 renders calls only when content is null); a template
 /// that fails on it gets the arguments as JSON text (DeepSeek-V3 joins them as text), then
 /// empty content instead of null (Qwen3 searches the content for `</think>`), then both.
-pub fn render(
-    template: &engine::ChatTemplate,
-    input: &engine::ChatInput,
-) -> engine::Result<String> {
+pub fn render(template: &crate::ChatTemplate, input: &crate::ChatInput) -> crate::Result<String> {
     let first = match template.render(input) {
         Ok(text) => return Ok(text),
         Err(e) => e,
@@ -373,7 +370,7 @@ pub fn render(
                 .filter_map(|c| c.pointer_mut("/function/arguments"))
             {
                 if text_args && !args.is_string() {
-                    *args = Value::String(engine::py_json(args));
+                    *args = Value::String(crate::py_json(args));
                     changed = true;
                 }
             }
@@ -385,7 +382,7 @@ pub fn render(
         if !changed {
             continue;
         }
-        let retry = engine::ChatInput {
+        let retry = crate::ChatInput {
             messages,
             ..input.clone()
         };
@@ -602,7 +599,7 @@ mod tests {
     #[test]
     fn detects_the_format_a_template_teaches() {
         assert_eq!(
-            ToolFormat::detect(engine::testmodel::CHATML_TEMPLATE),
+            ToolFormat::detect(crate::CHATML_TEMPLATE),
             Some(ToolFormat::Hermes)
         );
         assert_eq!(
@@ -613,9 +610,9 @@ mod tests {
     }
 
     /// A real template's fixture: (template, bos, eos).
-    fn real_template(json_text: &str) -> engine::ChatTemplate {
+    fn real_template(json_text: &str) -> crate::ChatTemplate {
         let v: Value = serde_json::from_str(json_text).unwrap();
-        engine::ChatTemplate::new(
+        crate::ChatTemplate::new(
             v["template"].as_str().unwrap(),
             v["bos_token"].as_str().unwrap_or(""),
             v["eos_token"].as_str().unwrap_or(""),
@@ -654,7 +651,7 @@ mod tests {
                 serde_json::json!({"id": "call_1", "type": "function", "function": {
                     "name": "get_weather", "arguments": {"location": city}}})
             };
-            let input = engine::ChatInput {
+            let input = crate::ChatInput {
                 messages: serde_json::json!([
                     {"role": "user", "content": "Weather in Paris and Nice?"},
                     {"role": "assistant", "content": null,

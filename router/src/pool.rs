@@ -1,0 +1,302 @@
+//! The prefill and decode workers the router sends requests to: listed statically or
+//! discovered in etcd, probed for health and load, and chosen by a routing policy.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use discovery::{Role, WorkerInfo};
+use runtime::prom;
+
+use crate::error::RouterError;
+use crate::routing::Policy;
+use crate::worker::{block_hashes, Expected, PoolSettings, State, Worker};
+
+/// The workers of one role, by key (`static/<addr>` or the etcd key).
+pub struct Pool {
+    /// The role's name in errors ("prefill", "decode" or "colocated").
+    pub name: &'static str,
+    role: Role,
+    workers: RwLock<BTreeMap<String, Arc<Worker>>>,
+    expected: Expected,
+    pub settings: PoolSettings,
+    policy: Arc<dyn Policy>,
+    rotation: AtomicUsize,
+}
+
+impl Pool {
+    /// A pool holding the static `addrs`; nothing connects until the first call.
+    pub fn new(
+        name: &'static str,
+        role: Role,
+        addrs: &[String],
+        expected: Expected,
+        settings: PoolSettings,
+        policy: Arc<dyn Policy>,
+    ) -> Result<Self, RouterError> {
+        let mut workers = BTreeMap::new();
+        for addr in addrs {
+            let w = Worker::new(addr, None, &settings)?;
+            workers.insert(format!("static/{addr}"), Arc::new(w));
+        }
+        Ok(Self {
+            name,
+            role,
+            workers: RwLock::new(workers),
+            expected,
+            settings,
+            policy,
+            rotation: AtomicUsize::new(0),
+        })
+    }
+
+    /// Makes the discovered workers those registered in `set` (for this pool's role);
+    /// static ones stay. A worker that left keeps serving the calls it has.
+    pub fn sync(&self, set: &BTreeMap<String, WorkerInfo>) {
+        let mut workers = self.workers.write().expect("pool lock");
+        workers.retain(|key, _| key.starts_with("static/") || set.contains_key(key));
+        for (key, info) in set {
+            if info.role != self.role || workers.contains_key(key) {
+                continue;
+            }
+            let mismatch = self.mismatch(info);
+            if let Some(why) = &mismatch {
+                tracing::warn!(%key, %why, "registered worker is incompatible; not routed to");
+            }
+            match Worker::new(&info.addr, mismatch, &self.settings) {
+                Ok(w) => {
+                    workers.insert(key.clone(), Arc::new(w));
+                }
+                Err(e) => tracing::warn!(%key, error = %e, "ignoring a registration"),
+            }
+        }
+    }
+
+    fn mismatch(&self, info: &WorkerInfo) -> Option<String> {
+        let e = &self.expected;
+        if info.model != e.model {
+            Some(format!("model {} (router: {})", info.model, e.model))
+        } else if info.layout != e.layout {
+            Some(format!(
+                "KV layout {:?} (router: {:?})",
+                info.layout, e.layout
+            ))
+        } else if info.engine_version != e.engine_version {
+            Some(format!(
+                "engine {} (router: {})",
+                info.engine_version, e.engine_version
+            ))
+        } else {
+            None
+        }
+    }
+
+    fn all(&self) -> Vec<Arc<Worker>> {
+        self.workers
+            .read()
+            .expect("pool lock")
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// Ready workers not in `exclude`, rotated so that ties between equal loads spread.
+    fn ready(&self, exclude: &[String]) -> Vec<Arc<Worker>> {
+        let mut ready: Vec<_> = self
+            .all()
+            .into_iter()
+            .filter(|w| !exclude.contains(&w.addr) && w.state() == State::Ready)
+            .collect();
+        if !ready.is_empty() {
+            let n = self.rotation.fetch_add(1, Ordering::Relaxed) % ready.len();
+            ready.rotate_left(n);
+        }
+        ready
+    }
+
+    /// How many workers are ready.
+    pub fn ready_count(&self) -> usize {
+        self.ready(&[]).len()
+    }
+
+    /// The prefill worker for `prompt`, other than those in `exclude`.
+    pub fn pick_prefill(
+        &self,
+        exclude: &[String],
+        prompt: &[u32],
+    ) -> Result<Arc<Worker>, RouterError> {
+        let ready = self.ready(exclude);
+        if ready.is_empty() {
+            return Err(RouterError::NoWorkers(self.name));
+        }
+        let hashes = block_hashes(prompt);
+        let w = Arc::clone(&ready[self.policy.prefill(&ready, &hashes)]);
+        w.remember_prefix(&hashes);
+        Ok(w)
+    }
+
+    /// The decode worker for a request that needs `tokens` positions for each of
+    /// `sequences` sequences, other than those in `exclude`.
+    pub fn pick_decode(
+        &self,
+        exclude: &[String],
+        tokens: usize,
+        sequences: usize,
+    ) -> Result<Arc<Worker>, RouterError> {
+        let ready = self.ready(exclude);
+        if ready.is_empty() {
+            return Err(RouterError::NoWorkers(self.name));
+        }
+        Ok(Arc::clone(
+            &ready[self.policy.decode(&ready, tokens, sequences)],
+        ))
+    }
+
+    /// Probes every worker at once, each within `timeout`.
+    pub async fn probe_all(&self, timeout: Duration) {
+        let probes = self.all().into_iter().map(|w| {
+            let role = self.role;
+            let expected = self.expected.clone();
+            tokio::spawn(async move { w.probe(role, &expected, timeout).await })
+        });
+        for p in probes.collect::<Vec<_>>() {
+            let _ = p.await;
+        }
+    }
+
+    /// Workers in each state, in `State::ALL` order.
+    pub fn states(&self) -> [usize; 5] {
+        let mut n = [0; 5];
+        for w in self.all() {
+            let s = w.state();
+            n[State::ALL
+                .iter()
+                .position(|x| *x == s)
+                .expect("a known state")] += 1;
+        }
+        n
+    }
+
+    /// Writes this pool's samples of the worker metrics (their headers come from
+    /// `render_headers`).
+    fn render(&self, label: &str, states: &mut String, breakers: &mut String) {
+        for (state, n) in State::ALL.iter().zip(self.states()) {
+            prom::sample(
+                states,
+                "router_workers",
+                &[("role", label), ("state", state.as_str())],
+                n,
+            );
+        }
+        for w in self.all() {
+            let open = u8::from(w.breaker_open());
+            prom::sample(
+                breakers,
+                "router_breaker_open",
+                &[("role", label), ("worker", &w.addr)],
+                open,
+            );
+        }
+    }
+}
+
+/// The worker metrics of the router's pools, each `(role label, pool)`.
+pub fn render(pools: &[(&str, &Pool)]) -> String {
+    let mut states = String::new();
+    let mut breakers = String::new();
+    prom::header(
+        &mut states,
+        "router_workers",
+        "gauge",
+        "Known workers by role and state (ready ones are in rotation).",
+    );
+    prom::header(
+        &mut breakers,
+        "router_breaker_open",
+        "gauge",
+        "1 while a worker's circuit breaker keeps it out of rotation.",
+    );
+    for (label, pool) in pools {
+        pool.render(label, &mut states, &mut breakers);
+    }
+    let mut out = states;
+    let _ = write!(out, "{breakers}");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::test_settings;
+
+    fn layout(n: u32) -> discovery::Layout {
+        discovery::Layout {
+            n_layers: n,
+            n_kv_heads: 2,
+            head_dim: 8,
+            dtype: "f32".into(),
+        }
+    }
+
+    fn info(role: Role, addr: &str, model: &str, layers: u32, version: &str) -> WorkerInfo {
+        WorkerInfo {
+            role,
+            addr: addr.into(),
+            model: model.into(),
+            layout: layout(layers),
+            engine_version: version.into(),
+            capacity: Default::default(),
+        }
+    }
+
+    #[tokio::test]
+    async fn sync_follows_registrations_and_rules_out_mismatches() {
+        let expected = Expected {
+            model: "m".into(),
+            layout: layout(2),
+            engine_version: "1".into(),
+        };
+        let policy = crate::routing::PolicyKind::RoundRobin.build(0);
+        let pool = Pool::new(
+            "decode",
+            Role::Decode,
+            &["127.0.0.1:9".into()],
+            expected,
+            test_settings(3, 1000),
+            policy,
+        )
+        .unwrap();
+        let mut set = BTreeMap::new();
+        set.insert(
+            "k/a".into(),
+            info(Role::Decode, "127.0.0.1:10", "m", 2, "1"),
+        );
+        set.insert(
+            "k/b".into(),
+            info(Role::Decode, "127.0.0.1:11", "other", 2, "1"),
+        );
+        set.insert(
+            "k/c".into(),
+            info(Role::Decode, "127.0.0.1:12", "m", 3, "1"),
+        );
+        set.insert(
+            "k/d".into(),
+            info(Role::Decode, "127.0.0.1:13", "m", 2, "2"),
+        );
+        set.insert(
+            "k/p".into(),
+            info(Role::Prefill, "127.0.0.1:14", "m", 2, "1"),
+        );
+        pool.sync(&set);
+        // The static worker and four decode registrations (not the prefill one); three of
+        // them serve something else.
+        assert_eq!(pool.states(), [0, 2, 0, 3, 0]);
+        set.remove("k/a");
+        pool.sync(&set);
+        assert_eq!(pool.states(), [0, 1, 0, 3, 0], "a worker that left is gone");
+        pool.sync(&BTreeMap::new());
+        assert_eq!(pool.states(), [0, 1, 0, 0, 0], "static workers stay");
+    }
+}

@@ -1,0 +1,23 @@
+//! A model's text side, shared by the router and the engine: the tokenizer, the chat
+//! template, the hyper-parameters a model file declares, and the parsers that find
+//! reasoning and tool calls in generated text. No tensors: the router links this crate and
+//! not candle.
+
+mod alphabet;
+pub mod chat_template;
+pub mod config;
+mod encode;
+pub mod error;
+pub mod gguf;
+mod load;
+pub mod structured;
+pub mod tokenizer;
+
+pub use chat_template::{py_json, ChatInput, ChatTemplate};
+pub use config::{ModelConfig, RopeStyle};
+pub use error::{Result, TextError};
+pub use load::{load, TextModel};
+pub use tokenizer::{IncrementalDecoder, Tokenizer};
+
+/// The ChatML template, with tools and thinking, that the generated test models carry.
+pub const CHATML_TEMPLATE: &str = include_str!("chatml.jinja");
