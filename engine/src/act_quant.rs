@@ -46,6 +46,8 @@ mod avx2 {
 
     use super::QK;
 
+    /// # Safety
+    /// The CPU has AVX2; `xs` holds at least `QK` values.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn quantize_block(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
         let sign = _mm256_set1_ps(-0.0);

@@ -273,6 +273,9 @@ mod fma {
     }
 
     /// The 8x8 transpose: lane `r` of output `c` is lane `c` of input `r`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn transpose(r: [__m256; 8]) -> [__m256; 8] {
         let t0 = _mm256_unpacklo_ps(r[0], r[1]);

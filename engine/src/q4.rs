@@ -279,6 +279,8 @@ mod avx2 {
 
     use super::{block_sumi, block_term, Q81Row, WGroup, WRow, GROUP, QK, TILE};
 
+    /// # Safety
+    /// The CPU has AVX2; every row of `rows` has as many blocks as the group `w`.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn dot_group(
         w: WGroup<'_>,
@@ -290,6 +292,9 @@ mod avx2 {
 
     /// [`dot_group`] with the integer sums in VNNI's one-instruction four-way dot products:
     /// the same exact integers, in half the instructions.
+    ///
+    /// # Safety
+    /// As for [`dot_group`], and the CPU has AVX-512 VNNI and VL.
     #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
     pub(super) unsafe fn dot_group_vnni(
         w: WGroup<'_>,
@@ -299,6 +304,8 @@ mod avx2 {
         group_tiles::<true>(w, rows, emit)
     }
 
+    /// # Safety
+    /// As for [`dot_group`] (and [`dot_group_vnni`] when `VNNI`).
     #[inline(always)]
     unsafe fn group_tiles<const VNNI: bool>(
         w: WGroup<'_>,
@@ -323,6 +330,8 @@ mod avx2 {
         }
     }
 
+    /// # Safety
+    /// The CPU has AVX.
     #[inline(always)]
     unsafe fn lanes(v: __m256) -> [f32; GROUP] {
         let mut out = [0f32; GROUP];
@@ -332,6 +341,9 @@ mod avx2 {
 
     /// `T` activation rows against a group: for each row, the eight weight rows' outputs,
     /// one lane each, summed over blocks in block order with `block_term`'s operations.
+    ///
+    /// # Safety
+    /// As for [`group_tiles`].
     #[inline(always)]
     unsafe fn dot_tile<const T: usize, const VNNI: bool>(
         w: WGroup<'_>,
@@ -391,6 +403,9 @@ mod avx2 {
     }
 
     /// The i32 products of weight block `b` and activation block `b`, in eight lanes.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `w` and `y` both have a block `b`.
     #[inline(always)]
     unsafe fn products(w: WRow<'_>, y: &Q81Row, b: usize) -> __m256i {
         let q = _mm_loadu_si128(w.qs.as_ptr().add(b * QK / 2) as *const __m128i);
@@ -406,6 +421,9 @@ mod avx2 {
     }
 
     /// The sums of four blocks' products: [s0, s1, s2, s3].
+    ///
+    /// # Safety
+    /// The CPU has AVX2.
     #[inline(always)]
     unsafe fn sum4(p: [__m256i; 4]) -> __m128i {
         let h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
@@ -415,6 +433,9 @@ mod avx2 {
     /// One weight row in the plain layout against one activation row: eight blocks' integer
     /// sums in one vector, their terms computed lane by lane with the scalar code's
     /// operations, then added to the running sum one by one in block order.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `y` has at least as many blocks as `w`.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn dot_one(w: WRow<'_>, y: &Q81Row) -> f32 {
         let nb = w.d.len();

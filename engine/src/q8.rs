@@ -163,6 +163,9 @@ mod avx2 {
     /// `mul_sum_i8_pairs_float` computes them: |w| times y with w's sign. With VNNI the four
     /// products go into i32 in one instruction; the integers are exact both ways (at most
     /// 2 * 128 * 127 in a pair), so the sums are the same.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 (and AVX-512 VNNI with VL when `VNNI`).
     #[inline(always)]
     unsafe fn lane_sums<const VNNI: bool>(w: __m256i, y: __m256i) -> __m256 {
         let (abs, signed) = (_mm256_sign_epi8(w, w), _mm256_sign_epi8(y, w));
@@ -184,17 +187,26 @@ mod avx2 {
     }
 
     /// One group of eight interleaved weight rows against one activation row.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `d` holds `GROUP` scales and `qs` `GROUP * QK` bytes
+    /// for each of `y`'s blocks.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_group(d: &[f16], qs: &[i8], y: &Q80Row) -> [f32; GROUP] {
         group::<false>(d, qs, y)
     }
 
     /// [`dot_group`] with VNNI's four-way dot products.
+    ///
+    /// # Safety
+    /// As for [`dot_group`], and the CPU has AVX-512 VNNI and VL.
     #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
     pub(super) unsafe fn dot_group_vnni(d: &[f16], qs: &[i8], y: &Q80Row) -> [f32; GROUP] {
         group::<true>(d, qs, y)
     }
 
+    /// # Safety
+    /// As for [`dot_group`] (and [`dot_group_vnni`] when `VNNI`).
     #[inline(always)]
     unsafe fn group<const VNNI: bool>(d: &[f16], qs: &[i8], y: &Q80Row) -> [f32; GROUP] {
         let mut acc = [_mm256_setzero_ps(); GROUP];
@@ -220,6 +232,10 @@ mod avx2 {
 
     /// One weight row in the plain layout against one activation row: candle's
     /// `vec_dot_q8_0_q8_0`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `qs` holds `QK` bytes for each of `d`'s scales, and
+    /// `y` at least as many blocks as `d` has scales.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_one(d: &[f16], qs: &[i8], y: &Q80Row) -> f32 {
         let mut acc = _mm256_setzero_ps();
@@ -246,6 +262,8 @@ mod avx2 {
         unreachable!("the Q8_0 kernel needs x86-64")
     }
 
+    /// # Safety
+    /// Never called; it panics.
     pub(super) unsafe fn dot_one(_: &[f16], _: &[i8], _: &Q80Row) -> f32 {
         unreachable!("the Q8_0 kernel needs x86-64")
     }
