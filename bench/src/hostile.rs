@@ -193,7 +193,7 @@ async fn forged_kv(addr: String, until: Instant, report: Shared) {
         let header = KvHeader {
             request_id: format!("hostile-{n}"),
             tokens: vec![1, 2, 3],
-            max_new_tokens: 8,
+            max_tokens: 9,
             ticket: (0..32).map(|i| (n as u8).wrapping_mul(31) ^ i).collect(),
             ..KvHeader::default()
         };

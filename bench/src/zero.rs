@@ -138,8 +138,13 @@ impl ZeroModel {
                         })),
                     }));
                 }
+                // Every token when it prefills, all but the prefill node's first otherwise.
+                let made = match req.prefill_here {
+                    true => req.max_tokens,
+                    false => req.max_tokens.saturating_sub(1),
+                };
                 for choice in 0..req.n.max(1) {
-                    for i in 0..req.max_new_tokens {
+                    for i in 0..made {
                         events.push(framed(&GenerateEvent {
                             event: Some(generate_event::Event::Token(TokenEvent {
                                 token: Some(self.token()),
@@ -389,7 +394,7 @@ mod tests {
         );
         let req = GenerateRequest {
             n: 2,
-            max_new_tokens: 3,
+            max_tokens: 3,
             prefill_here: true,
             ..GenerateRequest::default()
         };

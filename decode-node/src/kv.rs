@@ -222,14 +222,14 @@ impl KvPlane {
                 )));
             }
             if header.tokens.len() != reserved.prompt
-                || header.max_new_tokens as usize > reserved.max_new
+                || (header.max_tokens as usize).saturating_sub(1) > reserved.max_new
             {
                 return Err(DecodeError::BeyondReservation(format!(
-                    "{} prompt positions and {} new tokens, for a reservation of {} and {}",
+                    "{} prompt positions and {} tokens, for a reservation of {} and {}",
                     header.tokens.len(),
-                    header.max_new_tokens,
+                    header.max_tokens,
                     reserved.prompt,
-                    reserved.max_new
+                    reserved.max_new + 1
                 )));
             }
             let size = 2

@@ -102,7 +102,7 @@ impl PrefillService {
             request_id: req.request_id.clone(),
             layout: Some(kvwire::convert::layout_to_proto(&self.layout)),
             tokens: req.prompt.clone(),
-            max_new_tokens: req.max_new_tokens,
+            max_tokens: req.max_tokens,
             ticket: req.kv_ticket.clone(),
         };
         let (kv, addr) = (Arc::clone(&self.kv), req.decode_addr.clone());

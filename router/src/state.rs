@@ -266,17 +266,14 @@ impl AppState {
         e.response_in(self.cfg.error_format)
     }
 
-    /// Completion tokens a request may get in all. With PD and no smaller explicit
-    /// max_tokens, the decode node makes maxIterTimes tokens after the prefill node's first
-    /// (the seeds' maxIterTimes + 1); an explicit max_tokens at or below maxIterTimes is never
-    /// exceeded. The context (maxSeqLen) caps both.
+    /// Tokens each sequence of a request with `prompt_tokens` may get
+    /// ([`crate::budget::completion_budget`]).
     pub fn completion_budget(&self, max_tokens: Option<u64>, prompt_tokens: usize) -> usize {
-        let iter = self.cfg.max_iter_times;
-        let wanted = match (self.cfg.mode, max_tokens) {
-            (_, Some(m)) if m as usize <= iter => m as usize,
-            (Mode::Pd, _) => iter + 1,
-            (Mode::Colocated, _) => iter,
-        };
-        wanted.min(self.max_seq_len - prompt_tokens).max(1)
+        crate::budget::completion_budget(
+            self.cfg.mode,
+            self.cfg.max_iter_times,
+            self.max_seq_len - prompt_tokens,
+            max_tokens,
+        )
     }
 }

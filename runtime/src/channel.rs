@@ -331,7 +331,7 @@ mod tests {
 
     use super::*;
 
-    /// A decode service that streams `max_new_tokens` events of `top_logprobs` entries each,
+    /// A decode service that streams `max_tokens` events of `top_logprobs` entries each,
     /// then holds the call open until its caller leaves, and says so on `left`.
     #[derive(Clone)]
     struct Echo {
@@ -352,7 +352,7 @@ mod tests {
             let (tx, rx) = mpsc::channel(4);
             let left = self.left.clone();
             tokio::spawn(async move {
-                for i in 0..req.max_new_tokens {
+                for i in 0..req.max_tokens {
                     let top = (0..req.top_logprobs)
                         .map(|id| TopLogprob { id, logprob: -1.0 })
                         .collect();
@@ -428,7 +428,7 @@ mod tests {
 
     fn generate(tokens: u32, top: u32) -> GenerateRequest {
         GenerateRequest {
-            max_new_tokens: tokens,
+            max_tokens: tokens,
             top_logprobs: top,
             ..GenerateRequest::default()
         }

@@ -45,7 +45,8 @@ impl DecodeNode {
     }
 
     /// Opens a Generate call for `id` whose KV a prefill node would send, as the router
-    /// does: its ticket, and its events after it.
+    /// does, for `max_new` tokens after the prefill node's first: its ticket, and its events
+    /// after it.
     pub async fn reserve(
         &self,
         id: &str,
@@ -55,7 +56,7 @@ impl DecodeNode {
         let mut req = tonic::Request::new(GenerateRequest {
             request_id: id.into(),
             prompt: prompt.to_vec(),
-            max_new_tokens: max_new,
+            max_tokens: max_new + 1,
             n: 1,
             ..Default::default()
         });

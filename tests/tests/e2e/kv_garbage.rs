@@ -31,7 +31,7 @@ fn header(id: &str, ticket: &[u8], layout: &KvLayout, tokens: Vec<u32>) -> Item 
         request_id: id.into(),
         layout: Some(layout.clone()),
         tokens,
-        max_new_tokens: 0,
+        max_tokens: 1,
         ticket: ticket.to_vec(),
     })
 }

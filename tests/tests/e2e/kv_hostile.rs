@@ -45,7 +45,7 @@ impl Node {
             request_id: id.into(),
             layout: Some(self.layout.clone()),
             tokens: PROMPT.to_vec(),
-            max_new_tokens: 2,
+            max_tokens: 3,
             ticket: ticket.to_vec(),
         })];
         for layer in 0..self.layout.n_layers {
