@@ -39,24 +39,27 @@ pub enum DecodeError {
 
 impl From<DecodeError> for tonic::Status {
     fn from(e: DecodeError) -> Self {
+        use proto::v1::ErrorReason as R;
+        use tonic::Code;
         use DecodeError::*;
-        let msg = e.to_string();
-        match e {
-            KvTimeout(..) | TransferDeadline(_) | Quiet(_) => tonic::Status::deadline_exceeded(msg),
-            TransferFailed { .. } => tonic::Status::aborted(msg),
-            BadTransfer(_) | InvalidRequest(_) | TooLarge { .. } => {
-                tonic::Status::invalid_argument(msg)
-            }
-            BadTicket | BeyondReservation(_) => tonic::Status::permission_denied(msg),
-            Duplicate(_) => tonic::Status::already_exists(msg),
-            QueueFull(_) => tonic::Status::resource_exhausted(msg),
-            ShuttingDown => tonic::Status::unavailable(msg),
-            Abandoned => tonic::Status::cancelled(msg),
-            Internal(_) => tonic::Status::internal(msg),
+        let (code, reason) = match &e {
+            KvTimeout(..) => (Code::DeadlineExceeded, R::KvNotReceived),
+            TransferDeadline(_) | Quiet(_) => (Code::DeadlineExceeded, R::KvTransfer),
+            TransferFailed { .. } => (Code::Aborted, R::KvNotReceived),
+            BadTransfer(_) => (Code::InvalidArgument, R::KvTransfer),
+            InvalidRequest(_) => (Code::InvalidArgument, R::InvalidRequest),
+            TooLarge { .. } => (Code::InvalidArgument, R::KvTooLarge),
+            BadTicket | BeyondReservation(_) => (Code::PermissionDenied, R::KvTransfer),
+            Duplicate(_) => (Code::AlreadyExists, R::InvalidRequest),
+            QueueFull(_) => (Code::ResourceExhausted, R::QueueFull),
+            ShuttingDown => (Code::Unavailable, R::ShuttingDown),
+            Abandoned => (Code::Cancelled, R::Cancelled),
+            Internal(_) => (Code::Internal, R::Internal),
             Engine(engine::EngineError::ContextOverflow { .. })
             | Engine(engine::EngineError::InvalidInput(_))
-            | Engine(engine::EngineError::KvCache(_)) => tonic::Status::invalid_argument(msg),
-            Engine(_) => tonic::Status::internal(msg),
-        }
+            | Engine(engine::EngineError::KvCache(_)) => (Code::InvalidArgument, R::InvalidRequest),
+            Engine(_) => (Code::Internal, R::Internal),
+        };
+        proto::error_status(code, e.to_string(), reason)
     }
 }

@@ -37,33 +37,79 @@ pub enum PrefillError {
 
 impl From<PrefillError> for tonic::Status {
     fn from(e: PrefillError) -> Self {
+        use proto::v1::ErrorReason as R;
+        use tonic::Code;
         use PrefillError::*;
-        let msg = e.to_string();
-        match e {
+        let (code, reason) = match &e {
             EmptyPrompt
             | PromptTooLong { .. }
             | TooManySequences(_)
             | TooManyLogprobs(_)
             | NoDecodeAddr
             | NoTicket
-            | TokenOutOfRange { .. } => tonic::Status::invalid_argument(msg),
-            UnknownDecode(_) => tonic::Status::failed_precondition(msg),
-            QueueFull(_) => tonic::Status::resource_exhausted(msg),
+            | TokenOutOfRange { .. } => (Code::InvalidArgument, R::InvalidRequest),
+            UnknownDecode(_) => (Code::FailedPrecondition, R::UnknownDecodeNode),
+            QueueFull(_) => (Code::ResourceExhausted, R::QueueFull),
             // The decode node judged the KV itself bad, or a message broke the gRPC size
             // bound: another pair would fail the same way, so this is no outage to retry.
             Transfer { status, .. }
-                if matches!(
-                    status.code(),
-                    tonic::Code::InvalidArgument | tonic::Code::OutOfRange
-                ) =>
+                if matches!(status.code(), Code::InvalidArgument | Code::OutOfRange) =>
             {
-                tonic::Status::internal(msg)
+                (Code::Internal, R::KvTransfer)
             }
-            ShuttingDown | TransferClosed | Transfer { .. } => tonic::Status::unavailable(msg),
-            Cancelled => tonic::Status::cancelled(msg),
+            TransferClosed | Transfer { .. } => (Code::Unavailable, R::KvTransfer),
+            ShuttingDown => (Code::Unavailable, R::ShuttingDown),
+            Cancelled => (Code::Cancelled, R::Cancelled),
             Engine(engine::EngineError::ContextOverflow { .. })
-            | Engine(engine::EngineError::InvalidInput(_)) => tonic::Status::invalid_argument(msg),
-            Engine(_) => tonic::Status::internal(msg),
-        }
+            | Engine(engine::EngineError::InvalidInput(_)) => {
+                (Code::InvalidArgument, R::InvalidRequest)
+            }
+            Engine(_) => (Code::Internal, R::Internal),
+        };
+        proto::error_status(code, e.to_string(), reason)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proto::v1::ErrorReason;
+    use PrefillError::*;
+
+    fn reason(e: PrefillError) -> (tonic::Code, ErrorReason) {
+        let s = tonic::Status::from(e);
+        (s.code(), proto::error_reason(&s))
+    }
+
+    #[test]
+    fn a_failed_transfer_says_so_whatever_its_code() {
+        let refused = Transfer {
+            addr: "d:1".into(),
+            status: tonic::Status::invalid_argument("bad chunk"),
+        };
+        assert_eq!(
+            reason(refused),
+            (tonic::Code::Internal, ErrorReason::KvTransfer)
+        );
+        let cut = Transfer {
+            addr: "d:1".into(),
+            status: tonic::Status::unavailable("reset"),
+        };
+        assert_eq!(
+            reason(cut),
+            (tonic::Code::Unavailable, ErrorReason::KvTransfer)
+        );
+        assert_eq!(
+            reason(TransferClosed),
+            (tonic::Code::Unavailable, ErrorReason::KvTransfer)
+        );
+        assert_eq!(
+            reason(ShuttingDown),
+            (tonic::Code::Unavailable, ErrorReason::ShuttingDown)
+        );
+        assert_eq!(
+            reason(QueueFull(3)),
+            (tonic::Code::ResourceExhausted, ErrorReason::QueueFull)
+        );
     }
 }

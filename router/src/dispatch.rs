@@ -334,10 +334,9 @@ async fn pd_on(
         let _hold = Hold::new(p, req.prompt.len() as u64, 0, 0);
         pc.prefill(prefill).await.map_err(|s| {
             // A transfer that failed is the decode node's doing as often as not.
-            let culprit = if s.message().starts_with("KV transfer") {
-                d
-            } else {
-                p
+            let culprit = match proto::error_reason(&s) {
+                proto::v1::ErrorReason::KvTransfer => d,
+                _ => p,
             };
             Failed::on(culprit, RouterError::worker("prefill", &p.addr, s))
         })?

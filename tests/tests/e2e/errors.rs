@@ -139,3 +139,43 @@ async fn a_router_with_no_reachable_worker_is_not_ready() {
     .await;
     assert_eq!(status, 503, "{v}");
 }
+
+/// A worker's failure carries its reason in the status details, across real gRPC: the
+/// router decides who failed (the prefill node or its decode node) by that value.
+#[tokio::test]
+async fn worker_errors_carry_a_typed_reason() {
+    use proto::v1::prefill_client::PrefillClient;
+    use proto::v1::{ErrorReason, PrefillRequest};
+
+    let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+    let prefill = c.prefill.clone().expect("a PD cluster has a prefill node");
+    let mut client = PrefillClient::connect(format!("http://{prefill}"))
+        .await
+        .expect("the prefill node accepts gRPC");
+    let request = |prompt: Vec<u32>| PrefillRequest {
+        request_id: "forged-ticket".into(),
+        prompt,
+        decode_addr: c.decode.clone(),
+        max_tokens: 2,
+        n: 1,
+        // No decode node issued this ticket: the decode node refuses the transfer.
+        kv_ticket: vec![7; 32],
+        ..PrefillRequest::default()
+    };
+
+    let refused = client.prefill(request(vec![1, 2, 3])).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert_eq!(
+        proto::error_reason(&refused),
+        ErrorReason::KvTransfer,
+        "{refused:?}"
+    );
+
+    let bad = client.prefill(request(vec![u32::MAX])).await.unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{bad:?}");
+    assert_eq!(
+        proto::error_reason(&bad),
+        ErrorReason::InvalidRequest,
+        "{bad:?}"
+    );
+}
