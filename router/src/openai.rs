@@ -24,7 +24,8 @@ use crate::metrics::InFlight;
 use crate::params::{self, ToolChoice};
 use crate::state::AppState;
 use crate::stops::{Scan, StopStrings};
-use text::structured::{prompt_opens_reasoning, Parser, ToolCall};
+use text::structured::{prompt_opens_reasoning, Parser};
+use text::tools::ToolCall;
 
 /// Bodies up to this size are parsed, templated and tokenized on the thread serving the
 /// connection: a few thousand tokens at most, about a millisecond, a bounded stall; the hop
@@ -296,7 +297,7 @@ fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, Router
                 .template
                 .as_ref()
                 .ok_or(RouterError::NoChatTemplate)?;
-            let mut text = text::structured::render(template, &chat.input)
+            let mut text = text::tools::render(template, &chat.input)
                 .map_err(|e| RouterError::Template(e.to_string()))?;
             let parser = chat_parser(state, &chat.tool_choice, &mut text)?;
             (text, "messages", chat.logprobs, parser)

@@ -11,7 +11,7 @@ use crate::metrics::Metrics;
 use crate::pool::Pool;
 use crate::routing::RetryBudget;
 use crate::worker::{Expected, PoolSettings};
-use text::structured::ToolFormat;
+use text::tools::ToolFormat;
 
 /// The router's shared state.
 pub struct AppState {

@@ -12,6 +12,7 @@ pub mod gguf;
 mod load;
 pub mod structured;
 pub mod tokenizer;
+pub mod tools;
 
 pub use chat_template::{py_json, ChatInput, ChatTemplate};
 pub use config::{ModelConfig, RopeStyle};

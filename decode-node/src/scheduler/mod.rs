@@ -23,6 +23,10 @@ use crate::budget::Lease;
 use crate::error::DecodeError;
 use crate::metrics::DecodeMetrics;
 
+mod beam;
+
+use beam::{ended, BeamGroup, BeamState};
+
 /// Where a sequence's events go; closed when its caller is gone.
 pub type Events = mpsc::UnboundedSender<Result<GenerateEvent, Status>>;
 
@@ -79,34 +83,6 @@ struct Seq {
     produced: usize,
     ready_since: Instant,
     events: Events,
-}
-
-/// What one beam carries: its cache while it is live (a finished hypothesis lets it go)
-/// and the events of its tokens so far, sent only once the search has chosen the beams it
-/// returns.
-struct BeamState {
-    cache: Option<SeqCache>,
-    history: Vec<TokenEvent>,
-}
-
-impl BeamState {
-    fn cache(&self) -> &SeqCache {
-        self.cache.as_ref().expect("a live beam holds its cache")
-    }
-}
-
-/// A beam search in progress: its live beams step with the rest of the batch.
-struct BeamGroup {
-    span: tracing::Span,
-    search: BeamSearch<BeamState>,
-    /// Hypotheses returned.
-    n: usize,
-    top_logprobs: usize,
-    max_new: usize,
-    produced: usize,
-    ready_since: Instant,
-    events: Events,
-    _lease: Lease,
 }
 
 /// Starts the compute thread, which runs at most `max_batch` sequences a step (a request
@@ -447,40 +423,6 @@ impl Scheduler {
         DecodeMetrics::inc(&self.metrics.failures);
     }
 
-    /// Keeps a beam search going, or sends its n best hypotheses, each as all its token
-    /// events and its finish, and lets its caches go.
-    fn keep_or_end(&mut self, g: BeamGroup) {
-        let max_pos = self.model.config().max_position_embeddings;
-        let at_limit = g.produced >= g.max_new
-            || g.search
-                .live()
-                .iter()
-                .any(|b| b.state.cache().len() >= max_pos);
-        if !at_limit && !g.search.converged() {
-            self.groups.push(g);
-            return;
-        }
-        let _entered = g.span.enter();
-        let best = g.search.finish(g.n);
-        tracing::debug!(hypotheses = best.len(), "beam search finished");
-        for (choice, beam) in best.into_iter().enumerate() {
-            let choice = choice as u32;
-            for mut event in beam.state.history {
-                event.choice = choice;
-                let _ = g.events.send(Ok(GenerateEvent {
-                    event: Some(Event::Token(event)),
-                }));
-            }
-            let reason = if beam.stopped {
-                FinishReason::Stop
-            } else {
-                FinishReason::Length
-            };
-            DecodeMetrics::inc(&self.metrics.finished_sequences);
-            let _ = g.events.send(Ok(finish_event(reason, choice)));
-        }
-    }
-
     /// Runs the prompt and picks the first token of each of `n` sequences: samples, or the
     /// n most likely tokens for a beam search.
     fn prefill(
@@ -626,14 +568,6 @@ impl Scheduler {
             g.ready_since = now;
             self.keep_or_end(g);
         }
-    }
-}
-
-/// What a finished hypothesis keeps: its history, not its cache.
-fn ended(b: &BeamState) -> BeamState {
-    BeamState {
-        cache: None,
-        history: b.history.clone(),
     }
 }
 

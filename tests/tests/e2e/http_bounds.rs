@@ -36,16 +36,6 @@ async fn answer_then_close(conn: &mut TcpStream, limit: Duration) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-async fn served(c: &Cluster, what: &str) {
-    let (status, v) = c
-        .post(
-            "/v1/completions",
-            &json!({"model": c.model_name, "prompt": "still serving", "max_tokens": 3}),
-        )
-        .await;
-    assert_eq!(status, 200, "{what}: {v}");
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn bodies_announced_and_never_sent_are_cut_at_their_deadline() {
     let body_ms = BODY_MS.to_string();
@@ -60,7 +50,7 @@ async fn bodies_announced_and_never_sent_are_cut_at_their_deadline() {
             .expect("the head");
         stalled.push(conn);
     }
-    served(&c, "while 50 bodies are awaited").await;
+    c.assert_serving("while 50 bodies are awaited").await;
     let limit = opened.elapsed() + Duration::from_millis(BODY_MS) + SLACK;
     for mut conn in stalled {
         let answer = answer_then_close(&mut conn, limit).await;
@@ -134,7 +124,7 @@ async fn a_body_over_the_limit_is_refused_before_it_is_read() {
         sent < 16 << 20,
         "the router read {sent} bytes of a body limited to 64 KiB"
     );
-    served(&c, "after the large bodies").await;
+    c.assert_serving("after the large bodies").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -272,7 +262,7 @@ async fn streams_whose_clients_stop_reading_are_dropped_and_cancelled() {
         cancelled >= 4.0,
         "the stalled streams' generations were not cancelled:\n{page}"
     );
-    served(&c, "after the stalled readers").await;
+    c.assert_serving("after the stalled readers").await;
     drop(silent);
 }
 
@@ -293,5 +283,5 @@ async fn a_prompt_longer_than_any_allowed_is_refused_before_it_is_tokenized() {
     assert_eq!(v["error"]["param"], "prompt", "{v}");
     let msg = v["error"]["message"].as_str().unwrap_or_default();
     assert!(msg.contains("3000000 bytes, more than"), "{msg}");
-    served(&c, "after the huge prompt").await;
+    c.assert_serving("after the huge prompt").await;
 }

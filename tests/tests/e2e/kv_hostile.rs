@@ -10,7 +10,6 @@ use e2e::kv::DecodeNode;
 use e2e::{tiny_model, Cluster, Mode};
 use kvwire::Item;
 use proto::v1::{FirstTokens, KvHeader, Token};
-use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tonic::{Code, Status};
@@ -97,16 +96,6 @@ async fn closed_after(mut conn: TcpStream, since: Instant, limit: Duration) -> D
     since.elapsed()
 }
 
-async fn served(c: &Cluster, what: &str) {
-    let (status, v) = c
-        .post(
-            "/v1/completions",
-            &json!({"model": c.model_name, "prompt": "still serving", "max_tokens": 3}),
-        )
-        .await;
-    assert_eq!(status, 200, "{what}: {v}\nlogs:\n{}", c.logs());
-}
-
 fn refused(what: &str, got: Result<proto::v1::TransferAck, Status>, code: Code, says: &str) {
     match got {
         Err(s) => {
@@ -128,7 +117,7 @@ async fn peers_without_a_valid_ticket_are_refused_cheaply_while_the_node_serves(
         &["--kv-header-timeout-ms", &header_ms],
     )
     .await;
-    served(&c, "warm-up").await;
+    c.assert_serving("warm-up").await;
     let node = Node(DecodeNode::connect(&c.decode).await);
     let deadline = Duration::from_millis(HEADER_MS);
     let base = c.procs[0].memory().rss;
@@ -181,7 +170,7 @@ async fn peers_without_a_valid_ticket_are_refused_cheaply_while_the_node_serves(
     for _ in 0..IDLE_CONNECTIONS {
         idle.push(node.open().await);
     }
-    served(&c, "1000 idle connections").await;
+    c.assert_serving("1000 idle connections").await;
     let cost = c.procs[0].memory().rss.saturating_sub(base);
     eprintln!(
         "{IDLE_CONNECTIONS} idle connections: {} KiB resident",
@@ -248,7 +237,7 @@ async fn peers_without_a_valid_ticket_are_refused_cheaply_while_the_node_serves(
         took + Duration::from_millis(500) >= deadline && took < deadline + Duration::from_secs(2),
         "the slow sender was cut after {took:?}, its deadline is {deadline:?}"
     );
-    served(&c, "after the slow sender").await;
+    c.assert_serving("after the slow sender").await;
 
     // Each is counted, not logged a line each.
     let page = e2e::scrape(&c.decode).await;

@@ -7,6 +7,7 @@ mod bounds;
 mod cluster;
 mod conformance;
 mod errors;
+mod failures;
 mod fuzz;
 mod http_bounds;
 mod kv_budget;
