@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
+use crate::api;
 use crate::dispatch::{self, GenRequest, Piece, Pieces, TokenStat};
 use crate::error::RouterError;
 use crate::keys::{Key, QuotaHold};
@@ -273,6 +274,12 @@ async fn run(
 }
 
 /// A request parsed, validated, templated and tokenized.
+/// A request of either endpoint, as typed.
+enum Request {
+    Chat(api::chat::ChatRequest),
+    Completion(api::completions::CompletionRequest),
+}
+
 struct Prepared {
     common: params::Common,
     prompt: Vec<u32>,
@@ -284,14 +291,24 @@ struct Prepared {
 /// prompt: the work whose cost grows with the input, run on the blocking pool. Text longer
 /// than any prompt of `max_prompt_tokens` can be is refused before it is tokenized.
 fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, RouterError> {
-    let o = params::object(body)?;
-    let common = params::common(&o, state.text.config.vocab_size)?;
+    let o = api::object(body)?;
+    let vocab = state.text.config.vocab_size;
+    let (common, request) = match kind {
+        Kind::Chat => {
+            let r = api::chat::ChatRequest::from_object(o)?;
+            (params::common(&r.sampling, vocab)?, Request::Chat(r))
+        }
+        Kind::Completion => {
+            let r = api::completions::CompletionRequest::from_object(o)?;
+            (params::common(&r.sampling, vocab)?, Request::Completion(r))
+        }
+    };
     if common.model != state.model_name {
         return Err(RouterError::ModelNotFound(common.model));
     }
-    let (text, param, logprobs, parser) = match kind {
-        Kind::Chat => {
-            let chat = params::chat(&o)?;
+    let (text, param, logprobs, parser) = match request {
+        Request::Chat(r) => {
+            let chat = params::chat(&r)?;
             let template = state
                 .text
                 .template
@@ -302,8 +319,8 @@ fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, Router
             let parser = chat_parser(state, &chat.tool_choice, &mut text)?;
             (text, "messages", chat.logprobs, parser)
         }
-        Kind::Completion => {
-            let c = params::completion(&o)?;
+        Request::Completion(r) => {
+            let c = params::completion(&r)?;
             (c.prompt, "prompt", c.logprobs, None)
         }
     };

@@ -20,8 +20,11 @@ mod bodies;
 use bodies::request;
 use clap::Parser;
 use engine::fuzz::{settings as fuzz_settings, Rng};
+use router::api::chat::ChatRequest;
+use router::api::completions::CompletionRequest;
+use router::api::{self, Obj};
 use router::error::RouterError;
-use router::params::{self, Obj, MAX_CONTENT_CHARS};
+use router::params::{self, MAX_CONTENT_CHARS};
 use serde_json::{json, Map, Value};
 
 /// The model name the fuzzed router serves.
@@ -46,7 +49,7 @@ enum Verdict {
 
 /// Calls the validator as the handler does and checks every property of its answer.
 fn validate(path: &str, bytes: &[u8], vocab: usize) -> Verdict {
-    let o = match params::object(bytes) {
+    let o = match api::object(bytes) {
         Ok(o) => o,
         Err(e) => {
             assert!(
@@ -73,7 +76,19 @@ fn validate(path: &str, bytes: &[u8], vocab: usize) -> Verdict {
             other => panic!("a refusal that names no parameter: {other:?}"),
         }
     };
-    let common = match params::common(&o, vocab) {
+    let (chat, completion) = if path.contains("chat") {
+        let r = ChatRequest::from_object(o.clone()).expect("any object is a request");
+        (Some(r), None)
+    } else {
+        let r = CompletionRequest::from_object(o.clone()).expect("any object is a request");
+        (None, Some(r))
+    };
+    let sampling = match (&chat, &completion) {
+        (Some(r), _) => &r.sampling,
+        (_, Some(r)) => &r.sampling,
+        _ => unreachable!("one of the two"),
+    };
+    let common = match params::common(sampling, vocab) {
         Ok(c) => c,
         Err(e) => return refused(e),
     };
@@ -81,8 +96,8 @@ fn validate(path: &str, bytes: &[u8], vocab: usize) -> Verdict {
     if common.model != MODEL {
         return Verdict::OtherModel;
     }
-    if path.contains("chat") {
-        match params::chat(&o) {
+    if let Some(r) = &chat {
+        match params::chat(r) {
             Ok(c) => {
                 let messages = c.input.messages.as_array().expect("messages are a list");
                 assert!(!messages.is_empty(), "a chat with no messages accepted");
@@ -96,8 +111,8 @@ fn validate(path: &str, bytes: &[u8], vocab: usize) -> Verdict {
             }
             Err(e) => return refused(e),
         }
-    } else {
-        match params::completion(&o) {
+    } else if let Some(r) = &completion {
+        match params::completion(r) {
             Ok(c) => {
                 assert!(!c.prompt.is_empty(), "an empty prompt accepted");
                 assert!(c.prompt.chars().count() <= MAX_CONTENT_CHARS);
@@ -394,7 +409,11 @@ fn numbers_that_vanish_in_f32_are_checked_as_the_engine_sees_them() {
         o.extend(extra.as_object().expect("an object").clone());
         o
     };
-    let refused = |extra: Value| match params::common(&body(extra.clone()), 1000) {
+    let common = |o: Obj| {
+        let r = CompletionRequest::from_object(o).expect("any object is a request");
+        params::common(&r.sampling, 1000)
+    };
+    let refused = |extra: Value| match common(body(extra.clone())) {
         Err(RouterError::InvalidParam { param, .. }) => param,
         other => panic!("{extra} accepted: {other:?}"),
     };
@@ -403,7 +422,7 @@ fn numbers_that_vanish_in_f32_are_checked_as_the_engine_sees_them() {
         "repetition_penalty"
     );
     assert_eq!(refused(json!({"temperature": 5e-324, "n": 2})), "n");
-    let greedy = params::common(&body(json!({"temperature": 5e-324})), 1000)
+    let greedy = common(body(json!({"temperature": 5e-324})))
         .expect("a temperature that is 0 in f32 is a valid 0");
     assert_eq!(greedy.sampling.temperature, 0.0);
 }

@@ -1,0 +1,189 @@
+//! The HTTP API's requests as types, one module per API: `chat` (/v1/chat/completions) and
+//! `completions` (/v1/completions), with the sampling and output fields both take in
+//! [`Sampling`]. A body is read as a JSON object, then into its request struct; `params`
+//! validates the struct into the internal request (`params::Common` and the endpoint's own
+//! part), refusing what is wrong with an error that names the parameter.
+//!
+//! Every field is a [`Param`]: absent, null, a value of its declared type, or a value of
+//! another type. A wrong type is not a deserialization error: serde's message names no
+//! parameter, and the API's errors must, in the words the seeds and clients expect.
+//!
+//! Unknown fields are accepted and ignored, as OpenAI's API does; they are kept in each
+//! request's `extra`, so that the policy is one place to change. Fields with which other
+//! servers read a file or fetch a URL are known, and refused (`params`).
+
+pub mod chat;
+pub mod completions;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer};
+use serde_json::{Map, Value};
+
+use crate::error::RouterError;
+
+/// A JSON object body.
+pub type Obj = Map<String, Value>;
+
+/// One request field as the client sent it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum Param<T> {
+    #[default]
+    Absent,
+    Null,
+    Valid(T),
+    /// A value that is not a `T`.
+    Invalid,
+}
+
+impl<'de, T: DeserializeOwned> Deserialize<'de> for Param<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(match Value::deserialize(d)? {
+            Value::Null => Param::Null,
+            v => T::deserialize(v).map_or(Param::Invalid, Param::Valid),
+        })
+    }
+}
+
+/// The JSON type a field must have, as its error says it ("temperature must be a number").
+pub trait Described {
+    const WHAT: &'static str;
+}
+
+impl Described for f64 {
+    const WHAT: &'static str = "a number";
+}
+
+impl Described for i128 {
+    const WHAT: &'static str = "an integer";
+}
+
+impl Described for bool {
+    const WHAT: &'static str = "a boolean";
+}
+
+impl<T> Param<T> {
+    /// Sent with a value, of its type or not: null counts as absent.
+    pub fn present(&self) -> bool {
+        matches!(self, Param::Valid(_) | Param::Invalid)
+    }
+
+    /// The value, `None` when absent or null, and for a value of another type the error
+    /// naming `key`.
+    pub fn value(&self, key: &'static str) -> Result<Option<&T>, RouterError>
+    where
+        T: Described,
+    {
+        match self {
+            Param::Absent | Param::Null => Ok(None),
+            Param::Valid(v) => Ok(Some(v)),
+            Param::Invalid => Err(RouterError::param(
+                key,
+                format!("{key} must be {}", T::WHAT),
+            )),
+        }
+    }
+}
+
+/// `stop`: one string or a list of them.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// The fields both endpoints take: the model, sampling, the token budget and the output's
+/// shape (the MindIE and vLLM extensions among them).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct Sampling {
+    pub model: Param<String>,
+    pub stream: Param<bool>,
+    pub temperature: Param<f64>,
+    pub top_p: Param<f64>,
+    pub top_k: Param<i128>,
+    pub seed: Param<i128>,
+    pub presence_penalty: Param<f64>,
+    pub frequency_penalty: Param<f64>,
+    pub repetition_penalty: Param<f64>,
+    pub max_tokens: Param<i128>,
+    pub n: Param<i128>,
+    pub best_of: Param<i128>,
+    pub use_beam_search: Param<bool>,
+    pub ignore_eos: Param<bool>,
+    pub skip_special_tokens: Param<bool>,
+    /// Ids that end generation; the elements that are not int32 are ignored (the seeds).
+    pub stop_token_ids: Param<Vec<Value>>,
+    pub stop: Param<Stop>,
+    pub include_stop_str_in_output: Param<bool>,
+    /// Only `{"type": "text"}` is accepted; a union of shapes, checked as JSON.
+    pub response_format: Param<Value>,
+    /// Refused: prompts are rendered with the model's own template.
+    pub chat_template: Param<Value>,
+    /// Refused: the router opens no connection for a request.
+    pub web_search_options: Param<Value>,
+}
+
+/// Parses a body into an object; anything else is a 400.
+pub fn object(body: &[u8]) -> Result<Obj, RouterError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(o)) => Ok(o),
+        Ok(_) => Err(RouterError::InvalidJson("expected a JSON object".into())),
+        Err(e) => Err(RouterError::InvalidJson(e.to_string())),
+    }
+}
+
+/// A request struct from a body's object. Every field takes any JSON, so this cannot fail
+/// on a JSON object; the error path is there for the type system.
+pub(crate) fn from_object<T: DeserializeOwned>(o: Obj) -> Result<T, RouterError> {
+    serde_json::from_value(Value::Object(o)).map_err(|e| RouterError::InvalidJson(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_field_is_absent_null_of_its_type_or_not() {
+        let s: Sampling = from_object(
+            json!({"temperature": 0.5, "top_k": "many", "seed": null, "stop": ["a", "b"]})
+                .as_object()
+                .unwrap()
+                .clone(),
+        )
+        .unwrap();
+        assert_eq!(s.temperature, Param::Valid(0.5));
+        assert_eq!(s.top_k, Param::Invalid);
+        assert_eq!(s.seed, Param::Null);
+        assert_eq!(s.top_p, Param::Absent);
+        assert_eq!(
+            s.stop,
+            Param::Valid(Stop::Many(vec!["a".into(), "b".into()]))
+        );
+        assert!(matches!(
+            s.top_k.value("top_k"),
+            Err(RouterError::InvalidParam { param: "top_k", message }) if message == "top_k must be an integer"
+        ));
+        assert_eq!(s.seed.value("seed").unwrap(), None);
+    }
+
+    #[test]
+    fn integers_are_integers_and_numbers_any_number() {
+        let s: Sampling = from_object(
+            json!({"max_tokens": 1.5, "n": 2.0, "seed": 18446744073709551615u64, "temperature": 1})
+                .as_object()
+                .unwrap()
+                .clone(),
+        )
+        .unwrap();
+        assert_eq!(s.max_tokens, Param::Invalid);
+        assert_eq!(
+            s.n,
+            Param::Invalid,
+            "2.0 is a float in JSON, as serde_json reads it"
+        );
+        assert_eq!(s.seed, Param::Valid(u64::MAX as i128));
+        assert_eq!(s.temperature, Param::Valid(1.0));
+    }
+}

@@ -1,0 +1,353 @@
+//! Typed requests (`crate::api`) to validated parameters. Each check names the parameter it
+//! rejects, as the OpenAI error object's `param`.
+
+mod chat;
+mod completion;
+#[cfg(test)]
+mod tests;
+
+pub use chat::{chat, Chat, ToolChoice};
+pub use completion::{completion, Completion};
+
+use serde_json::Value;
+
+use crate::api::{Param, Sampling, Stop};
+use crate::error::RouterError;
+
+/// Most characters of message content (the seeds' 4 MB).
+pub const MAX_CONTENT_CHARS: usize = 4 * 1024 * 1024;
+
+/// Parameters both endpoints share.
+#[derive(Debug, Clone)]
+pub struct Common {
+    pub model: String,
+    pub stream: bool,
+    pub sampling: proto::v1::SamplingParams,
+    pub max_tokens: Option<u64>,
+    pub ignore_eos: bool,
+    pub skip_special_tokens: bool,
+    /// `stop_token_ids` that are int32 and inside the vocabulary.
+    pub stop_token_ids: Vec<u32>,
+    pub stop: Vec<String>,
+    pub include_stop_str_in_output: bool,
+    /// Choices returned.
+    pub n: usize,
+    /// Sequences generated, of which the n best (by cumulative logprob) are returned; with
+    /// beam search, the beam width.
+    pub best_of: usize,
+    /// Beam search instead of sampling.
+    pub beam: bool,
+}
+
+/// Keywords by which a JSON schema refers to another schema.
+const REF_KEYWORDS: [&str; 3] = ["$ref", "$dynamicRef", "$recursiveRef"];
+
+/// The first schema reference in `v` that points outside the document itself (a URL or a
+/// path: anything but a `#` fragment). Nothing here resolves schemas, and a reference
+/// that a later feature resolved must never become a fetch. The depth is bounded by
+/// serde_json's recursion limit on the body.
+fn external_ref(v: &Value) -> Option<&str> {
+    match v {
+        Value::Object(m) => m.iter().find_map(|(k, v)| match v {
+            Value::String(r) if REF_KEYWORDS.contains(&k.as_str()) && !r.starts_with('#') => {
+                Some(r.as_str())
+            }
+            _ => external_ref(v),
+        }),
+        Value::Array(items) => items.iter().find_map(external_ref),
+        _ => None,
+    }
+}
+
+/// Refuses the fields for which other servers read a file or fetch a URL (a template, a
+/// web search, a schema): ignoring them would leave a client believing they were used.
+fn no_fetching_fields(s: &Sampling) -> Result<(), RouterError> {
+    if s.chat_template.present() {
+        return Err(RouterError::param(
+            "chat_template",
+            "chat_template is not accepted: prompts are rendered with the model's own chat \
+             template, never one from a request",
+        ));
+    }
+    if s.web_search_options.present() {
+        return Err(RouterError::param(
+            "web_search_options",
+            "web search is not supported: the router opens no connection for a request",
+        ));
+    }
+    response_format(&s.response_format)
+}
+
+/// `response_format`: only `{"type": "text"}`. Output is not constrained to JSON, so
+/// json_object and json_schema would be silently unmet.
+fn response_format(format: &Param<Value>) -> Result<(), RouterError> {
+    let bad = |m: String| RouterError::param("response_format", m);
+    let Param::Valid(format) = format else {
+        return Ok(());
+    };
+    if let Some(r) = external_ref(format) {
+        return Err(bad(format!(
+            "response_format refers to {r:?}: only references inside the schema (\"#/...\") \
+             are accepted, the router never fetches a schema"
+        )));
+    }
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(()),
+        Some(kind @ ("json_object" | "json_schema")) => Err(bad(format!(
+            "response_format {kind} is not supported: output is not constrained to a format"
+        ))),
+        _ => Err(bad("response_format must be {\"type\": \"text\"}".into())),
+    }
+}
+
+/// Most stop strings, characters per stop string, and characters over all of them.
+const MAX_STOPS: usize = 1024;
+const MAX_STOP_CHARS: usize = 1024;
+const MAX_STOP_TOTAL_CHARS: usize = 32768;
+
+/// `stop`: a string or a list of strings; an empty list means none.
+fn stop_strings(stop: &Param<Stop>) -> Result<Vec<String>, RouterError> {
+    let bad = |m: String| RouterError::param("stop", m);
+    let stops: Vec<String> = match stop {
+        Param::Absent | Param::Null => return Ok(Vec::new()),
+        Param::Valid(Stop::One(s)) => vec![s.clone()],
+        Param::Valid(Stop::Many(items)) => items.clone(),
+        Param::Invalid => return Err(bad("stop must be a string or a list of strings".into())),
+    };
+    if stops.len() > MAX_STOPS {
+        return Err(bad(format!(
+            "stop has {} strings, the limit is {MAX_STOPS}",
+            stops.len()
+        )));
+    }
+    let mut total = 0;
+    for s in &stops {
+        let n = s.chars().count();
+        if n == 0 || n > MAX_STOP_CHARS {
+            return Err(bad(format!(
+                "each stop string must have 1 to {MAX_STOP_CHARS} characters, got {n}"
+            )));
+        }
+        total += n;
+    }
+    if total > MAX_STOP_TOTAL_CHARS {
+        return Err(bad(format!(
+            "stop strings hold {total} characters, the limit is {MAX_STOP_TOTAL_CHARS}"
+        )));
+    }
+    Ok(stops)
+}
+
+/// An integer in `lo..=hi`, or `None` when absent or null.
+fn int_in(
+    p: &Param<i128>,
+    key: &'static str,
+    lo: i128,
+    hi: i128,
+) -> Result<Option<usize>, RouterError> {
+    match p.value(key)?.copied() {
+        None => Ok(None),
+        Some(x) if (lo..=hi).contains(&x) => Ok(Some(x as usize)),
+        Some(x) => Err(RouterError::param(
+            key,
+            format!("{key} must be in [{lo}, {hi}], got {x}"),
+        )),
+    }
+}
+
+/// A boolean parameter with its default.
+fn boolean(p: &Param<bool>, key: &'static str, default: bool) -> Result<bool, RouterError> {
+    Ok(p.value(key)?.copied().unwrap_or(default))
+}
+
+/// A float in a range; `lo_open`/`hi_open` exclude that end.
+fn ranged(
+    p: &Param<f64>,
+    key: &'static str,
+    default: f64,
+    (lo, lo_open): (f64, bool),
+    (hi, hi_open): (f64, bool),
+) -> Result<f64, RouterError> {
+    let Some(&sent) = p.value(key)? else {
+        return Ok(default);
+    };
+    // The engine samples in f32: the range holds for the value it will use, or 1e-310
+    // would pass an open 0 and reach it as 0 (a repetition penalty dividing by 0, or a
+    // temperature of 0 that makes n samples one greedy answer).
+    let x = f64::from(sent as f32);
+    let above = if lo_open { x > lo } else { x >= lo };
+    let below = if hi_open { x < hi } else { x <= hi };
+    if above && below {
+        Ok(x)
+    } else {
+        let (l, r) = (
+            if lo_open { "(" } else { "[" },
+            if hi_open { ")" } else { "]" },
+        );
+        Err(RouterError::param(
+            key,
+            format!("{key} must be in {l}{lo}, {hi}{r}, got {sent}"),
+        ))
+    }
+}
+
+/// Checks and reads the parameters both endpoints share. `vocab_size` caps top_k.
+pub fn common(o: &Sampling, vocab_size: usize) -> Result<Common, RouterError> {
+    let model = match &o.model {
+        Param::Valid(s) => s.clone(),
+        Param::Null | Param::Invalid => {
+            return Err(RouterError::param("model", "model must be a string"))
+        }
+        Param::Absent => return Err(RouterError::param("model", "model is required")),
+    };
+    no_fetching_fields(o)?;
+    let temperature = ranged(
+        &o.temperature,
+        "temperature",
+        1.0,
+        (0.0, false),
+        (2.0, false),
+    )?;
+    let top_p = ranged(&o.top_p, "top_p", 1.0, (1e-6, true), (1.0, false))?;
+    let top_k = match o.top_k.value("top_k")?.copied() {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 && k <= i32::MAX as i128 => (k as usize).min(vocab_size) as u32,
+        Some(k) => {
+            return Err(RouterError::param(
+                "top_k",
+                format!("top_k must be -1, 0 or in (0, 2147483647], got {k}"),
+            ))
+        }
+    };
+    let presence = ranged(
+        &o.presence_penalty,
+        "presence_penalty",
+        0.0,
+        (-2.0, false),
+        (2.0, false),
+    )?;
+    let frequency = ranged(
+        &o.frequency_penalty,
+        "frequency_penalty",
+        0.0,
+        (-2.0, false),
+        (2.0, false),
+    )?;
+    let repetition = ranged(
+        &o.repetition_penalty,
+        "repetition_penalty",
+        1.0,
+        (0.0, true),
+        (2.0, false),
+    )?;
+    let seed = match o.seed.value("seed")?.copied() {
+        None => random_u64(),
+        Some(s) if (0..=u64::MAX as i128).contains(&s) => s as u64,
+        Some(s) => {
+            return Err(RouterError::param(
+                "seed",
+                format!("seed must be in [0, 18446744073709551615], got {s}"),
+            ))
+        }
+    };
+    let max_tokens = match o.max_tokens.value("max_tokens")?.copied() {
+        None => None,
+        Some(m) if m > 0 && m <= i32::MAX as i128 => Some(m as u64),
+        Some(m) => {
+            return Err(RouterError::param(
+                "max_tokens",
+                format!("max_tokens must be in (0, 2147483647], got {m}"),
+            ))
+        }
+    };
+    let stop_token_ids = match &o.stop_token_ids {
+        Param::Absent | Param::Null => Vec::new(),
+        Param::Valid(ids) => ids
+            .iter()
+            // The seeds: elements that are not int32 are ignored.
+            .filter_map(|v| v.as_i64().filter(|&i| i32::try_from(i).is_ok()))
+            .filter(|&i| i >= 0 && (i as usize) < vocab_size)
+            .map(|i| i as u32)
+            .collect(),
+        Param::Invalid => {
+            return Err(RouterError::param(
+                "stop_token_ids",
+                "stop_token_ids must be a list of integers",
+            ))
+        }
+    };
+    let stream = boolean(&o.stream, "stream", false)?;
+    let n_given = int_in(&o.n, "n", 1, 128)?;
+    let best_of_given = int_in(&o.best_of, "best_of", 1, 128)?;
+    let n = n_given.unwrap_or(1);
+    let beam = boolean(&o.use_beam_search, "use_beam_search", false)?;
+    let best_of = if beam {
+        // The seeds: with beam search best_of is not checked; the beam is as wide as the
+        // larger of the two.
+        best_of_given.unwrap_or(n).max(n)
+    } else {
+        best_of_given.unwrap_or(n)
+    };
+    if !beam && best_of < n {
+        return Err(RouterError::param(
+            "best_of",
+            format!("best_of ({best_of}) must be at least n ({n})"),
+        ));
+    }
+    let sampled_several = if beam { n > 1 } else { best_of > 1 };
+    if sampled_several && temperature <= 0.0 {
+        let param = if n > 1 { "n" } else { "best_of" };
+        return Err(RouterError::param(
+            param,
+            "n or best_of above 1 needs a temperature above 0",
+        ));
+    }
+    // The seeds: streaming needs best_of = n, so best_of alone (above 1) is refused too.
+    if !beam && stream && best_of != n {
+        return Err(RouterError::param(
+            "best_of",
+            "when streaming, best_of must equal n (and cannot be set without it)",
+        ));
+    }
+    let stop = stop_strings(&o.stop)?;
+    let include_stop_str_in_output = boolean(
+        &o.include_stop_str_in_output,
+        "include_stop_str_in_output",
+        false,
+    )?;
+    if beam && (!stop.is_empty() || !stop_token_ids.is_empty()) {
+        return Err(RouterError::param(
+            "use_beam_search",
+            "use_beam_search cannot be combined with stop or stop_token_ids",
+        ));
+    }
+    Ok(Common {
+        model,
+        stream,
+        sampling: proto::v1::SamplingParams {
+            temperature: temperature as f32,
+            top_k,
+            top_p: top_p as f32,
+            repetition_penalty: repetition as f32,
+            presence_penalty: presence as f32,
+            frequency_penalty: frequency as f32,
+            seed,
+        },
+        max_tokens,
+        ignore_eos: boolean(&o.ignore_eos, "ignore_eos", false)?,
+        skip_special_tokens: boolean(&o.skip_special_tokens, "skip_special_tokens", true)?,
+        stop_token_ids,
+        stop,
+        include_stop_str_in_output,
+        n,
+        best_of,
+        beam,
+    })
+}
+
+/// A fresh random u64, for seeds and ids: fastrand's per-thread generator, seeded once per
+/// thread. Ids and seeds must differ, not stay secret, and a getrandom call per value cost the
+/// router a system call three times per request.
+pub fn random_u64() -> u64 {
+    fastrand::u64(..)
+}
