@@ -1,8 +1,8 @@
 //! The router's errors and the one place they become HTTP statuses and OpenAI error bodies.
 
+use crate::api::error::{ErrorBody, ErrorObject};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
 
 /// How error bodies look.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -155,7 +155,7 @@ impl RouterError {
     }
 
     /// The error body in `format`.
-    pub fn body_in(&self, format: ErrorFormat) -> serde_json::Value {
+    pub fn body_in(&self, format: ErrorFormat) -> ErrorBody {
         match format {
             ErrorFormat::Openai => self.body(),
             ErrorFormat::Provider => {
@@ -168,7 +168,11 @@ impl RouterError {
                     Timeout(_) => 802,
                     _ => 9999,
                 };
-                json!({"code": code, "result": null, "message": self.public_message()})
+                ErrorBody::Provider {
+                    code,
+                    result: None,
+                    message: self.public_message(),
+                }
             }
         }
     }
@@ -203,7 +207,7 @@ impl RouterError {
     }
 
     /// The OpenAI error object, `{"error": {...}}`.
-    pub fn body(&self) -> serde_json::Value {
+    pub fn body(&self) -> ErrorBody {
         use RouterError::*;
         let param = match self {
             InvalidParam { param, .. } | PromptTooLong { param, .. } => Some(*param),
@@ -224,7 +228,14 @@ impl RouterError {
             _ if status == StatusCode::SERVICE_UNAVAILABLE => ("service_unavailable", None),
             _ => ("server_error", None),
         };
-        json!({"error": {"message": self.public_message(), "type": kind, "param": param, "code": code}})
+        ErrorBody::Openai {
+            error: ErrorObject {
+                message: self.public_message(),
+                kind,
+                param,
+                code,
+            },
+        }
     }
 
     /// The message a client is shown: the log's, less what is internal to the cluster
@@ -284,7 +295,7 @@ mod tests {
         for e in cases {
             assert!(e.to_string().contains(addr), "the log keeps it: {e}");
             for format in [ErrorFormat::Openai, ErrorFormat::Provider] {
-                let body = e.body_in(format).to_string();
+                let body = e.body_in(format).to_json();
                 assert!(!body.contains("10.1.2.3"), "{body}");
             }
         }
@@ -293,8 +304,12 @@ mod tests {
             addr,
             tonic::Status::resource_exhausted("the KV budget is taken"),
         );
+        let message = |e: &RouterError| match e.body() {
+            ErrorBody::Openai { error } => error.message,
+            other => panic!("the OpenAI format: {other:?}"),
+        };
         assert_eq!(
-            busy.body()["error"]["message"],
+            message(&busy),
             "the decode worker is at capacity: the KV budget is taken"
         );
         let refused = RouterError::worker(
@@ -303,9 +318,6 @@ mod tests {
             tonic::Status::invalid_argument("token id 99999 is outside the vocabulary"),
         );
         assert_eq!(refused.http_status(), StatusCode::BAD_REQUEST);
-        assert!(refused.body()["error"]["message"]
-            .as_str()
-            .unwrap()
-            .ends_with("token id 99999 is outside the vocabulary"));
+        assert!(message(&refused).ends_with("token id 99999 is outside the vocabulary"));
     }
 }

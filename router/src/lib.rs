@@ -11,6 +11,7 @@ pub mod http;
 pub mod keys;
 pub mod metrics;
 pub mod openai;
+mod output;
 pub mod params;
 pub mod pool;
 pub mod routing;
@@ -27,7 +28,6 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde_json::json;
 use tokio::net::TcpListener;
 
 pub use config::{Config, Mode};
@@ -47,7 +47,10 @@ pub fn app(state: Arc<AppState>) -> Router {
         ));
     Router::new()
         .merge(api)
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route(
+            "/health",
+            get(|| async { Json(api::health::Liveness { status: "ok" }) }),
+        )
         .route("/health/ready", get(ready))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -86,9 +89,12 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    let body = json!({"ready": status == StatusCode::OK,
-        "prefill_ready": prefill, "decode_ready": decode,
-        "discovery": state.discovery().as_str()});
+    let body = api::health::Readiness {
+        ready: status == StatusCode::OK,
+        prefill_ready: prefill,
+        decode_ready: decode,
+        discovery: state.discovery().as_str(),
+    };
     (status, Json(body)).into_response()
 }
 
@@ -114,8 +120,14 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn not_found(uri: axum::http::Uri) -> Response {
-    let body = json!({"error": {"message": format!("no route for {}", uri.path()),
-        "type": "invalid_request_error", "param": null, "code": "not_found"}});
+    let body = api::error::ErrorBody::Openai {
+        error: api::error::ErrorObject {
+            message: format!("no route for {}", uri.path()),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("not_found"),
+        },
+    };
     (StatusCode::NOT_FOUND, Json(body)).into_response()
 }
 

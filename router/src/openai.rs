@@ -1,5 +1,6 @@
 //! The OpenAI-style endpoints in the seeds' shapes: chat and text completions, streamed
-//! (SSE) and not, with MindIE's usage fields.
+//! (SSE) and not, with MindIE's usage fields. A request is read and validated (`api`,
+//! `params`), dispatched (`dispatch`), and its output (`output`) answered whole or streamed.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -11,44 +12,26 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use proto::v1::FinishReason;
-use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
 use crate::api;
-use crate::dispatch::{self, GenRequest, Piece, Pieces, TokenStat};
+use crate::dispatch::{self, GenRequest, Piece, Pieces};
 use crate::error::RouterError;
-use crate::keys::{Key, QuotaHold};
+use crate::keys::Key;
 use crate::metrics::InFlight;
+use crate::output::{ChoiceOut, Kind, Output, Tally};
 use crate::params::{self, ToolChoice};
 use crate::state::AppState;
-use crate::stops::{Scan, StopStrings};
+use crate::stops::StopStrings;
 use text::structured::{prompt_opens_reasoning, Parser};
-use text::tools::ToolCall;
 
 /// Bodies up to this size are parsed, templated and tokenized on the thread serving the
 /// connection: a few thousand tokens at most, about a millisecond, a bounded stall; the hop
 /// to the blocking pool would cost every request two thread switches, and a one-thread
 /// router (`--threads 1`) its single thread. Larger bodies go to the blocking pool.
 const INLINE_BODY_BYTES: usize = 16 << 10;
-
-/// Which endpoint a request came in on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Chat,
-    Completion,
-}
-
-impl Kind {
-    fn endpoint(self) -> &'static str {
-        match self {
-            Kind::Chat => "chat",
-            Kind::Completion => "completions",
-        }
-    }
-}
 
 /// `POST /v1/chat/completions`.
 pub async fn chat(
@@ -104,12 +87,19 @@ async fn read_body(
 }
 
 /// `GET /v1/models`.
-pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
+pub async fn models(State(state): State<Arc<AppState>>) -> Response {
     let created = unix_now() - state.started.elapsed().as_secs();
-    Json(json!({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": created, "owned_by": "tandem",
-        "max_model_len": state.max_seq_len,
-    }]}))
+    Json(api::models::ModelList {
+        object: "list",
+        data: vec![api::models::Model {
+            id: &state.model_name,
+            object: "model",
+            created,
+            owned_by: "tandem",
+            max_model_len: state.max_seq_len,
+        }],
+    })
+    .into_response()
 }
 
 fn unix_now() -> u64 {
@@ -395,609 +385,6 @@ fn chat_parser(
     }))
 }
 
-/// Per-token figures the usage reports, over every sequence.
-#[derive(Debug, Default)]
-struct Tally {
-    completion_tokens: usize,
-    batch_size: Vec<u32>,
-    queue_wait_us: Vec<u64>,
-    prefill_ms: f64,
-    decode_ms: Vec<f64>,
-    cached_tokens: u32,
-}
-
-/// Milliseconds to three decimals.
-fn ms(x: f64) -> f64 {
-    (x * 1e3).round() / 1e3
-}
-
-/// A token as logprobs show it: its text (OpenAI's `bytes:\xNN...` when it is only part
-/// of a character) and its bytes.
-#[derive(Debug, Clone)]
-struct Shown {
-    text: String,
-    bytes: Vec<u8>,
-}
-
-/// One token's logprob and alternatives, with its text and where that text starts.
-#[derive(Debug, Clone)]
-struct LogprobEntry {
-    token: Shown,
-    logprob: f32,
-    top: Vec<(Shown, f32)>,
-    /// Characters of output before this token's text.
-    offset: usize,
-}
-
-/// What one token (or the end) of a choice let out to the client.
-#[derive(Debug, Default)]
-struct Released {
-    content: String,
-    reasoning: String,
-    /// The new calls, as indices into the choice's `calls`.
-    calls: std::ops::Range<usize>,
-}
-
-/// One sequence's output as it grows.
-struct ChoiceOut {
-    decoder: text::IncrementalDecoder,
-    /// Decoded text; past a matched stop string it is cut where the output ends.
-    text: String,
-    text_chars: usize,
-    /// Bytes of `text` already released to the client.
-    sent: usize,
-    /// Splits released chat text into reasoning, content and tool calls.
-    parser: Option<Parser>,
-    /// Released text that is content (all of it without a parser).
-    content: String,
-    reasoning: String,
-    /// Tool calls with their ids.
-    calls: Vec<(String, ToolCall)>,
-    stop_reason: Value,
-    /// A stop string ended the output: its later tokens are ignored.
-    stopped: bool,
-    finish: Option<FinishReason>,
-    /// Sum of its tokens' logprobs: how best_of ranks sequences.
-    cumulative_logprob: f64,
-    entries: Vec<LogprobEntry>,
-}
-
-impl ChoiceOut {
-    fn new(skip_special: bool, parser: Option<Parser>) -> Self {
-        Self {
-            decoder: text::IncrementalDecoder::new(skip_special),
-            text: String::new(),
-            text_chars: 0,
-            sent: 0,
-            parser,
-            content: String::new(),
-            reasoning: String::new(),
-            calls: Vec::new(),
-            stop_reason: Value::Null,
-            stopped: false,
-            finish: None,
-            cumulative_logprob: 0.0,
-            entries: Vec::new(),
-        }
-    }
-
-    fn append(&mut self, piece: &str, stops: &StopStrings) {
-        let old = self.text.len();
-        self.text.push_str(piece);
-        self.text_chars += piece.chars().count();
-        if let Scan::Stop { end, which } = stops.scan(&self.text, old) {
-            self.text.truncate(end);
-            self.text_chars = self.text.chars().count();
-            self.stop_reason = json!(stops.get(which));
-            self.stopped = true;
-        }
-    }
-
-    /// Lets out the text now free to go (`all` at the end of the output), through the
-    /// parser when there is one.
-    fn release(&mut self, stops: &StopStrings, all: bool) -> Released {
-        let upto = if all || self.stopped {
-            self.text.len()
-        } else {
-            match stops.scan(&self.text, self.text.len()) {
-                Scan::Release(n) => n,
-                Scan::Stop { end, .. } => end,
-            }
-        };
-        let upto = upto.max(self.sent);
-        let text = &self.text[self.sent..upto];
-        self.sent = upto;
-        let Some(parser) = &mut self.parser else {
-            self.content.push_str(text);
-            return Released {
-                content: text.to_string(),
-                ..Released::default()
-            };
-        };
-        let mut d = parser.feed(text);
-        if all {
-            let end = parser.finish();
-            d.reasoning.push_str(&end.reasoning);
-            d.content.push_str(&end.content);
-            d.calls.extend(end.calls);
-        }
-        self.content.push_str(&d.content);
-        self.reasoning.push_str(&d.reasoning);
-        let first = self.calls.len();
-        self.calls
-            .extend(d.calls.into_iter().map(|c| (call_id(), c)));
-        Released {
-            content: d.content,
-            reasoning: d.reasoning,
-            calls: first..self.calls.len(),
-        }
-    }
-}
-
-/// A tool call id as OpenAI writes them.
-fn call_id() -> String {
-    format!(
-        "call_{:016x}{:08x}",
-        params::random_u64(),
-        params::random_u64() as u32
-    )
-}
-
-/// One request's output: one `ChoiceOut` per generated sequence.
-struct Output {
-    state: Arc<AppState>,
-    kind: Kind,
-    id: String,
-    created: u64,
-    prompt_tokens: usize,
-    /// Every id that ends generation (EOS unless ignored, and stop_token_ids).
-    stop_ids: Vec<u32>,
-    /// The request's own stop_token_ids, reported as `stop_reason`.
-    user_stop_ids: Vec<u32>,
-    stops: StopStrings,
-    /// Whether the request asked for logprobs.
-    logprobs: bool,
-    /// Choices returned (the best n of the sequences when best_of > n).
-    n: usize,
-    choices: Vec<ChoiceOut>,
-    tally: Tally,
-    /// When the first token arrived.
-    first_at: Instant,
-    /// What the request holds of its API key's quota, charged for the tokens it used.
-    hold: Option<QuotaHold>,
-}
-
-impl Drop for Output {
-    /// Charges the key for every token the request used, also when the client left early;
-    /// the hold then gives back the rest.
-    fn drop(&mut self) {
-        if let Some(hold) = &self.hold {
-            hold.charge((self.prompt_tokens + self.tally.completion_tokens) as u64);
-        }
-    }
-}
-
-impl Output {
-    fn shown(&self, id: u32) -> Shown {
-        let bytes = self
-            .state
-            .text
-            .tokenizer
-            .token_bytes(id)
-            .unwrap_or_default();
-        let text = match std::str::from_utf8(&bytes) {
-            Ok(s) => s.to_string(),
-            Err(_) => bytes.iter().fold(String::from("bytes:"), |mut s, b| {
-                s.push_str(&format!("\\x{b:02x}"));
-                s
-            }),
-        };
-        Shown { text, bytes }
-    }
-
-    fn choice_mut(&mut self, choice: u32) -> Result<&mut ChoiceOut, RouterError> {
-        self.choices
-            .get_mut(choice as usize)
-            .ok_or_else(|| RouterError::Internal(format!("a token for unknown choice {choice}")))
-    }
-
-    /// Counts a token and returns what it releases for its choice (nothing while a
-    /// character is split or the text could still become a stop string or markup), or
-    /// `None` when that choice has already ended.
-    fn push(&mut self, t: &TokenStat) -> Result<Option<Released>, RouterError> {
-        if self.choice_mut(t.choice)?.finish.is_some() {
-            return Ok(None);
-        }
-        let tally = &mut self.tally;
-        tally.completion_tokens += 1;
-        tally.batch_size.push(t.batch_size);
-        tally.queue_wait_us.push(t.queue_wait_us);
-        if t.from_prefill {
-            tally.prefill_ms = t.step_ms;
-            tally.cached_tokens = t.cached_tokens;
-        } else {
-            tally.decode_ms.push(ms(t.step_ms));
-        }
-        let entry = self.logprobs.then(|| LogprobEntry {
-            token: self.shown(t.id),
-            logprob: t.logprob,
-            top: t.top.iter().map(|&(id, lp)| (self.shown(id), lp)).collect(),
-            offset: 0,
-        });
-        let is_stop = self.stop_ids.contains(&t.id);
-        let user_stop = self.user_stop_ids.contains(&t.id);
-        let piece = if is_stop {
-            // A stop token ends the output and is not part of its text.
-            String::new()
-        } else {
-            let tokenizer = &self.state.text.tokenizer;
-            let choice = &mut self.choices[t.choice as usize];
-            choice
-                .decoder
-                .push(tokenizer, t.id)
-                .map_err(|e| RouterError::Internal(e.to_string()))?
-                .unwrap_or_default()
-        };
-        let stops = &self.stops;
-        let choice = &mut self.choices[t.choice as usize];
-        choice.cumulative_logprob += f64::from(t.logprob);
-        if let Some(mut e) = entry {
-            e.offset = choice.text_chars;
-            choice.entries.push(e);
-        }
-        if user_stop {
-            choice.stop_reason = json!(t.id);
-        }
-        choice.append(&piece, stops);
-        Ok(Some(choice.release(stops, false)))
-    }
-
-    /// Ends a choice: returns what it still held back.
-    fn finish(&mut self, choice: u32, reason: FinishReason) -> Result<Released, RouterError> {
-        let tokenizer = &self.state.text.tokenizer;
-        let stops = &self.stops;
-        let c = self.choices.get_mut(choice as usize).ok_or_else(|| {
-            RouterError::Internal(format!("a finish for unknown choice {choice}"))
-        })?;
-        if !c.stopped {
-            let rest = c
-                .decoder
-                .flush(tokenizer)
-                .map_err(|e| RouterError::Internal(e.to_string()))?
-                .unwrap_or_default();
-            c.append(&rest, stops);
-        }
-        c.finish = Some(if c.stopped {
-            FinishReason::Stop
-        } else {
-            reason
-        });
-        let rest = c.release(stops, true);
-        if self.all_finished() {
-            self.record();
-        }
-        Ok(rest)
-    }
-
-    /// The choice `piece` ends, and why, when that choice is still open: a worker's finish,
-    /// or a token whose text matched a stop string.
-    fn ending(&self, piece: &Piece) -> Result<Option<(u32, FinishReason)>, RouterError> {
-        let (choice, reason, is_finish) = match piece {
-            Piece::Token(t) => (t.choice, FinishReason::Stop, false),
-            Piece::Finish { choice, reason } => (*choice, *reason, true),
-        };
-        let c = self
-            .choices
-            .get(choice as usize)
-            .ok_or_else(|| RouterError::Internal(format!("a piece for unknown choice {choice}")))?;
-        let ends = c.finish.is_none() && (is_finish || c.stopped);
-        Ok(ends.then_some((choice, reason)))
-    }
-
-    fn all_finished(&self) -> bool {
-        self.choices.iter().all(|c| c.finish.is_some())
-    }
-
-    fn usage(&self) -> Value {
-        let t = &self.tally;
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "prompt_tokens_details": {"cached_tokens": t.cached_tokens},
-            "completion_tokens": t.completion_tokens,
-            "total_tokens": self.prompt_tokens + t.completion_tokens,
-            "batch_size": t.batch_size,
-            "queue_wait_time": t.queue_wait_us,
-        })
-    }
-
-    fn record(&self) {
-        let m = &self.state.metrics;
-        m.tokens(self.prompt_tokens, self.tally.completion_tokens);
-        let per_choice = self.tally.completion_tokens as f64 / self.choices.len().max(1) as f64;
-        if per_choice > 1.0 {
-            m.tpot
-                .observe(self.first_at.elapsed().div_f64(per_choice - 1.0));
-        }
-    }
-
-    fn object(&self, chunk: bool) -> &'static str {
-        match (self.kind, chunk) {
-            (Kind::Chat, false) => "chat.completion",
-            (Kind::Chat, true) => "chat.completion.chunk",
-            (Kind::Completion, _) => "text_completion",
-        }
-    }
-
-    /// The `logprobs` value of a choice for `entries`, or null when not asked for.
-    fn logprobs_json(&self, entries: &[LogprobEntry]) -> Value {
-        if !self.logprobs {
-            return Value::Null;
-        }
-        match self.kind {
-            Kind::Chat => json!({"content": entries.iter().map(|e| json!({
-                "token": e.token.text, "logprob": e.logprob, "bytes": e.token.bytes,
-                "top_logprobs": e.top.iter().map(|(t, lp)| json!({
-                    "token": t.text, "logprob": lp, "bytes": t.bytes})).collect::<Vec<_>>(),
-            })).collect::<Vec<_>>()}),
-            Kind::Completion => {
-                // As vLLM and OpenAI do: the sampled token is always among the alternatives.
-                let top: Vec<Value> = entries
-                    .iter()
-                    .map(|e| {
-                        let mut m = serde_json::Map::new();
-                        for (t, lp) in &e.top {
-                            m.insert(t.text.clone(), json!(lp));
-                        }
-                        m.entry(e.token.text.clone()).or_insert(json!(e.logprob));
-                        Value::Object(m)
-                    })
-                    .collect();
-                json!({
-                    "text_offset": entries.iter().map(|e| e.offset).collect::<Vec<_>>(),
-                    "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
-                    "tokens": entries.iter().map(|e| e.token.text.as_str()).collect::<Vec<_>>(),
-                    "top_logprobs": top,
-                })
-            }
-        }
-    }
-
-    /// Choice `index` (as shown) of sequence `c` with the logprobs of `entries`: the
-    /// whole output, or with `part` a chunk's delta (cumulative content with fullText).
-    fn choice_json(
-        &self,
-        index: usize,
-        c: &ChoiceOut,
-        part: Option<&Released>,
-        entries: &[LogprobEntry],
-        finish: Option<FinishReason>,
-    ) -> Value {
-        let ending = Ending {
-            logprobs: self.logprobs_json(entries),
-            stop_reason: match finish {
-                Some(_) => c.stop_reason.clone(),
-                None => Value::Null,
-            },
-            finish: finish.map(|f| finish_str(f, !c.calls.is_empty())),
-        };
-        let content = self.content_of(c, part);
-        let Some(r) = part else {
-            if self.kind == Kind::Completion {
-                return delta_json(self.kind, index, content, &Released::default(), &[], ending);
-            }
-            // OpenAI's shape: a message that only calls tools has null content.
-            let content = if content.is_empty() && !c.calls.is_empty() {
-                Value::Null
-            } else {
-                json!(content)
-            };
-            let mut message = json!({"role": "assistant", "content": content,
-                "tool_calls": calls_json(&c.calls, None)});
-            if !c.reasoning.is_empty() {
-                message["reasoning_content"] = json!(c.reasoning);
-            }
-            return json!({"index": index, "message": message, "logprobs": ending.logprobs,
-                "finish_reason": ending.finish});
-        };
-        delta_json(self.kind, index, content, r, &c.calls, ending)
-    }
-
-    /// The content a choice shows: a chunk's delta, or the whole text so far for the
-    /// whole output and with fullText.
-    fn content_of<'a>(&self, c: &'a ChoiceOut, part: Option<&'a Released>) -> &'a str {
-        match part {
-            Some(r) if !self.state.cfg.full_text_enabled => r.content.as_str(),
-            _ => c.content.as_str(),
-        }
-    }
-
-    fn head(&self, chunk: bool) -> serde_json::Map<String, Value> {
-        let mut m = serde_json::Map::new();
-        m.insert("id".into(), json!(self.id));
-        m.insert("object".into(), json!(self.object(chunk)));
-        m.insert("created".into(), json!(self.created));
-        m.insert("model".into(), json!(self.state.model_name));
-        m
-    }
-
-    /// What every chunk starts with, up to its choices: `{"id":...,"choices":[`.
-    fn chunk_head(&self) -> String {
-        let mut head = Value::Object(self.head(true)).to_string();
-        head.pop();
-        head.push_str(r#","choices":["#);
-        head
-    }
-
-    /// The chunk for a token of `choice` that released `part`, after `head` (from
-    /// `chunk_head`). Most tokens release plain text only; those are written straight
-    /// out, without building a JSON tree (a streamed request's main cost in the router).
-    fn token_chunk(&self, head: &str, choice: u32, part: &Released) -> String {
-        let c = &self.choices[choice as usize];
-        let mut s = String::with_capacity(head.len() + 128);
-        s.push_str(head);
-        if !self.logprobs && part.reasoning.is_empty() && part.calls.is_empty() {
-            plain_delta(
-                &mut s,
-                self.kind,
-                choice as usize,
-                self.content_of(c, Some(part)),
-            );
-        } else {
-            let newest = c.entries.len().saturating_sub(1);
-            let v = self.choice_json(choice as usize, c, Some(part), &c.entries[newest..], None);
-            s.push_str(&v.to_string());
-        }
-        s.push_str("]}");
-        s
-    }
-
-    /// The chunk that ends `choice` with what it still held back; the last one to end
-    /// also carries the usage.
-    fn finish_chunk(&self, choice: u32, rest: &Released) -> Value {
-        let c = &self.choices[choice as usize];
-        let mut m = self.head(true);
-        if self.state.cfg.full_text_enabled {
-            m.insert("full_text".into(), json!(c.content));
-        }
-        if self.all_finished() {
-            m.insert("usage".into(), self.usage());
-        }
-        m.insert(
-            "choices".into(),
-            json!([self.choice_json(choice as usize, c, Some(rest), &[], c.finish)]),
-        );
-        Value::Object(m)
-    }
-
-    /// One chunk with every choice whole, and the usage.
-    fn whole_chunk(&self) -> Value {
-        let choices: Vec<Value> = self
-            .choices
-            .iter()
-            .enumerate()
-            .map(|(index, c)| {
-                let whole = Released {
-                    content: c.content.clone(),
-                    reasoning: c.reasoning.clone(),
-                    calls: 0..c.calls.len(),
-                };
-                self.choice_json(index, c, Some(&whole), &c.entries, c.finish)
-            })
-            .collect();
-        let mut m = self.head(true);
-        m.insert("choices".into(), json!(choices));
-        m.insert("usage".into(), self.usage());
-        Value::Object(m)
-    }
-
-    /// The non-streamed body: the n best sequences by cumulative logprob (all of them, in
-    /// order, without best_of).
-    fn response(&self) -> Value {
-        let mut order: Vec<usize> = (0..self.choices.len()).collect();
-        if self.choices.len() > self.n {
-            order.sort_by(|&a, &b| {
-                self.choices[b]
-                    .cumulative_logprob
-                    .total_cmp(&self.choices[a].cumulative_logprob)
-            });
-            order.truncate(self.n);
-        }
-        let choices: Vec<Value> = order
-            .iter()
-            .enumerate()
-            .map(|(index, &i)| {
-                let c = &self.choices[i];
-                self.choice_json(index, c, None, &c.entries, c.finish)
-            })
-            .collect();
-        let mut m = self.head(false);
-        m.insert("choices".into(), json!(choices));
-        m.insert("usage".into(), self.usage());
-        m.insert("prefill_time".into(), json!(ms(self.tally.prefill_ms)));
-        m.insert("decode_time_arr".into(), json!(self.tally.decode_ms));
-        Value::Object(m)
-    }
-}
-
-/// The finish_reason a client sees; a choice that called tools and stopped on its own
-/// ends with "tool_calls".
-fn finish_str(f: FinishReason, called: bool) -> &'static str {
-    match f {
-        FinishReason::Length => "length",
-        _ if called => "tool_calls",
-        _ => "stop",
-    }
-}
-
-/// The fields that close a choice: null in a chunk of plain text.
-#[derive(Default)]
-struct Ending {
-    logprobs: Value,
-    stop_reason: Value,
-    finish: Option<&'static str>,
-}
-
-/// A choice of a chunk (`r` its delta, `calls` the choice's calls) or of a whole text
-/// completion, in the key order clients see.
-fn delta_json(
-    kind: Kind,
-    index: usize,
-    content: &str,
-    r: &Released,
-    calls: &[(String, ToolCall)],
-    ending: Ending,
-) -> Value {
-    let Ending {
-        logprobs,
-        stop_reason,
-        finish,
-    } = ending;
-    match kind {
-        Kind::Chat => {
-            let mut delta = json!({"role": "assistant", "content": content});
-            if !r.reasoning.is_empty() {
-                delta["reasoning_content"] = json!(r.reasoning);
-            }
-            if !r.calls.is_empty() {
-                delta["tool_calls"] = calls_json(&calls[r.calls.clone()], Some(r.calls.start));
-            }
-            json!({"index": index, "delta": delta, "logprobs": logprobs,
-                "finish_reason": finish})
-        }
-        Kind::Completion => json!({"index": index, "text": content,
-            "logprobs": logprobs, "stop_reason": stop_reason, "finish_reason": finish}),
-    }
-}
-
-/// Writes what `delta_json` gives for a chunk of plain text, without logprobs, to `s`.
-fn plain_delta(s: &mut String, kind: Kind, index: usize, content: &str) {
-    use std::fmt::Write;
-    let text = Value::String(content.to_owned());
-    let _ = match kind {
-        Kind::Chat => write!(
-            s,
-            r#"{{"index":{index},"delta":{{"role":"assistant","content":{text}}},"logprobs":null,"finish_reason":null}}"#
-        ),
-        Kind::Completion => write!(
-            s,
-            r#"{{"index":{index},"text":{text},"logprobs":null,"stop_reason":null,"finish_reason":null}}"#
-        ),
-    };
-}
-
-/// Tool calls as OpenAI shows them; `first` numbers them for stream deltas.
-fn calls_json(calls: &[(String, ToolCall)], first: Option<usize>) -> Value {
-    let list = calls.iter().enumerate().map(|(i, (id, call))| {
-        let mut v = json!({"id": id, "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}});
-        if let Some(first) = first {
-            v["index"] = json!(first + i);
-        }
-        v
-    });
-    Value::Array(list.collect())
-}
-
 /// Takes pieces until every choice has ended.
 async fn drain(out: &mut Output, first: Piece, mut rest: Pieces) -> Result<(), RouterError> {
     let mut piece = first;
@@ -1029,10 +416,10 @@ fn stream_whole(mut out: Output, first: Piece, rest: Pieces, in_flight: InFlight
                 _ = tx.closed() => return,
                 r = drain(&mut out, first, rest) => match r {
                     Ok(()) => out.whole_chunk(),
-                    Err(e) => e.body_in(format),
+                    Err(e) => e.body_in(format).to_json(),
                 },
             };
-            let _ = tx.send(Ok(Event::default().data(body.to_string()))).await;
+            let _ = tx.send(Ok(Event::default().data(body))).await;
             let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
         }
         .instrument(tracing::Span::current()),
@@ -1059,7 +446,7 @@ fn stream(out: Output, first: Piece, rest: Pieces, in_flight: InFlight) -> Respo
             let ended = pump(out, first, rest, &tx).await;
             if let Err(e) = ended {
                 tracing::warn!(error = %e, "stream failed after its first token");
-                let body = e.body_in(format).to_string();
+                let body = e.body_in(format).to_json();
                 let _ = tx.send(Ok(Event::default().data(body))).await;
             }
             let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
@@ -1089,7 +476,7 @@ async fn pump(
         }
         if let Some((choice, reason)) = out.ending(&piece)? {
             let rest_text = out.finish(choice, reason)?;
-            let _ = send(out.finish_chunk(choice, &rest_text).to_string()).await;
+            let _ = send(out.finish_chunk(choice, &rest_text)).await;
         }
         if out.all_finished() {
             return Ok(());
@@ -1100,37 +487,5 @@ async fn pump(
             p = next(&mut rest) => p?,
             _ = tx.closed() => return Ok(()),
         };
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_plain_chunk_is_written_as_the_json_tree_would_be() {
-        let texts = [
-            "",
-            " hello",
-            "quote \" and back\\slash",
-            "line\nbreak\ttab\r\u{1}\u{1f}",
-            "中文 and 🙂",
-            "</think>{\"name\": 1}",
-        ];
-        for kind in [Kind::Chat, Kind::Completion] {
-            for (index, text) in texts.iter().enumerate() {
-                let mut fast = String::new();
-                plain_delta(&mut fast, kind, index, text);
-                let tree = delta_json(
-                    kind,
-                    index,
-                    text,
-                    &Released::default(),
-                    &[],
-                    Ending::default(),
-                );
-                assert_eq!(fast, tree.to_string(), "{kind:?} {text:?}");
-            }
-        }
     }
 }

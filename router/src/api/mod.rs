@@ -1,8 +1,11 @@
-//! The HTTP API's requests as types, one module per API: `chat` (/v1/chat/completions) and
-//! `completions` (/v1/completions), with the sampling and output fields both take in
-//! [`Sampling`]. A body is read as a JSON object, then into its request struct; `params`
-//! validates the struct into the internal request (`params::Common` and the endpoint's own
-//! part), refusing what is wrong with an error that names the parameter.
+//! The HTTP API's messages as types, one module per API: `chat` (/v1/chat/completions),
+//! `completions` (/v1/completions) and `models`, with what the two completion APIs share
+//! here: the sampling and output fields of a request ([`Sampling`]), and a response's head,
+//! usage and MindIE timings. A body is read as a JSON object, then into its request struct;
+//! `params` validates the struct into the internal request (`params::Common` and the
+//! endpoint's own part), refusing what is wrong with an error that names the parameter.
+//! Responses are built from these structs (borrowing the output they show) and serialized
+//! once; error bodies are `error::ErrorBody`.
 //!
 //! Every field is a [`Param`]: absent, null, a value of its declared type, or a value of
 //! another type. A wrong type is not a deserialization error: serde's message names no
@@ -14,9 +17,12 @@
 
 pub mod chat;
 pub mod completions;
+pub mod error;
+pub mod health;
+pub mod models;
 
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Map, Value};
 
 use crate::error::RouterError;
@@ -122,6 +128,69 @@ pub struct Sampling {
     pub chat_template: Param<Value>,
     /// Refused: the router opens no connection for a request.
     pub web_search_options: Param<Value>,
+}
+
+/// What every response and chunk starts with.
+#[derive(Debug, Clone, Serialize)]
+pub struct Head<'a> {
+    pub id: &'a str,
+    /// `chat.completion`, `chat.completion.chunk` or `text_completion`.
+    pub object: &'static str,
+    pub created: u64,
+    pub model: &'a str,
+}
+
+/// Token counts, with MindIE's per-token figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct Usage<'a> {
+    pub prompt_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+    /// Sequences in the step of each token.
+    pub batch_size: &'a [u32],
+    /// Microseconds each token waited before its step.
+    pub queue_wait_time: &'a [u64],
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: u32,
+}
+
+/// Why a choice stopped, when a stop string or one of the request's stop token ids did it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum StopReason {
+    Text(String),
+    Token(u32),
+}
+
+/// A non-streamed response: the choices, the usage and MindIE's timings.
+#[derive(Debug, Serialize)]
+pub struct Whole<'a, C> {
+    #[serde(flatten)]
+    pub head: Head<'a>,
+    pub choices: Vec<C>,
+    pub usage: Usage<'a>,
+    /// Milliseconds of the prompt's computation (to the KV cache acknowledged, under PD).
+    pub prefill_time: f64,
+    /// Milliseconds of each decode step.
+    pub decode_time_arr: &'a [f64],
+}
+
+/// A stream chunk that ends a choice, or carries every choice whole (beam search): with
+/// the usage once every choice has ended, and the choice's whole text with fullText.
+#[derive(Debug, Serialize)]
+pub struct Chunk<'a, C> {
+    #[serde(flatten)]
+    pub head: Head<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub full_text: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage<'a>>,
+    pub choices: Vec<C>,
 }
 
 /// Parses a body into an object; anything else is a 400.

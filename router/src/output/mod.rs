@@ -1,0 +1,355 @@
+//! One request's output as it grows: each sequence's decoded text, cut at stop strings and
+//! split by the chat parser into content, reasoning and tool calls; its logprobs; and the
+//! per-token figures the usage reports. `render` shows it as the API's responses and
+//! stream chunks.
+
+mod render;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use proto::v1::FinishReason;
+use text::structured::Parser;
+use text::tools::ToolCall;
+
+use crate::api::StopReason;
+use crate::dispatch::{Piece, TokenStat};
+use crate::error::RouterError;
+use crate::keys::QuotaHold;
+use crate::params;
+use crate::state::AppState;
+use crate::stops::{Scan, StopStrings};
+
+/// Which endpoint a request came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Chat,
+    Completion,
+}
+
+impl Kind {
+    pub(crate) fn endpoint(self) -> &'static str {
+        match self {
+            Kind::Chat => "chat",
+            Kind::Completion => "completions",
+        }
+    }
+}
+
+/// Per-token figures the usage reports, over every sequence.
+#[derive(Debug, Default)]
+pub(crate) struct Tally {
+    pub(crate) completion_tokens: usize,
+    pub(crate) batch_size: Vec<u32>,
+    pub(crate) queue_wait_us: Vec<u64>,
+    pub(crate) prefill_ms: f64,
+    pub(crate) decode_ms: Vec<f64>,
+    pub(crate) cached_tokens: u32,
+}
+
+/// Milliseconds to three decimals.
+pub(crate) fn ms(x: f64) -> f64 {
+    (x * 1e3).round() / 1e3
+}
+
+/// A token as logprobs show it: its text (OpenAI's `bytes:\xNN...` when it is only part
+/// of a character) and its bytes.
+#[derive(Debug, Clone)]
+pub(crate) struct Shown {
+    pub(crate) text: String,
+    pub(crate) bytes: Vec<u8>,
+}
+
+/// One token's logprob and alternatives, with its text and where that text starts.
+#[derive(Debug, Clone)]
+pub(crate) struct LogprobEntry {
+    pub(crate) token: Shown,
+    pub(crate) logprob: f32,
+    pub(crate) top: Vec<(Shown, f32)>,
+    /// Characters of output before this token's text.
+    pub(crate) offset: usize,
+}
+
+/// What one token (or the end) of a choice let out to the client.
+#[derive(Debug, Default)]
+pub(crate) struct Released {
+    pub(crate) content: String,
+    pub(crate) reasoning: String,
+    /// The new calls, as indices into the choice's `calls`.
+    pub(crate) calls: std::ops::Range<usize>,
+}
+
+/// One sequence's output as it grows.
+pub(crate) struct ChoiceOut {
+    pub(crate) decoder: text::IncrementalDecoder,
+    /// Decoded text; past a matched stop string it is cut where the output ends.
+    pub(crate) text: String,
+    pub(crate) text_chars: usize,
+    /// Bytes of `text` already released to the client.
+    pub(crate) sent: usize,
+    /// Splits released chat text into reasoning, content and tool calls.
+    pub(crate) parser: Option<Parser>,
+    /// Released text that is content (all of it without a parser).
+    pub(crate) content: String,
+    pub(crate) reasoning: String,
+    /// Tool calls with their ids.
+    pub(crate) calls: Vec<(String, ToolCall)>,
+    pub(crate) stop_reason: Option<StopReason>,
+    /// A stop string ended the output: its later tokens are ignored.
+    pub(crate) stopped: bool,
+    pub(crate) finish: Option<FinishReason>,
+    /// Sum of its tokens' logprobs: how best_of ranks sequences.
+    pub(crate) cumulative_logprob: f64,
+    pub(crate) entries: Vec<LogprobEntry>,
+}
+
+impl ChoiceOut {
+    pub(crate) fn new(skip_special: bool, parser: Option<Parser>) -> Self {
+        Self {
+            decoder: text::IncrementalDecoder::new(skip_special),
+            text: String::new(),
+            text_chars: 0,
+            sent: 0,
+            parser,
+            content: String::new(),
+            reasoning: String::new(),
+            calls: Vec::new(),
+            stop_reason: None,
+            stopped: false,
+            finish: None,
+            cumulative_logprob: 0.0,
+            entries: Vec::new(),
+        }
+    }
+
+    pub(crate) fn append(&mut self, piece: &str, stops: &StopStrings) {
+        let old = self.text.len();
+        self.text.push_str(piece);
+        self.text_chars += piece.chars().count();
+        if let Scan::Stop { end, which } = stops.scan(&self.text, old) {
+            self.text.truncate(end);
+            self.text_chars = self.text.chars().count();
+            self.stop_reason = Some(StopReason::Text(stops.get(which).to_string()));
+            self.stopped = true;
+        }
+    }
+
+    /// Lets out the text now free to go (`all` at the end of the output), through the
+    /// parser when there is one.
+    pub(crate) fn release(&mut self, stops: &StopStrings, all: bool) -> Released {
+        let upto = if all || self.stopped {
+            self.text.len()
+        } else {
+            match stops.scan(&self.text, self.text.len()) {
+                Scan::Release(n) => n,
+                Scan::Stop { end, .. } => end,
+            }
+        };
+        let upto = upto.max(self.sent);
+        let text = &self.text[self.sent..upto];
+        self.sent = upto;
+        let Some(parser) = &mut self.parser else {
+            self.content.push_str(text);
+            return Released {
+                content: text.to_string(),
+                ..Released::default()
+            };
+        };
+        let mut d = parser.feed(text);
+        if all {
+            let end = parser.finish();
+            d.reasoning.push_str(&end.reasoning);
+            d.content.push_str(&end.content);
+            d.calls.extend(end.calls);
+        }
+        self.content.push_str(&d.content);
+        self.reasoning.push_str(&d.reasoning);
+        let first = self.calls.len();
+        self.calls
+            .extend(d.calls.into_iter().map(|c| (call_id(), c)));
+        Released {
+            content: d.content,
+            reasoning: d.reasoning,
+            calls: first..self.calls.len(),
+        }
+    }
+}
+
+/// A tool call id as OpenAI writes them.
+pub(crate) fn call_id() -> String {
+    format!(
+        "call_{:016x}{:08x}",
+        params::random_u64(),
+        params::random_u64() as u32
+    )
+}
+
+/// One request's output: one `ChoiceOut` per generated sequence.
+pub(crate) struct Output {
+    pub(crate) state: Arc<AppState>,
+    pub(crate) kind: Kind,
+    pub(crate) id: String,
+    pub(crate) created: u64,
+    pub(crate) prompt_tokens: usize,
+    /// Every id that ends generation (EOS unless ignored, and stop_token_ids).
+    pub(crate) stop_ids: Vec<u32>,
+    /// The request's own stop_token_ids, reported as `stop_reason`.
+    pub(crate) user_stop_ids: Vec<u32>,
+    pub(crate) stops: StopStrings,
+    /// Whether the request asked for logprobs.
+    pub(crate) logprobs: bool,
+    /// Choices returned (the best n of the sequences when best_of > n).
+    pub(crate) n: usize,
+    pub(crate) choices: Vec<ChoiceOut>,
+    pub(crate) tally: Tally,
+    /// When the first token arrived.
+    pub(crate) first_at: Instant,
+    /// What the request holds of its API key's quota, charged for the tokens it used.
+    pub(crate) hold: Option<QuotaHold>,
+}
+
+impl Drop for Output {
+    /// Charges the key for every token the request used, also when the client left early;
+    /// the hold then gives back the rest.
+    fn drop(&mut self) {
+        if let Some(hold) = &self.hold {
+            hold.charge((self.prompt_tokens + self.tally.completion_tokens) as u64);
+        }
+    }
+}
+
+impl Output {
+    pub(crate) fn shown(&self, id: u32) -> Shown {
+        let bytes = self
+            .state
+            .text
+            .tokenizer
+            .token_bytes(id)
+            .unwrap_or_default();
+        let text = match std::str::from_utf8(&bytes) {
+            Ok(s) => s.to_string(),
+            Err(_) => bytes.iter().fold(String::from("bytes:"), |mut s, b| {
+                s.push_str(&format!("\\x{b:02x}"));
+                s
+            }),
+        };
+        Shown { text, bytes }
+    }
+
+    pub(crate) fn choice_mut(&mut self, choice: u32) -> Result<&mut ChoiceOut, RouterError> {
+        self.choices
+            .get_mut(choice as usize)
+            .ok_or_else(|| RouterError::Internal(format!("a token for unknown choice {choice}")))
+    }
+
+    /// Counts a token and returns what it releases for its choice (nothing while a
+    /// character is split or the text could still become a stop string or markup), or
+    /// `None` when that choice has already ended.
+    pub(crate) fn push(&mut self, t: &TokenStat) -> Result<Option<Released>, RouterError> {
+        if self.choice_mut(t.choice)?.finish.is_some() {
+            return Ok(None);
+        }
+        let tally = &mut self.tally;
+        tally.completion_tokens += 1;
+        tally.batch_size.push(t.batch_size);
+        tally.queue_wait_us.push(t.queue_wait_us);
+        if t.from_prefill {
+            tally.prefill_ms = t.step_ms;
+            tally.cached_tokens = t.cached_tokens;
+        } else {
+            tally.decode_ms.push(ms(t.step_ms));
+        }
+        let entry = self.logprobs.then(|| LogprobEntry {
+            token: self.shown(t.id),
+            logprob: t.logprob,
+            top: t.top.iter().map(|&(id, lp)| (self.shown(id), lp)).collect(),
+            offset: 0,
+        });
+        let is_stop = self.stop_ids.contains(&t.id);
+        let user_stop = self.user_stop_ids.contains(&t.id);
+        let piece = if is_stop {
+            // A stop token ends the output and is not part of its text.
+            String::new()
+        } else {
+            let tokenizer = &self.state.text.tokenizer;
+            let choice = &mut self.choices[t.choice as usize];
+            choice
+                .decoder
+                .push(tokenizer, t.id)
+                .map_err(|e| RouterError::Internal(e.to_string()))?
+                .unwrap_or_default()
+        };
+        let stops = &self.stops;
+        let choice = &mut self.choices[t.choice as usize];
+        choice.cumulative_logprob += f64::from(t.logprob);
+        if let Some(mut e) = entry {
+            e.offset = choice.text_chars;
+            choice.entries.push(e);
+        }
+        if user_stop {
+            choice.stop_reason = Some(StopReason::Token(t.id));
+        }
+        choice.append(&piece, stops);
+        Ok(Some(choice.release(stops, false)))
+    }
+
+    /// Ends a choice: returns what it still held back.
+    pub(crate) fn finish(
+        &mut self,
+        choice: u32,
+        reason: FinishReason,
+    ) -> Result<Released, RouterError> {
+        let tokenizer = &self.state.text.tokenizer;
+        let stops = &self.stops;
+        let c = self.choices.get_mut(choice as usize).ok_or_else(|| {
+            RouterError::Internal(format!("a finish for unknown choice {choice}"))
+        })?;
+        if !c.stopped {
+            let rest = c
+                .decoder
+                .flush(tokenizer)
+                .map_err(|e| RouterError::Internal(e.to_string()))?
+                .unwrap_or_default();
+            c.append(&rest, stops);
+        }
+        c.finish = Some(if c.stopped {
+            FinishReason::Stop
+        } else {
+            reason
+        });
+        let rest = c.release(stops, true);
+        if self.all_finished() {
+            self.record();
+        }
+        Ok(rest)
+    }
+
+    /// The choice `piece` ends, and why, when that choice is still open: a worker's finish,
+    /// or a token whose text matched a stop string.
+    pub(crate) fn ending(&self, piece: &Piece) -> Result<Option<(u32, FinishReason)>, RouterError> {
+        let (choice, reason, is_finish) = match piece {
+            Piece::Token(t) => (t.choice, FinishReason::Stop, false),
+            Piece::Finish { choice, reason } => (*choice, *reason, true),
+        };
+        let c = self
+            .choices
+            .get(choice as usize)
+            .ok_or_else(|| RouterError::Internal(format!("a piece for unknown choice {choice}")))?;
+        let ends = c.finish.is_none() && (is_finish || c.stopped);
+        Ok(ends.then_some((choice, reason)))
+    }
+
+    pub(crate) fn all_finished(&self) -> bool {
+        self.choices.iter().all(|c| c.finish.is_some())
+    }
+
+    pub(crate) fn record(&self) {
+        let m = &self.state.metrics;
+        m.tokens(self.prompt_tokens, self.tally.completion_tokens);
+        let per_choice = self.tally.completion_tokens as f64 / self.choices.len().max(1) as f64;
+        if per_choice > 1.0 {
+            m.tpot
+                .observe(self.first_at.elapsed().div_f64(per_choice - 1.0));
+        }
+    }
+}

@@ -1,0 +1,273 @@
+//! An output shown as the API's types (`crate::api`): the non-streamed response, the chunk
+//! of each token, the chunk that ends a choice, and the one chunk of a beam search. Each is
+//! built from structs that borrow the output and serialized once; a token's chunk writes
+//! only its choice after a head serialized once per stream.
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use super::{ms, ChoiceOut, Kind, LogprobEntry, Output, Released};
+use crate::api::{chat, completions, Chunk, Head, PromptTokensDetails, Usage, Whole};
+use proto::v1::FinishReason;
+
+/// A choice as either endpoint shows it.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub(crate) enum AnyChoice<'a> {
+    Message(chat::Choice<'a>),
+    Delta(chat::ChunkChoice<'a>),
+    Text(completions::Choice<'a>),
+}
+
+/// The finish_reason a client sees; a choice that called tools and stopped on its own
+/// ends with "tool_calls".
+fn finish_str(f: FinishReason, called: bool) -> &'static str {
+    match f {
+        FinishReason::Length => "length",
+        _ if called => "tool_calls",
+        _ => "stop",
+    }
+}
+
+/// Tool calls as OpenAI shows them; `first` numbers them for stream deltas.
+fn tool_calls(
+    calls: &[(String, text::tools::ToolCall)],
+    first: Option<usize>,
+) -> Vec<chat::ToolCall<'_>> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, (id, call))| chat::ToolCall {
+            id,
+            kind: "function",
+            function: chat::Function {
+                name: &call.name,
+                arguments: &call.arguments,
+            },
+            index: first.map(|first| first + i),
+        })
+        .collect()
+}
+
+impl Output {
+    fn usage(&self) -> Usage<'_> {
+        let t = &self.tally;
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: t.cached_tokens,
+            },
+            completion_tokens: t.completion_tokens,
+            total_tokens: self.prompt_tokens + t.completion_tokens,
+            batch_size: &t.batch_size,
+            queue_wait_time: &t.queue_wait_us,
+        }
+    }
+
+    fn head(&self, chunk: bool) -> Head<'_> {
+        Head {
+            id: &self.id,
+            object: match (self.kind, chunk) {
+                (Kind::Chat, false) => "chat.completion",
+                (Kind::Chat, true) => "chat.completion.chunk",
+                (Kind::Completion, _) => "text_completion",
+            },
+            created: self.created,
+            model: &self.state.model_name,
+        }
+    }
+
+    /// Chat logprobs of `entries`, when asked for. Logprobs are f32; they are shown as the
+    /// f64 of that f32, as before the API was typed.
+    fn chat_logprobs<'a>(&self, entries: &'a [LogprobEntry]) -> Option<chat::Logprobs<'a>> {
+        self.logprobs.then(|| chat::Logprobs {
+            content: entries
+                .iter()
+                .map(|e| chat::TokenLogprob {
+                    token: &e.token.text,
+                    logprob: f64::from(e.logprob),
+                    bytes: &e.token.bytes,
+                    top_logprobs: e
+                        .top
+                        .iter()
+                        .map(|(t, lp)| chat::TopLogprob {
+                            token: &t.text,
+                            logprob: f64::from(*lp),
+                            bytes: &t.bytes,
+                        })
+                        .collect(),
+                })
+                .collect(),
+        })
+    }
+
+    /// Completion logprobs of `entries`, when asked for. As vLLM and OpenAI do, the
+    /// sampled token is always among the alternatives.
+    fn text_logprobs<'a>(&self, entries: &'a [LogprobEntry]) -> Option<completions::Logprobs<'a>> {
+        self.logprobs.then(|| completions::Logprobs {
+            text_offset: entries.iter().map(|e| e.offset).collect(),
+            token_logprobs: entries.iter().map(|e| f64::from(e.logprob)).collect(),
+            tokens: entries.iter().map(|e| e.token.text.as_str()).collect(),
+            top_logprobs: entries
+                .iter()
+                .map(|e| {
+                    let mut m = Map::new();
+                    for (t, lp) in &e.top {
+                        m.insert(t.text.clone(), Value::from(f64::from(*lp)));
+                    }
+                    m.entry(e.token.text.clone())
+                        .or_insert(Value::from(f64::from(e.logprob)));
+                    m
+                })
+                .collect(),
+        })
+    }
+
+    /// The content a choice shows: a chunk's delta, or the whole text so far for the
+    /// whole output and with fullText.
+    fn content_of<'a>(&self, c: &'a ChoiceOut, part: Option<&'a Released>) -> &'a str {
+        match part {
+            Some(r) if !self.state.cfg.full_text_enabled => r.content.as_str(),
+            _ => c.content.as_str(),
+        }
+    }
+
+    /// Choice `index` (as shown) of sequence `c` with the logprobs of `entries`: the
+    /// whole output, or with `part` a chunk's delta (cumulative content with fullText).
+    fn choice<'a>(
+        &self,
+        index: usize,
+        c: &'a ChoiceOut,
+        part: Option<&'a Released>,
+        entries: &'a [LogprobEntry],
+        finish: Option<FinishReason>,
+    ) -> AnyChoice<'a> {
+        let finish_reason = finish.map(|f| finish_str(f, !c.calls.is_empty()));
+        let content = self.content_of(c, part);
+        match (self.kind, part) {
+            (Kind::Completion, _) => AnyChoice::Text(completions::Choice {
+                index,
+                text: content,
+                logprobs: self.text_logprobs(entries),
+                stop_reason: finish.and(c.stop_reason.clone()),
+                finish_reason,
+            }),
+            (Kind::Chat, None) => AnyChoice::Message(chat::Choice {
+                index,
+                message: chat::Message {
+                    role: "assistant",
+                    content: (!content.is_empty() || c.calls.is_empty()).then_some(content),
+                    tool_calls: tool_calls(&c.calls, None),
+                    reasoning_content: (!c.reasoning.is_empty()).then_some(c.reasoning.as_str()),
+                },
+                logprobs: self.chat_logprobs(entries),
+                finish_reason,
+            }),
+            (Kind::Chat, Some(r)) => AnyChoice::Delta(chat::ChunkChoice {
+                index,
+                delta: chat::Delta {
+                    role: "assistant",
+                    content,
+                    reasoning_content: (!r.reasoning.is_empty()).then_some(r.reasoning.as_str()),
+                    tool_calls: (!r.calls.is_empty())
+                        .then(|| tool_calls(&c.calls[r.calls.clone()], Some(r.calls.start))),
+                },
+                logprobs: self.chat_logprobs(entries),
+                finish_reason,
+            }),
+        }
+    }
+
+    /// What every chunk starts with, up to its choices: `{"id":...,"choices":[`.
+    pub(crate) fn chunk_head(&self) -> String {
+        let mut head = serde_json::to_string(&self.head(true)).expect("a head serializes");
+        head.pop();
+        head.push_str(r#","choices":["#);
+        head
+    }
+
+    /// The chunk for a token of `choice` that released `part`, after `head` (from
+    /// `chunk_head`): one choice serialized, no JSON tree built (a streamed request's main
+    /// cost in the router).
+    pub(crate) fn token_chunk(&self, head: &str, choice: u32, part: &Released) -> String {
+        let c = &self.choices[choice as usize];
+        let newest = c.entries.len().saturating_sub(1);
+        let shown = self.choice(choice as usize, c, Some(part), &c.entries[newest..], None);
+        let mut out = Vec::with_capacity(head.len() + 128);
+        out.extend_from_slice(head.as_bytes());
+        serde_json::to_writer(&mut out, &shown).expect("a choice serializes");
+        out.extend_from_slice(b"]}");
+        String::from_utf8(out).expect("JSON is UTF-8")
+    }
+
+    /// The chunk that ends `choice` with what it still held back; the last one to end
+    /// also carries the usage.
+    pub(crate) fn finish_chunk(&self, choice: u32, rest: &Released) -> String {
+        let c = &self.choices[choice as usize];
+        let chunk = Chunk {
+            head: self.head(true),
+            full_text: self
+                .state
+                .cfg
+                .full_text_enabled
+                .then_some(c.content.as_str()),
+            usage: self.all_finished().then(|| self.usage()),
+            choices: vec![self.choice(choice as usize, c, Some(rest), &[], c.finish)],
+        };
+        serde_json::to_string(&chunk).expect("a chunk serializes")
+    }
+
+    /// One chunk with every choice whole, and the usage.
+    pub(crate) fn whole_chunk(&self) -> String {
+        let whole: Vec<Released> = self
+            .choices
+            .iter()
+            .map(|c| Released {
+                content: c.content.clone(),
+                reasoning: c.reasoning.clone(),
+                calls: 0..c.calls.len(),
+            })
+            .collect();
+        let chunk = Chunk {
+            head: self.head(true),
+            full_text: None,
+            usage: Some(self.usage()),
+            choices: self
+                .choices
+                .iter()
+                .zip(&whole)
+                .enumerate()
+                .map(|(index, (c, w))| self.choice(index, c, Some(w), &c.entries, c.finish))
+                .collect(),
+        };
+        serde_json::to_string(&chunk).expect("a chunk serializes")
+    }
+
+    /// The non-streamed body: the n best sequences by cumulative logprob (all of them, in
+    /// order, without best_of).
+    pub(crate) fn response(&self) -> Whole<'_, AnyChoice<'_>> {
+        let mut order: Vec<usize> = (0..self.choices.len()).collect();
+        if self.choices.len() > self.n {
+            order.sort_by(|&a, &b| {
+                self.choices[b]
+                    .cumulative_logprob
+                    .total_cmp(&self.choices[a].cumulative_logprob)
+            });
+            order.truncate(self.n);
+        }
+        Whole {
+            head: self.head(false),
+            choices: order
+                .iter()
+                .enumerate()
+                .map(|(index, &i)| {
+                    let c = &self.choices[i];
+                    self.choice(index, c, None, &c.entries, c.finish)
+                })
+                .collect(),
+            usage: self.usage(),
+            prefill_time: ms(self.tally.prefill_ms),
+            decode_time_arr: &self.tally.decode_ms,
+        }
+    }
+}
