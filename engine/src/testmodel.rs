@@ -108,12 +108,12 @@ fn train_tokenizer(vocab_target: usize) -> Result<tokenizers::Tokenizer> {
     // Chat markup in the corpus is learned as text; the added tokens below take precedence.
     tk.train(&mut trainer, CORPUS.lines().map(|l| format!("{l}\n")))
         .map_err(err)?;
-    tk.add_special_tokens(&special);
+    tk.add_special_tokens(special).map_err(err)?;
     let markup: Vec<AddedToken> = MARKUP
         .iter()
         .map(|s| AddedToken::from(*s, false).normalized(false))
         .collect();
-    tk.add_tokens(&markup);
+    tk.add_tokens(markup).map_err(err)?;
     Ok(tk)
 }
 
