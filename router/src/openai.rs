@@ -226,6 +226,7 @@ async fn run(
         tally: Tally::default(),
         first_at,
         hold: None,
+        include_usage: common.include_usage,
     };
     let first_at = Instant::now();
     state.metrics.ttft.observe(first_at - arrived);
@@ -419,7 +420,11 @@ fn stream_whole(mut out: Output, first: Piece, rest: Pieces, in_flight: InFlight
                     Err(e) => e.body_in(format).to_json(),
                 },
             };
+            let ended = out.all_finished();
             let _ = tx.send(Ok(Event::default().data(body))).await;
+            if ended && out.include_usage {
+                let _ = tx.send(Ok(Event::default().data(out.usage_chunk()))).await;
+            }
             let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
         }
         .instrument(tracing::Span::current()),
@@ -479,6 +484,9 @@ async fn pump(
             let _ = send(out.finish_chunk(choice, &rest_text)).await;
         }
         if out.all_finished() {
+            if out.include_usage {
+                let _ = send(out.usage_chunk()).await;
+            }
             return Ok(());
         }
         // Between tokens (a request queued on the decode node may wait long) the client

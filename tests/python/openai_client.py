@@ -46,6 +46,23 @@ def main() -> None:
     assert last.choices[0].finish_reason == choice.finish_reason
     assert last.usage.completion_tokens == usage.completion_tokens, last.usage
 
+    # What current SDKs send: max_completion_tokens, stream_options.include_usage, user.
+    chunks = list(client.chat.completions.create(
+        model=args.model, messages=messages, max_completion_tokens=16, temperature=0,
+        stream=True, stream_options={"include_usage": True}, user="someone",
+    ))
+    *tokens, closing = chunks
+    assert closing.choices == [], closing
+    assert closing.usage.completion_tokens == usage.completion_tokens, closing.usage
+    assert "".join(c.choices[0].delta.content or "" for c in tokens) == choice.message.content
+    try:
+        client.chat.completions.create(
+            model=args.model, messages=messages, max_tokens=4, max_completion_tokens=5
+        )
+        raise AssertionError("two different token budgets must be refused")
+    except openai.BadRequestError as e:
+        assert e.body["param"] == "max_completion_tokens", e.body
+
     text = client.completions.create(
         model=args.model, prompt="Once upon a time", max_tokens=8, temperature=0
     )

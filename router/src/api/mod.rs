@@ -113,6 +113,8 @@ pub struct Sampling {
     pub frequency_penalty: Param<f64>,
     pub repetition_penalty: Param<f64>,
     pub max_tokens: Param<i128>,
+    /// OpenAI's current name for `max_tokens`; both may be sent only with the same value.
+    pub max_completion_tokens: Param<i128>,
     pub n: Param<i128>,
     pub best_of: Param<i128>,
     pub use_beam_search: Param<bool>,
@@ -128,6 +130,18 @@ pub struct Sampling {
     pub chat_template: Param<Value>,
     /// Refused: the router opens no connection for a request.
     pub web_search_options: Param<Value>,
+    /// Only with `stream`.
+    pub stream_options: Param<StreamOptions>,
+    /// OpenAI's end-user id: accepted, and neither kept nor logged.
+    pub user: Param<String>,
+}
+
+/// `stream_options`: what a stream adds.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct StreamOptions {
+    /// A last chunk with the usage and no choices, as OpenAI sends it.
+    pub include_usage: Param<bool>,
 }
 
 /// What every response and chunk starts with.

@@ -206,6 +206,8 @@ pub(crate) struct Output {
     pub(crate) first_at: Instant,
     /// What the request holds of its API key's quota, charged for the tokens it used.
     pub(crate) hold: Option<QuotaHold>,
+    /// `stream_options.include_usage`: the stream ends with a usage chunk.
+    pub(crate) include_usage: bool,
 }
 
 impl Drop for Output {

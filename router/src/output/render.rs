@@ -217,6 +217,19 @@ impl Output {
         serde_json::to_string(&chunk).expect("a chunk serializes")
     }
 
+    /// The chunk `stream_options.include_usage` asks for, after every choice has ended: the
+    /// usage and no choices, as OpenAI sends it. The chunk that ended the last choice
+    /// carries the usage too (the seeds' shape).
+    pub(crate) fn usage_chunk(&self) -> String {
+        let chunk: Chunk<'_, AnyChoice<'_>> = Chunk {
+            head: self.head(true),
+            full_text: None,
+            usage: Some(self.usage()),
+            choices: Vec::new(),
+        };
+        serde_json::to_string(&chunk).expect("a chunk serializes")
+    }
+
     /// One chunk with every choice whole, and the usage.
     pub(crate) fn whole_chunk(&self) -> String {
         let whole: Vec<Released> = self

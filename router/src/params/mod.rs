@@ -11,7 +11,7 @@ pub use completion::{completion, Completion};
 
 use serde_json::Value;
 
-use crate::api::{Param, Sampling, Stop};
+use crate::api::{Param, Sampling, Stop, StreamOptions};
 use crate::error::RouterError;
 
 /// Most characters of message content (the seeds' 4 MB).
@@ -24,6 +24,8 @@ pub struct Common {
     pub stream: bool,
     pub sampling: proto::v1::SamplingParams,
     pub max_tokens: Option<u64>,
+    /// `stream_options.include_usage`: a last chunk with the usage and no choices.
+    pub include_usage: bool,
     pub ignore_eos: bool,
     pub skip_special_tokens: bool,
     /// `stop_token_ids` that are int32 and inside the vocabulary.
@@ -191,6 +193,36 @@ fn ranged(
     }
 }
 
+/// `max_tokens` or `max_completion_tokens`: (0, 2147483647].
+fn token_budget(p: &Param<i128>, key: &'static str) -> Result<Option<u64>, RouterError> {
+    match p.value(key)?.copied() {
+        None => Ok(None),
+        Some(m) if m > 0 && m <= i32::MAX as i128 => Ok(Some(m as u64)),
+        Some(m) => Err(RouterError::param(
+            key,
+            format!("{key} must be in (0, 2147483647], got {m}"),
+        )),
+    }
+}
+
+/// `stream_options`, which OpenAI allows only on a stream: whether to end it with a usage
+/// chunk.
+fn stream_options(p: &Param<StreamOptions>, stream: bool) -> Result<bool, RouterError> {
+    let bad = |m: &str| RouterError::param("stream_options", m);
+    match p {
+        Param::Absent | Param::Null => Ok(false),
+        Param::Invalid => Err(bad("stream_options must be an object")),
+        Param::Valid(_) if !stream => {
+            Err(bad("stream_options is only allowed when stream is true"))
+        }
+        Param::Valid(o) => match o.include_usage {
+            Param::Absent | Param::Null => Ok(false),
+            Param::Valid(b) => Ok(b),
+            Param::Invalid => Err(bad("stream_options.include_usage must be a boolean")),
+        },
+    }
+}
+
 /// Checks and reads the parameters both endpoints share. `vocab_size` caps top_k.
 pub fn common(o: &Sampling, vocab_size: usize) -> Result<Common, RouterError> {
     let model = match &o.model {
@@ -250,15 +282,19 @@ pub fn common(o: &Sampling, vocab_size: usize) -> Result<Common, RouterError> {
             ))
         }
     };
-    let max_tokens = match o.max_tokens.value("max_tokens")?.copied() {
-        None => None,
-        Some(m) if m > 0 && m <= i32::MAX as i128 => Some(m as u64),
-        Some(m) => {
+    let max_tokens = match (
+        token_budget(&o.max_tokens, "max_tokens")?,
+        token_budget(&o.max_completion_tokens, "max_completion_tokens")?,
+    ) {
+        (Some(a), Some(b)) if a != b => {
             return Err(RouterError::param(
-                "max_tokens",
-                format!("max_tokens must be in (0, 2147483647], got {m}"),
+                "max_completion_tokens",
+                format!(
+                    "max_completion_tokens ({b}) and max_tokens ({a}) differ; send one of them"
+                ),
             ))
         }
+        (a, b) => a.or(b),
     };
     let stop_token_ids = match &o.stop_token_ids {
         Param::Absent | Param::Null => Vec::new(),
@@ -277,6 +313,10 @@ pub fn common(o: &Sampling, vocab_size: usize) -> Result<Common, RouterError> {
         }
     };
     let stream = boolean(&o.stream, "stream", false)?;
+    let include_usage = stream_options(&o.stream_options, stream)?;
+    if let Param::Invalid = o.user {
+        return Err(RouterError::param("user", "user must be a string"));
+    }
     let n_given = int_in(&o.n, "n", 1, 128)?;
     let best_of_given = int_in(&o.best_of, "best_of", 1, 128)?;
     let n = n_given.unwrap_or(1);
@@ -334,6 +374,7 @@ pub fn common(o: &Sampling, vocab_size: usize) -> Result<Common, RouterError> {
             seed,
         },
         max_tokens,
+        include_usage,
         ignore_eos: boolean(&o.ignore_eos, "ignore_eos", false)?,
         skip_special_tokens: boolean(&o.skip_special_tokens, "skip_special_tokens", true)?,
         stop_token_ids,

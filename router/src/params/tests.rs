@@ -514,3 +514,79 @@ fn assistant_tool_calls_reach_the_template_as_objects() {
     ]})));
     assert!(on_user.is_err());
 }
+
+#[test]
+fn max_completion_tokens_is_max_tokens_by_its_current_name() {
+    let budget = |extra: Value| {
+        let mut o = obj(json!({"model": "m"}));
+        o.extend(obj(extra));
+        common(&o, 1000)
+    };
+    let sent = |extra: Value| budget(extra).unwrap().max_tokens;
+    assert_eq!(sent(json!({"max_completion_tokens": 7})), Some(7));
+    assert_eq!(
+        sent(json!({"max_tokens": 7, "max_completion_tokens": 7})),
+        Some(7)
+    );
+    assert_eq!(
+        sent(json!({"max_tokens": 7, "max_completion_tokens": null})),
+        Some(7)
+    );
+    for (extra, param) in [
+        (
+            json!({"max_tokens": 7, "max_completion_tokens": 8}),
+            "max_completion_tokens",
+        ),
+        (json!({"max_completion_tokens": 0}), "max_completion_tokens"),
+        (
+            json!({"max_completion_tokens": "8"}),
+            "max_completion_tokens",
+        ),
+    ] {
+        match budget(extra.clone()) {
+            Err(RouterError::InvalidParam { param: p, .. }) => assert_eq!(p, param, "{extra}"),
+            other => panic!("{extra}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn stream_options_go_with_a_stream_and_user_is_a_string() {
+    let check = |extra: Value| {
+        let mut o = obj(json!({"model": "m"}));
+        o.extend(obj(extra));
+        common(&o, 1000)
+    };
+    let usage = |extra: Value| check(extra).unwrap().include_usage;
+    assert!(usage(
+        json!({"stream": true, "stream_options": {"include_usage": true}})
+    ));
+    assert!(!usage(json!({"stream": true, "stream_options": {}})));
+    assert!(!usage(json!({"stream": true})));
+    assert!(!usage(json!({"user": "someone@example.com"})));
+    for (extra, param, says) in [
+        (
+            json!({"stream_options": {"include_usage": true}}),
+            "stream_options",
+            "stream_options is only allowed when stream is true",
+        ),
+        (
+            json!({"stream": true, "stream_options": {"include_usage": 1}}),
+            "stream_options",
+            "stream_options.include_usage must be a boolean",
+        ),
+        (
+            json!({"stream": true, "stream_options": true}),
+            "stream_options",
+            "stream_options must be an object",
+        ),
+        (json!({"user": 42}), "user", "user must be a string"),
+    ] {
+        match check(extra.clone()) {
+            Err(RouterError::InvalidParam { param: p, message }) => {
+                assert_eq!((p, message.as_str()), (param, says), "{extra}")
+            }
+            other => panic!("{extra}: {other:?}"),
+        }
+    }
+}
