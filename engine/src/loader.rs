@@ -7,7 +7,6 @@ use text::{ChatTemplate, Tokenizer};
 
 use crate::error::Result;
 use crate::model::Model;
-use crate::weights::WeightSource;
 
 /// A model with the tokenizer and chat template that came with it.
 pub struct Loaded {
@@ -20,13 +19,8 @@ pub struct Loaded {
 /// Loads a Hugging Face folder or a GGUF file.
 pub fn load(path: &Path, device: &Device) -> Result<Loaded> {
     let text = text::load(path)?;
-    let model = if path.is_dir() {
-        Model::load(path, device)?
-    } else {
-        Model::from_gguf(&mut WeightSource::open_gguf(path)?, text.config, device)?
-    };
     Ok(Loaded {
-        model,
+        model: Model::load_with(path, text.config, device)?,
         tokenizer: text.tokenizer,
         template: text.template,
     })

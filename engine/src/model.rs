@@ -144,19 +144,28 @@ pub(crate) fn gguf_name_of(hf: &str) -> Option<String> {
 impl Model {
     /// Loads a Hugging Face folder (`config.json` + safetensors) or a `.gguf` file.
     pub fn load(path: &Path, device: &Device) -> Result<Self> {
+        let cfg = if path.is_dir() {
+            ModelConfig::from_hf_file(&path.join("config.json"))?
+        } else {
+            ModelConfig::from_gguf(&text::gguf::Metadata::open(path)?, path)?
+        };
+        Self::load_with(path, cfg, device)
+    }
+
+    /// Loads the weights at `path` for hyper-parameters already read from it (as
+    /// `text::load` reads them with the tokenizer), so that they are read once.
+    pub fn load_with(path: &Path, cfg: ModelConfig, device: &Device) -> Result<Self> {
         if path.is_dir() {
-            let cfg = ModelConfig::from_hf_file(&path.join("config.json"))?;
             let mut src = WeightSource::open_hf_folder(path, device)?;
             Self::from_source(cfg, &mut src, &HF_NAMES, device)
         } else {
-            let cfg = ModelConfig::from_gguf(&text::gguf::Metadata::open(path)?, path)?;
-            Self::from_gguf(&mut WeightSource::open_gguf(path)?, cfg, device)
+            Self::from_source(
+                cfg,
+                &mut WeightSource::open_gguf(path)?,
+                &GGUF_NAMES,
+                device,
+            )
         }
-    }
-
-    /// Loads the weights of an opened GGUF file whose hyper-parameters are `cfg`.
-    pub fn from_gguf(src: &mut WeightSource, cfg: ModelConfig, device: &Device) -> Result<Self> {
-        Self::from_source(cfg, src, &GGUF_NAMES, device)
     }
 
     fn from_source(
