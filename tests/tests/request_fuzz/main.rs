@@ -12,7 +12,7 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 mod bodies;
@@ -269,23 +269,11 @@ fn seed_bodies() -> Vec<Value> {
     all.into_iter().map(|r| r["body"].clone()).collect()
 }
 
-fn tiny_model() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tandem-request-fuzz-{}", std::process::id()));
-    engine::testmodel::write_model(
-        &dir,
-        engine::testmodel::ModelSize::Tiny,
-        candle_core::DType::F32,
-        engine::testmodel::DEFAULT_SEED,
-    )
-    .expect("writing the tiny model");
-    dir
-}
-
 #[test]
 fn fuzzed_requests_are_answered_and_refusals_name_their_parameter() {
     let (seed, budget) = fuzz_settings(20);
     eprintln!("request fuzz: TANDEM_FUZZ_SEED={seed:#x} for {budget:?} (TANDEM_FUZZ_SECS)");
-    let model = tiny_model();
+    let model = e2e::tiny_model();
     let vocab = text::load(&model)
         .expect("the tiny model's text side")
         .config
