@@ -138,11 +138,7 @@ impl ZeroModel {
                         })),
                     }));
                 }
-                // Every token when it prefills, all but the prefill node's first otherwise.
-                let made = match req.prefill_here {
-                    true => req.max_tokens,
-                    false => req.max_tokens.saturating_sub(1),
-                };
+                let made = req.tokens_to_sample();
                 for choice in 0..req.n.max(1) {
                     for i in 0..made {
                         events.push(framed(&GenerateEvent {

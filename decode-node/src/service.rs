@@ -226,12 +226,7 @@ impl proto::v1::decode_server::Decode for DecodeService {
         if req.prompt.is_empty() {
             return Err(DecodeError::InvalidRequest("the prompt is empty".into()).into());
         }
-        // What this node samples: every token when it prefills, all but the prefill node's
-        // first otherwise.
-        let max_new = match req.prefill_here {
-            true => req.max_tokens,
-            false => req.max_tokens.saturating_sub(1),
-        } as usize;
+        let max_new = req.tokens_to_sample() as usize;
         let positions = self.budget.positions(req.prompt.len(), max_new);
         let sequences = if width > 0 { width } else { n };
         let reserved = Reserved {

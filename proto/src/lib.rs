@@ -8,6 +8,18 @@ pub mod v1 {
 
 use prost::Message;
 
+impl v1::GenerateRequest {
+    /// Tokens the decode node samples for each sequence: all of `max_tokens` when it
+    /// prefills the prompt itself, all but the prefill node's first otherwise.
+    pub fn tokens_to_sample(&self) -> u32 {
+        if self.prefill_here {
+            self.max_tokens
+        } else {
+            self.max_tokens.saturating_sub(1)
+        }
+    }
+}
+
 /// A worker's error status: `code` and `message` as gRPC has them, and `reason` in the
 /// status details, for the router to match.
 pub fn error_status(code: tonic::Code, message: String, reason: v1::ErrorReason) -> tonic::Status {
@@ -29,6 +41,18 @@ pub fn error_reason(status: &tonic::Status) -> v1::ErrorReason {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_decode_node_samples_all_but_the_prefilled_first_token() {
+        let req = |prefill_here, max_tokens| v1::GenerateRequest {
+            prefill_here,
+            max_tokens,
+            ..Default::default()
+        };
+        assert_eq!(req(true, 5).tokens_to_sample(), 5);
+        assert_eq!(req(false, 5).tokens_to_sample(), 4);
+        assert_eq!(req(false, 0).tokens_to_sample(), 0);
+    }
 
     #[test]
     fn the_reason_survives_the_status() {
