@@ -57,6 +57,7 @@ pub async fn serve(
         runtime::load_model(move || engine::Model::load(&path, &candle_core::Device::Cpu)).await?;
     let layout = model.kv_layout();
     let max_positions = model.config().max_position_embeddings;
+    let vocab = model.config().vocab_size;
     let block_tokens = cfg.kv_block_tokens.max(1);
     let blocks = cfg.kv_blocks.unwrap_or(budget::KvBudget::blocks_in(
         cfg.kv_cache_mb << 20,
@@ -104,7 +105,10 @@ pub async fn serve(
         admit_tx,
         Arc::clone(&tickets),
         Arc::clone(&budget),
-        layout.clone(),
+        service::Shape {
+            layout: layout.clone(),
+            vocab,
+        },
         Arc::clone(&metrics),
         gate.clone(),
         Duration::from_millis(cfg.kv_wait_ms),

@@ -20,12 +20,18 @@ use crate::metrics::DecodeMetrics;
 use crate::scheduler::{Admission, Events, Start};
 use crate::store::{Reserved, Tickets};
 
+/// What requests are checked against: the model's cache layout and vocabulary.
+pub struct Shape {
+    pub layout: KvLayout,
+    pub vocab: usize,
+}
+
 /// State shared by the service's handlers.
 pub struct DecodeService {
     admissions: mpsc::UnboundedSender<Admission>,
     tickets: Arc<Tickets>,
     budget: Arc<KvBudget>,
-    layout: KvLayout,
+    shape: Shape,
     metrics: Arc<DecodeMetrics>,
     gate: runtime::Gate,
     /// How long a Generate call waits for its transfer once its ticket is issued.
@@ -38,7 +44,7 @@ impl DecodeService {
         admissions: mpsc::UnboundedSender<Admission>,
         tickets: Arc<Tickets>,
         budget: Arc<KvBudget>,
-        layout: KvLayout,
+        shape: Shape,
         metrics: Arc<DecodeMetrics>,
         gate: runtime::Gate,
         kv_wait: Duration,
@@ -47,7 +53,7 @@ impl DecodeService {
             admissions,
             tickets,
             budget,
-            layout,
+            shape,
             metrics,
             gate,
             kv_wait,
@@ -199,7 +205,7 @@ impl proto::v1::decode_server::Decode for DecodeService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let pass = self.gate.admit()?;
         let id = runtime::request_id(&req, &req.get_ref().request_id);
-        let req = req.into_inner();
+        let mut req = req.into_inner();
         let span = tracing::info_span!("generate", req_id = %id, prefill_here = req.prefill_here);
         let n = (req.n as usize).max(1);
         if n > MAX_SEQUENCES {
@@ -226,6 +232,12 @@ impl proto::v1::decode_server::Decode for DecodeService {
         if req.prompt.is_empty() {
             return Err(DecodeError::InvalidRequest("the prompt is empty".into()).into());
         }
+        let sampling = kvwire::convert::sampling_from_proto(
+            &req.sampling.take().unwrap_or_default(),
+            &req.stop_token_ids,
+            self.shape.vocab,
+        )
+        .map_err(|e| DecodeError::InvalidRequest(e.to_string()))?;
         let max_new = req.tokens_to_sample() as usize;
         let positions = self.budget.positions(req.prompt.len(), max_new);
         let sequences = if width > 0 { width } else { n };
@@ -238,11 +250,7 @@ impl proto::v1::decode_server::Decode for DecodeService {
         let admission = Admission {
             span: span.clone(),
             prompt: req.prompt,
-            sampling: req
-                .sampling
-                .as_ref()
-                .map(kvwire::convert::sampling_from_proto)
-                .unwrap_or_default(),
+            sampling,
             top_logprobs: req.top_logprobs as usize,
             n,
             beam_width: width,
@@ -287,7 +295,7 @@ impl proto::v1::decode_server::Decode for DecodeService {
         let capacity = self.budget.capacity() as u64;
         Ok(Response::new(HealthReply {
             role: "decode".into(),
-            layout: Some(kvwire::convert::layout_to_proto(&self.layout)),
+            layout: Some(kvwire::convert::layout_to_proto(&self.shape.layout)),
             draining: self.gate.draining(),
             load: Some(proto::v1::WorkerLoad {
                 waiting: (get(&m.waiting_requests) as usize + self.budget.waiting()) as u32,

@@ -29,6 +29,16 @@ pub struct SamplingParams {
     /// OpenAI's frequency penalty over output tokens; 0 is off.
     pub frequency_penalty: f32,
     pub seed: u64,
+    /// Keep only the tokens at least `min_p` times as likely as the most likely one, after
+    /// the temperature; 0 is off.
+    pub min_p: f32,
+    /// Added to these tokens' logits before anything else, greedy decoding included; each
+    /// token once, inside the vocabulary.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// While a sequence has fewer tokens than this, the tokens of `held` cannot be sampled.
+    pub min_tokens: usize,
+    /// What `min_tokens` holds back: the request's stop tokens, each once.
+    pub held: Vec<u32>,
 }
 
 impl Default for SamplingParams {
@@ -41,6 +51,10 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: 0,
+            min_p: 0.0,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
+            held: Vec::new(),
         }
     }
 }
@@ -141,10 +155,31 @@ pub fn apply_penalties(logits: &mut [f32], p: &SamplingParams, prompt: &[u32], o
     }
 }
 
+/// The logits a request samples from: the model's, with the logit bias, `min_tokens`' mask
+/// and then the penalties (vLLM's order). `output` is the sequence's tokens so far.
+pub fn processed(raw: &[f32], p: &SamplingParams, prompt: &[u32], output: &[u32]) -> Vec<f32> {
+    let mut logits = raw.to_vec();
+    for &(t, bias) in &p.logit_bias {
+        if let Some(x) = logits.get_mut(t as usize) {
+            *x += bias;
+        }
+    }
+    if output.len() < p.min_tokens {
+        for &t in &p.held {
+            if let Some(x) = logits.get_mut(t as usize) {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+    }
+    apply_penalties(&mut logits, p, prompt, output);
+    logits
+}
+
 /// Chooses the token for step `step` of a request.
 ///
-/// `raw` are the model's logits; `prompt`/`output` feed the penalties; `top_logprobs` is how
-/// many alternatives to report (0 for none).
+/// `raw` are the model's logits; `prompt`/`output` feed the penalties and `min_tokens`;
+/// `top_logprobs` is how many alternatives to report (0 for none). The logprobs reported
+/// are those of the model's own distribution, before any of the request's settings.
 pub fn sample(
     raw: &[f32],
     p: &SamplingParams,
@@ -153,8 +188,7 @@ pub fn sample(
     step: u64,
     top_logprobs: usize,
 ) -> Sampled {
-    let mut logits = raw.to_vec();
-    apply_penalties(&mut logits, p, prompt, output);
+    let logits = processed(raw, p, prompt, output);
     let token = if p.temperature <= 0.0 {
         crate::model::argmax(&logits)
     } else {
@@ -168,7 +202,8 @@ pub fn sample(
     }
 }
 
-/// Samples from the tempered, top-k and top-p filtered distribution with the draw `u`.
+/// Samples from the tempered distribution, filtered by top-k, min-p and top-p in that
+/// order, with the draw `u`.
 fn draw(logits: &[f32], p: &SamplingParams, u: f64) -> u32 {
     let vocab = logits.len();
     let k = if p.top_k == 0 || p.top_k >= vocab {
@@ -185,6 +220,15 @@ fn draw(logits: &[f32], p: &SamplingParams, u: f64) -> u32 {
         .collect();
     let total: f64 = probs.iter().sum();
     probs.iter_mut().for_each(|x| *x /= total);
+    if p.min_p > 0.0 {
+        // Best first, so the kept tokens are a prefix; the most likely one always stays.
+        let floor = probs[0] * p.min_p as f64;
+        let keep = probs.iter().position(|&x| x < floor).unwrap_or(probs.len());
+        cand.truncate(keep);
+        probs.truncate(keep);
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= total);
+    }
     if p.top_p < 1.0 {
         let mut acc = 0.0;
         let keep = probs
@@ -290,6 +334,60 @@ mod tests {
         };
         apply_penalties(&mut l, &p, &[2], &[1, 1, 0]);
         assert_eq!(l, [-0.75, -1.0, 0.0]);
+    }
+
+    #[test]
+    fn logit_bias_moves_greedy_and_stays_out_of_the_logprobs() {
+        let raw = [3.0, 1.0, 2.0];
+        let mut p = params(0.0);
+        p.logit_bias = vec![(1, 5.0), (2, -100.0), (99, 100.0)];
+        let s = sample(&raw, &p, &[], &[], 0, 0);
+        assert_eq!(
+            s.token, 1,
+            "3 + 0 < 1 + 5; an id outside the vocabulary is skipped"
+        );
+        let plain = sample(&raw, &params(0.0), &[], &[], 0, 0);
+        assert_eq!(plain.token, 0);
+        let unbiased = log_softmax(&raw)[1];
+        assert_eq!(s.logprob, unbiased, "logprobs are the model's own");
+    }
+
+    #[test]
+    fn min_tokens_holds_back_stop_tokens_until_reached() {
+        let raw = [0.0, 9.0, 1.0];
+        let p = SamplingParams {
+            min_tokens: 2,
+            held: vec![1],
+            ..params(0.0)
+        };
+        assert_eq!(sample(&raw, &p, &[], &[], 0, 0).token, 2);
+        assert_eq!(sample(&raw, &p, &[], &[5], 1, 0).token, 2);
+        assert_eq!(sample(&raw, &p, &[], &[5, 5], 2, 0).token, 1);
+        for step in 0..200 {
+            let hot = SamplingParams {
+                temperature: 2.0,
+                ..p.clone()
+            };
+            assert_ne!(sample(&raw, &hot, &[], &[], step, 0).token, 1);
+        }
+    }
+
+    #[test]
+    fn min_p_drops_the_unlikely_tokens() {
+        // Probabilities 0.5, 0.25, 0.125, 0.125 at temperature 1.
+        let raw = [2f32.ln() * 2.0, 2f32.ln(), 0.0, 0.0];
+        let drawn = |min_p: f32| -> std::collections::BTreeSet<u32> {
+            let p = SamplingParams {
+                min_p,
+                ..params(1.0)
+            };
+            (0..500)
+                .map(|s| sample(&raw, &p, &[], &[], s, 0).token)
+                .collect()
+        };
+        assert_eq!(drawn(0.0), [0, 1, 2, 3].into());
+        assert_eq!(drawn(0.3), [0, 1].into(), "0.125 < 0.3 * 0.5 <= 0.25");
+        assert_eq!(drawn(1.0), [0].into());
     }
 
     #[test]

@@ -11,6 +11,8 @@ pub enum PrefillError {
     TooManySequences(u32),
     #[error("{0} alternatives per token asked for, the limit is {max}", max = engine::sampling::MAX_TOP_LOGPROBS)]
     TooManyLogprobs(u32),
+    #[error(transparent)]
+    Sampling(#[from] kvwire::convert::SamplingError),
     #[error("no decode node address was given")]
     NoDecodeAddr,
     #[error("decode node {0} is neither listed (--decode-nodes) nor registered in etcd as a decode worker")]
@@ -45,6 +47,7 @@ impl From<PrefillError> for tonic::Status {
             | PromptTooLong { .. }
             | TooManySequences(_)
             | TooManyLogprobs(_)
+            | Sampling(_)
             | NoDecodeAddr
             | NoTicket
             | TokenOutOfRange { .. } => (Code::InvalidArgument, R::InvalidRequest),

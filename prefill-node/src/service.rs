@@ -61,7 +61,7 @@ impl PrefillService {
         }
     }
 
-    async fn run(&self, req: PrefillRequest) -> Result<PrefillResponse, PrefillError> {
+    async fn run(&self, mut req: PrefillRequest) -> Result<PrefillResponse, PrefillError> {
         let enqueued = Instant::now();
         let n = req.prompt.len();
         if n == 0 {
@@ -93,6 +93,11 @@ impl PrefillService {
                 vocab: self.vocab,
             });
         }
+        let sampling = kvwire::convert::sampling_from_proto(
+            &req.sampling.take().unwrap_or_default(),
+            &req.stop_token_ids,
+            self.vocab,
+        )?;
         if req.kv_ticket.is_empty() {
             return Err(PrefillError::NoTicket);
         }
@@ -113,11 +118,7 @@ impl PrefillService {
         let (done_tx, done_rx) = oneshot::channel();
         let job = Job {
             prompt: req.prompt,
-            sampling: req
-                .sampling
-                .as_ref()
-                .map(kvwire::convert::sampling_from_proto)
-                .unwrap_or_default(),
+            sampling,
             top_logprobs: req.top_logprobs as usize,
             n: (req.n as usize).max(1),
             beam: req.beam_search,

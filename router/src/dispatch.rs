@@ -250,13 +250,13 @@ async fn pd_on(
         0 => req.id.clone(),
         n => format!("{}-retry{n}", req.id),
     };
-    let sampling = Some(req.sampling);
+    let sampling = Some(req.sampling.clone());
     let generate = runtime::with_request_id(
         &kv_id,
         GenerateRequest {
             request_id: kv_id.clone(),
             prompt: req.prompt.clone(),
-            sampling,
+            sampling: sampling.clone(),
             max_tokens: req.max_tokens as u32,
             stop_token_ids: req.stop_ids.clone(),
             prefill_here: false,
@@ -328,6 +328,7 @@ async fn pd_on(
             max_tokens: req.max_tokens as u32,
             kv_ticket: ticket,
             cache_partition: req.cache_partition.clone(),
+            stop_token_ids: req.stop_ids.clone(),
         },
     );
     let first = {
@@ -421,7 +422,7 @@ async fn attempt_colocated(
         GenerateRequest {
             request_id: req.id.clone(),
             prompt: req.prompt.clone(),
-            sampling: Some(req.sampling),
+            sampling: Some(req.sampling.clone()),
             max_tokens: req.max_tokens as u32,
             stop_token_ids: req.stop_ids.clone(),
             prefill_here: true,

@@ -217,7 +217,11 @@ async fn run(
         prompt_tokens,
         stop_ids: stop_ids.clone(),
         user_stop_ids: common.stop_token_ids.clone(),
-        stops: StopStrings::new(common.stop.clone(), common.include_stop_str_in_output),
+        stops: StopStrings::new(
+            common.stop.clone(),
+            common.include_stop_str_in_output,
+            common.min_tokens,
+        ),
         logprobs: logprobs.is_some(),
         n: common.n,
         choices: (0..sequences)

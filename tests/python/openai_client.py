@@ -86,6 +86,36 @@ def main() -> None:
     assert len(content) == lp.usage.completion_tokens, lp
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content), content
 
+    # logit_bias, and vLLM's min_p and min_tokens (sent as the SDK's extra_body).
+    forced = [
+        client.completions.create(
+            model=args.model, prompt="Once upon a time", max_tokens=4, temperature=0,
+            logprobs=0, logit_bias={str(token): 100},
+        ).choices[0].logprobs.tokens
+        for token in (1000, 1001)
+    ]
+    assert all(len(set(t)) == 1 and len(t) == 4 for t in forced), forced
+    assert forced[0][0] != forced[1][0], forced
+    top_only = client.completions.create(
+        model=args.model, prompt="Once upon a time", max_tokens=8, temperature=1, seed=3,
+        extra_body={"min_p": 1.0},
+    )
+    assert top_only.choices[0].text == text.choices[0].text, (top_only, text)
+    if usage.completion_tokens < 16:
+        longer = client.chat.completions.create(
+            model=args.model, messages=messages, max_tokens=16, temperature=0,
+            extra_body={"min_tokens": 16},
+        )
+        assert longer.usage.completion_tokens == 16, longer.usage
+        assert longer.choices[0].finish_reason == "length", longer
+    try:
+        client.completions.create(
+            model=args.model, prompt="x", logit_bias={"not-a-token": 1}
+        )
+        raise AssertionError("a logit_bias key that is no token id must be refused")
+    except openai.BadRequestError as e:
+        assert e.body["param"] == "logit_bias", e.body
+
     first_word = text.choices[0].text.strip().split(" ")[0]
     if first_word:
         cut = client.completions.create(

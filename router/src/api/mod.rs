@@ -124,6 +124,12 @@ pub struct Sampling {
     pub stop_token_ids: Param<Vec<Value>>,
     pub stop: Param<Stop>,
     pub include_stop_str_in_output: Param<bool>,
+    /// vLLM's: a choice ends on no stop token or stop string before this many tokens.
+    pub min_tokens: Param<i128>,
+    /// vLLM's: keep only tokens at least this times as likely as the most likely one.
+    pub min_p: Param<f64>,
+    /// Token id (as a string) to a bias in [-100, 100] added to its logit.
+    pub logit_bias: Param<Obj>,
     /// Only `{"type": "text"}` is accepted; a union of shapes, checked as JSON.
     pub response_format: Param<Value>,
     /// Refused: prompts are rendered with the model's own template.

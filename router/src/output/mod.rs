@@ -95,6 +95,11 @@ pub(crate) struct ChoiceOut {
     /// Tool calls with their ids.
     pub(crate) calls: Vec<(String, ToolCall)>,
     pub(crate) stop_reason: Option<StopReason>,
+    /// Tokens appended so far.
+    pub(crate) tokens: usize,
+    /// Bytes of `text` from the tokens that `min_tokens` exempts: a stop string must end
+    /// past it.
+    pub(crate) floor: usize,
     /// A stop string ended the output: its later tokens are ignored.
     pub(crate) stopped: bool,
     pub(crate) finish: Option<FinishReason>,
@@ -115,6 +120,8 @@ impl ChoiceOut {
             reasoning: String::new(),
             calls: Vec::new(),
             stop_reason: None,
+            tokens: 0,
+            floor: 0,
             stopped: false,
             finish: None,
             cumulative_logprob: 0.0,
@@ -122,11 +129,18 @@ impl ChoiceOut {
         }
     }
 
-    pub(crate) fn append(&mut self, piece: &str, stops: &StopStrings) {
+    /// Adds the text of a token, or (`token` false) what the decoder still held at the end,
+    /// and looks for a stop string in it.
+    pub(crate) fn append(&mut self, piece: &str, stops: &StopStrings, token: bool) {
         let old = self.text.len();
         self.text.push_str(piece);
         self.text_chars += piece.chars().count();
-        if let Scan::Stop { end, which } = stops.scan(&self.text, old) {
+        self.tokens += usize::from(token);
+        if self.tokens < stops.min_tokens() {
+            self.floor = self.text.len();
+            return;
+        }
+        if let Scan::Stop { end, which } = stops.scan(&self.text, old, self.floor) {
             self.text.truncate(end);
             self.text_chars = self.text.chars().count();
             self.stop_reason = Some(StopReason::Text(stops.get(which).to_string()));
@@ -140,7 +154,7 @@ impl ChoiceOut {
         let upto = if all || self.stopped {
             self.text.len()
         } else {
-            match stops.scan(&self.text, self.text.len()) {
+            match stops.scan(&self.text, self.text.len(), self.floor) {
                 Scan::Release(n) => n,
                 Scan::Stop { end, .. } => end,
             }
@@ -291,7 +305,7 @@ impl Output {
         if user_stop {
             choice.stop_reason = Some(StopReason::Token(t.id));
         }
-        choice.append(&piece, stops);
+        choice.append(&piece, stops, true);
         Ok(Some(choice.release(stops, false)))
     }
 
@@ -312,7 +326,7 @@ impl Output {
                 .flush(tokenizer)
                 .map_err(|e| RouterError::Internal(e.to_string()))?
                 .unwrap_or_default();
-            c.append(&rest, stops);
+            c.append(&rest, stops, false);
         }
         c.finish = Some(if c.stopped {
             FinishReason::Stop

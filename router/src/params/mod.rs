@@ -4,6 +4,8 @@
 mod chat;
 mod completion;
 #[cfg(test)]
+mod extension_tests;
+#[cfg(test)]
 mod tests;
 
 pub use chat::{chat, Chat, ToolChoice};
@@ -11,7 +13,10 @@ pub use completion::{completion, Completion};
 
 use serde_json::Value;
 
-use crate::api::{Param, Sampling, Stop, StreamOptions};
+use proto::v1::LogitBias;
+use proto::MAX_LOGIT_BIAS;
+
+use crate::api::{Obj, Param, Sampling, Stop, StreamOptions};
 use crate::error::RouterError;
 
 /// Most characters of message content (the seeds' 4 MB).
@@ -39,6 +44,8 @@ pub struct Common {
     pub best_of: usize,
     /// Beam search instead of sampling.
     pub beam: bool,
+    /// No stop token or stop string ends a choice before it has this many tokens.
+    pub min_tokens: usize,
 }
 
 /// Keywords by which a JSON schema refers to another schema.
@@ -223,6 +230,53 @@ fn stream_options(p: &Param<StreamOptions>, stream: bool) -> Result<bool, Router
     }
 }
 
+/// `logit_bias`: token ids (JSON object keys are strings) to biases in [-100, 100], sorted
+/// by token.
+fn logit_bias(p: &Param<Obj>, vocab_size: usize) -> Result<Vec<LogitBias>, RouterError> {
+    let bad = |m: String| RouterError::param("logit_bias", m);
+    let map = match p {
+        Param::Absent | Param::Null => return Ok(Vec::new()),
+        Param::Invalid => return Err(bad("logit_bias must be an object".into())),
+        Param::Valid(m) => m,
+    };
+    if map.len() > MAX_LOGIT_BIAS {
+        return Err(bad(format!(
+            "logit_bias has {} entries, the limit is {MAX_LOGIT_BIAS}",
+            map.len()
+        )));
+    }
+    let mut biases = Vec::with_capacity(map.len());
+    for (key, value) in map {
+        let token = key
+            .parse::<u32>()
+            .ok()
+            .filter(|&t| (t as usize) < vocab_size)
+            .ok_or_else(|| {
+                bad(format!(
+                    "logit_bias keys must be token ids below {vocab_size}, got \"{key}\""
+                ))
+            })?;
+        let bias = value
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| {
+                bad(format!(
+                    "logit_bias values must be numbers in [-100, 100], got {value} for token {key}"
+                ))
+            })?;
+        biases.push(LogitBias {
+            token,
+            bias: bias as f32,
+        });
+    }
+    biases.sort_unstable_by_key(|b| b.token);
+    // "7" and "07" are two keys of the object and one token.
+    if let Some(w) = biases.windows(2).find(|w| w[0].token == w[1].token) {
+        return Err(bad(format!("logit_bias names token {} twice", w[0].token)));
+    }
+    Ok(biases)
+}
+
 /// Checks and reads the parameters both endpoints share. `vocab_size` caps top_k.
 pub fn common(o: &Sampling, vocab_size: usize) -> Result<Common, RouterError> {
     let model = match &o.model {
@@ -361,6 +415,23 @@ pub fn common(o: &Sampling, vocab_size: usize) -> Result<Common, RouterError> {
             "use_beam_search cannot be combined with stop or stop_token_ids",
         ));
     }
+    let min_p = ranged(&o.min_p, "min_p", 0.0, (0.0, false), (1.0, false))?;
+    let min_tokens = int_in(&o.min_tokens, "min_tokens", 0, i32::MAX as i128)?.unwrap_or(0);
+    if let Some(max) = max_tokens.filter(|&m| min_tokens as u64 > m) {
+        return Err(RouterError::param(
+            "min_tokens",
+            format!("min_tokens ({min_tokens}) must be at most max_tokens ({max})"),
+        ));
+    }
+    let logit_bias = logit_bias(&o.logit_bias, vocab_size)?;
+    // The beam search ranks hypotheses by the model's own logprobs; these would need a
+    // search of their own.
+    if beam && (min_p > 0.0 || min_tokens > 0 || !logit_bias.is_empty()) {
+        return Err(RouterError::param(
+            "use_beam_search",
+            "use_beam_search cannot be combined with min_p, min_tokens or logit_bias",
+        ));
+    }
     Ok(Common {
         model,
         stream,
@@ -372,6 +443,9 @@ pub fn common(o: &Sampling, vocab_size: usize) -> Result<Common, RouterError> {
             presence_penalty: presence as f32,
             frequency_penalty: frequency as f32,
             seed,
+            min_p: min_p as f32,
+            logit_bias,
+            min_tokens: min_tokens as u32,
         },
         max_tokens,
         include_usage,
@@ -383,6 +457,7 @@ pub fn common(o: &Sampling, vocab_size: usize) -> Result<Common, RouterError> {
         n,
         best_of,
         beam,
+        min_tokens,
     })
 }
 

@@ -179,3 +179,81 @@ async fn worker_errors_carry_a_typed_reason() {
         "{bad:?}"
     );
 }
+
+/// Sampling settings that would make every step of a batch cost more, or a logit NaN, are
+/// refused by both nodes whoever sends them: checked where the nodes take them, not only by
+/// the router.
+#[tokio::test]
+async fn workers_refuse_sampling_a_peer_could_abuse() {
+    use proto::v1::decode_client::DecodeClient;
+    use proto::v1::prefill_client::PrefillClient;
+    use proto::v1::{ErrorReason, GenerateRequest, LogitBias, PrefillRequest, SamplingParams};
+
+    let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+    let prefill = c.prefill.clone().expect("a PD cluster has a prefill node");
+    let mut p = PrefillClient::connect(format!("http://{prefill}"))
+        .await
+        .expect("the prefill node accepts gRPC");
+    let mut d = DecodeClient::connect(format!("http://{}", c.decode))
+        .await
+        .expect("the decode node accepts gRPC");
+    let abusive = [
+        SamplingParams {
+            logit_bias: vec![
+                LogitBias {
+                    token: 1,
+                    bias: 1.0
+                };
+                proto::MAX_LOGIT_BIAS + 1
+            ],
+            ..Default::default()
+        },
+        SamplingParams {
+            logit_bias: vec![LogitBias {
+                token: 1,
+                bias: f32::NAN,
+            }],
+            ..Default::default()
+        },
+        SamplingParams {
+            logit_bias: vec![LogitBias {
+                token: u32::MAX,
+                bias: 1.0,
+            }],
+            ..Default::default()
+        },
+        SamplingParams {
+            min_p: f32::INFINITY,
+            ..Default::default()
+        },
+    ];
+    for sampling in abusive {
+        let refused = p
+            .prefill(PrefillRequest {
+                request_id: "abusive-sampling".into(),
+                prompt: vec![1, 2, 3],
+                sampling: Some(sampling.clone()),
+                decode_addr: c.decode.clone(),
+                max_tokens: 2,
+                kv_ticket: vec![7; 32],
+                ..PrefillRequest::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert_eq!(proto::error_reason(&refused), ErrorReason::InvalidRequest);
+        let refused = d
+            .generate(GenerateRequest {
+                request_id: "abusive-sampling".into(),
+                prompt: vec![1, 2, 3],
+                sampling: Some(sampling),
+                max_tokens: 2,
+                prefill_here: true,
+                ..GenerateRequest::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert_eq!(proto::error_reason(&refused), ErrorReason::InvalidRequest);
+    }
+}

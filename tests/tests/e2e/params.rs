@@ -1,4 +1,4 @@
-//! Stop strings, stop_token_ids and logprobs, honoured under PD: the router matches stop
+//! Stop strings, stop_token_ids, min_tokens and logprobs, honoured under PD: the router matches stop
 //! strings on the text, P reports the first token's logprobs and D the rest.
 
 use candle_core::Device;
@@ -70,6 +70,27 @@ async fn stop_strings_end_the_text_streamed_and_not() {
             v["usage"]["completion_tokens"]
         );
     }
+}
+
+/// vLLM's min_tokens: no stop string ends a choice within its first min_tokens tokens, and
+/// the text is not held back or cut for one found there.
+#[tokio::test]
+async fn stop_strings_wait_for_min_tokens() {
+    let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+    let (_, full) = c.post("/v1/completions", &completion(json!({}))).await;
+    let full = text(&full).to_string();
+    let stop: String = full.chars().skip(8).take(5).collect();
+    let body = completion(json!({"stop": [stop], "min_tokens": 24}));
+    let (status, v) = c.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(text(&v), full);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, data) = c.post_sse("/v1/completions", &streamed).await;
+    let (joined, last) = joined(&data);
+    assert_eq!(joined, full);
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
 }
 
 #[tokio::test]

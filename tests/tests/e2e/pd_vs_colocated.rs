@@ -13,11 +13,23 @@ fn one_process(
     n: usize,
 ) -> String {
     let loaded = engine::load(model, &Device::Cpu).expect("loading the model");
+    let tokens = one_process_tokens(&loaded, prompt, params, n, &[]);
+    loaded.tokenizer.decode(&tokens, true).unwrap()
+}
+
+/// The tokens one process makes of `prompt`, ending after any of `stop_ids`.
+fn one_process_tokens(
+    loaded: &engine::Loaded,
+    prompt: &str,
+    params: &engine::SamplingParams,
+    n: usize,
+    stop_ids: &[u32],
+) -> Vec<u32> {
     let ids = loaded.tokenizer.encode(prompt).unwrap();
     let mut cache = loaded.model.new_cache().unwrap();
-    let out = engine::generate::generate(&loaded.model, &mut cache, &ids, params, n, &[]).unwrap();
-    let tokens: Vec<u32> = out.iter().map(|s| s.token).collect();
-    loaded.tokenizer.decode(&tokens, true).unwrap()
+    let out =
+        engine::generate::generate(&loaded.model, &mut cache, &ids, params, n, stop_ids).unwrap();
+    out.iter().map(|s| s.token).collect()
 }
 
 fn text_of(v: &Value) -> String {
@@ -71,6 +83,18 @@ async fn pd_equals_colocated_equals_one_process() {
                 repetition_penalty: 1.3,
                 presence_penalty: 0.5,
                 frequency_penalty: 0.5,
+                ..Default::default()
+            },
+        ),
+        (
+            json!({"temperature": 1.5, "seed": 99, "min_p": 0.2,
+                   "logit_bias": {"5": 4.0, "17": -100, "40": 2.5}}),
+            engine::SamplingParams {
+                temperature: 1.5,
+                seed: 99,
+                min_p: 0.2,
+                logit_bias: vec![(5, 4.0), (17, -100.0), (40, 2.5)],
+                ..Default::default()
             },
         ),
     ];
@@ -121,6 +145,51 @@ async fn pd_equals_colocated_on_smollm2_chat() {
         assert_eq!(
             a["choices"][0]["finish_reason"],
             b["choices"][0]["finish_reason"]
+        );
+    }
+}
+
+/// min_tokens holds a stop token back on both nodes: P samples the first token, D the rest,
+/// and the sequence must not end before its min_tokens-th token either way.
+#[tokio::test]
+async fn min_tokens_holds_back_a_stop_token_under_pd_and_colocated() {
+    let model = tiny_model();
+    let loaded = engine::load(&model, &Device::Cpu).expect("loading the model");
+    let pd = Cluster::start(Mode::Pd, &model, &[]).await;
+    let colo = Cluster::start(Mode::Colocated, &model, &[]).await;
+    let prompt = "Stop tokens wait for min_tokens.";
+    let greedy = engine::SamplingParams::default();
+    let free = one_process_tokens(&loaded, prompt, &greedy, 16, &[]);
+    // Stop on the greedy run's first token: held back, so it is not the first one sampled.
+    let stop = free[0];
+    let held = engine::SamplingParams {
+        min_tokens: 6,
+        held: vec![stop],
+        ..Default::default()
+    };
+    let expected = one_process_tokens(&loaded, prompt, &held, 16, &[stop]);
+    assert!(expected.len() >= 6, "{expected:?}");
+    assert_ne!(expected[0], stop);
+    let body = |min_tokens: u32| {
+        json!({"model": "test", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+               "ignore_eos": true, "stop_token_ids": [stop], "min_tokens": min_tokens})
+    };
+    for (mode, c) in [("pd", &pd), ("colocated", &colo)] {
+        let (status, v) = c.post("/v1/completions", &body(0)).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(
+            v["usage"]["completion_tokens"], 1,
+            "{mode}: the stop token comes first"
+        );
+        let (status, v) = c.post("/v1/completions", &body(6)).await;
+        assert_eq!(status, 200, "{v}");
+        let tokens = v["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+        assert_eq!(tokens, expected.len(), "{mode}: {v}");
+        let visible: Vec<u32> = expected.iter().copied().filter(|&t| t != stop).collect();
+        assert_eq!(
+            text_of(&v),
+            loaded.tokenizer.decode(&visible, true).unwrap(),
+            "{mode}"
         );
     }
 }
