@@ -27,6 +27,9 @@ pub enum RouterError {
         param: &'static str,
         message: String,
     },
+    /// A field this server does not know and does not list as harmless; OpenAI's words.
+    #[error("Unrecognized request argument supplied: {0}")]
+    UnknownParam(String),
     #[error("the model `{0}` does not exist")]
     ModelNotFound(String),
     #[error("the prompt has {got} tokens, the limit is {limit}")]
@@ -130,6 +133,7 @@ impl RouterError {
         match self {
             InvalidJson(_)
             | InvalidParam { .. }
+            | UnknownParam(_)
             | PromptTooLong { .. }
             | NoChatTemplate
             | Template(_) => StatusCode::BAD_REQUEST,
@@ -210,9 +214,10 @@ impl RouterError {
     pub fn body(&self) -> ErrorBody {
         use RouterError::*;
         let param = match self {
-            InvalidParam { param, .. } | PromptTooLong { param, .. } => Some(*param),
-            ModelNotFound(_) => Some("model"),
-            NoChatTemplate | Template(_) => Some("messages"),
+            InvalidParam { param, .. } | PromptTooLong { param, .. } => Some(param.to_string()),
+            UnknownParam(name) => Some(name.clone()),
+            ModelNotFound(_) => Some("model".into()),
+            NoChatTemplate | Template(_) => Some("messages".into()),
             _ => None,
         };
         let status = self.http_status();

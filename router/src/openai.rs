@@ -291,10 +291,12 @@ fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, Router
     let (common, request) = match kind {
         Kind::Chat => {
             let r = api::chat::ChatRequest::from_object(o)?;
+            params::known_fields(&r.extra, "")?;
             (params::common(&r.sampling, vocab)?, Request::Chat(r))
         }
         Kind::Completion => {
             let r = api::completions::CompletionRequest::from_object(o)?;
+            params::known_fields(&r.extra, "")?;
             (params::common(&r.sampling, vocab)?, Request::Completion(r))
         }
     };

@@ -116,6 +116,20 @@ def main() -> None:
     except openai.BadRequestError as e:
         assert e.body["param"] == "logit_bias", e.body
 
+    # Unknown parameters: refused by name, unless on the documented harmless list.
+    try:
+        client.chat.completions.create(
+            model=args.model, messages=messages, max_tokens=4, extra_body={"frobnicate": 1}
+        )
+        raise AssertionError("an unknown parameter must be refused")
+    except openai.BadRequestError as e:
+        assert e.body["param"] == "frobnicate", e.body
+    kept = client.chat.completions.create(
+        model=args.model, messages=messages, max_tokens=16, temperature=0,
+        metadata={"team": "eval"}, store=False, service_tier="auto",
+    )
+    assert kept.choices[0].message.content == choice.message.content, kept
+
     first_word = text.choices[0].text.strip().split(" ")[0]
     if first_word:
         cut = client.completions.create(

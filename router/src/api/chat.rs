@@ -23,7 +23,9 @@ pub struct ChatRequest {
     pub logprobs: Param<bool>,
     pub top_logprobs: Param<i128>,
     pub chat_template_kwargs: Param<Map<String, Value>>,
-    /// Fields this API does not know: accepted and ignored.
+    /// Only true (OpenAI's default) is accepted.
+    pub parallel_tool_calls: Param<bool>,
+    /// Fields this API does not know: refused unless harmless (`params::known_fields`).
     #[serde(flatten)]
     pub extra: Obj,
 }

@@ -15,7 +15,7 @@ pub struct CompletionRequest {
     pub prompt: Param<String>,
     /// Alternatives reported per token, 0 to 5 (an integer here, a boolean in chat).
     pub logprobs: Param<i128>,
-    /// Fields this API does not know: accepted and ignored.
+    /// Fields this API does not know: refused unless harmless (`params::known_fields`).
     #[serde(flatten)]
     pub extra: Obj,
 }

@@ -22,7 +22,7 @@ pub struct ErrorObject {
     #[serde(rename = "type")]
     pub kind: &'static str,
     /// The request parameter at fault, if one is.
-    pub param: Option<&'static str>,
+    pub param: Option<String>,
     pub code: Option<&'static str>,
 }
 

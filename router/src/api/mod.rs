@@ -11,9 +11,10 @@
 //! another type. A wrong type is not a deserialization error: serde's message names no
 //! parameter, and the API's errors must, in the words the seeds and clients expect.
 //!
-//! Unknown fields are accepted and ignored, as OpenAI's API does; they are kept in each
-//! request's `extra`, so that the policy is one place to change. Fields with which other
-//! servers read a file or fetch a URL are known, and refused (`params`).
+//! Unknown fields are kept in each request's `extra`; `params::known_fields` refuses them
+//! with a 400 naming the field, except a short list of harmless ones
+//! (`params::HARMLESS_FIELDS`). Fields with which other servers read a file or fetch a URL
+//! are known, and refused (`params`).
 
 pub mod chat;
 pub mod completions;
@@ -148,6 +149,9 @@ pub struct Sampling {
 pub struct StreamOptions {
     /// A last chunk with the usage and no choices, as OpenAI sends it.
     pub include_usage: Param<bool>,
+    /// Options this server does not know: refused (`params::known_fields`).
+    #[serde(flatten)]
+    pub extra: Obj,
 }
 
 /// What every response and chunk starts with.

@@ -228,6 +228,13 @@ pub fn chat(o: &ChatRequest) -> Result<Chat, RouterError> {
             format!("chat_template_kwargs.enable_thinking must be a boolean, got {t}"),
         ));
     }
+    // OpenAI's default (true) is what the parsers do: every call in the reply is returned.
+    if let Some(false) = o.parallel_tool_calls.value("parallel_tool_calls")? {
+        return Err(RouterError::param(
+            "parallel_tool_calls",
+            "parallel_tool_calls false is not supported: every call the model writes is returned",
+        ));
+    }
     // tool_choice none keeps the tools out of the prompt, so the model is not invited to
     // write calls that nobody will parse.
     let tools = match tool_choice {

@@ -179,3 +179,41 @@ fn min_tokens_min_p_and_logit_bias_are_refused_when_wrong() {
         ),
     ]);
 }
+
+#[test]
+fn unknown_fields_are_refused_by_name_unless_harmless() {
+    let extra = |v: Value| v.as_object().unwrap().clone();
+    assert!(known_fields(
+        &extra(json!({"metadata": {"a": "b"}, "store": false, "service_tier": "auto"})),
+        ""
+    )
+    .is_ok());
+    let named = |v: Value, prefix| match known_fields(&extra(v), prefix) {
+        Err(RouterError::UnknownParam(name)) => name,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(named(json!({"echo": true}), ""), "echo");
+    assert_eq!(
+        named(json!({"continuous_usage_stats": true}), "stream_options."),
+        "stream_options.continuous_usage_stats"
+    );
+    assert_eq!(
+        named(json!({"store": true}), "stream_options."),
+        "stream_options.store",
+        "harmless only at the top"
+    );
+    let long = "x".repeat(10_000);
+    assert_eq!(
+        named(json!({ long: 1 }), ""),
+        format!("{}…", "x".repeat(64)),
+        "a hostile name is not echoed whole"
+    );
+    let e = RouterError::UnknownParam("echo".into());
+    let body = serde_json::to_value(e.body()).unwrap();
+    assert_eq!(body["error"]["param"], "echo");
+    assert_eq!(
+        body["error"]["message"],
+        "Unrecognized request argument supplied: echo"
+    );
+    assert_eq!(e.http_status(), 400);
+}

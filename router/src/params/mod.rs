@@ -48,6 +48,37 @@ pub struct Common {
     pub min_tokens: usize,
 }
 
+/// Fields accepted and ignored, because none changes the answer: OpenAI's bookkeeping
+/// (`metadata`, `store`: nothing is stored here), its routing and abuse-tracking hints
+/// (`service_tier`, `prompt_cache_key`, `safety_identifier`). Any other field this server does
+/// not know is refused: dropping it would be a wrong answer the client cannot see.
+pub const HARMLESS_FIELDS: [&str; 5] = [
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+];
+
+/// The most characters of an unknown field's name that its error repeats.
+const NAME_SHOWN: usize = 64;
+
+/// Refuses the first field of `extra` (the fields a request struct does not declare) that
+/// is not harmless, named under `prefix` (`""` at the top, `"stream_options."` inside it).
+pub fn known_fields(extra: &Obj, prefix: &str) -> Result<(), RouterError> {
+    let allowed = |k: &str| prefix.is_empty() && HARMLESS_FIELDS.contains(&k);
+    match extra.keys().find(|k| !allowed(k)) {
+        None => Ok(()),
+        Some(k) => {
+            let mut name: String = k.chars().take(NAME_SHOWN).collect();
+            if name.len() < k.len() {
+                name.push('…');
+            }
+            Err(RouterError::UnknownParam(format!("{prefix}{name}")))
+        }
+    }
+}
+
 /// Keywords by which a JSON schema refers to another schema.
 const REF_KEYWORDS: [&str; 3] = ["$ref", "$dynamicRef", "$recursiveRef"];
 
@@ -222,11 +253,14 @@ fn stream_options(p: &Param<StreamOptions>, stream: bool) -> Result<bool, Router
         Param::Valid(_) if !stream => {
             Err(bad("stream_options is only allowed when stream is true"))
         }
-        Param::Valid(o) => match o.include_usage {
-            Param::Absent | Param::Null => Ok(false),
-            Param::Valid(b) => Ok(b),
-            Param::Invalid => Err(bad("stream_options.include_usage must be a boolean")),
-        },
+        Param::Valid(o) => {
+            known_fields(&o.extra, "stream_options.")?;
+            match o.include_usage {
+                Param::Absent | Param::Null => Ok(false),
+                Param::Valid(b) => Ok(b),
+                Param::Invalid => Err(bad("stream_options.include_usage must be a boolean")),
+            }
+        }
     }
 }
 

@@ -129,7 +129,13 @@ fn mutate(rng: &mut Rng, body: &mut Value) {
             }
         }
         3 => {
-            o.insert(format!("unknown_{}", rng.below(100)), value(rng, 0));
+            // An unknown field (a 400 naming it) or one on the harmless list (ignored).
+            let key = if rng.below(2) == 0 {
+                format!("unknown_{}", rng.below(100))
+            } else {
+                (*rng.pick(&["metadata", "store", "service_tier", "safety_identifier"])).into()
+            };
+            o.insert(key, value(rng, 0));
         }
         _ => {
             // A stream-sized request sent whole, or a big n with beams.
