@@ -65,4 +65,6 @@ pub struct Config {
     pub kv_max_transfers: usize,
     #[command(flatten)]
     pub cluster: runtime::ClusterArgs,
+    #[command(flatten)]
+    pub log: runtime::LogArgs,
 }

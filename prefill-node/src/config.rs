@@ -47,4 +47,6 @@ pub struct Config {
     pub connect_timeout_ms: u64,
     #[command(flatten)]
     pub cluster: runtime::ClusterArgs,
+    #[command(flatten)]
+    pub log: runtime::LogArgs,
 }

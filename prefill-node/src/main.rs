@@ -8,7 +8,7 @@ fn main() -> anyhow::Result<()> {
 
 async fn run() -> anyhow::Result<()> {
     let cfg = Config::parse();
-    runtime::init_tracing();
+    runtime::init_tracing(&cfg.log);
     let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
     prefill_node::serve(listener, &cfg, runtime::shutdown_signal()).await?;
     Ok(())

@@ -243,4 +243,6 @@ pub struct Config {
     pub tls: tls::TlsArgs,
     #[command(flatten)]
     pub etcd: runtime::EtcdArgs,
+    #[command(flatten)]
+    pub log: runtime::LogArgs,
 }

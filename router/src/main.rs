@@ -10,7 +10,7 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn main() -> anyhow::Result<()> {
     let cfg = Config::parse();
     runtime::io_runtime(cfg.threads.map(usize::from))?.block_on(async {
-        runtime::init_tracing();
+        runtime::init_tracing(&cfg.log);
         let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
         router::serve(listener, cfg, runtime::shutdown_signal()).await?;
         Ok(())

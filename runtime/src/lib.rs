@@ -86,13 +86,39 @@ impl Dialer {
 /// The gRPC metadata key that carries a request's id from the router to both nodes.
 pub const REQUEST_ID: &str = "x-request-id";
 
-/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
-pub fn init_tracing() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+/// How a process writes its log lines.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `target`, the event's fields at the
+    /// top, and `span` (the innermost span's fields, `req_id` among them) and `spans`.
+    Json,
+}
+
+/// The logging flag all three binaries take.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct LogArgs {
+    /// `text` or `json` (one object per line, with the request's id, for log pipelines).
+    #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// Logs to stderr in `args`' format, filtered by `RUST_LOG` (default `info`).
+pub fn init_tracing(args: &LogArgs) {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let fmt = tracing_subscriber::fmt().with_env_filter(filter);
+    match args.log_format {
+        LogFormat::Text => fmt.init(),
+        LogFormat::Json => fmt
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_span_list(true)
+            .init(),
+    }
 }
 
 /// Sizes the compute thread pools (candle's and rayon's) to [`usable_cpus`], unless
