@@ -204,9 +204,13 @@ impl proto::v1::decode_server::Decode for DecodeService {
         req: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let pass = self.gate.admit()?;
-        let id = runtime::request_id(&req, &req.get_ref().request_id);
+        // Logged as the id the router names the request by (the client's, when it gave
+        // one); the transfer is matched by the message's own id, unique per attempt.
+        let logged = runtime::request_id(&req, &req.get_ref().request_id);
         let mut req = req.into_inner();
-        let span = tracing::info_span!("generate", req_id = %id, prefill_here = req.prefill_here);
+        let id = req.request_id.clone();
+        let span = tracing::info_span!("generate", req_id = %logged, kv_id = %id,
+            prefill_here = req.prefill_here);
         let n = (req.n as usize).max(1);
         if n > MAX_SEQUENCES {
             return Err(DecodeError::InvalidRequest(format!(

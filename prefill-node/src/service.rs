@@ -209,7 +209,8 @@ impl proto::v1::prefill_server::Prefill for PrefillService {
         let _pass = self.gate.admit()?;
         let id = runtime::request_id(&req, &req.get_ref().request_id);
         let req = req.into_inner();
-        let span = tracing::info_span!("prefill", req_id = %id, prompt_tokens = req.prompt.len());
+        let span = tracing::info_span!("prefill", req_id = %id, kv_id = %req.request_id,
+            prompt_tokens = req.prompt.len());
         let m = &self.metrics;
         let outcome = Outcome {
             metrics: m,

@@ -20,7 +20,11 @@ use crate::worker::{Hold, Worker};
 /// A tokenized, validated request.
 #[derive(Debug, Clone)]
 pub struct GenRequest {
+    /// The response's id; each attempt's KV transfer is matched by an id made from it.
     pub id: String,
+    /// What the nodes log the request as (gRPC metadata): the client's X-Request-Id, else
+    /// `id`. It need not be unique, so nothing is matched by it.
+    pub log_id: String,
     pub prompt: Vec<u32>,
     pub sampling: proto::v1::SamplingParams,
     /// Completion tokens allowed in all, the prefill node's first one included.
@@ -252,7 +256,7 @@ async fn pd_on(
     };
     let sampling = Some(req.sampling.clone());
     let generate = runtime::with_request_id(
-        &kv_id,
+        &req.log_id,
         GenerateRequest {
             request_id: kv_id.clone(),
             prompt: req.prompt.clone(),
@@ -316,7 +320,7 @@ async fn pd_on(
         }
     };
     let prefill = runtime::with_request_id(
-        &kv_id,
+        &req.log_id,
         PrefillRequest {
             request_id: kv_id.clone(),
             prompt: req.prompt.clone(),
@@ -418,7 +422,7 @@ async fn attempt_colocated(
     );
     let reported = req.reported();
     let generate = runtime::with_request_id(
-        &req.id,
+        &req.log_id,
         GenerateRequest {
             request_id: req.id.clone(),
             prompt: req.prompt.clone(),

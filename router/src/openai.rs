@@ -8,7 +8,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, HeaderValue};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
@@ -124,7 +124,8 @@ async fn handle(
         params::random_u64(),
         params::random_u64()
     );
-    let span = tracing::info_span!("request", req_id = %id, endpoint = kind.endpoint(),
+    let log_id = client_request_id(&body.0).unwrap_or_else(|| id.clone());
+    let span = tracing::info_span!("request", req_id = %log_id, endpoint = kind.endpoint(),
         prompt_tokens = tracing::field::Empty);
     let admitted = state.metrics.start(
         state.cfg.max_in_flight,
@@ -133,26 +134,49 @@ async fn handle(
     );
     let result = match admitted {
         Ok(in_flight) => {
-            run(&state, kind, id, key, body, in_flight)
+            run(&state, kind, (id, log_id.clone()), key, body, in_flight)
                 .instrument(span)
                 .await
         }
         Err(e) => Err(e),
     };
-    let response = match result {
+    let mut response = match result {
         Ok(r) => r,
         Err(e) => state.error_response(e),
     };
+    if let Ok(v) = HeaderValue::from_str(&log_id) {
+        response.headers_mut().insert(REQUEST_ID_HEADER, v);
+    }
     state
         .metrics
         .finished(kind.endpoint(), response.status().as_u16());
     response
 }
 
+/// The header a client names its request by, echoed on the response and carried to the
+/// nodes' logs.
+const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// The most characters of a client's request id that are kept.
+const MAX_REQUEST_ID: usize = 128;
+
+/// The client's X-Request-Id, reduced to what is safe in a log line and a header: letters,
+/// digits and `.`, `_`, `:`, `-`, at most 128 of them. `None` when absent or nothing is left.
+fn client_request_id(headers: &HeaderMap) -> Option<String> {
+    let raw = headers.get(REQUEST_ID_HEADER)?.as_bytes();
+    let id: String = raw
+        .iter()
+        .map(|&b| b as char)
+        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-'))
+        .take(MAX_REQUEST_ID)
+        .collect();
+    (!id.is_empty()).then_some(id)
+}
+
 async fn run(
     state: &Arc<AppState>,
     kind: Kind,
-    id: String,
+    (id, log_id): (String, String),
     key: Option<Arc<Key>>,
     body: (HeaderMap, Body),
     mut in_flight: InFlight,
@@ -189,6 +213,7 @@ async fn run(
     stop_ids.extend(&common.stop_token_ids);
     let req = GenRequest {
         id: id.clone(),
+        log_id,
         max_tokens: state.completion_budget(common.max_tokens, prompt.len()),
         prompt,
         sampling: common.sampling,

@@ -260,7 +260,7 @@ impl Scheduler {
     fn keep_or_finish(&mut self, seq: Seq) {
         match self.finish_of(&seq) {
             Some(reason) => {
-                tracing::debug!(parent: &seq.span, ?reason, tokens = seq.output.len(), "finished");
+                tracing::info!(parent: &seq.span, ?reason, tokens = seq.output.len(), "finished");
                 DecodeMetrics::inc(&self.metrics.finished_sequences);
                 let _ = seq.events.send(Ok(finish_event(reason, seq.choice)));
             }

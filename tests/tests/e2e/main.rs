@@ -19,6 +19,7 @@ mod openai_sdk;
 mod params;
 mod pd_vs_colocated;
 mod prefill;
+mod request_ids;
 mod security;
 mod streaming;
 mod tools;
