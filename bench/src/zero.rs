@@ -401,6 +401,7 @@ mod tests {
                 generate_event::Event::Token(t) => (t.choice, Some(t.from_prefill)),
                 generate_event::Event::Finish(f) => (f.choice, None),
                 generate_event::Event::Reserved(_) => panic!("a colocated call reserved KV"),
+                generate_event::Event::Prompt(_) => panic!("no prompt logprobs were asked for"),
             });
         }
         let one = |c| {

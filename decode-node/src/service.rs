@@ -261,6 +261,7 @@ impl proto::v1::decode_server::Decode for DecodeService {
             max_new,
             positions,
             stop_ids: req.stop_token_ids,
+            prompt_logprobs: req.prompt_logprobs && req.prefill_here,
             start: Start::Prefill,
             enqueued: Instant::now(),
             events,

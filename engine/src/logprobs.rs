@@ -18,6 +18,23 @@ pub struct Sampled {
     pub top: Vec<TokenLogprob>,
 }
 
+/// The log-probability of each prompt token after the first, from the logits of the
+/// positions before it: row `i` of `rows` (the logits after `tokens[..=i]` of the run) scores
+/// `next[i]`, with its `top` best alternatives. What `echo` with logprobs reports.
+pub fn scored(rows: &[Vec<f32>], next: &[u32], top: usize) -> Vec<Sampled> {
+    rows.iter()
+        .zip(next)
+        .map(|(row, &token)| {
+            let lp = log_softmax(row);
+            Sampled {
+                token,
+                logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
+                top: top_n(&lp, top),
+            }
+        })
+        .collect()
+}
+
 /// Log-softmax of the raw logits, in f64 for stable sums.
 pub(crate) fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -47,4 +64,20 @@ pub(crate) fn top_n(values: &[f32], n: usize) -> Vec<TokenLogprob> {
             logprob: values[t as usize],
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_row_scores_the_token_after_it() {
+        let rows = vec![vec![0.0, 2.0f32.ln()], vec![1.0, 1.0]];
+        let s = scored(&rows, &[1, 0], 1);
+        assert_eq!(s.len(), 2);
+        assert!((s[0].logprob - (2.0f32 / 3.0).ln()).abs() < 1e-6);
+        assert_eq!(s[0].top[0].token, 1);
+        assert!((s[1].logprob - 0.5f32.ln()).abs() < 1e-6);
+        assert_eq!(s[1].token, 0);
+    }
 }

@@ -285,6 +285,19 @@ impl Model {
         batch: &mut [SeqInput<'_>],
         layer_done: &mut dyn FnMut(usize, &[SeqInput<'_>]) -> Result<()>,
     ) -> Result<Tensor> {
+        Ok(self.forward_rows(batch, layer_done, &[])?.0)
+    }
+
+    /// `forward_with`, also returning, for each sequence flagged in `every_row`, the logits
+    /// of all its new tokens as `(tokens, vocab)`: what prompt logprobs are read from. The
+    /// first tensor (each sequence's last token) is computed as `forward_with` computes it,
+    /// so the tokens sampled from it do not depend on the flags.
+    pub fn forward_rows(
+        &self,
+        batch: &mut [SeqInput<'_>],
+        layer_done: &mut dyn FnMut(usize, &[SeqInput<'_>]) -> Result<()>,
+        every_row: &[bool],
+    ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
         if batch.is_empty() {
             return Err(EngineError::InvalidInput("empty batch".into()));
         }
@@ -368,9 +381,20 @@ impl Model {
             last_rows.push(row - 1);
             item.cache.commit(item.tokens);
         }
+        let every = spans
+            .iter()
+            .enumerate()
+            .map(|(i, &(row, t))| {
+                if !every_row.get(i).copied().unwrap_or(false) {
+                    return Ok(None);
+                }
+                let rows = candle_nn::ops::rms_norm(&xs.narrow(0, row, t)?, &self.norm, eps)?;
+                Ok(Some(self.lm_head.forward(&rows)?.to_dtype(DType::F32)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let last = xs.index_select(&Tensor::new(last_rows.as_slice(), &self.device)?, 0)?;
         let last = candle_nn::ops::rms_norm(&last, &self.norm, eps)?;
-        Ok(self.lm_head.forward(&last)?.to_dtype(DType::F32)?)
+        Ok((self.lm_head.forward(&last)?.to_dtype(DType::F32)?, every))
     }
 
     /// Causal attention of `t` new rows of one sequence over its cache plus themselves.

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 
 use crate::logprobs::{log_softmax, top_n};
-pub use crate::logprobs::{Sampled, TokenLogprob};
+pub use crate::logprobs::{scored, Sampled, TokenLogprob};
 
 /// The most alternatives one token reports (the API's `top_logprobs` limit); the workers
 /// refuse requests for more, so a request's logprob entries stay bounded.

@@ -123,6 +123,7 @@ impl PrefillService {
             n: (req.n as usize).max(1),
             beam: req.beam_search,
             cache_partition: req.cache_partition,
+            prompt_logprobs: req.prompt_logprobs,
             enqueued,
             span: tracing::Span::current(),
             transfer: tx,
@@ -174,6 +175,11 @@ impl PrefillService {
             cached_tokens: computed.cached_tokens as u32,
             batch_size: computed.batch_size as u32,
             transfer_bytes: ack.bytes,
+            prompt_logprobs: computed
+                .prompt_logprobs
+                .iter()
+                .map(kvwire::convert::token_to_proto)
+                .collect(),
         })
     }
 }

@@ -30,6 +30,9 @@ pub struct Job {
     pub beam: bool,
     /// The prefix-cache partition the prompt may reuse and joins.
     pub cache_partition: Vec<u8>,
+    /// Score every prompt token after the first (echo with logprobs): the prompt is then
+    /// computed whole, since prefix-cache positions have no logits.
+    pub prompt_logprobs: bool,
     pub enqueued: Instant,
     pub span: tracing::Span,
     /// Where the chunks and then the first token go; dropping it without the first token
@@ -46,6 +49,8 @@ pub struct Job {
 pub struct Computed {
     /// One first token per sequence.
     pub first: Vec<Sampled>,
+    /// With `Job::prompt_logprobs`: each prompt token after the first, scored.
+    pub prompt_logprobs: Vec<Sampled>,
     pub queue_wait: Duration,
     pub started: Instant,
     /// When the last message of the transfer (the first tokens) was handed to it.
@@ -82,6 +87,8 @@ struct Active {
     cached: usize,
     /// Positions already on the transfer.
     sent: usize,
+    /// The prompt tokens scored so far (`Job::prompt_logprobs`).
+    scored: Vec<Sampled>,
 }
 
 impl Active {
@@ -169,7 +176,12 @@ impl Worker {
             tracing::debug!("cancelled before it started");
             return;
         }
-        let cache = match self.prefix.lookup(&job.cache_partition, &job.prompt) {
+        let hit = if job.prompt_logprobs {
+            Ok(None)
+        } else {
+            self.prefix.lookup(&job.cache_partition, &job.prompt)
+        };
+        let cache = match hit {
             Ok(Some(hit)) => {
                 tracing::debug!(cached_tokens = hit.tokens, "prefix cache hit");
                 PrefillMetrics::inc(&self.metrics.prefix_hits);
@@ -189,6 +201,7 @@ impl Worker {
                 started: None,
                 cached,
                 sent: 0,
+                scored: Vec::new(),
             }),
             Err(e) => {
                 let _ = job.done.send(Err(e.into()));
@@ -241,6 +254,12 @@ impl Worker {
         // A prompt whose transfer closed (its decode node failed, or the request was
         // cancelled) stops sending; its batch mates go on.
         let mut closed = vec![false; takes.len()];
+        let every_row: Vec<bool> = self
+            .active
+            .iter()
+            .take(takes.len())
+            .map(|a| a.job.prompt_logprobs)
+            .collect();
         let logits = {
             // The transfer also carries what came from the prefix cache: it starts at
             // what was sent, not at what this step computes.
@@ -262,28 +281,39 @@ impl Worker {
                     }
                 })
                 .collect();
-            self.model.forward_with(&mut batch, &mut |layer, seqs| {
-                for (k, s) in seqs.iter().enumerate() {
-                    if closed[k] {
-                        continue;
-                    }
-                    let (tx, sent) = &transfers[k];
-                    let n = s.tokens.len();
-                    let end = s.cache.len() + n;
-                    for start in (*sent..end).step_by(message_tokens) {
-                        let len = message_tokens.min(end - start);
-                        let chunk = s.cache.export_pending(layer, start, len, n)?;
-                        if tx.send(Item::Chunk(chunk)).is_err() {
-                            closed[k] = true;
-                            break;
+            self.model.forward_rows(
+                &mut batch,
+                &mut |layer, seqs| {
+                    for (k, s) in seqs.iter().enumerate() {
+                        if closed[k] {
+                            continue;
+                        }
+                        let (tx, sent) = &transfers[k];
+                        let n = s.tokens.len();
+                        let end = s.cache.len() + n;
+                        for start in (*sent..end).step_by(message_tokens) {
+                            let len = message_tokens.min(end - start);
+                            let chunk = s.cache.export_pending(layer, start, len, n)?;
+                            if tx.send(Item::Chunk(chunk)).is_err() {
+                                closed[k] = true;
+                                break;
+                            }
                         }
                     }
-                }
-                Ok(())
-            })
+                    Ok(())
+                },
+                &every_row,
+            )
         };
         let batch_size = takes.len();
-        let rows = match logits.and_then(|l| l.to_vec2::<f32>().map_err(EngineError::from)) {
+        let rows = logits.and_then(|(last, every)| {
+            let every = every
+                .into_iter()
+                .map(|t| t.map(|t| t.to_vec2::<f32>()).transpose())
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok((last.to_vec2::<f32>()?, every))
+        });
+        let (rows, every) = match rows {
             Ok(rows) => rows,
             Err(e) => {
                 tracing::error!(error = %e, "prefill step failed; failing its prompts");
@@ -308,7 +338,18 @@ impl Worker {
         );
         let stepped: Vec<Active> = self.active.drain(..batch_size).collect();
         let mut kept = Vec::new();
-        for ((mut a, row), closed) in stepped.into_iter().zip(&rows).zip(closed) {
+        for (((mut a, row), closed), every) in stepped.into_iter().zip(&rows).zip(closed).zip(every)
+        {
+            if let Some(every) = every {
+                // Row i of the piece (prompt position from + i) scores the token after it:
+                // the next piece's first token for the last row, nothing for the prompt's
+                // last position (its row gives the first generated token).
+                let from = a.done() - every.len();
+                let prompt = &a.job.prompt;
+                let next = &prompt[from + 1..(from + every.len() + 1).min(prompt.len())];
+                let top = a.job.top_logprobs;
+                a.scored.extend(engine::sampling::scored(&every, next, top));
+            }
             a.sent = a.done();
             if closed {
                 let _ = a.job.done.send(Err(PrefillError::TransferClosed));
@@ -326,7 +367,7 @@ impl Worker {
 
     /// Sends a finished prompt's first tokens, which ends its transfer, answers it, and
     /// keeps its cache in the prefix cache.
-    fn complete(&mut self, a: Active, row: &[f32], batch_size: usize) {
+    fn complete(&mut self, mut a: Active, row: &[f32], batch_size: usize) {
         let _entered = a.job.span.clone().entered();
         let job = &a.job;
         if job.done.is_closed() {
@@ -356,6 +397,7 @@ impl Worker {
                 );
                 Ok(Computed {
                     first,
+                    prompt_logprobs: std::mem::take(&mut a.scored),
                     queue_wait,
                     started,
                     computed_at: Instant::now(),

@@ -39,6 +39,9 @@ pub struct GenRequest {
     pub beam: Option<usize>,
     /// The prefix-cache partition of the request's API key (empty without keys).
     pub cache_partition: Vec<u8>,
+    /// Score every prompt token after the first (echo with logprobs), with `top_logprobs`
+    /// alternatives: a [`Piece::Prompt`] before the tokens.
+    pub prompt_logprobs: bool,
 }
 
 impl GenRequest {
@@ -77,8 +80,13 @@ pub struct TokenStat {
 /// What a generation yields: tokens, and one finish per sequence after its tokens.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
+    /// The log-probability of each prompt token after the first; before any token.
+    Prompt(Vec<proto::v1::Token>),
     Token(TokenStat),
-    Finish { choice: u32, reason: FinishReason },
+    Finish {
+        choice: u32,
+        reason: FinishReason,
+    },
 }
 
 /// Pieces after the first.
@@ -267,6 +275,8 @@ async fn pd_on(
             top_logprobs: req.top_logprobs as u32,
             n: req.reported() as u32,
             beam_width: req.beam_width(),
+            // The prefill node scores the prompt; this node never runs it.
+            prompt_logprobs: false,
         },
     );
     let reported = req.reported();
@@ -333,6 +343,7 @@ async fn pd_on(
             kv_ticket: ticket,
             cache_partition: req.cache_partition.clone(),
             stop_token_ids: req.stop_ids.clone(),
+            prompt_logprobs: req.prompt_logprobs,
         },
     );
     let first = {
@@ -346,7 +357,13 @@ async fn pd_on(
             Failed::on(culprit, RouterError::worker("prefill", &p.addr, s))
         })?
     };
-    let first = first.into_inner();
+    let mut first = first.into_inner();
+    if req.prompt_logprobs {
+        let scored = std::mem::take(&mut first.prompt_logprobs);
+        if tx.send(Ok(Piece::Prompt(scored))).await.is_err() {
+            return Ok(());
+        }
+    }
     if first.first.len() != req.sequences {
         return Err(Failed::on(
             p,
@@ -433,6 +450,7 @@ async fn attempt_colocated(
             top_logprobs: req.top_logprobs as u32,
             n: reported as u32,
             beam_width: req.beam_width(),
+            prompt_logprobs: req.prompt_logprobs,
         },
     );
     let result = async {
@@ -505,6 +523,7 @@ async fn forward(
                     },
                 })
             }
+            Some(Event::Prompt(p)) => Piece::Prompt(p.tokens),
             Some(Event::Finish(f)) => {
                 finished += 1;
                 Piece::Finish {

@@ -21,7 +21,7 @@ use crate::dispatch::{self, GenRequest, Piece, Pieces};
 use crate::error::RouterError;
 use crate::keys::Key;
 use crate::metrics::InFlight;
-use crate::output::{ChoiceOut, Kind, Output, Tally};
+use crate::output::{ChoiceOut, Echo, Kind, Output, Tally};
 use crate::params::{self, ToolChoice};
 use crate::state::AppState;
 use crate::stops::StopStrings;
@@ -56,7 +56,7 @@ pub async fn completions(
 /// Reads a request's body, after its in-flight slot is taken: a body announced over
 /// `--max-body-bytes` is refused before a byte of it is read, a chunked one as soon as its
 /// bytes pass the limit, and one that takes longer than `--body-timeout-ms` gets 408.
-async fn read_body(
+pub(crate) async fn read_body(
     state: &AppState,
     (headers, body): (HeaderMap, Body),
 ) -> Result<Bytes, RouterError> {
@@ -153,6 +153,28 @@ async fn handle(
     response
 }
 
+/// Runs `work` (parsing, templating, tokenizing: work that grows with the body) on the
+/// body: inline when it is small, else on the blocking pool, at most one per CPU at a time,
+/// so that large bodies never stall the threads that serve every connection.
+pub(crate) async fn off_the_io_threads<T: Send + 'static>(
+    state: &Arc<AppState>,
+    body: Bytes,
+    work: impl FnOnce(&AppState, &[u8]) -> Result<T, RouterError> + Send + 'static,
+) -> Result<T, RouterError> {
+    if body.len() <= INLINE_BODY_BYTES {
+        return work(state, &body);
+    }
+    let _turn = state
+        .preparing
+        .acquire()
+        .await
+        .map_err(|_| RouterError::Internal("the router is stopping".into()))?;
+    let (st, span) = (Arc::clone(state), tracing::Span::current());
+    tokio::task::spawn_blocking(move || span.in_scope(|| work(&st, &body)))
+        .await
+        .map_err(|e| RouterError::Internal(format!("preparing the request: {e}")))?
+}
+
 /// The header a client names its request by, echoed on the response and carried to the
 /// nodes' logs.
 const REQUEST_ID_HEADER: &str = "x-request-id";
@@ -188,19 +210,8 @@ async fn run(
         prompt,
         logprobs,
         parser,
-    } = if body.len() <= INLINE_BODY_BYTES {
-        prepare(state, kind, &body)?
-    } else {
-        let _turn = state
-            .preparing
-            .acquire()
-            .await
-            .map_err(|_| RouterError::Internal("the router is stopping".into()))?;
-        let (st, span) = (Arc::clone(state), tracing::Span::current());
-        tokio::task::spawn_blocking(move || span.in_scope(|| prepare(&st, kind, &body)))
-            .await
-            .map_err(|e| RouterError::Internal(format!("preparing the request: {e}")))??
-    };
+        echo,
+    } = off_the_io_threads(state, body, move |st, body| prepare(st, kind, body)).await?;
     if common.stream {
         // Held by the streaming task with the in-flight slot, so both end with the stream.
         in_flight.open_stream(state.cfg.max_streams)?;
@@ -219,6 +230,7 @@ async fn run(
         sampling: common.sampling,
         stop_ids: stop_ids.clone(),
         top_logprobs: logprobs.unwrap_or(0),
+        prompt_logprobs: echo.is_some() && logprobs.is_some(),
         sequences: common.best_of,
         beam: common.beam.then_some(common.n),
         cache_partition: key
@@ -226,6 +238,7 @@ async fn run(
             .map_or_else(Vec::new, |k| k.cache_partition().to_vec()),
     };
     let prompt_tokens = req.prompt.len();
+    let echo = echo.map(|text| Echo::new(text, req.prompt.clone()));
     // Beam search returns its n best hypotheses; sampling all best_of sequences.
     let sequences = req.reported();
     let worst = prompt_tokens + req.max_tokens * req.sequences.max(sequences);
@@ -250,12 +263,21 @@ async fn run(
         logprobs: logprobs.is_some(),
         n: common.n,
         choices: (0..sequences)
-            .map(|_| ChoiceOut::new(common.skip_special_tokens, parser.clone()))
+            .map(|_| {
+                let mut c = ChoiceOut::new(common.skip_special_tokens, parser.clone());
+                if let Some(e) = &echo {
+                    c.content.clone_from(&e.text);
+                }
+                c
+            })
             .collect(),
         tally: Tally::default(),
         first_at,
         hold: None,
         include_usage: common.include_usage,
+        echo: echo
+            .as_ref()
+            .map(|e| Echo::new(e.text.clone(), e.tokens.clone())),
     };
     let first_at = Instant::now();
     state.metrics.ttft.observe(first_at - arrived);
@@ -305,6 +327,8 @@ struct Prepared {
     prompt: Vec<u32>,
     logprobs: Option<usize>,
     parser: Option<Parser>,
+    /// `echo`: the prompt's text, shown before each choice's.
+    echo: Option<String>,
 }
 
 /// Parses and validates a request's body, renders its chat template and tokenizes its
@@ -328,7 +352,7 @@ fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, Router
     if common.model != state.model_name {
         return Err(RouterError::ModelNotFound(common.model));
     }
-    let (text, param, logprobs, parser) = match request {
+    let (text, tokens, param, logprobs, parser, echo) = match request {
         Request::Chat(r) => {
             let chat = params::chat(&r)?;
             let template = state
@@ -339,18 +363,30 @@ fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, Router
             let mut text = text::tools::render(template, &chat.input)
                 .map_err(|e| RouterError::Template(e.to_string()))?;
             let parser = chat_parser(state, &chat.tool_choice, &mut text)?;
-            (text, "messages", chat.logprobs, parser)
+            (text, None, "messages", chat.logprobs, parser, false)
         }
         Request::Completion(r) => {
-            let c = params::completion(&r)?;
-            (c.prompt, "prompt", c.logprobs, None)
+            let c = params::completion(&r, vocab)?;
+            let (text, tokens) = match c.prompt {
+                params::Prompt::Text(t) => (t, None),
+                params::Prompt::Tokens(ids) => {
+                    // Shown by echo and --log-prompts as the model reads it.
+                    let text = state
+                        .text
+                        .tokenizer
+                        .decode(&ids, false)
+                        .map_err(|e| RouterError::param("prompt", e.to_string()))?;
+                    (text, Some(ids))
+                }
+            };
+            (text, tokens, "prompt", c.logprobs, None, c.echo)
         }
     };
     if state.cfg.log_prompts {
         // Inside the request's span, so the line carries its req_id.
         tracing::info!(prompt = ?text, "prompt");
     }
-    if text.len() > state.max_prompt_bytes {
+    if tokens.is_none() && text.len() > state.max_prompt_bytes {
         return Err(RouterError::param(
             param,
             format!(
@@ -360,11 +396,14 @@ fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, Router
             ),
         ));
     }
-    let prompt = state
-        .text
-        .tokenizer
-        .encode(&text)
-        .map_err(|e| RouterError::param(param, e.to_string()))?;
+    let prompt = match tokens {
+        Some(ids) => ids,
+        None => state
+            .text
+            .tokenizer
+            .encode(&text)
+            .map_err(|e| RouterError::param(param, e.to_string()))?,
+    };
     tracing::Span::current().record("prompt_tokens", prompt.len());
     if prompt.len() > state.max_prompt_tokens {
         return Err(RouterError::PromptTooLong {
@@ -378,6 +417,7 @@ fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, Router
         prompt,
         logprobs,
         parser,
+        echo: echo.then_some(text),
     })
 }
 
@@ -421,8 +461,12 @@ fn chat_parser(
 async fn drain(out: &mut Output, first: Piece, mut rest: Pieces) -> Result<(), RouterError> {
     let mut piece = first;
     loop {
-        if let Piece::Token(t) = &piece {
-            out.push(t)?;
+        match &piece {
+            Piece::Token(t) => {
+                out.push(t)?;
+            }
+            Piece::Prompt(scored) => out.scored_prompt(scored)?,
+            Piece::Finish { .. } => {}
         }
         if let Some((choice, reason)) = out.ending(&piece)? {
             out.finish(choice, reason)?;
@@ -502,13 +546,17 @@ async fn pump(
     let head = out.chunk_head();
     let mut piece = first;
     loop {
-        if let Piece::Token(t) = &piece {
-            if let Some(part) = out.push(t)? {
-                if send(out.token_chunk(&head, t.choice, &part)).await.is_err() {
-                    // The client went away; dropping `rest` cancels the generation.
-                    return Ok(());
+        match &piece {
+            Piece::Token(t) => {
+                if let Some(part) = out.push(t)? {
+                    if send(out.token_chunk(&head, t.choice, &part)).await.is_err() {
+                        // The client went away; dropping `rest` cancels the generation.
+                        return Ok(());
+                    }
                 }
             }
+            Piece::Prompt(scored) => out.scored_prompt(scored)?,
+            Piece::Finish { .. } => {}
         }
         if let Some((choice, reason)) = out.ending(&piece)? {
             let rest_text = out.finish(choice, reason)?;

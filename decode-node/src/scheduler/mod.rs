@@ -15,7 +15,9 @@ use std::time::Instant;
 
 use engine::beam::BeamSearch;
 use engine::{EngineError, Model, Sampled, SamplingParams, SeqCache, SeqInput};
-use proto::v1::{generate_event::Event, Finish, FinishReason, GenerateEvent, TokenEvent};
+use proto::v1::{
+    generate_event::Event, Finish, FinishReason, GenerateEvent, PromptLogprobs, TokenEvent,
+};
 use tokio::sync::mpsc;
 use tonic::Status;
 
@@ -24,6 +26,7 @@ use crate::error::DecodeError;
 use crate::metrics::DecodeMetrics;
 
 mod beam;
+mod prefill;
 
 use beam::{ended, BeamGroup, BeamState};
 
@@ -58,6 +61,9 @@ pub struct Admission {
     /// Positions each sequence's cache is allocated with.
     pub positions: usize,
     pub stop_ids: Vec<u32>,
+    /// When this node prefills: score every prompt token after the first, sent as the
+    /// first event.
+    pub prompt_logprobs: bool,
     pub start: Start,
     pub enqueued: Instant,
     pub events: Events,
@@ -318,13 +324,19 @@ impl Scheduler {
                     return;
                 }
                 let started = Instant::now();
-                let (cache, first) = match self.prefill(&a, width, positions) {
+                let (cache, first, scored) = match self.prefill(&a, width, positions) {
                     Ok(r) => r,
                     Err(e) => {
                         tracing::warn!(error = %e, "prefill failed");
                         return self.fail(&a.events, e);
                     }
                 };
+                if a.prompt_logprobs {
+                    let tokens = scored.iter().map(kvwire::convert::token_to_proto).collect();
+                    let _ = a.events.send(Ok(GenerateEvent {
+                        event: Some(Event::Prompt(PromptLogprobs { tokens })),
+                    }));
+                }
                 let ms = started.elapsed().as_secs_f64() * 1e3;
                 let wait = (started - a.enqueued).as_micros() as u64;
                 let events: Vec<TokenEvent> = first
@@ -421,38 +433,6 @@ impl Scheduler {
     fn fail(&self, events: &Events, e: DecodeError) {
         let _ = events.send(Err(e.into()));
         DecodeMetrics::inc(&self.metrics.failures);
-    }
-
-    /// Runs the prompt and picks the first token of each of `n` sequences: samples, or the
-    /// n most likely tokens for a beam search.
-    fn prefill(
-        &self,
-        a: &Admission,
-        n: usize,
-        positions: usize,
-    ) -> Result<(SeqCache, Vec<Sampled>), DecodeError> {
-        if a.prompt.is_empty() {
-            return Err(DecodeError::InvalidRequest("the prompt is empty".into()));
-        }
-        let mut cache = self.model.new_cache()?;
-        cache.reserve_exact(positions)?;
-        let logits = self.model.forward(&mut [SeqInput {
-            tokens: &a.prompt,
-            cache: &mut cache,
-        }])?;
-        let row: Vec<f32> = logits
-            .squeeze(0)
-            .and_then(|t| t.to_vec1())
-            .map_err(EngineError::from)?;
-        let first = engine::sampling::pick_first(
-            &row,
-            &a.sampling,
-            &a.prompt,
-            n,
-            a.top_logprobs,
-            a.beam_width > 0,
-        );
-        Ok((cache, first))
     }
 
     fn step(&mut self) {

@@ -304,3 +304,60 @@ fn layers_stream_out_while_the_prompt_is_computed() {
         cache.export_all(64).unwrap()
     );
 }
+
+/// Every row of a prompt's run scores the token after it as a run that stops there would:
+/// what echo's prompt logprobs are read from. Flags change nothing in the last rows.
+#[test]
+fn every_row_gives_the_logits_of_each_prefix() {
+    let m = model();
+    let full = prompt(12, 9);
+    let other = prompt(5, 2);
+    let (mut a, mut b) = (m.new_cache().unwrap(), m.new_cache().unwrap());
+    let (last, every) = m
+        .forward_rows(
+            &mut [
+                SeqInput {
+                    tokens: &other,
+                    cache: &mut a,
+                },
+                SeqInput {
+                    tokens: &full,
+                    cache: &mut b,
+                },
+            ],
+            &mut |_, _| Ok(()),
+            &[false, true],
+        )
+        .unwrap();
+    assert!(every[0].is_none());
+    let rows: Vec<Vec<f32>> = every[1].as_ref().unwrap().to_vec2().unwrap();
+    assert_eq!(rows.len(), full.len());
+    for (i, row) in rows.iter().enumerate() {
+        let alone = m.logits_for(&full[..=i]).unwrap();
+        let diff = alone
+            .iter()
+            .zip(row)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(diff < 1e-4, "row {i}: max logit difference {diff}");
+    }
+    let plain = m
+        .forward(&mut [
+            SeqInput {
+                tokens: &other,
+                cache: &mut m.new_cache().unwrap(),
+            },
+            SeqInput {
+                tokens: &full,
+                cache: &mut m.new_cache().unwrap(),
+            },
+        ])
+        .unwrap();
+    assert!(
+        plain.to_vec2::<f32>().unwrap() == last.to_vec2::<f32>().unwrap(),
+        "asking for every row changed the last rows"
+    );
+    let scored = engine::sampling::scored(&rows[..full.len() - 1], &full[1..], 2);
+    assert_eq!(scored.len(), full.len() - 1);
+    assert!(scored.iter().all(|s| s.logprob <= 0.0 && s.top.len() == 2));
+}

@@ -12,9 +12,14 @@ use crate::error::RouterError;
 pub struct CompletionRequest {
     #[serde(flatten)]
     pub sampling: Sampling,
-    pub prompt: Param<String>,
+    /// A string, or token ids; either may come as a list of one (how batching clients,
+    /// lm-eval among them, send a single prompt).
+    pub prompt: Param<serde_json::Value>,
     /// Alternatives reported per token, 0 to 5 (an integer here, a boolean in chat).
     pub logprobs: Param<i128>,
+    /// The prompt shown before each choice's text, and with `logprobs` scored token by
+    /// token (the first one unscored).
+    pub echo: Param<bool>,
     /// Fields this API does not know: refused unless harmless (`params::known_fields`).
     #[serde(flatten)]
     pub extra: Obj,
@@ -43,11 +48,13 @@ pub struct Choice<'a> {
 pub struct Logprobs<'a> {
     /// Characters of the choice's text before each token's.
     pub text_offset: Vec<usize>,
-    /// The engine's f32s, shown as their f64.
-    pub token_logprobs: Vec<f64>,
+    /// The engine's f32s, shown as their f64; null for an echoed prompt's first token,
+    /// which nothing before it scores.
+    pub token_logprobs: Vec<Option<f64>>,
     pub tokens: Vec<&'a str>,
-    /// Per token, its alternatives by their text (the sampled one always among them).
-    pub top_logprobs: Vec<Map<String, serde_json::Value>>,
+    /// Per token, its alternatives by their text (the token itself always among them);
+    /// null where `token_logprobs` is.
+    pub top_logprobs: Vec<Option<Map<String, serde_json::Value>>>,
 }
 
 #[cfg(test)]

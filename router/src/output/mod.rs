@@ -3,7 +3,10 @@
 //! per-token figures the usage reports. `render` shows it as the API's responses and
 //! stream chunks.
 
+mod echo;
 mod render;
+
+pub(crate) use echo::Echo;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -222,6 +225,8 @@ pub(crate) struct Output {
     pub(crate) hold: Option<QuotaHold>,
     /// `stream_options.include_usage`: the stream ends with a usage chunk.
     pub(crate) include_usage: bool,
+    /// `echo`: the prompt, shown before each choice's output.
+    pub(crate) echo: Option<Echo>,
 }
 
 impl Drop for Output {
@@ -296,17 +301,24 @@ impl Output {
                 .unwrap_or_default()
         };
         let stops = &self.stops;
+        // Offsets count the echoed prompt too: they index the choice's text as shown.
+        let echoed = self.echo.as_ref().map_or(0, |e| e.chars);
         let choice = &mut self.choices[t.choice as usize];
         choice.cumulative_logprob += f64::from(t.logprob);
         if let Some(mut e) = entry {
-            e.offset = choice.text_chars;
+            e.offset = echoed + choice.text_chars;
             choice.entries.push(e);
         }
         if user_stop {
             choice.stop_reason = Some(StopReason::Token(t.id));
         }
         choice.append(&piece, stops, true);
-        Ok(Some(choice.release(stops, false)))
+        let mut part = choice.release(stops, false);
+        if let Some(echo) = self.echo.as_ref().filter(|_| choice.tokens == 1) {
+            // A stream shows the prompt with the choice's first token.
+            part.content.insert_str(0, &echo.text);
+        }
+        Ok(Some(part))
     }
 
     /// Ends a choice: returns what it still held back.
@@ -344,6 +356,7 @@ impl Output {
     /// or a token whose text matched a stop string.
     pub(crate) fn ending(&self, piece: &Piece) -> Result<Option<(u32, FinishReason)>, RouterError> {
         let (choice, reason, is_finish) = match piece {
+            Piece::Prompt(_) => return Ok(None),
             Piece::Token(t) => (t.choice, FinishReason::Stop, false),
             Piece::Finish { choice, reason } => (*choice, *reason, true),
         };

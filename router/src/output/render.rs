@@ -101,24 +101,55 @@ impl Output {
         })
     }
 
-    /// Completion logprobs of `entries`, when asked for. As vLLM and OpenAI do, the
-    /// sampled token is always among the alternatives.
-    fn text_logprobs<'a>(&self, entries: &'a [LogprobEntry]) -> Option<completions::Logprobs<'a>> {
-        self.logprobs.then(|| completions::Logprobs {
-            text_offset: entries.iter().map(|e| e.offset).collect(),
-            token_logprobs: entries.iter().map(|e| f64::from(e.logprob)).collect(),
-            tokens: entries.iter().map(|e| e.token.text.as_str()).collect(),
-            top_logprobs: entries
-                .iter()
-                .map(|e| {
-                    let mut m = Map::new();
-                    for (t, lp) in &e.top {
-                        m.insert(t.text.clone(), Value::from(f64::from(*lp)));
-                    }
-                    m.entry(e.token.text.clone())
-                        .or_insert(Value::from(f64::from(e.logprob)));
-                    m
-                })
+    /// Completion logprobs of `entries`, when asked for, after the echoed prompt's with
+    /// `echoed`. As vLLM and OpenAI do, the token itself is always among the alternatives.
+    fn text_logprobs<'a>(
+        &'a self,
+        entries: &'a [LogprobEntry],
+        echoed: bool,
+    ) -> Option<completions::Logprobs<'a>> {
+        if !self.logprobs {
+            return None;
+        }
+        let prompt = self
+            .echo
+            .as_ref()
+            .filter(|_| echoed)
+            .and_then(|e| e.scored.as_ref());
+        let (first, scored) = match prompt {
+            Some((first, scored)) => (Some(first), scored.as_slice()),
+            None => (None, &[][..]),
+        };
+        let all = || scored.iter().chain(entries);
+        let alternatives = |e: &LogprobEntry| {
+            let mut m = Map::new();
+            for (t, lp) in &e.top {
+                m.insert(t.text.clone(), Value::from(f64::from(*lp)));
+            }
+            m.entry(e.token.text.clone())
+                .or_insert(Value::from(f64::from(e.logprob)));
+            m
+        };
+        Some(completions::Logprobs {
+            text_offset: first
+                .map(|_| 0)
+                .into_iter()
+                .chain(all().map(|e| e.offset))
+                .collect(),
+            token_logprobs: first
+                .map(|_| None)
+                .into_iter()
+                .chain(all().map(|e| Some(f64::from(e.logprob))))
+                .collect(),
+            tokens: first
+                .map(|f| f.text.as_str())
+                .into_iter()
+                .chain(all().map(|e| e.token.text.as_str()))
+                .collect(),
+            top_logprobs: first
+                .map(|_| None)
+                .into_iter()
+                .chain(all().map(|e| Some(alternatives(e))))
                 .collect(),
         })
     }
@@ -135,7 +166,7 @@ impl Output {
     /// Choice `index` (as shown) of sequence `c` with the logprobs of `entries`: the
     /// whole output, or with `part` a chunk's delta (cumulative content with fullText).
     fn choice<'a>(
-        &self,
+        &'a self,
         index: usize,
         c: &'a ChoiceOut,
         part: Option<&'a Released>,
@@ -148,7 +179,12 @@ impl Output {
             (Kind::Completion, _) => AnyChoice::Text(completions::Choice {
                 index,
                 text: content,
-                logprobs: self.text_logprobs(entries),
+                // All the choice's entries (the whole output, or a stream's first token):
+                // the echoed prompt's come first.
+                logprobs: self.text_logprobs(
+                    entries,
+                    !entries.is_empty() && entries.len() == c.entries.len(),
+                ),
                 stop_reason: finish.and(c.stop_reason.clone()),
                 finish_reason,
             }),

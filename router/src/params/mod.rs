@@ -9,7 +9,7 @@ mod extension_tests;
 mod tests;
 
 pub use chat::{chat, Chat, ToolChoice};
-pub use completion::{completion, Completion};
+pub use completion::{completion, Completion, Prompt};
 
 use serde_json::Value;
 

@@ -20,7 +20,7 @@ fn chat(o: &Obj) -> Result<Chat, RouterError> {
 
 /// The checks of [`super::completion`], on a body.
 fn completion(o: &Obj) -> Result<Completion, RouterError> {
-    super::completion(&CompletionRequest::from_object(o.clone())?)
+    super::completion(&CompletionRequest::from_object(o.clone())?, 1000)
 }
 
 fn obj(v: Value) -> Obj {

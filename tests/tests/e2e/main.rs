@@ -6,6 +6,7 @@ mod beam;
 mod bounds;
 mod cluster;
 mod conformance;
+mod echo;
 mod errors;
 mod failures;
 mod fuzz;

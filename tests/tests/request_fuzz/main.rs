@@ -112,10 +112,18 @@ fn validate(path: &str, bytes: &[u8], vocab: usize) -> Verdict {
             Err(e) => return refused(e),
         }
     } else if let Some(r) = &completion {
-        match params::completion(r) {
+        match params::completion(r, vocab) {
             Ok(c) => {
-                assert!(!c.prompt.is_empty(), "an empty prompt accepted");
-                assert!(c.prompt.chars().count() <= MAX_CONTENT_CHARS);
+                match &c.prompt {
+                    params::Prompt::Text(t) => {
+                        assert!(!t.is_empty(), "an empty prompt accepted");
+                        assert!(t.chars().count() <= MAX_CONTENT_CHARS);
+                    }
+                    params::Prompt::Tokens(ids) => {
+                        assert!(!ids.is_empty(), "an empty prompt accepted");
+                        assert!(ids.iter().all(|&t| (t as usize) < vocab), "{ids:?}");
+                    }
+                }
                 assert!(c.logprobs.is_none_or(|k| k <= 5), "{:?}", c.logprobs);
             }
             Err(e) => return refused(e),
