@@ -17,6 +17,7 @@ pub mod pool;
 pub mod routing;
 pub mod state;
 pub mod stops;
+pub mod tokenize;
 pub mod worker;
 
 use std::future::Future;
@@ -41,6 +42,9 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(openai::chat))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
+        .route("/tokenizer_info", get(tokenize::tokenizer_info))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
             authorize,

@@ -9,6 +9,7 @@ field the seeds define.
 import argparse
 import json
 
+import httpx
 import openai
 
 
@@ -115,6 +116,27 @@ def main() -> None:
         raise AssertionError("a logit_bias key that is no token id must be refused")
     except openai.BadRequestError as e:
         assert e.body["param"] == "logit_bias", e.body
+
+    # echo with prompt logprobs, and a prompt as token ids (what lm-eval sends).
+    echoed = client.completions.create(
+        model=args.model, prompt="Once upon a time", max_tokens=8, temperature=0,
+        echo=True, logprobs=1,
+    )
+    lp = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == "Once upon a time" + text.choices[0].text, echoed
+    n_prompt = echoed.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + echoed.usage.completion_tokens, lp
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp
+    assert all(x <= 0 for x in lp.token_logprobs[1:]), lp
+    ids = httpx.post(
+        args.base_url.removesuffix("/v1") + "/tokenize",
+        json={"model": args.model, "prompt": "Once upon a time"}, timeout=60,
+    ).json()["tokens"]
+    assert len(ids) == n_prompt, ids
+    by_ids = client.completions.create(
+        model=args.model, prompt=ids, max_tokens=8, temperature=0, echo=True, logprobs=1,
+    )
+    assert by_ids.choices[0].logprobs.token_logprobs == lp.token_logprobs, by_ids
 
     # Unknown parameters: refused by name, unless on the documented harmless list.
     try:

@@ -21,6 +21,7 @@ pub mod completions;
 pub mod error;
 pub mod health;
 pub mod models;
+pub mod tokenize;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize};
@@ -66,6 +67,10 @@ impl Described for i128 {
 
 impl Described for bool {
     const WHAT: &'static str = "a boolean";
+}
+
+impl Described for String {
+    const WHAT: &'static str = "a string";
 }
 
 impl<T> Param<T> {

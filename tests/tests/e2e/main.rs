@@ -23,6 +23,7 @@ mod prefill;
 mod request_ids;
 mod security;
 mod streaming;
+mod tokenize;
 mod tools;
 mod transport;
 mod usage;

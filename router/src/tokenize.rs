@@ -1,0 +1,179 @@
+//! `POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info`, shaped like vLLM's: a
+//! prompt counts here exactly as /v1/completions and /v1/chat/completions run it.
+
+use std::sync::Arc;
+
+use crate::api::tokenize::{
+    DetokenizeRequest, Detokenized, TokenizeRequest, Tokenized, TokenizerInfo,
+};
+use crate::api::{self, chat::ChatRequest, Param};
+use crate::error::RouterError;
+use crate::openai::{off_the_io_threads, read_body};
+use crate::params;
+use crate::state::AppState;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+/// The served model's name, when a request gives one.
+fn same_model(state: &AppState, model: &Param<String>) -> Result<(), RouterError> {
+    match model.value("model")? {
+        Some(m) if *m != state.model_name => Err(RouterError::ModelNotFound(m.clone())),
+        _ => Ok(()),
+    }
+}
+
+/// A tokenize body's tokens and, when asked for, their vocabulary strings.
+fn tokenize_body(state: &AppState, body: &[u8]) -> Result<(Vec<u32>, bool), RouterError> {
+    let r = TokenizeRequest::from_object(api::object(body)?)?;
+    params::known_fields(&r.extra, "")?;
+    same_model(state, &r.model)?;
+    r.add_special_tokens.value("add_special_tokens")?;
+    let strs = r.return_token_strs.value("return_token_strs")?.copied() == Some(true);
+    let text = match (&r.prompt, &r.messages) {
+        (Param::Absent | Param::Null, Param::Absent | Param::Null) => {
+            return Err(RouterError::param(
+                "prompt",
+                "prompt or messages is required",
+            ))
+        }
+        (p, Param::Absent | Param::Null) => {
+            let p = p.value("prompt")?.cloned().unwrap_or_default();
+            if p.chars().count() > params::MAX_CONTENT_CHARS {
+                return Err(RouterError::param(
+                    "prompt",
+                    format!(
+                        "prompt is longer than {} characters",
+                        params::MAX_CONTENT_CHARS
+                    ),
+                ));
+            }
+            p
+        }
+        (Param::Absent | Param::Null, _) => {
+            let chat = params::chat(&ChatRequest {
+                messages: r.messages.clone(),
+                tools: r.tools.clone(),
+                chat_template_kwargs: r.chat_template_kwargs.clone(),
+                ..ChatRequest::default()
+            })?;
+            let mut input = chat.input;
+            input.add_generation_prompt = r
+                .add_generation_prompt
+                .value("add_generation_prompt")?
+                .copied()
+                .unwrap_or(true);
+            let template = state
+                .text
+                .template
+                .as_ref()
+                .ok_or(RouterError::NoChatTemplate)?;
+            text::tools::render(template, &input)
+                .map_err(|e| RouterError::Template(e.to_string()))?
+        }
+        _ => {
+            return Err(RouterError::param(
+                "messages",
+                "send prompt or messages, not both",
+            ))
+        }
+    };
+    let tokens = state
+        .text
+        .tokenizer
+        .encode(&text)
+        .map_err(|e| RouterError::param("prompt", e.to_string()))?;
+    Ok((tokens, strs))
+}
+
+/// `POST /tokenize`: `{"prompt"}` or `{"messages"}` to `{"count", "max_model_len",
+/// "tokens", "token_strs"}`.
+pub async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let result = async {
+        let body = read_body(&state, (headers, body)).await?;
+        let (tokens, strs) = off_the_io_threads(&state, body, tokenize_body).await?;
+        let tokenizer = &state.text.tokenizer;
+        Ok::<_, RouterError>(
+            Json(Tokenized {
+                count: tokens.len(),
+                max_model_len: state.max_seq_len,
+                token_strs: strs.then(|| {
+                    tokens
+                        .iter()
+                        .map(|&t| tokenizer.id_token(t).unwrap_or_default())
+                        .collect()
+                }),
+                tokens: &tokens,
+            })
+            .into_response(),
+        )
+    };
+    result.await.unwrap_or_else(|e| state.error_response(e))
+}
+
+/// A detokenize body's text.
+fn detokenize_body(state: &AppState, body: &[u8]) -> Result<String, RouterError> {
+    let r = DetokenizeRequest::from_object(api::object(body)?)?;
+    params::known_fields(&r.extra, "")?;
+    same_model(state, &r.model)?;
+    let vocab = state.text.config.vocab_size;
+    let bad = || {
+        RouterError::param(
+            "tokens",
+            format!("tokens must be a list of token ids in [0, {vocab})"),
+        )
+    };
+    let ids = match &r.tokens {
+        Param::Valid(ids) => ids
+            .iter()
+            .map(|v| {
+                v.as_u64()
+                    .filter(|&t| t < vocab as u64)
+                    .map(|t| t as u32)
+                    .ok_or_else(bad)
+            })
+            .collect::<Result<Vec<u32>, _>>()?,
+        Param::Absent => return Err(RouterError::param("tokens", "tokens is required")),
+        Param::Null | Param::Invalid => return Err(bad()),
+    };
+    state
+        .text
+        .tokenizer
+        .decode(&ids, false)
+        .map_err(|e| RouterError::param("tokens", e.to_string()))
+}
+
+/// `POST /detokenize`: `{"tokens"}` to `{"prompt"}`, special tokens written out.
+pub async fn detokenize(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let result = async {
+        let body = read_body(&state, (headers, body)).await?;
+        let prompt = off_the_io_threads(&state, body, detokenize_body).await?;
+        Ok::<_, RouterError>(Json(Detokenized { prompt }).into_response())
+    };
+    result.await.unwrap_or_else(|e| state.error_response(e))
+}
+
+/// `GET /tokenizer_info`.
+pub async fn tokenizer_info(State(state): State<Arc<AppState>>) -> Response {
+    let text = &state.text;
+    let name = |id: Option<u32>| id.and_then(|t| text.tokenizer.id_token(t));
+    Json(TokenizerInfo {
+        tokenizer_class: "PreTrainedTokenizerFast",
+        bos_token: name(text.config.bos_token_id),
+        eos_token: name(text.config.eos_token_ids.first().copied()),
+        pad_token: None,
+        chat_template: text.template.as_ref().map(|t| t.source()),
+        model_max_length: state.max_seq_len,
+    })
+    .into_response()
+}

@@ -1,0 +1,105 @@
+//! `/tokenize`, `/detokenize` and `/tokenizer_info` in vLLM's shapes: a prompt counts as
+//! the completion endpoints run it, and bad input gets an error naming the parameter.
+
+use e2e::{smollm2, Cluster, Mode};
+use serde_json::{json, Value};
+
+#[tokio::test]
+async fn tokenize_counts_what_the_endpoints_run() {
+    let c = Cluster::start(Mode::Pd, &smollm2(), &[]).await;
+    let prompt = "The capital of France is";
+    let (status, t) = c
+        .post(
+            "/tokenize",
+            &json!({"model": c.model_name, "prompt": prompt, "return_token_strs": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{t}");
+    let tokens: Vec<u64> = t["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(t["count"], tokens.len());
+    assert!(t["max_model_len"].as_u64().unwrap() > 0);
+    assert_eq!(t["token_strs"].as_array().unwrap().len(), tokens.len());
+    let (_, done) = c
+        .post(
+            "/v1/completions",
+            &json!({"model": c.model_name, "prompt": prompt, "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(done["usage"]["prompt_tokens"], tokens.len());
+    let (status, d) = c.post("/detokenize", &json!({"tokens": tokens})).await;
+    assert_eq!(status, 200, "{d}");
+    assert_eq!(d["prompt"], prompt);
+
+    // Messages go through the chat template, as /v1/chat/completions renders them.
+    let messages = json!([{"role": "user", "content": "Hello"}]);
+    let (status, chat) = c.post("/tokenize", &json!({"messages": messages})).await;
+    assert_eq!(status, 200, "{chat}");
+    let (_, answered) = c
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": c.model_name, "messages": messages, "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(answered["usage"]["prompt_tokens"], chat["count"]);
+    let (_, open) = c
+        .post(
+            "/tokenize",
+            &json!({"messages": messages, "add_generation_prompt": false}),
+        )
+        .await;
+    assert!(
+        open["count"].as_u64() < chat["count"].as_u64(),
+        "{open} {chat}"
+    );
+
+    let info: Value = c
+        .client
+        .get(format!("{}/tokenizer_info", c.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info["eos_token"], "<|im_end|>");
+    assert!(info["chat_template"].as_str().unwrap().contains("im_start"));
+
+    for (path, body, param) in [
+        ("/tokenize", json!({}), "prompt"),
+        ("/tokenize", json!({"prompt": 5}), "prompt"),
+        (
+            "/tokenize",
+            json!({"prompt": "x", "messages": messages}),
+            "messages",
+        ),
+        (
+            "/tokenize",
+            json!({"prompt": "x", "model": "other"}),
+            "model",
+        ),
+        (
+            "/tokenize",
+            json!({"prompt": "x", "frobnicate": 1}),
+            "frobnicate",
+        ),
+        ("/detokenize", json!({"tokens": [1, -1]}), "tokens"),
+        ("/detokenize", json!({"tokens": [99999999]}), "tokens"),
+        ("/detokenize", json!({}), "tokens"),
+    ] {
+        let (status, v) = c.post(path, &body).await;
+        assert!(
+            status == 400 || status == 404,
+            "{path} {body}: {status} {v}"
+        );
+        assert_eq!(
+            v["error"]["param"],
+            Value::from(param),
+            "{path} {body}: {v}"
+        );
+    }
+}
