@@ -32,6 +32,8 @@ pub enum RouterError {
     UnknownParam(String),
     #[error("the model `{0}` does not exist")]
     ModelNotFound(String),
+    #[error("no route for {0}")]
+    NoRoute(String),
     #[error("the prompt has {got} tokens, the limit is {limit}")]
     PromptTooLong {
         param: &'static str,
@@ -139,7 +141,7 @@ impl RouterError {
             | Template(_) => StatusCode::BAD_REQUEST,
             BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
-            ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ModelNotFound(_) | NoRoute(_) => StatusCode::NOT_FOUND,
             NoWorkers(_) | WorkerUnavailable { .. } | WorkerBusy { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -169,7 +171,10 @@ impl RouterError {
                     QuotaExceeded { .. } | QuotaTooSmall { .. } => 701,
                     MissingApiKey => 702,
                     BadApiKey => 801,
-                    Timeout(_) => 802,
+                    // 802 "Request timeout": the router's deadline, a body that never
+                    // came, or a worker's deadline.
+                    Timeout(_) | BodyTimeout(_) => 802,
+                    Worker { status, .. } if status.code() == tonic::Code::DeadlineExceeded => 802,
                     _ => 9999,
                 };
                 ErrorBody::Provider {
@@ -223,6 +228,7 @@ impl RouterError {
         let status = self.http_status();
         let (kind, code) = match self {
             ModelNotFound(_) => ("invalid_request_error", Some("model_not_found")),
+            NoRoute(_) => ("invalid_request_error", Some("not_found")),
             MissingApiKey | BadApiKey => ("authentication_error", Some("invalid_api_key")),
             // OpenAI's answer for a spent quota.
             QuotaExceeded { .. } | QuotaTooSmall { .. } => {
@@ -280,6 +286,21 @@ impl IntoResponse for RouterError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Seed 003's code table: "802 | Request timeout", and 9999 for the rest.
+    #[test]
+    fn every_timeout_is_802_in_the_provider_format() {
+        let code = |e: RouterError| match e.body_in(ErrorFormat::Provider) {
+            ErrorBody::Provider { code, .. } => code,
+            other => panic!("{other:?}"),
+        };
+        let late = tonic::Status::deadline_exceeded("the KV cache did not arrive");
+        assert_eq!(code(RouterError::worker("decode", "10.0.0.1:1", late)), 802);
+        assert_eq!(code(RouterError::Timeout(5)), 802);
+        assert_eq!(code(RouterError::BodyTimeout(5)), 802);
+        assert_eq!(code(RouterError::NoRoute("/v2/x".into())), 9999);
+        assert_eq!(RouterError::NoRoute("/v2/x".into()).http_status(), 404);
+    }
 
     #[test]
     fn error_bodies_keep_the_cluster_s_addresses_to_the_log() {

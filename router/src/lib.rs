@@ -123,16 +123,8 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     ([("content-type", "text/plain; version=0.0.4")], page).into_response()
 }
 
-async fn not_found(uri: axum::http::Uri) -> Response {
-    let body = api::error::ErrorBody::Openai {
-        error: api::error::ErrorObject {
-            message: format!("no route for {}", uri.path()),
-            kind: "invalid_request_error",
-            param: None,
-            code: Some("not_found"),
-        },
-    };
-    (StatusCode::NOT_FOUND, Json(body)).into_response()
+async fn not_found(State(state): State<Arc<AppState>>, uri: axum::http::Uri) -> Response {
+    state.error_response(RouterError::NoRoute(uri.path().to_string()))
 }
 
 /// Why the router could not start or stopped serving.

@@ -151,4 +151,9 @@ async fn provider_error_format_uses_the_003_codes() {
         assert!(v["result"].is_null() && v["message"].is_string(), "{v}");
         assert!(v.get("error").is_none());
     }
+    // An unknown route is answered in the provider's shape too (003 lists no code for it).
+    let (got, v) = ask(&c, "/v2/nothing", Some("k"), &hello()).await;
+    assert_eq!(got, 404, "{v}");
+    assert_eq!(v["code"], 9999, "{v}");
+    assert!(v["result"].is_null() && v["message"].is_string(), "{v}");
 }
