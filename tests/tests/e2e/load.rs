@@ -349,19 +349,32 @@ async fn a_key_at_its_in_flight_limit_gets_429_and_its_streams_finish() {
 
 #[tokio::test]
 async fn past_its_in_flight_limit_the_router_refuses_at_once() {
+    use tokio::io::AsyncWriteExt;
+
     let c = Cluster::start(Mode::Pd, &tiny_model(), &["--max-in-flight", "2"]).await;
-    let client = reqwest::Client::new();
+    let host = c.url.trim_start_matches("http://").to_string();
+    // Two requests whose bodies never finish arriving hold both slots (a slot is taken
+    // before the body is read) for as long as their connections stay open. Streams would
+    // hold them only while they run, and a fast model can finish one before the third
+    // request arrives.
     let mut held = Vec::new();
-    for i in 0..2 {
-        let resp = client
-            .post(format!("{}/v1/completions", c.url))
-            .json(&request(i, 1, 300, true))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
-        held.push(resp);
+    for _ in 0..2 {
+        let mut conn = tokio::net::TcpStream::connect(&host).await.unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{{"
+        );
+        conn.write_all(head.as_bytes()).await.unwrap();
+        held.push(conn);
     }
+    wait_metric(
+        &host,
+        "router_requests_in_flight",
+        "",
+        2.0,
+        Duration::from_secs(30),
+    )
+    .await;
+    let client = reqwest::Client::new();
     let refused = client
         .post(format!("{}/v1/completions", c.url))
         .json(&request(9, 1, 4, false))
@@ -376,9 +389,15 @@ async fn past_its_in_flight_limit_the_router_refuses_at_once() {
         Some(1.0),
         "{page}"
     );
-    for mut resp in held {
-        while resp.chunk().await.unwrap().is_some() {}
-    }
+    drop(held);
+    wait_metric(
+        &host,
+        "router_requests_in_flight",
+        "",
+        0.0,
+        Duration::from_secs(30),
+    )
+    .await;
     // With the slots free again, requests are served.
     let (status, _) = c.post("/v1/completions", &request(10, 1, 4, false)).await;
     assert_eq!(status, 200);
