@@ -49,6 +49,7 @@ async fn every_seed_example_request_is_accepted_as_written() {
     let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
     let requests = seed_requests();
     assert_eq!(requests.len(), 19, "the documents show 19 example requests");
+    let mut media = 0;
     for (i, (doc, mut body)) in requests.into_iter().enumerate() {
         let ctx = format!("example {i} of {doc}");
         body["model"] = Value::from(c.model_name.as_str());
@@ -64,6 +65,7 @@ async fn every_seed_example_request_is_accepted_as_written() {
             assert_eq!(v["error"]["param"], "messages", "{ctx}: {v}");
             let message = v["error"]["message"].as_str().unwrap();
             assert!(message.contains("image_url"), "{ctx}: {message}");
+            media += 1;
             continue;
         }
         let choices = body["n"].as_u64().unwrap_or(1) as usize;
@@ -112,4 +114,6 @@ async fn every_seed_example_request_is_accepted_as_written() {
             assert_eq!(decode.len(), completion - choices, "{ctx}: {v}");
         }
     }
+    // 000, 001, 003 and 004 each show one "Multimodal model" request with an image_url part.
+    assert_eq!(media, 4, "the documents show four multimodal requests");
 }
