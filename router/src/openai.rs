@@ -204,6 +204,9 @@ async fn run(
     mut in_flight: InFlight,
 ) -> Result<Response, RouterError> {
     let arrived = Instant::now();
+    // Seed 001: `created` is "推理请求时间戳，精确到秒" (the inference request's timestamp, to
+    // the second), so it is taken on arrival, not when the first token comes.
+    let created = unix_now();
     let body = read_body(state, body).await?;
     let Prepared {
         common,
@@ -251,7 +254,7 @@ async fn run(
         state: Arc::clone(state),
         kind,
         id: id.clone(),
-        created: unix_now(),
+        created,
         prompt_tokens,
         stop_ids: stop_ids.clone(),
         user_stop_ids: common.stop_token_ids.clone(),

@@ -32,6 +32,12 @@ impl StopStrings {
         }
     }
 
+    /// Whether what stopped the output (a stop string, or one of the request's own stop
+    /// tokens) is kept in it.
+    pub fn include(&self) -> bool {
+        self.include
+    }
+
     /// Tokens of a choice that no stop string ends.
     pub fn min_tokens(&self) -> usize {
         self.min_tokens

@@ -46,12 +46,12 @@ pub struct Choice<'a> {
     pub finish_reason: Option<&'static str>,
 }
 
-/// The assistant's message. OpenAI's shape: a message that only calls tools has null
-/// content.
+/// The assistant's message. A message that only calls tools has empty content, as seed
+/// 001 shows it (OpenAI writes null).
 #[derive(Debug, Serialize)]
 pub struct Message<'a> {
     pub role: &'static str,
-    pub content: Option<&'a str>,
+    pub content: &'a str,
     pub tool_calls: Vec<ToolCall<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<&'a str>,

@@ -288,8 +288,12 @@ impl Output {
         });
         let is_stop = self.stop_ids.contains(&t.id);
         let user_stop = self.user_stop_ids.contains(&t.id);
-        let piece = if is_stop {
-            // A stop token ends the output and is not part of its text.
+        // A stop token ends the output and is not part of its text, unless it is one of the
+        // request's stop_token_ids and include_stop_str_in_output asks to keep it (seed 000:
+        // "By default, the output does not contain the token ID in the list for stopping
+        // inference"; include_stop_str_in_output is ignored "if stop or stop_token_ids is not
+        // passed").
+        let piece = if is_stop && !(user_stop && self.stops.include()) {
             String::new()
         } else {
             let tokenizer = &self.state.text.tokenizer;

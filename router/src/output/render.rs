@@ -102,11 +102,13 @@ impl Output {
     }
 
     /// Completion logprobs of `entries`, when asked for, after the echoed prompt's with
-    /// `echoed`. As vLLM and OpenAI do, the token itself is always among the alternatives.
+    /// `echoed`, their offsets from `base`. As vLLM and OpenAI do, the token itself is
+    /// always among the alternatives.
     fn text_logprobs<'a>(
         &'a self,
         entries: &'a [LogprobEntry],
         echoed: bool,
+        base: usize,
     ) -> Option<completions::Logprobs<'a>> {
         if !self.logprobs {
             return None;
@@ -132,9 +134,9 @@ impl Output {
         };
         Some(completions::Logprobs {
             text_offset: first
-                .map(|_| 0)
+                .map(|_| base)
                 .into_iter()
-                .chain(all().map(|e| e.offset))
+                .chain(all().map(|e| base + e.offset))
                 .collect(),
             token_logprobs: first
                 .map(|_| None)
@@ -163,14 +165,15 @@ impl Output {
         }
     }
 
-    /// Choice `index` (as shown) of sequence `c` with the logprobs of `entries`: the
-    /// whole output, or with `part` a chunk's delta (cumulative content with fullText).
+    /// Choice `index` (as shown) of sequence `c` with the logprobs of `entries`, their text
+    /// offsets from `base`: the whole output, or with `part` a chunk's delta (cumulative
+    /// content with fullText).
     fn choice<'a>(
         &'a self,
         index: usize,
         c: &'a ChoiceOut,
         part: Option<&'a Released>,
-        entries: &'a [LogprobEntry],
+        (entries, base): (&'a [LogprobEntry], usize),
         finish: Option<FinishReason>,
     ) -> AnyChoice<'a> {
         let finish_reason = finish.map(|f| finish_str(f, !c.calls.is_empty()));
@@ -184,6 +187,7 @@ impl Output {
                 logprobs: self.text_logprobs(
                     entries,
                     !entries.is_empty() && entries.len() == c.entries.len(),
+                    base,
                 ),
                 stop_reason: finish.and(c.stop_reason.clone()),
                 finish_reason,
@@ -192,7 +196,8 @@ impl Output {
                 index,
                 message: chat::Message {
                     role: "assistant",
-                    content: (!content.is_empty() || c.calls.is_empty()).then_some(content),
+                    // Seed 001 shows a message that only calls tools with `"content": ""`.
+                    content,
                     tool_calls: tool_calls(&c.calls, None),
                     reasoning_content: (!c.reasoning.is_empty()).then_some(c.reasoning.as_str()),
                 },
@@ -228,7 +233,13 @@ impl Output {
     pub(crate) fn token_chunk(&self, head: &str, choice: u32, part: &Released) -> String {
         let c = &self.choices[choice as usize];
         let newest = c.entries.len().saturating_sub(1);
-        let shown = self.choice(choice as usize, c, Some(part), &c.entries[newest..], None);
+        let shown = self.choice(
+            choice as usize,
+            c,
+            Some(part),
+            (&c.entries[newest..], 0),
+            None,
+        );
         let mut out = Vec::with_capacity(head.len() + 128);
         out.extend_from_slice(head.as_bytes());
         serde_json::to_writer(&mut out, &shown).expect("a choice serializes");
@@ -248,7 +259,7 @@ impl Output {
                 .full_text_enabled
                 .then_some(c.content.as_str()),
             usage: self.all_finished().then(|| self.usage()),
-            choices: vec![self.choice(choice as usize, c, Some(rest), &[], c.finish)],
+            choices: vec![self.choice(choice as usize, c, Some(rest), (&[], 0), c.finish)],
         };
         serde_json::to_string(&chunk).expect("a chunk serializes")
     }
@@ -266,6 +277,19 @@ impl Output {
         serde_json::to_string(&chunk).expect("a chunk serializes")
     }
 
+    /// Where each shown choice's `text_offset`s start: seed 002's responses continue them
+    /// from one choice to the next (its second choice's offsets start at the length of the
+    /// first one's text), so each starts after the texts of the choices shown before it.
+    fn offset_bases(&self, shown: impl Iterator<Item = usize>) -> Vec<usize> {
+        shown
+            .scan(0, |base, i| {
+                let start = *base;
+                *base += self.choices[i].content.chars().count();
+                Some(start)
+            })
+            .collect()
+    }
+
     /// One chunk with every choice whole, and the usage.
     pub(crate) fn whole_chunk(&self) -> String {
         let whole: Vec<Released> = self
@@ -277,16 +301,26 @@ impl Output {
                 calls: 0..c.calls.len(),
             })
             .collect();
+        let bases = self.offset_bases(0..self.choices.len());
         let chunk = Chunk {
             head: self.head(true),
-            full_text: None,
+            // The best hypothesis's, as the last chunk of any stream carries its choice's.
+            full_text: self
+                .state
+                .cfg
+                .full_text_enabled
+                .then(|| self.choices.first().map(|c| c.content.as_str()))
+                .flatten(),
             usage: Some(self.usage()),
             choices: self
                 .choices
                 .iter()
                 .zip(&whole)
+                .zip(bases)
                 .enumerate()
-                .map(|(index, (c, w))| self.choice(index, c, Some(w), &c.entries, c.finish))
+                .map(|(index, ((c, w), base))| {
+                    self.choice(index, c, Some(w), (&c.entries, base), c.finish)
+                })
                 .collect(),
         };
         serde_json::to_string(&chunk).expect("a chunk serializes")
@@ -304,14 +338,16 @@ impl Output {
             });
             order.truncate(self.n);
         }
+        let bases = self.offset_bases(order.iter().copied());
         Whole {
             head: self.head(false),
             choices: order
                 .iter()
+                .zip(bases)
                 .enumerate()
-                .map(|(index, &i)| {
+                .map(|(index, (&i, base))| {
                     let c = &self.choices[i];
-                    self.choice(index, c, None, &c.entries, c.finish)
+                    self.choice(index, c, None, (&c.entries, base), c.finish)
                 })
                 .collect(),
             usage: self.usage(),

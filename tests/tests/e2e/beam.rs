@@ -131,6 +131,23 @@ async fn the_seed_002_streamed_beam_search_example_as_written() {
     let usage = &chunk["usage"];
     assert_eq!(usage["completion_tokens"], 10);
     assert_eq!(usage["batch_size"].as_array().unwrap().len(), 10);
+    // 002's text_offset continues across choices: the second starts after the first's text.
+    let first_len = texts(chunk)[0].chars().count();
+    assert_eq!(
+        chunk["choices"][1]["logprobs"]["text_offset"][0].as_u64(),
+        Some(first_len as u64)
+    );
+    assert!(
+        chunk.get("full_text").is_none(),
+        "only with fullTextEnabled"
+    );
+
+    // With fullTextEnabled the last chunk carries full_text (001: "全量文本结果,配置项
+    // fullTextEnabled=true时才有此返回值"): for a beam search, the best hypothesis's.
+    let full = Cluster::start(Mode::Pd, &tiny_model(), &["--full-text-enabled"]).await;
+    let (_, data) = full.post_sse("/v1/completions", &body).await;
+    let chunk = &sse_chunks(&data)[0];
+    assert_eq!(chunk["full_text"], texts(chunk)[0].as_str(), "{chunk}");
 
     // Beam search refuses stop strings, as the seeds say.
     let mut stop = body.clone();

@@ -126,6 +126,19 @@ async fn stop_token_ids_end_generation_under_pd() {
         text(&v),
         loaded.tokenizer.decode(&tokens[..k], true).unwrap()
     );
+    // Seed 000: "By default, the output does not contain the token ID in the list for
+    // stopping inference"; include_stop_str_in_output keeps it.
+    let (_, kept) = c
+        .post(
+            "/v1/completions",
+            &completion(json!({"stop_token_ids": [tokens[k]], "include_stop_str_in_output": true})),
+        )
+        .await;
+    assert_eq!(
+        text(&kept),
+        loaded.tokenizer.decode(&tokens[..=k], true).unwrap()
+    );
+    assert_eq!(kept["choices"][0]["stop_reason"], tokens[k]);
 }
 
 fn completion_logprobs(v: &Value) -> (Vec<f64>, Vec<Value>, Vec<u64>) {
@@ -347,4 +360,23 @@ async fn streamed_chat_with_n_two() {
             whole["choices"][i]["message"]["content"].as_str().unwrap()
         );
     }
+}
+
+/// Seed 002's response with n = 2 continues `text_offset` across choices: choice 0's text
+/// "? who am I?" has offsets [0, 1, 5, 8, 10] and choice 1's start at 11.
+#[tokio::test]
+async fn text_offsets_continue_from_one_choice_to_the_next() {
+    let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+    let body = completion(json!({"n": 2, "temperature": 1, "seed": 5, "logprobs": 1,
+        "max_tokens": 5}));
+    let (status, v) = c.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    let first_len = choices[0]["text"].as_str().unwrap().chars().count();
+    assert_eq!(choices[0]["logprobs"]["text_offset"][0], 0, "{v}");
+    assert_eq!(
+        choices[1]["logprobs"]["text_offset"][0].as_u64(),
+        Some(first_len as u64),
+        "{v}"
+    );
 }
