@@ -18,7 +18,7 @@ use tracing::Instrument;
 
 use crate::api;
 use crate::dispatch::{self, GenRequest, Piece, Pieces};
-use crate::error::RouterError;
+use crate::error::{ErrorFormat, RouterError};
 use crate::keys::Key;
 use crate::metrics::InFlight;
 use crate::output::{ChoiceOut, Echo, Kind, Output, Tally};
@@ -520,15 +520,22 @@ async fn next(rest: &mut Pieces) -> Result<Piece, RouterError> {
 /// Streams the generation as SSE: one chunk per token, a chunk that ends each choice (the
 /// last one with the usage), then `[DONE]`. An error after the first token becomes an
 /// error event.
-fn stream(out: Output, first: Piece, rest: Pieces, in_flight: InFlight) -> Response {
+fn stream(mut out: Output, first: Piece, rest: Pieces, in_flight: InFlight) -> Response {
     let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(64);
     let format = out.state.cfg.error_format;
     tokio::spawn(
         async move {
             let _in_flight = in_flight;
-            let ended = pump(out, first, rest, &tx).await;
+            let ended = pump(&mut out, first, rest, &tx).await;
             if let Err(e) = ended {
                 tracing::warn!(error = %e, "stream failed after its first token");
+                if format == ErrorFormat::Provider {
+                    // The provider's clients read a cut stream the seeds' way: each open
+                    // choice ends (stop, no output) with err_msg.
+                    for chunk in out.error_chunks(&e.public_message()) {
+                        let _ = tx.send(Ok(Event::default().data(chunk))).await;
+                    }
+                }
                 let body = e.body_in(format).to_json();
                 let _ = tx.send(Ok(Event::default().data(body))).await;
             }
@@ -540,7 +547,7 @@ fn stream(out: Output, first: Piece, rest: Pieces, in_flight: InFlight) -> Respo
 }
 
 async fn pump(
-    mut out: Output,
+    out: &mut Output,
     first: Piece,
     mut rest: Pieces,
     tx: &mpsc::Sender<Result<Event, Infallible>>,

@@ -220,6 +220,10 @@ pub struct Chunk<'a, C> {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage<'a>>,
     pub choices: Vec<C>,
+    /// Why a stream was cut, in the provider's format (001: on an error "响应输出为空，
+    /// err_msg非空", the output empty and err_msg set, with finish_reason stop).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub err_msg: Option<&'a str>,
 }
 
 /// Parses a body into an object; anything else is a 400.

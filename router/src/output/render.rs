@@ -260,8 +260,37 @@ impl Output {
                 .then_some(c.content.as_str()),
             usage: self.all_finished().then(|| self.usage()),
             choices: vec![self.choice(choice as usize, c, Some(rest), (&[], 0), c.finish)],
+            err_msg: None,
         };
         serde_json::to_string(&chunk).expect("a chunk serializes")
+    }
+
+    /// The chunks that end a stream cut by `message` in the provider's format: each choice
+    /// still open ends with finish_reason stop, no output, and `err_msg` (001's rule for an
+    /// error during execution).
+    pub(crate) fn error_chunks(&self, message: &str) -> Vec<String> {
+        let empty = Released::default();
+        self.choices
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.finish.is_none())
+            .map(|(i, c)| {
+                let chunk = Chunk {
+                    head: self.head(true),
+                    full_text: None,
+                    usage: None,
+                    choices: vec![self.choice(
+                        i,
+                        c,
+                        Some(&empty),
+                        (&[], 0),
+                        Some(FinishReason::Stop),
+                    )],
+                    err_msg: Some(message),
+                };
+                serde_json::to_string(&chunk).expect("a chunk serializes")
+            })
+            .collect()
     }
 
     /// The chunk `stream_options.include_usage` asks for, after every choice has ended: the
@@ -273,6 +302,7 @@ impl Output {
             full_text: None,
             usage: Some(self.usage()),
             choices: Vec::new(),
+            err_msg: None,
         };
         serde_json::to_string(&chunk).expect("a chunk serializes")
     }
@@ -322,6 +352,7 @@ impl Output {
                     self.choice(index, c, Some(w), (&c.entries, base), c.finish)
                 })
                 .collect(),
+            err_msg: None,
         };
         serde_json::to_string(&chunk).expect("a chunk serializes")
     }

@@ -150,6 +150,34 @@ async fn kill9_decode_mid_stream() {
     prefill_holds_nothing(&f.prefill[0]).await;
 }
 
+/// In the provider's error format a cut stream ends the seeds' way (001: on an error during
+/// execution "响应输出为空，err_msg非空" with finish_reason stop): each open choice ends with
+/// no output and err_msg, then comes the 003 error body.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cut_stream_ends_with_err_msg_in_the_provider_format() {
+    let router = with(LONG_ROUTER, &["--error-format", "provider"]);
+    let f = start_fleet(&router, 1, WORKER, 1, WORKER).await;
+    let (mut data, mut stream, serving) = stream_in_flight(&f).await;
+    f.decode[serving].proc.signal("KILL");
+    data.extend(
+        tokio::time::timeout(SEE, stream.rest())
+            .await
+            .unwrap_or_else(|_| panic!("the stream did not end; logs:\n{}", f.logs())),
+    );
+    let chunks = sse_chunks(&data);
+    let [.., ended, last] = chunks.as_slice() else {
+        panic!("too few chunks: {data:?}");
+    };
+    assert_eq!(last["code"], 9999, "{last}");
+    assert!(last["result"].is_null(), "{last}");
+    assert_eq!(ended["choices"][0]["finish_reason"], "stop", "{ended}");
+    assert_eq!(ended["choices"][0]["text"], "", "{ended}");
+    assert!(
+        ended["err_msg"].as_str().is_some_and(|m| !m.is_empty()),
+        "{ended}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn kill9_decode_mid_unary_request_starts_it_again_elsewhere() {
     let f = start_fleet(LONG_ROUTER, 1, WORKER, 2, WORKER).await;
