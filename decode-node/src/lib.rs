@@ -3,6 +3,7 @@
 
 pub mod budget;
 pub mod config;
+pub mod ended;
 pub mod error;
 pub mod kv;
 pub mod metrics;

@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use engine::KvLayout;
 use proto::v1::{
-    generate_event::Event, GenerateEvent, GenerateRequest, HealthReply, HealthRequest, KvReserved,
+    generate_event::Event, EndSequenceReply, EndSequenceRequest, GenerateEvent, GenerateRequest,
+    HealthReply, HealthRequest, KvReserved,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -14,6 +15,7 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::budget::{KvBudget, Lease};
+use crate::ended::Live;
 use crate::error::DecodeError;
 use crate::kv::MAX_SEQUENCES;
 use crate::metrics::DecodeMetrics;
@@ -34,6 +36,8 @@ pub struct DecodeService {
     shape: Shape,
     metrics: Arc<DecodeMetrics>,
     gate: runtime::Gate,
+    /// The running requests' sequences the router may end early.
+    live: Arc<Live>,
     /// How long a Generate call waits for its transfer once its ticket is issued.
     kv_wait: Duration,
 }
@@ -56,6 +60,7 @@ impl DecodeService {
             shape,
             metrics,
             gate,
+            live: Arc::default(),
             kv_wait,
         }
     }
@@ -262,6 +267,7 @@ impl proto::v1::decode_server::Decode for DecodeService {
             positions,
             stop_ids: req.stop_token_ids,
             prompt_logprobs: req.prompt_logprobs && req.prefill_here,
+            ended: self.live.register(&id, sequences),
             start: Start::Prefill,
             enqueued: Instant::now(),
             events,
@@ -292,6 +298,15 @@ impl proto::v1::decode_server::Decode for DecodeService {
             UnboundedReceiverStream::new(rx),
             pass,
         )))
+    }
+
+    async fn end_sequence(
+        &self,
+        req: Request<EndSequenceRequest>,
+    ) -> Result<Response<EndSequenceReply>, Status> {
+        let req = req.into_inner();
+        let found = self.live.end(&req.request_id, req.choice as usize);
+        Ok(Response::new(EndSequenceReply { found }))
     }
 
     async fn health(&self, _req: Request<HealthRequest>) -> Result<Response<HealthReply>, Status> {

@@ -225,6 +225,8 @@ async fn run(
         state.text.config.eos_token_ids.clone()
     };
     stop_ids.extend(&common.stop_token_ids);
+    let (ended, ended_rx) = tokio::sync::watch::channel(0u128);
+    let ended = Arc::new(ended);
     let req = GenRequest {
         id: id.clone(),
         log_id,
@@ -234,6 +236,7 @@ async fn run(
         stop_ids: stop_ids.clone(),
         top_logprobs: logprobs.unwrap_or(0),
         prompt_logprobs: echo.is_some() && logprobs.is_some(),
+        ended: ended_rx,
         sequences: common.best_of,
         beam: common.beam.then_some(common.n),
         cache_partition: key
@@ -281,6 +284,7 @@ async fn run(
         echo: echo
             .as_ref()
             .map(|e| Echo::new(e.text.clone(), e.tokens.clone())),
+        ended: Arc::clone(&ended),
     };
     let first_at = Instant::now();
     state.metrics.ttft.observe(first_at - arrived);
@@ -309,6 +313,8 @@ async fn run(
                 // The key pays for the answer it gets, not for the attempt that failed: the
                 // hold moves to the new attempt's output, and the failed one charges nothing.
                 let hold = out.hold.take();
+                // The new attempt's choices all start again.
+                ended.send_replace(0);
                 (first, rest) = dispatch::start(state, req.clone()).await?;
                 out = output(Instant::now());
                 out.hold = hold;

@@ -22,6 +22,7 @@ use tokio::sync::mpsc;
 use tonic::Status;
 
 use crate::budget::Lease;
+use crate::ended::Ended;
 use crate::error::DecodeError;
 use crate::metrics::DecodeMetrics;
 
@@ -64,6 +65,8 @@ pub struct Admission {
     /// When this node prefills: score every prompt token after the first, sent as the
     /// first event.
     pub prompt_logprobs: bool,
+    /// Which of its sequences the router has ended (EndSequence).
+    pub ended: Arc<Ended>,
     pub start: Start,
     pub enqueued: Instant,
     pub events: Events,
@@ -76,6 +79,7 @@ pub struct Admission {
 struct Seq {
     span: tracing::Span,
     choice: u32,
+    ended: Arc<Ended>,
     prompt: Vec<u32>,
     sampling: SamplingParams,
     top_logprobs: usize,
@@ -175,6 +179,7 @@ impl Scheduler {
                 self.waiting.push_back(a);
             }
             self.drop_cancelled();
+            self.end_stopped();
             self.start_waiting();
             self.publish();
             if self.batch_len() > 0 {
@@ -213,6 +218,22 @@ impl Scheduler {
             self.metrics
                 .cancellations
                 .fetch_add((before - after) as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Finishes (STOP) the sequences the router has ended: it met a stop string in them
+    /// while their request's other sequences go on. Dropping them frees their KV blocks.
+    fn end_stopped(&mut self) {
+        let (ended, running) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|s: &Seq| s.ended.is_set(s.choice as usize));
+        self.running = running;
+        for s in ended {
+            tracing::info!(parent: &s.span, choice = s.choice, "ended by the router");
+            DecodeMetrics::inc(&self.metrics.finished_sequences);
+            let _ = s
+                .events
+                .send(Ok(finish_event(FinishReason::Stop, s.choice)));
         }
     }
 
@@ -413,6 +434,7 @@ impl Scheduler {
             self.keep_or_finish(Seq {
                 span: a.span.clone(),
                 choice: choice as u32,
+                ended: Arc::clone(&a.ended),
                 prompt: a.prompt.clone(),
                 sampling: a.sampling.for_choice(choice),
                 top_logprobs: a.top_logprobs,

@@ -227,6 +227,9 @@ pub(crate) struct Output {
     pub(crate) include_usage: bool,
     /// `echo`: the prompt, shown before each choice's output.
     pub(crate) echo: Option<Echo>,
+    /// Choices ended by a stop string while others go on (bit i: choice i), for the
+    /// decode node to stop decoding (`GenRequest::ended`).
+    pub(crate) ended: Arc<tokio::sync::watch::Sender<u128>>,
 }
 
 impl Drop for Output {
@@ -349,9 +352,13 @@ impl Output {
         } else {
             reason
         });
+        let cut_short = c.stopped && choice < 128;
         let rest = c.release(stops, true);
         if self.all_finished() {
             self.record();
+        } else if cut_short {
+            // The decode node would go on decoding it for the other choices' sake.
+            self.ended.send_modify(|m| *m |= 1u128 << choice);
         }
         Ok(rest)
     }

@@ -380,3 +380,43 @@ async fn text_offsets_continue_from_one_choice_to_the_next() {
         "{v}"
     );
 }
+
+/// With n = 2, a stop string met in one choice ends that choice on the decode node too
+/// (EndSequence) while the other goes on: the node stops paying for tokens nobody sees.
+#[tokio::test]
+async fn a_choice_ended_by_a_stop_string_stops_decoding() {
+    let c = Cluster::start(Mode::Pd, &e2e::smollm2(), &[]).await;
+    let body = |stop: Value| {
+        json!({"model": c.model_name, "prompt": "Once upon a time", "n": 2, "seed": 7,
+            "temperature": 0.8, "max_tokens": 64, "ignore_eos": true, "stop": stop})
+    };
+    let (status, free) = c.post("/v1/completions", &body(json!(null))).await;
+    assert_eq!(status, 200, "{free}");
+    let first = free["choices"][0]["text"].as_str().unwrap().to_string();
+    let second = free["choices"][1]["text"].as_str().unwrap().to_string();
+    // A piece of choice 0's early text that choice 1 never writes.
+    let chars: Vec<char> = first.chars().collect();
+    let stop = (0..chars.len().saturating_sub(6))
+        .map(|i| chars[i..i + 6].iter().collect::<String>())
+        .find(|s| !second.contains(s.as_str()) && !s.trim().is_empty())
+        .expect("a stop string only choice 0 writes");
+    let generated = || async {
+        let page = e2e::scrape(&c.decode).await;
+        e2e::metric(&page, "decode_generated_tokens_total", "").unwrap_or(0.0)
+    };
+    let before = generated().await;
+    let (status, v) = c.post("/v1/completions", &body(json!([stop]))).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert_eq!(v["choices"][0]["stop_reason"], stop.as_str(), "{v}");
+    assert_eq!(
+        v["choices"][1]["text"],
+        second.as_str(),
+        "the other choice is untouched"
+    );
+    assert_eq!(v["choices"][1]["finish_reason"], "length", "{v}");
+    let decoded = generated().await - before;
+    // Without EndSequence the node decodes 2 x 63 tokens (the prefill node samples each
+    // choice's first); with it, choice 0 stops a few steps after its stop string.
+    assert!(decoded < 100.0, "the decode node made {decoded} tokens");
+}
