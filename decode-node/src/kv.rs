@@ -255,6 +255,7 @@ impl KvPlane {
                 tracing::debug!(bytes, ms = took.as_secs_f64() * 1e3, "KV received");
                 DecodeMetrics::inc(&self.metrics.transfers);
                 DecodeMetrics::add(&self.metrics.transfer_micros, took.as_micros() as u64);
+                self.metrics.transfer_duration.observe(took);
                 DecodeMetrics::add(&self.metrics.transfer_bytes, bytes);
                 // The call may have gone meanwhile: then the cache and its reservation
                 // go with the unsent delivery.

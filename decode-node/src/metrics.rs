@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use runtime::prom;
+use runtime::prom::{self, Histogram, StepHistogram};
 
 /// Counters and gauges the service and the compute thread update.
 #[derive(Debug, Default)]
@@ -34,6 +34,12 @@ pub struct DecodeMetrics {
     pub transfer_failures: AtomicU64,
     /// KV connections refused before a ticket was redeemed.
     pub kv_refused: AtomicU64,
+    /// Each decode step's wall time.
+    pub step_duration: StepHistogram,
+    /// Each admitted request's wait for KV blocks or a batch slot.
+    pub queue_wait: Histogram,
+    /// Each received transfer, from its header to its first tokens.
+    pub transfer_duration: Histogram,
 }
 
 /// What the budget and the data plane hold at the moment of a scrape.
@@ -143,6 +149,21 @@ impl DecodeMetrics {
         for (outcome, n) in [("admitted", &self.admitted), ("rejected", &self.rejected)] {
             prom::sample(&mut out, name, &[("outcome", outcome)], g(n));
         }
+        self.step_duration.render(
+            &mut out,
+            "decode_step_duration_seconds",
+            "Wall time of each batched decode step.",
+        );
+        self.queue_wait.render(
+            &mut out,
+            "decode_queue_wait_duration_seconds",
+            "Time each admitted request waited for KV blocks or a batch slot.",
+        );
+        self.transfer_duration.render(
+            &mut out,
+            "decode_kv_transfer_duration_seconds",
+            "Time from each received KV transfer's header to its first tokens.",
+        );
         runtime::process::render(&mut out);
         out
     }

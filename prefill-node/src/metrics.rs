@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use runtime::prom;
+use runtime::prom::{self, Histogram, StepHistogram};
 
 /// Counters and gauges the service and the compute thread update.
 #[derive(Debug, Default)]
@@ -24,6 +24,13 @@ pub struct PrefillMetrics {
     pub prefix_cache_bytes: AtomicU64,
     pub prefix_hits: AtomicU64,
     pub cached_tokens: AtomicU64,
+    /// Each prompt's wait for the compute thread.
+    pub queue_wait: Histogram,
+    /// Each prompt's computation, from its first piece to its first tokens.
+    pub compute_duration: Histogram,
+    /// Each transfer's tail: from the prompt's last layer to the decode node's
+    /// acknowledgement of its KV.
+    pub transfer_tail: StepHistogram,
 }
 
 impl PrefillMetrics {
@@ -119,6 +126,21 @@ impl PrefillMetrics {
         ] {
             prom::sample(&mut out, name, &[("outcome", outcome)], g(n));
         }
+        self.queue_wait.render(
+            &mut out,
+            "prefill_queue_wait_duration_seconds",
+            "Time each prompt waited for the compute thread.",
+        );
+        self.compute_duration.render(
+            &mut out,
+            "prefill_compute_duration_seconds",
+            "Time from each prompt's first computed piece to its first tokens.",
+        );
+        self.transfer_tail.render(
+            &mut out,
+            "prefill_kv_transfer_tail_duration_seconds",
+            "Time from each prompt's last computed layer to the decode node's acknowledgement of its KV.",
+        );
         runtime::process::render(&mut out);
         out
     }

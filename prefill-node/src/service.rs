@@ -158,6 +158,7 @@ impl PrefillService {
         // decode node's rebuild, up to the acknowledgement.
         let kv_tail = computed.computed_at.elapsed();
         PrefillMetrics::add(&self.metrics.kv_tail_micros, kv_tail.as_micros() as u64);
+        self.metrics.transfer_tail.observe(kv_tail);
         tracing::info!(
             prefill_ms = prefill_time.as_secs_f64() * 1e3,
             kv_tail_ms = kv_tail.as_secs_f64() * 1e3,

@@ -395,6 +395,8 @@ impl Worker {
                     &self.metrics.queue_wait_micros,
                     queue_wait.as_micros() as u64,
                 );
+                self.metrics.queue_wait.observe(queue_wait);
+                self.metrics.compute_duration.observe(started.elapsed());
                 Ok(Computed {
                     first,
                     prompt_logprobs: std::mem::take(&mut a.scored),

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use runtime::prom::{self, Histogram};
+use runtime::prom::{self, Histogram, StepHistogram};
 
 use crate::error::RouterError;
 use crate::keys::Key;
@@ -33,6 +33,8 @@ pub struct Metrics {
     pub ttft: Histogram,
     /// Per request: the time after its first token over the tokens that followed.
     pub tpot: Histogram,
+    /// Per token after a choice's first: the time since that choice's previous token.
+    pub itl: StepHistogram,
 }
 
 /// The kind of worker a failed attempt points at.
@@ -269,6 +271,11 @@ impl Metrics {
             &mut out,
             "router_time_per_output_token_seconds",
             "Per request, the time after the first token over the tokens that followed.",
+        );
+        self.itl.render(
+            &mut out,
+            "router_inter_token_latency_seconds",
+            "Per token after a choice's first, the time since that choice's previous token.",
         );
         out
     }

@@ -72,6 +72,30 @@ impl Default for Histogram {
     }
 }
 
+/// Bucket bounds in seconds for steps of work from 100 µs to a second: a decode step, the
+/// gap between two streamed tokens, a transfer's tail.
+pub const STEP_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+];
+
+/// A [`Histogram`] over [`STEP_BUCKETS`], by default.
+#[derive(Debug)]
+pub struct StepHistogram(Histogram);
+
+impl Default for StepHistogram {
+    fn default() -> Self {
+        Self(Histogram::new(STEP_BUCKETS))
+    }
+}
+
+impl std::ops::Deref for StepHistogram {
+    type Target = Histogram;
+
+    fn deref(&self) -> &Histogram {
+        &self.0
+    }
+}
+
 impl Histogram {
     /// An empty histogram over `bounds` (ascending).
     pub fn new(bounds: &'static [f64]) -> Self {

@@ -248,9 +248,11 @@ impl Scheduler {
             if a.delayed {
                 tracing::debug!(parent: &a.span, "started after waiting for a slot");
             }
+            let waited = a.enqueued.elapsed();
             self.metrics
                 .queue_wait_micros
-                .fetch_add(a.enqueued.elapsed().as_micros() as u64, Ordering::Relaxed);
+                .fetch_add(waited.as_micros() as u64, Ordering::Relaxed);
+            self.metrics.queue_wait.observe(waited);
             DecodeMetrics::inc(&self.metrics.admitted);
             self.admit(a);
         }
@@ -529,6 +531,7 @@ impl Scheduler {
         m.step_sequences.fetch_add(batch as u64, Ordering::Relaxed);
         m.step_micros
             .fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
+        m.step_duration.observe(elapsed);
         m.generated_tokens
             .fetch_add(batch as u64, Ordering::Relaxed);
         let now = Instant::now();

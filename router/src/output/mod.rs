@@ -100,6 +100,8 @@ pub(crate) struct ChoiceOut {
     pub(crate) stop_reason: Option<StopReason>,
     /// Tokens appended so far.
     pub(crate) tokens: usize,
+    /// When the last token arrived.
+    pub(crate) last_at: Option<Instant>,
     /// Bytes of `text` from the tokens that `min_tokens` exempts: a stop string must end
     /// past it.
     pub(crate) floor: usize,
@@ -124,6 +126,7 @@ impl ChoiceOut {
             calls: Vec::new(),
             stop_reason: None,
             tokens: 0,
+            last_at: None,
             floor: 0,
             stopped: false,
             finish: None,
@@ -311,6 +314,10 @@ impl Output {
         // Offsets count the echoed prompt too: they index the choice's text as shown.
         let echoed = self.echo.as_ref().map_or(0, |e| e.chars);
         let choice = &mut self.choices[t.choice as usize];
+        let now = Instant::now();
+        if let Some(last) = choice.last_at.replace(now) {
+            self.state.metrics.itl.observe(now - last);
+        }
         choice.cumulative_logprob += f64::from(t.logprob);
         if let Some(mut e) = entry {
             e.offset = echoed + choice.text_chars;

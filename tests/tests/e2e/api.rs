@@ -170,4 +170,33 @@ async fn models_health_and_metrics() {
     assert!(value("prefill_transfer_bytes_total", "") > 0.0, "{page}");
     let tail = value("prefill_kv_transfer_tail_seconds_total", "");
     assert!(tail > 0.0 && tail < 30.0, "transfer tail {tail} s:\n{page}");
+    // One observation per prompt in each latency histogram, the same as the counters' sums.
+    for name in [
+        "prefill_queue_wait_duration_seconds_count",
+        "prefill_compute_duration_seconds_count",
+        "prefill_kv_transfer_tail_duration_seconds_count",
+    ] {
+        assert_eq!(value(name, ""), 1.0, "{name}:\n{page}");
+    }
+    assert_eq!(
+        value("prefill_kv_transfer_tail_duration_seconds_sum", ""),
+        tail
+    );
+    let page = scrape(&c.decode).await;
+    let value =
+        |name: &str| metric(&page, name, "").unwrap_or_else(|| panic!("{name} missing:\n{page}"));
+    assert_eq!(value("decode_queue_wait_duration_seconds_count"), 1.0);
+    assert_eq!(value("decode_kv_transfer_duration_seconds_count"), 1.0);
+    // Two tokens: the prefill node's and one decode step.
+    assert_eq!(value("decode_step_duration_seconds_count"), 1.0);
+    assert_eq!(
+        value("decode_step_duration_seconds_count"),
+        value("decode_steps_total")
+    );
+    // Two tokens of one choice: one gap between them.
+    assert_eq!(
+        metric(&metrics, "router_inter_token_latency_seconds_count", ""),
+        Some(1.0),
+        "{metrics}"
+    );
 }
