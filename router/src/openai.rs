@@ -346,16 +346,23 @@ struct Prepared {
 fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, RouterError> {
     let o = api::object(body)?;
     let vocab = state.text.config.vocab_size;
+    let stops = match state.cfg.error_format {
+        ErrorFormat::Provider => params::StopLimits::PROVIDER,
+        ErrorFormat::Openai => params::StopLimits::MINDIE,
+    };
     let (common, request) = match kind {
         Kind::Chat => {
             let r = api::chat::ChatRequest::from_object(o)?;
             params::known_fields(&r.extra, "")?;
-            (params::common(&r.sampling, vocab)?, Request::Chat(r))
+            (params::common(&r.sampling, vocab, stops)?, Request::Chat(r))
         }
         Kind::Completion => {
             let r = api::completions::CompletionRequest::from_object(o)?;
             params::known_fields(&r.extra, "")?;
-            (params::common(&r.sampling, vocab)?, Request::Completion(r))
+            (
+                params::common(&r.sampling, vocab, stops)?,
+                Request::Completion(r),
+            )
         }
     };
     if common.model != state.model_name {

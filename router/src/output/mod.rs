@@ -21,7 +21,7 @@ use crate::error::RouterError;
 use crate::keys::QuotaHold;
 use crate::params;
 use crate::state::AppState;
-use crate::stops::{Scan, StopStrings};
+use crate::stops::{Progress, Scan, StopStrings};
 
 /// Which endpoint a request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,11 +100,10 @@ pub(crate) struct ChoiceOut {
     pub(crate) stop_reason: Option<StopReason>,
     /// Tokens appended so far.
     pub(crate) tokens: usize,
+    /// How far the text is into each stop string.
+    pub(crate) progress: Progress,
     /// When the last token arrived.
     pub(crate) last_at: Option<Instant>,
-    /// Bytes of `text` from the tokens that `min_tokens` exempts: a stop string must end
-    /// past it.
-    pub(crate) floor: usize,
     /// A stop string ended the output: its later tokens are ignored.
     pub(crate) stopped: bool,
     pub(crate) finish: Option<FinishReason>,
@@ -126,8 +125,8 @@ impl ChoiceOut {
             calls: Vec::new(),
             stop_reason: None,
             tokens: 0,
+            progress: Progress::default(),
             last_at: None,
-            floor: 0,
             stopped: false,
             finish: None,
             cumulative_logprob: 0.0,
@@ -142,11 +141,9 @@ impl ChoiceOut {
         self.text.push_str(piece);
         self.text_chars += piece.chars().count();
         self.tokens += usize::from(token);
-        if self.tokens < stops.min_tokens() {
-            self.floor = self.text.len();
-            return;
-        }
-        if let Scan::Stop { end, which } = stops.scan(&self.text, old, self.floor) {
+        // Within min_tokens a stop string ends nothing.
+        let counts = self.tokens >= stops.min_tokens();
+        if let Scan::Stop { end, which } = stops.scan(&mut self.progress, &self.text, old, counts) {
             self.text.truncate(end);
             self.text_chars = self.text.chars().count();
             self.stop_reason = Some(StopReason::Text(stops.get(which).to_string()));
@@ -160,10 +157,7 @@ impl ChoiceOut {
         let upto = if all || self.stopped {
             self.text.len()
         } else {
-            match stops.scan(&self.text, self.text.len(), self.floor) {
-                Scan::Release(n) => n,
-                Scan::Stop { end, .. } => end,
-            }
+            self.text.len() - stops.held(&self.progress)
         };
         let upto = upto.max(self.sent);
         let text = &self.text[self.sent..upto];

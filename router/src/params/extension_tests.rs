@@ -9,7 +9,7 @@ use super::*;
 fn check(extra: Value) -> Result<Common, RouterError> {
     let mut o = json!({"model": "m"}).as_object().unwrap().clone();
     o.extend(extra.as_object().unwrap().clone());
-    super::common(&crate::api::from_object(o)?, 1000)
+    super::common(&crate::api::from_object(o)?, 1000, StopLimits::MINDIE)
 }
 
 /// Each body is refused, naming `param` with the message `says`.

@@ -140,13 +140,36 @@ fn response_format(format: &Param<Value>) -> Result<(), RouterError> {
     }
 }
 
-/// Most stop strings, characters per stop string, and characters over all of them.
-const MAX_STOPS: usize = 1024;
-const MAX_STOP_CHARS: usize = 1024;
-const MAX_STOP_TOTAL_CHARS: usize = 32768;
+/// The limits on `stop` of the documents a router speaks by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StopLimits {
+    /// Most stop strings.
+    pub strings: usize,
+    /// Most characters of one stop string.
+    pub chars: usize,
+    /// Most characters over all of them.
+    pub total: usize,
+}
 
-/// `stop`: a string or a list of strings; an empty list means none.
-fn stop_strings(stop: &Param<Stop>) -> Result<Vec<String>, RouterError> {
+impl StopLimits {
+    /// MindIE's (001, 002): each string at least one character, 32768 in all, so one
+    /// string may have all of them.
+    pub const MINDIE: Self = Self {
+        strings: 32768,
+        chars: 32768,
+        total: 32768,
+    };
+    /// The hosted provider's (003): at most 1024 strings of 1 to 1024 characters, 32768 in
+    /// all. What a router speaking its error format (`--error-format provider`) takes.
+    pub const PROVIDER: Self = Self {
+        strings: 1024,
+        chars: 1024,
+        total: 32768,
+    };
+}
+
+/// `stop`: a string or a list of strings, within `limits`; an empty list means none.
+fn stop_strings(stop: &Param<Stop>, limits: StopLimits) -> Result<Vec<String>, RouterError> {
     let bad = |m: String| RouterError::param("stop", m);
     let stops: Vec<String> = match stop {
         Param::Absent | Param::Null => return Ok(Vec::new()),
@@ -154,25 +177,28 @@ fn stop_strings(stop: &Param<Stop>) -> Result<Vec<String>, RouterError> {
         Param::Valid(Stop::Many(items)) => items.clone(),
         Param::Invalid => return Err(bad("stop must be a string or a list of strings".into())),
     };
-    if stops.len() > MAX_STOPS {
+    if stops.len() > limits.strings {
         return Err(bad(format!(
-            "stop has {} strings, the limit is {MAX_STOPS}",
-            stops.len()
+            "stop has {} strings, the limit is {}",
+            stops.len(),
+            limits.strings
         )));
     }
     let mut total = 0;
     for s in &stops {
         let n = s.chars().count();
-        if n == 0 || n > MAX_STOP_CHARS {
+        if n == 0 || n > limits.chars {
             return Err(bad(format!(
-                "each stop string must have 1 to {MAX_STOP_CHARS} characters, got {n}"
+                "each stop string must have 1 to {} characters, got {n}",
+                limits.chars
             )));
         }
         total += n;
     }
-    if total > MAX_STOP_TOTAL_CHARS {
+    if total > limits.total {
         return Err(bad(format!(
-            "stop strings hold {total} characters, the limit is {MAX_STOP_TOTAL_CHARS}"
+            "stop strings hold {total} characters, the limit is {}",
+            limits.total
         )));
     }
     Ok(stops)
@@ -311,8 +337,9 @@ fn logit_bias(p: &Param<Obj>, vocab_size: usize) -> Result<Vec<LogitBias>, Route
     Ok(biases)
 }
 
-/// Checks and reads the parameters both endpoints share. `vocab_size` caps top_k.
-pub fn common(o: &Sampling, vocab_size: usize) -> Result<Common, RouterError> {
+/// Checks and reads the parameters both endpoints share. `vocab_size` caps top_k; `stops`
+/// are the stop-string limits the router speaks by.
+pub fn common(o: &Sampling, vocab_size: usize, stops: StopLimits) -> Result<Common, RouterError> {
     let model = match &o.model {
         Param::Valid(s) => s.clone(),
         Param::Null | Param::Invalid => {
@@ -437,7 +464,7 @@ pub fn common(o: &Sampling, vocab_size: usize) -> Result<Common, RouterError> {
             "when streaming, best_of must equal n (and cannot be set without it)",
         ));
     }
-    let stop = stop_strings(&o.stop)?;
+    let stop = stop_strings(&o.stop, stops)?;
     let include_stop_str_in_output = boolean(
         &o.include_stop_str_in_output,
         "include_stop_str_in_output",

@@ -10,7 +10,11 @@ use crate::api::Obj;
 
 /// The checks of [`super::common`], on a body.
 fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
-    super::common(&crate::api::from_object(o.clone())?, vocab_size)
+    super::common(
+        &crate::api::from_object(o.clone())?,
+        vocab_size,
+        StopLimits::PROVIDER,
+    )
 }
 
 /// The checks of [`super::chat`], on a body.
@@ -269,6 +273,20 @@ fn stop_strings_have_the_seeds_limits() {
         "32768 characters in all"
     );
     assert!(stops(json!([1])).is_err());
+    // MindIE's (001, 002): "string类型长度范围为1~32768", and a list's elements 32768 in all.
+    let mindie = |v: Value| {
+        super::common(
+            &crate::api::from_object(obj(json!({"model": "m", "stop": v}))).unwrap(),
+            1000,
+            StopLimits::MINDIE,
+        )
+    };
+    assert!(mindie(json!("x".repeat(32768))).is_ok());
+    assert!(mindie(json!(["x".repeat(32768)])).is_ok());
+    assert!(mindie(json!(vec!["a"; 2000])).is_ok());
+    assert!(mindie(json!("x".repeat(32769))).is_err());
+    assert!(mindie(json!(vec!["x".repeat(1000); 33])).is_err());
+    assert!(mindie(json!([""])).is_err());
 }
 
 #[test]

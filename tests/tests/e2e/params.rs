@@ -72,6 +72,37 @@ async fn stop_strings_end_the_text_streamed_and_not() {
     }
 }
 
+/// 001 and 002 (MindIE) allow one stop string of up to 32768 characters ("string类型长度
+/// 范围为1~32768"); it is matched as the text grows, at the cost of the bytes each token adds.
+#[tokio::test]
+async fn one_stop_string_may_have_32768_characters() {
+    let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+    let (_, full) = c.post("/v1/completions", &completion(json!({}))).await;
+    let full = text(&full).to_string();
+    let head: String = full.chars().take(4).collect();
+    let long = format!("{head}{}", "z".repeat(32768 - 4));
+    let (status, v) = c
+        .post("/v1/completions", &completion(json!({"stop": long})))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        text(&v),
+        full,
+        "a stop string that never completes holds nothing back"
+    );
+    let (status, v) = c
+        .post(
+            "/v1/completions",
+            &completion(json!({"stop": "z".repeat(32769)})),
+        )
+        .await;
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("stop")),
+        "{v}"
+    );
+}
+
 /// vLLM's min_tokens: no stop string ends a choice within its first min_tokens tokens, and
 /// the text is not held back or cut for one found there.
 #[tokio::test]

@@ -88,7 +88,8 @@ fn validate(path: &str, bytes: &[u8], vocab: usize) -> Verdict {
         (_, Some(r)) => &r.sampling,
         _ => unreachable!("one of the two"),
     };
-    let common = match params::common(sampling, vocab) {
+    // The provider's limits, the tighter ones, which the checks below hold it to.
+    let common = match params::common(sampling, vocab, params::StopLimits::PROVIDER) {
         Ok(c) => c,
         Err(e) => return refused(e),
     };
@@ -407,7 +408,7 @@ fn numbers_that_vanish_in_f32_are_checked_as_the_engine_sees_them() {
     };
     let common = |o: Obj| {
         let r = CompletionRequest::from_object(o).expect("any object is a request");
-        params::common(&r.sampling, 1000)
+        params::common(&r.sampling, 1000, params::StopLimits::PROVIDER)
     };
     let refused = |extra: Value| match common(body(extra.clone())) {
         Err(RouterError::InvalidParam { param, .. }) => param,
