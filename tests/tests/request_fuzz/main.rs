@@ -40,7 +40,7 @@ enum Verdict {
     /// Not a JSON object: a 400 that names no parameter.
     NotAnObject,
     /// A 400 naming this parameter.
-    Refused(&'static str),
+    Refused(String),
     /// A well-formed request for another model.
     OtherModel,
     /// Valid: what the router does next (render, tokenize, dispatch) decides the answer.
@@ -71,16 +71,31 @@ fn validate(path: &str, bytes: &[u8], vocab: usize) -> Verdict {
                     "the refusal names {param:?}, which the body does not have: {message}"
                 );
                 assert!(!message.is_empty(), "{param} refused with no message");
-                Verdict::Refused(param)
+                Verdict::Refused(param.to_string())
+            }
+            RouterError::UnknownParam(name) => {
+                let nested =
+                    name.starts_with("stream_options.") && o.contains_key("stream_options");
+                assert!(
+                    o.contains_key(&name) || nested || name.ends_with('…'),
+                    "an unknown field {name:?} the body does not have"
+                );
+                Verdict::Refused(name)
             }
             other => panic!("a refusal that names no parameter: {other:?}"),
         }
     };
     let (chat, completion) = if path.contains("chat") {
         let r = ChatRequest::from_object(o.clone()).expect("any object is a request");
+        if let Err(e) = params::known_fields(&r.extra, "") {
+            return refused(e);
+        }
         (Some(r), None)
     } else {
         let r = CompletionRequest::from_object(o.clone()).expect("any object is a request");
+        if let Err(e) = params::known_fields(&r.extra, "") {
+            return refused(e);
+        }
         (None, Some(r))
     };
     let sampling = match (&chat, &completion) {
@@ -88,8 +103,8 @@ fn validate(path: &str, bytes: &[u8], vocab: usize) -> Verdict {
         (_, Some(r)) => &r.sampling,
         _ => unreachable!("one of the two"),
     };
-    // The provider's limits, the tighter ones, which the checks below hold it to.
-    let common = match params::common(sampling, vocab, params::StopLimits::PROVIDER) {
+    // The limits of the router below, which speaks the OpenAI error format: MindIE's.
+    let common = match params::common(sampling, vocab, params::StopLimits::MINDIE) {
         Ok(c) => c,
         Err(e) => return refused(e),
     };
@@ -185,9 +200,8 @@ fn check_common(o: &Obj, c: &params::Common, vocab: usize) {
             assert_eq!(c.best_of, c.n, "streamed with best_of != n");
         }
     }
-    assert!(c.stop.len() <= 1024, "{} stop strings", c.stop.len());
     let chars: Vec<usize> = c.stop.iter().map(|s| s.chars().count()).collect();
-    assert!(chars.iter().all(|&n| (1..=1024).contains(&n)), "{chars:?}");
+    assert!(chars.iter().all(|&n| n >= 1), "{chars:?}");
     assert!(
         chars.iter().sum::<usize>() <= 32768,
         "stop strings too long"
@@ -251,7 +265,7 @@ fn check_answer(verdict: &Verdict, body_len: usize, status: u16, v: &Value) {
         }
         Verdict::Refused(p) => {
             assert_eq!(status, 400, "{v}");
-            assert_eq!(param, Some(*p), "{v}");
+            assert_eq!(param, Some(p.as_str()), "{v}");
         }
         Verdict::OtherModel => {
             assert_eq!(status, 404, "{v}");
@@ -367,7 +381,7 @@ fn fuzzed_requests_are_answered_and_refusals_name_their_parameter() {
     let big = serde_json::to_vec(&o).expect("serializes");
     assert!(matches!(
         validate("/v1/chat/completions", &big, vocab),
-        Verdict::Refused("messages")
+        Verdict::Refused(p) if p == "messages"
     ));
 
     let _ = stop.send(());
@@ -408,7 +422,7 @@ fn numbers_that_vanish_in_f32_are_checked_as_the_engine_sees_them() {
     };
     let common = |o: Obj| {
         let r = CompletionRequest::from_object(o).expect("any object is a request");
-        params::common(&r.sampling, 1000, params::StopLimits::PROVIDER)
+        params::common(&r.sampling, 1000, params::StopLimits::MINDIE)
     };
     let refused = |extra: Value| match common(body(extra.clone())) {
         Err(RouterError::InvalidParam { param, .. }) => param,
