@@ -28,6 +28,8 @@ import tempfile
 
 import yaml
 
+import monitoring
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 K8S = os.environ.get("DEPLOY_K8S") or os.path.join(ROOT, "deploy", "k8s")
 BINARIES = ("tandem-router", "tandem-prefill", "tandem-decode")
@@ -491,6 +493,10 @@ def check_target(t, label, objs, versions):
             t.ok(f"{label} Deployment/{o['metadata']['name']} rolls with maxUnavailable 0",
                  str(ru.get("maxUnavailable")) == "0")
 
+    # 4. Monitors select what serves /metrics; alerts, dashboard and adapter rules name
+    #    metrics the binaries export.
+    monitoring.check(t, label, objs, list(pod_specs(objs)))
+
 
 def check_pod_consistency(t, c_label, wl, spec, c, env, binary, volumes, by_key):
     eff = effective(c, env, binary)
@@ -822,6 +828,12 @@ MUTATIONS = [
     ("bad enum in a custom resource", "components/cert-manager-certs/certificates.yaml",
      "    - server auth\n", "    - serverAuth\n", "'serverAuth' is not one of",
      {"base+components/cert-manager-certs"}),
+    ("an alert on a metric nobody exports", "components/monitoring/alerts.yaml",
+     "max(router_discovery_degraded)", "max(router_discovery_degraded_total)",
+     "no metric router_discovery_degraded_total", {"base+components/monitoring"}),
+    ("a PodMonitor on a port the workers lack", "components/monitoring/monitors.yaml",
+     "    - port: grpc\n", "    - port: metrics\n", "no port named 'metrics'",
+     {"base+components/monitoring"}),
     ("CA Issuer on a Secret no CA Certificate writes",
      "components/cert-manager-certs/certificates.yaml", "    secretName: tandem-ca\n",
      "    secretName: tandem-root\n", "signs with a CA Certificate's Secret",

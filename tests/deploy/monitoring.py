@@ -1,0 +1,106 @@
+"""Checks of components/monitoring, for tests/deploy/manifests.py: the monitors select the
+pods and ports that serve /metrics, and every metric the alerts, the dashboard and the
+prometheus-adapter rules name is one the binaries export (read from their sources, where each
+metric's name is written once as a string)."""
+
+import json
+import os
+import re
+
+import yaml
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SOURCES = ("router/src", "prefill-node/src", "decode-node/src", "runtime/src")
+METRIC = re.compile(r"\b((?:router|prefill|decode)_[a-z_]+)\b")
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+_EXPORTED = None
+
+
+def exported():
+    """Every metric name the binaries write: string literals in their sources."""
+    global _EXPORTED
+    if _EXPORTED is None:
+        names = set()
+        for d in SOURCES:
+            for dirpath, _, files in os.walk(os.path.join(ROOT, d)):
+                for f in files:
+                    if f.endswith(".rs"):
+                        with open(os.path.join(dirpath, f)) as fh:
+                            names |= set(re.findall(r'"((?:router|prefill|decode)_[a-z_]+)"',
+                                                    fh.read()))
+        _EXPORTED = names
+    return _EXPORTED
+
+
+def known(name):
+    """Whether `name` is an exported metric, or a histogram's bucket, sum or count series."""
+    names = exported()
+    if name in names:
+        return True
+    return any(name.endswith(s) and name[: -len(s)] in names for s in HISTOGRAM_SUFFIXES)
+
+
+def queries(objs):
+    """(where, PromQL) of every query the monitoring objects hold."""
+    out = []
+    for o in objs:
+        name = f"{o['kind']}/{o['metadata']['name']}"
+        if o["kind"] == "PrometheusRule":
+            for g in o["spec"]["groups"]:
+                for r in g["rules"]:
+                    out.append((f"{name} {r.get('alert') or r.get('record')}", r["expr"]))
+        elif o["kind"] == "ConfigMap":
+            for key, text in (o.get("data") or {}).items():
+                if key.endswith(".json"):
+                    for p in json.loads(text).get("panels", []):
+                        for tgt in p.get("targets", []):
+                            out.append((f"{name} panel {p.get('title')!r}", tgt["expr"]))
+                elif o["metadata"]["name"].endswith("adapter-rules"):
+                    for r in yaml.safe_load(text).get("rules", []):
+                        out.append((f"{name} rule", r["seriesQuery"]))
+    return out
+
+
+def check(t, label, objs, pod_specs):
+    """The monitoring objects of one rendered target, if it has any."""
+    monitors = [o for o in objs if o["kind"] in ("ServiceMonitor", "PodMonitor")]
+    for where, expr in queries(objs):
+        names = METRIC.findall(expr)
+        t.ok(f"{label} {where} names a metric", bool(names), expr)
+        for n in names:
+            t.ok(f"{label} {where}: {n} is exported", known(n),
+                 f"no metric {n} in the binaries' sources")
+    services = [o for o in objs if o["kind"] == "Service"]
+    for m in monitors:
+        sel = m["spec"]["selector"]
+        what = f"{label} {m['kind']}/{m['metadata']['name']}"
+        if m["kind"] == "ServiceMonitor":
+            hits = [s for s in services if matches(sel, s["metadata"].get("labels") or {})]
+            ports = {p.get("name") for s in hits for p in s["spec"]["ports"]}
+            endpoints = m["spec"]["endpoints"]
+        else:
+            hits = [w for w, _ in pod_specs
+                    if matches(sel, w["spec"]["template"]["metadata"]["labels"])]
+            ports = {p.get("name") for w in hits
+                     for c in w["spec"]["template"]["spec"]["containers"]
+                     for p in c.get("ports") or []}
+            endpoints = m["spec"]["podMetricsEndpoints"]
+        t.ok(f"{what} selects something", bool(hits), f"selector {sel} matches nothing")
+        for e in endpoints:
+            t.ok(f"{what} port {e.get('port')} exists", e.get("port") in ports,
+                 f"no port named {e.get('port')!r} among {sorted(p for p in ports if p)}")
+
+
+def matches(selector, labels):
+    """Whether a LabelSelector (matchLabels, matchExpressions with In) selects `labels`."""
+    if not (selector.get("matchLabels") or {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions") or []:
+        if e["operator"] == "In" and labels.get(e["key"]) not in e["values"]:
+            return False
+        if e["operator"] == "NotIn" and labels.get(e["key"]) in e["values"]:
+            return False
+        if e["operator"] == "Exists" and e["key"] not in labels:
+            return False
+    return True
