@@ -26,7 +26,9 @@ if ! "$PY" -c 'import kubernetes_validate, yaml' 2>/dev/null; then
 fi
 export BIN_DIR="${BIN_DIR:-target/release}"
 KUBECTL="$(PYTHON="$PY" bash tests/deploy/get-kubectl.sh)"
-export KUBECTL
+HELM="$(PYTHON="$PY" bash tests/deploy/get-kubectl.sh helm)"
+export KUBECTL HELM
 echo "kubectl: $KUBECTL ($("$KUBECTL" version --client 2>/dev/null | tr '\n' ' '))"
+echo "helm: $HELM ($("$HELM" version --short 2>/dev/null))"
 echo "kubernetes-validate $("$PY" -c 'import kubernetes_validate.version as v; print(v.__version__)')"
 exec "$PY" tests/deploy/manifests.py check

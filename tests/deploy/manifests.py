@@ -28,6 +28,7 @@ import tempfile
 
 import yaml
 
+import helm
 import monitoring
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -735,13 +736,16 @@ def check_tls(t, label, objs, by_key, tandem):
                 cert_has(f"{c_label} --{flag}", cert, needs, server_names, roles)
 
 
-def check_tree(t, k8s, versions, only=None):
+def check_tree(t, k8s, versions, only=None, chart=helm.CHART):
     with tempfile.TemporaryDirectory() as tmp:
-        for label, path in targets(tmp, k8s):
+        kustomized = [(label, path, render) for label, path in targets(tmp, k8s)]
+        charted = [(label, values, lambda v: helm.render(v, chart))
+                   for label, values in helm.targets()]
+        for label, path, render_with in kustomized + charted:
             if only and label not in only:
                 continue
             try:
-                objs = render(path)
+                objs = render_with(path)
             except RuntimeError as e:
                 t.ok(f"render {label}", False, str(e))
                 continue
@@ -841,6 +845,20 @@ MUTATIONS = [
 ]
 
 
+# The same for the Helm chart: each breaks a copy of deploy/helm/tandem, and every value set
+# is rendered from the copy.
+HELM_MUTATIONS = [
+    ("chart: grace shorter than the drain", "templates/workers.yaml",
+     "add $.Values.workers.drainGraceS 15", "add $.Values.workers.drainGraceS 1",
+     "covers drain 60 s"),
+    ("chart: an env var the router lacks", "values.yaml", "    ROUTER_POLICY: least-load\n",
+     "    ROUTER_POLICY: least-load\n    ROUTER_NO_SUCH_VAR: \"1\"\n",
+     "no env var ROUTER_NO_SUCH_VAR"),
+    ("chart: a PodMonitor on a port the workers lack", "templates/monitoring.yaml",
+     "    - port: grpc\n", "    - port: metrics\n", "no port named 'metrics'"),
+]
+
+
 def selftest(t, versions):
     for name, rel, old, new, expect, *only in MUTATIONS:
         only = only[0] if only else {"base", "base+components/model-fetch-init"}
@@ -856,6 +874,23 @@ def selftest(t, versions):
                 fh.write(text.replace(old, new, 1))
             inner = Tally(quiet=True)
             check_tree(inner, tree, versions[:1], only=only)
+            caught = [x for x in inner.failures if expect in x]
+            t.ok(f"self-test {name} is caught", bool(caught),
+                 f"expected a failure with {expect!r}, got {inner.failures[:3]}")
+    charts = {label for label, _ in helm.targets()}
+    for name, rel, old, new, expect in HELM_MUTATIONS:
+        with tempfile.TemporaryDirectory() as tmp:
+            chart = os.path.join(tmp, "tandem")
+            shutil.copytree(helm.CHART, chart)
+            f = os.path.join(chart, rel)
+            with open(f) as fh:
+                text = fh.read()
+            if not t.ok(f"self-test {name}: {rel} has {old!r}", old in text):
+                continue
+            with open(f, "w") as fh:
+                fh.write(text.replace(old, new, 1))
+            inner = Tally(quiet=True)
+            check_tree(inner, K8S, versions[:1], only=charts, chart=chart)
             caught = [x for x in inner.failures if expect in x]
             t.ok(f"self-test {name} is caught", bool(caught),
                  f"expected a failure with {expect!r}, got {inner.failures[:3]}")
