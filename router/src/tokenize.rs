@@ -25,8 +25,8 @@ fn same_model(state: &AppState, model: &Param<String>) -> Result<(), RouterError
     }
 }
 
-/// A tokenize body's tokens and, when asked for, their vocabulary strings.
-fn tokenize_body(state: &AppState, body: &[u8]) -> Result<(Vec<u32>, bool), RouterError> {
+/// A tokenize body's answer: its tokens and, when asked for, their vocabulary strings.
+fn tokenize_body(state: &AppState, body: &[u8]) -> Result<Tokenized, RouterError> {
     let r = TokenizeRequest::from_object(api::object(body)?)?;
     params::known_fields(&r.extra, "")?;
     same_model(state, &r.model)?;
@@ -80,12 +80,38 @@ fn tokenize_body(state: &AppState, body: &[u8]) -> Result<(Vec<u32>, bool), Rout
             ))
         }
     };
-    let tokens = state
-        .text
-        .tokenizer
+    let tokenizer = &state.text.tokenizer;
+    let tokens = tokenizer
         .encode(&text)
         .map_err(|e| RouterError::param("prompt", e.to_string()))?;
-    Ok((tokens, strs))
+    Ok(Tokenized {
+        count: tokens.len(),
+        max_model_len: state.max_seq_len,
+        token_strs: strs.then(|| {
+            tokens
+                .iter()
+                .map(|&t| tokenizer.id_token(t).unwrap_or_default())
+                .collect()
+        }),
+        tokens,
+    })
+}
+
+/// Reads a body, runs `work` on it off the I/O threads when it is large, and answers with
+/// its result as JSON, or the error.
+async fn answer<T: serde::Serialize + Send + 'static>(
+    state: Arc<AppState>,
+    request: (HeaderMap, Body),
+    work: fn(&AppState, &[u8]) -> Result<T, RouterError>,
+) -> Response {
+    let result = async {
+        let body = read_body(&state, request).await?;
+        off_the_io_threads(&state, body, work).await
+    };
+    match result.await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => state.error_response(e),
+    }
 }
 
 /// `POST /tokenize`: `{"prompt"}` or `{"messages"}` to `{"count", "max_model_len",
@@ -95,58 +121,31 @@ pub async fn tokenize(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let result = async {
-        let body = read_body(&state, (headers, body)).await?;
-        let (tokens, strs) = off_the_io_threads(&state, body, tokenize_body).await?;
-        let tokenizer = &state.text.tokenizer;
-        Ok::<_, RouterError>(
-            Json(Tokenized {
-                count: tokens.len(),
-                max_model_len: state.max_seq_len,
-                token_strs: strs.then(|| {
-                    tokens
-                        .iter()
-                        .map(|&t| tokenizer.id_token(t).unwrap_or_default())
-                        .collect()
-                }),
-                tokens: &tokens,
-            })
-            .into_response(),
-        )
-    };
-    result.await.unwrap_or_else(|e| state.error_response(e))
+    answer(state, (headers, body), tokenize_body).await
 }
 
 /// A detokenize body's text.
-fn detokenize_body(state: &AppState, body: &[u8]) -> Result<String, RouterError> {
+fn detokenize_body(state: &AppState, body: &[u8]) -> Result<Detokenized, RouterError> {
     let r = DetokenizeRequest::from_object(api::object(body)?)?;
     params::known_fields(&r.extra, "")?;
     same_model(state, &r.model)?;
     let vocab = state.text.config.vocab_size;
-    let bad = || {
-        RouterError::param(
-            "tokens",
-            format!("tokens must be a list of token ids in [0, {vocab})"),
-        )
-    };
     let ids = match &r.tokens {
-        Param::Valid(ids) => ids
-            .iter()
-            .map(|v| {
-                v.as_u64()
-                    .filter(|&t| t < vocab as u64)
-                    .map(|t| t as u32)
-                    .ok_or_else(bad)
-            })
-            .collect::<Result<Vec<u32>, _>>()?,
+        Param::Valid(ids) => params::token_ids(ids, vocab, "tokens", "tokens")?,
         Param::Absent => return Err(RouterError::param("tokens", "tokens is required")),
-        Param::Null | Param::Invalid => return Err(bad()),
+        Param::Null | Param::Invalid => {
+            return Err(RouterError::param(
+                "tokens",
+                format!("tokens must be a list of token ids in [0, {vocab})"),
+            ))
+        }
     };
-    state
+    let prompt = state
         .text
         .tokenizer
         .decode(&ids, false)
-        .map_err(|e| RouterError::param("tokens", e.to_string()))
+        .map_err(|e| RouterError::param("tokens", e.to_string()))?;
+    Ok(Detokenized { prompt })
 }
 
 /// `POST /detokenize`: `{"tokens"}` to `{"prompt"}`, special tokens written out.
@@ -155,12 +154,7 @@ pub async fn detokenize(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let result = async {
-        let body = read_body(&state, (headers, body)).await?;
-        let prompt = off_the_io_threads(&state, body, detokenize_body).await?;
-        Ok::<_, RouterError>(Json(Detokenized { prompt }).into_response())
-    };
-    result.await.unwrap_or_else(|e| state.error_response(e))
+    answer(state, (headers, body), detokenize_body).await
 }
 
 /// `GET /tokenizer_info`.

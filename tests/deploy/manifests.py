@@ -859,41 +859,37 @@ HELM_MUTATIONS = [
 ]
 
 
+def mutate_and_check(t, name, source, rel, old, new, expect, check):
+    """Copies `source`, replaces `old` with `new` in its file `rel`, runs `check(copy, tally)`
+    and expects a failure that says `expect`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = os.path.join(tmp, os.path.basename(source))
+        shutil.copytree(source, copy)
+        f = os.path.join(copy, rel)
+        with open(f) as fh:
+            text = fh.read()
+        if not t.ok(f"self-test {name}: {rel} has {old!r}", old in text):
+            return
+        with open(f, "w") as fh:
+            fh.write(text.replace(old, new, 1))
+        inner = Tally(quiet=True)
+        check(copy, inner)
+        caught = [x for x in inner.failures if expect in x]
+        t.ok(f"self-test {name} is caught", bool(caught),
+             f"expected a failure with {expect!r}, got {inner.failures[:3]}")
+
+
 def selftest(t, versions):
     for name, rel, old, new, expect, *only in MUTATIONS:
         only = only[0] if only else {"base", "base+components/model-fetch-init"}
-        with tempfile.TemporaryDirectory() as tmp:
-            tree = os.path.join(tmp, "k8s")
-            shutil.copytree(K8S, tree)
-            f = os.path.join(tree, rel)
-            with open(f) as fh:
-                text = fh.read()
-            if not t.ok(f"self-test {name}: {rel} has {old!r}", old in text):
-                continue
-            with open(f, "w") as fh:
-                fh.write(text.replace(old, new, 1))
-            inner = Tally(quiet=True)
-            check_tree(inner, tree, versions[:1], only=only)
-            caught = [x for x in inner.failures if expect in x]
-            t.ok(f"self-test {name} is caught", bool(caught),
-                 f"expected a failure with {expect!r}, got {inner.failures[:3]}")
+        mutate_and_check(t, name, K8S, rel, old, new, expect,
+                         lambda tree, inner, only=only: check_tree(
+                             inner, tree, versions[:1], only=only))
     charts = {label for label, _ in helm.targets()}
     for name, rel, old, new, expect in HELM_MUTATIONS:
-        with tempfile.TemporaryDirectory() as tmp:
-            chart = os.path.join(tmp, "tandem")
-            shutil.copytree(helm.CHART, chart)
-            f = os.path.join(chart, rel)
-            with open(f) as fh:
-                text = fh.read()
-            if not t.ok(f"self-test {name}: {rel} has {old!r}", old in text):
-                continue
-            with open(f, "w") as fh:
-                fh.write(text.replace(old, new, 1))
-            inner = Tally(quiet=True)
-            check_tree(inner, K8S, versions[:1], only=charts, chart=chart)
-            caught = [x for x in inner.failures if expect in x]
-            t.ok(f"self-test {name} is caught", bool(caught),
-                 f"expected a failure with {expect!r}, got {inner.failures[:3]}")
+        mutate_and_check(t, name, helm.CHART, rel, old, new, expect,
+                         lambda chart, inner: check_tree(
+                             inner, K8S, versions[:1], only=charts, chart=chart))
 
 
 def cmd_check(args):

@@ -71,6 +71,29 @@ pub fn smollm2() -> PathBuf {
     p
 }
 
+/// Each token of `ids` after the first scored as the engine run directly scores it (one
+/// pass over them all), with `top` alternatives: what echo's prompt logprobs must equal.
+pub fn scored_directly(loaded: &engine::Loaded, ids: &[u32], top: usize) -> Vec<engine::Sampled> {
+    let mut cache = loaded.model.new_cache().expect("a cache");
+    let (_, every) = loaded
+        .model
+        .forward_rows(
+            &mut [engine::SeqInput {
+                tokens: ids,
+                cache: &mut cache,
+            }],
+            &mut |_, _| Ok(()),
+            &[true],
+        )
+        .expect("the forward pass");
+    let rows: Vec<Vec<f32>> = every[0]
+        .as_ref()
+        .expect("the rows asked for")
+        .to_vec2()
+        .expect("f32 logits");
+    engine::sampling::scored(&rows[..ids.len() - 1], &ids[1..], top)
+}
+
 /// The generated tiny model, written once per test binary.
 pub fn tiny_model() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();

@@ -36,10 +36,10 @@ impl TokenizeRequest {
 }
 
 #[derive(Debug, Serialize)]
-pub struct Tokenized<'a> {
+pub struct Tokenized {
     pub count: usize,
     pub max_model_len: usize,
-    pub tokens: &'a [u32],
+    pub tokens: Vec<u32>,
     pub token_strs: Option<Vec<String>>,
 }
 

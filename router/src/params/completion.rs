@@ -38,20 +38,9 @@ fn one_prompt(v: &Value, vocab: usize) -> Result<Prompt, RouterError> {
         ))),
         Value::String(s) => Ok(Prompt::Text(s.clone())),
         Value::Array(ids) if ids.is_empty() => Err(bad("prompt must not be empty")),
-        Value::Array(ids) => ids
-            .iter()
-            .map(|id| {
-                id.as_u64()
-                    .filter(|&t| t < vocab as u64)
-                    .map(|t| t as u32)
-                    .ok_or_else(|| {
-                        bad(format!(
-                            "prompt token ids must be integers in [0, {vocab}), got {id}"
-                        ))
-                    })
-            })
-            .collect::<Result<_, _>>()
-            .map(Prompt::Tokens),
+        Value::Array(ids) => {
+            super::token_ids(ids, vocab, "prompt", "prompt token ids").map(Prompt::Tokens)
+        }
         _ => Err(bad(
             "prompt must be a string, a list of token ids, or a list of one of them",
         )),

@@ -204,6 +204,30 @@ fn stop_strings(stop: &Param<Stop>, limits: StopLimits) -> Result<Vec<String>, R
     Ok(stops)
 }
 
+/// Token ids, each an integer below `vocab`; else a 400 naming `param` that says `what` must
+/// be such integers.
+pub fn token_ids(
+    values: &[Value],
+    vocab: usize,
+    param: &'static str,
+    what: &str,
+) -> Result<Vec<u32>, RouterError> {
+    values
+        .iter()
+        .map(|id| {
+            id.as_u64()
+                .filter(|&t| t < vocab as u64)
+                .map(|t| t as u32)
+                .ok_or_else(|| {
+                    RouterError::param(
+                        param,
+                        format!("{what} must be integers in [0, {vocab}), got {id}"),
+                    )
+                })
+        })
+        .collect()
+}
+
 /// An integer in `lo..=hi`, or `None` when absent or null.
 fn int_in(
     p: &Param<i128>,

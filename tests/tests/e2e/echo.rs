@@ -13,20 +13,7 @@ const PROMPT: &str = "The router speaks the OpenAI completions API to every clie
 fn direct() -> (Vec<u32>, Vec<engine::Sampled>) {
     let loaded = engine::load(&tiny_model(), &Device::Cpu).expect("loading the model");
     let ids = loaded.tokenizer.encode(PROMPT).unwrap();
-    let mut cache = loaded.model.new_cache().unwrap();
-    let (_, every) = loaded
-        .model
-        .forward_rows(
-            &mut [engine::SeqInput {
-                tokens: &ids,
-                cache: &mut cache,
-            }],
-            &mut |_, _| Ok(()),
-            &[true],
-        )
-        .unwrap();
-    let rows: Vec<Vec<f32>> = every[0].as_ref().unwrap().to_vec2().unwrap();
-    let scored = engine::sampling::scored(&rows[..ids.len() - 1], &ids[1..], 2);
+    let scored = e2e::scored_directly(&loaded, &ids, 2);
     (ids, scored)
 }
 

@@ -117,21 +117,7 @@ fn loglikelihood(loaded: &engine::Loaded, context: &str, continuation: &str) -> 
         .encode(&format!("{context}{continuation}"))
         .unwrap();
     let ctxlen = loaded.tokenizer.encode(context).unwrap().len();
-    let mut cache = loaded.model.new_cache().unwrap();
-    let (_, every) = loaded
-        .model
-        .forward_rows(
-            &mut [engine::SeqInput {
-                tokens: &whole,
-                cache: &mut cache,
-            }],
-            &mut |_, _| Ok(()),
-            &[true],
-        )
-        .unwrap();
-    let rows: Vec<Vec<f32>> = every[0].as_ref().unwrap().to_vec2().unwrap();
-    let scored = engine::sampling::scored(&rows[..whole.len() - 1], &whole[1..], 0);
-    scored[ctxlen - 1..]
+    e2e::scored_directly(loaded, &whole, 0)[ctxlen - 1..]
         .iter()
         .map(|s| f64::from(s.logprob))
         .sum()
