@@ -856,6 +856,11 @@ HELM_MUTATIONS = [
      "no env var ROUTER_NO_SUCH_VAR"),
     ("chart: a PodMonitor on a port the workers lack", "templates/monitoring.yaml",
      "    - port: grpc\n", "    - port: metrics\n", "no port named 'metrics'"),
+    ("chart: a TLS file outside its Secret", "templates/config.yaml",
+     "TANDEM_TLS_CA: /etc/tandem/tls/ca.crt", "TANDEM_TLS_CA: /etc/tandem/ca/ca.crt",
+     "is a file of a mounted Secret"),
+    ("chart: the workers' probes over plain HTTP with TLS", "templates/_helpers.tpl",
+     "{{- if .root.Values.tls.enabled -}}", "{{- if false -}}", "can pass the mutual-TLS port"),
 ]
 
 
