@@ -44,8 +44,9 @@ pub struct GenRequest {
     /// alternatives: a [`Piece::Prompt`] before the tokens.
     pub prompt_logprobs: bool,
     /// The choices the client's output has ended (bit i: choice i) while others go on: the
-    /// decode node is told to stop decoding them.
-    pub ended: watch::Receiver<u128>,
+    /// decode node is told to stop decoding them. Only for requests where that can happen
+    /// (several sequences and stop strings): watching costs a task per attempt.
+    pub ended: Option<watch::Receiver<u128>>,
 }
 
 impl GenRequest {
@@ -497,8 +498,8 @@ impl Drop for EndSequences {
     }
 }
 
-fn end_sequences(req: &GenRequest, d: &Arc<Worker>, kv_id: &str) -> EndSequences {
-    let mut ended = req.ended.clone();
+fn end_sequences(req: &GenRequest, d: &Arc<Worker>, kv_id: &str) -> Option<EndSequences> {
+    let mut ended = req.ended.clone()?;
     let (d, kv_id, log_id) = (Arc::clone(d), kv_id.to_string(), req.log_id.clone());
     let task = async move {
         let mut sent = 0u128;
@@ -520,7 +521,9 @@ fn end_sequences(req: &GenRequest, d: &Arc<Worker>, kv_id: &str) -> EndSequences
             }
         }
     };
-    EndSequences(tokio::spawn(task.instrument(tracing::Span::current())))
+    Some(EndSequences(tokio::spawn(
+        task.instrument(tracing::Span::current()),
+    )))
 }
 
 fn top_of(t: &proto::v1::Token) -> Vec<(u32, f32)> {

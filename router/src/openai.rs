@@ -225,8 +225,13 @@ async fn run(
         state.text.config.eos_token_ids.clone()
     };
     stop_ids.extend(&common.stop_token_ids);
-    let (ended, ended_rx) = tokio::sync::watch::channel(0u128);
-    let ended = Arc::new(ended);
+    // Only a choice among several can end while others go on.
+    let (ended, ended_rx) = if common.best_of > 1 && !common.stop.is_empty() {
+        let (tx, rx) = tokio::sync::watch::channel(0u128);
+        (Some(Arc::new(tx)), Some(rx))
+    } else {
+        (None, None)
+    };
     let req = GenRequest {
         id: id.clone(),
         log_id,
@@ -284,7 +289,7 @@ async fn run(
         echo: echo
             .as_ref()
             .map(|e| Echo::new(e.text.clone(), e.tokens.clone())),
-        ended: Arc::clone(&ended),
+        ended: ended.clone(),
     };
     let first_at = Instant::now();
     state.metrics.ttft.observe(first_at - arrived);
@@ -314,7 +319,9 @@ async fn run(
                 // hold moves to the new attempt's output, and the failed one charges nothing.
                 let hold = out.hold.take();
                 // The new attempt's choices all start again.
-                ended.send_replace(0);
+                if let Some(ended) = &ended {
+                    ended.send_replace(0);
+                }
                 (first, rest) = dispatch::start(state, req.clone()).await?;
                 out = output(Instant::now());
                 out.hold = hold;

@@ -66,6 +66,9 @@ impl StopStrings {
     /// output. The first stop string to complete wins; of two completing at the same byte,
     /// the longer one (it starts earlier).
     pub fn scan(&self, progress: &mut Progress, text: &str, old_len: usize, counts: bool) -> Scan {
+        if self.stops.is_empty() {
+            return Scan::Release(text.len());
+        }
         progress.0.resize(self.stops.len(), 0);
         let bytes = text.as_bytes();
         for (at, &b) in bytes.iter().enumerate().skip(old_len) {

@@ -225,8 +225,8 @@ pub(crate) struct Output {
     /// `echo`: the prompt, shown before each choice's output.
     pub(crate) echo: Option<Echo>,
     /// Choices ended by a stop string while others go on (bit i: choice i), for the
-    /// decode node to stop decoding (`GenRequest::ended`).
-    pub(crate) ended: Arc<tokio::sync::watch::Sender<u128>>,
+    /// decode node to stop decoding (`GenRequest::ended`); none where that cannot happen.
+    pub(crate) ended: Option<Arc<tokio::sync::watch::Sender<u128>>>,
 }
 
 impl Drop for Output {
@@ -357,9 +357,9 @@ impl Output {
         let rest = c.release(stops, true);
         if self.all_finished() {
             self.record();
-        } else if cut_short {
+        } else if let Some(ended) = self.ended.as_ref().filter(|_| cut_short) {
             // The decode node would go on decoding it for the other choices' sake.
-            self.ended.send_modify(|m| *m |= 1u128 << choice);
+            ended.send_modify(|m| *m |= 1u128 << choice);
         }
         Ok(rest)
     }
