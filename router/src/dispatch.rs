@@ -5,14 +5,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use proto::v1::{
-    generate_event::Event, EndSequenceRequest, FinishReason, GenerateRequest, PrefillRequest,
-    PrefillResponse,
+    generate_event::Event, FinishReason, GenerateRequest, PrefillRequest, PrefillResponse,
 };
 use tokio::sync::{mpsc, watch};
 use tonic::Streaming;
 use tracing::Instrument;
 
 use crate::config::Mode;
+use crate::ending;
 use crate::error::RouterError;
 use crate::metrics::Culprit;
 use crate::state::AppState;
@@ -306,7 +306,7 @@ async fn pd_on(
         .await
         .map_err(decode_failed)?
         .into_inner();
-    let _ends = end_sequences(req, d, &kv_id);
+    let _ends = ending::end_sequences(req, d, &kv_id);
     let wait = Duration::from_millis(reserve_timeout_ms);
     let ticket = match tokio::time::timeout(wait, stream.message()).await {
         Ok(Ok(Some(proto::v1::GenerateEvent {
@@ -465,7 +465,7 @@ async fn attempt_colocated(
             .generate(generate)
             .await
             .map_err(|s| Failed::on(&w, RouterError::worker("colocated", &w.addr, s)))?;
-        let _ends = end_sequences(req, &w, &req.id);
+        let _ends = ending::end_sequences(req, &w, &req.id);
         forward(
             stream.into_inner(),
             reported,
@@ -486,44 +486,6 @@ async fn attempt_colocated(
         }),
     }
     result
-}
-
-/// Passes the choices the client's output ends early (a stop string met while the request's
-/// other choices go on) to decode node `d` as EndSequence calls, until dropped.
-struct EndSequences(tokio::task::JoinHandle<()>);
-
-impl Drop for EndSequences {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-fn end_sequences(req: &GenRequest, d: &Arc<Worker>, kv_id: &str) -> Option<EndSequences> {
-    let mut ended = req.ended.clone()?;
-    let (d, kv_id, log_id) = (Arc::clone(d), kv_id.to_string(), req.log_id.clone());
-    let task = async move {
-        let mut sent = 0u128;
-        loop {
-            let new = *ended.borrow_and_update() & !sent;
-            sent |= new;
-            for choice in (0..128u32).filter(|c| new >> c & 1 == 1) {
-                let call = EndSequenceRequest {
-                    request_id: kv_id.clone(),
-                    choice,
-                };
-                let call = runtime::with_request_id(&log_id, call);
-                if let Err(s) = d.decode().end_sequence(call).await {
-                    tracing::debug!(status = %s, choice, "the decode node did not end a sequence");
-                }
-            }
-            if ended.changed().await.is_err() {
-                return;
-            }
-        }
-    };
-    Some(EndSequences(tokio::spawn(
-        task.instrument(tracing::Span::current()),
-    )))
 }
 
 fn top_of(t: &proto::v1::Token) -> Vec<(u32, f32)> {

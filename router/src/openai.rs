@@ -19,6 +19,7 @@ use tracing::Instrument;
 use crate::api;
 use crate::dispatch::{self, GenRequest, Piece, Pieces};
 use crate::error::{ErrorFormat, RouterError};
+use crate::intake::{client_request_id, off_the_io_threads, REQUEST_ID_HEADER};
 use crate::keys::Key;
 use crate::metrics::InFlight;
 use crate::output::{ChoiceOut, Echo, Kind, Output, Tally};
@@ -26,12 +27,6 @@ use crate::params::{self, ToolChoice};
 use crate::state::AppState;
 use crate::stops::StopStrings;
 use text::structured::{prompt_opens_reasoning, Parser};
-
-/// Bodies up to this size are parsed, templated and tokenized on the thread serving the
-/// connection: a few thousand tokens at most, about a millisecond, a bounded stall; the hop
-/// to the blocking pool would cost every request two thread switches, and a one-thread
-/// router (`--threads 1`) its single thread. Larger bodies go to the blocking pool.
-const INLINE_BODY_BYTES: usize = 16 << 10;
 
 /// `POST /v1/chat/completions`.
 pub async fn chat(
@@ -151,48 +146,6 @@ async fn handle(
         .metrics
         .finished(kind.endpoint(), response.status().as_u16());
     response
-}
-
-/// Runs `work` (parsing, templating, tokenizing: work that grows with the body) on the
-/// body: inline when it is small, else on the blocking pool, at most one per CPU at a time,
-/// so that large bodies never stall the threads that serve every connection.
-pub(crate) async fn off_the_io_threads<T: Send + 'static>(
-    state: &Arc<AppState>,
-    body: Bytes,
-    work: impl FnOnce(&AppState, &[u8]) -> Result<T, RouterError> + Send + 'static,
-) -> Result<T, RouterError> {
-    if body.len() <= INLINE_BODY_BYTES {
-        return work(state, &body);
-    }
-    let _turn = state
-        .preparing
-        .acquire()
-        .await
-        .map_err(|_| RouterError::Internal("the router is stopping".into()))?;
-    let (st, span) = (Arc::clone(state), tracing::Span::current());
-    tokio::task::spawn_blocking(move || span.in_scope(|| work(&st, &body)))
-        .await
-        .map_err(|e| RouterError::Internal(format!("preparing the request: {e}")))?
-}
-
-/// The header a client names its request by, echoed on the response and carried to the
-/// nodes' logs.
-const REQUEST_ID_HEADER: &str = "x-request-id";
-
-/// The most characters of a client's request id that are kept.
-const MAX_REQUEST_ID: usize = 128;
-
-/// The client's X-Request-Id, reduced to what is safe in a log line and a header: letters,
-/// digits and `.`, `_`, `:`, `-`, at most 128 of them. `None` when absent or nothing is left.
-fn client_request_id(headers: &HeaderMap) -> Option<String> {
-    let raw = headers.get(REQUEST_ID_HEADER)?.as_bytes();
-    let id: String = raw
-        .iter()
-        .map(|&b| b as char)
-        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-'))
-        .take(MAX_REQUEST_ID)
-        .collect();
-    (!id.is_empty()).then_some(id)
 }
 
 async fn run(

@@ -8,7 +8,8 @@ use crate::api::tokenize::{
 };
 use crate::api::{self, chat::ChatRequest, Param};
 use crate::error::RouterError;
-use crate::openai::{off_the_io_threads, read_body};
+use crate::intake::off_the_io_threads;
+use crate::openai::read_body;
 use crate::params;
 use crate::state::AppState;
 use axum::body::Body;
