@@ -239,9 +239,7 @@ async fn run(
         first_at,
         hold: None,
         include_usage: common.include_usage,
-        echo: echo
-            .as_ref()
-            .map(|e| Echo::new(e.text.clone(), e.tokens.clone())),
+        echo: echo.clone(),
         ended: ended.clone(),
     };
     let first_at = Instant::now();

@@ -224,6 +224,14 @@ impl Scheduler {
     /// Finishes (STOP) the sequences the router has ended: it met a stop string in them
     /// while their request's other sequences go on. Dropping them frees their KV blocks.
     fn end_stopped(&mut self) {
+        // Checked before every step: rebuild the batch only when one was ended.
+        if !self
+            .running
+            .iter()
+            .any(|s| s.ended.is_set(s.choice as usize))
+        {
+            return;
+        }
         let (ended, running) = std::mem::take(&mut self.running)
             .into_iter()
             .partition(|s: &Seq| s.ended.is_set(s.choice as usize));

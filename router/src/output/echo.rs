@@ -6,6 +6,7 @@ use super::{LogprobEntry, Output, Shown};
 use crate::error::RouterError;
 
 /// The echoed prompt of a request.
+#[derive(Clone)]
 pub(crate) struct Echo {
     /// Shown before each choice's output.
     pub(crate) text: String,

@@ -247,17 +247,21 @@ impl Output {
         String::from_utf8(out).expect("JSON is UTF-8")
     }
 
+    /// A choice's whole text for a last chunk's `full_text`, with fullText enabled.
+    fn full_text<'a>(&self, c: &'a ChoiceOut) -> Option<&'a str> {
+        self.state
+            .cfg
+            .full_text_enabled
+            .then_some(c.content.as_str())
+    }
+
     /// The chunk that ends `choice` with what it still held back; the last one to end
     /// also carries the usage.
     pub(crate) fn finish_chunk(&self, choice: u32, rest: &Released) -> String {
         let c = &self.choices[choice as usize];
         let chunk = Chunk {
             head: self.head(true),
-            full_text: self
-                .state
-                .cfg
-                .full_text_enabled
-                .then_some(c.content.as_str()),
+            full_text: self.full_text(c),
             usage: self.all_finished().then(|| self.usage()),
             choices: vec![self.choice(choice as usize, c, Some(rest), (&[], 0), c.finish)],
             err_msg: None,
@@ -335,12 +339,7 @@ impl Output {
         let chunk = Chunk {
             head: self.head(true),
             // The best hypothesis's, as the last chunk of any stream carries its choice's.
-            full_text: self
-                .state
-                .cfg
-                .full_text_enabled
-                .then(|| self.choices.first().map(|c| c.content.as_str()))
-                .flatten(),
+            full_text: self.choices.first().and_then(|c| self.full_text(c)),
             usage: Some(self.usage()),
             choices: self
                 .choices
