@@ -26,6 +26,9 @@ export PREFILL_DECODE_NODES="$DECODE_LISTEN"
 
 bin="${TANDEM_BIN_DIR:-}"
 if [ -z "$bin" ]; then
+  command -v protoc >/dev/null || {
+    echo "the build needs protoc (etcd-client's build runs it): apt-get install protobuf-compiler" >&2
+    exit 1; }
   cargo build --release -p router -p prefill-node -p decode-node
   bin="$root/target/release"
 fi

@@ -1,20 +1,21 @@
-//! A small etcd v3 client over tonic: ranges, puts, deletes, leases and a watch stream,
-//! trying the configured endpoints in turn when one fails.
+//! The etcd calls discovery makes, through `etcd-client` with one client per member: ranges,
+//! puts, deletes, leases and a watch, each under a timeout, trying the next member when one
+//! fails.
+//!
+//! `etcd-client` balances over its members itself, but only with tonic's own TLS, which loads
+//! the certificates once. Each member's channel here goes through `tls::Connector` instead, which
+//! takes rotated certificate files without a restart (as every other hop in the cluster does),
+//! so the members are kept in a list of our own and rotated on failure.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 use std::time::Duration;
 
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
+use etcd_client::{
+    Client, ConnectOptions, GetOptions, LeaseKeepAliveStream, LeaseKeeper, WatchOptions,
+    WatchStream,
+};
+use tokio::sync::Mutex;
 use tonic::transport::{Channel, Endpoint};
-use tonic::Streaming;
-
-use crate::pb;
-use crate::pb::auth_client::AuthClient;
-use crate::pb::kv_client::KvClient;
-use crate::pb::lease_client::LeaseClient;
-use crate::pb::watch_client::WatchClient;
 
 /// How long one unary call to etcd may take; a hung member must not hang a worker.
 const CALL_TIMEOUT: Duration = Duration::from_secs(3);
@@ -29,13 +30,23 @@ pub enum EtcdError {
     #[error("etcd call timed out after {0:?}")]
     Timeout(Duration),
     #[error("etcd: {0}")]
-    Status(#[from] tonic::Status),
+    Client(#[from] etcd_client::Error),
     #[error("etcd refused the lease: {0}")]
     Lease(String),
     #[error("etcd ended the stream")]
     StreamEnded,
     #[error("etcd refused the user {0}: {1}")]
     Auth(String, String),
+}
+
+impl EtcdError {
+    /// The gRPC status etcd answered with, if it answered.
+    fn code(&self) -> Option<tonic::Code> {
+        match self {
+            EtcdError::Client(etcd_client::Error::GRpcStatus(s)) => Some(s.code()),
+            _ => None,
+        }
+    }
 }
 
 /// A password, kept out of `Debug` output and so out of logs.
@@ -58,13 +69,18 @@ pub struct EtcdSecurity {
     pub user: Option<(String, Password)>,
 }
 
-/// Channels to etcd's members; calls go to one, and move on to the next when it fails.
+/// One etcd member: its channel, and a client on it once one has authenticated.
+struct Member {
+    endpoint: String,
+    channel: Channel,
+    client: Mutex<Option<Client>>,
+}
+
+/// Clients of etcd's members; calls go to one, and move on to the next when it fails.
 pub struct EtcdClient {
-    endpoints: Vec<(String, Channel)>,
+    members: Vec<Member>,
     current: AtomicUsize,
     user: Option<(String, Password)>,
-    /// The auth token every call carries while it is valid.
-    token: Mutex<Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>>,
 }
 
 impl EtcdClient {
@@ -74,7 +90,7 @@ impl EtcdClient {
         if endpoints.is_empty() {
             return Err(EtcdError::NoEndpoints);
         }
-        let endpoints = endpoints
+        let members = endpoints
             .iter()
             .map(|e| {
                 let hostport = e.split_once("://").map_or(e.as_str(), |(_, rest)| rest);
@@ -97,86 +113,93 @@ impl EtcdClient {
                     Some(t) => endpoint.connect_with_connector_lazy(tls::Connector::new(t.clone())),
                     None => endpoint.connect_lazy(),
                 };
-                Ok((e.clone(), channel))
+                Ok(Member {
+                    endpoint: e.clone(),
+                    channel,
+                    client: Mutex::default(),
+                })
             })
             .collect::<Result<_, EtcdError>>()?;
         Ok(Self {
-            endpoints,
+            members,
             current: AtomicUsize::new(0),
             user: security.user.clone(),
-            token: Mutex::default(),
         })
     }
 
-    /// `msg` as a request carrying the auth token, authenticating first when there is
-    /// none yet (or the last one was refused).
-    async fn request<T>(&self, msg: T) -> Result<tonic::Request<T>, EtcdError> {
-        let mut req = tonic::Request::new(msg);
-        let Some((name, password)) = &self.user else {
-            return Ok(req);
-        };
-        let held = self.token.lock().expect("token lock").clone();
-        let token = match held {
-            Some(t) => t,
-            None => {
-                let mut auth = AuthClient::new(self.channel());
-                let call = auth.authenticate(pb::AuthenticateRequest {
-                    name: name.clone(),
-                    password: password.0.clone(),
-                });
-                let resp = match tokio::time::timeout(CALL_TIMEOUT, call).await {
-                    Ok(Ok(r)) => r.into_inner(),
-                    Ok(Err(s)) if s.code() == tonic::Code::InvalidArgument => {
-                        return Err(EtcdError::Auth(name.clone(), s.message().to_string()))
-                    }
-                    Ok(Err(s)) => {
-                        self.failed();
-                        return Err(s.into());
-                    }
-                    Err(_) => {
-                        self.failed();
-                        return Err(EtcdError::Timeout(CALL_TIMEOUT));
-                    }
-                };
-                let t = resp.token.parse().map_err(|_| {
-                    EtcdError::Auth(name.clone(), "the token is not valid metadata".into())
-                })?;
-                *self.token.lock().expect("token lock") = Some(Clone::clone(&t));
-                t
-            }
-        };
-        req.metadata_mut().insert("token", token);
-        Ok(req)
+    fn member(&self) -> &Member {
+        &self.members[self.current.load(Ordering::Relaxed) % self.members.len()]
     }
 
-    fn channel(&self) -> Channel {
-        let i = self.current.load(Ordering::Relaxed) % self.endpoints.len();
-        self.endpoints[i].1.clone()
+    /// The current member's client, authenticating first when there is none yet (or the
+    /// last token was refused).
+    async fn client(&self) -> Result<Client, EtcdError> {
+        let member = self.member();
+        let mut held = member.client.lock().await;
+        if let Some(c) = held.as_ref() {
+            return Ok(c.clone());
+        }
+        let options = self
+            .user
+            .as_ref()
+            .map(|(name, password)| ConnectOptions::new().with_user(name, &password.0));
+        let channel = etcd_client::Channel::Tonic(member.channel.clone());
+        let connected = Client::from_channel(channel, options);
+        let client = match tokio::time::timeout(CALL_TIMEOUT, connected).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                let e = EtcdError::from(e);
+                return Err(match (e.code(), &self.user) {
+                    (Some(tonic::Code::InvalidArgument), Some((name, _))) => {
+                        EtcdError::Auth(name.clone(), e.to_string())
+                    }
+                    _ => {
+                        self.failed();
+                        e
+                    }
+                });
+            }
+            Err(_) => {
+                self.failed();
+                return Err(EtcdError::Timeout(CALL_TIMEOUT));
+            }
+        };
+        *held = Some(client.clone());
+        Ok(client)
     }
 
     /// Notes that the current member failed, so the next call tries another.
     fn failed(&self) {
-        if self.endpoints.len() > 1 {
+        if self.members.len() > 1 {
             let i = self.current.fetch_add(1, Ordering::Relaxed) + 1;
-            tracing::debug!(next = %self.endpoints[i % self.endpoints.len()].0, "etcd member failed; trying the next");
+            let next = &self.members[i % self.members.len()].endpoint;
+            tracing::debug!(%next, "etcd member failed; trying the next");
         }
     }
 
-    /// Runs one unary call with a timeout, rotating members on failure.
-    async fn call<T, F>(&self, f: F) -> Result<T, EtcdError>
+    /// Runs one call on the current member's client with a timeout, rotating members on
+    /// failure.
+    async fn call<T, F, Fut>(&self, f: F) -> Result<T, EtcdError>
     where
-        F: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+        F: FnOnce(Client) -> Fut,
+        Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
     {
-        match tokio::time::timeout(CALL_TIMEOUT, f).await {
-            Ok(Ok(r)) => Ok(r.into_inner()),
-            Ok(Err(s)) => {
-                if s.code() == tonic::Code::Unauthenticated {
+        let client = self.client().await?;
+        match tokio::time::timeout(CALL_TIMEOUT, f(client)).await {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(e)) => {
+                match &e {
                     // An expired or revoked token: the next call authenticates again.
-                    *self.token.lock().expect("token lock") = None;
-                } else {
-                    self.failed();
+                    etcd_client::Error::GRpcStatus(s)
+                        if s.code() == tonic::Code::Unauthenticated =>
+                    {
+                        *self.member().client.lock().await = None
+                    }
+                    // An answer about the lease, not a failing member.
+                    etcd_client::Error::LeaseKeepAliveError(_) => {}
+                    _ => self.failed(),
                 }
-                Err(s.into())
+                Err(e.into())
             }
             Err(_) => {
                 self.failed();
@@ -185,109 +208,85 @@ impl EtcdClient {
         }
     }
 
-    /// Every key under `prefix`, with the store's revision at the time of the read.
-    pub async fn range_prefix(&self, prefix: &str) -> Result<(i64, Vec<pb::KeyValue>), EtcdError> {
-        let req = pb::RangeRequest {
-            key: prefix.as_bytes().to_vec(),
-            range_end: crate::prefix_end(prefix.as_bytes()),
-            ..Default::default()
-        };
-        let mut kv = KvClient::new(self.channel());
-        let resp = self.call(kv.range(self.request(req).await?)).await?;
-        let revision = resp.header.map_or(0, |h| h.revision);
-        Ok((revision, resp.kvs))
+    /// Every key under `prefix` as (key, value), with the store's revision at the time of
+    /// the read.
+    pub async fn range_prefix(
+        &self,
+        prefix: &str,
+    ) -> Result<(i64, Vec<(Vec<u8>, Vec<u8>)>), EtcdError> {
+        let resp = self
+            .call(|mut c| async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await })
+            .await?;
+        let revision = resp.header().map_or(0, |h| h.revision());
+        let kvs = resp
+            .kvs()
+            .iter()
+            .map(|kv| (kv.key().to_vec(), kv.value().to_vec()))
+            .collect();
+        Ok((revision, kvs))
     }
 
     /// Stores `value` under `key`, tied to `lease` (0: none).
     pub async fn put(&self, key: &str, value: &[u8], lease: i64) -> Result<(), EtcdError> {
-        let req = pb::PutRequest {
-            key: key.as_bytes().to_vec(),
-            value: value.to_vec(),
-            lease,
-        };
-        let mut kv = KvClient::new(self.channel());
-        self.call(kv.put(self.request(req).await?)).await.map(drop)
+        let options = etcd_client::PutOptions::new().with_lease(lease);
+        self.call(|mut c| async move { c.put(key, value, Some(options)).await })
+            .await
+            .map(drop)
     }
 
     /// Deletes `key`.
     pub async fn delete(&self, key: &str) -> Result<(), EtcdError> {
-        let req = pb::DeleteRangeRequest {
-            key: key.as_bytes().to_vec(),
-            range_end: Vec::new(),
-        };
-        let mut kv = KvClient::new(self.channel());
-        self.call(kv.delete_range(self.request(req).await?))
+        self.call(|mut c| async move { c.delete(key, None).await })
             .await
             .map(drop)
     }
 
     /// A new lease of `ttl` seconds; returns its id.
     pub async fn grant(&self, ttl: i64) -> Result<i64, EtcdError> {
-        let mut lease = LeaseClient::new(self.channel());
         let resp = self
-            .call(lease.lease_grant(self.request(pb::LeaseGrantRequest { ttl, id: 0 }).await?))
+            .call(|mut c| async move { c.lease_grant(ttl, None).await })
             .await?;
-        if !resp.error.is_empty() {
-            return Err(EtcdError::Lease(resp.error));
+        if !resp.error().is_empty() {
+            return Err(EtcdError::Lease(resp.error().to_string()));
         }
-        Ok(resp.id)
+        Ok(resp.id())
     }
 
     /// Revokes lease `id`, deleting every key tied to it.
     pub async fn revoke(&self, id: i64) -> Result<(), EtcdError> {
-        let mut lease = LeaseClient::new(self.channel());
-        self.call(lease.lease_revoke(self.request(pb::LeaseRevokeRequest { id }).await?))
+        self.call(|mut c| async move { c.lease_revoke(id).await })
             .await
             .map(drop)
     }
 
-    /// Opens a keep-alive stream for lease `id`, renewing it once: each message sent on the
-    /// returned sender renews it again, and each reply carries its remaining TTL (0 or
-    /// less: the lease is gone).
+    /// Opens a keep-alive stream for lease `id`, renewing it once. `Ok(None)`: etcd no longer
+    /// has the lease. Each `keep_alive` on the keeper renews it again, and each reply on the
+    /// stream carries its remaining TTL (0 or less: the lease is gone).
     pub async fn keep_alive(
         &self,
         id: i64,
-    ) -> Result<
-        (
-            mpsc::Sender<pb::LeaseKeepAliveRequest>,
-            Streaming<pb::LeaseKeepAliveResponse>,
-        ),
-        EtcdError,
-    > {
-        let (tx, rx) = mpsc::channel(4);
-        // etcd answers the call only once it has a request to answer.
-        tx.send(pb::LeaseKeepAliveRequest { id })
+    ) -> Result<Option<(LeaseKeeper, LeaseKeepAliveStream)>, EtcdError> {
+        match self
+            .call(|mut c| async move { c.lease_keep_alive(id).await })
             .await
-            .expect("the receiver is held below");
-        let mut lease = LeaseClient::new(self.channel());
-        let stream = self
-            .call(lease.lease_keep_alive(self.request(ReceiverStream::new(rx)).await?))
-            .await?;
-        Ok((tx, stream))
+        {
+            Ok(kept) => Ok(Some(kept)),
+            // etcd-client's answer when the first renewal reports no TTL left.
+            Err(EtcdError::Client(etcd_client::Error::LeaseKeepAliveError(_))) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
-    /// Watches every key under `prefix` from `revision` on. The sender must be kept: dropping
-    /// it ends the watch.
+    /// Watches every key under `prefix` from `revision` on.
     pub async fn watch_prefix(
         &self,
         prefix: &str,
         revision: i64,
-    ) -> Result<(mpsc::Sender<pb::WatchRequest>, Streaming<pb::WatchResponse>), EtcdError> {
-        let (tx, rx) = mpsc::channel(1);
-        let create = pb::WatchRequest {
-            request_union: Some(pb::watch_request::RequestUnion::CreateRequest(
-                pb::WatchCreateRequest {
-                    key: prefix.as_bytes().to_vec(),
-                    range_end: crate::prefix_end(prefix.as_bytes()),
-                    start_revision: revision,
-                },
-            )),
-        };
-        tx.send(create).await.expect("the receiver is held below");
-        let mut watch = WatchClient::new(self.channel());
-        let stream = self
-            .call(watch.watch(self.request(ReceiverStream::new(rx)).await?))
-            .await?;
-        Ok((tx, stream))
+    ) -> Result<WatchStream, EtcdError> {
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision);
+        self.call(|mut c| async move { c.watch(prefix, Some(options)).await })
+            .await
     }
 }

@@ -1,8 +1,7 @@
 //! Worker discovery through etcd: each worker registers what it serves under a key tied to
 //! a lease it keeps alive, and the router watches the prefix to follow the worker set.
 //!
-//! The etcd client is ours: the few KV, lease and watch calls this needs, generated from a
-//! subset of etcd's own protos (`etcd/etcd.proto`), so the build needs no protoc.
+//! The calls go through `etcd-client` (whose build runs protoc: Debian's `protobuf-compiler`).
 
 mod etcd;
 mod register;
@@ -13,11 +12,6 @@ use serde::{Deserialize, Serialize};
 pub use etcd::{EtcdClient, EtcdError, EtcdSecurity, Password};
 pub use register::Registration;
 pub use watch::{watch_workers, WorkerSet};
-
-/// Generated etcd messages and clients.
-pub mod pb {
-    tonic::include_proto!("etcdserverpb");
-}
 
 /// The key prefix workers register under unless configured otherwise.
 pub const DEFAULT_PREFIX: &str = "/tandem/workers/";
@@ -98,20 +92,6 @@ pub fn model_identity(path: &std::path::Path) -> String {
         .unwrap_or_else(|| "model".into())
 }
 
-/// The end of the key range that holds every key starting with `prefix` (etcd's
-/// `range_end` convention: the prefix with its last byte incremented).
-pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
-    let mut end = prefix.to_vec();
-    while let Some(last) = end.pop() {
-        if last < 0xff {
-            end.push(last + 1);
-            return end;
-        }
-    }
-    // Every byte was 0xff: "\0" means all keys from `prefix` on.
-    vec![0]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -145,12 +125,5 @@ mod tests {
             "layout":{"n_layers":1,"n_kv_heads":1,"head_dim":1,"dtype":"f32"}}"#;
         let bare: WorkerInfo = serde_json::from_str(bare).unwrap();
         assert_eq!(bare.capacity, Capacity::default());
-    }
-
-    #[test]
-    fn prefix_end_covers_exactly_the_prefix() {
-        assert_eq!(prefix_end(b"/tandem/"), b"/tandem0".to_vec());
-        assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
-        assert_eq!(prefix_end(b"\xff"), vec![0]);
     }
 }

@@ -7,13 +7,13 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use etcd_client::{LeaseKeepAliveResponse, LeaseKeepAliveStream};
+
 use crate::etcd::{EtcdClient, EtcdError};
-use crate::{pb, WorkerInfo};
+use crate::WorkerInfo;
 
 /// How long a worker waits before trying etcd again after a failure.
 const RETRY: Duration = Duration::from_millis(500);
-/// How long etcd may take to answer a keep-alive.
-const CALL_WAIT: Duration = Duration::from_secs(3);
 /// How long deregistering may take before the worker goes on draining without it.
 const DEREGISTER_TIMEOUT: Duration = Duration::from_secs(3);
 
@@ -105,20 +105,18 @@ async fn hold(
     // After an outage the old lease may still be alive (etcd extends leases over a leader
     // change); keep it rather than leave a second copy of the key behind.
     let kept = match *lease {
-        Some(id) => {
-            let (tx, mut replies) = client.keep_alive(id).await?;
-            let reply = next_reply(&mut replies, CALL_WAIT).await?;
-            (reply.ttl > 0).then_some((id, tx, replies))
-        }
+        Some(id) => client.keep_alive(id).await?.map(|k| (id, k)),
         None => None,
     };
-    let (id, tx, mut replies) = match kept {
+    let (id, (mut keeper, mut replies)) = match kept {
         Some(k) => k,
         None => {
             let id = client.grant(ttl).await?;
-            let (tx, mut replies) = client.keep_alive(id).await?;
-            next_reply(&mut replies, CALL_WAIT).await?;
-            (id, tx, replies)
+            let kept = client.keep_alive(id).await?;
+            (
+                id,
+                kept.ok_or(EtcdError::Lease("a new lease is gone".into()))?,
+            )
         }
     };
     *lease = Some(id);
@@ -128,10 +126,8 @@ async fn hold(
     let period = Duration::from_millis((ttl as u64 * 1000 / 3).max(200));
     loop {
         tokio::time::sleep(period).await;
-        tx.send(pb::LeaseKeepAliveRequest { id })
-            .await
-            .map_err(|_| EtcdError::StreamEnded)?;
-        if next_reply(&mut replies, period).await?.ttl <= 0 {
+        keeper.keep_alive().await?;
+        if next_reply(&mut replies, period).await?.ttl() <= 0 {
             *lease = None;
             return Ok(());
         }
@@ -140,9 +136,9 @@ async fn hold(
 
 /// The next keep-alive reply, within `limit`.
 async fn next_reply(
-    replies: &mut tonic::Streaming<pb::LeaseKeepAliveResponse>,
+    replies: &mut LeaseKeepAliveStream,
     limit: Duration,
-) -> Result<pb::LeaseKeepAliveResponse, EtcdError> {
+) -> Result<LeaseKeepAliveResponse, EtcdError> {
     tokio::time::timeout(limit, replies.message())
         .await
         .map_err(|_| EtcdError::Timeout(limit))??

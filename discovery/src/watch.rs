@@ -10,8 +10,8 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::etcd::{EtcdClient, EtcdError};
-use crate::pb::event::EventType;
 use crate::WorkerInfo;
+use etcd_client::EventType;
 
 /// How long the watcher first waits before trying etcd again after a failure or a
 /// cancelled watch; each failure in a row doubles it, up to [`RETRY_MAX`].
@@ -107,8 +107,8 @@ async fn follow(
 ) -> Result<Ended, EtcdError> {
     let (revision, kvs) = client.range_prefix(prefix).await?;
     let mut workers = BTreeMap::new();
-    for kv in kvs {
-        if let Some((key, info)) = parse(&kv.key, &kv.value) {
+    for (key, value) in kvs {
+        if let Some((key, info)) = parse(&key, &value) {
             workers.insert(key, info);
         }
     }
@@ -127,7 +127,7 @@ async fn follow(
         *set = next;
         true
     });
-    let (_keep, mut stream) = client.watch_prefix(prefix, revision + 1).await?;
+    let mut stream = client.watch_prefix(prefix, revision + 1).await?;
     let deadline = tokio::time::Instant::now() + relist;
     loop {
         let msg = tokio::select! {
@@ -135,23 +135,23 @@ async fn follow(
             _ = tokio::time::sleep_until(deadline) => return Ok(Ended::Period),
             _ = tx.closed() => return Ok(Ended::Period),
         };
-        if msg.canceled {
+        if msg.canceled() {
             // Compacted past our revision, or refused: a fresh listing catches up.
-            tracing::info!(reason = %msg.cancel_reason, "etcd cancelled the watch; listing again");
+            tracing::info!(reason = %msg.cancel_reason(), "etcd cancelled the watch; listing again");
             return Ok(Ended::Cancelled);
         }
-        if msg.events.is_empty() {
+        if msg.events().is_empty() {
             continue;
         }
         tx.send_modify(|set| {
-            for ev in msg.events {
-                let Some(kv) = ev.kv else { continue };
-                let key = String::from_utf8_lossy(&kv.key).into_owned();
-                if ev.r#type == EventType::Delete as i32 {
+            for ev in msg.events() {
+                let Some(kv) = ev.kv() else { continue };
+                let key = String::from_utf8_lossy(kv.key()).into_owned();
+                if ev.event_type() == EventType::Delete {
                     if set.workers.remove(&key).is_some() {
                         tracing::info!(%key, "worker left");
                     }
-                } else if let Some((key, info)) = parse(&kv.key, &kv.value) {
+                } else if let Some((key, info)) = parse(kv.key(), kv.value()) {
                     if set.workers.insert(key.clone(), info).is_none() {
                         tracing::info!(%key, "worker joined");
                     }
