@@ -1,11 +1,11 @@
-//! Compiles the protos with protox (pure Rust), so no protoc is needed.
+//! Compiles the protos with protoc (Debian's `protobuf-compiler`), which etcd-client's build
+//! needs too.
 
 fn main() {
     let files = ["tandem/v1/tandem.proto"];
-    let fds = protox::compile(files, ["."]).expect("the protos compile");
     tonic_prost_build::configure()
-        .compile_fds(fds)
-        .expect("tonic code generates");
+        .compile_protos(&files, &["."])
+        .expect("the protos compile");
     for f in files {
         println!("cargo:rerun-if-changed={f}");
     }
