@@ -22,6 +22,7 @@ use tracing::Instrument;
 use crate::error::DecodeError;
 use crate::metrics::DecodeMetrics;
 use crate::store::{Arrived, Redeemed, Tickets};
+use runtime::prom::Observe;
 
 /// Most sequences one request may decode (the seeds' n and best_of limit).
 pub const MAX_SEQUENCES: usize = 128;
@@ -254,7 +255,6 @@ impl KvPlane {
                 let took = started.elapsed();
                 tracing::debug!(bytes, ms = took.as_secs_f64() * 1e3, "KV received");
                 DecodeMetrics::inc(&self.metrics.transfers);
-                DecodeMetrics::add(&self.metrics.transfer_micros, took.as_micros() as u64);
                 self.metrics.transfer_duration.observe(took);
                 DecodeMetrics::add(&self.metrics.transfer_bytes, bytes);
                 // The call may have gone meanwhile: then the cache and its reservation

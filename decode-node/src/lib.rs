@@ -15,8 +15,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use std::sync::atomic::Ordering;
-
 use tokio::net::TcpListener;
 
 pub use config::Config;
@@ -72,13 +70,8 @@ pub async fn serve(
         blocks,
         cfg.max_waiting,
     ));
-    let metrics = Arc::new(DecodeMetrics::default());
-    metrics
-        .kv_blocks_capacity
-        .store(blocks as u64, Ordering::Relaxed);
-    metrics
-        .kv_block_tokens
-        .store(block_tokens as u64, Ordering::Relaxed);
+    let metrics = Arc::new(DecodeMetrics::new(block_tokens));
+    metrics.spawn_upkeep();
     let (admit_tx, admit_rx) = tokio::sync::mpsc::unbounded_channel();
     let compute = scheduler::spawn(
         Arc::new(model),
@@ -162,6 +155,7 @@ pub async fn serve(
         routes,
         render: move || {
             metrics.render(metrics::Held {
+                capacity: budget.capacity(),
                 used_blocks: budget.used(),
                 reserving: budget.waiting(),
                 receiving: plane.receiving(),

@@ -61,6 +61,7 @@ pub async fn serve(
     let max_queue = cfg.max_queue.max(1);
     let (jobs_tx, jobs_rx) = tokio::sync::mpsc::channel(max_queue);
     let metrics = Arc::new(PrefillMetrics::default());
+    metrics.spawn_upkeep();
     let limits = worker::Limits {
         step_tokens: cfg.step_tokens,
         chunk_tokens: cfg.chunk_tokens,

@@ -1,7 +1,6 @@
 //! The `tandem.v1.Prefill` service: queues prompts for the compute thread and runs each
 //! request's KV transfer to its decode node.
 
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -15,6 +14,7 @@ use crate::error::PrefillError;
 use crate::metrics::PrefillMetrics;
 use crate::targets::DecodeTargets;
 use crate::worker::Job;
+use runtime::prom::{Counter, Observe};
 
 /// State shared by the service's handlers.
 pub struct PrefillService {
@@ -157,7 +157,6 @@ impl PrefillService {
         // The part of the transfer the compute did not hide: its last layer's chunk and the
         // decode node's rebuild, up to the acknowledgement.
         let kv_tail = computed.computed_at.elapsed();
-        PrefillMetrics::add(&self.metrics.kv_tail_micros, kv_tail.as_micros() as u64);
         self.metrics.transfer_tail.observe(kv_tail);
         tracing::info!(
             prefill_ms = prefill_time.as_secs_f64() * 1e3,
@@ -193,7 +192,7 @@ struct Outcome<'a> {
 }
 
 impl Outcome<'_> {
-    fn settle(mut self, counter: &AtomicU64) {
+    fn settle(mut self, counter: &Counter) {
         PrefillMetrics::inc(counter);
         self.settled = true;
     }

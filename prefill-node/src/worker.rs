@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::error::PrefillError;
 use crate::metrics::PrefillMetrics;
 use crate::prefix::PrefixCache;
+use runtime::prom::Observe;
 
 /// One prompt to run.
 pub struct Job {
@@ -225,9 +226,8 @@ impl Worker {
         let m = &self.metrics;
         m.running.store(self.active.len() as u64, Ordering::Relaxed);
         let held: usize = self.active.iter().map(|a| a.cache.allocated_bytes()).sum();
-        m.kv_bytes_held.store(held as u64, Ordering::Relaxed);
-        m.prefix_cache_bytes
-            .store(self.prefix.bytes() as u64, Ordering::Relaxed);
+        m.kv_bytes_held.set(held as f64);
+        m.prefix_cache_bytes.set(self.prefix.bytes() as f64);
     }
 
     /// One forward pass over the next piece of each prompt, oldest first, within the
@@ -328,10 +328,7 @@ impl Worker {
                 return;
             }
         };
-        PrefillMetrics::add(
-            &self.metrics.compute_micros,
-            started.elapsed().as_micros() as u64,
-        );
+        self.metrics.step_duration.observe(started.elapsed());
         PrefillMetrics::add(
             &self.metrics.prompt_tokens,
             takes.iter().sum::<usize>() as u64,
@@ -391,10 +388,6 @@ impl Worker {
             Ok(()) => {
                 let started = a.started.unwrap_or_else(Instant::now);
                 let queue_wait = started.saturating_duration_since(job.enqueued);
-                PrefillMetrics::add(
-                    &self.metrics.queue_wait_micros,
-                    queue_wait.as_micros() as u64,
-                );
                 self.metrics.queue_wait.observe(queue_wait);
                 self.metrics.compute_duration.observe(started.elapsed());
                 Ok(Computed {

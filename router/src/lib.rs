@@ -105,23 +105,15 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    let mut page = state.metrics.render();
-    runtime::prom::tls(&mut page);
-    page.push_str(&pool::render(&[
-        ("prefill", &state.prefill),
-        ("decode", &state.decode),
-    ]));
-    let degraded = u8::from(state.discovery() == state::Discovery::Degraded);
-    runtime::prom::all(
-        &mut page,
-        "gauge",
-        &[(
+    let page = state.metrics.render_with(|r| {
+        pool::publish(&[("prefill", &state.prefill), ("decode", &state.decode)], r);
+        let degraded = u8::from(state.discovery() == state::Discovery::Degraded);
+        r.gauge(
             "router_discovery_degraded",
             "1 while etcd cannot be reached and the last known workers are used.",
-            f64::from(degraded),
-        )],
-    );
-    runtime::process::render(&mut page);
+        )
+        .set(f64::from(degraded));
+    });
     ([("content-type", "text/plain; version=0.0.4")], page).into_response()
 }
 

@@ -1,40 +1,108 @@
-//! Prometheus counters of the router, rendered as text at `/metrics`.
+//! The router's Prometheus metrics, rendered at `/metrics`.
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use runtime::prom::{self, Histogram, StepHistogram};
+use runtime::prom::{Counter, Histogram, Registry};
 
 use crate::error::RouterError;
 use crate::keys::Key;
 
-/// The router's counters.
-#[derive(Debug, Default)]
+/// The router's counters and histograms, and the admission counts its limits take slots
+/// from.
+#[derive(Debug)]
 pub struct Metrics {
-    requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
+    registry: Registry,
+    /// Requests answered, by endpoint and status: registered at first use.
+    requests: Mutex<HashMap<(&'static str, u16), Counter>>,
+    /// Requests in flight: the slots `--max-in-flight` bounds.
     in_flight: AtomicI64,
-    overloaded: AtomicU64,
     /// SSE responses open, from admission to the end of their stream.
     streams: AtomicI64,
-    streams_refused: AtomicU64,
-    prompt_tokens: AtomicU64,
-    completion_tokens: AtomicU64,
-    retries: AtomicU64,
+    overloaded: Counter,
+    streams_refused: Counter,
+    prompt_tokens: Counter,
+    completion_tokens: Counter,
+    retries: Counter,
     /// Client connections closed because a response write waited past --client-stall-timeout-ms.
-    client_stalls: AtomicU64,
+    client_stalls: Counter,
     /// Request bodies that did not arrive within --body-timeout-ms.
-    body_timeouts: AtomicU64,
+    body_timeouts: Counter,
     /// Failed attempts by the kind of worker the failure points at, in
     /// [`Culprit::ALL`] order. Not by worker address: pairs of pod IPs would add label
     /// sets without bound as pods come and go (the log names the workers).
-    attempt_failures: [AtomicU64; 4],
+    attempt_failures: [Counter; 4],
     /// From the request's arrival to its first token.
     pub ttft: Histogram,
     /// Per request: the time after its first token over the tokens that followed.
     pub tpot: Histogram,
     /// Per token after a choice's first: the time since that choice's previous token.
-    pub itl: StepHistogram,
+    pub itl: Histogram,
+}
+
+const ITL: &str = "router_inter_token_latency_seconds";
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let r = Registry::with_scrape_gauges(&[ITL]);
+        let c = |name, help| r.counter(name, help);
+        Self {
+            requests: Mutex::default(),
+            in_flight: AtomicI64::new(0),
+            streams: AtomicI64::new(0),
+            overloaded: c(
+                "router_overloaded_total",
+                "Requests refused with 503 because the router was at its in-flight limit.",
+            ),
+            streams_refused: c(
+                "router_streams_refused_total",
+                "Streamed requests refused with 503 because --max-streams were open.",
+            ),
+            prompt_tokens: c(
+                "router_prompt_tokens_total",
+                "Prompt tokens of served requests.",
+            ),
+            completion_tokens: c(
+                "router_completion_tokens_total",
+                "Completion tokens of served requests.",
+            ),
+            retries: c(
+                "router_retries_total",
+                "Attempts after a request's first, on another worker pair.",
+            ),
+            client_stalls: c(
+                "router_client_stalls_total",
+                "Connections closed because a client read nothing of its response for \
+                 --client-stall-timeout-ms (its generation cancelled).",
+            ),
+            body_timeouts: c(
+                "router_body_timeouts_total",
+                "Requests answered 408 because their body did not arrive within \
+                 --body-timeout-ms.",
+            ),
+            attempt_failures: Culprit::ALL.map(|culprit| {
+                r.counter_with(
+                    "router_attempt_failures_total",
+                    "Failed attempts, by the kind of worker the failure points at.",
+                    &[("culprit", culprit.as_str())],
+                )
+            }),
+            ttft: r.histogram(
+                "router_time_to_first_token_seconds",
+                "Time from a request's arrival to its first token.",
+            ),
+            tpot: r.histogram(
+                "router_time_per_output_token_seconds",
+                "Per request, the time after the first token over the tokens that followed.",
+            ),
+            itl: r.histogram(
+                ITL,
+                "Per token after a choice's first, the time since that choice's previous token.",
+            ),
+            registry: r,
+        }
+    }
 }
 
 /// The kind of worker a failed attempt points at.
@@ -98,7 +166,7 @@ impl InFlight {
         let before = m.streams.fetch_add(1, Ordering::Relaxed);
         if max > 0 && before >= max as i64 {
             m.streams.fetch_sub(1, Ordering::Relaxed);
-            m.streams_refused.fetch_add(1, Ordering::Relaxed);
+            m.streams_refused.increment(1);
             return Err(RouterError::TooManyStreams(max));
         }
         self.stream = true;
@@ -118,7 +186,7 @@ impl Metrics {
         let before = self.in_flight.fetch_add(1, Ordering::Relaxed);
         if before >= max as i64 {
             self.in_flight.fetch_sub(1, Ordering::Relaxed);
-            self.overloaded.fetch_add(1, Ordering::Relaxed);
+            self.overloaded.increment(1);
             return Err(RouterError::Overloaded(max));
         }
         // Built first, so a refusal by the key gives the router's slot back on drop.
@@ -138,146 +206,70 @@ impl Metrics {
 
     /// Counts a finished (or failed) request of `endpoint` with its HTTP status.
     pub fn finished(&self, endpoint: &'static str, status: u16) {
-        *self
-            .requests
+        self.requests
             .lock()
             .expect("metrics lock")
             .entry((endpoint, status))
-            .or_default() += 1;
+            .or_insert_with(|| {
+                self.registry.counter_with(
+                    "router_requests_total",
+                    "Requests answered, by endpoint and HTTP status.",
+                    &[("endpoint", endpoint), ("status", &status.to_string())],
+                )
+            })
+            .increment(1);
     }
 
     /// Adds a served request's token counts.
     pub fn tokens(&self, prompt: usize, completion: usize) {
-        self.prompt_tokens
-            .fetch_add(prompt as u64, Ordering::Relaxed);
-        self.completion_tokens
-            .fetch_add(completion as u64, Ordering::Relaxed);
+        self.prompt_tokens.increment(prompt as u64);
+        self.completion_tokens.increment(completion as u64);
     }
 
     /// Counts a connection closed on a client that stopped reading.
     pub fn client_stalled(&self) {
-        self.client_stalls.fetch_add(1, Ordering::Relaxed);
+        self.client_stalls.increment(1);
     }
 
     /// Counts a request whose body did not arrive in time.
     pub fn body_timed_out(&self) {
-        self.body_timeouts.fetch_add(1, Ordering::Relaxed);
+        self.body_timeouts.increment(1);
     }
 
     /// Counts an attempt after a request's first.
     pub fn retried(&self) {
-        self.retries.fetch_add(1, Ordering::Relaxed);
+        self.retries.increment(1);
     }
 
     /// Counts a failed attempt, by the kind of worker it points at.
     pub fn attempt_failed(&self, culprit: Culprit) {
-        self.attempt_failures[culprit as usize].fetch_add(1, Ordering::Relaxed);
+        self.attempt_failures[culprit as usize].increment(1);
     }
 
-    /// The Prometheus text exposition.
+    /// Folds histogram samples into their buckets between scrapes; needs a tokio runtime.
+    pub fn spawn_upkeep(&self) {
+        self.registry.spawn_upkeep();
+    }
+
+    /// The Prometheus text exposition, after `set` has set the gauges of the router's
+    /// state (its pools, discovery) on the registry.
+    pub fn render_with(&self, set: impl FnOnce(&Registry)) -> String {
+        self.registry.render_with(|r| {
+            let now = |a: &AtomicI64| a.load(Ordering::Relaxed) as f64;
+            r.gauge("router_requests_in_flight", "Requests being served.")
+                .set(now(&self.in_flight));
+            r.gauge(
+                "router_streams_open",
+                "Streamed (SSE) responses open, counted against --max-streams.",
+            )
+            .set(now(&self.streams));
+            set(r);
+        })
+    }
+
+    /// The exposition of the router's own figures alone.
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        let name = "router_requests_total";
-        prom::header(
-            &mut out,
-            name,
-            "counter",
-            "Requests answered, by endpoint and HTTP status.",
-        );
-        for ((endpoint, status), n) in self.requests.lock().expect("metrics lock").iter() {
-            let status = status.to_string();
-            prom::sample(
-                &mut out,
-                name,
-                &[("endpoint", endpoint), ("status", &status)],
-                n,
-            );
-        }
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
-        prom::all(
-            &mut out,
-            "gauge",
-            &[
-                (
-                    "router_requests_in_flight",
-                    "Requests being served.",
-                    self.in_flight.load(Ordering::Relaxed) as f64,
-                ),
-                (
-                    "router_streams_open",
-                    "Streamed (SSE) responses open, counted against --max-streams.",
-                    self.streams.load(Ordering::Relaxed) as f64,
-                ),
-            ],
-        );
-        prom::all(
-            &mut out,
-            "counter",
-            &[
-                (
-                    "router_overloaded_total",
-                    "Requests refused with 503 because the router was at its in-flight limit.",
-                    g(&self.overloaded),
-                ),
-                (
-                    "router_streams_refused_total",
-                    "Streamed requests refused with 503 because --max-streams were open.",
-                    g(&self.streams_refused),
-                ),
-                (
-                    "router_prompt_tokens_total",
-                    "Prompt tokens of served requests.",
-                    g(&self.prompt_tokens),
-                ),
-                (
-                    "router_completion_tokens_total",
-                    "Completion tokens of served requests.",
-                    g(&self.completion_tokens),
-                ),
-                (
-                    "router_retries_total",
-                    "Attempts after a request's first, on another worker pair.",
-                    g(&self.retries),
-                ),
-                (
-                    "router_client_stalls_total",
-                    "Connections closed because a client read nothing of its response for --client-stall-timeout-ms (its generation cancelled).",
-                    g(&self.client_stalls),
-                ),
-                (
-                    "router_body_timeouts_total",
-                    "Requests answered 408 because their body did not arrive within --body-timeout-ms.",
-                    g(&self.body_timeouts),
-                ),
-            ],
-        );
-        let name = "router_attempt_failures_total";
-        prom::header(
-            &mut out,
-            name,
-            "counter",
-            "Failed attempts, by the kind of worker the failure points at.",
-        );
-        for c in Culprit::ALL {
-            let n = self.attempt_failures[c as usize].load(Ordering::Relaxed);
-            prom::sample(&mut out, name, &[("culprit", c.as_str())], n);
-        }
-        self.ttft.render(
-            &mut out,
-            "router_time_to_first_token_seconds",
-            "Time from a request's arrival to its first token.",
-        );
-        self.tpot.render(
-            &mut out,
-            "router_time_per_output_token_seconds",
-            "Per request, the time after the first token over the tokens that followed.",
-        );
-        self.itl.render(
-            &mut out,
-            "router_inter_token_latency_seconds",
-            "Per token after a choice's first, the time since that choice's previous token.",
-        );
-        out
+        self.render_with(|_| {})
     }
 }
 
@@ -305,7 +297,7 @@ mod tests {
             Err(RouterError::TooManyStreams(2))
         ));
         assert_eq!(streams(&m), 2, "a refusal holds no slot");
-        assert_eq!(m.streams_refused.load(Ordering::Relaxed), 1);
+        assert!(m.render().contains("router_streams_refused_total 1\n"));
         drop(a);
         assert_eq!(streams(&m), 1);
         c.open_stream(2).unwrap();
@@ -337,17 +329,18 @@ mod tests {
         m.attempt_failed(Culprit::Decode);
         m.attempt_failed(Culprit::None);
         let page = m.render();
-        let lines: Vec<_> = page
+        let mut lines: Vec<_> = page
             .lines()
             .filter(|l| l.starts_with("router_attempt_failures_total{"))
             .collect();
+        lines.sort();
         assert_eq!(
             lines,
             [
-                "router_attempt_failures_total{culprit=\"prefill\"} 0",
-                "router_attempt_failures_total{culprit=\"decode\"} 2",
                 "router_attempt_failures_total{culprit=\"colocated\"} 0",
+                "router_attempt_failures_total{culprit=\"decode\"} 2",
                 "router_attempt_failures_total{culprit=\"none\"} 1",
+                "router_attempt_failures_total{culprit=\"prefill\"} 0",
             ]
         );
     }

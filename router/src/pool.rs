@@ -2,13 +2,13 @@
 //! discovered in etcd, probed for health and load, and chosen by a routing policy.
 
 use std::collections::BTreeMap;
-use std::fmt::Write;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use discovery::{Role, WorkerInfo};
-use runtime::prom;
+use runtime::prom::Registry;
 
 use crate::error::RouterError;
 use crate::routing::Policy;
@@ -179,51 +179,32 @@ impl Pool {
         n
     }
 
-    /// Writes this pool's samples of the worker metrics (their headers come from
-    /// `render_headers`).
-    fn render(&self, label: &str, states: &mut String, breakers: &mut String) {
+    /// Sets this pool's worker gauges, labelled `role`.
+    fn publish(&self, role: &str, r: &Registry) {
         for (state, n) in State::ALL.iter().zip(self.states()) {
-            prom::sample(
-                states,
+            r.gauge_with(
                 "router_workers",
-                &[("role", label), ("state", state.as_str())],
-                n,
-            );
+                "Known workers by role and state (ready ones are in rotation).",
+                &[("role", role), ("state", state.as_str())],
+            )
+            .set(n as f64);
         }
         for w in self.all() {
-            let open = u8::from(w.breaker_open());
-            prom::sample(
-                breakers,
+            r.gauge_with(
                 "router_breaker_open",
-                &[("role", label), ("worker", &w.addr)],
-                open,
-            );
+                "1 while a worker's circuit breaker keeps it out of rotation.",
+                &[("role", role), ("worker", &w.addr)],
+            )
+            .set(f64::from(u8::from(w.breaker_open())));
         }
     }
 }
 
-/// The worker metrics of the router's pools, each `(role label, pool)`.
-pub fn render(pools: &[(&str, &Pool)]) -> String {
-    let mut states = String::new();
-    let mut breakers = String::new();
-    prom::header(
-        &mut states,
-        "router_workers",
-        "gauge",
-        "Known workers by role and state (ready ones are in rotation).",
-    );
-    prom::header(
-        &mut breakers,
-        "router_breaker_open",
-        "gauge",
-        "1 while a worker's circuit breaker keeps it out of rotation.",
-    );
-    for (label, pool) in pools {
-        pool.render(label, &mut states, &mut breakers);
+/// Sets the worker gauges of the router's pools, each `(role label, pool)`, for a render.
+pub fn publish(pools: &[(&str, &Pool)], r: &Registry) {
+    for (role, pool) in pools {
+        pool.publish(role, r);
     }
-    let mut out = states;
-    let _ = write!(out, "{breakers}");
-    out
 }
 
 #[cfg(test)]

@@ -204,6 +204,7 @@ impl AppState {
     /// Keeps the pools in step with etcd and the workers' health until the process ends:
     /// a watch of the registrations (when etcd is configured) and periodic health probes.
     pub fn spawn_background(self: &Arc<Self>) -> Result<(), RouterError> {
+        self.metrics.spawn_upkeep();
         let interval = Duration::from_millis(self.cfg.health_interval_ms.max(10));
         // A probe may take as long as the interval, but no longer than a paused worker
         // deserves.

@@ -293,8 +293,7 @@ pub async fn serve_grpc_with_metrics(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let metrics = axum::routing::get(move || {
-        let mut text = render();
-        prom::tls(&mut text);
+        let text = render();
         async move { ([("content-type", "text/plain; version=0.0.4")], text) }
     });
     let router = routes

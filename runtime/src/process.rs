@@ -4,8 +4,6 @@
 
 use std::path::Path;
 
-use crate::prom;
-
 /// Resource figures of this process at one moment, from `/proc/self`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProcessStats {
@@ -93,43 +91,6 @@ pub fn tokio_alive_tasks() -> Option<usize> {
         .map(|h| h.metrics().num_alive_tasks())
 }
 
-/// Appends `process_resident_memory_bytes`, `process_open_fds`, `process_threads` and
-/// `tokio_alive_tasks` (the runtime of the calling thread) to a metrics page.
-pub fn render(out: &mut String) {
-    match read() {
-        Ok(s) => prom::all(
-            out,
-            "gauge",
-            &[
-                (
-                    "process_resident_memory_bytes",
-                    "Resident memory size in bytes.",
-                    s.resident_memory_bytes as f64,
-                ),
-                (
-                    "process_open_fds",
-                    "Open file descriptors.",
-                    s.open_fds as f64,
-                ),
-                ("process_threads", "OS threads.", s.threads as f64),
-            ],
-        ),
-        // A scrape must still answer; the figures are simply absent.
-        Err(e) => tracing::debug!(error = %e, "process figures unavailable"),
-    }
-    if let Some(tasks) = tokio_alive_tasks() {
-        prom::all(
-            out,
-            "gauge",
-            &[(
-                "tokio_alive_tasks",
-                "Tokio tasks spawned and not yet finished.",
-                tasks as f64,
-            )],
-        );
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -198,30 +159,5 @@ mod tests {
         let during = read().unwrap();
         assert!(during.open_fds >= 8 + 3, "{during:?} with 8 files held");
         drop(held);
-    }
-
-    #[test]
-    fn renders_the_tokio_figure_only_inside_a_runtime() {
-        let mut outside = String::new();
-        render(&mut outside);
-        assert!(!outside.contains("tokio_alive_tasks"), "{outside}");
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        let inside = rt.block_on(async {
-            let _task = tokio::spawn(std::future::pending::<()>());
-            let mut page = String::new();
-            render(&mut page);
-            page
-        });
-        assert!(inside.contains("\ntokio_alive_tasks 1\n"), "{inside}");
-        #[cfg(target_os = "linux")]
-        for name in [
-            "process_resident_memory_bytes ",
-            "process_open_fds ",
-            "process_threads ",
-        ] {
-            assert!(inside.contains(name), "{name} missing:\n{inside}");
-        }
     }
 }

@@ -271,8 +271,8 @@ async fn prefill_times(addr: &str) -> anyhow::Result<(f64, f64)> {
         metric(&page, name, "").with_context(|| format!("{name} is missing on {addr}"))
     };
     Ok((
-        counter("prefill_compute_seconds_total")?,
-        counter("prefill_kv_transfer_tail_seconds_total")?,
+        counter("prefill_step_duration_seconds_sum")?,
+        counter("prefill_kv_transfer_tail_duration_seconds_sum")?,
     ))
 }
 

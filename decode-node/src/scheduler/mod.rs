@@ -25,6 +25,7 @@ use crate::budget::Lease;
 use crate::ended::Ended;
 use crate::error::DecodeError;
 use crate::metrics::DecodeMetrics;
+use runtime::prom::Observe;
 
 mod beam;
 mod prefill;
@@ -215,9 +216,7 @@ impl Scheduler {
         });
         let after = self.running.len() + self.groups.len() + self.waiting.len();
         if after < before {
-            self.metrics
-                .cancellations
-                .fetch_add((before - after) as u64, Ordering::Relaxed);
+            DecodeMetrics::add(&self.metrics.cancellations, (before - after) as u64);
         }
     }
 
@@ -257,9 +256,6 @@ impl Scheduler {
                 tracing::debug!(parent: &a.span, "started after waiting for a slot");
             }
             let waited = a.enqueued.elapsed();
-            self.metrics
-                .queue_wait_micros
-                .fetch_add(waited.as_micros() as u64, Ordering::Relaxed);
             self.metrics.queue_wait.observe(waited);
             DecodeMetrics::inc(&self.metrics.admitted);
             self.admit(a);
@@ -536,12 +532,9 @@ impl Scheduler {
         let ms = elapsed.as_secs_f64() * 1e3;
         let m = &self.metrics;
         DecodeMetrics::inc(&m.steps);
-        m.step_sequences.fetch_add(batch as u64, Ordering::Relaxed);
-        m.step_micros
-            .fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
+        DecodeMetrics::add(&m.step_sequences, batch as u64);
         m.step_duration.observe(elapsed);
-        m.generated_tokens
-            .fetch_add(batch as u64, Ordering::Relaxed);
+        DecodeMetrics::add(&m.generated_tokens, batch as u64);
         let now = Instant::now();
         for (mut seq, s) in std::mem::take(&mut self.running).into_iter().zip(sampled) {
             let wait = started.saturating_duration_since(seq.ready_since);

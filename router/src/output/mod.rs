@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use proto::v1::FinishReason;
+use runtime::prom::Observe;
 use text::structured::Parser;
 use text::tools::ToolCall;
 

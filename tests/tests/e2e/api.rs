@@ -168,9 +168,9 @@ async fn models_health_and_metrics() {
         1.0
     );
     assert!(value("prefill_transfer_bytes_total", "") > 0.0, "{page}");
-    let tail = value("prefill_kv_transfer_tail_seconds_total", "");
+    let tail = value("prefill_kv_transfer_tail_duration_seconds_sum", "");
     assert!(tail > 0.0 && tail < 30.0, "transfer tail {tail} s:\n{page}");
-    // One observation per prompt in each latency histogram, the same as the counters' sums.
+    // One observation per prompt in each latency histogram.
     for name in [
         "prefill_queue_wait_duration_seconds_count",
         "prefill_compute_duration_seconds_count",
