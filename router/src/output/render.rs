@@ -19,6 +19,19 @@ pub(crate) enum AnyChoice<'a> {
     Text(completions::Choice<'a>),
 }
 
+impl AnyChoice<'_> {
+    /// The choice with its text emptied: with fullText the content is the whole text so
+    /// far, which a chunk ending on an error must not repeat.
+    fn without_output(mut self) -> Self {
+        match &mut self {
+            AnyChoice::Message(c) => c.message.content = "",
+            AnyChoice::Delta(c) => c.delta.content = "",
+            AnyChoice::Text(c) => c.text = "",
+        }
+        self
+    }
+}
+
 /// The finish_reason a client sees; a choice that called tools and stopped on its own
 /// ends with "tool_calls".
 fn finish_str(f: FinishReason, called: bool) -> &'static str {
@@ -270,8 +283,8 @@ impl Output {
     }
 
     /// The chunks that end a stream cut by `message` in the provider's format: each choice
-    /// still open ends with finish_reason stop, no output, and `err_msg` (001's rule for an
-    /// error during execution).
+    /// still open ends with finish_reason stop, no output (with fullText too), and `err_msg`
+    /// (001's rule for an error during execution: "响应输出为空，err_msg非空").
     pub(crate) fn error_chunks(&self, message: &str) -> Vec<String> {
         let empty = Released::default();
         self.choices
@@ -283,13 +296,9 @@ impl Output {
                     head: self.head(true),
                     full_text: None,
                     usage: None,
-                    choices: vec![self.choice(
-                        i,
-                        c,
-                        Some(&empty),
-                        (&[], 0),
-                        Some(FinishReason::Stop),
-                    )],
+                    choices: vec![self
+                        .choice(i, c, Some(&empty), (&[], 0), Some(FinishReason::Stop))
+                        .without_output()],
                     err_msg: Some(message),
                 };
                 serde_json::to_string(&chunk).expect("a chunk serializes")

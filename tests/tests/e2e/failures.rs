@@ -152,10 +152,14 @@ async fn kill9_decode_mid_stream() {
 
 /// In the provider's error format a cut stream ends the seeds' way (001: on an error during
 /// execution "响应输出为空，err_msg非空" with finish_reason stop): each open choice ends with
-/// no output and err_msg, then comes the 003 error body.
+/// no output and err_msg, then comes the 003 error body. With fullTextEnabled, whose chunks
+/// repeat the whole text so far, that chunk is still empty.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cut_stream_ends_with_err_msg_in_the_provider_format() {
-    let router = with(LONG_ROUTER, &["--error-format", "provider"]);
+    let router = with(
+        LONG_ROUTER,
+        &["--error-format", "provider", "--full-text-enabled"],
+    );
     let f = start_fleet(&router, 1, WORKER, 1, WORKER).await;
     let (mut data, mut stream, serving) = stream_in_flight(&f).await;
     f.decode[serving].proc.signal("KILL");
