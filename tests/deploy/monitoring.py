@@ -65,12 +65,24 @@ def queries(objs):
 def check(t, label, objs, pod_specs):
     """The monitoring objects of one rendered target, if it has any."""
     monitors = [o for o in objs if o["kind"] in ("ServiceMonitor", "PodMonitor")]
+    served = set()
     for where, expr in queries(objs):
         names = METRIC.findall(expr)
         t.ok(f"{label} {where} names a metric", bool(names), expr)
         for n in names:
             t.ok(f"{label} {where}: {n} is exported", known(n),
                  f"no metric {n} in the binaries' sources")
+        if where.endswith("adapter-rules rule"):
+            served |= set(names)
+    # Where the target carries the adapter's rules, each HPA's Pods metric must be one.
+    for o in objs:
+        if not served or o["kind"] != "HorizontalPodAutoscaler":
+            continue
+        for m in o["spec"].get("metrics", []):
+            if m["type"] == "Pods":
+                n = m["pods"]["metric"]["name"]
+                t.ok(f"{label} HPA {o['metadata']['name']}: {n} is served", n in served,
+                     f"no prometheus-adapter rule serves {n}")
     services = [o for o in objs if o["kind"] == "Service"]
     for m in monitors:
         sel = m["spec"]["selector"]
