@@ -8,8 +8,8 @@
 #    with a value it accepts (enum values, whole numbers), so the manifests cannot drift;
 #  - the manifests agree with themselves: grace periods cover the drain and request timeout,
 #    memory limits cover the caches, the model and key file are mounted, ports line up;
-#  - a self-test breaks copies of the manifests on purpose (MUTATIONS in manifests.py) and
-#    expects each break to be caught, so a check that stopped working fails the run.
+#  - a self-test breaks copies of the manifests and the chart on purpose (tests/deploy/selftest.py)
+#    and expects each break to be caught, so a check that stopped working fails the run.
 # Ends with `<n> passed, <m> failed`; exits non-zero on any failure.
 #
 #   bash tests/deploy/check.sh

@@ -1,0 +1,153 @@
+"""Self-tests of the deploy checks: each mutation breaks one thing in a copy of deploy/k8s or
+of the Helm chart, and the checks must catch it (the text expected among the failures), so that
+a check that silently stopped working fails the run."""
+
+import os
+import shutil
+import tempfile
+
+import helm
+from objects import K8S, Tally
+
+
+# Each mutation breaks one thing in a copy of deploy/k8s; the checks must catch it (the text
+# expected among the failures), so that a check that silently stopped working fails the run.
+MUTATIONS = [
+    ("unknown flag", "base/prefill.yaml", "- --drain-grace-s=60",
+     "- --drain-grace-s=60\n            - --no-such-flag=1", "no flag --no-such-flag"),
+    ("unknown env var", "base/config/router.env", "ROUTER_POLICY=least-load",
+     "ROUTER_POLICY=least-load\nROUTER_NO_SUCH_VAR=1", "no env var ROUTER_NO_SUCH_VAR"),
+    ("env var of another binary", "base/config/worker.env", "TANDEM_LEASE_TTL_S=10",
+     "TANDEM_LEASE_TTL_S=10\nDECODE_MAX_WAITING=8", "no env var DECODE_MAX_WAITING"),
+    ("bad enum value", "base/config/router.env", "ROUTER_POLICY=least-load",
+     "ROUTER_POLICY=fastest", "'fastest' is none of"),
+    ("bad number", "base/config/decode.env", "DECODE_KV_CACHE_MB=1024",
+     "DECODE_KV_CACHE_MB=1GiB", "not a whole number"),
+    ("unknown field (strict)", "base/router.yaml", "      enableServiceLinks: false",
+     "      enableServiceLinks: false\n      noSuchField: true", "noSuchField"),
+    ("wrong type", "base/router.yaml", "containerPort: 8080", "containerPort: \"8080\"",
+     "is not of type 'integer'"),
+    ("grace shorter than the drain", "base/decode.yaml", "terminationGracePeriodSeconds: 75",
+     "terminationGracePeriodSeconds: 40", "covers drain"),
+    ("memory below the KV budget", "base/config/decode.env", "DECODE_KV_CACHE_MB=1024",
+     "DECODE_KV_CACHE_MB=4096", "covers --kv-cache-mb"),
+    ("replicas under an HPA", "base/decode.yaml", "  revisionHistoryLimit: 5",
+     "  replicas: 2\n  revisionHistoryLimit: 5", "leaves replicas to its HPA"),
+    ("fetch target differs from TANDEM_MODEL", "components/model-fetch-init/init-container.yaml",
+     "value: /models/smollm2-135m-instruct-q4_1.gguf", "value: /models/other.gguf",
+     "MODEL_DEST is TANDEM_MODEL"),
+    ("object without a namespace", "components/model-fill-job/job.yaml",
+     "  namespace: tandem\n", "", "has a namespace", {"base+components/model-fill-job"}),
+    # TLS (components/mtls, components/cert-manager-certs).
+    ("mutual TLS on one binary only", "components/mtls/kustomization.yaml",
+     "  - name: tandem-common\n", "  - name: tandem-prefill\n",
+     "mutual TLS on all of router, prefill and decode", {"base+components/mtls"}),
+    ("TLS file outside its Secret", "components/mtls/kustomization.yaml",
+     "TANDEM_TLS_CA=/etc/tandem/tls/ca.crt", "TANDEM_TLS_CA=/etc/tandem/ca/ca.crt",
+     "is a file of a mounted Secret", {"base+components/mtls"}),
+    ("TLS file not in the Secret", "components/mtls/kustomization.yaml",
+     "TANDEM_TLS_CA=/etc/tandem/tls/ca.crt", "TANDEM_TLS_CA=/etc/tandem/tls/ca.pem",
+     "has no key ca.pem", {"base+components/mtls"}),
+    ("router probe over plain HTTP on the HTTPS port", "components/mtls/router.yaml",
+     "              scheme: HTTPS", "              scheme: HTTP", "is the listen port's (HTTPS)",
+     {"base+components/mtls"}),
+    # Without the replace, the base's httpGet stays beside the exec.
+    ("httpGet probe on a mutual-TLS port", "components/mtls/workers.yaml",
+     "            $patch: replace\n", "", "can pass the mutual-TLS port",
+     {"base+components/mtls"}),
+    ("exec probe on another port", "components/mtls/workers.yaml",
+     "/dev/tcp/127.0.0.1/50051", "/dev/tcp/127.0.0.1/50052", "is the listen port",
+     {"base+components/mtls"}),
+    ("scrape scheme left at http", "components/mtls/workers.yaml",
+     "prometheus.io/scheme: https", "prometheus.io/scheme: http", "prometheus.io/scheme is https",
+     {"base+components/mtls"}),
+    ("Certificate without client auth", "components/cert-manager-certs/certificates.yaml",
+     "    - client auth\n", "", "has usages server auth, client auth",
+     {"base+components/mtls+components/cert-manager-certs"}),
+    ("Certificate without the TLS server name", "components/cert-manager-certs/certificates.yaml",
+     "    - tandem-worker.tandem.svc\n", "    - tandem-workers.tandem.svc\n",
+     "carries the name tandem-worker.tandem.svc",
+     {"base+components/mtls+components/cert-manager-certs"}),
+    ("decode Certificate with the prefill role", "components/cert-manager-certs/certificates.yaml",
+     "    - spiffe://tandem/decode\n", "    - spiffe://tandem/prefill\n",
+     "carries the role URI spiffe://tandem/decode",
+     {"base+components/mtls+components/cert-manager-certs"}),
+    ("etcd over TLS, binaries in plain text", "components/etcd-tls/kustomization.yaml",
+     "      - TANDEM_ETCD_CA=/etc/tandem/tls/ca.crt\n", "",
+     "dials etcd over TLS exactly when etcd serves TLS", {"base+components/etcd-tls"}),
+    ("etcd Certificate without a member's name", "components/cert-manager-certs/certificates.yaml",
+     "    - etcd-1.etcd\n", "", "carries the name etcd-1.etcd",
+     {"base+components/mtls+components/etcd-tls+components/cert-manager-certs"}),
+    ("unknown field in a custom resource", "components/cert-manager-certs/certificates.yaml",
+     "  isCA: true\n", "  isCA: true\n  noSuchField: 1\n", "noSuchField",
+     {"base+components/cert-manager-certs"}),
+    ("bad enum in a custom resource", "components/cert-manager-certs/certificates.yaml",
+     "    - server auth\n", "    - serverAuth\n", "'serverAuth' is not one of",
+     {"base+components/cert-manager-certs"}),
+    ("an alert on a metric nobody exports", "components/monitoring/alerts.yaml",
+     "max(router_discovery_degraded)", "max(router_discovery_degraded_total)",
+     "no metric router_discovery_degraded_total", {"base+components/monitoring"}),
+    ("a PodMonitor on a port the workers lack", "components/monitoring/monitors.yaml",
+     "    - port: grpc\n", "    - port: metrics\n", "no port named 'metrics'",
+     {"base+components/monitoring"}),
+    ("CA Issuer on a Secret no CA Certificate writes",
+     "components/cert-manager-certs/certificates.yaml", "    secretName: tandem-ca\n",
+     "    secretName: tandem-root\n", "signs with a CA Certificate's Secret",
+     {"base+components/cert-manager-certs"}),
+]
+
+
+# The same for the Helm chart: each breaks a copy of deploy/helm/tandem, and every value set
+# is rendered from the copy.
+HELM_MUTATIONS = [
+    ("chart: grace shorter than the drain", "templates/workers.yaml",
+     "add $.Values.workers.drainGraceS 15", "add $.Values.workers.drainGraceS 1",
+     "covers drain 60 s"),
+    ("chart: an env var the router lacks", "values.yaml", "    ROUTER_POLICY: least-load\n",
+     "    ROUTER_POLICY: least-load\n    ROUTER_NO_SUCH_VAR: \"1\"\n",
+     "no env var ROUTER_NO_SUCH_VAR"),
+    ("chart: a PodMonitor on a port the workers lack", "templates/monitoring.yaml",
+     "    - port: grpc\n", "    - port: metrics\n", "no port named 'metrics'"),
+    ("chart: an HPA metric no adapter rule serves", "files/adapter-rules.yaml",
+     "router_requests_in_flight{", "router_requests_waiting{",
+     "no prometheus-adapter rule serves router_requests_in_flight"),
+    ("chart: a TLS file outside its Secret", "templates/config.yaml",
+     "TANDEM_TLS_CA: /etc/tandem/tls/ca.crt", "TANDEM_TLS_CA: /etc/tandem/ca/ca.crt",
+     "is a file of a mounted Secret"),
+    ("chart: the workers' probes over plain HTTP with TLS", "templates/_helpers.tpl",
+     "{{- if .root.Values.tls.enabled -}}", "{{- if false -}}", "can pass the mutual-TLS port"),
+]
+
+
+def mutate_and_check(t, name, source, rel, old, new, expect, check):
+    """Copies `source`, replaces `old` with `new` in its file `rel`, runs `check(copy, tally)`
+    and expects a failure that says `expect`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = os.path.join(tmp, os.path.basename(source))
+        shutil.copytree(source, copy)
+        f = os.path.join(copy, rel)
+        with open(f) as fh:
+            text = fh.read()
+        if not t.ok(f"self-test {name}: {rel} has {old!r}", old in text):
+            return
+        with open(f, "w") as fh:
+            fh.write(text.replace(old, new, 1))
+        inner = Tally(quiet=True)
+        check(copy, inner)
+        caught = [x for x in inner.failures if expect in x]
+        t.ok(f"self-test {name} is caught", bool(caught),
+             f"expected a failure with {expect!r}, got {inner.failures[:3]}")
+
+
+def selftest(t, versions, check_tree):
+    """Runs every mutation through `check_tree` (manifests.py's)."""
+    for name, rel, old, new, expect, *only in MUTATIONS:
+        only = only[0] if only else {"base", "base+components/model-fetch-init"}
+        mutate_and_check(t, name, K8S, rel, old, new, expect,
+                         lambda tree, inner, only=only: check_tree(
+                             inner, tree, versions[:1], only=only))
+    charts = {label for label, _ in helm.targets()}
+    for name, rel, old, new, expect in HELM_MUTATIONS:
+        mutate_and_check(t, name, helm.CHART, rel, old, new, expect,
+                         lambda chart, inner: check_tree(
+                             inner, K8S, versions[:1], only=charts, chart=chart))
