@@ -102,6 +102,23 @@ def check(t, label, objs, pod_specs):
         for e in endpoints:
             t.ok(f"{what} port {e.get('port')} exists", e.get("port") in ports,
                  f"no port named {e.get('port')!r} among {sorted(p for p in ports if p)}")
+            if serves_tls(objs):
+                tls = e.get("tlsConfig") or {}
+                t.ok(f"{what} port {e.get('port')} scrapes over TLS with a client certificate",
+                     e.get("scheme") == "https" and "cert" in tls and "keySecret" in tls,
+                     "the pods serve /metrics only over mutual TLS")
+
+
+def serves_tls(objs):
+    """Whether the pods serve TLS: a ConfigMap or a container sets TANDEM_TLS_CERT."""
+    for o in objs:
+        if o["kind"] == "ConfigMap" and "TANDEM_TLS_CERT" in (o.get("data") or {}):
+            return True
+        spec = ((o.get("spec") or {}).get("template") or {}).get("spec") or {}
+        for c in spec.get("containers") or []:
+            if any(e.get("name") == "TANDEM_TLS_CERT" for e in c.get("env") or []):
+                return True
+    return False
 
 
 def matches(selector, labels):

@@ -111,6 +111,8 @@ HELM_MUTATIONS = [
     ("chart: an HPA metric no adapter rule serves", "files/adapter-rules.yaml",
      "router_requests_in_flight{", "router_requests_waiting{",
      "no prometheus-adapter rule serves router_requests_in_flight"),
+    ("chart: monitors scraping in plain text under mutual TLS", "templates/monitoring.yaml",
+     "scheme: https", "scheme: http", "scrapes over TLS with a client certificate"),
     ("chart: a TLS file outside its Secret", "templates/config.yaml",
      "TANDEM_TLS_CA: /etc/tandem/tls/ca.crt", "TANDEM_TLS_CA: /etc/tandem/ca/ca.crt",
      "is a file of a mounted Secret"),
