@@ -78,6 +78,11 @@ pub struct Config {
     /// `pd` (prefill and decode nodes) or `colocated` (decode nodes serve whole requests).
     #[arg(long, env = "ROUTER_MODE", value_enum, default_value_t = Mode::Pd)]
     pub mode: Mode,
+    /// Under PD, a prompt of at most this many tokens is prefilled by its decode node rather
+    /// than sent through a prefill node and a KV transfer (0: every prompt goes through a
+    /// prefill node). The tokens are the same either way.
+    #[arg(long, env = "ROUTER_LOCAL_PREFILL_MAX_TOKENS", default_value_t = 0)]
+    pub local_prefill_max_tokens: usize,
     /// Prefill node addresses (host:port), comma separated.
     #[arg(long, env = "ROUTER_PREFILL_NODES", value_delimiter = ',')]
     pub prefill_nodes: Vec<String>,

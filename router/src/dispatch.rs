@@ -11,10 +11,10 @@ use tokio::sync::{mpsc, watch};
 use tonic::Streaming;
 use tracing::Instrument;
 
-use crate::config::Mode;
 use crate::ending;
 use crate::error::RouterError;
 use crate::metrics::Culprit;
+use crate::placement::Placement;
 use crate::state::AppState;
 use crate::worker::{Hold, Worker};
 
@@ -107,9 +107,11 @@ pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<(Piece, Pie
     tokio::spawn(
         async move {
             let run = async {
-                let result = match state.cfg.mode {
-                    Mode::Pd => run_pd(&state, req, &tx).await,
-                    Mode::Colocated => run_colocated(&state, req, &tx).await,
+                let placed = Placement::of(&state.cfg, req.prompt.len());
+                state.metrics.placed(placed);
+                let result = match placed {
+                    Placement::PrefillNode => run_pd(&state, req, &tx).await,
+                    Placement::DecodeNode(_) => run_colocated(&state, req, &tx).await,
                 };
                 if let Err(e) = result {
                     let _ = tx.send(Err(e)).await;

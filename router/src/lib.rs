@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod openai;
 mod output;
 pub mod params;
+pub mod placement;
 pub mod pool;
 pub mod routing;
 pub mod state;

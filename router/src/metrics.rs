@@ -16,6 +16,8 @@ pub struct Metrics {
     registry: Registry,
     /// Requests answered, by endpoint and status: registered at first use.
     requests: Mutex<HashMap<(&'static str, u16), Counter>>,
+    /// Requests by (placement, reason) of their prompt: registered at first use.
+    placements: Mutex<HashMap<(&'static str, &'static str), Counter>>,
     /// Requests in flight: the slots `--max-in-flight` bounds.
     in_flight: AtomicI64,
     /// SSE responses open, from admission to the end of their stream.
@@ -49,6 +51,7 @@ impl Default for Metrics {
         let c = |name, help| r.counter(name, help);
         Self {
             requests: Mutex::default(),
+            placements: Mutex::default(),
             in_flight: AtomicI64::new(0),
             streams: AtomicI64::new(0),
             overloaded: c(
@@ -234,6 +237,23 @@ impl Metrics {
     /// Counts a request whose body did not arrive in time.
     pub fn body_timed_out(&self) {
         self.body_timeouts.increment(1);
+    }
+
+    /// Counts where a request's prompt is computed, and why.
+    pub fn placed(&self, p: crate::placement::Placement) {
+        self.placements
+            .lock()
+            .expect("metrics lock")
+            .entry((p.as_str(), p.reason()))
+            .or_insert_with(|| {
+                self.registry.counter_with(
+                    "router_prefill_placements_total",
+                    "Requests by where their prompt was computed (placement: prefill_node, \
+                     decode_node) and why (reason: disaggregated, colocated, short_prompt).",
+                    &[("placement", p.as_str()), ("reason", p.reason())],
+                )
+            })
+            .increment(1);
     }
 
     /// Counts an attempt after a request's first.

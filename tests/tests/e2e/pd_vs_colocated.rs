@@ -193,3 +193,66 @@ async fn min_tokens_holds_back_a_stop_token_under_pd_and_colocated() {
         );
     }
 }
+
+/// Conditional disaggregation: under PD with `--local-prefill-max-tokens`, a prompt within
+/// it is computed by its decode node (the prefill node never sees it) and a longer one goes
+/// through the prefill node; both give exactly the tokens of plain PD, and the router counts
+/// each placement with its reason.
+#[tokio::test]
+async fn short_prompts_prefilled_on_their_decode_node_give_the_pd_tokens() {
+    let model = tiny_model();
+    let pd = Cluster::start(Mode::Pd, &model, &[]).await;
+    let cond = Cluster::start(Mode::Pd, &model, &["--local-prefill-max-tokens", "16"]).await;
+    let short = "Hello there";
+    let long = "The router speaks the OpenAI chat completions API. ".repeat(3);
+    let mut shorts = 0.0;
+    let mut longs = 0.0;
+    for (prompt, local) in [(short, true), (long.as_str(), false), (short, true)] {
+        for sampling in [
+            json!({"temperature": 0}),
+            json!({"temperature": 0.9, "seed": 7}),
+        ] {
+            let mut body =
+                json!({"model": "test", "prompt": prompt, "max_tokens": 12, "ignore_eos": true});
+            body.as_object_mut()
+                .unwrap()
+                .extend(sampling.as_object().unwrap().clone());
+            let (s1, a) = pd.post("/v1/completions", &body).await;
+            let (s2, b) = cond.post("/v1/completions", &body).await;
+            assert_eq!((s1, s2), (200, 200), "{a}\n{b}");
+            let prompt_tokens = b["usage"]["prompt_tokens"].as_u64().unwrap();
+            assert_eq!(prompt_tokens <= 16, local, "{prompt_tokens} prompt tokens");
+            assert_eq!(text_of(&b), text_of(&a), "{prompt:?} {sampling}");
+            assert_eq!(b["usage"]["completion_tokens"], 12);
+            if local {
+                shorts += 1.0;
+            } else {
+                longs += 1.0;
+            }
+        }
+    }
+    let router = e2e::scrape(cond.url.trim_start_matches("http://")).await;
+    let placed = |labels: &str| {
+        e2e::metric(&router, "router_prefill_placements_total", labels).unwrap_or(0.0)
+    };
+    assert_eq!(
+        placed("{placement=\"decode_node\",reason=\"short_prompt\"}"),
+        shorts,
+        "{router}"
+    );
+    assert_eq!(
+        placed("{placement=\"prefill_node\",reason=\"disaggregated\"}"),
+        longs,
+        "{router}"
+    );
+    let prefill = e2e::scrape(cond.prefill.as_deref().unwrap()).await;
+    assert_eq!(
+        e2e::metric(
+            &prefill,
+            "prefill_requests_total",
+            "{outcome=\"completed\"}"
+        ),
+        Some(longs),
+        "only the long prompts reached the prefill node:\n{prefill}"
+    );
+}
