@@ -3,7 +3,8 @@
 # two routers over them, A plain PD and B with --local-prefill-max-tokens past every prompt
 # (each computed by the decode node). For each prompt length, requests of one output token go
 # to A and B alternately, one at a time; prints the median and range of each (after two
-# warm-up pairs). The crossover is where --local-prefill-max-tokens pays.
+# warm-up pairs). Every prompt is new, so the prefill node's prefix cache serves none. The
+# crossover is where --local-prefill-max-tokens pays.
 #
 #   bash bench/local-prefill.sh
 set -euo pipefail
@@ -44,12 +45,16 @@ def call(port, prompt):
     return (time.perf_counter() - t) * 1e3, out["usage"]["prompt_tokens"]
 
 words = "the quick brown fox jumps over a lazy dog while seven sailors sing softly".split()
+sent = 0
 for n in [4, 16, 32, 64, 128, 256, 512]:
-    prompt = " ".join(words[i % len(words)] + str(i // len(words)) for i in range(n // 2))
+    body = " ".join(words[i % len(words)] + str(i // len(words)) for i in range(n // 2))
     a, b = [], []
     for r in range(int(os.environ["ROUNDS"])):
-        ta, tokens = call(51080, prompt)
-        tb, _ = call(51081, prompt)
+        # Each prompt starts with its own number, so the prefill node's prefix cache never
+        # serves one (the decode node has none).
+        sent += 2
+        ta, tokens = call(51080, f"{sent} {body}")
+        tb, _ = call(51081, f"{sent + 1} {body}")
         if r >= 2:
             a.append(ta)
             b.append(tb)
