@@ -116,7 +116,7 @@ impl KvPlane {
                 ?peer,
                 "KV connection refused: not a prefill node"
             );
-            DecodeMetrics::inc(&self.metrics.kv_refused);
+            self.metrics.kv_refused.increment(1);
             let status = Status::permission_denied(format!(
                 "only a certificate with {} may send KV; this one carries {identity:?}",
                 tls::Role::Prefill.uri()
@@ -175,10 +175,10 @@ impl KvPlane {
                     // one line each: a flood of them must not flood the log.
                     if header_failed || matches!(e, DecodeError::BadTicket) {
                         tracing::debug!(error = %e, ?peer, "KV connection refused");
-                        DecodeMetrics::inc(&self.metrics.kv_refused);
+                        self.metrics.kv_refused.increment(1);
                     } else {
                         span.in_scope(|| tracing::warn!(error = %e, ?peer, "KV transfer refused"));
-                        DecodeMetrics::inc(&self.metrics.transfer_failures);
+                        self.metrics.transfer_failures.increment(1);
                     }
                     let _ = kvwire::write_refusal(&mut w, &Status::from(e)).await;
                     // The sender may still be writing: read what it sends until it has
@@ -254,9 +254,9 @@ impl KvPlane {
             Ok((cache, first_tokens)) => {
                 let took = started.elapsed();
                 tracing::debug!(bytes, ms = took.as_secs_f64() * 1e3, "KV received");
-                DecodeMetrics::inc(&self.metrics.transfers);
+                self.metrics.transfers.increment(1);
                 self.metrics.transfer_duration.observe(took);
-                DecodeMetrics::add(&self.metrics.transfer_bytes, bytes);
+                self.metrics.transfer_bytes.increment(bytes);
                 // The call may have gone meanwhile: then the cache and its reservation
                 // go with the unsent delivery.
                 let _ = deliver.send(Ok(Arrived {

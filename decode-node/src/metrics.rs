@@ -147,16 +147,6 @@ impl DecodeMetrics {
         }
     }
 
-    /// Adds one to a counter.
-    pub fn inc(counter: &Counter) {
-        counter.increment(1);
-    }
-
-    /// Adds `n` to a counter.
-    pub fn add(counter: &Counter, n: u64) {
-        counter.increment(n);
-    }
-
     /// Folds histogram samples into their buckets between scrapes; needs a tokio runtime.
     pub fn spawn_upkeep(&self) {
         self.registry.spawn_upkeep();

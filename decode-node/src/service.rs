@@ -101,7 +101,7 @@ async fn run(
         l = budget.reserve(blocks) => l,
         // The caller left while the request queued: it leaves the queue.
         _ = events.closed() => {
-            DecodeMetrics::inc(&metrics.cancellations);
+            metrics.cancellations.increment(1);
             return;
         }
     };
@@ -109,12 +109,12 @@ async fn run(
         Ok(l) => l,
         Err(e) => {
             tracing::warn!("refused: {e}");
-            DecodeMetrics::inc(&metrics.rejected);
+            metrics.rejected.increment(1);
             return fail(e);
         }
     };
     if waited {
-        DecodeMetrics::inc(&metrics.delayed);
+        metrics.delayed.increment(1);
     }
     if !prefill_here {
         let prompt = &admission.prompt;
@@ -129,7 +129,7 @@ async fn run(
                 return fail(e);
             }
             Err(None) => {
-                DecodeMetrics::inc(&metrics.cancellations);
+                metrics.cancellations.increment(1);
                 return;
             }
         }

@@ -193,7 +193,7 @@ struct Outcome<'a> {
 
 impl Outcome<'_> {
     fn settle(mut self, counter: &Counter) {
-        PrefillMetrics::inc(counter);
+        counter.increment(1);
         self.settled = true;
     }
 }
@@ -201,7 +201,7 @@ impl Outcome<'_> {
 impl Drop for Outcome<'_> {
     fn drop(&mut self) {
         if !self.settled {
-            PrefillMetrics::inc(&self.metrics.cancelled);
+            self.metrics.cancelled.increment(1);
         }
     }
 }
@@ -225,7 +225,7 @@ impl proto::v1::prefill_server::Prefill for PrefillService {
         match self.run(req).instrument(span).await {
             Ok(resp) => {
                 outcome.settle(&m.completed);
-                PrefillMetrics::add(&m.transfer_bytes, resp.transfer_bytes);
+                m.transfer_bytes.increment(resp.transfer_bytes);
                 Ok(Response::new(resp))
             }
             Err(e) => {

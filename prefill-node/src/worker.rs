@@ -185,8 +185,8 @@ impl Worker {
         let cache = match hit {
             Ok(Some(hit)) => {
                 tracing::debug!(cached_tokens = hit.tokens, "prefix cache hit");
-                PrefillMetrics::inc(&self.metrics.prefix_hits);
-                PrefillMetrics::add(&self.metrics.cached_tokens, hit.tokens as u64);
+                self.metrics.prefix_hits.increment(1);
+                self.metrics.cached_tokens.increment(hit.tokens as u64);
                 Ok((hit.cache, hit.tokens))
             }
             Ok(None) => self
@@ -329,10 +329,9 @@ impl Worker {
             }
         };
         self.metrics.step_duration.observe(started.elapsed());
-        PrefillMetrics::add(
-            &self.metrics.prompt_tokens,
-            takes.iter().sum::<usize>() as u64,
-        );
+        self.metrics
+            .prompt_tokens
+            .increment(takes.iter().sum::<usize>() as u64);
         let stepped: Vec<Active> = self.active.drain(..batch_size).collect();
         let mut kept = Vec::new();
         for (((mut a, row), closed), every) in stepped.into_iter().zip(&rows).zip(closed).zip(every)

@@ -60,7 +60,7 @@ impl Scheduler {
             } else {
                 FinishReason::Length
             };
-            DecodeMetrics::inc(&self.metrics.finished_sequences);
+            self.metrics.finished_sequences.increment(1);
             let _ = g.events.send(Ok(finish_event(reason, choice)));
         }
     }

@@ -216,7 +216,9 @@ impl Scheduler {
         });
         let after = self.running.len() + self.groups.len() + self.waiting.len();
         if after < before {
-            DecodeMetrics::add(&self.metrics.cancellations, (before - after) as u64);
+            self.metrics
+                .cancellations
+                .increment((before - after) as u64);
         }
     }
 
@@ -237,7 +239,7 @@ impl Scheduler {
         self.running = running;
         for s in ended {
             tracing::info!(parent: &s.span, choice = s.choice, "ended by the router");
-            DecodeMetrics::inc(&self.metrics.finished_sequences);
+            self.metrics.finished_sequences.increment(1);
             let _ = s
                 .events
                 .send(Ok(finish_event(FinishReason::Stop, s.choice)));
@@ -257,12 +259,12 @@ impl Scheduler {
             }
             let waited = a.enqueued.elapsed();
             self.metrics.queue_wait.observe(waited);
-            DecodeMetrics::inc(&self.metrics.admitted);
+            self.metrics.admitted.increment(1);
             self.admit(a);
         }
         for a in self.waiting.iter_mut().filter(|a| !a.delayed) {
             a.delayed = true;
-            DecodeMetrics::inc(&self.metrics.delayed);
+            self.metrics.delayed.increment(1);
         }
     }
 
@@ -294,7 +296,7 @@ impl Scheduler {
         match self.finish_of(&seq) {
             Some(reason) => {
                 tracing::info!(parent: &seq.span, ?reason, tokens = seq.output.len(), "finished");
-                DecodeMetrics::inc(&self.metrics.finished_sequences);
+                self.metrics.finished_sequences.increment(1);
                 let _ = seq.events.send(Ok(finish_event(reason, seq.choice)));
             }
             None => self.running.push(seq),
@@ -460,7 +462,7 @@ impl Scheduler {
     /// Fails one request with the node's error, and counts it.
     fn fail(&self, events: &Events, e: DecodeError) {
         let _ = events.send(Err(e.into()));
-        DecodeMetrics::inc(&self.metrics.failures);
+        self.metrics.failures.increment(1);
     }
 
     fn step(&mut self) {
@@ -508,7 +510,7 @@ impl Scheduler {
                 for g in self.groups.drain(..) {
                     let _ = g.events.send(Err(status.clone()));
                 }
-                DecodeMetrics::inc(&self.metrics.failures);
+                self.metrics.failures.increment(1);
                 return;
             }
         };
@@ -531,10 +533,10 @@ impl Scheduler {
         let elapsed = started.elapsed();
         let ms = elapsed.as_secs_f64() * 1e3;
         let m = &self.metrics;
-        DecodeMetrics::inc(&m.steps);
-        DecodeMetrics::add(&m.step_sequences, batch as u64);
+        m.steps.increment(1);
+        m.step_sequences.increment(batch as u64);
         m.step_duration.observe(elapsed);
-        DecodeMetrics::add(&m.generated_tokens, batch as u64);
+        m.generated_tokens.increment(batch as u64);
         let now = Instant::now();
         for (mut seq, s) in std::mem::take(&mut self.running).into_iter().zip(sampled) {
             let wait = started.saturating_duration_since(seq.ready_since);
