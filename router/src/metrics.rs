@@ -8,6 +8,7 @@ use runtime::prom::{Counter, Histogram, Registry};
 
 use crate::error::RouterError;
 use crate::keys::Key;
+use crate::placement::Placement;
 
 /// The router's counters and histograms, and the admission counts its limits take slots
 /// from.
@@ -16,8 +17,8 @@ pub struct Metrics {
     registry: Registry,
     /// Requests answered, by endpoint and status: registered at first use.
     requests: Mutex<HashMap<(&'static str, u16), Counter>>,
-    /// Requests by (placement, reason) of their prompt: registered at first use.
-    placements: Mutex<HashMap<(&'static str, &'static str), Counter>>,
+    /// Requests by where their prompt is computed, in [`Placement::ALL`] order.
+    placements: [Counter; 3],
     /// Requests in flight: the slots `--max-in-flight` bounds.
     in_flight: AtomicI64,
     /// SSE responses open, from admission to the end of their stream.
@@ -51,7 +52,6 @@ impl Default for Metrics {
         let c = |name, help| r.counter(name, help);
         Self {
             requests: Mutex::default(),
-            placements: Mutex::default(),
             in_flight: AtomicI64::new(0),
             streams: AtomicI64::new(0),
             overloaded: c(
@@ -84,6 +84,14 @@ impl Default for Metrics {
                 "Requests answered 408 because their body did not arrive within \
                  --body-timeout-ms.",
             ),
+            placements: Placement::ALL.map(|p| {
+                r.counter_with(
+                    "router_prefill_placements_total",
+                    "Requests by where their prompt was computed (placement: prefill_node, \
+                     decode_node) and why (reason: disaggregated, colocated, short_prompt).",
+                    &[("placement", p.as_str()), ("reason", p.reason())],
+                )
+            }),
             attempt_failures: Culprit::ALL.map(|culprit| {
                 r.counter_with(
                     "router_attempt_failures_total",
@@ -240,20 +248,8 @@ impl Metrics {
     }
 
     /// Counts where a request's prompt is computed, and why.
-    pub fn placed(&self, p: crate::placement::Placement) {
-        self.placements
-            .lock()
-            .expect("metrics lock")
-            .entry((p.as_str(), p.reason()))
-            .or_insert_with(|| {
-                self.registry.counter_with(
-                    "router_prefill_placements_total",
-                    "Requests by where their prompt was computed (placement: prefill_node, \
-                     decode_node) and why (reason: disaggregated, colocated, short_prompt).",
-                    &[("placement", p.as_str()), ("reason", p.reason())],
-                )
-            })
-            .increment(1);
+    pub fn placed(&self, p: Placement) {
+        self.placements[p.index()].increment(1);
     }
 
     /// Counts an attempt after a request's first.

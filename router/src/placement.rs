@@ -24,6 +24,22 @@ pub enum LocalReason {
 }
 
 impl Placement {
+    /// Every placement, in [`Placement::index`] order.
+    pub const ALL: [Placement; 3] = [
+        Placement::PrefillNode,
+        Placement::DecodeNode(LocalReason::Colocated),
+        Placement::DecodeNode(LocalReason::ShortPrompt),
+    ];
+
+    /// This placement's position in [`Placement::ALL`].
+    pub fn index(self) -> usize {
+        match self {
+            Placement::PrefillNode => 0,
+            Placement::DecodeNode(LocalReason::Colocated) => 1,
+            Placement::DecodeNode(LocalReason::ShortPrompt) => 2,
+        }
+    }
+
     /// Where a prompt of `prompt_tokens` goes under `cfg`.
     pub fn of(cfg: &Config, prompt_tokens: usize) -> Self {
         match cfg.mode {
@@ -76,6 +92,9 @@ mod tests {
             (local.as_str(), local.reason()),
             ("decode_node", "short_prompt")
         );
+        for (i, p) in Placement::ALL.into_iter().enumerate() {
+            assert_eq!(p.index(), i, "{p:?}");
+        }
         let colocated = cfg(&["--mode", "colocated"]);
         assert_eq!(
             Placement::of(&colocated, 10_000),
