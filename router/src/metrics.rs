@@ -17,8 +17,8 @@ pub struct Metrics {
     registry: Registry,
     /// Requests answered, by endpoint and status: registered at first use.
     requests: Mutex<HashMap<(&'static str, u16), Counter>>,
-    /// Requests by where their prompt is computed, in [`Placement::ALL`] order.
-    placements: [Counter; 3],
+    /// Attempts by where their prompt is computed, in [`Placement::ALL`] order.
+    placements: [Counter; 4],
     /// Requests in flight: the slots `--max-in-flight` bounds.
     in_flight: AtomicI64,
     /// SSE responses open, from admission to the end of their stream.
@@ -87,8 +87,9 @@ impl Default for Metrics {
             placements: Placement::ALL.map(|p| {
                 r.counter_with(
                     "router_prefill_placements_total",
-                    "Requests by where their prompt was computed (placement: prefill_node, \
-                     decode_node) and why (reason: disaggregated, colocated, short_prompt).",
+                    "Attempts by where their prompt was computed (placement: prefill_node, \
+                     decode_node) and why (reason: disaggregated, no_room, colocated, \
+                     short_prompt); a retried request counts once per attempt.",
                     &[("placement", p.as_str()), ("reason", p.reason())],
                 )
             }),

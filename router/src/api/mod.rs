@@ -180,6 +180,19 @@ pub struct Usage<'a> {
     pub batch_size: &'a [u32],
     /// Microseconds each token waited before its step.
     pub queue_wait_time: &'a [u64],
+    /// Where the prompt was computed, and why (conditional disaggregation).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_placement: Option<PrefillPlacement>,
+}
+
+/// Where a request's prompt was computed: `node` is `prefill_node` or `decode_node`,
+/// `reason` one of `disaggregated`, `no_room` (a short prompt whose decode node had no
+/// room), `short_prompt` or `colocated`. The router's `router_prefill_placements_total`
+/// counts the same labels.
+#[derive(Debug, Clone, Serialize)]
+pub struct PrefillPlacement {
+    pub node: &'static str,
+    pub reason: &'static str,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -21,6 +21,7 @@ use crate::dispatch::{Piece, TokenStat};
 use crate::error::RouterError;
 use crate::keys::QuotaHold;
 use crate::params;
+use crate::placement::Placement;
 use crate::state::AppState;
 use crate::stops::{Progress, Scan, StopStrings};
 
@@ -49,6 +50,8 @@ pub(crate) struct Tally {
     pub(crate) prefill_ms: f64,
     pub(crate) decode_ms: Vec<f64>,
     pub(crate) cached_tokens: u32,
+    /// Where the prompt was computed, from the first token.
+    pub(crate) placement: Option<Placement>,
 }
 
 /// Milliseconds to three decimals.
@@ -278,6 +281,7 @@ impl Output {
         if t.from_prefill {
             tally.prefill_ms = t.step_ms;
             tally.cached_tokens = t.cached_tokens;
+            tally.placement = Some(t.placement);
         } else {
             tally.decode_ms.push(ms(t.step_ms));
         }

@@ -7,7 +7,9 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use super::{ms, ChoiceOut, Kind, LogprobEntry, Output, Released};
-use crate::api::{chat, completions, Chunk, Head, PromptTokensDetails, Usage, Whole};
+use crate::api::{
+    chat, completions, Chunk, Head, PrefillPlacement, PromptTokensDetails, Usage, Whole,
+};
 use proto::v1::FinishReason;
 
 /// A choice as either endpoint shows it.
@@ -74,6 +76,10 @@ impl Output {
             total_tokens: self.prompt_tokens + t.completion_tokens,
             batch_size: &t.batch_size,
             queue_wait_time: &t.queue_wait_us,
+            prefill_placement: t.placement.map(|p| PrefillPlacement {
+                node: p.as_str(),
+                reason: p.reason(),
+            }),
         }
     }
 

@@ -19,6 +19,7 @@ mod load;
 mod openai_sdk;
 mod params;
 mod pd_vs_colocated;
+mod placement;
 mod prefill;
 mod request_ids;
 mod security;

@@ -1,0 +1,335 @@
+//! Runs one generation on the workers: prefill node then decode node (PD), or one colocated
+//! worker. The HTTP layer sees only a stream of tokens with their timings, then a finish.
+
+mod forward;
+mod local;
+mod pd;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use proto::v1::FinishReason;
+use tokio::sync::{mpsc, watch};
+use tracing::Instrument;
+
+use crate::config::Mode;
+use crate::error::RouterError;
+use crate::metrics::Culprit;
+use crate::placement::{LocalReason, Placement};
+use crate::state::AppState;
+use crate::worker::Worker;
+
+/// A tokenized, validated request.
+#[derive(Debug, Clone)]
+pub struct GenRequest {
+    /// The response's id; each attempt's KV transfer is matched by an id made from it.
+    pub id: String,
+    /// What the nodes log the request as (gRPC metadata): the client's X-Request-Id, else
+    /// `id`. It need not be unique, so nothing is matched by it.
+    pub log_id: String,
+    pub prompt: Vec<u32>,
+    pub sampling: proto::v1::SamplingParams,
+    /// Completion tokens allowed in all, the prefill node's first one included.
+    pub max_tokens: usize,
+    pub stop_ids: Vec<u32>,
+    /// Alternatives reported with each token.
+    pub top_logprobs: usize,
+    /// Sequences generated from the prompt (best_of, else n); the beam width with beam
+    /// search.
+    pub sequences: usize,
+    /// Beam search returning this many hypotheses.
+    pub beam: Option<usize>,
+    /// The prefix-cache partition of the request's API key (empty without keys).
+    pub cache_partition: Vec<u8>,
+    /// Score every prompt token after the first (echo with logprobs), with `top_logprobs`
+    /// alternatives: a [`Piece::Prompt`] before the tokens.
+    pub prompt_logprobs: bool,
+    /// The choices the client's output has ended (bit i: choice i) while others go on: the
+    /// decode node is told to stop decoding them. Only for requests where that can happen
+    /// (several sequences and stop strings): watching costs a task per attempt.
+    pub ended: Option<watch::Receiver<u128>>,
+}
+
+impl GenRequest {
+    /// Sequences the workers report back, each ending with its own finish.
+    pub fn reported(&self) -> usize {
+        self.beam.unwrap_or(self.sequences)
+    }
+
+    /// The beam width a decode node is asked for: 0 without beam search.
+    fn beam_width(&self) -> u32 {
+        if self.beam.is_some() {
+            self.sequences as u32
+        } else {
+            0
+        }
+    }
+}
+
+/// One generated token and what it cost.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenStat {
+    /// Which sequence of the request it belongs to.
+    pub choice: u32,
+    pub id: u32,
+    pub logprob: f32,
+    /// The best alternatives (id, logprob), when asked for.
+    pub top: Vec<(u32, f32)>,
+    /// Milliseconds of the step that made it: the prefill for the first token.
+    pub step_ms: f64,
+    pub batch_size: u32,
+    pub queue_wait_us: u64,
+    pub from_prefill: bool,
+    pub cached_tokens: u32,
+    /// Where the request's prompt was computed.
+    pub placement: Placement,
+}
+
+/// What a generation yields: tokens, and one finish per sequence after its tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Piece {
+    /// The log-probability of each prompt token after the first; before any token.
+    Prompt(Vec<proto::v1::Token>),
+    Token(TokenStat),
+    Finish {
+        choice: u32,
+        reason: FinishReason,
+    },
+}
+
+/// Pieces after the first.
+pub type Pieces = mpsc::Receiver<Result<Piece, RouterError>>;
+
+/// Starts a generation and waits for its first piece, so that a failure before any token
+/// becomes a plain HTTP error. Dropping the returned receiver cancels the generation on
+/// every worker it reached.
+pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<(Piece, Pieces), RouterError> {
+    let (tx, mut rx) = mpsc::channel(64);
+    let state = Arc::clone(state);
+    let timeout_ms = state.cfg.request_timeout_ms;
+    tokio::spawn(
+        async move {
+            let run = async {
+                let result = match state.cfg.mode {
+                    Mode::Pd => run_pd(&state, req, &tx).await,
+                    Mode::Colocated => run_colocated(&state, req, &tx).await,
+                };
+                if let Err(e) = result {
+                    let _ = tx.send(Err(e)).await;
+                }
+            };
+            tokio::select! {
+                _ = tx.closed() => tracing::info!("client went away; generation cancelled"),
+                r = tokio::time::timeout(Duration::from_millis(timeout_ms), run) => {
+                    if r.is_err() {
+                        let _ = tx.send(Err(RouterError::Timeout(timeout_ms))).await;
+                    }
+                }
+            }
+        }
+        .instrument(tracing::Span::current()),
+    );
+    match rx.recv().await {
+        Some(Ok(first)) => Ok((first, rx)),
+        Some(Err(e)) => Err(e),
+        None => Err(RouterError::Internal(
+            "generation ended without a result".into(),
+        )),
+    }
+}
+
+type Tx = mpsc::Sender<Result<Piece, RouterError>>;
+
+/// Why one attempt at a generation failed.
+struct Failed {
+    error: RouterError,
+    /// The worker the failure points at, when one does.
+    culprit: Option<Arc<Worker>>,
+    /// True once a piece has gone to the client: the request can no longer move.
+    progressed: bool,
+}
+
+impl Failed {
+    fn on(worker: &Arc<Worker>, error: RouterError) -> Self {
+        Self {
+            error,
+            culprit: Some(Arc::clone(worker)),
+            progressed: false,
+        }
+    }
+}
+
+/// Runs attempts until one succeeds or the failure may not be retried: a worker that fails
+/// before the first piece reaches the client (down, cut off, draining, full) is avoided and
+/// the request tries another pair, within `--max-attempts` and the retry budget. After
+/// the first piece, a failure ends the stream with an error.
+async fn with_retries<'a, F, Fut>(state: &'a AppState, mut attempt: F) -> Result<(), RouterError>
+where
+    F: FnMut(usize, Vec<String>) -> Fut,
+    Fut: std::future::Future<Output = Result<(), Failed>> + 'a,
+{
+    state.retry_budget.earn();
+    let settings = &state.decode.settings;
+    let mut avoid = Vec::new();
+    let mut last: Option<RouterError> = None;
+    for n in 1.. {
+        let failed = match attempt(n - 1, avoid.clone()).await {
+            Ok(()) => return Ok(()),
+            // No worker left to try: the failure that ruled the last one out says more.
+            Err(Failed {
+                error: RouterError::NoWorkers(role),
+                ..
+            }) => return Err(last.unwrap_or(RouterError::NoWorkers(role))),
+            Err(f) => f,
+        };
+        if let Some(w) = &failed.culprit {
+            // A full worker is busy, not broken: it is avoided but its breaker stays shut.
+            match failed.error {
+                RouterError::WorkerBusy { .. } => {}
+                RouterError::WorkerUnavailable { .. } => {
+                    w.failed(settings);
+                    w.mark_down();
+                }
+                _ => w.failed(settings),
+            }
+            avoid.push(w.addr.clone());
+        }
+        let again = !failed.progressed
+            && failed.error.retryable()
+            && failed.culprit.is_some()
+            && n < state.cfg.max_attempts
+            && state.retry_budget.spend();
+        if !again {
+            return Err(failed.error);
+        }
+        tracing::warn!(attempt = n, error = %failed.error, "retrying on another worker");
+        state.metrics.retried();
+        last = Some(failed.error);
+    }
+    unreachable!("the attempts loop returns")
+}
+
+async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), RouterError> {
+    with_retries(state, |retry, avoid| {
+        attempt_pd(state, &req, retry, avoid, tx)
+    })
+    .await
+}
+
+/// Try `retry` (0: the first) of a PD generation, on a pair chosen avoiding `avoid`.
+async fn attempt_pd(
+    state: &AppState,
+    req: &GenRequest,
+    retry: usize,
+    avoid: Vec<String>,
+    tx: &Tx,
+) -> Result<(), Failed> {
+    let no_worker = |error| Failed {
+        error,
+        culprit: None,
+        progressed: false,
+    };
+    let positions = req.prompt.len() + req.max_tokens;
+    let d = state
+        .decode
+        .pick_decode(&avoid, positions, req.sequences)
+        .map_err(no_worker)?;
+    let placed = Placement::under_pd(
+        &state.cfg,
+        req.prompt.len(),
+        &d,
+        decode_blocks(&d, positions, req.sequences),
+    );
+    state.metrics.placed(placed);
+    let kv_id = attempt_id(req, retry);
+    if let Placement::DecodeNode(_) = placed {
+        tracing::debug!(decode = %d.addr, "picked to prefill locally");
+        let result = local::local_on(req, kv_id, placed, &d, tx).await;
+        match &result {
+            Ok(()) => d.succeeded(&state.decode.settings),
+            Err(f) => state.metrics.attempt_failed(match f.culprit {
+                Some(_) => Culprit::Decode,
+                None => Culprit::None,
+            }),
+        }
+        return result;
+    }
+    let p = state
+        .prefill
+        .pick_prefill(&avoid, &req.prompt)
+        .map_err(no_worker)?;
+    tracing::debug!(prefill = %p.addr, decode = %d.addr, "picked");
+    let result = pd::pd_on(
+        req,
+        kv_id,
+        placed,
+        state.cfg.kv_reserve_timeout_ms,
+        &p,
+        &d,
+        tx,
+    )
+    .await;
+    match &result {
+        Ok(()) => {
+            p.succeeded(&state.prefill.settings);
+            d.succeeded(&state.decode.settings);
+        }
+        Err(f) => state.metrics.attempt_failed(match &f.culprit {
+            Some(w) if Arc::ptr_eq(w, &p) => Culprit::Prefill,
+            Some(_) => Culprit::Decode,
+            None => Culprit::None,
+        }),
+    }
+    result
+}
+
+/// The id attempt `retry` (0: the first) of `req` has on its workers, which match its KV
+/// transfer and its ended sequences by it (and log it). A retry gets its own, since the
+/// same decode node may still hold the failed attempt's cache until it times out.
+fn attempt_id(req: &GenRequest, retry: usize) -> String {
+    match retry {
+        0 => req.id.clone(),
+        n => format!("{}-retry{n}", req.id),
+    }
+}
+
+/// KV blocks a request holds on decode node `d`: `positions` for each of `sequences`, in
+/// the node's blocks (0 while its block size is unknown).
+fn decode_blocks(d: &Worker, positions: usize, sequences: usize) -> u64 {
+    match d.load().kv_block_tokens {
+        0 => 0,
+        b => (positions as u64).div_ceil(u64::from(b)) * sequences as u64,
+    }
+}
+
+async fn run_colocated(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), RouterError> {
+    with_retries(state, |_, avoid| attempt_colocated(state, &req, avoid, tx)).await
+}
+
+/// One try of a colocated generation on a worker chosen avoiding `avoid`.
+async fn attempt_colocated(
+    state: &AppState,
+    req: &GenRequest,
+    avoid: Vec<String>,
+    tx: &Tx,
+) -> Result<(), Failed> {
+    let w = state
+        .decode
+        .pick_decode(&avoid, req.prompt.len() + req.max_tokens, req.sequences)
+        .map_err(|error| Failed {
+            error,
+            culprit: None,
+            progressed: false,
+        })?;
+    let placed = Placement::DecodeNode(LocalReason::Colocated);
+    state.metrics.placed(placed);
+    let result = local::local_on(req, req.id.clone(), placed, &w, tx).await;
+    match &result {
+        Ok(()) => w.succeeded(&state.decode.settings),
+        Err(f) => state.metrics.attempt_failed(match f.culprit {
+            Some(_) => Culprit::Colocated,
+            None => Culprit::None,
+        }),
+    }
+    result
+}
