@@ -7,8 +7,10 @@
 #   MODEL=models/smollm2-135m-instruct-q4_1.gguf RATES=0.1,0.2,0.3 REQUESTS=16 \
 #     bash bench/pd-vs-colocated.sh
 #
-# SETUPS="pd" or SETUPS="colocated" runs one of the two; CONCURRENCY=1,4 runs closed-loop
-# levels (that many clients) in place of the Poisson RATES.
+# SETUPS="pd" or SETUPS="colocated" runs one of the two; "conditional" adds the pinned PD
+# pair behind a router with --local-prefill-max-tokens $LOCAL_MAX (default 128): short
+# prompts computed by the decode node when it has room (conditional.json). CONCURRENCY=1,4
+# runs closed-loop levels (that many clients) in place of the Poisson RATES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-models/smollm2-135m-instruct-q4_1.gguf}
@@ -18,6 +20,7 @@ LOAD=${LOAD:---mix fixed --prompt-tokens 512 --output-tokens 64}
 SLO=${SLO:---slo-ttft-ms 5000 --slo-tpot-ms 100}
 OUT=${OUT:-bench/results}
 SETUPS=${SETUPS:-pd colocated}
+LOCAL_MAX=${LOCAL_MAX:-128}
 BIN=${BIN:-target/release}
 LOGS=$(mktemp -d)
 PIDS=()
@@ -42,17 +45,28 @@ run() { # label, router port
         "${LEVELS[@]}" --requests "$REQUESTS" $LOAD $SLO --label "$1" --json "$OUT/$1.json"
 }
 
-if [[ " $SETUPS " == *" pd "* ]]; then
-echo "== PD: prefill on core 0, decode on core 1"
+pinned_pd() { # label, local-prefill-max-tokens
 P=$(free_port); D=$(free_port); R=$(free_port)
 taskset -c 0 "$BIN/tandem-prefill" --model "$MODEL" --listen "127.0.0.1:$P" \
     --decode-nodes "127.0.0.1:$D" >"$LOGS/p.log" 2>&1 & PIDS+=($!)
 taskset -c 1 "$BIN/tandem-decode" --model "$MODEL" --listen "127.0.0.1:$D" >"$LOGS/d.log" 2>&1 & PIDS+=($!)
 "$BIN/tandem-router" --model "$MODEL" --model-name bench --listen "127.0.0.1:$R" \
-    --prefill-nodes "127.0.0.1:$P" --decode-nodes "127.0.0.1:$D" >"$LOGS/r.log" 2>&1 & PIDS+=($!)
+    --prefill-nodes "127.0.0.1:$P" --decode-nodes "127.0.0.1:$D" \
+    --local-prefill-max-tokens "$2" >"$LOGS/r.log" 2>&1 & PIDS+=($!)
 wait_ready "$R"
-run pd-pinned "$R"
+run "$1" "$R"
+curl -s "http://127.0.0.1:$R/metrics" | grep '^router_prefill_placements_total' || true
 stop
+}
+
+if [[ " $SETUPS " == *" pd "* ]]; then
+echo "== PD: prefill on core 0, decode on core 1"
+pinned_pd pd-pinned 0
+fi
+
+if [[ " $SETUPS " == *" conditional "* ]]; then
+echo "== conditional: PD pinned, prompts up to $LOCAL_MAX tokens on the decode node when it has room"
+pinned_pd conditional "$LOCAL_MAX"
 fi
 
 if [[ " $SETUPS " == *" colocated "* ]]; then
@@ -67,5 +81,7 @@ stop
 fi
 
 if [ -f "$OUT/pd-pinned.json" ] && [ -f "$OUT/colocated.json" ] && python3 -c 'import matplotlib' 2>/dev/null; then
-    python3 bench/plot.py "$OUT/pd-vs-colocated.png" "$OUT/pd-pinned.json" "$OUT/colocated.json"
+    RUNS=("$OUT/pd-pinned.json" "$OUT/colocated.json")
+    if [ -f "$OUT/conditional.json" ]; then RUNS+=("$OUT/conditional.json"); fi
+    python3 bench/plot.py "$OUT/pd-vs-colocated.png" "${RUNS[@]}"
 fi

@@ -55,6 +55,9 @@ pub enum Mix {
     Chat,
     /// Long prompts: around 1536 tokens (512 to 2000), short answers around 48 (16 to 128).
     LongPrompt,
+    /// Short prompts: around 32 tokens (4 to 256), answers around 64 (16 to 256); the
+    /// requests conditional disaggregation keeps on the decode node.
+    ShortPrompt,
     /// Every request the same: `--prompt-tokens` in, `--output-tokens` out.
     Fixed,
 }
@@ -80,6 +83,10 @@ impl Mix {
             Mix::LongPrompt => Shape {
                 prompt_tokens: draw(rng, 1536.0, 0.25, 512, 2000),
                 output_tokens: draw(rng, 48.0, 0.4, 16, 128),
+            },
+            Mix::ShortPrompt => Shape {
+                prompt_tokens: draw(rng, 32.0, 0.6, 4, 256),
+                output_tokens: draw(rng, 64.0, 0.4, 16, 256),
             },
             Mix::Fixed => fixed,
         }
@@ -501,6 +508,8 @@ mod tests {
             assert!((16..=1024).contains(&s.prompt_tokens) && (8..=512).contains(&s.output_tokens));
             let s = Mix::LongPrompt.draw(&mut rng, fixed);
             assert!((512..=2000).contains(&s.prompt_tokens), "{s:?}");
+            let s = Mix::ShortPrompt.draw(&mut rng, fixed);
+            assert!((4..=256).contains(&s.prompt_tokens) && (16..=256).contains(&s.output_tokens));
         }
         assert_eq!(Mix::Fixed.draw(&mut rng, fixed), fixed);
     }
