@@ -241,6 +241,15 @@ impl proto::v1::decode_server::Decode for DecodeService {
         if req.prompt.is_empty() {
             return Err(DecodeError::InvalidRequest("the prompt is empty".into()).into());
         }
+        let resumed = req.resumed as usize;
+        if resumed > 0 && (resumed >= req.prompt.len() || n > 1 || width > 0) {
+            return Err(DecodeError::InvalidRequest(format!(
+                "resumed = {resumed} needs one sequence, no beam search and a prompt longer \
+                 than that ({} tokens)",
+                req.prompt.len()
+            ))
+            .into());
+        }
         let sampling = kvwire::convert::sampling_from_proto(
             &req.sampling.take().unwrap_or_default(),
             &req.stop_token_ids,
@@ -267,6 +276,7 @@ impl proto::v1::decode_server::Decode for DecodeService {
             positions,
             stop_ids: req.stop_token_ids,
             prompt_logprobs: req.prompt_logprobs && req.prefill_here,
+            resumed,
             ended: self.live.register(&id, sequences),
             start: Start::Prefill,
             enqueued: Instant::now(),

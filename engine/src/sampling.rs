@@ -108,12 +108,14 @@ impl SamplingParams {
 }
 
 /// The first token of each of `n` sequences that share one prompt, from the logits of its
-/// last position (step 0 of every sequence): a sample each, or for a beam search the n
-/// most likely tokens.
+/// last position: a sample each, or for a beam search the n most likely tokens. `output` is
+/// the request's output so far, empty but for a resumed request (whose prompt ends with
+/// it): the draw is then the one of step `output.len()`, as in the uninterrupted run.
 pub fn pick_first(
     raw: &[f32],
     p: &SamplingParams,
     prompt: &[u32],
+    output: &[u32],
     n: usize,
     top_logprobs: usize,
     beam: bool,
@@ -121,9 +123,16 @@ pub fn pick_first(
     if beam {
         return crate::beam::first_tokens(raw, n, top_logprobs);
     }
+    let step = output.len() as u64;
     (0..n)
-        .map(|i| sample(raw, &p.for_choice(i), prompt, &[], 0, top_logprobs))
+        .map(|i| sample(raw, &p.for_choice(i), prompt, output, step, top_logprobs))
         .collect()
+}
+
+/// A resumed request's tokens split into the prompt it was sent with and its output so far,
+/// the last `resumed` tokens (see the proto's `resumed`).
+pub fn split_resumed(tokens: &[u32], resumed: usize) -> (&[u32], &[u32]) {
+    tokens.split_at(tokens.len().saturating_sub(resumed))
 }
 
 /// Applies the penalties in place. `prompt` and `output` are the tokens so far.
@@ -290,6 +299,21 @@ mod tests {
             .map(|s| sample(&logits, &other, &[], &[], s, 0).token)
             .collect();
         assert_ne!(a, c, "a different seed should give a different stream");
+    }
+
+    #[test]
+    fn a_resumed_first_token_is_the_uninterrupted_run_s_draw_at_that_step() {
+        let logits: Vec<f32> = (0..100).map(|i| (i % 7) as f32 * 0.3).collect();
+        let mut p = params(1.0);
+        p.frequency_penalty = 0.5;
+        let prompt = [3, 4, 5];
+        let output = [6, 7];
+        let tokens = [3, 4, 5, 6, 7];
+        let (before, so_far) = split_resumed(&tokens, 2);
+        assert_eq!((before, so_far), (&prompt[..], &output[..]));
+        let resumed = pick_first(&logits, &p, before, so_far, 1, 0, false)[0].token;
+        assert_eq!(resumed, sample(&logits, &p, &prompt, &output, 2, 0).token);
+        assert_eq!(split_resumed(&tokens, 0), (&tokens[..], &[][..]));
     }
 
     #[test]

@@ -11,6 +11,11 @@ pub enum PrefillError {
     TooManySequences(u32),
     #[error("{0} alternatives per token asked for, the limit is {max}", max = engine::sampling::MAX_TOP_LOGPROBS)]
     TooManyLogprobs(u32),
+    #[error(
+        "resumed = {resumed} needs one sequence, no beam search and a prompt longer than that \
+         ({prompt} tokens)"
+    )]
+    BadResume { resumed: u32, prompt: usize },
     #[error(transparent)]
     Sampling(#[from] kvwire::convert::SamplingError),
     #[error("no decode node address was given")]
@@ -47,6 +52,7 @@ impl From<PrefillError> for tonic::Status {
             | PromptTooLong { .. }
             | TooManySequences(_)
             | TooManyLogprobs(_)
+            | BadResume { .. }
             | Sampling(_)
             | NoDecodeAddr
             | NoTicket

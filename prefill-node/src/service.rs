@@ -79,6 +79,12 @@ impl PrefillService {
         if req.top_logprobs as usize > engine::sampling::MAX_TOP_LOGPROBS {
             return Err(PrefillError::TooManyLogprobs(req.top_logprobs));
         }
+        if req.resumed > 0 && (req.resumed as usize >= n || req.n > 1 || req.beam_search) {
+            return Err(PrefillError::BadResume {
+                resumed: req.resumed,
+                prompt: n,
+            });
+        }
         // An id outside the vocabulary would fail the whole batch's forward pass, not just
         // this request.
         if let Some((at, &token)) = req
@@ -124,6 +130,7 @@ impl PrefillService {
             beam: req.beam_search,
             cache_partition: req.cache_partition,
             prompt_logprobs: req.prompt_logprobs,
+            resumed: req.resumed as usize,
             enqueued,
             span: tracing::Span::current(),
             transfer: tx,

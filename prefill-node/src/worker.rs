@@ -34,6 +34,8 @@ pub struct Job {
     /// Score every prompt token after the first (echo with logprobs): the prompt is then
     /// computed whole, since prefix-cache positions have no logits.
     pub prompt_logprobs: bool,
+    /// The prompt's last tokens that are the request's output so far (a moved stream).
+    pub resumed: usize,
     pub enqueued: Instant,
     pub span: tracing::Span,
     /// Where the chunks and then the first token go; dropping it without the first token
@@ -372,10 +374,12 @@ impl Worker {
             tracing::info!("cancelled during the prefill");
             return;
         }
+        let (prompt, output) = engine::sampling::split_resumed(&job.prompt, job.resumed);
         let first = engine::sampling::pick_first(
             row,
             &job.sampling,
-            &job.prompt,
+            prompt,
+            output,
             job.n,
             job.top_logprobs,
             job.beam,

@@ -66,6 +66,9 @@ pub struct Admission {
     /// When this node prefills: score every prompt token after the first, sent as the
     /// first event.
     pub prompt_logprobs: bool,
+    /// The prompt's last tokens that are the request's output so far (a moved stream):
+    /// they are the sequence's output, for its sampling, from the start.
+    pub resumed: usize,
     /// Which of its sequences the router has ended (EndSequence).
     pub ended: Arc<Ended>,
     pub start: Start,
@@ -438,12 +441,15 @@ impl Scheduler {
             }
             None => 0,
         };
+        let (prompt, so_far) = engine::sampling::split_resumed(&a.prompt, a.resumed);
         for (choice, (cache, first)) in caches.into_iter().zip(first).enumerate() {
+            let mut output = so_far.to_vec();
+            output.push(first.token);
             self.keep_or_finish(Seq {
                 span: a.span.clone(),
                 choice: choice as u32,
                 ended: Arc::clone(&a.ended),
-                prompt: a.prompt.clone(),
+                prompt: prompt.to_vec(),
                 sampling: a.sampling.for_choice(choice),
                 top_logprobs: a.top_logprobs,
                 max_new: a.max_new,
@@ -451,7 +457,7 @@ impl Scheduler {
                 cache,
                 // The lease holds `width` shares of `per_seq` blocks: a split never fails.
                 _lease: a.lease.split(per_seq).unwrap_or_default(),
-                output: vec![first.token],
+                output,
                 produced,
                 ready_since,
                 events: a.events.clone(),

@@ -38,10 +38,12 @@ impl Scheduler {
             }
             None => Vec::new(),
         };
+        let (prompt, output) = engine::sampling::split_resumed(&a.prompt, a.resumed);
         let first = engine::sampling::pick_first(
             &row,
             &a.sampling,
-            &a.prompt,
+            prompt,
+            output,
             n,
             a.top_logprobs,
             a.beam_width > 0,
