@@ -218,6 +218,17 @@ pub struct Config {
     /// the client is retried on another pair, up to this many times in all.
     #[arg(long, env = "ROUTER_MAX_ATTEMPTS", default_value_t = 3)]
     pub max_attempts: usize,
+    /// Moves a single-sequence request whose decode node fails or stops answering after
+    /// some tokens: a prefill node computes the prompt and the tokens so far, another
+    /// decode node goes on, and the stream continues with the tokens of an uninterrupted
+    /// run (within --max-attempts). `false` ends such a stream with an error.
+    #[arg(
+        long,
+        env = "ROUTER_STREAM_MIGRATION",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub stream_migration: bool,
     /// Consecutive failed requests that take a worker out of rotation.
     #[arg(long, env = "ROUTER_BREAKER_FAILURES", default_value_t = 3)]
     pub breaker_failures: u32,

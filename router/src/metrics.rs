@@ -28,6 +28,8 @@ pub struct Metrics {
     prompt_tokens: Counter,
     completion_tokens: Counter,
     retries: Counter,
+    /// Streams moved to another decode node after theirs failed mid-way.
+    migrations: Counter,
     /// Client connections closed because a response write waited past --client-stall-timeout-ms.
     client_stalls: Counter,
     /// Request bodies that did not arrive within --body-timeout-ms.
@@ -73,6 +75,11 @@ impl Default for Metrics {
             retries: c(
                 "router_retries_total",
                 "Attempts after a request's first, on another worker pair.",
+            ),
+            migrations: c(
+                "router_stream_migrations_total",
+                "Streams moved to another decode node after theirs failed or stopped \
+                 answering mid-way (--stream-migration); each also counts as a retry.",
             ),
             client_stalls: c(
                 "router_client_stalls_total",
@@ -256,6 +263,11 @@ impl Metrics {
     /// Counts an attempt after a request's first.
     pub fn retried(&self) {
         self.retries.increment(1);
+    }
+
+    /// Counts a stream moved to another decode node.
+    pub fn migrated(&self) {
+        self.migrations.increment(1);
     }
 
     /// Counts a failed attempt, by the kind of worker it points at.

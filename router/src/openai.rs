@@ -198,6 +198,7 @@ async fn run(
         ended: ended_rx,
         sequences: common.best_of,
         beam: common.beam.then_some(common.n),
+        resumed: 0,
         cache_partition: key
             .as_ref()
             .map_or_else(Vec::new, |k| k.cache_partition().to_vec()),

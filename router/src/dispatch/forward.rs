@@ -5,8 +5,9 @@ use std::sync::Arc;
 use proto::v1::{generate_event::Event, FinishReason, PrefillResponse};
 use tonic::Streaming;
 
+use super::out::Out;
 use super::pd::prefilled;
-use super::{Failed, Piece, TokenStat, Tx};
+use super::{Failed, Piece, TokenStat};
 use crate::error::RouterError;
 use crate::placement::Placement;
 use crate::worker::{Hold, Worker};
@@ -34,7 +35,7 @@ pub(super) async fn forward(
     mut stream: Streaming<proto::v1::GenerateEvent>,
     sequences: usize,
     src: Source<'_>,
-    tx: &Tx,
+    out: &Out,
     mut progressed: bool,
     mut computing: Option<Hold>,
 ) -> Result<(), Failed> {
@@ -99,7 +100,7 @@ pub(super) async fn forward(
                 })
             }
         };
-        if tx.send(Ok(piece)).await.is_err() {
+        if !out.send(piece).await {
             return Ok(());
         }
         progressed = true;

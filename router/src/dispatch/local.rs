@@ -6,7 +6,8 @@ use std::sync::Arc;
 use proto::v1::GenerateRequest;
 
 use super::forward::{forward, Source};
-use super::{decode_blocks, Failed, GenRequest, Tx};
+use super::out::Out;
+use super::{decode_blocks, Failed, GenRequest};
 use crate::ending;
 use crate::error::RouterError;
 use crate::placement::{LocalReason, Placement};
@@ -19,7 +20,7 @@ pub(super) async fn local_on(
     id: String,
     placed: Placement,
     w: &Arc<Worker>,
-    tx: &Tx,
+    out: &Out,
 ) -> Result<(), Failed> {
     let positions = req.prompt.len() + req.max_tokens;
     let _hold = Hold::new(
@@ -49,6 +50,7 @@ pub(super) async fn local_on(
             n: reported as u32,
             beam_width: req.beam_width(),
             prompt_logprobs: req.prompt_logprobs,
+            resumed: req.resumed as u32,
         },
     );
     let stream = w
@@ -67,7 +69,7 @@ pub(super) async fn local_on(
         stream.into_inner(),
         reported,
         src,
-        tx,
+        out,
         false,
         Some(computing),
     )

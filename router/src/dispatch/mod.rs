@@ -3,8 +3,10 @@
 
 mod forward;
 mod local;
+mod out;
 mod pd;
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,6 +20,7 @@ use crate::metrics::Culprit;
 use crate::placement::{LocalReason, Placement};
 use crate::state::AppState;
 use crate::worker::Worker;
+use out::{Out, Resume};
 
 /// A tokenized, validated request.
 #[derive(Debug, Clone)]
@@ -48,12 +51,21 @@ pub struct GenRequest {
     /// decode node is told to stop decoding them. Only for requests where that can happen
     /// (several sequences and stop strings): watching costs a task per attempt.
     pub ended: Option<watch::Receiver<u128>>,
+    /// The prompt's last tokens that are output the client already has: an attempt that
+    /// moved the stream from a failed decode node.
+    pub resumed: usize,
 }
 
 impl GenRequest {
     /// Sequences the workers report back, each ending with its own finish.
     pub fn reported(&self) -> usize {
         self.beam.unwrap_or(self.sequences)
+    }
+
+    /// Whether a failure after some tokens can move the generation to other workers: one
+    /// sequence, no beam search (see `out`).
+    fn movable(&self) -> bool {
+        self.reported() == 1 && self.beam.is_none()
     }
 
     /// The beam width a decode node is asked for: 0 without beam search.
@@ -110,9 +122,10 @@ pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<(Piece, Pie
     tokio::spawn(
         async move {
             let run = async {
+                let out = Out::new(tx.clone());
                 let result = match state.cfg.mode {
-                    Mode::Pd => run_pd(&state, req, &tx).await,
-                    Mode::Colocated => run_colocated(&state, req, &tx).await,
+                    Mode::Pd => run_pd(&state, req, &out).await,
+                    Mode::Colocated => run_colocated(&state, req, &out).await,
                 };
                 if let Err(e) = result {
                     let _ = tx.send(Err(e)).await;
@@ -145,7 +158,8 @@ struct Failed {
     error: RouterError,
     /// The worker the failure points at, when one does.
     culprit: Option<Arc<Worker>>,
-    /// True once a piece has gone to the client: the request can no longer move.
+    /// True once a piece has gone to the client: the request can no longer start afresh,
+    /// only move (stream migration).
     progressed: bool,
 }
 
@@ -162,18 +176,35 @@ impl Failed {
 /// Runs attempts until one succeeds or the failure may not be retried: a worker that fails
 /// before the first piece reaches the client (down, cut off, draining, full) is avoided and
 /// the request tries another pair, within `--max-attempts` and the retry budget. After
-/// the first piece, a failure ends the stream with an error.
-async fn with_retries<'a, F, Fut>(state: &'a AppState, mut attempt: F) -> Result<(), RouterError>
+/// the first piece, a `movable` request moves (`--stream-migration`): the next attempt
+/// resumes after the tokens the client has, within `--max-attempts` but outside the retry
+/// budget, since a decode node's death moves every stream it held at once. Otherwise the
+/// failure ends the stream with an error.
+async fn with_retries<'a, F, Fut>(
+    state: &'a AppState,
+    req: &'a GenRequest,
+    out: &'a Out,
+    mut attempt: F,
+) -> Result<(), RouterError>
 where
-    F: FnMut(usize, Vec<String>) -> Fut,
+    F: FnMut(Cow<'a, GenRequest>, usize, Vec<String>) -> Fut,
     Fut: std::future::Future<Output = Result<(), Failed>> + 'a,
 {
     state.retry_budget.earn();
     let settings = &state.decode.settings;
     let mut avoid = Vec::new();
     let mut last: Option<RouterError> = None;
+    let mut progressed = false;
     for n in 1.. {
-        let failed = match attempt(n - 1, avoid.clone()).await {
+        let this = match out.resume(req) {
+            Resume::Afresh => Cow::Borrowed(req),
+            Resume::After(moved) => Cow::Owned(*moved),
+            Resume::Ended(reason) => {
+                out.finish(reason).await;
+                return Ok(());
+            }
+        };
+        let failed = match attempt(this, n - 1, avoid.clone()).await {
             Ok(()) => return Ok(()),
             // No worker left to try: the failure that ruled the last one out says more.
             Err(Failed {
@@ -194,24 +225,32 @@ where
             }
             avoid.push(w.addr.clone());
         }
-        let again = !failed.progressed
-            && failed.error.retryable()
-            && failed.culprit.is_some()
-            && n < state.cfg.max_attempts
-            && state.retry_budget.spend();
+        progressed |= failed.progressed;
+        let worth_it =
+            failed.error.retryable() && failed.culprit.is_some() && n < state.cfg.max_attempts;
+        let again = match progressed {
+            false => worth_it && state.retry_budget.spend(),
+            true => worth_it && req.movable() && state.cfg.stream_migration,
+        };
         if !again {
             return Err(failed.error);
         }
-        tracing::warn!(attempt = n, error = %failed.error, "retrying on another worker");
+        if progressed {
+            tracing::warn!(attempt = n, error = %failed.error,
+                "moving the stream to another decode node");
+            state.metrics.migrated();
+        } else {
+            tracing::warn!(attempt = n, error = %failed.error, "retrying on another worker");
+        }
         state.metrics.retried();
         last = Some(failed.error);
     }
     unreachable!("the attempts loop returns")
 }
 
-async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), RouterError> {
-    with_retries(state, |retry, avoid| {
-        attempt_pd(state, &req, retry, avoid, tx)
+async fn run_pd(state: &AppState, req: GenRequest, out: &Out) -> Result<(), RouterError> {
+    with_retries(state, &req, out, |req, retry, avoid| {
+        attempt_pd(state, req, retry, avoid, out)
     })
     .await
 }
@@ -219,11 +258,12 @@ async fn run_pd(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), Router
 /// Try `retry` (0: the first) of a PD generation, on a pair chosen avoiding `avoid`.
 async fn attempt_pd(
     state: &AppState,
-    req: &GenRequest,
+    req: Cow<'_, GenRequest>,
     retry: usize,
     avoid: Vec<String>,
-    tx: &Tx,
+    out: &Out,
 ) -> Result<(), Failed> {
+    let req = &*req;
     let no_worker = |error| Failed {
         error,
         culprit: None,
@@ -244,7 +284,7 @@ async fn attempt_pd(
     let kv_id = attempt_id(req, retry);
     if let Placement::DecodeNode(_) = placed {
         tracing::debug!(decode = %d.addr, "picked to prefill locally");
-        let result = local::local_on(req, kv_id, placed, &d, tx).await;
+        let result = local::local_on(req, kv_id, placed, &d, out).await;
         match &result {
             Ok(()) => d.succeeded(&state.decode.settings),
             Err(f) => state.metrics.attempt_failed(match f.culprit {
@@ -266,7 +306,7 @@ async fn attempt_pd(
         state.cfg.kv_reserve_timeout_ms,
         &p,
         &d,
-        tx,
+        out,
     )
     .await;
     match &result {
@@ -302,17 +342,22 @@ fn decode_blocks(d: &Worker, positions: usize, sequences: usize) -> u64 {
     }
 }
 
-async fn run_colocated(state: &AppState, req: GenRequest, tx: &Tx) -> Result<(), RouterError> {
-    with_retries(state, |_, avoid| attempt_colocated(state, &req, avoid, tx)).await
+async fn run_colocated(state: &AppState, req: GenRequest, out: &Out) -> Result<(), RouterError> {
+    with_retries(state, &req, out, |req, retry, avoid| {
+        attempt_colocated(state, req, retry, avoid, out)
+    })
+    .await
 }
 
 /// One try of a colocated generation on a worker chosen avoiding `avoid`.
 async fn attempt_colocated(
     state: &AppState,
-    req: &GenRequest,
+    req: Cow<'_, GenRequest>,
+    retry: usize,
     avoid: Vec<String>,
-    tx: &Tx,
+    out: &Out,
 ) -> Result<(), Failed> {
+    let req = &*req;
     let w = state
         .decode
         .pick_decode(&avoid, req.prompt.len() + req.max_tokens, req.sequences)
@@ -323,7 +368,7 @@ async fn attempt_colocated(
         })?;
     let placed = Placement::DecodeNode(LocalReason::Colocated);
     state.metrics.placed(placed);
-    let result = local::local_on(req, req.id.clone(), placed, &w, tx).await;
+    let result = local::local_on(req, attempt_id(req, retry), placed, &w, out).await;
     match &result {
         Ok(()) => w.succeeded(&state.decode.settings),
         Err(f) => state.metrics.attempt_failed(match f.culprit {

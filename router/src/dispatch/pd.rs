@@ -6,7 +6,8 @@ use std::time::Duration;
 use proto::v1::{generate_event::Event, GenerateRequest, PrefillRequest, PrefillResponse};
 
 use super::forward::{forward, top_of, Source};
-use super::{decode_blocks, Failed, GenRequest, Piece, TokenStat, Tx};
+use super::out::Out;
+use super::{decode_blocks, Failed, GenRequest, Piece, TokenStat};
 use crate::ending;
 use crate::error::RouterError;
 use crate::placement::Placement;
@@ -20,7 +21,7 @@ pub(super) async fn pd_on(
     reserve_timeout_ms: u64,
     p: &Arc<Worker>,
     d: &Arc<Worker>,
-    tx: &Tx,
+    out: &Out,
 ) -> Result<(), Failed> {
     let sampling = Some(req.sampling.clone());
     let generate = runtime::with_request_id(
@@ -37,6 +38,7 @@ pub(super) async fn pd_on(
             beam_width: req.beam_width(),
             // The prefill node scores the prompt; this node never runs it.
             prompt_logprobs: false,
+            resumed: req.resumed as u32,
         },
     );
     let reported = req.reported();
@@ -105,6 +107,7 @@ pub(super) async fn pd_on(
             cache_partition: req.cache_partition.clone(),
             stop_token_ids: req.stop_ids.clone(),
             prompt_logprobs: req.prompt_logprobs,
+            resumed: req.resumed as u32,
         },
     );
     let first = {
@@ -121,7 +124,7 @@ pub(super) async fn pd_on(
     let mut first = first.into_inner();
     if req.prompt_logprobs {
         let scored = std::mem::take(&mut first.prompt_logprobs);
-        if tx.send(Ok(Piece::Prompt(scored))).await.is_err() {
+        if !out.send(Piece::Prompt(scored)).await {
             return Ok(());
         }
     }
@@ -140,7 +143,7 @@ pub(super) async fn pd_on(
     if !beam {
         for (choice, token) in first.first.iter().enumerate() {
             let piece = Piece::Token(prefilled(&first, choice as u32, token, placed));
-            if tx.send(Ok(piece)).await.is_err() {
+            if !out.send(piece).await {
                 return Ok(());
             }
         }
@@ -151,7 +154,7 @@ pub(super) async fn pd_on(
         prefill: Some(&first),
         placement: placed,
     };
-    forward(stream, reported, src, tx, !beam, None).await
+    forward(stream, reported, src, out, !beam, None).await
 }
 
 /// A first token the prefill node sampled, with the prefill's figures.

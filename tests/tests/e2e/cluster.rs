@@ -20,6 +20,8 @@ pub(crate) const ROUTER: &[&str] = &["--health-interval-ms", "200"];
 /// Worker flags of every test: a short lease, so that a killed worker's key expires within
 /// seconds, and a bounded drain.
 pub(crate) const WORKER: &[&str] = &["--lease-ttl-s", "3", "--drain-grace-s", "10"];
+/// Router flags that let a request make up to 1900 tokens.
+pub(crate) const LONG_ROUTER: &[&str] = &["--max-iter-times", "1900"];
 /// How long the router (or etcd) may take to reflect a change of the worker set: a
 /// registration, a lease expiry, a few health probes.
 pub(crate) const SEE: Duration = Duration::from_secs(20);

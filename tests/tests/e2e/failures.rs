@@ -1,7 +1,8 @@
 //! Workers that die or stop under requests: a prefill node killed mid-prompt (retried on
-//! another), a decode node killed mid-stream (an error event) or mid-way through a unary
-//! request (started again elsewhere), a prompt held at a busy prefill node, and a stopped
-//! decode node (its streams end, new requests avoid it).
+//! another), a decode node killed mid-stream with stream migration off (an error event) or
+//! mid-way through a unary request (finished elsewhere), a prompt held at a busy prefill
+//! node, and a stopped decode node (without migration its streams end; new requests avoid
+//! it). Streams that move are in `migration.rs`.
 
 use std::time::Duration;
 
@@ -83,8 +84,6 @@ async fn kill9_prefill_is_retried() {
 
 /// A long generation, so that a stream is still running when its decode node is hit.
 const LONG_STREAM: usize = 1900;
-/// Router flags that let a request make `LONG_STREAM` tokens.
-const LONG_ROUTER: &[&str] = &["--max-iter-times", "1900"];
 
 /// Opens a long stream and reads its first chunks; returns the chunks so far, the rest of
 /// the stream, and which decode node runs it.
@@ -133,8 +132,9 @@ async fn ends_with_error(f: &Fleet, mut data: Vec<String>, mut stream: SseStream
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn kill9_decode_mid_stream() {
-    let f = start_fleet(LONG_ROUTER, 1, WORKER, 2, WORKER).await;
+async fn kill9_decode_mid_stream_without_migration_ends_it_with_an_error() {
+    let router = with(LONG_ROUTER, &["--stream-migration", "false"]);
+    let f = start_fleet(&router, 1, WORKER, 2, WORKER).await;
     let probe = request(1, 2, 16, false);
     let expected = text_of(&f, &probe).await;
 
@@ -282,10 +282,11 @@ async fn prompt_held_at_prefill_outlasts_the_kv_timeout() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn stopped_decode_mid_stream_ends_the_stream() {
+async fn stopped_decode_mid_stream_without_migration_ends_the_stream() {
     // The lease outlasts the test: only the connection's pings can notice the pause.
     let decode_args = ["--lease-ttl-s", "120", "--drain-grace-s", "10"];
-    let f = start_fleet(LONG_ROUTER, 1, WORKER, 2, &decode_args).await;
+    let router = with(LONG_ROUTER, &["--stream-migration", "false"]);
+    let f = start_fleet(&router, 1, WORKER, 2, &decode_args).await;
     let (data, stream, serving) = stream_in_flight(&f).await;
     f.decode[serving].proc.signal("STOP");
     ends_with_error(&f, data, stream).await;

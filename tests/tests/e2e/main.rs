@@ -16,6 +16,7 @@ mod kv_garbage;
 mod kv_hostile;
 mod lm_eval;
 mod load;
+mod migration;
 mod openai_sdk;
 mod params;
 mod pd_vs_colocated;
