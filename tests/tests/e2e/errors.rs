@@ -257,3 +257,58 @@ async fn workers_refuse_sampling_a_peer_could_abuse() {
         assert_eq!(proto::error_reason(&refused), ErrorReason::InvalidRequest);
     }
 }
+
+/// A resumed request (stream migration) must leave a prompt before its output, and only one
+/// sequence can resume: both nodes refuse anything else from any peer.
+#[tokio::test]
+async fn workers_refuse_a_resume_they_cannot_continue() {
+    use proto::v1::decode_client::DecodeClient;
+    use proto::v1::prefill_client::PrefillClient;
+    use proto::v1::{ErrorReason, GenerateRequest, PrefillRequest};
+
+    let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+    let prefill = c.prefill.clone().expect("a PD cluster has a prefill node");
+    let mut p = PrefillClient::connect(format!("http://{prefill}"))
+        .await
+        .expect("the prefill node accepts gRPC");
+    let mut d = DecodeClient::connect(format!("http://{}", c.decode))
+        .await
+        .expect("the decode node accepts gRPC");
+    // (resumed, sequences, beam) against a prompt of three tokens.
+    for (resumed, n, beam) in [(3, 1, false), (9, 1, false), (1, 2, false), (1, 2, true)] {
+        let refused = p
+            .prefill(PrefillRequest {
+                request_id: "bad-resume".into(),
+                prompt: vec![1, 2, 3],
+                decode_addr: c.decode.clone(),
+                max_tokens: 2,
+                kv_ticket: vec![7; 32],
+                n,
+                beam_search: beam,
+                resumed,
+                ..PrefillRequest::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert_eq!(proto::error_reason(&refused), ErrorReason::InvalidRequest);
+        let refused = d
+            .generate(GenerateRequest {
+                request_id: "bad-resume".into(),
+                prompt: vec![1, 2, 3],
+                max_tokens: 2,
+                prefill_here: true,
+                n,
+                beam_width: if beam { n } else { 0 },
+                resumed,
+                ..GenerateRequest::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert_eq!(proto::error_reason(&refused), ErrorReason::InvalidRequest);
+    }
+    // The nodes still serve.
+    let body = serde_json::json!({"model": c.model_name, "prompt": "still", "max_tokens": 2});
+    assert_eq!(c.post("/v1/completions", &body).await.0, 200);
+}

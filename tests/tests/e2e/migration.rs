@@ -73,9 +73,11 @@ fn assert_whole_usage(open_data: &[String]) {
     assert_eq!(usage["completion_tokens"], TOKENS, "{usage}");
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn sixteen_streams_outlive_a_kill9_of_their_decode_node_with_the_same_text() {
-    let f = start_fleet(LONG_ROUTER, 1, WORKER, 2, WORKER).await;
+/// Kills the busier of two decode nodes under 16 streams (behind a router with
+/// `router_args`, and `prefills` prefill nodes); every stream must end as if uninterrupted.
+async fn sixteen_streams_outlive_a_kill9(router_args: &[&str], prefills: usize) {
+    let router = with(LONG_ROUTER, router_args);
+    let f = start_fleet(&router, prefills, WORKER, 2, WORKER).await;
     // The uninterrupted run: the same sixteen requests at once, unary.
     let url = format!("{}/v1/completions", f.url);
     let runs: Vec<_> = (0..16)
@@ -105,6 +107,17 @@ async fn sixteen_streams_outlive_a_kill9_of_their_decode_node_with_the_same_text
     let page = f.router_metrics().await;
     let moved = metric(&page, "router_stream_migrations_total", "").unwrap_or(0.0);
     assert!(moved >= 1.0, "no stream moved:\n{page}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sixteen_streams_outlive_a_kill9_of_their_decode_node_with_the_same_text() {
+    sixteen_streams_outlive_a_kill9(&[], 1).await;
+}
+
+/// Colocated, the next decode node computes the prompt and the tokens so far itself.
+#[tokio::test(flavor = "multi_thread")]
+async fn colocated_streams_outlive_a_kill9_of_their_worker_with_the_same_text() {
+    sixteen_streams_outlive_a_kill9(&["--mode", "colocated"], 0).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
