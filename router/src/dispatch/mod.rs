@@ -122,11 +122,14 @@ pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<(Piece, Pie
     tokio::spawn(
         async move {
             let run = async {
-                let out = Out::new(tx.clone());
-                let result = match state.cfg.mode {
-                    Mode::Pd => run_pd(&state, req, &out).await,
-                    Mode::Colocated => run_colocated(&state, req, &out).await,
-                };
+                let (state, out) = (&*state, &Out::new(tx.clone()));
+                let result = with_retries(state, &req, out, |req, retry, avoid| async move {
+                    match state.cfg.mode {
+                        Mode::Pd => attempt_pd(state, req, retry, avoid, out).await,
+                        Mode::Colocated => attempt_colocated(state, req, retry, avoid, out).await,
+                    }
+                })
+                .await;
                 if let Err(e) = result {
                     let _ = tx.send(Err(e)).await;
                 }
@@ -248,13 +251,6 @@ where
     unreachable!("the attempts loop returns")
 }
 
-async fn run_pd(state: &AppState, req: GenRequest, out: &Out) -> Result<(), RouterError> {
-    with_retries(state, &req, out, |req, retry, avoid| {
-        attempt_pd(state, req, retry, avoid, out)
-    })
-    .await
-}
-
 /// Try `retry` (0: the first) of a PD generation, on a pair chosen avoiding `avoid`.
 async fn attempt_pd(
     state: &AppState,
@@ -340,13 +336,6 @@ fn decode_blocks(d: &Worker, positions: usize, sequences: usize) -> u64 {
         0 => 0,
         b => (positions as u64).div_ceil(u64::from(b)) * sequences as u64,
     }
-}
-
-async fn run_colocated(state: &AppState, req: GenRequest, out: &Out) -> Result<(), RouterError> {
-    with_retries(state, &req, out, |req, retry, avoid| {
-        attempt_colocated(state, req, retry, avoid, out)
-    })
-    .await
 }
 
 /// One try of a colocated generation on a worker chosen avoiding `avoid`.

@@ -185,18 +185,10 @@ async fn worker_errors_carry_a_typed_reason() {
 /// the router.
 #[tokio::test]
 async fn workers_refuse_sampling_a_peer_could_abuse() {
-    use proto::v1::decode_client::DecodeClient;
-    use proto::v1::prefill_client::PrefillClient;
     use proto::v1::{ErrorReason, GenerateRequest, LogitBias, PrefillRequest, SamplingParams};
 
     let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
-    let prefill = c.prefill.clone().expect("a PD cluster has a prefill node");
-    let mut p = PrefillClient::connect(format!("http://{prefill}"))
-        .await
-        .expect("the prefill node accepts gRPC");
-    let mut d = DecodeClient::connect(format!("http://{}", c.decode))
-        .await
-        .expect("the decode node accepts gRPC");
+    let (mut p, mut d) = node_clients(&c).await;
     let abusive = [
         SamplingParams {
             logit_bias: vec![
@@ -262,18 +254,10 @@ async fn workers_refuse_sampling_a_peer_could_abuse() {
 /// sequence can resume: both nodes refuse anything else from any peer.
 #[tokio::test]
 async fn workers_refuse_a_resume_they_cannot_continue() {
-    use proto::v1::decode_client::DecodeClient;
-    use proto::v1::prefill_client::PrefillClient;
     use proto::v1::{ErrorReason, GenerateRequest, PrefillRequest};
 
     let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
-    let prefill = c.prefill.clone().expect("a PD cluster has a prefill node");
-    let mut p = PrefillClient::connect(format!("http://{prefill}"))
-        .await
-        .expect("the prefill node accepts gRPC");
-    let mut d = DecodeClient::connect(format!("http://{}", c.decode))
-        .await
-        .expect("the decode node accepts gRPC");
+    let (mut p, mut d) = node_clients(&c).await;
     // (resumed, sequences, beam) against a prompt of three tokens.
     for (resumed, n, beam) in [(3, 1, false), (9, 1, false), (1, 2, false), (1, 2, true)] {
         let refused = p
@@ -311,4 +295,22 @@ async fn workers_refuse_a_resume_they_cannot_continue() {
     // The nodes still serve.
     let body = serde_json::json!({"model": c.model_name, "prompt": "still", "max_tokens": 2});
     assert_eq!(c.post("/v1/completions", &body).await.0, 200);
+}
+
+/// gRPC clients of a PD cluster's prefill and decode nodes, speaking to them as any peer
+/// could.
+async fn node_clients(
+    c: &Cluster,
+) -> (
+    proto::v1::prefill_client::PrefillClient<tonic::transport::Channel>,
+    proto::v1::decode_client::DecodeClient<tonic::transport::Channel>,
+) {
+    let prefill = c.prefill.clone().expect("a PD cluster has a prefill node");
+    let p = proto::v1::prefill_client::PrefillClient::connect(format!("http://{prefill}"))
+        .await
+        .expect("the prefill node accepts gRPC");
+    let d = proto::v1::decode_client::DecodeClient::connect(format!("http://{}", c.decode))
+        .await
+        .expect("the decode node accepts gRPC");
+    (p, d)
 }
