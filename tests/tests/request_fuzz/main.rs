@@ -272,8 +272,8 @@ fn check_answer(verdict: &Verdict, body_len: usize, status: u16, v: &Value) {
             assert_eq!(param, Some("model"), "{v}");
         }
         Verdict::Accepted => match status {
-            // Past validation: no worker to take it.
-            503 => assert!(message.contains("no prefill worker"), "{v}"),
+            // Past validation: no worker to take it (the decode node is picked first).
+            503 => assert!(message.contains("no decode worker is ready"), "{v}"),
             // The template, the tokenizer or the prompt's length refused it.
             400 => assert!(
                 matches!(param, Some("messages" | "prompt" | "tools")),
