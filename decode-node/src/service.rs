@@ -242,7 +242,7 @@ impl proto::v1::decode_server::Decode for DecodeService {
             return Err(DecodeError::InvalidRequest("the prompt is empty".into()).into());
         }
         let resumed = req.resumed as usize;
-        if resumed > 0 && (resumed >= req.prompt.len() || n > 1 || width > 0) {
+        if !engine::sampling::can_resume(req.prompt.len(), resumed, n, width > 0) {
             return Err(DecodeError::InvalidRequest(format!(
                 "resumed = {resumed} needs one sequence, no beam search and a prompt longer \
                  than that ({} tokens)",

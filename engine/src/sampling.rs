@@ -135,6 +135,13 @@ pub fn split_resumed(tokens: &[u32], resumed: usize) -> (&[u32], &[u32]) {
     tokens.split_at(tokens.len().saturating_sub(resumed))
 }
 
+/// Whether a request can resume after `resumed` tokens of output (see the proto's
+/// `resumed`): only one sequence without beam search moves, and its prompt of `tokens`
+/// tokens must keep at least one token that is not output.
+pub fn can_resume(tokens: usize, resumed: usize, sequences: usize, beam: bool) -> bool {
+    resumed == 0 || (resumed < tokens && sequences <= 1 && !beam)
+}
+
 /// Applies the penalties in place. `prompt` and `output` are the tokens so far.
 pub fn apply_penalties(logits: &mut [f32], p: &SamplingParams, prompt: &[u32], output: &[u32]) {
     if p.repetition_penalty != 1.0 {
@@ -314,6 +321,9 @@ mod tests {
         let resumed = pick_first(&logits, &p, before, so_far, 1, 0, false)[0].token;
         assert_eq!(resumed, sample(&logits, &p, &prompt, &output, 2, 0).token);
         assert_eq!(split_resumed(&tokens, 0), (&tokens[..], &[][..]));
+        assert!(can_resume(5, 2, 1, false) && can_resume(5, 0, 4, true));
+        assert!(!can_resume(5, 5, 1, false) && !can_resume(5, 2, 2, false));
+        assert!(!can_resume(5, 2, 1, true));
     }
 
     #[test]

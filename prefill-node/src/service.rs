@@ -79,7 +79,7 @@ impl PrefillService {
         if req.top_logprobs as usize > engine::sampling::MAX_TOP_LOGPROBS {
             return Err(PrefillError::TooManyLogprobs(req.top_logprobs));
         }
-        if req.resumed > 0 && (req.resumed as usize >= n || req.n > 1 || req.beam_search) {
+        if !engine::sampling::can_resume(n, req.resumed as usize, req.n as usize, req.beam_search) {
             return Err(PrefillError::BadResume {
                 resumed: req.resumed,
                 prompt: n,
