@@ -122,7 +122,8 @@ pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<(Piece, Pie
     tokio::spawn(
         async move {
             let run = async {
-                let (state, out) = (&*state, &Out::new(tx.clone()));
+                let moves = req.movable() && state.cfg.stream_migration;
+                let (state, out) = (&*state, &Out::new(tx.clone(), moves));
                 let result = with_retries(state, &req, out, |req, retry, avoid| async move {
                     match state.cfg.mode {
                         Mode::Pd => attempt_pd(state, req, retry, avoid, out).await,
@@ -179,7 +180,7 @@ impl Failed {
 /// Runs attempts until one succeeds or the failure may not be retried: a worker that fails
 /// before the first piece reaches the client (down, cut off, draining, full) is avoided and
 /// the request tries another pair, within `--max-attempts` and the retry budget. After
-/// the first piece, a `movable` request moves (`--stream-migration`): the next attempt
+/// the first piece, a request that `out` says moves (`--stream-migration`): the next attempt
 /// resumes after the tokens the client has, within `--max-attempts` but outside the retry
 /// budget, since a decode node's death moves every stream it held at once. Otherwise the
 /// failure ends the stream with an error.
@@ -233,7 +234,7 @@ where
             failed.error.retryable() && failed.culprit.is_some() && n < state.cfg.max_attempts;
         let again = match progressed {
             false => worth_it && state.retry_budget.spend(),
-            true => worth_it && req.movable() && state.cfg.stream_migration,
+            true => worth_it && out.moves(),
         };
         if !again {
             return Err(failed.error);
@@ -276,24 +277,16 @@ async fn attempt_pd(
         &d,
         decode_blocks(&d, positions, req.sequences),
     );
-    state.metrics.placed(placed);
     let kv_id = attempt_id(req, retry);
     if let Placement::DecodeNode(_) = placed {
         tracing::debug!(decode = %d.addr, "picked to prefill locally");
-        let result = local::local_on(req, kv_id, placed, &d, out).await;
-        match &result {
-            Ok(()) => d.succeeded(&state.decode.settings),
-            Err(f) => state.metrics.attempt_failed(match f.culprit {
-                Some(_) => Culprit::Decode,
-                None => Culprit::None,
-            }),
-        }
-        return result;
+        return local_attempt(state, req, kv_id, placed, &d, out).await;
     }
     let p = state
         .prefill
         .pick_prefill(&avoid, &req.prompt)
         .map_err(no_worker)?;
+    state.metrics.placed(placed);
     tracing::debug!(prefill = %p.addr, decode = %d.addr, "picked");
     let result = pd::pd_on(
         req,
@@ -356,13 +349,27 @@ async fn attempt_colocated(
             progressed: false,
         })?;
     let placed = Placement::DecodeNode(LocalReason::Colocated);
+    local_attempt(state, req, attempt_id(req, retry), placed, &w, out).await
+}
+
+/// An attempt on worker `w`, which computes the prompt itself (`placed` says why), with
+/// its outcome counted.
+async fn local_attempt(
+    state: &AppState,
+    req: &GenRequest,
+    id: String,
+    placed: Placement,
+    w: &Arc<Worker>,
+    out: &Out,
+) -> Result<(), Failed> {
     state.metrics.placed(placed);
-    let result = local::local_on(req, attempt_id(req, retry), placed, &w, out).await;
+    let result = local::local_on(req, id, placed, w, out).await;
     match &result {
         Ok(()) => w.succeeded(&state.decode.settings),
-        Err(f) => state.metrics.attempt_failed(match f.culprit {
-            Some(_) => Culprit::Colocated,
-            None => Culprit::None,
+        Err(f) => state.metrics.attempt_failed(match (&f.culprit, placed) {
+            (None, _) => Culprit::None,
+            (Some(_), Placement::DecodeNode(LocalReason::Colocated)) => Culprit::Colocated,
+            (Some(_), _) => Culprit::Decode,
         }),
     }
     result

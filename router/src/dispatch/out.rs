@@ -8,10 +8,13 @@ use proto::v1::FinishReason;
 
 use super::{GenRequest, Piece, Tx};
 
-/// The channel to the client's side, remembering the tokens of sequence 0 sent on it.
+/// The channel to the client's side, remembering the tokens sent on it when the request
+/// may move.
 pub(super) struct Out {
     tx: Tx,
-    delivered: Mutex<Vec<u32>>,
+    /// The tokens sent, for a request that may move; `None` for any other, which has no
+    /// use for them.
+    delivered: Option<Mutex<Vec<u32>>>,
 }
 
 /// How an attempt after a failure starts: afresh, after the tokens delivered, or not at
@@ -23,31 +26,37 @@ pub(super) enum Resume {
 }
 
 impl Out {
-    pub(super) fn new(tx: Tx) -> Self {
+    /// `moves`: whether a failure after the first token may move the request (one
+    /// sequence, no beam search, `--stream-migration`).
+    pub(super) fn new(tx: Tx, moves: bool) -> Self {
         Self {
             tx,
-            delivered: Mutex::new(Vec::new()),
+            delivered: moves.then(|| Mutex::new(Vec::new())),
         }
+    }
+
+    /// Whether the request may move after its first token.
+    pub(super) fn moves(&self) -> bool {
+        self.delivered.is_some()
     }
 
     /// Sends `piece`; false once the client has gone.
     pub(super) async fn send(&self, piece: Piece) -> bool {
-        if let Piece::Token(t) = &piece {
-            if t.choice == 0 {
-                self.delivered
-                    .lock()
-                    .expect("the delivered tokens' lock is never poisoned")
-                    .push(t.id);
-            }
+        if let (Piece::Token(t), Some(delivered)) = (&piece, &self.delivered) {
+            delivered
+                .lock()
+                .expect("the delivered tokens' lock is never poisoned")
+                .push(t.id);
         }
         self.tx.send(Ok(piece)).await.is_ok()
     }
 
-    /// How the next attempt at `req` starts. Only a single sequence moves, so only then
-    /// is anything delivered when an attempt begins.
+    /// How the next attempt at `req` starts.
     pub(super) fn resume(&self, req: &GenRequest) -> Resume {
-        let delivered = self
-            .delivered
+        let Some(delivered) = &self.delivered else {
+            return Resume::Afresh;
+        };
+        let delivered = delivered
             .lock()
             .expect("the delivered tokens' lock is never poisoned");
         let Some(last) = delivered.last() else {
@@ -118,7 +127,7 @@ mod tests {
     #[tokio::test]
     async fn a_moved_request_resumes_after_what_the_client_has() {
         let (tx, _rx) = mpsc::channel(8);
-        let out = Out::new(tx);
+        let out = Out::new(tx, true);
         let req = request();
         assert!(matches!(out.resume(&req), Resume::Afresh));
         assert!(out.send(token(7)).await && out.send(token(8)).await);
@@ -134,15 +143,24 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_request_that_cannot_move_keeps_no_tokens() {
+        let (tx, _rx) = mpsc::channel(8);
+        let out = Out::new(tx, false);
+        assert!(out.send(token(7)).await);
+        assert!(!out.moves());
+        assert!(matches!(out.resume(&request()), Resume::Afresh));
+    }
+
+    #[tokio::test]
     async fn a_sequence_that_had_ended_is_finished_not_moved() {
         let (tx, _rx) = mpsc::channel(8);
-        let stopped = Out::new(tx.clone());
+        let stopped = Out::new(tx.clone(), true);
         stopped.send(token(9)).await;
         assert!(matches!(
             stopped.resume(&request()),
             Resume::Ended(FinishReason::Stop)
         ));
-        let full = Out::new(tx);
+        let full = Out::new(tx, true);
         for id in 10..15 {
             full.send(token(id)).await;
         }
