@@ -185,7 +185,7 @@ async fn worker_errors_carry_a_typed_reason() {
 /// the router.
 #[tokio::test]
 async fn workers_refuse_sampling_a_peer_could_abuse() {
-    use proto::v1::{ErrorReason, GenerateRequest, LogitBias, PrefillRequest, SamplingParams};
+    use proto::v1::{GenerateRequest, LogitBias, PrefillRequest, SamplingParams};
 
     let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
     let (mut p, mut d) = node_clients(&c).await;
@@ -220,8 +220,8 @@ async fn workers_refuse_sampling_a_peer_could_abuse() {
         },
     ];
     for sampling in abusive {
-        let refused = p
-            .prefill(PrefillRequest {
+        refused_as_invalid(
+            p.prefill(PrefillRequest {
                 request_id: "abusive-sampling".into(),
                 prompt: vec![1, 2, 3],
                 sampling: Some(sampling.clone()),
@@ -230,12 +230,10 @@ async fn workers_refuse_sampling_a_peer_could_abuse() {
                 kv_ticket: vec![7; 32],
                 ..PrefillRequest::default()
             })
-            .await
-            .unwrap_err();
-        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
-        assert_eq!(proto::error_reason(&refused), ErrorReason::InvalidRequest);
-        let refused = d
-            .generate(GenerateRequest {
+            .await,
+        );
+        refused_as_invalid(
+            d.generate(GenerateRequest {
                 request_id: "abusive-sampling".into(),
                 prompt: vec![1, 2, 3],
                 sampling: Some(sampling),
@@ -243,10 +241,8 @@ async fn workers_refuse_sampling_a_peer_could_abuse() {
                 prefill_here: true,
                 ..GenerateRequest::default()
             })
-            .await
-            .unwrap_err();
-        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
-        assert_eq!(proto::error_reason(&refused), ErrorReason::InvalidRequest);
+            .await,
+        );
     }
 }
 
@@ -254,14 +250,14 @@ async fn workers_refuse_sampling_a_peer_could_abuse() {
 /// sequence can resume: both nodes refuse anything else from any peer.
 #[tokio::test]
 async fn workers_refuse_a_resume_they_cannot_continue() {
-    use proto::v1::{ErrorReason, GenerateRequest, PrefillRequest};
+    use proto::v1::{GenerateRequest, PrefillRequest};
 
     let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
     let (mut p, mut d) = node_clients(&c).await;
     // (resumed, sequences, beam) against a prompt of three tokens.
     for (resumed, n, beam) in [(3, 1, false), (9, 1, false), (1, 2, false), (1, 2, true)] {
-        let refused = p
-            .prefill(PrefillRequest {
+        refused_as_invalid(
+            p.prefill(PrefillRequest {
                 request_id: "bad-resume".into(),
                 prompt: vec![1, 2, 3],
                 decode_addr: c.decode.clone(),
@@ -272,12 +268,10 @@ async fn workers_refuse_a_resume_they_cannot_continue() {
                 resumed,
                 ..PrefillRequest::default()
             })
-            .await
-            .unwrap_err();
-        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
-        assert_eq!(proto::error_reason(&refused), ErrorReason::InvalidRequest);
-        let refused = d
-            .generate(GenerateRequest {
+            .await,
+        );
+        refused_as_invalid(
+            d.generate(GenerateRequest {
                 request_id: "bad-resume".into(),
                 prompt: vec![1, 2, 3],
                 max_tokens: 2,
@@ -287,10 +281,8 @@ async fn workers_refuse_a_resume_they_cannot_continue() {
                 resumed,
                 ..GenerateRequest::default()
             })
-            .await
-            .unwrap_err();
-        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
-        assert_eq!(proto::error_reason(&refused), ErrorReason::InvalidRequest);
+            .await,
+        );
     }
     // The nodes still serve.
     let body = serde_json::json!({"model": c.model_name, "prompt": "still", "max_tokens": 2});
@@ -313,4 +305,15 @@ async fn node_clients(
         .await
         .expect("the decode node accepts gRPC");
     (p, d)
+}
+
+/// Asserts that a node refused a call as an invalid request: the status code and the
+/// typed reason both say so.
+fn refused_as_invalid<T: std::fmt::Debug>(answer: Result<T, tonic::Status>) {
+    let refused = answer.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    assert_eq!(
+        proto::error_reason(&refused),
+        proto::v1::ErrorReason::InvalidRequest
+    );
 }
