@@ -52,8 +52,10 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let advertise = cfg.cluster.advertise(listener.local_addr()?)?;
     let path = cfg.model.clone();
-    let model =
-        runtime::load_model(move || engine::Model::load(&path, &candle_core::Device::Cpu)).await?;
+    let loaded =
+        runtime::load_model(move || engine::load(&path, &candle_core::Device::Cpu)).await?;
+    let grammars = kvwire::convert::Grammars::of(&loaded);
+    let model = loaded.model;
     let layout = model.kv_layout();
     let max_positions = model.config().max_position_embeddings;
     let vocab = model.config().vocab_size;
@@ -102,6 +104,7 @@ pub async fn serve(
         service::Shape {
             layout: layout.clone(),
             vocab,
+            grammars,
         },
         Arc::clone(&metrics),
         gate.clone(),

@@ -26,6 +26,8 @@ use crate::store::{Reserved, Tickets};
 pub struct Shape {
     pub layout: KvLayout,
     pub vocab: usize,
+    /// What request grammars compile with.
+    pub grammars: kvwire::convert::Grammars,
 }
 
 /// State shared by the service's handlers.
@@ -250,12 +252,18 @@ impl proto::v1::decode_server::Decode for DecodeService {
             ))
             .into());
         }
-        let sampling = kvwire::convert::sampling_from_proto(
-            &req.sampling.take().unwrap_or_default(),
-            &req.stop_token_ids,
-            self.shape.vocab,
-        )
-        .map_err(|e| DecodeError::InvalidRequest(e.to_string()))?;
+        let mut wire = req.sampling.take().unwrap_or_default();
+        let invalid =
+            |e: kvwire::convert::SamplingError| DecodeError::InvalidRequest(e.to_string());
+        let sampling =
+            kvwire::convert::sampling_from_proto(&wire, &req.stop_token_ids, self.shape.vocab)
+                .map_err(invalid)?;
+        let constraint = self
+            .shape
+            .grammars
+            .constraint(wire.grammar.take(), &req.stop_token_ids, width > 0)
+            .await
+            .map_err(invalid)?;
         let max_new = req.tokens_to_sample() as usize;
         let positions = self.budget.positions(req.prompt.len(), max_new);
         let sequences = if width > 0 { width } else { n };
@@ -269,6 +277,7 @@ impl proto::v1::decode_server::Decode for DecodeService {
             span: span.clone(),
             prompt: req.prompt,
             sampling,
+            constraint,
             top_logprobs: req.top_logprobs as usize,
             n,
             beam_width: width,

@@ -4,7 +4,7 @@
 use crate::error::Result;
 use crate::kv_cache::SeqCache;
 use crate::model::{Model, SeqInput};
-use crate::sampling::{sample, Sampled, SamplingParams};
+use crate::sampling::{sample, Context, Sampled, SamplingParams};
 
 /// Runs `prompt` into `cache`, then samples up to `max_new` tokens, stopping after any id in
 /// `stop_ids`. Step `n` of the sampler is the `n`-th generated token.
@@ -25,7 +25,8 @@ pub fn generate(
             cache,
         }])?;
         let row: Vec<f32> = logits.squeeze(0)?.to_vec1()?;
-        let s = sample(&row, params, prompt, &output_ids, out.len() as u64, 0);
+        let cx = Context::of(prompt, &output_ids);
+        let s = sample(&row, params, &cx, out.len() as u64, 0);
         output_ids.push(s.token);
         next = vec![s.token];
         let stop = stop_ids.contains(&s.token);

@@ -27,3 +27,5 @@ pub use kv_cache::{KvAssembler, KvChunk, KvLayout, SeqCache};
 pub use loader::{load, Loaded};
 pub use model::{Model, SeqInput};
 pub use sampling::{Sampled, SamplingParams};
+/// Structured outputs' grammars and token masks, which sampling applies.
+pub use text::grammar;

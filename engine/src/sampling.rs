@@ -8,6 +8,7 @@ use std::collections::HashMap;
 
 use crate::logprobs::{log_softmax, top_n};
 pub use crate::logprobs::{scored, Sampled, TokenLogprob};
+pub use text::grammar::TokenMask;
 
 /// The most alternatives one token reports (the API's `top_logprobs` limit); the workers
 /// refuse requests for more, so a request's logprob entries stay bounded.
@@ -37,7 +38,7 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// While a sequence has fewer tokens than this, the tokens of `held` cannot be sampled.
     pub min_tokens: usize,
-    /// What `min_tokens` holds back: the request's stop tokens, each once.
+    /// What `min_tokens` holds back: the request's stop tokens, each once, sorted.
     pub held: Vec<u32>,
 }
 
@@ -108,14 +109,14 @@ impl SamplingParams {
 }
 
 /// The first token of each of `n` sequences that share one prompt, from the logits of its
-/// last position: a sample each, or for a beam search the n most likely tokens. `output` is
-/// the request's output so far, empty but for a resumed request (whose prompt ends with
-/// it): the draw is then the one of step `output.len()`, as in the uninterrupted run.
+/// last position: a sample each, or for a beam search the n most likely tokens. `cx.output`
+/// is the request's output so far, empty but for a resumed request (whose prompt ends with
+/// it): the draw is then the one of step `output.len()`, as in the uninterrupted run. The
+/// sequences share one grammar state, so `cx.allowed` masks every one of them.
 pub fn pick_first(
     raw: &[f32],
     p: &SamplingParams,
-    prompt: &[u32],
-    output: &[u32],
+    cx: &Context<'_>,
     n: usize,
     top_logprobs: usize,
     beam: bool,
@@ -123,9 +124,9 @@ pub fn pick_first(
     if beam {
         return crate::beam::first_tokens(raw, n, top_logprobs);
     }
-    let step = output.len() as u64;
+    let step = cx.output.len() as u64;
     (0..n)
-        .map(|i| sample(raw, &p.for_choice(i), prompt, output, step, top_logprobs))
+        .map(|i| sample(raw, &p.for_choice(i), cx, step, top_logprobs))
         .collect()
 }
 
@@ -171,40 +172,75 @@ pub fn apply_penalties(logits: &mut [f32], p: &SamplingParams, prompt: &[u32], o
     }
 }
 
+/// What sampling a sequence's next token looks at besides the logits: its tokens so far,
+/// and the tokens its grammar allows (structured outputs), if it has one.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Context<'a> {
+    pub prompt: &'a [u32],
+    /// The sequence's output so far.
+    pub output: &'a [u32],
+    /// The only tokens it may take next; `None`: any.
+    pub allowed: Option<&'a TokenMask>,
+}
+
+impl<'a> Context<'a> {
+    /// A sequence of `prompt` that has generated `output`, without a grammar.
+    pub fn of(prompt: &'a [u32], output: &'a [u32]) -> Self {
+        Self {
+            prompt,
+            output,
+            allowed: None,
+        }
+    }
+
+    /// The same sequence, held to the tokens of `allowed`.
+    pub fn masked(self, allowed: Option<&'a TokenMask>) -> Self {
+        Self { allowed, ..self }
+    }
+}
+
 /// The logits a request samples from: the model's, with the logit bias, `min_tokens`' mask
-/// and then the penalties (vLLM's order). `output` is the sequence's tokens so far.
-pub fn processed(raw: &[f32], p: &SamplingParams, prompt: &[u32], output: &[u32]) -> Vec<f32> {
+/// and then the penalties (vLLM's order), and last the grammar's mask, which nothing
+/// overrides. `min_tokens` gives way where the grammar allows only stop tokens: the grammar
+/// is complete, and a sequence that could take no token at all would have no next token.
+pub fn processed(raw: &[f32], p: &SamplingParams, cx: &Context<'_>) -> Vec<f32> {
     let mut logits = raw.to_vec();
     for &(t, bias) in &p.logit_bias {
         if let Some(x) = logits.get_mut(t as usize) {
             *x += bias;
         }
     }
-    if output.len() < p.min_tokens {
+    let hold = cx.output.len() < p.min_tokens
+        && cx.allowed.is_none_or(|m| {
+            (0..logits.len() as u32).any(|t| m.allows(t) && p.held.binary_search(&t).is_err())
+        });
+    if hold {
         for &t in &p.held {
             if let Some(x) = logits.get_mut(t as usize) {
                 *x = f32::NEG_INFINITY;
             }
         }
     }
-    apply_penalties(&mut logits, p, prompt, output);
+    apply_penalties(&mut logits, p, cx.prompt, cx.output);
+    if let Some(m) = cx.allowed {
+        m.apply(&mut logits);
+    }
     logits
 }
 
 /// Chooses the token for step `step` of a request.
 ///
-/// `raw` are the model's logits; `prompt`/`output` feed the penalties and `min_tokens`;
-/// `top_logprobs` is how many alternatives to report (0 for none). The logprobs reported
-/// are those of the model's own distribution, before any of the request's settings.
+/// `raw` are the model's logits; `cx` holds what else the choice depends on; `top_logprobs`
+/// is how many alternatives to report (0 for none). The logprobs reported are those of the
+/// model's own distribution, before any of the request's settings.
 pub fn sample(
     raw: &[f32],
     p: &SamplingParams,
-    prompt: &[u32],
-    output: &[u32],
+    cx: &Context<'_>,
     step: u64,
     top_logprobs: usize,
 ) -> Sampled {
-    let logits = processed(raw, p, prompt, output);
+    let logits = processed(raw, p, cx);
     let token = if p.temperature <= 0.0 {
         crate::model::argmax(&logits)
     } else {
@@ -228,6 +264,11 @@ fn draw(logits: &[f32], p: &SamplingParams, u: f64) -> u32 {
         p.top_k
     };
     let mut cand = top_n(logits, k);
+    // Masked tokens (a grammar's, min_tokens') have no probability at all: they must not be
+    // the fallback below when rounding leaves the draw above the last cumulative sum.
+    if let Some(masked) = cand.iter().position(|c| c.logprob == f32::NEG_INFINITY) {
+        cand.truncate(masked.max(1));
+    }
     let max = cand[0].logprob as f64;
     let t = p.temperature as f64;
     let mut probs: Vec<f64> = cand
@@ -283,7 +324,7 @@ mod tests {
 
     #[test]
     fn greedy_takes_the_largest_logit() {
-        let s = sample(&[0.1, 3.0, 2.0], &params(0.0), &[], &[], 0, 2);
+        let s = sample(&[0.1, 3.0, 2.0], &params(0.0), &Context::default(), 0, 2);
         assert_eq!(s.token, 1);
         assert_eq!(s.top.iter().map(|t| t.token).collect::<Vec<_>>(), [1, 2]);
         let total: f32 = [0.1f32, 3.0, 2.0].iter().map(|&x| (x - 3.0f32).exp()).sum();
@@ -294,16 +335,16 @@ mod tests {
     fn same_seed_and_step_draw_the_same_token() {
         let logits: Vec<f32> = (0..100).map(|i| (i % 7) as f32 * 0.3).collect();
         let a: Vec<u32> = (0..20)
-            .map(|s| sample(&logits, &params(1.0), &[], &[], s, 0).token)
+            .map(|s| sample(&logits, &params(1.0), &Context::default(), s, 0).token)
             .collect();
         let b: Vec<u32> = (0..20)
-            .map(|s| sample(&logits, &params(1.0), &[], &[], s, 0).token)
+            .map(|s| sample(&logits, &params(1.0), &Context::default(), s, 0).token)
             .collect();
         assert_eq!(a, b);
         let mut other = params(1.0);
         other.seed = 8;
         let c: Vec<u32> = (0..20)
-            .map(|s| sample(&logits, &other, &[], &[], s, 0).token)
+            .map(|s| sample(&logits, &other, &Context::default(), s, 0).token)
             .collect();
         assert_ne!(a, c, "a different seed should give a different stream");
     }
@@ -318,8 +359,11 @@ mod tests {
         let tokens = [3, 4, 5, 6, 7];
         let (before, so_far) = split_resumed(&tokens, 2);
         assert_eq!((before, so_far), (&prompt[..], &output[..]));
-        let resumed = pick_first(&logits, &p, before, so_far, 1, 0, false)[0].token;
-        assert_eq!(resumed, sample(&logits, &p, &prompt, &output, 2, 0).token);
+        let resumed = pick_first(&logits, &p, &Context::of(before, so_far), 1, 0, false)[0].token;
+        assert_eq!(
+            resumed,
+            sample(&logits, &p, &Context::of(&prompt, &output), 2, 0).token
+        );
         assert_eq!(split_resumed(&tokens, 0), (&tokens[..], &[][..]));
         assert!(can_resume(5, 2, 1, false) && can_resume(5, 0, 4, true));
         assert!(!can_resume(5, 5, 1, false) && !can_resume(5, 2, 2, false));
@@ -332,10 +376,10 @@ mod tests {
         for step in 0..50 {
             let mut p = params(2.0);
             p.top_k = 1;
-            assert_eq!(sample(&logits, &p, &[], &[], step, 0).token, 1);
+            assert_eq!(sample(&logits, &p, &Context::default(), step, 0).token, 1);
             let mut p = params(2.0);
             p.top_p = 1e-6;
-            assert_eq!(sample(&logits, &p, &[], &[], step, 0).token, 1);
+            assert_eq!(sample(&logits, &p, &Context::default(), step, 0).token, 1);
         }
     }
 
@@ -343,7 +387,7 @@ mod tests {
     fn draws_follow_the_distribution() {
         let logits = [0.0f32, (3.0f32).ln()];
         let ones = (0..4000)
-            .filter(|&s| sample(&logits, &params(1.0), &[], &[], s, 0).token == 1)
+            .filter(|&s| sample(&logits, &params(1.0), &Context::default(), s, 0).token == 1)
             .count();
         assert!(
             (2800..3200).contains(&ones),
@@ -375,12 +419,12 @@ mod tests {
         let raw = [3.0, 1.0, 2.0];
         let mut p = params(0.0);
         p.logit_bias = vec![(1, 5.0), (2, -100.0), (99, 100.0)];
-        let s = sample(&raw, &p, &[], &[], 0, 0);
+        let s = sample(&raw, &p, &Context::default(), 0, 0);
         assert_eq!(
             s.token, 1,
             "3 + 0 < 1 + 5; an id outside the vocabulary is skipped"
         );
-        let plain = sample(&raw, &params(0.0), &[], &[], 0, 0);
+        let plain = sample(&raw, &params(0.0), &Context::default(), 0, 0);
         assert_eq!(plain.token, 0);
         let unbiased = log_softmax(&raw)[1];
         assert_eq!(s.logprob, unbiased, "logprobs are the model's own");
@@ -394,16 +438,64 @@ mod tests {
             held: vec![1],
             ..params(0.0)
         };
-        assert_eq!(sample(&raw, &p, &[], &[], 0, 0).token, 2);
-        assert_eq!(sample(&raw, &p, &[], &[5], 1, 0).token, 2);
-        assert_eq!(sample(&raw, &p, &[], &[5, 5], 2, 0).token, 1);
+        assert_eq!(sample(&raw, &p, &Context::default(), 0, 0).token, 2);
+        assert_eq!(sample(&raw, &p, &Context::of(&[], &[5]), 1, 0).token, 2);
+        assert_eq!(sample(&raw, &p, &Context::of(&[], &[5, 5]), 2, 0).token, 1);
         for step in 0..200 {
             let hot = SamplingParams {
                 temperature: 2.0,
                 ..p.clone()
             };
-            assert_ne!(sample(&raw, &hot, &[], &[], step, 0).token, 1);
+            assert_ne!(sample(&raw, &hot, &Context::default(), step, 0).token, 1);
         }
+    }
+
+    #[test]
+    fn a_grammar_mask_limits_greedy_and_draws_but_not_the_logprobs() {
+        let raw = [5.0, 1.0, 0.5, 0.2];
+        let mask = TokenMask::of(&[1, 3], 4);
+        let cx = Context::default().masked(Some(&mask));
+        let greedy = sample(&raw, &params(0.0), &cx, 0, 1);
+        assert_eq!(greedy.token, 1);
+        assert_eq!(
+            greedy.top[0].token, 0,
+            "the model's own distribution is reported"
+        );
+        let mut seen = [0; 4];
+        for step in 0..400 {
+            seen[sample(&raw, &params(1.0), &cx, step, 0).token as usize] += 1;
+        }
+        assert_eq!((seen[0], seen[2]), (0, 0), "{seen:?}");
+        assert!(seen[1] > 0 && seen[3] > 0, "{seen:?}");
+    }
+
+    #[test]
+    fn a_draw_never_falls_back_to_a_masked_token() {
+        // Weights whose sum rounds below 1, and draws at its very top.
+        let raw = [0.1f32, 0.2, 0.3, 0.4, 0.5];
+        let mask = TokenMask::of(&[1, 3], 5);
+        let cx = Context::default().masked(Some(&mask));
+        let logits = processed(&raw, &params(1.0), &cx);
+        for u in [0.0, 0.5, 1.0 - f64::EPSILON, 1.0] {
+            let t = draw(&logits, &params(1.0), u);
+            assert!(t == 1 || t == 3, "u = {u}: {t}");
+        }
+    }
+
+    #[test]
+    fn min_tokens_gives_way_only_where_the_grammar_allows_nothing_but_stop_tokens() {
+        let p = SamplingParams {
+            min_tokens: 5,
+            held: vec![2],
+            ..params(0.0)
+        };
+        let raw = [0.0, 1.0, 5.0];
+        let stop_or_1 = TokenMask::of(&[1, 2], 3);
+        let cx = Context::default().masked(Some(&stop_or_1));
+        assert_eq!(sample(&raw, &p, &cx, 0, 0).token, 1);
+        let only_stop = TokenMask::of(&[2], 3);
+        let cx = Context::default().masked(Some(&only_stop));
+        assert_eq!(sample(&raw, &p, &cx, 0, 0).token, 2);
     }
 
     #[test]
@@ -416,7 +508,7 @@ mod tests {
                 ..params(1.0)
             };
             (0..500)
-                .map(|s| sample(&raw, &p, &[], &[], s, 0).token)
+                .map(|s| sample(&raw, &p, &Context::default(), s, 0).token)
                 .collect()
         };
         assert_eq!(drawn(0.0), [0, 1, 2, 3].into());

@@ -20,6 +20,105 @@ pub enum SamplingError {
     BiasValue { token: u32, bias: f32 },
     #[error("logit_bias names token {0} twice")]
     BiasTwice(u32),
+    #[error("the grammar names no kind (json_schema, regex or choice)")]
+    NoGrammar,
+    #[error("the grammar's JSON schema is not JSON: {0}")]
+    SchemaText(String),
+    #[error("grammar: {0}")]
+    Grammar(String),
+    #[error("a grammar cannot constrain a beam search")]
+    GrammarWithBeams,
+    #[error("this model's vocabulary cannot be constrained by a grammar: {0}")]
+    NoVocab(String),
+}
+
+/// What a node compiles request grammars with: the model's vocabulary (or why it cannot be
+/// used: the node still serves, and refuses only the requests that carry a grammar), and
+/// turns on the blocking pool, one per CPU, since compiling a grammar can take longer than
+/// a thread serving connections may be held (a short regex can take half a second).
+pub struct Grammars {
+    vocab: Result<engine::grammar::Vocab, String>,
+    turns: tokio::sync::Semaphore,
+}
+
+impl Grammars {
+    /// The grammars of `loaded`'s vocabulary.
+    pub fn of(loaded: &engine::Loaded) -> Self {
+        let eos = &loaded.model.config().eos_token_ids;
+        let vocab = engine::grammar::Vocab::new(&loaded.tokenizer, eos).map_err(|e| {
+            tracing::warn!(error = %e, "requests with a grammar will be refused");
+            e.to_string()
+        });
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self {
+            vocab,
+            turns: tokio::sync::Semaphore::new(cpus),
+        }
+    }
+
+    /// The constraint a request's sequences start from, for a request that ends on
+    /// `stops`, compiled on the blocking pool in a turn of this node's; `None` without a
+    /// grammar.
+    pub async fn constraint(
+        &self,
+        g: Option<v1::Grammar>,
+        stops: &[u32],
+        beam: bool,
+    ) -> Result<Option<engine::grammar::Constraint>, SamplingError> {
+        let Some(g) = g else {
+            return Ok(None);
+        };
+        let failed = |e: String| SamplingError::Grammar(format!("compiling: {e}"));
+        let _turn = self
+            .turns
+            .acquire()
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+        let (vocab, stops) = (self.vocab.clone(), stops.to_vec());
+        tokio::task::spawn_blocking(move || constraint_from_proto(Some(&g), &vocab, &stops, beam))
+            .await
+            .unwrap_or_else(|e| Err(failed(e.to_string())))
+    }
+}
+
+/// The constraint a request's sequences start from (before any output), compiled from its
+/// grammar against the node's vocabulary (`vocab`, or why the node has none); `None`
+/// without a grammar.
+pub fn constraint_from_proto(
+    g: Option<&v1::Grammar>,
+    vocab: &Result<engine::grammar::Vocab, String>,
+    stops: &[u32],
+    beam: bool,
+) -> Result<Option<engine::grammar::Constraint>, SamplingError> {
+    let Some(g) = g else {
+        return Ok(None);
+    };
+    if beam {
+        return Err(SamplingError::GrammarWithBeams);
+    }
+    let vocab = vocab
+        .as_ref()
+        .map_err(|e| SamplingError::NoVocab(e.clone()))?;
+    let grammar = grammar_from_proto(g)?;
+    vocab
+        .compile(&grammar, stops)
+        .map(Some)
+        .map_err(|e| SamplingError::Grammar(e.to_string()))
+}
+
+/// A request's grammar from its wire form; compiled by the node that samples with it.
+pub fn grammar_from_proto(g: &v1::Grammar) -> Result<engine::grammar::Grammar, SamplingError> {
+    use engine::grammar::Grammar;
+    use v1::grammar::Kind;
+    Ok(match g.kind.as_ref().ok_or(SamplingError::NoGrammar)? {
+        Kind::JsonSchema(s) => Grammar::JsonSchema {
+            schema: serde_json::from_str(&s.schema)
+                .map_err(|e| SamplingError::SchemaText(e.to_string()))?,
+            strict: s.strict,
+        },
+        Kind::Regex(rx) => Grammar::Regex(rx.clone()),
+        Kind::Choice(c) => Grammar::Choice(c.choices.clone()),
+    })
 }
 
 /// The sampling settings a node runs from the ones the router sent, with the request's stop
@@ -170,6 +269,7 @@ mod tests {
                 },
             ],
             min_tokens: 4,
+            grammar: None,
         };
         let p = sampling_from_proto(&wire, &[2, 0, 2, 50], 10).unwrap();
         assert_eq!(
@@ -246,5 +346,39 @@ mod tests {
             dtype: "f32".into(),
         };
         assert_eq!(layout_from_proto(&layout_to_proto(&l)), l);
+    }
+
+    #[test]
+    fn grammars_a_node_cannot_use_are_refused() {
+        use v1::grammar::Kind;
+        let none: Result<engine::grammar::Vocab, String> = Err("no end token".into());
+        assert!(constraint_from_proto(None, &none, &[], true)
+            .unwrap()
+            .is_none());
+        let rx = v1::Grammar {
+            kind: Some(Kind::Regex("a+".into())),
+        };
+        assert_eq!(
+            constraint_from_proto(Some(&rx), &none, &[], true).unwrap_err(),
+            SamplingError::GrammarWithBeams
+        );
+        assert_eq!(
+            constraint_from_proto(Some(&rx), &none, &[], false).unwrap_err(),
+            SamplingError::NoVocab("no end token".into())
+        );
+        assert_eq!(
+            grammar_from_proto(&v1::Grammar { kind: None }).unwrap_err(),
+            SamplingError::NoGrammar
+        );
+        let bad = v1::Grammar {
+            kind: Some(Kind::JsonSchema(v1::JsonSchema {
+                schema: "{\"type\":".into(),
+                strict: false,
+            })),
+        };
+        assert!(matches!(
+            grammar_from_proto(&bad),
+            Err(SamplingError::SchemaText(_))
+        ));
     }
 }

@@ -18,6 +18,8 @@ pub enum PrefillError {
     BadResume { resumed: u32, prompt: usize },
     #[error(transparent)]
     Sampling(#[from] kvwire::convert::SamplingError),
+    #[error("grammar: {0}")]
+    Grammar(engine::grammar::GrammarError),
     #[error("no decode node address was given")]
     NoDecodeAddr,
     #[error("decode node {0} is neither listed (--decode-nodes) nor registered in etcd as a decode worker")]
@@ -54,6 +56,7 @@ impl From<PrefillError> for tonic::Status {
             | TooManyLogprobs(_)
             | BadResume { .. }
             | Sampling(_)
+            | Grammar(_)
             | NoDecodeAddr
             | NoTicket
             | TokenOutOfRange { .. } => (Code::InvalidArgument, R::InvalidRequest),

@@ -24,6 +24,7 @@ pub struct PrefillService {
     layout: KvLayout,
     max_positions: usize,
     vocab: usize,
+    grammars: kvwire::convert::Grammars,
     kv: Arc<kvwire::Client>,
     targets: DecodeTargets,
     gate: runtime::Gate,
@@ -35,6 +36,8 @@ pub struct Setup {
     pub layout: KvLayout,
     pub max_positions: usize,
     pub vocab: usize,
+    /// What request grammars compile with.
+    pub grammars: kvwire::convert::Grammars,
     pub kv: kvwire::Client,
     pub targets: DecodeTargets,
 }
@@ -55,6 +58,7 @@ impl PrefillService {
             layout: setup.layout,
             max_positions: setup.max_positions,
             vocab: setup.vocab,
+            grammars: setup.grammars,
             kv: Arc::new(setup.kv),
             targets: setup.targets,
             gate,
@@ -99,11 +103,13 @@ impl PrefillService {
                 vocab: self.vocab,
             });
         }
-        let sampling = kvwire::convert::sampling_from_proto(
-            &req.sampling.take().unwrap_or_default(),
-            &req.stop_token_ids,
-            self.vocab,
-        )?;
+        let mut wire = req.sampling.take().unwrap_or_default();
+        let sampling =
+            kvwire::convert::sampling_from_proto(&wire, &req.stop_token_ids, self.vocab)?;
+        let constraint = self
+            .grammars
+            .constraint(wire.grammar.take(), &req.stop_token_ids, req.beam_search)
+            .await?;
         if req.kv_ticket.is_empty() {
             return Err(PrefillError::NoTicket);
         }
@@ -125,6 +131,7 @@ impl PrefillService {
         let job = Job {
             prompt: req.prompt,
             sampling,
+            constraint,
             top_logprobs: req.top_logprobs as usize,
             n: (req.n as usize).max(1),
             beam: req.beam_search,

@@ -10,6 +10,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use engine::grammar::{Constraint, GrammarError, TokenMask};
+use engine::sampling::Context;
 use engine::{EngineError, Model, Sampled, SamplingParams, SeqCache, SeqInput};
 use kvwire::Item;
 use proto::v1::FirstTokens;
@@ -24,6 +26,8 @@ use runtime::prom::Observe;
 pub struct Job {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
+    /// The request's grammar before any output, if it has one (never with beam search).
+    pub constraint: Option<Constraint>,
     pub top_logprobs: usize,
     /// Sequences to start: one first token each.
     pub n: usize,
@@ -367,6 +371,7 @@ impl Worker {
     /// keeps its cache in the prefix cache.
     fn complete(&mut self, mut a: Active, row: &[f32], batch_size: usize) {
         let _entered = a.job.span.clone().entered();
+        let constraint = a.job.constraint.take();
         let job = &a.job;
         if job.done.is_closed() {
             // Cancelled during its last step: no first tokens, so the transfer fails and
@@ -375,11 +380,18 @@ impl Worker {
             return;
         }
         let (prompt, output) = engine::sampling::split_resumed(&job.prompt, job.resumed);
+        let allowed = match first_mask(constraint, output) {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = a.job.done.send(Err(PrefillError::Grammar(e)));
+                return;
+            }
+        };
+        let cx = Context::of(prompt, output).masked(allowed.as_ref());
         let first = engine::sampling::pick_first(
             row,
             &job.sampling,
-            prompt,
-            output,
+            &cx,
             job.n,
             job.top_logprobs,
             job.beam,
@@ -412,4 +424,16 @@ impl Worker {
                 .insert(a.job.cache_partition, a.job.prompt, a.cache);
         }
     }
+}
+
+/// The first tokens a request's grammar allows after its output so far (a moved stream's).
+fn first_mask(
+    constraint: Option<Constraint>,
+    output: &[u32],
+) -> Result<Option<TokenMask>, GrammarError> {
+    let Some(mut c) = constraint else {
+        return Ok(None);
+    };
+    c.advance(output)?;
+    c.mask().map(Some)
 }

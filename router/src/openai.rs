@@ -20,7 +20,9 @@ use tracing::Instrument;
 use crate::api;
 use crate::dispatch::{self, GenRequest, Piece, Pieces};
 use crate::error::{ErrorFormat, RouterError};
-use crate::intake::{client_request_id, off_the_io_threads, REQUEST_ID_HEADER};
+use crate::intake::{
+    client_request_id, off_the_io_threads, on_the_blocking_pool, REQUEST_ID_HEADER,
+};
 use crate::keys::Key;
 use crate::metrics::InFlight;
 use crate::output::{ChoiceOut, Echo, Kind, Output, Tally};
@@ -163,12 +165,16 @@ async fn run(
     let created = unix_now();
     let body = read_body(state, body).await?;
     let Prepared {
-        common,
+        mut common,
         prompt,
         logprobs,
         parser,
         echo,
     } = off_the_io_threads(state, body, move |st, body| prepare(st, kind, body)).await?;
+    if let Some(c) = common.grammar.take() {
+        let checked = on_the_blocking_pool(state, move |st| c.checked(&st.grammar_vocab));
+        common.sampling.grammar = Some(checked.await?);
+    }
     if common.stream {
         // Held by the streaming task with the in-flight slot, so both end with the stream.
         in_flight.open_stream(state.cfg.max_streams)?;

@@ -19,6 +19,9 @@ pub struct AppState {
     /// The name requests must give as `model`.
     pub model_name: String,
     pub text: text::TextModel,
+    /// The vocabulary request grammars are checked against, or why the model's cannot be
+    /// constrained (requests with a grammar are then refused).
+    pub grammar_vocab: Result<text::grammar::Vocab, String>,
     pub prefill: Pool,
     pub decode: Pool,
     /// Most prompt tokens: min(maxInputTokenLen, maxSeqLen - 1, max_position_embeddings).
@@ -85,6 +88,11 @@ impl AppState {
     pub fn new(cfg: Config) -> Result<Self, RouterError> {
         let text = text::load(&cfg.model)
             .map_err(|e| RouterError::Internal(format!("loading {}: {e}", cfg.model.display())))?;
+        let grammar_vocab = text::grammar::Vocab::new(&text.tokenizer, &text.config.eos_token_ids)
+            .map_err(|e| {
+                tracing::warn!(error = %e, "requests with a grammar will be refused");
+                e.to_string()
+            });
         let model_name = cfg.model_name.clone().unwrap_or_else(|| {
             let stem = if cfg.model.is_dir() {
                 cfg.model.file_name()
@@ -176,6 +184,7 @@ impl AppState {
             cfg,
             model_name,
             text,
+            grammar_vocab,
             prefill,
             decode,
             max_prompt_tokens,

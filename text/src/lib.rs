@@ -9,6 +9,7 @@ pub mod config;
 mod encode;
 pub mod error;
 pub mod gguf;
+pub mod grammar;
 mod load;
 pub mod structured;
 pub mod tokenizer;

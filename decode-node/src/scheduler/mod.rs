@@ -14,6 +14,8 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use engine::beam::BeamSearch;
+use engine::grammar::Constraint;
+use engine::sampling::Context;
 use engine::{EngineError, Model, Sampled, SamplingParams, SeqCache, SeqInput};
 use proto::v1::{
     generate_event::Event, Finish, FinishReason, GenerateEvent, PromptLogprobs, TokenEvent,
@@ -27,6 +29,7 @@ use crate::error::DecodeError;
 use crate::metrics::DecodeMetrics;
 use runtime::prom::Observe;
 
+mod admit;
 mod beam;
 mod prefill;
 
@@ -52,6 +55,8 @@ pub struct Admission {
     pub span: tracing::Span,
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
+    /// The request's grammar before any output, if it has one (never with beam search).
+    pub constraint: Option<Constraint>,
     pub top_logprobs: usize,
     /// Sequences decoded from the one prompt (n or best_of); with beam search, the
     /// hypotheses returned.
@@ -86,6 +91,8 @@ struct Seq {
     ended: Arc<Ended>,
     prompt: Vec<u32>,
     sampling: SamplingParams,
+    /// Its grammar's state after `output`.
+    constraint: Option<Constraint>,
     top_logprobs: usize,
     max_new: usize,
     stop_ids: Vec<u32>,
@@ -283,7 +290,8 @@ impl Scheduler {
     /// Why `seq` stops after its newest token, if it does.
     fn finish_of(&self, seq: &Seq) -> Option<FinishReason> {
         let last = *seq.output.last()?;
-        if seq.stop_ids.contains(&last) {
+        if seq.stop_ids.contains(&last) || seq.constraint.as_ref().is_some_and(Constraint::finished)
+        {
             Some(FinishReason::Stop)
         } else if seq.produced >= seq.max_new
             || seq.cache.len() >= self.model.config().max_position_embeddings
@@ -303,165 +311,6 @@ impl Scheduler {
                 let _ = seq.events.send(Ok(finish_event(reason, seq.choice)));
             }
             None => self.running.push(seq),
-        }
-    }
-
-    /// Starts a request: its caches are sized to its whole length, and each sequence (or
-    /// the beam search) holds its share of the request's reservation.
-    fn admit(&mut self, mut a: Admission) {
-        let _entered = a.span.clone().entered();
-        let width = sequences(&a);
-        let positions = a.positions;
-        let per_seq = a.lease.blocks() / width;
-        // The prompt's cache, each sequence's first token, the events of the first tokens
-        // when this node sampled them, and since when the sequences wait for their next step.
-        let (cache, first, prefilled, ready_since) = match a.start {
-            Start::Transferred {
-                cache,
-                first_tokens,
-            } => {
-                if first_tokens.len() != width {
-                    let e = DecodeError::InvalidRequest(format!(
-                        "{} first tokens arrived for {width} sequences",
-                        first_tokens.len(),
-                    ));
-                    return self.fail(&a.events, e);
-                }
-                // A first token outside the vocabulary would fail the whole batch's next
-                // forward pass, not just this request.
-                let vocab = self.model.config().vocab_size;
-                let outside = first_tokens
-                    .iter()
-                    .flat_map(|s| std::iter::once(s.token).chain(s.top.iter().map(|t| t.token)))
-                    .find(|&t| t as usize >= vocab);
-                if let Some(t) = outside {
-                    let e = DecodeError::BadTransfer(format!(
-                        "first token {t} is outside the vocabulary of {vocab}"
-                    ));
-                    return self.fail(&a.events, e);
-                }
-                let mut cache = cache;
-                if let Err(e) = cache.reserve_exact(positions) {
-                    return self.fail(&a.events, e.into());
-                }
-                (cache, first_tokens, None, a.enqueued)
-            }
-            Start::Prefill => {
-                if a.max_new == 0 {
-                    for choice in 0..a.n as u32 {
-                        let _ = a
-                            .events
-                            .send(Ok(finish_event(FinishReason::Length, choice)));
-                    }
-                    return;
-                }
-                let started = Instant::now();
-                let (cache, first, scored) = match self.prefill(&a, width, positions) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "prefill failed");
-                        return self.fail(&a.events, e);
-                    }
-                };
-                if a.prompt_logprobs {
-                    let tokens = scored.iter().map(kvwire::convert::token_to_proto).collect();
-                    let _ = a.events.send(Ok(GenerateEvent {
-                        event: Some(Event::Prompt(PromptLogprobs { tokens })),
-                    }));
-                }
-                let ms = started.elapsed().as_secs_f64() * 1e3;
-                let wait = (started - a.enqueued).as_micros() as u64;
-                let events: Vec<TokenEvent> = first
-                    .iter()
-                    .enumerate()
-                    .map(|(choice, s)| TokenEvent {
-                        from_prefill: true,
-                        ..token(s, choice as u32, ms, 1, wait)
-                    })
-                    .collect();
-                (cache, first, Some(events), Instant::now())
-            }
-        };
-        // Sequence 0 keeps the prompt's cache; the others decode from copies of it.
-        let mut caches = Vec::with_capacity(first.len());
-        for _ in 1..first.len() {
-            match cache.fork() {
-                Ok(c) => caches.push(c),
-                Err(e) => return self.fail(&a.events, e.into()),
-            }
-        }
-        caches.insert(0, cache);
-        if a.beam_width > 0 {
-            let produced = usize::from(prefilled.is_some());
-            // A beam's history starts with its first token; a prefill node's carries no
-            // figures here, the router has them.
-            let histories: Vec<TokenEvent> = prefilled.unwrap_or_else(|| {
-                first
-                    .iter()
-                    .map(|s| TokenEvent {
-                        from_prefill: true,
-                        ..token(s, 0, 0.0, 1, 0)
-                    })
-                    .collect()
-            });
-            let states = caches
-                .into_iter()
-                .zip(histories)
-                .map(|(cache, e)| BeamState {
-                    cache: Some(cache),
-                    history: vec![e],
-                });
-            let search = BeamSearch::new(
-                a.prompt.len(),
-                a.stop_ids,
-                first.into_iter().zip(states).collect(),
-                ended,
-            );
-            self.keep_or_end(BeamGroup {
-                span: a.span.clone(),
-                search,
-                n: a.n,
-                top_logprobs: a.top_logprobs,
-                max_new: a.max_new,
-                produced,
-                ready_since,
-                events: a.events,
-                _lease: a.lease,
-            });
-            return;
-        }
-        let produced = match prefilled {
-            Some(events) => {
-                for event in events {
-                    let _ = a.events.send(Ok(GenerateEvent {
-                        event: Some(Event::Token(event)),
-                    }));
-                }
-                1
-            }
-            None => 0,
-        };
-        let (prompt, so_far) = engine::sampling::split_resumed(&a.prompt, a.resumed);
-        for (choice, (cache, first)) in caches.into_iter().zip(first).enumerate() {
-            let mut output = so_far.to_vec();
-            output.push(first.token);
-            self.keep_or_finish(Seq {
-                span: a.span.clone(),
-                choice: choice as u32,
-                ended: Arc::clone(&a.ended),
-                prompt: prompt.to_vec(),
-                sampling: a.sampling.for_choice(choice),
-                top_logprobs: a.top_logprobs,
-                max_new: a.max_new,
-                stop_ids: a.stop_ids.clone(),
-                cache,
-                // The lease holds `width` shares of `per_seq` blocks: a split never fails.
-                _lease: a.lease.split(per_seq).unwrap_or_default(),
-                output,
-                produced,
-                ready_since,
-                events: a.events.clone(),
-            });
         }
     }
 
@@ -521,19 +370,21 @@ impl Scheduler {
             }
         };
         let beam_rows = rows.split_off(self.running.len());
-        let sampled: Vec<Sampled> = self
+        let sampled: Vec<Result<Sampled, _>> = self
             .running
-            .iter()
+            .iter_mut()
             .zip(&rows)
             .map(|(s, row)| {
-                engine::sampling::sample(
+                let allowed = s.constraint.as_mut().map(Constraint::mask).transpose()?;
+                let cx = Context::of(&s.prompt, &s.output).masked(allowed.as_ref());
+                let step = s.output.len() as u64;
+                Ok(engine::sampling::sample(
                     row,
                     &s.sampling,
-                    &s.prompt,
-                    &s.output,
-                    s.output.len() as u64,
+                    &cx,
+                    step,
                     s.top_logprobs,
-                )
+                ))
             })
             .collect();
         let elapsed = started.elapsed();
@@ -545,6 +396,18 @@ impl Scheduler {
         m.generated_tokens.increment(batch as u64);
         let now = Instant::now();
         for (mut seq, s) in std::mem::take(&mut self.running).into_iter().zip(sampled) {
+            let advanced = s.and_then(|s| {
+                let c = seq.constraint.as_mut();
+                c.map_or(Ok(()), |c| c.advance(&[s.token])).map(|()| s)
+            });
+            let s = match advanced {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!(parent: &seq.span, error = %e, "grammar failed");
+                    self.fail(&seq.events, DecodeError::Internal(e.to_string()));
+                    continue;
+                }
+            };
             let wait = started.saturating_duration_since(seq.ready_since);
             let _ = seq.events.send(Ok(token_event(
                 &s,

@@ -1,17 +1,21 @@
 //! A prompt this node computes itself (colocated): its cache, its first tokens and, when
 //! asked, its prompt tokens scored.
 
+use engine::grammar::TokenMask;
+
 use super::*;
 
 impl Scheduler {
     /// Runs the prompt and picks the first token of each of `n` sequences: samples, or the
     /// n most likely tokens for a beam search. With `prompt_logprobs`, also scores every
-    /// prompt token after the first (else the last part is empty).
+    /// prompt token after the first (else the last part is empty). `allowed`: the first
+    /// tokens the request's grammar allows.
     pub(super) fn prefill(
         &self,
         a: &Admission,
         n: usize,
         positions: usize,
+        allowed: Option<TokenMask>,
     ) -> Result<(SeqCache, Vec<Sampled>, Vec<Sampled>), DecodeError> {
         if a.prompt.is_empty() {
             return Err(DecodeError::InvalidRequest("the prompt is empty".into()));
@@ -39,11 +43,11 @@ impl Scheduler {
             None => Vec::new(),
         };
         let (prompt, output) = engine::sampling::split_resumed(&a.prompt, a.resumed);
+        let cx = Context::of(prompt, output).masked(allowed.as_ref());
         let first = engine::sampling::pick_first(
             &row,
             &a.sampling,
-            prompt,
-            output,
+            &cx,
             n,
             a.top_logprobs,
             a.beam_width > 0,

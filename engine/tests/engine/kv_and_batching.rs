@@ -3,7 +3,7 @@
 use crate::common;
 
 use engine::generate::generate;
-use engine::sampling::{sample, SamplingParams};
+use engine::sampling::{sample, Context, SamplingParams};
 use engine::{KvAssembler, Model, SeqInput};
 
 fn model() -> Model {
@@ -50,8 +50,7 @@ fn kv_round_trip_between_instances_matches_uninterrupted_decode() {
         let first = sample(
             &logits.squeeze(0).unwrap().to_vec1().unwrap(),
             &params,
-            &prompt,
-            &[],
+            &Context::of(&prompt, &[]),
             0,
             0,
         );
@@ -92,7 +91,7 @@ fn kv_round_trip_between_instances_matches_uninterrupted_decode() {
                 }])
                 .unwrap();
             let row: Vec<f32> = logits.squeeze(0).unwrap().to_vec1().unwrap();
-            let s = sample(&row, &params, &prompt, &output, step, 0);
+            let s = sample(&row, &params, &Context::of(&prompt, &output), step, 0);
             output.push(s.token);
             got.push(s.token);
         }
@@ -170,7 +169,13 @@ fn batched_decode_matches_each_sequence_alone() {
         let logits = m.forward(&mut batch).unwrap();
         for i in 0..8 {
             let row: Vec<f32> = logits.get(i).unwrap().to_vec1().unwrap();
-            let s = sample(&row, &params[i], &prompts[i], &outputs[i], step as u64, 0);
+            let s = sample(
+                &row,
+                &params[i],
+                &Context::of(&prompts[i], &outputs[i]),
+                step as u64,
+                0,
+            );
             outputs[i].push(s.token);
             next[i] = vec![s.token];
         }

@@ -136,8 +136,15 @@ pub struct Sampling {
     pub min_p: Param<f64>,
     /// Token id (as a string) to a bias in [-100, 100] added to its logit.
     pub logit_bias: Param<Obj>,
-    /// Only `{"type": "text"}` is accepted; a union of shapes, checked as JSON.
+    /// OpenAI's structured outputs: `text`, `json_object` or `json_schema`; read as JSON
+    /// first, so that a schema's references are checked before its shape.
     pub response_format: Param<Value>,
+    /// vLLM's: a JSON schema (an object, or one as a string) the output must match.
+    pub guided_json: Param<Value>,
+    /// vLLM's: a regular expression the whole output must match.
+    pub guided_regex: Param<String>,
+    /// vLLM's: the output is exactly one of these strings.
+    pub guided_choice: Param<Vec<String>>,
     /// Refused: prompts are rendered with the model's own template.
     pub chat_template: Param<Value>,
     /// Refused: the router opens no connection for a request.

@@ -5,11 +5,16 @@ mod chat;
 mod completion;
 #[cfg(test)]
 mod extension_tests;
+mod structured;
+#[cfg(test)]
+mod structured_tests;
 #[cfg(test)]
 mod tests;
 
 pub use chat::{chat, Chat, ToolChoice};
 pub use completion::{completion, Completion, Prompt};
+use structured::external_ref;
+pub use structured::Constrained;
 
 use serde_json::Value;
 
@@ -46,6 +51,9 @@ pub struct Common {
     pub beam: bool,
     /// No stop token or stop string ends a choice before it has this many tokens.
     pub min_tokens: usize,
+    /// What the output must match (structured outputs), not yet checked against the
+    /// vocabulary; `sampling.grammar` is set once it is, on the blocking pool.
+    pub grammar: Option<Constrained>,
 }
 
 /// Fields accepted and ignored, because none changes the answer: OpenAI's bookkeeping
@@ -79,26 +87,6 @@ pub fn known_fields(extra: &Obj, prefix: &str) -> Result<(), RouterError> {
     }
 }
 
-/// Keywords by which a JSON schema refers to another schema.
-const REF_KEYWORDS: [&str; 3] = ["$ref", "$dynamicRef", "$recursiveRef"];
-
-/// The first schema reference in `v` that points outside the document itself (a URL or a
-/// path: anything but a `#` fragment). Nothing here resolves schemas, and a reference
-/// that a later feature resolved must never become a fetch. The depth is bounded by
-/// serde_json's recursion limit on the body.
-fn external_ref(v: &Value) -> Option<&str> {
-    match v {
-        Value::Object(m) => m.iter().find_map(|(k, v)| match v {
-            Value::String(r) if REF_KEYWORDS.contains(&k.as_str()) && !r.starts_with('#') => {
-                Some(r.as_str())
-            }
-            _ => external_ref(v),
-        }),
-        Value::Array(items) => items.iter().find_map(external_ref),
-        _ => None,
-    }
-}
-
 /// Refuses the fields for which other servers read a file or fetch a URL (a template, a
 /// web search, a schema): ignoring them would leave a client believing they were used.
 fn no_fetching_fields(s: &Sampling) -> Result<(), RouterError> {
@@ -115,29 +103,7 @@ fn no_fetching_fields(s: &Sampling) -> Result<(), RouterError> {
             "web search is not supported: the router opens no connection for a request",
         ));
     }
-    response_format(&s.response_format)
-}
-
-/// `response_format`: only `{"type": "text"}`. Output is not constrained to JSON, so
-/// json_object and json_schema would be silently unmet.
-fn response_format(format: &Param<Value>) -> Result<(), RouterError> {
-    let bad = |m: String| RouterError::param("response_format", m);
-    let Param::Valid(format) = format else {
-        return Ok(());
-    };
-    if let Some(r) = external_ref(format) {
-        return Err(bad(format!(
-            "response_format refers to {r:?}: only references inside the schema (\"#/...\") \
-             are accepted, the router never fetches a schema"
-        )));
-    }
-    match format.get("type").and_then(Value::as_str) {
-        Some("text") => Ok(()),
-        Some(kind @ ("json_object" | "json_schema")) => Err(bad(format!(
-            "response_format {kind} is not supported: output is not constrained to a format"
-        ))),
-        _ => Err(bad("response_format must be {\"type\": \"text\"}".into())),
-    }
+    Ok(())
 }
 
 /// The limits on `stop` of the documents a router speaks by.
@@ -509,6 +475,13 @@ pub fn common(o: &Sampling, vocab_size: usize, stops: StopLimits) -> Result<Comm
         ));
     }
     let logit_bias = logit_bias(&o.logit_bias, vocab_size)?;
+    let grammar = structured::grammar(o)?;
+    if let Some(g) = grammar.as_ref().filter(|_| beam) {
+        return Err(RouterError::param(
+            g.param,
+            format!("{} cannot be combined with use_beam_search", g.param),
+        ));
+    }
     // The beam search ranks hypotheses by the model's own logprobs; these would need a
     // search of their own.
     if beam && (min_p > 0.0 || min_tokens > 0 || !logit_bias.is_empty()) {
@@ -531,6 +504,7 @@ pub fn common(o: &Sampling, vocab_size: usize, stops: StopLimits) -> Result<Comm
             min_p: min_p as f32,
             logit_bias,
             min_tokens: min_tokens as u32,
+            grammar: None,
         },
         max_tokens,
         include_usage,
@@ -543,6 +517,7 @@ pub fn common(o: &Sampling, vocab_size: usize, stops: StopLimits) -> Result<Comm
         best_of,
         beam,
         min_tokens,
+        grammar,
     })
 }
 

@@ -3,6 +3,7 @@
 use serde_json::{json, Value};
 
 use super::chat::{MEDIA_PARTS, TEMPLATE_VARIABLES};
+use super::structured::REF_KEYWORDS;
 use super::*;
 use crate::api::chat::ChatRequest;
 use crate::api::completions::CompletionRequest;
@@ -351,10 +352,6 @@ fn nothing_in_a_request_names_a_file_or_url() {
         (
             json!({"web_search_options": {"search_context_size": "low"}}),
             "web_search_options",
-        ),
-        (
-            json!({"response_format": {"type": "json_object"}}),
-            "response_format",
         ),
         (
             json!({"response_format": {"type": "json_schema", "json_schema":

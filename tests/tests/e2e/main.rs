@@ -25,6 +25,7 @@ mod prefill;
 mod request_ids;
 mod security;
 mod streaming;
+mod structured;
 mod tokenize;
 mod tools;
 mod transport;

@@ -12,14 +12,25 @@ use super::cluster::*;
 const TOKENS: usize = 600;
 
 /// Stream `i` of a test: greedy or sampled with a seed of its own, two of each in turn, so
-/// that each decode node gets both kinds when the router alternates between them.
+/// that each decode node gets both kinds when the router alternates between them; every
+/// fourth one sampled within a grammar, which its next decode node continues.
 fn body(i: usize, stream: bool) -> Value {
     let mut b = request(i, 2, TOKENS, stream);
     if i / 2 % 2 == 1 {
         b["temperature"] = json!(1.0);
         b["seed"] = json!(1000 + i);
     }
+    if constrained(i) {
+        b["guided_regex"] = json!(LOWERCASE);
+    }
     b
+}
+
+/// The grammar of the constrained streams: with `ignore_eos` it never ends them early.
+const LOWERCASE: &str = "[a-z ]+";
+
+fn constrained(i: usize) -> bool {
+    i % 4 == 3
 }
 
 /// Opens `n` streams and reads two chunks of each, so that all of them are decoding.
@@ -103,6 +114,10 @@ async fn sixteen_streams_outlive_a_kill9(router_args: &[&str], prefills: usize) 
     for (i, data) in finish_all(&f, open).await.iter().enumerate() {
         assert_eq!(streamed_text(data), expected[i], "stream {i}");
         assert_whole_usage(data);
+        let lowercase = |c: char| c.is_ascii_lowercase() || c == ' ';
+        if constrained(i) {
+            assert!(expected[i].chars().all(lowercase), "{:?}", expected[i]);
+        }
     }
     let page = f.router_metrics().await;
     let moved = metric(&page, "router_stream_migrations_total", "").unwrap_or(0.0);

@@ -120,6 +120,7 @@ fn carriers(target: &str) -> Vec<(&'static str, Value, &'static str)> {
                 "json_schema": {"name": "answer", "schema": schema}}})),
             "response_format",
         ),
+        (chat, patched(json!({"guided_json": schema})), "guided_json"),
         (
             chat,
             patched(

@@ -33,6 +33,9 @@ pub(crate) const KEYS: &[&str] = &[
     "tool_choice",
     "chat_template_kwargs",
     "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
     "user",
 ];
 
