@@ -37,10 +37,15 @@ pub fn scored(rows: &[Vec<f32>], next: &[u32], top: usize) -> Vec<Sampled> {
 
 /// Log-softmax of the raw logits, in f64 for stable sums.
 pub(crate) fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let log_z = log_z(logits);
+    logits.iter().map(|&x| (x as f64 - log_z) as f32).collect()
+}
+
+/// The log of the softmax's normalizer: a token's logprob is its logit minus this.
+pub(crate) fn log_z(logits: &[f32]) -> f64 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let sum: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
-    let log_z = max as f64 + sum.ln();
-    logits.iter().map(|&x| (x as f64 - log_z) as f32).collect()
+    max as f64 + sum.ln()
 }
 
 /// The `n` best entries of `values`, best first; ties keep the lower id first.
