@@ -9,6 +9,7 @@ use engine::{Model, SeqCache, SeqInput};
 
 pub mod hostile;
 pub mod load;
+pub mod mask;
 pub mod overhead;
 pub mod serve;
 pub mod soak;
