@@ -253,3 +253,36 @@ fn without_stop_tokens_the_end_is_offered_only_when_nothing_else_is() {
         "the end is all that is left"
     );
 }
+
+/// What a node that continues a sequence relies on (the decode node after the prefill
+/// node's first token, a moved stream's next node): a state rebuilt from the tokens so far
+/// in one call masks exactly as the state that took them one mask at a time.
+#[test]
+fn a_state_rebuilt_from_the_tokens_so_far_masks_as_the_one_that_grew() {
+    let m = model();
+    let g = Grammar::Regex("[a-z ]+".into());
+    for seed in 0..20 {
+        let mut grown = m.vocab.compile(&g, &[]).unwrap();
+        let mut rng = Rng(seed);
+        let mut tokens = Vec::new();
+        for step in 0..60 {
+            let mask = grown.mask().unwrap();
+            if step % 7 == 3 {
+                let mut rebuilt = m.vocab.compile(&g, &[]).unwrap();
+                rebuilt.advance(&tokens).unwrap();
+                let again = rebuilt.mask().unwrap();
+                let differ: Vec<u32> = (0..m.tokenizer.vocab_size() as u32)
+                    .filter(|&t| mask.allows(t) != again.allows(t))
+                    .take(5)
+                    .collect();
+                assert!(differ.is_empty(), "seed {seed} step {step}: {differ:?}");
+            }
+            let allowed: Vec<u32> = (0..m.tokenizer.vocab_size() as u32)
+                .filter(|&t| mask.allows(t))
+                .collect();
+            let t = allowed[(rng.next() % allowed.len() as u64) as usize];
+            grown.advance(&[t]).unwrap();
+            tokens.push(t);
+        }
+    }
+}
