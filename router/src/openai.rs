@@ -30,6 +30,7 @@ use crate::params::{self, ToolChoice};
 use crate::state::AppState;
 use crate::stops::StopStrings;
 use text::structured::{prompt_opens_reasoning, Parser};
+use text::tools::ToolFormat;
 
 /// `POST /v1/chat/completions`.
 pub async fn chat(
@@ -316,7 +317,7 @@ fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, Router
         ErrorFormat::Provider => params::StopLimits::PROVIDER,
         ErrorFormat::Openai => params::StopLimits::MINDIE,
     };
-    let (common, request) = match kind {
+    let (mut common, request) = match kind {
         Kind::Chat => {
             let r = api::chat::ChatRequest::from_object(o)?;
             params::known_fields(&r.extra, "")?;
@@ -345,6 +346,19 @@ fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, Router
             let mut text = text::tools::render(template, &chat.input)
                 .map_err(|e| RouterError::Template(e.to_string()))?;
             let parser = chat_parser(state, &chat.tool_choice, &mut text)?;
+            if let Some(g) = forced_call_grammar(state, &chat) {
+                if let Some(other) = &common.grammar {
+                    return Err(RouterError::param(
+                        "tool_choice",
+                        format!(
+                            "tool_choice {} forces a tool call, which {} would constrain too;                              send one of them",
+                            chat.tool_choice.name(),
+                            other.param
+                        ),
+                    ));
+                }
+                common.grammar = Some(g);
+            }
             (text, None, "messages", chat.logprobs, parser, false)
         }
         Request::Completion(r) => {
@@ -403,6 +417,19 @@ fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, Router
     })
 }
 
+/// The grammar that holds a forced tool call (`tool_choice` required or named) to the
+/// tools' schemas: in the Hermes format, whose call is one JSON object after the prompt's
+/// opening. DeepSeek's calls, in its own markup, are forced by the prompt alone.
+fn forced_call_grammar(state: &AppState, chat: &params::Chat) -> Option<params::Constrained> {
+    let name = match &chat.tool_choice {
+        ToolChoice::Required => None,
+        ToolChoice::Named(n) => Some(n.as_str()),
+        ToolChoice::None | ToolChoice::Auto => return None,
+    };
+    let tools = chat.input.tools.as_ref()?.as_array()?;
+    (state.tool_format == Some(ToolFormat::Hermes)).then(|| params::forced_call(tools, name))
+}
+
 /// The parser for a chat's output, if it needs one, with the prompt extended by what
 /// forces a required or named tool call.
 fn chat_parser(
@@ -427,6 +454,8 @@ fn chat_parser(
     let parser = Parser::new(state.think, tools, prompt_opens_reasoning(prompt));
     let forced = match (choice, tools) {
         (ToolChoice::Required, Some(f)) => Some(f.forced(None)),
+        // The grammar names the function where there is one (`forced_call_grammar`).
+        (ToolChoice::Named(_), Some(f @ ToolFormat::Hermes)) => Some(f.forced(None)),
         (ToolChoice::Named(name), Some(f)) => Some(f.forced(Some(name))),
         _ => None,
     };

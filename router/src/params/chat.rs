@@ -55,6 +55,18 @@ pub enum ToolChoice {
     Named(String),
 }
 
+impl ToolChoice {
+    /// How the request wrote it, for errors.
+    pub fn name(&self) -> &str {
+        match self {
+            ToolChoice::None => "none",
+            ToolChoice::Auto => "auto",
+            ToolChoice::Required => "required",
+            ToolChoice::Named(n) => n,
+        }
+    }
+}
+
 /// `tools`: a list of `{"type": "function", "function": {"name", ...}}`; an empty list
 /// means none.
 fn tools(tools: &Param<Vec<Value>>) -> Result<Option<Vec<Value>>, RouterError> {

@@ -14,7 +14,7 @@ mod tests;
 pub use chat::{chat, Chat, ToolChoice};
 pub use completion::{completion, Completion, Prompt};
 use structured::external_ref;
-pub use structured::Constrained;
+pub use structured::{forced_call, Constrained};
 
 use serde_json::Value;
 

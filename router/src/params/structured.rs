@@ -113,6 +113,41 @@ fn schema_grammar(
     })
 }
 
+/// The grammar of a tool call that the request forces (`tool_choice` required, or `name`
+/// for a named function) in the Hermes format: `{"name": …, "arguments": {…}}` for one of
+/// `tools` (the chat's `tools` list), written after the prompt's `<tool_call>\n`. A tool
+/// without `parameters` takes any object. Its errors name `tools`: a parameters schema that
+/// does not compile.
+pub fn forced_call(tools: &[Value], name: Option<&str>) -> Constrained {
+    let calls: Vec<Value> = tools
+        .iter()
+        .filter_map(|t| {
+            let f = t.get("function")?;
+            let n = f.get("name")?.as_str()?;
+            if name.is_some_and(|wanted| wanted != n) {
+                return None;
+            }
+            let arguments = f
+                .get("parameters")
+                .cloned()
+                .unwrap_or_else(|| json!({"type": "object"}));
+            Some(json!({
+                "type": "object",
+                "properties": {"name": {"const": n}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": false
+            }))
+        })
+        .collect();
+    Constrained {
+        grammar: Grammar::JsonSchema {
+            schema: json!({"anyOf": calls}),
+            strict: false,
+        },
+        param: "tools",
+    }
+}
+
 /// The names OpenAI allows a schema: letters, digits, `_` and `-`, at most 64.
 fn valid_name(name: &str) -> bool {
     (1..=64).contains(&name.len())

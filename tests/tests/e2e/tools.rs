@@ -159,3 +159,74 @@ async fn tools_reach_the_template_and_are_refused_without_a_call_format() {
     let (status, v) = smol.post("/v1/chat/completions", &with_tools).await;
     assert_eq!(status, 200, "{v}");
 }
+
+fn two_tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {
+                "location": {"type": "string", "minLength": 1, "maxLength": 24},
+                "unit": {"enum": ["c", "f"]}},
+            "required": ["location", "unit"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "get_time",
+            "parameters": {"type": "object", "properties": {
+                "zone": {"enum": ["UTC", "CET", "PST"]}},
+            "required": ["zone"], "additionalProperties": false}}}
+    ])
+}
+
+/// Checks a call against `two_tools`' schemas.
+fn assert_fits(name: &str, args: &Value) {
+    let o = args.as_object().unwrap_or_else(|| panic!("{name}: {args}"));
+    match name {
+        "get_weather" => {
+            assert_eq!(o.len(), 2, "{args}");
+            let location = o["location"].as_str().unwrap();
+            assert!((1..=24).contains(&location.chars().count()), "{args}");
+            assert!(["c", "f"].contains(&o["unit"].as_str().unwrap()), "{args}");
+        }
+        "get_time" => {
+            assert_eq!(o.len(), 1, "{args}");
+            assert!(["UTC", "CET", "PST"].contains(&o["zone"].as_str().unwrap()));
+        }
+        other => panic!("not a tool: {other} {args}"),
+    }
+}
+
+/// A forced call (tool_choice required or named) is held to the tools' schemas by a
+/// grammar: at temperature 1 every seeded run is a call of a given tool, with arguments its
+/// schema accepts, and a named choice calls that tool.
+#[tokio::test]
+async fn forced_calls_at_temperature_1_always_fit_a_tool_s_schema() {
+    let c = std::sync::Arc::new(
+        Cluster::start(Mode::Pd, &smollm2(), &["--tool-call-parser", "hermes"]).await,
+    );
+    let body = |seed: u64, choice: Value| {
+        json!({"model": "test", "temperature": 1.0, "seed": seed, "max_tokens": 80,
+            "messages": [{"role": "user", "content": "What is the weather, or the time?"}],
+            "tools": two_tools(), "tool_choice": choice})
+    };
+    let named = json!({"type": "function", "function": {"name": "get_time"}});
+    let mut runs = tokio::task::JoinSet::new();
+    for seed in 0..30 {
+        let choice = if seed % 3 == 2 { named.clone() } else { json!("required") };
+        let (c, b) = (std::sync::Arc::clone(&c), body(seed, choice.clone()));
+        runs.spawn(async move { (choice, c.post("/v1/chat/completions", &b).await) });
+    }
+    let mut names = std::collections::HashSet::new();
+    for (choice, (status, v)) in runs.join_all().await {
+        assert_eq!(status, 200, "{v}");
+        let (name, args) = only_call(&v);
+        assert_fits(&name, &args);
+        if choice.is_object() {
+            assert_eq!(name, "get_time", "{v}");
+        }
+        names.insert(name);
+    }
+    assert_eq!(names.len(), 2, "both tools get called: {names:?}");
+
+    let mut both = body(1, json!("required"));
+    both["response_format"] = json!({"type": "json_object"});
+    let (status, v) = c.post("/v1/chat/completions", &both).await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "tool_choice", "{v}");
+}
