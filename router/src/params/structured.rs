@@ -98,6 +98,20 @@ fn schema_grammar(
     strict: bool,
     param: &'static str,
 ) -> Result<Constrained, RouterError> {
+    if !schema.is_object() && !schema.is_boolean() {
+        return Err(RouterError::param(
+            param,
+            format!(
+                "{param}'s schema must be a JSON object or a boolean, got {}",
+                match schema {
+                    Value::Array(_) => "an array",
+                    Value::String(_) => "a string",
+                    Value::Number(_) => "a number",
+                    _ => "null",
+                }
+            ),
+        ));
+    }
     if let Some(r) = external_ref(&schema) {
         return Err(RouterError::param(
             param,

@@ -126,6 +126,8 @@ fn malformed_forms_are_refused_by_name() {
             "guided_json",
             "not JSON",
         ),
+        (json!({"guided_json": 5}), "guided_json", "got a number"),
+        (json!({"guided_json": "[1]"}), "guided_json", "got an array"),
         (json!({"guided_regex": 7}), "guided_regex", "string"),
         (json!({"guided_choice": []}), "guided_choice", "non-empty"),
         (

@@ -208,7 +208,11 @@ async fn forced_calls_at_temperature_1_always_fit_a_tool_s_schema() {
     let named = json!({"type": "function", "function": {"name": "get_time"}});
     let mut runs = tokio::task::JoinSet::new();
     for seed in 0..30 {
-        let choice = if seed % 3 == 2 { named.clone() } else { json!("required") };
+        let choice = if seed % 3 == 2 {
+            named.clone()
+        } else {
+            json!("required")
+        };
         let (c, b) = (std::sync::Arc::clone(&c), body(seed, choice.clone()));
         runs.spawn(async move { (choice, c.post("/v1/chat/completions", &b).await) });
     }

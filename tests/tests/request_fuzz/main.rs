@@ -274,9 +274,22 @@ fn check_answer(verdict: &Verdict, body_len: usize, status: u16, v: &Value) {
         Verdict::Accepted => match status {
             // Past validation: no worker to take it (the decode node is picked first).
             503 => assert!(message.contains("no decode worker is ready"), "{v}"),
-            // The template, the tokenizer or the prompt's length refused it.
+            // The template, the tokenizer or the prompt's length refused it, or its grammar
+            // did not compile (or a forced tool call met another grammar).
             400 => assert!(
-                matches!(param, Some("messages" | "prompt" | "tools")),
+                matches!(
+                    param,
+                    Some(
+                        "messages"
+                            | "prompt"
+                            | "tools"
+                            | "tool_choice"
+                            | "response_format"
+                            | "guided_json"
+                            | "guided_regex"
+                            | "guided_choice"
+                    )
+                ),
                 "{v}"
             ),
             _ => panic!("an accepted request answered {status}: {v}"),
