@@ -240,6 +240,21 @@ pub struct Memory {
     pub peak: u64,
 }
 
+/// The JSON schema of a person (a bounded string, a bounded integer and an enum), which the
+/// structured-output tests hold SmolLM2 to and `mask-bench` masks with.
+pub fn person_schema() -> Value {
+    serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "role": {"enum": ["admin", "user", "guest"]}
+        },
+        "required": ["name", "age", "role"],
+        "additionalProperties": false
+    })
+}
+
 /// Every example request body in the API documents, with the document it is from
 /// (`tests/fixtures/seed_requests.json`, written by `scripts/extract-seed-requests.py`).
 pub fn seed_requests() -> Vec<(String, Value)> {

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use bench::mask::Batch;
 use clap::Parser;
+use e2e::person_schema;
 use engine::grammar::{Grammar, Vocab};
 use serde_json::json;
 
@@ -33,20 +34,6 @@ struct Config {
     json: Option<PathBuf>,
 }
 
-/// The schema of the e2e tests' people: strings, a bounded integer and an enum.
-fn schema() -> serde_json::Value {
-    json!({
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "minLength": 1, "maxLength": 20},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-            "role": {"enum": ["admin", "user", "guest"]}
-        },
-        "required": ["name", "age", "role"],
-        "additionalProperties": false
-    })
-}
-
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs[xs.len() / 2]
@@ -60,7 +47,7 @@ fn main() -> anyhow::Result<()> {
     let eos = &loaded.model.config().eos_token_ids;
     let vocab = Vocab::new(&loaded.tokenizer, eos)?;
     let grammar = Grammar::JsonSchema {
-        schema: schema(),
+        schema: person_schema(),
         strict: true,
     };
     let fresh = vocab.compile(&grammar, eos)?;
@@ -85,7 +72,7 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(path) = cfg.json {
         let doc = json!({"model": cfg.model, "context": cfg.context, "steps": cfg.steps,
-                         "rounds": cfg.rounds, "schema": schema(), "batches": rows});
+                         "rounds": cfg.rounds, "schema": person_schema(), "batches": rows});
         std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
     }
     Ok(())

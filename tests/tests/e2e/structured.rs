@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use e2e::{smollm2, Cluster, Mode};
+use e2e::{person_schema, smollm2, Cluster, Mode};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::task::JoinSet;
@@ -39,19 +39,6 @@ struct Todo {
 struct Item {
     id: i64,
     done: bool,
-}
-
-fn person_schema() -> Value {
-    json!({
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "minLength": 1, "maxLength": 20},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-            "role": {"enum": ["admin", "user", "guest"]}
-        },
-        "required": ["name", "age", "role"],
-        "additionalProperties": false
-    })
 }
 
 fn todo_schema() -> Value {
