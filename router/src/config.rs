@@ -20,10 +20,14 @@ pub enum Mode {
 /// Which tool-call markup chat output is parsed for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ToolCallParser {
-    /// The markup the model's chat template teaches (Hermes or DeepSeek), if any.
+    /// The markup the model's chat template teaches (Hermes or DeepSeek), or `generic` for
+    /// a template that teaches none.
     Auto,
     /// None: requests with tools are refused, since their calls could not be returned.
     None,
+    /// The router writes the tools into the system turn, and tool turns into plain ones, as
+    /// Qwen's templates do, and parses Hermes markup: for any template.
+    Generic,
     /// Qwen2.5 and Qwen3: `<tool_call>{...}</tool_call>`.
     Hermes,
     /// DeepSeek-V3 and R1.

@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod budget;
+mod chat;
 pub mod config;
 pub mod dispatch;
 mod ending;

@@ -26,11 +26,10 @@ use crate::intake::{
 use crate::keys::Key;
 use crate::metrics::InFlight;
 use crate::output::{ChoiceOut, Echo, Kind, Output, Tally};
-use crate::params::{self, ToolChoice};
+use crate::params;
 use crate::state::AppState;
 use crate::stops::StopStrings;
-use text::structured::{prompt_opens_reasoning, Parser};
-use text::tools::ToolFormat;
+use text::structured::Parser;
 
 /// `POST /v1/chat/completions`.
 pub async fn chat(
@@ -338,27 +337,7 @@ fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, Router
     let (text, tokens, param, logprobs, parser, echo) = match request {
         Request::Chat(r) => {
             let chat = params::chat(&r)?;
-            let template = state
-                .text
-                .template
-                .as_ref()
-                .ok_or(RouterError::NoChatTemplate)?;
-            let mut text = text::tools::render(template, &chat.input)
-                .map_err(|e| RouterError::Template(e.to_string()))?;
-            let parser = chat_parser(state, &chat.tool_choice, &mut text)?;
-            if let Some(g) = forced_call_grammar(state, &chat) {
-                if let Some(other) = &common.grammar {
-                    return Err(RouterError::param(
-                        "tool_choice",
-                        format!(
-                            "tool_choice {} forces a tool call, which {} would constrain too;                              send one of them",
-                            chat.tool_choice.name(),
-                            other.param
-                        ),
-                    ));
-                }
-                common.grammar = Some(g);
-            }
+            let (text, parser) = crate::chat::prompt(state, &chat, &mut common)?;
             (text, None, "messages", chat.logprobs, parser, false)
         }
         Request::Completion(r) => {
@@ -415,57 +394,6 @@ fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, Router
         parser,
         echo: echo.then_some(text),
     })
-}
-
-/// The grammar that holds a forced tool call (`tool_choice` required or named) to the
-/// tools' schemas: in the Hermes format, whose call is one JSON object after the prompt's
-/// opening. DeepSeek's calls, in its own markup, are forced by the prompt alone.
-fn forced_call_grammar(state: &AppState, chat: &params::Chat) -> Option<params::Constrained> {
-    let name = match &chat.tool_choice {
-        ToolChoice::Required => None,
-        ToolChoice::Named(n) => Some(n.as_str()),
-        ToolChoice::None | ToolChoice::Auto => return None,
-    };
-    let tools = chat.input.tools.as_ref()?.as_array()?;
-    (state.tool_format == Some(ToolFormat::Hermes)).then(|| params::forced_call(tools, name))
-}
-
-/// The parser for a chat's output, if it needs one, with the prompt extended by what
-/// forces a required or named tool call.
-fn chat_parser(
-    state: &AppState,
-    choice: &ToolChoice,
-    prompt: &mut String,
-) -> Result<Option<Parser>, RouterError> {
-    let tools = match (choice, state.tool_format) {
-        (ToolChoice::None, _) => None,
-        (_, Some(f)) => Some(f),
-        (_, None) => {
-            return Err(RouterError::param(
-                "tools",
-                "tool calls cannot be returned for this model: its chat template teaches no \
-                 tool-call format the router parses (see --tool-call-parser)",
-            ))
-        }
-    };
-    if tools.is_none() && !state.think {
-        return Ok(None);
-    }
-    let parser = Parser::new(state.think, tools, prompt_opens_reasoning(prompt));
-    let forced = match (choice, tools) {
-        (ToolChoice::Required, Some(f)) => Some(f.forced(None)),
-        // The grammar names the function where there is one (`forced_call_grammar`).
-        (ToolChoice::Named(_), Some(f @ ToolFormat::Hermes)) => Some(f.forced(None)),
-        (ToolChoice::Named(name), Some(f)) => Some(f.forced(Some(name))),
-        _ => None,
-    };
-    Ok(Some(match forced {
-        Some((suffix, body)) => {
-            prompt.push_str(&suffix);
-            parser.forced(body)
-        }
-        None => parser,
-    }))
 }
 
 /// Takes pieces until every choice has ended.

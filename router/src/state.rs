@@ -38,6 +38,9 @@ pub struct AppState {
     pub started: Instant,
     /// The tool-call markup chat output is parsed for; `None` refuses tools.
     pub tool_format: Option<ToolFormat>,
+    /// Whether the router writes the tools and tool turns into the messages (the generic
+    /// format), because the chat template teaches no tool format.
+    pub tools_in_prompt: bool,
     /// Whether `<think>` blocks go to `reasoning_content`.
     pub think: bool,
     /// Accepted API keys; none means the API is open.
@@ -150,10 +153,16 @@ impl AppState {
             .min(max_seq_len.saturating_sub(1))
             .min(max_pos);
         let template_src = text.template.as_ref().map_or("", |t| t.source());
+        let taught = ToolFormat::detect(template_src);
+        let tools_in_prompt = match cfg.tool_call_parser {
+            ToolCallParser::Auto => taught.is_none(),
+            ToolCallParser::Generic => true,
+            _ => false,
+        };
         let tool_format = match cfg.tool_call_parser {
-            ToolCallParser::Auto => ToolFormat::detect(template_src),
+            ToolCallParser::Auto => taught.or(Some(ToolFormat::Hermes)),
             ToolCallParser::None => None,
-            ToolCallParser::Hermes => Some(ToolFormat::Hermes),
+            ToolCallParser::Hermes | ToolCallParser::Generic => Some(ToolFormat::Hermes),
             ToolCallParser::Deepseek => Some(ToolFormat::DeepSeek),
         };
         let think = match cfg.reasoning_parser {
@@ -161,7 +170,7 @@ impl AppState {
             ReasoningParser::None => false,
             ReasoningParser::Think => true,
         };
-        tracing::info!(?tool_format, think, "chat output parsing");
+        tracing::info!(?tool_format, tools_in_prompt, think, "chat output parsing");
         // A text of more bytes than this cannot be max_prompt_tokens tokens: every token
         // stands for at most the longest token's bytes, and a normalizer shrinks text by
         // less than four times (NFKC composes at most three bytes into one).
@@ -180,6 +189,7 @@ impl AppState {
         }
         Ok(Self {
             tool_format,
+            tools_in_prompt,
             think,
             cfg,
             model_name,

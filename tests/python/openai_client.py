@@ -167,8 +167,8 @@ def main() -> None:
     assert [c.index for c in several.choices] == [0, 1], several
     assert several.usage.completion_tokens <= 8, several.usage
 
-    # The router runs with --tool-call-parser hermes: SmolLM2 writes the call once the
-    # prompt opens it, and the SDK reads it back as a typed tool call.
+    # SmolLM2's template teaches no tool format, so the router writes the tools into the
+    # system turn (the generic format); the forced call comes back as a typed tool call.
     tools = [{"type": "function", "function": {
         "name": "get_weather", "parameters": {"type": "object", "properties": {
             "location": {"type": "string"}}}}}]

@@ -1,8 +1,11 @@
 //! Tool calls: the markup each chat template teaches (Hermes', DeepSeek's), the calls
 //! parsed out of it, and rendering a chat whose assistant turns hold calls, which templates
-//! disagree on.
+//! disagree on; and the generic format, for templates that teach none.
 
 use serde_json::Value;
+
+mod prompted;
+pub use prompted::prompted;
 
 pub(crate) const DS_CALL_OPEN: &str = "<｜tool▁call▁begin｜>";
 pub(crate) const DS_CALL_CLOSE: &str = "<｜tool▁call▁end｜>";

@@ -56,7 +56,6 @@ async fn openai_sdk_against_the_quickstart_cluster() {
         .env("ROUTER_LISTEN", &addrs[0])
         .env("PREFILL_LISTEN", &addrs[1])
         .env("DECODE_LISTEN", &addrs[2])
-        .env("ROUTER_TOOL_CALL_PARSER", "hermes")
         .stdout(out.try_clone().unwrap())
         .stderr(out)
         .stdin(Stdio::null())

@@ -1,6 +1,7 @@
-//! Tools and tool calls through P and D: the request's tools reach the template, forced
-//! calls come back as `tool_calls` (SmolLM2 writes them once the prompt opens the call), and
-//! a model whose template teaches no call format refuses tools rather than ignoring them.
+//! Tools and tool calls through P and D: the request's tools reach the prompt (through the
+//! template that teaches them, or written by the router in the generic format for SmolLM2's,
+//! which teaches none), forced calls come back as `tool_calls`, and only a router told to
+//! parse no format refuses tools rather than ignoring them.
 
 use e2e::{smollm2, sse_chunks, tiny_model, Cluster, Mode};
 use serde_json::{json, Value};
@@ -12,8 +13,8 @@ fn weather_tool() -> Value {
             "required": ["location"]}}}])
 }
 
-/// A chat that asks for the weather in `city`, with a system prompt that shows the call
-/// format (SmolLM2's own template does not render tools).
+/// A chat that asks for the weather in `city`, with a system prompt that shows a call, so
+/// that the small model fills the arguments in from the question.
 fn weather_chat(city: &str, tool_choice: Value) -> Value {
     let system = "You call tools. To call a tool, answer only with <tool_call> and a JSON \
         object.\nExample:\nUser: What is the weather in London?\nAssistant: <tool_call>\n\
@@ -52,7 +53,8 @@ fn only_call(v: &Value) -> (String, Value) {
 
 #[tokio::test]
 async fn required_and_named_tool_choice_return_parsed_calls_streamed_and_not() {
-    let c = Cluster::start(Mode::Pd, &smollm2(), &["--tool-call-parser", "hermes"]).await;
+    // The generic format: SmolLM2's template teaches none.
+    let c = Cluster::start(Mode::Pd, &smollm2(), &[]).await;
     let named = json!({"type": "function", "function": {"name": "get_weather"}});
     for (city, choice) in [("Paris", json!("required")), ("Tokyo", named)] {
         let (status, v) = c
@@ -107,8 +109,8 @@ async fn required_and_named_tool_choice_return_parsed_calls_streamed_and_not() {
     let call = first["choices"][0]["message"]["tool_calls"][0].clone();
     let mut next = weather_chat("Paris", json!("auto"));
     let messages = next["messages"].as_array_mut().unwrap();
-    // Null content, as the openai SDK sends it; SmolLM2's template concatenates content,
-    // so the router renders it as "".
+    // Null content, as the openai SDK sends it: the router writes the call into the
+    // content, and the result into a user turn, which SmolLM2's template renders.
     messages.push(json!({"role": "assistant", "content": null, "tool_calls": [call]}));
     messages.push(json!({"role": "tool", "tool_call_id": call["id"], "content": "22 C, sunny"}));
     let (status, v) = c.post("/v1/chat/completions", &next).await;
@@ -120,43 +122,46 @@ async fn required_and_named_tool_choice_return_parsed_calls_streamed_and_not() {
 }
 
 #[tokio::test]
-async fn tools_reach_the_template_and_are_refused_without_a_call_format() {
-    // The tiny model's template renders tools (Hermes style), so they lengthen the prompt.
-    let tiny = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+async fn tools_reach_the_prompt_and_are_refused_only_with_parser_none() {
     let ask = json!({"model": "test", "max_tokens": 4, "temperature": 0,
         "messages": [{"role": "user", "content": "weather?"}]});
     let mut with_tools = ask.clone();
     with_tools["tools"] = weather_tool();
-    let (s1, plain) = tiny.post("/v1/chat/completions", &ask).await;
-    let (s2, tooled) = tiny.post("/v1/chat/completions", &with_tools).await;
-    assert_eq!((s1, s2), (200, 200), "{plain}\n{tooled}");
     let tokens = |v: &Value| v["usage"]["prompt_tokens"].as_u64().unwrap();
-    assert!(
-        tokens(&tooled) > tokens(&plain) + 20,
-        "{} vs {}",
-        tokens(&tooled),
-        tokens(&plain)
-    );
-    let mut unknown = with_tools.clone();
-    unknown["tool_choice"] = json!({"type": "function", "function": {"name": "nope"}});
-    let (status, e) = tiny.post("/v1/chat/completions", &unknown).await;
-    assert_eq!(
-        (status, e["error"]["param"].as_str()),
-        (400, Some("tool_choice")),
-        "{e}"
-    );
+    // The tiny model's template renders tools (Hermes style); SmolLM2's does not, so the
+    // router writes them in the same words. Either way they lengthen the prompt.
+    for model in [tiny_model(), smollm2()] {
+        let c = Cluster::start(Mode::Pd, &model, &[]).await;
+        let (s1, plain) = c.post("/v1/chat/completions", &ask).await;
+        let (s2, tooled) = c.post("/v1/chat/completions", &with_tools).await;
+        assert_eq!((s1, s2), (200, 200), "{plain}\n{tooled}");
+        assert!(
+            tokens(&tooled) > tokens(&plain) + 20,
+            "{} vs {}",
+            tokens(&tooled),
+            tokens(&plain)
+        );
+    }
 
-    // SmolLM2's template teaches no call format: calls could not be returned, so tools are
-    // refused, unless tool_choice is none.
-    let smol = Cluster::start(Mode::Pd, &smollm2(), &[]).await;
-    let (status, e) = smol.post("/v1/chat/completions", &with_tools).await;
+    // Told to parse no format, the router refuses tools, since their calls could not be
+    // returned, unless tool_choice is none.
+    let none = Cluster::start(Mode::Pd, &tiny_model(), &["--tool-call-parser", "none"]).await;
+    let (status, e) = none.post("/v1/chat/completions", &with_tools).await;
     assert_eq!(
         (status, e["error"]["param"].as_str()),
         (400, Some("tools")),
         "{e}"
     );
+    let mut unknown = with_tools.clone();
+    unknown["tool_choice"] = json!({"type": "function", "function": {"name": "nope"}});
+    let (status, e) = none.post("/v1/chat/completions", &unknown).await;
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("tool_choice")),
+        "{e}"
+    );
     with_tools["tool_choice"] = json!("none");
-    let (status, v) = smol.post("/v1/chat/completions", &with_tools).await;
+    let (status, v) = none.post("/v1/chat/completions", &with_tools).await;
     assert_eq!(status, 200, "{v}");
 }
 
@@ -197,9 +202,7 @@ fn assert_fits(name: &str, args: &Value) {
 /// schema accepts, and a named choice calls that tool.
 #[tokio::test]
 async fn forced_calls_at_temperature_1_always_fit_a_tool_s_schema() {
-    let c = std::sync::Arc::new(
-        Cluster::start(Mode::Pd, &smollm2(), &["--tool-call-parser", "hermes"]).await,
-    );
+    let c = std::sync::Arc::new(Cluster::start(Mode::Pd, &smollm2(), &[]).await);
     let body = |seed: u64, choice: Value| {
         json!({"model": "test", "temperature": 1.0, "seed": seed, "max_tokens": 80,
             "messages": [{"role": "user", "content": "What is the weather, or the time?"}],

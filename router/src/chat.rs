@@ -1,0 +1,97 @@
+//! A chat's prompt and how its output is read: the template renders the messages (after
+//! the router writes tools and tool turns into them, for a template that teaches no tool
+//! format), a forced tool call ends the prompt with the call's opening and a grammar holds
+//! it to the tools' schemas, and a parser splits reasoning and calls out of the output.
+
+use text::structured::{prompt_opens_reasoning, Parser};
+use text::tools::ToolFormat;
+
+use crate::error::RouterError;
+use crate::params::{self, Chat, Common, ToolChoice};
+use crate::state::AppState;
+
+/// The prompt's text and the parser for the output, if it needs one. A forced tool call
+/// puts its grammar in `common`.
+pub(crate) fn prompt(
+    state: &AppState,
+    chat: &Chat,
+    common: &mut Common,
+) -> Result<(String, Option<Parser>), RouterError> {
+    let template = state
+        .text
+        .template
+        .as_ref()
+        .ok_or(RouterError::NoChatTemplate)?;
+    let rendered = if state.tools_in_prompt {
+        template.render(&text::tools::prompted(&chat.input))
+    } else {
+        text::tools::render(template, &chat.input)
+    };
+    let mut text = rendered.map_err(|e| RouterError::Template(e.to_string()))?;
+    let parser = parser(state, &chat.tool_choice, &mut text)?;
+    if let Some(g) = forced_call_grammar(state, chat) {
+        if let Some(other) = &common.grammar {
+            return Err(RouterError::param(
+                "tool_choice",
+                format!(
+                    "tool_choice {} forces a tool call, which {} would constrain too; send \
+                     one of them",
+                    chat.tool_choice.name(),
+                    other.param
+                ),
+            ));
+        }
+        common.grammar = Some(g);
+    }
+    Ok((text, parser))
+}
+
+/// The grammar that holds a forced tool call (`tool_choice` required or named) to the
+/// tools' schemas: in the Hermes format, whose call is one JSON object after the prompt's
+/// opening. DeepSeek's calls, in its own markup, are forced by the prompt alone.
+fn forced_call_grammar(state: &AppState, chat: &Chat) -> Option<params::Constrained> {
+    let name = match &chat.tool_choice {
+        ToolChoice::Required => None,
+        ToolChoice::Named(n) => Some(n.as_str()),
+        ToolChoice::None | ToolChoice::Auto => return None,
+    };
+    let tools = chat.input.tools.as_ref()?.as_array()?;
+    (state.tool_format == Some(ToolFormat::Hermes)).then(|| params::forced_call(tools, name))
+}
+
+/// The parser for a chat's output, if it needs one, with the prompt extended by what
+/// forces a required or named tool call.
+fn parser(
+    state: &AppState,
+    choice: &ToolChoice,
+    prompt: &mut String,
+) -> Result<Option<Parser>, RouterError> {
+    let tools = match (choice, state.tool_format) {
+        (ToolChoice::None, _) => None,
+        (_, Some(f)) => Some(f),
+        (_, None) => {
+            return Err(RouterError::param(
+                "tools",
+                "tool calls cannot be returned: the router runs with --tool-call-parser none",
+            ))
+        }
+    };
+    if tools.is_none() && !state.think {
+        return Ok(None);
+    }
+    let parser = Parser::new(state.think, tools, prompt_opens_reasoning(prompt));
+    let forced = match (choice, tools) {
+        (ToolChoice::Required, Some(f)) => Some(f.forced(None)),
+        // The grammar names the function where there is one (`forced_call_grammar`).
+        (ToolChoice::Named(_), Some(f @ ToolFormat::Hermes)) => Some(f.forced(None)),
+        (ToolChoice::Named(name), Some(f)) => Some(f.forced(Some(name))),
+        _ => None,
+    };
+    Ok(Some(match forced {
+        Some((suffix, body)) => {
+            prompt.push_str(&suffix);
+            parser.forced(body)
+        }
+        None => parser,
+    }))
+}
