@@ -2,6 +2,7 @@
 
 mod common;
 mod kv_and_batching;
+mod llama_cpp;
 mod loading;
 mod reference;
 mod smollm2;

@@ -15,7 +15,7 @@ use engine::SamplingParams;
 use serde_json::{json, Value};
 use text::ChatInput;
 
-fn gguf_path() -> PathBuf {
+pub(crate) fn gguf_path() -> PathBuf {
     let p = common::models_dir().join("smollm2-135m-instruct-q4_1.gguf");
     assert!(
         p.exists(),
