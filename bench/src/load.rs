@@ -209,6 +209,18 @@ fn is_token(v: &Value) -> bool {
     })
 }
 
+/// An error with the errors under it: reqwest's own message ("error sending request")
+/// leaves out why.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    text
+}
+
 /// Sends one streamed request and times its chunks.
 pub async fn stream_request(client: &reqwest::Client, url: &str, body: &Value) -> Record {
     let started = Instant::now();
@@ -219,7 +231,7 @@ pub async fn stream_request(client: &reqwest::Client, url: &str, body: &Value) -
             .json(body)
             .send()
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| with_causes(&e))?;
         if !resp.status().is_success() {
             let status = resp.status();
             let text = resp.text().await.unwrap_or_default();
@@ -300,12 +312,15 @@ pub struct Level {
     /// Open loop only: requests in flight beyond this wait (so a stalled server cannot
     /// make the generator open connections without end); counted in the TTFT.
     pub max_in_flight: usize,
+    /// A new connection for every request, none kept alive.
+    pub fresh_connections: bool,
 }
 
 /// Runs a level; returns every request's record (in send order) and the wall time.
 pub async fn run(level: &Level) -> (Vec<Record>, Duration) {
+    let idle = if level.fresh_connections { 0 } else { 1024 };
     let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(1024)
+        .pool_max_idle_per_host(idle)
         .build()
         .expect("an HTTP client");
     let url = format!("{}{}", level.url.trim_end_matches('/'), path(level.api));

@@ -20,6 +20,7 @@ fn level(url: &str, api: Api, arrivals: Arrivals, requests: usize) -> Level {
         },
         seed: 3,
         max_in_flight: 64,
+        fresh_connections: false,
     }
 }
 

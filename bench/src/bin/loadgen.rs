@@ -51,6 +51,10 @@ struct Args {
     /// Open loop: most requests in flight; later arrivals wait (and the wait counts).
     #[arg(long, default_value_t = 512)]
     max_in_flight: usize,
+    /// A new connection for every request: for servers (llama.cpp's) that close a kept-alive
+    /// connection just as the client reuses it.
+    #[arg(long)]
+    fresh_connections: bool,
     /// Write the summaries (and each request's record) here as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -120,6 +124,7 @@ async fn main() -> anyhow::Result<()> {
             },
             seed: a.seed,
             max_in_flight: a.max_in_flight,
+            fresh_connections: a.fresh_connections,
         };
         let (records, wall) = run(&level).await;
         let summary = summarize(arrivals, &records, wall, slo);
