@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Figure 5: the same GGUF (SmolLM2-135M Q4_1) served by llama.cpp's OpenAI server
-# (llama-cpp-python, from bench/install-peers.sh) and by Tandem, colocated (router + one
-# worker) and PD (router + a prefill and a decode node), one after the other, ROUNDS times.
-# Each server gets the same loadgen levels (completions API, greedy, exact output lengths):
-#   batch 1  one stream, 16-token prompts, 128 tokens out: decode tokens/s = 1000 / TPOT p50
+# Figure 5: the same GGUF (SmolLM2-135M Q4_1) served by llama.cpp's own server (the native
+# `llama-server`, continuous batching, built by bench/install-peers.sh) and by Tandem,
+# colocated (router + one worker) and PD (router + a prefill and a decode node), one after
+# the other, ROUNDS times. Each server gets the same loadgen levels (completions API, greedy,
+# exact output lengths), and is started afresh for each, llama-server with one slot per
+# stream (`-np`), two threads and a context of 1024 tokens per slot:
+#   batch1   one stream, 16-token prompts, 128 tokens out: decode tokens/s = 1000 / TPOT p50
 #   c8, c32  8 and 32 closed-loop streams, 64-token prompts, 64 out: output tokens/s
 #   ttft512  one stream, 512-token prompts, 1 token out: TTFT p50
 # Writes bench/results/vs-llama-cpp/<server>-<level>-r<round>.json and prints a table.
@@ -13,6 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-models/smollm2-135m-instruct-q4_1.gguf}
 VENV=${VENV:-$HOME/.cache/tandem-peers}
+LLAMA_SERVER=${LLAMA_SERVER:-$VENV/llama.cpp/build/bin/llama-server}
 ROUNDS=${ROUNDS:-2}
 SERVERS=${SERVERS:-llama-cpp tandem-colocated tandem-pd}
 OUT=${OUT:-bench/results/vs-llama-cpp}
@@ -34,18 +37,15 @@ wait_ok() { # url
     exit 1
 }
 
-start() { # server; sets PORT
+start() { # server, streams; sets PORT
     local R P D
     R=$(free_port)
     case $1 in
     llama-cpp)
-        # One request at a time is all it does; --interrupt_requests False keeps a new
-        # request from aborting the stream in flight (shared/BENCH-NOTES.md).
-        "$VENV/bin/python" -m llama_cpp.server --model "$MODEL" --host 127.0.0.1 --port "$R" \
-            --n_threads 2 --n_ctx 4096 --model_alias bench --interrupt_requests False \
-            >"$LOGS/llama.log" 2>&1 &
+        "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$R" -t 2 -np "$2" \
+            -c $(($2 * 1024)) --alias bench --no-webui >"$LOGS/llama.log" 2>&1 &
         PIDS+=($!)
-        wait_ok "http://127.0.0.1:$R/v1/models"
+        wait_ok "http://127.0.0.1:$R/health"
         ;;
     tandem-colocated)
         D=$(free_port)
@@ -75,22 +75,33 @@ start() { # server; sets PORT
 level() { # server, round, port, name, loadgen args...
     local server=$1 round=$2 port=$3 name=$4
     shift 4
+    # A new connection per request for every server: llama-server closes kept-alive
+    # connections as the client reuses them ("connection closed before message completed").
     "$BIN/loadgen" --url "http://127.0.0.1:$port" --model bench --api completions --mix fixed \
-        --label "$server" --json "$OUT/$server-$name-r$round.json" "$@" >/dev/null
+        --fresh-connections --label "$server" --json "$OUT/$server-$name-r$round.json" "$@" \
+        >/dev/null
 }
 
+# name, streams, loadgen args
+LEVELS=(
+    "batch1 1 --requests 4 --prompt-tokens 16 --output-tokens 128"
+    "c8 8 --requests 32 --prompt-tokens 64 --output-tokens 64"
+    "c32 32 --requests 64 --prompt-tokens 64 --output-tokens 64"
+    "ttft512 1 --requests 3 --prompt-tokens 512 --output-tokens 1"
+)
 for round in $(seq 1 "$ROUNDS"); do
     for server in $SERVERS; do
-        echo "== round $round: $server ($(uptime | sed 's/.*load/load/'))"
-        start "$server"
-        port=$PORT
-        # One request first so that no level pays for a cold start.
-        level "$server" "$round" "$port" warmup --concurrency 1 --requests 1 --prompt-tokens 16 --output-tokens 8
-        level "$server" "$round" "$port" batch1 --concurrency 1 --requests 4 --prompt-tokens 16 --output-tokens 128
-        level "$server" "$round" "$port" c8 --concurrency 8 --requests 32 --prompt-tokens 64 --output-tokens 64
-        level "$server" "$round" "$port" c32 --concurrency 32 --requests 64 --prompt-tokens 64 --output-tokens 64
-        level "$server" "$round" "$port" ttft512 --concurrency 1 --requests 3 --prompt-tokens 512 --output-tokens 1
-        stop
+        for spec in "${LEVELS[@]}"; do
+            read -r name streams args <<<"$spec"
+            echo "== round $round: $server $name ($(uptime | sed 's/.*load/load/'))"
+            start "$server" "$streams"
+            # One request first so that no level pays for a cold start.
+            level "$server" "$round" "$PORT" warmup --concurrency 1 --requests 1 \
+                --prompt-tokens 16 --output-tokens 8
+            # shellcheck disable=SC2086 # the level's arguments split on purpose
+            level "$server" "$round" "$PORT" "$name" --concurrency "$streams" $args
+            stop
+        done
     done
 done
 
