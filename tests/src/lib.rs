@@ -120,12 +120,29 @@ pub fn scratch() -> PathBuf {
     dir
 }
 
-/// A port nothing listens on at the moment of the call.
+/// A port nothing listens on at the moment of the call, and that no other call in this
+/// process has returned. A port the kernel picked for `bind(0)` could be picked again for
+/// another test's listener before the node meant to take it starts (CI once saw a decode
+/// node fail with "Address already in use"), so ports come from below the kernel's
+/// ephemeral range (32768 and up on Linux), where it never picks; a counter keeps this
+/// process's tests apart, and a start drawn from the process id keeps test processes apart.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("binding an ephemeral port")
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 10_000;
+    const SPAN: u32 = 22_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = std::process::id().wrapping_mul(7919) % SPAN;
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        assert!(
+            n < SPAN,
+            "every test port below the ephemeral range was handed out"
+        );
+        let port = (LOW + (start + n) % SPAN) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// A child process killed (and reaped) on drop; its output goes to a log file.
