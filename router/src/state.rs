@@ -153,17 +153,17 @@ impl AppState {
             .min(max_seq_len.saturating_sub(1))
             .min(max_pos);
         let template_src = text.template.as_ref().map_or("", |t| t.source());
-        let taught = ToolFormat::detect(template_src);
-        let tools_in_prompt = match cfg.tool_call_parser {
-            ToolCallParser::Auto => taught.is_none(),
-            ToolCallParser::Generic => true,
-            _ => false,
-        };
-        let tool_format = match cfg.tool_call_parser {
-            ToolCallParser::Auto => taught.or(Some(ToolFormat::Hermes)),
-            ToolCallParser::None => None,
-            ToolCallParser::Hermes | ToolCallParser::Generic => Some(ToolFormat::Hermes),
-            ToolCallParser::Deepseek => Some(ToolFormat::DeepSeek),
+        // The generic format writes the tools into the prompt and parses Hermes markup.
+        let generic = (Some(ToolFormat::Hermes), true);
+        let (tool_format, tools_in_prompt) = match cfg.tool_call_parser {
+            ToolCallParser::Auto => match ToolFormat::detect(template_src) {
+                Some(taught) => (Some(taught), false),
+                None => generic,
+            },
+            ToolCallParser::Generic => generic,
+            ToolCallParser::None => (None, false),
+            ToolCallParser::Hermes => (Some(ToolFormat::Hermes), false),
+            ToolCallParser::Deepseek => (Some(ToolFormat::DeepSeek), false),
         };
         let think = match cfg.reasoning_parser {
             ReasoningParser::Auto => template_src.contains("</think>"),
