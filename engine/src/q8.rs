@@ -1,14 +1,19 @@
-//! Q8_0 weights times f32 activations on x86 with AVX2, FMA and F16C, giving exactly the
-//! values candle's AVX2 path gives, so the tokens do not change. candle quantizes each
-//! activation row to Q8_0 blocks; for each (weight row, activation row) it keeps eight f32
-//! lanes, lane `k` adding, block by block with one fused multiply-add, the two blocks'
-//! scales times the integer sum of bytes `4k .. 4k + 4`; then it adds the eight lanes in a
-//! fixed tree. Here weight rows are stored in groups of eight, interleaved, so that the
-//! same lane `k` of eight rows sits in one register: one multiply-add serves eight rows,
-//! and the tree is eight vector adds per group instead of a horizontal sum per output.
-//! candle makes one dot product per output, with two scalar f16 conversions per block;
-//! that made its Q8_0 head a fifth of a batch-16 decode step. The model only uses this
-//! kernel where candle would take its AVX2 path ([`Q80Matrix::supported`]).
+//! Q8_0 weights times f32 activations on x86 with AVX2, FMA and F16C. Each activation row
+//! is quantized to Q8_0 blocks (as candle does); each output is the sum over blocks, in
+//! block order, of the block's exact integer dot product times the product of the two
+//! scales, added with one fused multiply-add, as llama.cpp sums Q8_0. candle instead
+//! converts and adds each run of four products apart, in eight lanes, then adds the lanes
+//! in a tree: its values and these differ in the last bits, and the llama.cpp agreement
+//! test (engine/tests) holds the tokens. The group kernels (AVX2, VNNI) and the loose-row
+//! kernel give the same bits, and a row's outputs do not depend on the rows beside it.
+//!
+//! Weight rows are stored in groups of eight, interleaved, so that the same four bytes of
+//! eight rows sit in one register: one integer multiply serves eight rows, whose sums
+//! build up in the lanes of one register with no horizontal reduction, and a group's
+//! weights serve a tile of four activation rows. candle makes one dot product per output,
+//! with two scalar f16 conversions per block; that made its Q8_0 head a fifth of a
+//! batch-16 decode step. The model only uses this kernel where candle would take its AVX2
+//! path ([`Q80Matrix::supported`]).
 
 use half::f16;
 
@@ -19,8 +24,12 @@ use crate::split::{self, GROUP};
 /// Bytes of one Q8_0 block: `d` (f16), then 32 signed bytes.
 const Q80_BYTES: usize = 34;
 
-/// A group of eight weight rows (scales, interleaved bytes) against one activation row.
-type GroupKernel = unsafe fn(&[f16], &[i8], &Q80Row) -> [f32; GROUP];
+/// A group of eight weight rows (scales, interleaved bytes) against activation rows:
+/// `emit(y, outputs)` gets row `y`'s eight outputs.
+type GroupKernel = unsafe fn(&[f16], &[i8], &[Q80Row], &mut dyn FnMut(usize, [f32; GROUP]));
+
+/// Activation rows that share one load of a group's weights.
+const TILE: usize = 4;
 
 /// A `[rows, cols]` Q8_0 matrix. The first `rows / 8 * 8` rows are in groups of eight: for
 /// each block, the eight rows' f16 scales (`d[(g * nb + b) * 8 + i]`), then eight runs of 32
@@ -132,11 +141,9 @@ impl Q80Matrix {
                     &self.d[span.clone()],
                     &self.qs[span.start * QK..span.end * QK],
                 );
-                for (y, row) in q.iter().enumerate() {
-                    // SAFETY: `group_kernel` picked a kernel this CPU runs (AVX2, FMA and
-                    // F16C asserted above).
-                    out.put(y, &unsafe { group(d, qs, row) });
-                }
+                // SAFETY: `group_kernel` picked a kernel this CPU runs (AVX2, FMA and F16C
+                // asserted above); the group has a block for each of the rows' blocks.
+                unsafe { group(d, qs, &q, &mut |y, vals| out.put(y, &vals)) };
             },
             |r, out| {
                 let d = &self.d[r * nb..(r + 1) * nb];
@@ -156,25 +163,30 @@ mod avx2 {
 
     use half::f16;
 
-    use super::{GroupKernel, Q80Row, GROUP, QK};
+    use super::{GroupKernel, Q80Row, GROUP, QK, TILE};
     use crate::act_quant::has_vnni;
 
-    /// The integer sums of bytes `4k .. 4k + 4` of `w` times `y`, as candle's
-    /// `mul_sum_i8_pairs_float` computes them: |w| times y with w's sign. With VNNI the four
-    /// products go into i32 in one instruction; the integers are exact both ways (at most
-    /// 2 * 128 * 127 in a pair), so the sums are the same.
+    /// The integer sums of bytes `4k .. 4k + 4` of `w` times `y`, eight lanes of i32 added
+    /// into `acc`: |w| times y with w's sign, as candle's `mul_sum_i8_pairs_float` takes
+    /// them. Exact both ways (at most 2 * 128 * 127 in a pair of i16), with VNNI in one
+    /// instruction.
     ///
     /// # Safety
     /// The CPU has AVX2 (and AVX-512 VNNI with VL when `VNNI`).
     #[inline(always)]
-    unsafe fn lane_sums<const VNNI: bool>(w: __m256i, y: __m256i) -> __m256 {
-        let (abs, signed) = (_mm256_sign_epi8(w, w), _mm256_sign_epi8(y, w));
-        let sums = if VNNI {
-            _mm256_dpbusd_epi32(_mm256_setzero_si256(), abs, signed)
+    unsafe fn add_products<const VNNI: bool>(
+        acc: __m256i,
+        abs: __m256i,
+        w: __m256i,
+        y: __m256i,
+    ) -> __m256i {
+        let signed = _mm256_sign_epi8(y, w);
+        if VNNI {
+            _mm256_dpbusd_epi32(acc, abs, signed)
         } else {
-            _mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(abs, signed))
-        };
-        _mm256_cvtepi32_ps(sums)
+            let pairs = _mm256_maddubs_epi16(abs, signed);
+            _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_set1_epi16(1), pairs))
+        }
     }
 
     /// The fastest group kernel this CPU runs, given AVX2, FMA and F16C.
@@ -186,14 +198,19 @@ mod avx2 {
         }
     }
 
-    /// One group of eight interleaved weight rows against one activation row.
+    /// One group of eight interleaved weight rows against activation rows.
     ///
     /// # Safety
     /// The CPU has AVX2, FMA and F16C; `d` holds `GROUP` scales and `qs` `GROUP * QK` bytes
-    /// for each of `y`'s blocks.
+    /// for each block of every row of `rows`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_group(d: &[f16], qs: &[i8], y: &Q80Row) -> [f32; GROUP] {
-        group::<false>(d, qs, y)
+    pub(super) unsafe fn dot_group(
+        d: &[f16],
+        qs: &[i8],
+        rows: &[Q80Row],
+        emit: &mut dyn FnMut(usize, [f32; GROUP]),
+    ) {
+        tiles::<false>(d, qs, rows, emit)
     }
 
     /// [`dot_group`] with VNNI's four-way dot products.
@@ -201,53 +218,96 @@ mod avx2 {
     /// # Safety
     /// As for [`dot_group`], and the CPU has AVX-512 VNNI and VL.
     #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    pub(super) unsafe fn dot_group_vnni(d: &[f16], qs: &[i8], y: &Q80Row) -> [f32; GROUP] {
-        group::<true>(d, qs, y)
+    pub(super) unsafe fn dot_group_vnni(
+        d: &[f16],
+        qs: &[i8],
+        rows: &[Q80Row],
+        emit: &mut dyn FnMut(usize, [f32; GROUP]),
+    ) {
+        tiles::<true>(d, qs, rows, emit)
     }
 
     /// # Safety
     /// As for [`dot_group`] (and [`dot_group_vnni`] when `VNNI`).
     #[inline(always)]
-    unsafe fn group<const VNNI: bool>(d: &[f16], qs: &[i8], y: &Q80Row) -> [f32; GROUP] {
-        let mut acc = [_mm256_setzero_ps(); GROUP];
-        for (b, &yd) in y.d.iter().enumerate() {
-            let wd = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().add(b * GROUP) as *const _));
-            let scale = _mm256_mul_ps(wd, _mm256_set1_ps(yd));
-            let w = qs.as_ptr().add(b * GROUP * QK);
-            let ys = y.qs.as_ptr().add(b * QK);
-            for (k, acc) in acc.iter_mut().enumerate() {
-                let wv = _mm256_loadu_si256(w.add(32 * k) as *const __m256i);
-                let yv = _mm256_set1_epi32((ys.add(4 * k) as *const i32).read_unaligned());
-                *acc = _mm256_fmadd_ps(scale, lane_sums::<VNNI>(wv, yv), *acc);
+    unsafe fn tiles<const VNNI: bool>(
+        d: &[f16],
+        qs: &[i8],
+        rows: &[Q80Row],
+        emit: &mut dyn FnMut(usize, [f32; GROUP]),
+    ) {
+        let mut tiles = rows.chunks_exact(TILE);
+        let mut y = 0;
+        for tile in tiles.by_ref() {
+            for out in tile_outputs::<TILE, VNNI>(d, qs, tile) {
+                emit(y, out);
+                y += 1;
             }
         }
-        // candle's `hsum_float_8`, for eight rows at once: (l0 + l4) + (l2 + l6), plus
-        // (l1 + l5) + (l3 + l7).
-        let r: [__m256; 4] = std::array::from_fn(|i| _mm256_add_ps(acc[i + 4], acc[i]));
-        let total = _mm256_add_ps(_mm256_add_ps(r[0], r[2]), _mm256_add_ps(r[1], r[3]));
-        let mut out = [0f32; GROUP];
-        _mm256_storeu_ps(out.as_mut_ptr(), total);
-        out
+        for row in tiles.remainder() {
+            let [out] = tile_outputs::<1, VNNI>(d, qs, std::slice::from_ref(row));
+            emit(y, out);
+            y += 1;
+        }
     }
 
-    /// One weight row in the plain layout against one activation row: candle's
-    /// `vec_dot_q8_0_q8_0`.
+    /// `T` activation rows against a group: per row, lane `i` is weight row `i`'s output,
+    /// the blocks' integer sums times their scales' product added in block order.
+    ///
+    /// # Safety
+    /// As for [`dot_group`] (and [`dot_group_vnni`] when `VNNI`); `rows` has `T` rows.
+    #[inline(always)]
+    unsafe fn tile_outputs<const T: usize, const VNNI: bool>(
+        d: &[f16],
+        qs: &[i8],
+        rows: &[Q80Row],
+    ) -> [[f32; GROUP]; T] {
+        let mut acc = [_mm256_setzero_ps(); T];
+        for b in 0..rows[0].d.len() {
+            let w = qs.as_ptr().add(b * GROUP * QK);
+            let mut sums = [_mm256_setzero_si256(); T];
+            for k in 0..QK / 4 {
+                let wv = _mm256_loadu_si256(w.add(32 * k) as *const __m256i);
+                let abs = _mm256_sign_epi8(wv, wv);
+                for (row, sum) in rows.iter().zip(sums.iter_mut()) {
+                    let at = row.qs.as_ptr().add(b * QK + 4 * k) as *const i32;
+                    let yv = _mm256_set1_epi32(at.read_unaligned());
+                    *sum = add_products::<VNNI>(*sum, abs, wv, yv);
+                }
+            }
+            let wd = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().add(b * GROUP) as *const _));
+            for ((row, sum), acc) in rows.iter().zip(sums).zip(acc.iter_mut()) {
+                let scale = _mm256_mul_ps(wd, _mm256_set1_ps(*row.d.get_unchecked(b)));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, *acc);
+            }
+        }
+        acc.map(|a| {
+            let mut out = [0f32; GROUP];
+            _mm256_storeu_ps(out.as_mut_ptr(), a);
+            out
+        })
+    }
+
+    /// One weight row in the plain layout against one activation row, with the group
+    /// kernels' operations: each block's integer sum, then one fused multiply-add.
     ///
     /// # Safety
     /// The CPU has AVX2, FMA and F16C; `qs` holds `QK` bytes for each of `d`'s scales, and
     /// `y` at least as many blocks as `d` has scales.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_one(d: &[f16], qs: &[i8], y: &Q80Row) -> f32 {
-        let mut acc = _mm256_setzero_ps();
+        let mut acc = 0f32;
         for (b, (&wd, &yd)) in d.iter().zip(&y.d).enumerate() {
-            let scale = _mm256_set1_ps(wd.to_f32() * yd);
             let wv = _mm256_loadu_si256(qs.as_ptr().add(b * QK) as *const __m256i);
             let yv = _mm256_loadu_si256(y.qs.as_ptr().add(b * QK) as *const __m256i);
-            acc = _mm256_fmadd_ps(scale, lane_sums::<false>(wv, yv), acc);
+            let lanes =
+                add_products::<false>(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), wv, yv);
+            let mut parts = [0i32; 8];
+            _mm256_storeu_si256(parts.as_mut_ptr() as *mut __m256i, lanes);
+            let sumi: i32 = parts.iter().sum();
+            acc = (sumi as f32).mul_add(wd.to_f32() * yd, acc);
         }
-        let res = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
-        let res = _mm_add_ps(res, _mm_movehl_ps(res, res));
-        _mm_cvtss_f32(_mm_add_ss(res, _mm_movehdup_ps(res)))
+        acc
     }
 }
 
@@ -256,7 +316,7 @@ mod avx2 {
 mod avx2 {
     use half::f16;
 
-    use super::GroupKernel;
+    use super::{GroupKernel, Q80Row};
 
     pub(super) fn group_kernel() -> GroupKernel {
         unreachable!("the Q8_0 kernel needs x86-64")
@@ -277,13 +337,14 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     #[test]
-    fn equals_candles_q8_0_matmul_bit_for_bit() {
+    fn within_rounding_of_candle_and_the_same_bits_on_every_path_and_batch() {
         if !Q80Matrix::supported() {
             eprintln!("skipped: this CPU lacks AVX2, FMA or F16C, so the kernel is never used");
             return;
         }
         // 11 blocks a row; four groups of eight rows and three loose rows.
         let (rows, cols) = (35, 352);
+        let nb = cols / QK;
         let w = Tensor::from_vec(data(rows * cols, 1), (rows, cols), &Device::Cpu).unwrap();
         let mut bytes = QTensor::quantize(&w, GgmlDType::Q8_0)
             .unwrap()
@@ -305,7 +366,12 @@ mod tests {
         )
         .unwrap();
         let reference = QMatMul::from_qtensor(q).unwrap();
-        let nb = cols / QK;
+        // Each weight row alone: a matrix of one row, which takes the loose-row kernel.
+        let row_bytes = nb * Q80_BYTES;
+        let alone: Vec<Q80Matrix> = bytes
+            .chunks_exact(row_bytes)
+            .map(|b| Q80Matrix::from_ggml(b, 1, cols).unwrap())
+            .collect();
         let mut kernels: Vec<(&str, GroupKernel)> = vec![("AVX2", avx2::dot_group)];
         if crate::act_quant::has_vnni() {
             kernels.push(("VNNI", avx2::dot_group_vnni));
@@ -313,24 +379,59 @@ mod tests {
         for n in [1, 2, 3, 4, 5, 8, 16, 17, 33] {
             let x = data(n * cols, 7 + n as u32);
             let want = candle_product(&reference, &x, n, cols);
-            assert_eq!(ours.matmul(&x, n), want, "{n} rows");
+            let got = ours.matmul(&x, n);
+            let q: Vec<Q80Row> = x.chunks_exact(cols).map(Q80Row::quantize).collect();
+            let mut differ = 0;
+            for (y, (xs, row)) in x.chunks_exact(cols).zip(&q).enumerate() {
+                // A row's outputs do not depend on the rows beside it.
+                assert_eq!(
+                    ours.matmul(xs, 1)[..],
+                    got[y * rows..][..rows],
+                    "row {y} of {n}"
+                );
+                for (r, w) in alone.iter().enumerate() {
+                    let g = got[y * rows + r];
+                    assert_eq!(w.matmul(xs, 1), [g], "weight row {r} alone");
+                    // The terms' size: the largest error a few roundings per block make.
+                    let size: f32 = (0..nb)
+                        .map(|b| {
+                            let dot: i32 = (0..QK)
+                                .map(|j| {
+                                    (w.qs[b * QK + j] as i32 * row.qs[b * QK + j] as i32).abs()
+                                })
+                                .sum();
+                            dot as f32 * (w.d[b].to_f32() * row.d[b]).abs()
+                        })
+                        .sum();
+                    let c = want[y * rows + r];
+                    assert!(
+                        (g - c).abs() <= size * 1e-5,
+                        "row {y}, output {r}: {g} against candle's {c}"
+                    );
+                    differ += usize::from(g != c);
+                }
+            }
+            assert!(
+                differ > 0,
+                "no value differs from candle's: is this the new sum?"
+            );
             // Every group kernel this CPU runs, not only the one `matmul` picks.
             for (name, kernel) in &kernels {
-                for (y, row) in x.chunks_exact(cols).map(Q80Row::quantize).enumerate() {
-                    for g in 0..rows / GROUP {
-                        let span = g * nb * GROUP..(g + 1) * nb * GROUP;
-                        let (d, qs) = (
-                            &ours.d[span.clone()],
-                            &ours.qs[span.start * QK..span.end * QK],
-                        );
-                        // SAFETY: `supported` (checked above) and `has_vnni` for VNNI.
-                        let got = unsafe { kernel(d, qs, &row) };
+                for g in 0..rows / GROUP {
+                    let span = g * nb * GROUP..(g + 1) * nb * GROUP;
+                    let (d, qs) = (
+                        &ours.d[span.clone()],
+                        &ours.qs[span.start * QK..span.end * QK],
+                    );
+                    let mut check = |y: usize, vals: [f32; GROUP]| {
                         assert_eq!(
-                            got[..],
-                            want[y * rows + g * GROUP..][..GROUP],
+                            vals[..],
+                            got[y * rows + g * GROUP..][..GROUP],
                             "{name}, {n} rows"
                         );
-                    }
+                    };
+                    // SAFETY: `supported` (checked above) and `has_vnni` for VNNI.
+                    unsafe { kernel(d, qs, &q, &mut check) };
                 }
             }
         }
