@@ -65,6 +65,9 @@ pub fn prefill_tokens_per_s(model: &Model, len: usize, rounds: usize) -> engine:
 pub struct DecodeResult {
     pub batch: usize,
     pub tokens_per_s: f64,
+    /// The batch over the median step's time: what a run gives without the steps that
+    /// another process on the cores slowed, which the mean keeps.
+    pub median_tokens_per_s: f64,
     /// Weights plus the batch's KV cache, read once per step.
     pub bytes_per_step: usize,
 }
@@ -92,7 +95,9 @@ pub fn decode_tokens_per_s(
     let layout = model.kv_layout();
     let kv_bytes_per_token = 2 * layout.n_layers * layout.bytes_per_token_layer();
     let start = Instant::now();
+    let mut step_s = Vec::with_capacity(steps);
     for _ in 0..steps {
+        let step = Instant::now();
         let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
         let mut inputs: Vec<SeqInput> = tokens
             .iter()
@@ -105,12 +110,15 @@ pub fn decode_tokens_per_s(
         let logits = model.forward(&mut inputs)?;
         let rows: Vec<Vec<f32>> = logits.to_vec2()?;
         next = rows.iter().map(|r| argmax(r)).collect();
+        step_s.push(step.elapsed().as_secs_f64());
     }
     let elapsed = start.elapsed().as_secs_f64();
+    step_s.sort_by(f64::total_cmp);
     let mean_context = context + steps / 2;
     Ok(DecodeResult {
         batch,
         tokens_per_s: (batch * steps) as f64 / elapsed,
+        median_tokens_per_s: batch as f64 / step_s[steps / 2],
         bytes_per_step: model.weight_bytes_per_step() + batch * mean_context * kv_bytes_per_token,
     })
 }

@@ -56,24 +56,30 @@ fn main() -> anyhow::Result<()> {
         cfg.prefill_tokens
     );
     println!();
-    println!("| batch | decode tokens/s | ceiling tokens/s | % of ceiling | vs batch 1 |");
-    println!("| ---: | ---: | ---: | ---: | ---: |");
+    println!(
+        "| batch | decode tokens/s | ceiling tokens/s | % of ceiling | vs batch 1 | median step tokens/s | vs batch 1 |"
+    );
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     let mut rows = Vec::new();
     let mut base = None;
     for &b in &cfg.batches {
         let r = decode_tokens_per_s(&model, b, cfg.context, cfg.steps)?;
         let ceiling = b as f64 * bandwidth / r.bytes_per_step as f64;
-        let base_tps = *base.get_or_insert(r.tokens_per_s / b as f64);
+        let (base_tps, base_median) =
+            *base.get_or_insert((r.tokens_per_s / b as f64, r.median_tokens_per_s / b as f64));
         println!(
-            "| {b} | {:.1} | {:.1} | {:.0}% | {:.1}x |",
+            "| {b} | {:.1} | {:.1} | {:.0}% | {:.1}x | {:.1} | {:.1}x |",
             r.tokens_per_s,
             ceiling,
             100.0 * r.tokens_per_s / ceiling,
-            r.tokens_per_s / base_tps
+            r.tokens_per_s / base_tps,
+            r.median_tokens_per_s,
+            r.median_tokens_per_s / base_median
         );
         rows.push(
             json!({"batch": b, "tokens_per_s": r.tokens_per_s, "ceiling_tokens_per_s": ceiling,
-                         "bytes_per_step": r.bytes_per_step}),
+                   "median_step_tokens_per_s": r.median_tokens_per_s,
+                   "bytes_per_step": r.bytes_per_step}),
         );
     }
     if let Some(path) = cfg.json {
