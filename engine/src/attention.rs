@@ -8,14 +8,14 @@
 //! FMA kernels) sums each score as one chain of fused multiply-adds over the head
 //! dimension, in order, from zero; and each output value as such chains over the keys in
 //! runs of 512, the runs added in order. The scale is candle's `x * scale + 0`, and the
-//! softmax calls candle's own reductions.
+//! softmax is the prompt path's own (`masked_softmax::softmax_visible`).
 
 use std::sync::OnceLock;
 
-use candle_core::cpu::kernels::VecOps;
 use candle_core::{CpuStorage, Storage, Tensor};
 
 use crate::error::{EngineError, Result};
+use crate::masked_softmax::softmax_visible;
 
 /// Keys per run of the output sums: `gemm`'s depth block when both sides are at most 64.
 const RUN: usize = 512;
@@ -151,21 +151,10 @@ impl<'a> Heads<'a> {
     }
 }
 
-/// candle-nn's `softmax_last_dim` on each row of `len` values.
+/// The prompt path's softmax on each row of `len` values, all of them visible.
 fn softmax_rows(rows: &mut [f32], len: usize) {
     for row in rows.chunks_exact_mut(len) {
-        let mut max = f32::NEG_INFINITY;
-        // SAFETY: the row has `len` values and `len` is at least 3.
-        unsafe { f32::vec_reduce_max(row.as_ptr(), &mut max, len) };
-        for x in row.iter_mut() {
-            *x = (*x - max).exp();
-        }
-        let mut sum = 0f32;
-        // SAFETY: as above.
-        unsafe { f32::vec_reduce_sum(row.as_ptr(), &mut sum, len) };
-        for x in row.iter_mut() {
-            *x /= sum;
-        }
+        softmax_visible(row, len);
     }
 }
 
@@ -319,8 +308,15 @@ mod tests {
         let (heads, _, hd) = q.dims3().unwrap();
         let kv_heads = keys.dim(0).unwrap();
         let q = q.reshape((kv_heads, heads / kv_heads, hd)).unwrap();
-        let scores = (q.matmul(&keys.t().unwrap()).unwrap() * scale).unwrap();
-        let probs = candle_nn::ops::softmax_last_dim(&scores).unwrap();
+        let probs = q.matmul(&keys.t().unwrap()).unwrap();
+        let len = keys.dim(1).unwrap();
+        probs
+            .inplace_op1(&crate::masked_softmax::MaskedSoftmax {
+                scale,
+                rows: 1,
+                first_pos: len - 1,
+            })
+            .unwrap();
         probs
             .matmul(values)
             .unwrap()

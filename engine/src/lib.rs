@@ -20,6 +20,7 @@ pub mod sampling;
 mod split;
 mod swiglu;
 pub mod testmodel;
+mod vexp;
 pub mod weights;
 
 pub use error::{EngineError, Result};

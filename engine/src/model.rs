@@ -466,7 +466,7 @@ impl Model {
             let tc = rows.min(t - start);
             let q = q.narrow(1, start, tc)?.reshape((n_kv, group * tc, hd))?;
             let scores = q.matmul(&keys_t)?;
-            let probs = if t > 1 && self.device.is_cpu() {
+            let probs = if self.device.is_cpu() {
                 scores.inplace_op1(&MaskedSoftmax {
                     scale,
                     rows: tc,
@@ -474,6 +474,7 @@ impl Model {
                 })?;
                 scores
             } else {
+                // Off the CPU, where none of our kernels run: candle's ops.
                 let mut scores = (scores * scale)?;
                 if t > 1 {
                     let mask = causal_mask(group, start..start + tc, pos, pos + t, &self.device)?;
