@@ -18,8 +18,9 @@ use crate::vexp::exp;
 /// Values per work item: a few microseconds of `exp`, worth a hand-off to another thread.
 const UNIT: usize = 256;
 
-/// `silu(gate) * up` for `(rows, width)` f32 tensors in CPU memory whose rows are
-/// contiguous (views into a stacked product included); other tensors go through candle's
+/// `silu(gate) * up` for `(rows, width)` tensors of the same shape. f32 tensors in CPU
+/// memory whose rows are contiguous (views into a stacked product included) take the
+/// kernel; other layouts take it on contiguous copies; other dtypes or devices, candle's
 /// own ops.
 pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let (n, w) = gate.dims2()?;
@@ -31,6 +32,7 @@ pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         }
         .into());
     }
+    // A scope of its own: the storage guards go before any copy below reads the tensors.
     {
         let (g_store, g_layout) = gate.storage_and_layout();
         let (u_store, u_layout) = up.storage_and_layout();
