@@ -484,18 +484,21 @@ mod tests {
         let q = QTensor::quantize(&w, GgmlDType::Q4_1).unwrap();
         let ours = Q41Matrix::from_ggml(q.data().unwrap().to_vec(), rows, cols).unwrap();
         let reference = candle_core::quantized::QMatMul::from_qtensor(q).unwrap();
-        let wrow = |r: usize| {
-            if r < rows / GROUP * GROUP {
-                group_row(ours.group(r / GROUP), r % GROUP)
-            } else {
-                let w = ours.loose_row(r);
-                OwnedRow {
-                    d: w.d.to_vec(),
-                    m: w.m.to_vec(),
-                    qs: w.qs.to_vec(),
+        // Each weight row in the plain layout, for the rounding bound.
+        let wrows: Vec<OwnedRow> = (0..rows)
+            .map(|r| {
+                if r < rows / GROUP * GROUP {
+                    group_row(ours.group(r / GROUP), r % GROUP)
+                } else {
+                    let w = ours.loose_row(r);
+                    OwnedRow {
+                        d: w.d.to_vec(),
+                        m: w.m.to_vec(),
+                        qs: w.qs.to_vec(),
+                    }
                 }
-            }
-        };
+            })
+            .collect();
         let alone = |x: &[f32]| ours.matmul(x, 1);
         // Every mix of tiles of four and single rows.
         for n in [1, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 32, 33] {
@@ -508,7 +511,7 @@ mod tests {
                 for r in 0..rows {
                     let (g, c) = (got[y * rows + r], want[y * rows + r]);
                     assert!(
-                        (g - c).abs() <= rounding_bound(wrow(r).view(), row),
+                        (g - c).abs() <= rounding_bound(wrows[r].view(), row),
                         "row {y}, output {r}: {g} against candle's {c}"
                     );
                     differ += usize::from(g != c);
