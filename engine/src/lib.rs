@@ -12,7 +12,6 @@ pub mod gguf_export;
 pub mod kv_cache;
 pub mod loader;
 mod logprobs;
-mod masked_softmax;
 pub mod model;
 pub mod q4;
 pub mod q8;

@@ -13,7 +13,6 @@ use rayon::prelude::*;
 use crate::attention;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvLayout, SeqCache};
-use crate::masked_softmax::MaskedSoftmax;
 use crate::swiglu;
 use crate::weights::{Linear, Stacked, WeightSource};
 use text::{ModelConfig, RopeStyle};
@@ -39,18 +38,7 @@ pub struct Model {
     lm_head: Linear,
     cos: Tensor,
     sin: Tensor,
-    /// Most query rows attended at once in a prefill.
-    query_chunk: usize,
 }
-
-/// Query rows attended at once by default. A 1536-token prompt attended whole makes
-/// score matrices of 85 MB per layer, each freshly mapped and zeroed by the kernel (a
-/// quarter of the prefill in page faults); in chunks they fit the allocator's reuse and
-/// the L3 cache.
-pub const QUERY_CHUNK: usize = 256;
-
-/// Chunks are at least half this, so every chunk's products have more than 64 rows.
-const MIN_QUERY_CHUNK: usize = 130;
 
 /// One sequence's share of a forward pass: the new tokens and the cache they extend.
 pub struct SeqInput<'a> {
@@ -223,14 +211,7 @@ impl Model {
             lm_head,
             cos,
             sin,
-            query_chunk: QUERY_CHUNK,
         })
-    }
-
-    /// Sets how many query rows a prefill attends at once (at least 130). The values do not
-    /// depend on it: the tests compare chunked and whole attention bit for bit.
-    pub fn set_query_chunk(&mut self, rows: usize) {
-        self.query_chunk = rows.max(MIN_QUERY_CHUNK);
     }
 
     /// The model's hyper-parameters.
@@ -387,7 +368,7 @@ impl Model {
     /// decode step (one new row each) spreads over candle's pool, the one the products
     /// use: over rayon's, each pool's idle thread spun on the cores the other's threads
     /// needed (median batch-16 step 5% faster, slowest of eight runs 408 tokens/s against
-    /// 336). Prompts keep rayon's pool, where their candle ops spread in turn; a lone
+    /// 336). Prompts keep rayon's pool, where their blocks of rows spread in turn; a lone
     /// sequence spreads its heads instead.
     fn attend_all(
         &self,
@@ -451,40 +432,20 @@ impl Model {
         let (keys, values) = cache.view(layer, t)?;
         let group = cfg.group_size();
         let scale = 1.0 / (hd as f64).sqrt();
-        if t == 1 && self.device.is_cpu() && attention::applies(group, pos + 1, hd) {
-            return attention::decode(&q, &keys, &values, scale, spread);
+        if self.device.is_cpu() {
+            return attention::causal(&q, &keys, &values, scale, spread);
         }
-        let keys_t = keys.t()?;
-        // Query rows in equal chunks of at least half `query_chunk`, so that every chunk's
-        // products have more than 64 rows, as the whole one has: `gemm` then splits the sum
-        // over keys at the same points, and each score and output is summed in the same
-        // order as unchunked.
-        let n_chunks = t.div_ceil(self.query_chunk);
-        let rows = t.div_ceil(n_chunks);
-        let mut outs = Vec::with_capacity(n_chunks);
-        for start in (0..t).step_by(rows) {
-            let tc = rows.min(t - start);
-            let q = q.narrow(1, start, tc)?.reshape((n_kv, group * tc, hd))?;
-            let scores = q.matmul(&keys_t)?;
-            let probs = if self.device.is_cpu() {
-                scores.inplace_op1(&MaskedSoftmax {
-                    scale,
-                    rows: tc,
-                    first_pos: pos + start,
-                })?;
-                scores
-            } else {
-                // Off the CPU, where none of our kernels run: candle's ops.
-                let mut scores = (scores * scale)?;
-                if t > 1 {
-                    let mask = causal_mask(group, start..start + tc, pos, pos + t, &self.device)?;
-                    scores = scores.broadcast_add(&mask)?;
-                }
-                candle_nn::ops::softmax_last_dim(&scores)?
-            };
-            outs.push(probs.matmul(&values)?.reshape((n_heads, tc, hd))?);
+        // Off the CPU, where none of our kernels run: candle's ops.
+        let q = q.reshape((n_kv, group * t, hd))?;
+        let mut scores = (q.matmul(&keys.t()?)? * scale)?;
+        if t > 1 {
+            let mask = causal_mask(group, 0..t, pos, pos + t, &self.device)?;
+            scores = scores.broadcast_add(&mask)?;
         }
-        Ok(Tensor::cat(&outs, 1)?
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        Ok(probs
+            .matmul(&values)?
+            .reshape((n_heads, t, hd))?
             .transpose(0, 1)?
             .reshape((t, n_heads * hd))?)
     }

@@ -183,19 +183,6 @@ fn batched_decode_matches_each_sequence_alone() {
     assert_eq!(outputs, alone);
 }
 
-/// A prompt run on top of a cached prefix gives the logits of the whole prompt.
-#[test]
-fn chunked_prefill_attention_is_bit_exact() {
-    // 600 query rows: three chunks of 200 with the default chunk, against all at once.
-    let mut m = model();
-    let p = prompt(600, 5);
-    assert!(p.len() > 2 * engine::model::QUERY_CHUNK);
-    let chunked = m.logits_for(&p).unwrap();
-    m.set_query_chunk(usize::MAX);
-    let whole = m.logits_for(&p).unwrap();
-    assert!(chunked == whole, "chunked attention changed the logits");
-}
-
 #[test]
 fn prefix_reuse_matches_full_prefill() {
     let m = model();

@@ -151,3 +151,37 @@ fn long_context_decode_logits_match_candle_transformers() {
         "our token was the oracle's choice in only {oracle_choices} of {steps} steps"
     );
 }
+
+/// A prompt split anywhere, as a prefix-cache hit or a migrated stream splits it, gives
+/// the whole prompt's logits bit for bit: PD and colocated serving then agree whatever
+/// their caches hold.
+#[test]
+fn a_prompt_split_anywhere_gives_the_whole_prompts_logits() {
+    let loaded = engine::load(&gguf_path(), &Device::Cpu).unwrap();
+    let model = &loaded.model;
+    let prompt = loaded
+        .tokenizer
+        .encode("The fox met a crow who carried a piece of cheese in its beak, and it said")
+        .unwrap();
+    assert!(prompt.len() >= 16, "prompt of {} tokens", prompt.len());
+    let bits = |logits: Vec<f32>| logits.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let whole = bits(model.logits_for(&prompt).unwrap());
+    for split in 1..prompt.len() {
+        let mut cache = model.new_cache().unwrap();
+        let mut logits = None;
+        for part in [&prompt[..split], &prompt[split..]] {
+            let out = model
+                .forward(&mut [engine::SeqInput {
+                    tokens: part,
+                    cache: &mut cache,
+                }])
+                .unwrap();
+            logits = Some(out.squeeze(0).unwrap().to_vec1::<f32>().unwrap());
+        }
+        assert!(
+            bits(logits.unwrap()) == whole,
+            "split at {split} of {} tokens changed the logits",
+            prompt.len()
+        );
+    }
+}

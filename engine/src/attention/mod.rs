@@ -1,0 +1,360 @@
+//! Causal attention on the CPU: one path for prompts and decode steps alike, whose values
+//! for a query row depend only on that row's query, its position and the keys and values
+//! up to it, never on how many rows are attended with it.
+//!
+//! That is what lets a prompt be split anywhere and still give the whole prompt's bits: at
+//! a cached prefix, between a prefill node and a decode node, or when a migrated stream is
+//! prefilled again. candle's ops could not promise it. `gemm` takes another kernel at 64
+//! rows or fewer and a matrix-vector product at one row, and candle's row sum adds a
+//! row's tail in another order when the row is longer; a 40-token prompt split 39 + 1 gave
+//! logits up to 0.48 apart from the whole.
+//!
+//! For a query row at position `p`, in this order:
+//! - each score `j <= p`: one fused multiply-add chain over the head dimension from zero,
+//!   then times the scale (`kernels::scores`);
+//! - the softmax of those `p + 1` scores ([`softmax`]);
+//! - each output value: one fused multiply-add chain over keys `0 ..= p` from zero
+//!   (`kernels::weighted_values`).
+
+mod kernels;
+
+use std::sync::OnceLock;
+
+use candle_core::{CpuStorage, Storage, Tensor};
+use rayon::prelude::*;
+
+use crate::error::{EngineError, Result};
+use crate::vexp::exp_minus;
+
+/// Query rows of one K/V head attended together: they share each pass over its keys.
+const ROWS: usize = 8;
+
+/// Attention of the last `t` positions of a sequence: `q` is `(heads, t, head_dim)`,
+/// already rotated; `keys` and `values` are `(kv_heads, len, head_dim)` views of the
+/// cache, rows contiguous, ending with the `t` new positions. Returns
+/// `(t, heads * head_dim)`.
+///
+/// The work goes out in blocks of [`ROWS`] query rows of one K/V head. A prompt's blocks
+/// spread over rayon's pool, whose stealing evens out the later rows' longer spans. A decode
+/// step has one block per K/V head: with `spread` they go over candle's pool (for a lone
+/// sequence, whose workers would otherwise wait), else they run here, as a batch's
+/// sequences already share the pool out.
+pub(crate) fn causal(
+    q: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
+    scale: f64,
+    spread: bool,
+) -> Result<Tensor> {
+    let (heads, t, hd) = q.dims3()?;
+    let (kv_heads, len, _) = keys.dims3()?;
+    if t == 0 || t > len || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return Err(EngineError::InvalidInput(format!(
+            "attention of {t} rows of {heads} heads over {len} keys of {kv_heads} heads"
+        )));
+    }
+    let pos = len - t;
+    let q = q.contiguous()?;
+    let (q_store, q_layout) = q.storage_and_layout();
+    let q = &f32_data(&q_store)?[q_layout.start_offset()..][..heads * t * hd];
+    let (k_store, k_layout) = keys.storage_and_layout();
+    let (v_store, v_layout) = values.storage_and_layout();
+    let k = Heads::new(f32_data(&k_store)?, k_layout, kv_heads, len, hd)?;
+    let v = Heads::new(f32_data(&v_store)?, v_layout, kv_heads, len, hd)?;
+    // A K/V head's query rows: those of its `group` query heads, each `t` rows.
+    let per_head = heads / kv_heads * t;
+    let blocks = per_head.div_ceil(ROWS);
+    let scale = scale as f32;
+    let block = |item: usize| {
+        let (h, first) = (item / blocks, item % blocks * ROWS);
+        let rows = ROWS.min(per_head - first);
+        let visible: Vec<usize> = (first..first + rows).map(|i| pos + i % t + 1).collect();
+        let q = &q[(h * per_head + first) * hd..][..rows * hd];
+        attend_block(q, &visible, k.head(h), v.head(h), hd, scale)
+    };
+    let items = kv_heads * blocks;
+    let outs: Vec<Vec<f32>> = if t > 1 {
+        (0..items).into_par_iter().map(block).collect()
+    } else if spread {
+        let done: Vec<OnceLock<Vec<f32>>> = (0..items).map(|_| OnceLock::new()).collect();
+        candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+            for item in range {
+                let _ = done[item].set(block(item));
+            }
+        });
+        done.into_iter()
+            .map(|d| d.into_inner().expect("every block ran"))
+            .collect()
+    } else {
+        (0..items).map(block).collect()
+    };
+    // Row `i` of K/V head `h` is query head `h * group + i / t` at new position `i % t`.
+    let mut out = vec![0f32; t * heads * hd];
+    for (item, vals) in outs.iter().enumerate() {
+        let (h, first) = (item / blocks, item % blocks * ROWS);
+        for (n, row) in vals.chunks_exact(hd).enumerate() {
+            let i = h * per_head + first + n;
+            let (head, r) = (i / t, i % t);
+            out[(r * heads + head) * hd..][..hd].copy_from_slice(row);
+        }
+    }
+    Ok(Tensor::from_vec(out, (t, heads * hd), keys.device())?)
+}
+
+/// One block of query rows of a K/V head: row `r` sees the first `visible[r]` keys.
+/// Returns the rows' outputs, one after another.
+fn attend_block(
+    q: &[f32],
+    visible: &[usize],
+    keys: &[f32],
+    values: &[f32],
+    head_dim: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let seen = visible.iter().copied().max().unwrap_or(0);
+    let mut probs = vec![0f32; visible.len() * seen];
+    // Scores past a row's own position are computed with the others' and never read.
+    kernels::scores(q, keys, seen, head_dim, scale, &mut probs);
+    for (row, &vis) in probs.chunks_exact_mut(seen).zip(visible) {
+        softmax(&mut row[..vis]);
+    }
+    let mut out = vec![0f32; visible.len() * head_dim];
+    kernels::weighted_values(&probs, seen, visible, values, head_dim, &mut out);
+    out
+}
+
+/// The softmax of one row of scores, in place. The max and the sum each run in eight lanes
+/// (lane `i` takes the scores at `i` modulo 8), the lanes then combined in order; `exp` is
+/// `crate::vexp`'s.
+fn softmax(row: &mut [f32]) {
+    let max = lanes(row, f32::NEG_INFINITY, f32::max);
+    exp_minus(row, max);
+    let sum = lanes(row, 0.0, |a, b| a + b);
+    for x in row.iter_mut() {
+        *x /= sum;
+    }
+}
+
+/// `f` folded over `row` in eight lanes from `init`, then over the lanes in order.
+fn lanes(row: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut acc = [init; 8];
+    let chunks = row.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = f(*a, x);
+        }
+    }
+    for (a, &x) in acc.iter_mut().zip(tail) {
+        *a = f(*a, x);
+    }
+    acc.into_iter().reduce(f).unwrap_or(init)
+}
+
+fn f32_data(storage: &Storage) -> Result<&[f32]> {
+    match storage {
+        Storage::Cpu(CpuStorage::F32(data)) => Ok(data),
+        _ => Err(EngineError::InvalidInput(
+            "CPU attention runs on f32 tensors in CPU memory".into(),
+        )),
+    }
+}
+
+/// The K or V heads of one layer: head `h` is `len` rows of `head_dim` from `h * stride`.
+struct Heads<'a> {
+    data: &'a [f32],
+    stride: usize,
+    len: usize,
+    head_dim: usize,
+}
+
+impl<'a> Heads<'a> {
+    fn new(
+        data: &'a [f32],
+        layout: &candle_core::Layout,
+        heads: usize,
+        len: usize,
+        head_dim: usize,
+    ) -> Result<Self> {
+        let stride = layout.stride();
+        let start = layout.start_offset();
+        let fits = stride.len() == 3
+            && stride[2] == 1
+            && stride[1] == head_dim
+            && stride[0] >= len * head_dim
+            && start + (heads - 1) * stride[0] + len * head_dim <= data.len();
+        if !fits {
+            return Err(EngineError::KvCache(
+                "cache view is not rows of contiguous heads".into(),
+            ));
+        }
+        Ok(Self {
+            data: &data[start..],
+            stride: stride[0],
+            len,
+            head_dim,
+        })
+    }
+
+    fn head(&self, h: usize) -> &'a [f32] {
+        &self.data[h * self.stride..][..self.len * self.head_dim]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    use super::*;
+    use crate::act_quant::testing::{bits_differ, values, xorshift_data};
+
+    /// (kv heads, query heads per kv head, head width, cached positions, new rows):
+    /// SmolLM2's and Qwen2.5's shapes, decode steps and prompts, on and off a cached prefix,
+    /// key counts off the multiple of 8, one query head per K/V head, and a head width off
+    /// the vector width (the scalar code).
+    const SHAPES: [(usize, usize, usize, usize, usize); 8] = [
+        (3, 3, 64, 0, 40),
+        (3, 3, 64, 85, 1),
+        (3, 3, 64, 130, 23),
+        (2, 7, 128, 5, 19),
+        (2, 7, 128, 600, 1),
+        (1, 1, 64, 0, 9),
+        (4, 2, 32, 70, 3),
+        (2, 2, 12, 7, 6),
+    ];
+
+    /// Query, keys and values for a shape, the keys and values as narrowed views of cache
+    /// storage with room past them, as the model views its cache.
+    fn inputs(i: usize, kv: usize, group: usize, hd: usize, len: usize, t: usize) -> [Tensor; 3] {
+        let dev = Device::Cpu;
+        let cap = len + 37;
+        let seed = i as u64 * 3;
+        let data = |n, s| xorshift_data(n, s, 4.0);
+        let k = Tensor::from_vec(data(kv * cap * hd, seed), (kv, cap, hd), &dev).unwrap();
+        let v = Tensor::from_vec(data(kv * cap * hd, seed + 1), (kv, cap, hd), &dev).unwrap();
+        let q = Tensor::from_vec(
+            data(kv * group * t * hd, seed + 2),
+            (kv * group, t, hd),
+            &dev,
+        );
+        [
+            q.unwrap(),
+            k.narrow(1, 0, len).unwrap(),
+            v.narrow(1, 0, len).unwrap(),
+        ]
+    }
+
+    /// Attention of rows `rows` of `q` over the keys up to the last of them.
+    fn part(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        pos: usize,
+        rows: std::ops::Range<usize>,
+        spread: bool,
+    ) -> Vec<f32> {
+        let end = pos + rows.end;
+        let q = q.narrow(1, rows.start, rows.len()).unwrap();
+        let (k, v) = (k.narrow(1, 0, end).unwrap(), v.narrow(1, 0, end).unwrap());
+        let scale = 1.0 / (q.dim(2).unwrap() as f64).sqrt();
+        values(&causal(&q, &k, &v, scale, spread).unwrap())
+    }
+
+    #[test]
+    fn a_row_gives_the_same_bits_however_the_rows_are_split() {
+        for (i, &(kv, group, hd, pos, t)) in SHAPES.iter().enumerate() {
+            let [q, k, v] = inputs(i, kv, group, hd, pos + t, t);
+            let whole = part(&q, &k, &v, pos, 0..t, false);
+            let width = kv * group * hd;
+            // Each row alone, as a decode step would run it, spread or not.
+            for r in 0..t {
+                let alone = part(&q, &k, &v, pos, r..r + 1, r % 2 == 0);
+                let differ = bits_differ(&alone, &whole[r * width..][..width]);
+                assert_eq!(
+                    differ, 0,
+                    "shape {i}, row {r} alone: {differ} values differ"
+                );
+            }
+            // Two parts, split at every row.
+            for split in 1..t {
+                let mut parts = part(&q, &k, &v, pos, 0..split, false);
+                parts.extend(part(&q, &k, &v, pos, split..t, true));
+                let differ = bits_differ(&parts, &whole);
+                assert_eq!(
+                    differ, 0,
+                    "shape {i}, split at {split}: {differ} values differ"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn agrees_with_candles_scale_mask_softmax_and_products() {
+        let dev = Device::Cpu;
+        for (i, &(kv, group, hd, pos, t)) in SHAPES.iter().enumerate() {
+            let [q, k, v] = inputs(i, kv, group, hd, pos + t, t);
+            let ours = part(&q, &k, &v, pos, 0..t, true);
+            let scale = 1.0 / (hd as f64).sqrt();
+            let heads = kv * group;
+            let folded = q.reshape((kv, group * t, hd)).unwrap();
+            let scores = (folded.matmul(&k.t().unwrap()).unwrap() * scale).unwrap();
+            let mask = crate::model::causal_mask(group, 0..t, pos, pos + t, &dev).unwrap();
+            let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask).unwrap());
+            let theirs = probs.unwrap().matmul(&v.contiguous().unwrap()).unwrap();
+            let theirs = theirs
+                .reshape((heads, t, hd))
+                .unwrap()
+                .transpose(0, 1)
+                .unwrap();
+            for (j, (&a, &b)) in ours.iter().zip(&values(&theirs)).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5,
+                    "shape {i}, value {j}: {a} against {b}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_vector_kernels_give_the_scalar_bits() {
+        if !kernels::vector(64) {
+            eprintln!("no AVX2/FMA: only the scalar code runs on this CPU");
+            return;
+        }
+        // Up to eight rows against key counts on and off the multiple of 8, rows seeing
+        // different numbers of keys, head widths of an odd number of vectors.
+        for (i, &(rows, hd, len)) in [
+            (3, 64, 86),
+            (8, 64, 203),
+            (5, 24, 17),
+            (1, 128, 9),
+            (7, 40, 64),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let seed = i as u64 * 5;
+            let q = xorshift_data(rows * hd, seed, 4.0);
+            let keys = xorshift_data(len * hd, seed + 1, 4.0);
+            let mut vector = vec![0f32; rows * len];
+            kernels::scores(&q, &keys, len, hd, 0.125, &mut vector);
+            let mut scalar = vec![0f32; rows * len];
+            kernels::scalar::scores(&q, &keys, len, hd, 0.125, &mut scalar);
+            assert_eq!(bits_differ(&vector, &scalar), 0, "scores, case {i}");
+
+            let probs = xorshift_data(rows * len, seed + 2, 1.0);
+            let visible: Vec<usize> = (0..rows).map(|r| len - (r * 3) % len.min(7)).collect();
+            let mut vector = vec![0f32; rows * hd];
+            kernels::weighted_values(&probs, len, &visible, &keys, hd, &mut vector);
+            let mut scalar = vec![0f32; rows * hd];
+            kernels::scalar::weighted_values(&probs, len, &visible, &keys, hd, &mut scalar);
+            assert_eq!(bits_differ(&vector, &scalar), 0, "values, case {i}");
+        }
+    }
+
+    #[test]
+    fn refuses_more_rows_than_keys() {
+        let [q, k, v] = inputs(0, 3, 3, 64, 4, 5);
+        assert!(causal(&q, &k, &v, 0.125, false).is_err());
+    }
+}
