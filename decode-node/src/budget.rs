@@ -173,7 +173,7 @@ mod tests {
             n_layers: 2,
             n_kv_heads: 2,
             head_dim: 64,
-            dtype: "f32".into(),
+            dtype: engine::KV_DTYPE.into(),
         };
         KvBudget::new(layout, 1000, 16, capacity, max_waiting)
     }
@@ -193,10 +193,10 @@ mod tests {
     #[test]
     fn blocks_count_what_the_allocator_takes() {
         let b = budget(10, 1);
-        // A block is 16 positions of 512 bytes in K and V of 2 layers: 32 KiB. A cache of
-        // 16 positions is 4 allocations of 8 KiB and a header each, three pages each.
-        assert_eq!(b.block_bytes, 32 << 10);
-        assert_eq!(b.layout.resident_bytes(16), 4 * 3 * 4096);
+        // A block is 16 positions of 256 bytes (f16) in K and V of 2 layers: 16 KiB. A
+        // cache of 16 positions is 4 allocations of 4 KiB and a header each, two pages each.
+        assert_eq!(b.block_bytes, 16 << 10);
+        assert_eq!(b.layout.resident_bytes(16), 4 * 2 * 4096);
         assert_eq!(b.blocks_for(16), 2);
         assert_eq!(
             b.blocks_for(160),

@@ -23,7 +23,7 @@ mod vexp;
 pub mod weights;
 
 pub use error::{EngineError, Result};
-pub use kv_cache::{KvAssembler, KvChunk, KvLayout, SeqCache};
+pub use kv_cache::{KvAssembler, KvChunk, KvLayout, SeqCache, KV_DTYPE};
 pub use loader::{load, Loaded};
 pub use model::{Model, SeqInput};
 pub use sampling::{Sampled, SamplingParams};

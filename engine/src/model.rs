@@ -435,7 +435,9 @@ impl Model {
         if self.device.is_cpu() {
             return attention::causal(&q, &keys, &values, scale, spread);
         }
-        // Off the CPU, where none of our kernels run: candle's ops.
+        // Off the CPU, where none of our kernels run: candle's ops, on the cache's f16
+        // widened to f32.
+        let (keys, values) = (keys.to_dtype(DType::F32)?, values.to_dtype(DType::F32)?);
         let q = q.reshape((n_kv, group * t, hd))?;
         let mut scores = (q.matmul(&keys.t()?)? * scale)?;
         if t > 1 {

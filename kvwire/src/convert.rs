@@ -343,7 +343,7 @@ mod tests {
             n_layers: 30,
             n_kv_heads: 3,
             head_dim: 64,
-            dtype: "f32".into(),
+            dtype: engine::KV_DTYPE.into(),
         };
         assert_eq!(layout_from_proto(&layout_to_proto(&l)), l);
     }

@@ -58,7 +58,7 @@ pub async fn serve(
     let layout = model.kv_layout();
     let max_positions = model.config().max_position_embeddings;
     let vocab = model.config().vocab_size;
-    let bytes_per_token = layout.n_kv_heads * layout.head_dim * 4;
+    let bytes_per_token = layout.bytes_per_token_layer();
     let message_tokens = (cfg.transfer_chunk_bytes / bytes_per_token).max(1);
     let max_queue = cfg.max_queue.max(1);
     let (jobs_tx, jobs_rx) = tokio::sync::mpsc::channel(max_queue);

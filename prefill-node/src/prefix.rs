@@ -127,7 +127,7 @@ mod tests {
             n_layers: 1,
             n_kv_heads: 1,
             head_dim: 2,
-            dtype: "f32".into(),
+            dtype: engine::KV_DTYPE.into(),
         }
     }
 
@@ -138,11 +138,11 @@ mod tests {
         let values: Vec<f32> = (0..n).flat_map(|i| [i as f32, i as f32]).collect();
         let t = Tensor::from_vec(values, (1, n, 2), &Device::Cpu).unwrap();
         let bytes: Vec<u8> = t
-            .to_dtype(DType::F32)
+            .to_dtype(DType::F16)
             .unwrap()
             .flatten_all()
             .unwrap()
-            .to_vec1::<f32>()
+            .to_vec1::<half::f16>()
             .unwrap()
             .iter()
             .flat_map(|x| x.to_le_bytes())
@@ -171,8 +171,8 @@ mod tests {
         assert!(hit.cache.capacity() >= turn.len());
         let chunk = hit.cache.export(0, 31, 1).unwrap();
         assert_eq!(
-            &chunk.k[..4],
-            &31f32.to_le_bytes(),
+            &chunk.k[..2],
+            &half::f16::from_f32(31.0).to_le_bytes()[..],
             "the reused K is the cached one"
         );
         // The whole prompt cached: its last token is still computed.

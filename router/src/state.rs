@@ -74,15 +74,15 @@ impl Discovery {
 }
 
 /// The layout of the caches the workers of `cfg`'s model hold and register, to refuse workers
-/// of another. The engine keeps its caches in f32 (`engine::KvLayout::for_model`); the router
-/// does not link the engine, and every cluster test would fail if the two disagreed, since
-/// the router would refuse every worker.
+/// of another. The engine keeps its caches in f16 (`engine::KV_DTYPE`); the router does not
+/// link the engine, and every cluster test would fail if the two disagreed, since the router
+/// would refuse every worker.
 fn cache_layout(cfg: &text::ModelConfig) -> discovery::Layout {
     discovery::Layout {
         n_layers: cfg.num_hidden_layers as u32,
         n_kv_heads: cfg.num_key_value_heads as u32,
         head_dim: cfg.head_dim as u32,
-        dtype: "f32".into(),
+        dtype: "f16".into(),
     }
 }
 

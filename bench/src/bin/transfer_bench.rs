@@ -218,7 +218,7 @@ fn transfer(
     tokens: usize,
     chunk_bytes: usize,
 ) -> (KvHeader, Vec<Item>) {
-    let row = layout.n_kv_heads * layout.head_dim * 4;
+    let row = layout.bytes_per_token_layer();
     let per_message = (chunk_bytes / row).max(1);
     let header = KvHeader {
         request_id: id.into(),
@@ -342,7 +342,7 @@ async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let text = text::load(&a.model).context("reading the model's config")?;
     let layout = engine::KvLayout::for_model(&text.config);
-    let per_token = 2 * layout.n_layers * layout.n_kv_heads * layout.head_dim * 4;
+    let per_token = 2 * layout.n_layers * layout.bytes_per_token_layer();
     let (_plain, plain) = decode_node(&a.model, None).await?;
     let pki_dir = e2e::scratch().join(format!("transfer-bench-pki-{}", free_port()));
     let pki = a.mtls.then(|| e2e::pki::Pki::new(&pki_dir, "bench"));

@@ -1,14 +1,17 @@
 //! The two products of a block of query rows: scores against the keys, and the weighted sum
-//! of the values. AVX2 kernels where the CPU has AVX2 and FMA and the head width is a
-//! multiple of 8; elsewhere scalar code computing the same chains of fused multiply-adds,
-//! so every CPU gives the same bits.
+//! of the values, both read from the f16 cache and widened to f32 exactly. AVX2 kernels
+//! where the CPU has AVX2, FMA and F16C and the head width is a multiple of 8; elsewhere
+//! scalar code computing the same chains of fused multiply-adds, so every CPU gives the
+//! same bits.
+
+use half::f16;
 
 /// `out[r * len + j] = (q_r · k_j) * scale` for each query row `r` of `q` and each of the
 /// first `len` keys, the dot product one fused multiply-add chain over the head dimension,
 /// in order, from zero.
 pub(super) fn scores(
     q: &[f32],
-    keys: &[f32],
+    keys: &[f16],
     len: usize,
     head_dim: usize,
     scale: f32,
@@ -31,7 +34,7 @@ pub(super) fn weighted_values(
     probs: &[f32],
     stride: usize,
     visible: &[usize],
-    values: &[f32],
+    values: &[f16],
     head_dim: usize,
     out: &mut [f32],
 ) {
@@ -48,10 +51,10 @@ pub(super) fn weighted_values(
 }
 
 /// One chain of fused multiply-adds, in order, from zero.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot(a: &[f32], b: &[f16]) -> f32 {
     a.iter()
         .zip(b)
-        .fold(0f32, |acc, (&x, &y)| x.mul_add(y, acc))
+        .fold(0f32, |acc, (&x, &y)| x.mul_add(y.to_f32(), acc))
 }
 
 /// Whether the AVX2 kernels run for heads of `head_dim`.
@@ -61,6 +64,7 @@ pub(super) fn vector(head_dim: usize) -> bool {
         head_dim.is_multiple_of(8)
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -72,11 +76,13 @@ pub(super) fn vector(head_dim: usize) -> bool {
 /// The kernels' arithmetic one value at a time: for other CPUs, and for the tests to hold
 /// the kernels against.
 pub(super) mod scalar {
+    use half::f16;
+
     use super::dot;
 
     pub fn scores(
         q: &[f32],
-        keys: &[f32],
+        keys: &[f16],
         len: usize,
         head_dim: usize,
         scale: f32,
@@ -93,7 +99,7 @@ pub(super) mod scalar {
         probs: &[f32],
         stride: usize,
         visible: &[usize],
-        values: &[f32],
+        values: &[f16],
         head_dim: usize,
         out: &mut [f32],
     ) {
@@ -103,7 +109,9 @@ pub(super) mod scalar {
             .zip(out.chunks_exact_mut(head_dim))
         {
             for (d, o) in o.iter_mut().enumerate() {
-                *o = (0..vis).fold(0f32, |acc, j| values[j * head_dim + d].mul_add(p[j], acc));
+                *o = (0..vis).fold(0f32, |acc, j| {
+                    values[j * head_dim + d].to_f32().mul_add(p[j], acc)
+                });
             }
         }
     }
@@ -113,18 +121,30 @@ pub(super) mod scalar {
 mod fma {
     use std::arch::x86_64::*;
 
+    use half::f16;
+
+    /// Eight cache values from `at`, widened to f32.
+    ///
+    /// # Safety
+    /// The CPU has F16C; eight values from `at` are readable.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(at: *const f16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i))
+    }
+
     /// Query rows handled per pass over the keys in `scores`.
     const ROWS: usize = 8;
 
     /// As `super::scores`.
     ///
     /// # Safety
-    /// AVX2 and FMA are present; `head_dim` is a multiple of 8; `keys` holds `len` rows and
+    /// AVX2, FMA and F16C are present; `head_dim` is a multiple of 8; `keys` holds `len` rows and
     /// `out` `q.len() / head_dim` rows of `len`.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn scores(
         q: &[f32],
-        keys: &[f32],
+        keys: &[f16],
         len: usize,
         head_dim: usize,
         scale: f32,
@@ -141,7 +161,7 @@ mod fma {
                 for d0 in (0..head_dim).step_by(8) {
                     let mut block = [zero; 8];
                     for (i, b) in block.iter_mut().enumerate() {
-                        *b = _mm256_loadu_ps(keys.as_ptr().add((j0 + i) * head_dim + d0));
+                        *b = load8(keys.as_ptr().add((j0 + i) * head_dim + d0));
                     }
                     // by_dim[c] holds dimension d0 + c of keys j0 .. j0 + 8.
                     let by_dim = transpose(block);
@@ -173,14 +193,14 @@ mod fma {
     /// row, and were slower where the values come from memory (a batch-16 step at 256 keys).
     ///
     /// # Safety
-    /// AVX2 and FMA are present; `head_dim` is a multiple of 8; the slices have the lengths
+    /// AVX2, FMA and F16C are present; `head_dim` is a multiple of 8; the slices have the lengths
     /// `super::weighted_values` asserts.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn weighted_values(
         probs: &[f32],
         stride: usize,
         visible: &[usize],
-        values: &[f32],
+        values: &[f16],
         head_dim: usize,
         out: &mut [f32],
     ) {
@@ -211,10 +231,10 @@ mod fma {
     /// # Safety
     /// As for [`weighted_values`]; `d0 + 8 * V <= head_dim`; `values` holds `probs.len()`
     /// rows; `out` holds `head_dim` values.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn columns<const V: usize>(
         probs: &[f32],
-        values: &[f32],
+        values: &[f16],
         head_dim: usize,
         d0: usize,
         out: &mut [f32],
@@ -224,7 +244,7 @@ mod fma {
             let pj = _mm256_set1_ps(pj);
             let vj = values.as_ptr().add(j * head_dim + d0);
             for (i, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(_mm256_loadu_ps(vj.add(8 * i)), pj, *a);
+                *a = _mm256_fmadd_ps(load8(vj.add(8 * i)), pj, *a);
             }
         }
         for (i, a) in acc.iter().enumerate() {
@@ -235,8 +255,8 @@ mod fma {
     /// The 8x8 transpose: lane `r` of output `c` is lane `c` of input `r`.
     ///
     /// # Safety
-    /// The CPU has AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
+    /// The CPU has AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn transpose(r: [__m256; 8]) -> [__m256; 8] {
         let t0 = _mm256_unpacklo_ps(r[0], r[1]);
         let t1 = _mm256_unpackhi_ps(r[0], r[1]);

@@ -21,6 +21,7 @@ mod kernels;
 use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, Storage, Tensor};
+use half::f16;
 use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
@@ -30,7 +31,7 @@ use crate::vexp::exp_minus;
 const ROWS: usize = 8;
 
 /// Attention of the last `t` positions of a sequence: `q` is `(heads, t, head_dim)`,
-/// already rotated; `keys` and `values` are `(kv_heads, len, head_dim)` views of the
+/// already rotated; `keys` and `values` are `(kv_heads, len, head_dim)` f16 views of the
 /// cache, rows contiguous, ending with the `t` new positions. Returns
 /// `(t, heads * head_dim)`.
 ///
@@ -59,8 +60,8 @@ pub(crate) fn causal(
     let q = &f32_data(&q_store)?[q_layout.start_offset()..][..heads * t * hd];
     let (k_store, k_layout) = keys.storage_and_layout();
     let (v_store, v_layout) = values.storage_and_layout();
-    let k = Heads::new(f32_data(&k_store)?, k_layout, kv_heads, len, hd)?;
-    let v = Heads::new(f32_data(&v_store)?, v_layout, kv_heads, len, hd)?;
+    let k = Heads::new(f16_data(&k_store)?, k_layout, kv_heads, len, hd)?;
+    let v = Heads::new(f16_data(&v_store)?, v_layout, kv_heads, len, hd)?;
     // A K/V head's query rows: those of its `group` query heads, each `t` rows.
     let per_head = heads / kv_heads * t;
     let blocks = per_head.div_ceil(ROWS);
@@ -106,8 +107,8 @@ pub(crate) fn causal(
 fn attend_block(
     q: &[f32],
     visible: &[usize],
-    keys: &[f32],
-    values: &[f32],
+    keys: &[f16],
+    values: &[f16],
     head_dim: usize,
     scale: f32,
 ) -> Vec<f32> {
@@ -155,14 +156,23 @@ fn f32_data(storage: &Storage) -> Result<&[f32]> {
     match storage {
         Storage::Cpu(CpuStorage::F32(data)) => Ok(data),
         _ => Err(EngineError::InvalidInput(
-            "CPU attention runs on f32 tensors in CPU memory".into(),
+            "CPU attention's queries are f32 in CPU memory".into(),
+        )),
+    }
+}
+
+fn f16_data(storage: &Storage) -> Result<&[f16]> {
+    match storage {
+        Storage::Cpu(CpuStorage::F16(data)) => Ok(data),
+        _ => Err(EngineError::InvalidInput(
+            "CPU attention reads an f16 cache in CPU memory".into(),
         )),
     }
 }
 
 /// The K or V heads of one layer: head `h` is `len` rows of `head_dim` from `h * stride`.
 struct Heads<'a> {
-    data: &'a [f32],
+    data: &'a [f16],
     stride: usize,
     len: usize,
     head_dim: usize,
@@ -170,7 +180,7 @@ struct Heads<'a> {
 
 impl<'a> Heads<'a> {
     fn new(
-        data: &'a [f32],
+        data: &'a [f16],
         layout: &candle_core::Layout,
         heads: usize,
         len: usize,
@@ -196,14 +206,14 @@ impl<'a> Heads<'a> {
         })
     }
 
-    fn head(&self, h: usize) -> &'a [f32] {
+    fn head(&self, h: usize) -> &'a [f16] {
         &self.data[h * self.stride..][..self.len * self.head_dim]
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{Device, Tensor};
+    use candle_core::{DType, Device, Tensor};
 
     use super::*;
     use crate::act_quant::testing::{bits_differ, values, xorshift_data};
@@ -223,15 +233,18 @@ mod tests {
         (2, 2, 12, 7, 6),
     ];
 
-    /// Query, keys and values for a shape, the keys and values as narrowed views of cache
-    /// storage with room past them, as the model views its cache.
+    /// Query, keys and values for a shape, the keys and values as narrowed f16 views of
+    /// cache storage with room past them, as the model views its cache.
     fn inputs(i: usize, kv: usize, group: usize, hd: usize, len: usize, t: usize) -> [Tensor; 3] {
         let dev = Device::Cpu;
         let cap = len + 37;
         let seed = i as u64 * 3;
         let data = |n, s| xorshift_data(n, s, 4.0);
-        let k = Tensor::from_vec(data(kv * cap * hd, seed), (kv, cap, hd), &dev).unwrap();
-        let v = Tensor::from_vec(data(kv * cap * hd, seed + 1), (kv, cap, hd), &dev).unwrap();
+        let cache = |s| {
+            let t = Tensor::from_vec(data(kv * cap * hd, s), (kv, cap, hd), &dev).unwrap();
+            t.to_dtype(DType::F16).unwrap()
+        };
+        let (k, v) = (cache(seed), cache(seed + 1));
         let q = Tensor::from_vec(
             data(kv * group * t * hd, seed + 2),
             (kv * group, t, hd),
@@ -294,6 +307,9 @@ mod tests {
         for (i, &(kv, group, hd, pos, t)) in SHAPES.iter().enumerate() {
             let [q, k, v] = inputs(i, kv, group, hd, pos + t, t);
             let ours = part(&q, &k, &v, pos, 0..t, true);
+            // The cache's values widened, as the kernels widen them.
+            let widen = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let (k, v) = (widen(&k), widen(&v));
             let scale = 1.0 / (hd as f64).sqrt();
             let heads = kv * group;
             let folded = q.reshape((kv, group * t, hd)).unwrap();
@@ -335,7 +351,10 @@ mod tests {
         {
             let seed = i as u64 * 5;
             let q = xorshift_data(rows * hd, seed, 4.0);
-            let keys = xorshift_data(len * hd, seed + 1, 4.0);
+            let keys: Vec<f16> = xorshift_data(len * hd, seed + 1, 4.0)
+                .into_iter()
+                .map(f16::from_f32)
+                .collect();
             let mut vector = vec![0f32; rows * len];
             kernels::scores(&q, &keys, len, hd, 0.125, &mut vector);
             let mut scalar = vec![0f32; rows * len];

@@ -13,7 +13,7 @@ pub struct KvAssembler {
     expected: Vec<u32>,
     filled: Vec<usize>,
     /// Each layer's K and V storage: `(start, values)`.
-    storage: Vec<[(*mut f32, usize); 2]>,
+    storage: Vec<[(*mut f16, usize); 2]>,
 }
 
 impl std::fmt::Debug for KvAssembler {
@@ -76,7 +76,7 @@ impl KvAssembler {
         let n_layers = cache.layout.n_layers;
         // SAFETY: the assembler writes every position before the cache leaves it (`finish`).
         unsafe { cache.move_to(capacity, &vec![0; n_layers], Fill::Unwritten)? };
-        let locate = |t: &Tensor| -> Result<(*mut f32, usize)> {
+        let locate = |t: &Tensor| -> Result<(*mut f16, usize)> {
             let found = Locate::default();
             t.inplace_op1(&found)?;
             found
@@ -141,7 +141,7 @@ impl KvAssembler {
     }
 
     /// Checks a chunk's place and size, and gives the storage its K and V bytes go to, as
-    /// the wire carries them (`(kv_heads, len, head_dim)` little-endian f32 each, which is
+    /// the wire carries them (`(kv_heads, len, head_dim)` little-endian f16 each, which is
     /// how the cache stores them).
     pub fn chunk(
         &mut self,
@@ -182,13 +182,16 @@ impl KvAssembler {
             debug_assert_eq!(values, heads * capacity * head_dim);
             for h in 0..heads {
                 let at = (h * capacity + start) * head_dim;
-                // SAFETY: `data` is this layer's storage of `values` f32s, which the
+                // SAFETY: `data` is this layer's storage of `values` f16s, which the
                 // assembler's own tensor owns and nothing else reads or writes while the
                 // assembler is borrowed; `start + len <= expected <= capacity`, so the run
                 // lies within it, and runs of different heads (and K and V) do not overlap.
-                // Any bytes are a valid f32.
+                // Any bytes are a valid f16.
                 let run = unsafe {
-                    std::slice::from_raw_parts_mut(data.add(at).cast::<u8>(), len * head_dim * 4)
+                    std::slice::from_raw_parts_mut(
+                        data.add(at).cast::<u8>(),
+                        len * head_dim * ELEM_BYTES,
+                    )
                 };
                 runs.push(run);
             }
@@ -236,7 +239,7 @@ mod tests {
             n_layers: 1 + rng.below(4),
             n_kv_heads: 1 + rng.below(3),
             head_dim: 1 + rng.below(8),
-            dtype: "f32".into(),
+            dtype: KV_DTYPE.into(),
         }
     }
 
@@ -244,7 +247,7 @@ mod tests {
     fn layout(rng: &mut Rng) -> KvLayout {
         let mut l = small_layout(rng);
         match rng.below(10) {
-            0 => l.dtype = ["bf16", "f16", "", "F32", "f32 "][rng.below(5)].into(),
+            0 => l.dtype = ["bf16", "f32", "", "F16", "f16 "][rng.below(5)].into(),
             1 => l.n_layers = 0,
             2 => l.n_kv_heads = [0, u32::MAX as usize, 1 << 20][rng.below(3)],
             3 => l.head_dim = [0, u32::MAX as usize, usize::MAX / 2][rng.below(3)],
@@ -255,12 +258,12 @@ mod tests {
     }
 
     fn layout_is_valid(l: &KvLayout) -> bool {
-        l.dtype == "f32"
+        l.dtype == KV_DTYPE
             && l.n_layers > 0
             && l.n_layers <= MAX_LAYERS
             && l.n_kv_heads > 0
             && l.head_dim > 0
-            && (2 * 4 * l.n_kv_heads as u128 * l.head_dim as u128 * l.n_layers as u128)
+            && (2 * 2 * l.n_kv_heads as u128 * l.head_dim as u128 * l.n_layers as u128)
                 <= MAX_POSITION_BYTES as u128
     }
 
@@ -334,7 +337,7 @@ mod tests {
                 c.v = Bytes::new();
             }
             6 => {
-                // Lengths that do not divide into f32s.
+                // Lengths that do not divide into f16s.
                 let odd = c.k.len() + 1 + rng.below(3);
                 c.k = rng.bytes(odd).into();
                 c.v = rng.bytes(odd).into();
@@ -506,13 +509,17 @@ mod tests {
             n_layers: 2,
             n_kv_heads: 2,
             head_dim: 4,
-            dtype: "f32".into(),
+            dtype: KV_DTYPE.into(),
         };
         let row = layout.bytes_per_token_layer();
         // Memory of the storage's size, dirtied and freed, for the allocator to hand back:
         // the room past the prompt must not show what was there before.
         let positions = 100 * layout.n_kv_heads * layout.head_dim;
-        drop((0..8).map(|_| vec![1.5f32; positions]).collect::<Vec<_>>());
+        drop(
+            (0..8)
+                .map(|_| vec![f16::ONE; positions])
+                .collect::<Vec<_>>(),
+        );
         let mut asm = KvAssembler::new(layout.clone(), vec![7; 10], 100, &Device::Cpu).unwrap();
         for layer in 0..2 {
             let bytes: Vec<u8> = (0..10 * row).map(|i| (i % 199) as u8).collect();
@@ -531,14 +538,17 @@ mod tests {
         for layer in 0..2 {
             let (k, v) = cache.view(layer, 90).unwrap();
             for t in [k, v] {
-                let tail: Vec<f32> = t
+                let tail: Vec<f16> = t
                     .narrow(1, 10, 90)
                     .unwrap()
                     .flatten_all()
                     .unwrap()
                     .to_vec1()
                     .unwrap();
-                assert!(tail.iter().all(|&x| x == 0.0), "layer {layer}: {tail:?}");
+                assert!(
+                    tail.iter().all(|&x| x == f16::ZERO),
+                    "layer {layer}: {tail:?}"
+                );
             }
         }
         let held = cache.allocated_bytes();
@@ -556,9 +566,9 @@ mod tests {
             n_layers: 2,
             n_kv_heads: 2,
             head_dim: 16,
-            dtype: "f32".into(),
+            dtype: KV_DTYPE.into(),
         };
-        assert_eq!(ok.validate().unwrap(), 2 * 2 * 2 * 16 * 4);
+        assert_eq!(ok.validate().unwrap(), 2 * 2 * 2 * 16 * 2);
         let bad = [
             KvLayout {
                 dtype: "bf16".into(),

@@ -75,7 +75,7 @@ async fn encode(item: &Item) -> Vec<u8> {
 
 /// Bytes of K (or V) for `positions` of one layer.
 fn payload_len(layout: &KvLayout, positions: usize) -> usize {
-    positions * layout.n_kv_heads as usize * layout.head_dim as usize * 4
+    positions * kvwire::convert::layout_from_proto(layout).bytes_per_token_layer()
 }
 
 /// A whole, well-formed cache of `PROMPT` whose values are `fill(i)` for byte i.

@@ -39,7 +39,8 @@ impl std::ops::Deref for Node {
 impl Node {
     /// A whole, well-formed transfer of `PROMPT` under `ticket`.
     fn transfer(&self, id: &str, ticket: &[u8]) -> Vec<Item> {
-        let per_layer = PROMPT.len() * (self.layout.n_kv_heads * self.layout.head_dim) as usize * 4;
+        let per_layer =
+            PROMPT.len() * kvwire::convert::layout_from_proto(&self.layout).bytes_per_token_layer();
         let mut items = vec![Item::Header(KvHeader {
             request_id: id.into(),
             layout: Some(self.layout.clone()),
