@@ -8,8 +8,10 @@ use half::f16;
 
 /// `out[r * len + j] = (q_r · k_j) * scale` for each query row `r` of `q` and each of the
 /// first `len` keys, the dot product one fused multiply-add chain over the head dimension,
-/// in order, from zero.
+/// in order, from zero. `vector`: take the AVX2 kernel where [`vector`] allows it (the
+/// tests turn it off to hold the kernel against the scalar code).
 pub(super) fn scores(
+    vector: bool,
     q: &[f32],
     keys: &[f16],
     len: usize,
@@ -18,19 +20,27 @@ pub(super) fn scores(
     out: &mut [f32],
 ) {
     assert!(keys.len() >= len * head_dim && out.len() >= q.len() / head_dim * len);
-    #[cfg(target_arch = "x86_64")]
-    if vector(head_dim) {
-        // SAFETY: `vector` found AVX2 and FMA and a head width of whole vectors; the
+    if vector && self::vector(head_dim) {
+        // SAFETY: `vector` found AVX2, FMA and F16C and a head width of whole vectors; the
         // slices have the lengths asserted above.
-        unsafe { fma::scores(q, keys, len, head_dim, scale, out) };
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            fma::scores(q, keys, len, head_dim, scale, out)
+        };
         return;
     }
-    scalar::scores(q, keys, len, head_dim, scale, out);
+    for (qr, o) in q.chunks_exact(head_dim).zip(out.chunks_exact_mut(len)) {
+        for (k, s) in keys.chunks_exact(head_dim).zip(o.iter_mut()) {
+            *s = dot(qr, k) * scale;
+        }
+    }
 }
 
 /// `out[r] = sum over j < visible[r] of probs[r * stride + j] * values_j`, each output
-/// value one fused multiply-add chain over the keys, in order, from zero.
+/// value one fused multiply-add chain over the keys, in order, from zero. `vector` as for
+/// [`scores`].
 pub(super) fn weighted_values(
+    vector: bool,
     probs: &[f32],
     stride: usize,
     visible: &[usize],
@@ -41,13 +51,22 @@ pub(super) fn weighted_values(
     let seen = visible.iter().copied().max().unwrap_or(0);
     assert!(seen <= stride && values.len() >= seen * head_dim);
     assert!(probs.len() >= visible.len() * stride && out.len() >= visible.len() * head_dim);
-    #[cfg(target_arch = "x86_64")]
-    if vector(head_dim) {
+    if vector && self::vector(head_dim) {
         // SAFETY: as in `scores`; the slices have the lengths asserted above.
-        unsafe { fma::weighted_values(probs, stride, visible, values, head_dim, out) };
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            fma::weighted_values(probs, stride, visible, values, head_dim, out)
+        };
         return;
     }
-    scalar::weighted_values(probs, stride, visible, values, head_dim, out);
+    let rows = probs.chunks_exact(stride).zip(visible);
+    for ((p, &vis), o) in rows.zip(out.chunks_exact_mut(head_dim)) {
+        for (d, o) in o.iter_mut().enumerate() {
+            *o = (0..vis).fold(0f32, |acc, j| {
+                values[j * head_dim + d].to_f32().mul_add(p[j], acc)
+            });
+        }
+    }
 }
 
 /// One chain of fused multiply-adds, in order, from zero.
@@ -57,7 +76,8 @@ fn dot(a: &[f32], b: &[f16]) -> f32 {
         .fold(0f32, |acc, (&x, &y)| x.mul_add(y.to_f32(), acc))
 }
 
-/// Whether the AVX2 kernels run for heads of `head_dim`.
+/// Whether the AVX2 kernels can run for heads of `head_dim`: AVX2, FMA and F16C, and a
+/// head width of whole vectors.
 pub(super) fn vector(head_dim: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -70,50 +90,6 @@ pub(super) fn vector(head_dim: usize) -> bool {
     {
         let _ = head_dim;
         false
-    }
-}
-
-/// The kernels' arithmetic one value at a time: for other CPUs, and for the tests to hold
-/// the kernels against.
-pub(super) mod scalar {
-    use half::f16;
-
-    use super::dot;
-
-    pub fn scores(
-        q: &[f32],
-        keys: &[f16],
-        len: usize,
-        head_dim: usize,
-        scale: f32,
-        out: &mut [f32],
-    ) {
-        for (qr, o) in q.chunks_exact(head_dim).zip(out.chunks_exact_mut(len)) {
-            for (k, s) in keys.chunks_exact(head_dim).zip(o.iter_mut()) {
-                *s = dot(qr, k) * scale;
-            }
-        }
-    }
-
-    pub fn weighted_values(
-        probs: &[f32],
-        stride: usize,
-        visible: &[usize],
-        values: &[f16],
-        head_dim: usize,
-        out: &mut [f32],
-    ) {
-        for ((p, &vis), o) in probs
-            .chunks_exact(stride)
-            .zip(visible)
-            .zip(out.chunks_exact_mut(head_dim))
-        {
-            for (d, o) in o.iter_mut().enumerate() {
-                *o = (0..vis).fold(0f32, |acc, j| {
-                    values[j * head_dim + d].to_f32().mul_add(p[j], acc)
-                });
-            }
-        }
     }
 }
 

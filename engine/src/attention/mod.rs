@@ -115,12 +115,12 @@ fn attend_block(
     let seen = visible.iter().copied().max().unwrap_or(0);
     let mut probs = vec![0f32; visible.len() * seen];
     // Scores past a row's own position are computed with the others' and never read.
-    kernels::scores(q, keys, seen, head_dim, scale, &mut probs);
+    kernels::scores(true, q, keys, seen, head_dim, scale, &mut probs);
     for (row, &vis) in probs.chunks_exact_mut(seen).zip(visible) {
         softmax(&mut row[..vis]);
     }
     let mut out = vec![0f32; visible.len() * head_dim];
-    kernels::weighted_values(&probs, seen, visible, values, head_dim, &mut out);
+    kernels::weighted_values(true, &probs, seen, visible, values, head_dim, &mut out);
     out
 }
 
@@ -356,17 +356,17 @@ mod tests {
                 .map(f16::from_f32)
                 .collect();
             let mut vector = vec![0f32; rows * len];
-            kernels::scores(&q, &keys, len, hd, 0.125, &mut vector);
+            kernels::scores(true, &q, &keys, len, hd, 0.125, &mut vector);
             let mut scalar = vec![0f32; rows * len];
-            kernels::scalar::scores(&q, &keys, len, hd, 0.125, &mut scalar);
+            kernels::scores(false, &q, &keys, len, hd, 0.125, &mut scalar);
             assert_eq!(bits_differ(&vector, &scalar), 0, "scores, case {i}");
 
             let probs = xorshift_data(rows * len, seed + 2, 1.0);
             let visible: Vec<usize> = (0..rows).map(|r| len - (r * 3) % len.min(7)).collect();
             let mut vector = vec![0f32; rows * hd];
-            kernels::weighted_values(&probs, len, &visible, &keys, hd, &mut vector);
+            kernels::weighted_values(true, &probs, len, &visible, &keys, hd, &mut vector);
             let mut scalar = vec![0f32; rows * hd];
-            kernels::scalar::weighted_values(&probs, len, &visible, &keys, hd, &mut scalar);
+            kernels::weighted_values(false, &probs, len, &visible, &keys, hd, &mut scalar);
             assert_eq!(bits_differ(&vector, &scalar), 0, "values, case {i}");
         }
     }
