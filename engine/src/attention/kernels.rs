@@ -7,8 +7,7 @@
 use half::f16;
 
 /// `out[r * len + j] = (q_r · k_j) * scale` for each query row `r` of `q` and each of the
-/// first `len` keys, the dot product one fused multiply-add chain over the head dimension,
-/// in order, from zero. `vector`: take the AVX2 kernel where [`vector`] allows it (the
+/// first `len` keys, the dot product summed as [`dot`] sums it. `vector`: take the AVX2 kernel where [`vector`] allows it (the
 /// tests turn it off to hold the kernel against the scalar code).
 pub(super) fn scores(
     vector: bool,
@@ -69,11 +68,15 @@ pub(super) fn weighted_values(
     }
 }
 
-/// One chain of fused multiply-adds, in order, from zero.
+/// The dot product in eight lanes: lane `l` one chain of fused multiply-adds over the
+/// dimensions `l` modulo 8, in order, from zero; then the lanes added in pairs, as the
+/// vector kernel's tree adds them.
 fn dot(a: &[f32], b: &[f16]) -> f32 {
-    a.iter()
-        .zip(b)
-        .fold(0f32, |acc, (&x, &y)| x.mul_add(y.to_f32(), acc))
+    let mut l = [0f32; 8];
+    for (d, (&x, &y)) in a.iter().zip(b).enumerate() {
+        l[d % 8] = x.mul_add(y.to_f32(), l[d % 8]);
+    }
+    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
 }
 
 /// Whether the AVX2 kernels can run for heads of `head_dim`: AVX2, FMA and F16C, and a
@@ -109,10 +112,11 @@ mod fma {
         _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i))
     }
 
-    /// Query rows handled per pass over the keys in `scores`.
-    const ROWS: usize = 8;
-
-    /// As `super::scores`.
+    /// As `super::scores`. Eight keys at a time are widened once into `wide`; each query
+    /// row then runs one accumulator per key (lane `l` summing the dimensions `l` modulo
+    /// 8), and a tree of horizontal adds gives the eight keys' scores in one vector. Against
+    /// chains over the dimension in order (an 8x8 transpose of the keys and a broadcast
+    /// per query value), scores took half the instructions.
     ///
     /// # Safety
     /// AVX2, FMA and F16C are present; `head_dim` is a multiple of 8; `keys` holds `len` rows and
@@ -129,37 +133,52 @@ mod fma {
         let rows = q.len() / head_dim;
         let full = len / 8 * 8;
         let scale_v = _mm256_set1_ps(scale);
-        let zero = _mm256_setzero_ps();
-        for r0 in (0..rows).step_by(ROWS) {
-            let nr = ROWS.min(rows - r0);
-            for j0 in (0..full).step_by(8) {
-                let mut acc = [zero; ROWS];
-                for d0 in (0..head_dim).step_by(8) {
-                    let mut block = [zero; 8];
-                    for (i, b) in block.iter_mut().enumerate() {
-                        *b = load8(keys.as_ptr().add((j0 + i) * head_dim + d0));
-                    }
-                    // by_dim[c] holds dimension d0 + c of keys j0 .. j0 + 8.
-                    let by_dim = transpose(block);
-                    for (r, a) in acc.iter_mut().enumerate().take(nr) {
-                        let qr = q.as_ptr().add((r0 + r) * head_dim + d0);
-                        for (c, k) in by_dim.iter().enumerate() {
-                            *a = _mm256_fmadd_ps(_mm256_set1_ps(*qr.add(c)), *k, *a);
-                        }
-                    }
-                }
-                for (r, a) in acc.iter().enumerate().take(nr) {
-                    let s = _mm256_mul_ps(*a, scale_v);
-                    _mm256_storeu_ps(out.as_mut_ptr().add((r0 + r) * len + j0), s);
-                }
+        let mut wide = vec![0f32; 8 * head_dim];
+        for j0 in (0..full).step_by(8) {
+            let from = keys.as_ptr().add(j0 * head_dim);
+            for i in (0..8 * head_dim).step_by(8) {
+                _mm256_storeu_ps(wide.as_mut_ptr().add(i), load8(from.add(i)));
             }
-            for j in full..len {
-                let k = &keys[j * head_dim..][..head_dim];
-                for r in r0..r0 + nr {
-                    out[r * len + j] = super::dot(&q[r * head_dim..][..head_dim], k) * scale;
+            for r in 0..rows {
+                let qr = q.as_ptr().add(r * head_dim);
+                let mut acc = [_mm256_setzero_ps(); 8];
+                for d0 in (0..head_dim).step_by(8) {
+                    let qv = _mm256_loadu_ps(qr.add(d0));
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        let k = _mm256_loadu_ps(wide.as_ptr().add(j * head_dim + d0));
+                        *a = _mm256_fmadd_ps(qv, k, *a);
+                    }
                 }
+                let s = _mm256_mul_ps(sum_lanes(acc), scale_v);
+                _mm256_storeu_ps(out.as_mut_ptr().add(r * len + j0), s);
             }
         }
+        for j in full..len {
+            let k = &keys[j * head_dim..][..head_dim];
+            for r in 0..rows {
+                out[r * len + j] = super::dot(&q[r * head_dim..][..head_dim], k) * scale;
+            }
+        }
+    }
+
+    /// Lane `j` of the result is `((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))` over
+    /// the lanes `a` of `acc[j]`: `super::dot`'s last step, for eight keys at once.
+    ///
+    /// # Safety
+    /// The CPU has AVX2.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn sum_lanes(acc: [__m256; 8]) -> __m256 {
+        let h01 = _mm256_hadd_ps(acc[0], acc[1]);
+        let h23 = _mm256_hadd_ps(acc[2], acc[3]);
+        let h45 = _mm256_hadd_ps(acc[4], acc[5]);
+        let h67 = _mm256_hadd_ps(acc[6], acc[7]);
+        // Lanes 0-3: keys 0-3 (or 4-7) over lanes 0-3 of each; lanes 4-7: over lanes 4-7.
+        let low = _mm256_hadd_ps(h01, h23);
+        let high = _mm256_hadd_ps(h45, h67);
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(low, high),
+            _mm256_permute2f128_ps::<0x31>(low, high),
+        )
     }
 
     /// As `super::weighted_values`. Each row runs alone, over the head dimension in runs
@@ -226,39 +245,5 @@ mod fma {
         for (i, a) in acc.iter().enumerate() {
             _mm256_storeu_ps(out.as_mut_ptr().add(d0 + 8 * i), *a);
         }
-    }
-
-    /// The 8x8 transpose: lane `r` of output `c` is lane `c` of input `r`.
-    ///
-    /// # Safety
-    /// The CPU has AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn transpose(r: [__m256; 8]) -> [__m256; 8] {
-        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-        let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-        let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-        let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-        let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-        let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-        let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-        let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-        let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-        [
-            _mm256_permute2f128_ps::<0x20>(s0, s4),
-            _mm256_permute2f128_ps::<0x20>(s1, s5),
-            _mm256_permute2f128_ps::<0x20>(s2, s6),
-            _mm256_permute2f128_ps::<0x20>(s3, s7),
-            _mm256_permute2f128_ps::<0x31>(s0, s4),
-            _mm256_permute2f128_ps::<0x31>(s1, s5),
-            _mm256_permute2f128_ps::<0x31>(s2, s6),
-            _mm256_permute2f128_ps::<0x31>(s3, s7),
-        ]
     }
 }

@@ -10,8 +10,9 @@
 //! logits up to 0.48 apart from the whole.
 //!
 //! For a query row at position `p`, in this order:
-//! - each score `j <= p`: one fused multiply-add chain over the head dimension from zero,
-//!   then times the scale (`kernels::scores`);
+//! - each score `j <= p`: eight chains of fused multiply-adds, lane `l` over the head
+//!   dimensions `l` modulo 8, the lanes then added in pairs, then times the scale
+//!   (`kernels::scores`);
 //! - the softmax of those `p + 1` scores ([`softmax`]);
 //! - each output value: one fused multiply-add chain over keys `0 ..= p` from zero
 //!   (`kernels::weighted_values`).

@@ -17,6 +17,13 @@ fn direct() -> (Vec<u32>, Vec<engine::Sampled>) {
     (ids, scored)
 }
 
+/// Logprobs equal but for rounding, relative to their size: the tiny model's dense products
+/// run through candle's `gemm`, whose sums depend on how many rows a chunk has, and the
+/// prefill node scores in chunks of 4.
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-4 * b.abs().max(1.0)
+}
+
 fn body(prompt: Value, extra: Value) -> Value {
     let mut b = json!({"model": "test", "prompt": prompt, "max_tokens": 3, "temperature": 0,
         "ignore_eos": true});
@@ -57,7 +64,7 @@ async fn echo_scores_the_prompt_under_pd_and_colocated_as_the_engine_does() {
             for (i, s) in scored.iter().enumerate() {
                 let got = lp["token_logprobs"][i + 1].as_f64().unwrap();
                 assert!(
-                    (got - f64::from(s.logprob)).abs() < 1e-4,
+                    close(got, f64::from(s.logprob)),
                     "{mode}: token {} scored {got}, the engine {}",
                     i + 1,
                     s.logprob
@@ -78,7 +85,7 @@ async fn echo_scores_the_prompt_under_pd_and_colocated_as_the_engine_does() {
         a.iter()
             .zip(b)
             .skip(1)
-            .all(|(x, y)| (x.as_f64().unwrap() - y.as_f64().unwrap()).abs() < 1e-4)
+            .all(|(x, y)| close(x.as_f64().unwrap(), y.as_f64().unwrap()))
     }));
 
     // Streamed: the prompt comes with each choice's first token, scored.
