@@ -7,8 +7,9 @@
 use half::f16;
 
 /// `out[r * len + j] = (q_r · k_j) * scale` for each query row `r` of `q` and each of the
-/// first `len` keys, the dot product summed as [`dot`] sums it. `vector`: take the AVX2 kernel where [`vector`] allows it (the
-/// tests turn it off to hold the kernel against the scalar code).
+/// first `len` keys, the dot product summed as [`dot`] sums it. `vector`: take the AVX2
+/// kernel where [`avx2_fits`] allows it (the tests turn it off to hold the kernel against
+/// the scalar code).
 pub(super) fn scores(
     vector: bool,
     q: &[f32],
@@ -19,8 +20,8 @@ pub(super) fn scores(
     out: &mut [f32],
 ) {
     assert!(keys.len() >= len * head_dim && out.len() >= q.len() / head_dim * len);
-    if vector && self::vector(head_dim) {
-        // SAFETY: `vector` found AVX2, FMA and F16C and a head width of whole vectors; the
+    if vector && avx2_fits(head_dim) {
+        // SAFETY: `avx2_fits` found AVX2, FMA and F16C and a head width of whole vectors; the
         // slices have the lengths asserted above.
         #[cfg(target_arch = "x86_64")]
         unsafe {
@@ -50,7 +51,7 @@ pub(super) fn weighted_values(
     let seen = visible.iter().copied().max().unwrap_or(0);
     assert!(seen <= stride && values.len() >= seen * head_dim);
     assert!(probs.len() >= visible.len() * stride && out.len() >= visible.len() * head_dim);
-    if vector && self::vector(head_dim) {
+    if vector && avx2_fits(head_dim) {
         // SAFETY: as in `scores`; the slices have the lengths asserted above.
         #[cfg(target_arch = "x86_64")]
         unsafe {
@@ -81,7 +82,7 @@ fn dot(a: &[f32], b: &[f16]) -> f32 {
 
 /// Whether the AVX2 kernels can run for heads of `head_dim`: AVX2, FMA and F16C, and a
 /// head width of whole vectors.
-pub(super) fn vector(head_dim: usize) -> bool {
+pub(super) fn avx2_fits(head_dim: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         head_dim.is_multiple_of(8)

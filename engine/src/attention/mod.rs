@@ -21,7 +21,7 @@ mod kernels;
 
 use std::sync::OnceLock;
 
-use candle_core::{CpuStorage, Storage, Tensor};
+use candle_core::{Storage, Tensor, WithDType};
 use half::f16;
 use rayon::prelude::*;
 
@@ -58,11 +58,11 @@ pub(crate) fn causal(
     let pos = len - t;
     let q = q.contiguous()?;
     let (q_store, q_layout) = q.storage_and_layout();
-    let q = &f32_data(&q_store)?[q_layout.start_offset()..][..heads * t * hd];
+    let q = &cpu_data::<f32>(&q_store)?[q_layout.start_offset()..][..heads * t * hd];
     let (k_store, k_layout) = keys.storage_and_layout();
     let (v_store, v_layout) = values.storage_and_layout();
-    let k = Heads::new(f16_data(&k_store)?, k_layout, kv_heads, len, hd)?;
-    let v = Heads::new(f16_data(&v_store)?, v_layout, kv_heads, len, hd)?;
+    let k = Heads::new(cpu_data(&k_store)?, k_layout, kv_heads, len, hd)?;
+    let v = Heads::new(cpu_data(&v_store)?, v_layout, kv_heads, len, hd)?;
     // A K/V head's query rows: those of its `group` query heads, each `t` rows.
     let per_head = heads / kv_heads * t;
     let blocks = per_head.div_ceil(ROWS);
@@ -153,20 +153,12 @@ fn lanes(row: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> f32 {
     acc.into_iter().reduce(f).unwrap_or(init)
 }
 
-fn f32_data(storage: &Storage) -> Result<&[f32]> {
+/// A tensor's values in CPU memory, as `T` (f32 queries, an f16 cache).
+fn cpu_data<T: WithDType>(storage: &Storage) -> Result<&[T]> {
     match storage {
-        Storage::Cpu(CpuStorage::F32(data)) => Ok(data),
+        Storage::Cpu(data) => Ok(data.as_slice::<T>()?),
         _ => Err(EngineError::InvalidInput(
-            "CPU attention's queries are f32 in CPU memory".into(),
-        )),
-    }
-}
-
-fn f16_data(storage: &Storage) -> Result<&[f16]> {
-    match storage {
-        Storage::Cpu(CpuStorage::F16(data)) => Ok(data),
-        _ => Err(EngineError::InvalidInput(
-            "CPU attention reads an f16 cache in CPU memory".into(),
+            "CPU attention reads tensors in CPU memory".into(),
         )),
     }
 }
@@ -315,7 +307,7 @@ mod tests {
             let heads = kv * group;
             let folded = q.reshape((kv, group * t, hd)).unwrap();
             let scores = (folded.matmul(&k.t().unwrap()).unwrap() * scale).unwrap();
-            let mask = crate::model::causal_mask(group, 0..t, pos, pos + t, &dev).unwrap();
+            let mask = crate::model::causal_mask(group, t, pos, &dev).unwrap();
             let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask).unwrap());
             let theirs = probs.unwrap().matmul(&v.contiguous().unwrap()).unwrap();
             let theirs = theirs
@@ -334,7 +326,7 @@ mod tests {
 
     #[test]
     fn the_vector_kernels_give_the_scalar_bits() {
-        if !kernels::vector(64) {
+        if !kernels::avx2_fits(64) {
             eprintln!("no AVX2/FMA: only the scalar code runs on this CPU");
             return;
         }
