@@ -2,7 +2,8 @@
 # Figure 5: the same GGUF (SmolLM2-135M Q4_1) served by llama.cpp's own server (the native
 # `llama-server`, continuous batching, built by bench/install-peers.sh) and by Tandem,
 # colocated (router + one worker) and PD (router + a prefill and a decode node), one after
-# the other, ROUNDS times. Each server gets the same loadgen levels (completions API, greedy,
+# the other, ROUNDS times; `tandem-conditional` in SERVERS adds PD with prompts up to
+# LOCAL_PREFILL tokens (64) computed by the decode node. Each server gets the same loadgen levels (completions API, greedy,
 # exact output lengths), and is started afresh for each, llama-server with one slot per
 # stream (`-np`), two threads and a context of 1024 tokens per slot:
 #   batch1   one stream, 16-token prompts, 128 tokens out: decode tokens/s = 1000 / TPOT p50
@@ -18,6 +19,7 @@ VENV=${VENV:-$HOME/.cache/tandem-peers}
 LLAMA_SERVER=${LLAMA_SERVER:-$VENV/llama.cpp/build/bin/llama-server}
 ROUNDS=${ROUNDS:-2}
 SERVERS=${SERVERS:-llama-cpp tandem-colocated tandem-pd}
+LOCAL_PREFILL=${LOCAL_PREFILL:-64}
 OUT=${OUT:-bench/results/vs-llama-cpp}
 BIN=${BIN:-target/release}
 LOGS=$(mktemp -d)
@@ -56,7 +58,11 @@ start() { # server, streams; sets PORT
         PIDS+=($!)
         wait_ok "http://127.0.0.1:$R/health/ready"
         ;;
-    tandem-pd)
+    tandem-pd | tandem-conditional)
+        local local_args=()
+        # Conditional disaggregation: prompts up to LOCAL_PREFILL tokens stay on the decode
+        # node (`--local-prefill-max-tokens`).
+        [ "$1" = tandem-conditional ] && local_args=(--local-prefill-max-tokens "$LOCAL_PREFILL")
         P=$(free_port); D=$(free_port)
         "$BIN/tandem-prefill" --model "$MODEL" --listen "127.0.0.1:$P" \
     --decode-nodes "127.0.0.1:$D" >"$LOGS/p.log" 2>&1 &
@@ -64,7 +70,8 @@ start() { # server, streams; sets PORT
         "$BIN/tandem-decode" --model "$MODEL" --listen "127.0.0.1:$D" >"$LOGS/d.log" 2>&1 &
         PIDS+=($!)
         "$BIN/tandem-router" --model "$MODEL" --model-name bench --listen "127.0.0.1:$R" \
-            --prefill-nodes "127.0.0.1:$P" --decode-nodes "127.0.0.1:$D" >"$LOGS/r.log" 2>&1 &
+            --prefill-nodes "127.0.0.1:$P" --decode-nodes "127.0.0.1:$D" "${local_args[@]}" \
+            >"$LOGS/r.log" 2>&1 &
         PIDS+=($!)
         wait_ok "http://127.0.0.1:$R/health/ready"
         ;;
