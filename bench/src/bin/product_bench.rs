@@ -2,7 +2,8 @@
 //! microseconds and GMAC/s per product for each batch size. A kernel change is measured
 //! here first, alternated against the build before it, since a decode step's other work
 //! and these machines' noise hide a change of a few percent in `engine-bench`. The
-//! weights are made up: the kernels do the same work for any values.
+//! weights are made up: the kernels do the same work for any values. The last row is the
+//! cores' ceiling for the integer product the Q4_1 kernel uses.
 
 use std::time::Instant;
 
@@ -121,5 +122,66 @@ fn main() -> anyhow::Result<()> {
             );
         }
     }
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        let threads = runtime::usable_cpus();
+        let best = (0..cfg.runs)
+            .map(|_| ceiling::gmacs(threads))
+            .fold(0f64, f64::max);
+        println!("| ceiling: `vpmaddubsw` + `vpaddw` alone | | | | {best:.1} |");
+    }
     Ok(())
+}
+
+/// The most u8 x i8 multiply-adds these cores do with AVX2's integer product, the one the
+/// Q4_1 kernel is built on: eight independent sums, each step one `vpmaddubsw` (32
+/// products added in pairs) and one `vpaddw`, with no loads, unpacking or scales. A
+/// kernel's GMAC/s against this says how much room its other instructions leave.
+#[cfg(target_arch = "x86_64")]
+mod ceiling {
+    use std::arch::x86_64::*;
+    use std::time::Instant;
+
+    /// Rounds of eight pairs per thread, about 0.2 s here.
+    const ROUNDS: usize = 80_000_000;
+
+    /// GMAC/s over `threads` threads running the loop at once.
+    pub fn gmacs(threads: usize) -> f64 {
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for i in 0..threads {
+                s.spawn(move || {
+                    // SAFETY: the caller checked for AVX2.
+                    std::hint::black_box(unsafe { run(ROUNDS, i as i8) })
+                });
+            }
+        });
+        (threads * ROUNDS * 8 * 32) as f64 / t.elapsed().as_secs_f64() / 1e9
+    }
+
+    /// # Safety
+    /// The CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    unsafe fn run(rounds: usize, seed: i8) -> i16 {
+        let step = _mm256_set1_epi8(1);
+        let mut a = _mm256_set1_epi8(seed);
+        let b: [__m256i; 8] = std::array::from_fn(|k| _mm256_set1_epi8(k as i8 + 1));
+        let mut sums = [_mm256_setzero_si256(); 8];
+        for _ in 0..rounds {
+            // A new operand each round, which the compiler cannot see through, so that
+            // the products are computed every round rather than hoisted out of the loop.
+            a = _mm256_add_epi8(a, step);
+            // SAFETY: an empty instruction that only claims to change `a`.
+            unsafe {
+                std::arch::asm!("/* {0} */", inout(ymm_reg) a, options(pure, nomem, nostack))
+            };
+            for (sum, &bk) in sums.iter_mut().zip(&b) {
+                *sum = _mm256_add_epi16(*sum, _mm256_maddubs_epi16(a, bk));
+            }
+        }
+        let all = sums
+            .iter()
+            .fold(_mm256_setzero_si256(), |x, &y| _mm256_xor_si256(x, y));
+        _mm256_extract_epi16::<0>(all) as i16
+    }
 }
