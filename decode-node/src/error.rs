@@ -29,6 +29,9 @@ pub enum DecodeError {
     QueueFull(usize),
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// The request's grammar failed while generating: the request's doing, not the node's.
+    #[error("the request's grammar failed: {0}")]
+    Grammar(String),
     #[error("the decode node is shutting down")]
     ShuttingDown,
     #[error("internal: {0}")]
@@ -47,7 +50,7 @@ impl From<DecodeError> for tonic::Status {
             TransferDeadline(_) | Quiet(_) => (Code::DeadlineExceeded, R::KvTransfer),
             TransferFailed { .. } => (Code::Aborted, R::KvNotReceived),
             BadTransfer(_) => (Code::InvalidArgument, R::KvTransfer),
-            InvalidRequest(_) => (Code::InvalidArgument, R::InvalidRequest),
+            InvalidRequest(_) | Grammar(_) => (Code::InvalidArgument, R::InvalidRequest),
             TooLarge { .. } => (Code::InvalidArgument, R::KvTooLarge),
             BadTicket | BeyondReservation(_) => (Code::PermissionDenied, R::KvTransfer),
             Duplicate(_) => (Code::AlreadyExists, R::InvalidRequest),

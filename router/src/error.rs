@@ -40,6 +40,13 @@ pub enum RouterError {
         got: usize,
         limit: usize,
     },
+    #[error("the request needs KV memory for {positions} positions (its prompt and max_tokens) for each of {sequences} sequences, and the largest decode node holds {largest} positions in all; lower max_tokens or n")]
+    NeverFits {
+        param: &'static str,
+        positions: usize,
+        sequences: usize,
+        largest: u64,
+    },
     #[error("the model has no chat template")]
     NoChatTemplate,
     #[error("the chat template failed: {0}")]
@@ -137,6 +144,7 @@ impl RouterError {
             | InvalidParam { .. }
             | UnknownParam(_)
             | PromptTooLong { .. }
+            | NeverFits { .. }
             | NoChatTemplate
             | Template(_) => StatusCode::BAD_REQUEST,
             BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -219,7 +227,9 @@ impl RouterError {
     pub fn body(&self) -> ErrorBody {
         use RouterError::*;
         let param = match self {
-            InvalidParam { param, .. } | PromptTooLong { param, .. } => Some(param.to_string()),
+            InvalidParam { param, .. } | PromptTooLong { param, .. } | NeverFits { param, .. } => {
+                Some(param.to_string())
+            }
             UnknownParam(name) => Some(name.clone()),
             ModelNotFound(_) => Some("model".into()),
             NoChatTemplate | Template(_) => Some("messages".into()),

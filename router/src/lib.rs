@@ -18,6 +18,7 @@ mod output;
 pub mod params;
 pub mod placement;
 pub mod pool;
+pub mod room;
 pub mod routing;
 pub mod state;
 pub mod stops;

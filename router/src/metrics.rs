@@ -37,7 +37,7 @@ pub struct Metrics {
     /// Failed attempts by the kind of worker the failure points at, in
     /// [`Culprit::ALL`] order. Not by worker address: pairs of pod IPs would add label
     /// sets without bound as pods come and go (the log names the workers).
-    attempt_failures: [Counter; 4],
+    attempt_failures: [Counter; 5],
     /// From the request's arrival to its first token.
     pub ttft: Histogram,
     /// Per request: the time after its first token over the tokens that followed.
@@ -103,7 +103,8 @@ impl Default for Metrics {
             attempt_failures: Culprit::ALL.map(|culprit| {
                 r.counter_with(
                     "router_attempt_failures_total",
-                    "Failed attempts, by the kind of worker the failure points at.",
+                    "Failed attempts, by the kind of worker the failure points at (request: \
+                     a worker refused the request itself, which counts against no worker).",
                     &[("culprit", culprit.as_str())],
                 )
             }),
@@ -130,15 +131,19 @@ pub enum Culprit {
     Prefill,
     Decode,
     Colocated,
+    /// The request itself, refused by a worker (its arguments, its size, its grammar):
+    /// counted against no worker.
+    Request,
     /// No one worker (no worker to pick, a timeout).
     None,
 }
 
 impl Culprit {
-    const ALL: [Culprit; 4] = [
+    const ALL: [Culprit; 5] = [
         Culprit::Prefill,
         Culprit::Decode,
         Culprit::Colocated,
+        Culprit::Request,
         Culprit::None,
     ];
 
@@ -147,6 +152,7 @@ impl Culprit {
             Culprit::Prefill => "prefill",
             Culprit::Decode => "decode",
             Culprit::Colocated => "colocated",
+            Culprit::Request => "request",
             Culprit::None => "none",
         }
     }
@@ -370,6 +376,7 @@ mod tests {
                 "router_attempt_failures_total{culprit=\"decode\"} 2",
                 "router_attempt_failures_total{culprit=\"none\"} 1",
                 "router_attempt_failures_total{culprit=\"prefill\"} 0",
+                "router_attempt_failures_total{culprit=\"request\"} 0",
             ]
         );
     }

@@ -116,6 +116,13 @@ impl Pool {
         ready
     }
 
+    /// `Err` with the positions the largest worker holds when none of them could ever hold
+    /// a request that needs `need` (see [`crate::room`]).
+    pub fn fits_some(&self, need: crate::room::KvNeed) -> Result<(), u64> {
+        let loads: Vec<_> = self.all().iter().map(|w| w.load()).collect();
+        crate::room::fits_some(&loads, need)
+    }
+
     /// How many workers are ready.
     pub fn ready_count(&self) -> usize {
         self.ready(&[]).len()

@@ -403,8 +403,8 @@ impl Scheduler {
             let s = match advanced {
                 Ok(s) => s,
                 Err(e) => {
-                    tracing::error!(parent: &seq.span, error = %e, "grammar failed");
-                    self.fail(&seq.events, DecodeError::Internal(e.to_string()));
+                    tracing::warn!(parent: &seq.span, error = %e, "grammar failed");
+                    self.fail(&seq.events, DecodeError::Grammar(e.to_string()));
                     continue;
                 }
             };

@@ -1,6 +1,7 @@
 //! Runs one generation on the workers: prefill node then decode node (PD), or one colocated
 //! worker. The HTTP layer sees only a stream of tokens with their timings, then a finish.
 
+mod blame;
 mod forward;
 mod local;
 mod out;
@@ -18,8 +19,10 @@ use crate::config::Mode;
 use crate::error::RouterError;
 use crate::metrics::Culprit;
 use crate::placement::{LocalReason, Placement};
+use crate::room::KvNeed;
 use crate::state::AppState;
 use crate::worker::Worker;
+use blame::{blame, Blame};
 use out::{Out, Resume};
 
 /// A tokenized, validated request.
@@ -116,6 +119,18 @@ pub type Pieces = mpsc::Receiver<Result<Piece, RouterError>>;
 /// becomes a plain HTTP error. Dropping the returned receiver cancels the generation on
 /// every worker it reached.
 pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<(Piece, Pieces), RouterError> {
+    let need = KvNeed {
+        positions: req.prompt.len() + req.max_tokens,
+        sequences: req.sequences,
+    };
+    if let Err(largest) = state.decode.fits_some(need) {
+        return Err(RouterError::NeverFits {
+            param: if req.sequences > 1 { "n" } else { "max_tokens" },
+            positions: need.positions,
+            sequences: need.sequences,
+            largest,
+        });
+    }
     let (tx, mut rx) = mpsc::channel(64);
     let state = Arc::clone(state);
     let timeout_ms = state.cfg.request_timeout_ms;
@@ -175,6 +190,16 @@ impl Failed {
             progressed: false,
         }
     }
+
+    /// The worker the failure counts against, and how; `None` when it counts against no
+    /// worker.
+    fn counted(&self) -> Option<(&Arc<Worker>, Blame)> {
+        let w = self.culprit.as_ref()?;
+        match blame(&self.error, self.progressed) {
+            Blame::Request => None,
+            b => Some((w, b)),
+        }
+    }
 }
 
 /// Runs attempts until one succeeds or the failure may not be retried: a worker that fails
@@ -217,15 +242,15 @@ where
             }) => return Err(last.unwrap_or(RouterError::NoWorkers(role))),
             Err(f) => f,
         };
-        if let Some(w) = &failed.culprit {
+        if let Some((w, b)) = failed.counted() {
             // A full worker is busy, not broken: it is avoided but its breaker stays shut.
-            match failed.error {
-                RouterError::WorkerBusy { .. } => {}
-                RouterError::WorkerUnavailable { .. } => {
+            match b {
+                Blame::Down => {
                     w.failed(settings);
                     w.mark_down();
                 }
-                _ => w.failed(settings),
+                Blame::Fault => w.failed(settings),
+                Blame::Busy | Blame::Request => {}
             }
             avoid.push(w.addr.clone());
         }
@@ -303,11 +328,14 @@ async fn attempt_pd(
             p.succeeded(&state.prefill.settings);
             d.succeeded(&state.decode.settings);
         }
-        Err(f) => state.metrics.attempt_failed(match &f.culprit {
-            Some(w) if Arc::ptr_eq(w, &p) => Culprit::Prefill,
-            Some(_) => Culprit::Decode,
-            None => Culprit::None,
-        }),
+        Err(f) => state
+            .metrics
+            .attempt_failed(match (&f.culprit, f.counted()) {
+                (None, _) => Culprit::None,
+                (Some(_), None) => Culprit::Request,
+                (Some(w), _) if Arc::ptr_eq(w, &p) => Culprit::Prefill,
+                (Some(_), _) => Culprit::Decode,
+            }),
     }
     result
 }
@@ -366,11 +394,14 @@ async fn local_attempt(
     let result = local::local_on(req, id, placed, w, out).await;
     match &result {
         Ok(()) => w.succeeded(&state.decode.settings),
-        Err(f) => state.metrics.attempt_failed(match (&f.culprit, placed) {
-            (None, _) => Culprit::None,
-            (Some(_), Placement::DecodeNode(LocalReason::Colocated)) => Culprit::Colocated,
-            (Some(_), _) => Culprit::Decode,
-        }),
+        Err(f) => state
+            .metrics
+            .attempt_failed(match (&f.culprit, f.counted(), placed) {
+                (None, _, _) => Culprit::None,
+                (Some(_), None, _) => Culprit::Request,
+                (Some(_), _, Placement::DecodeNode(LocalReason::Colocated)) => Culprit::Colocated,
+                (Some(_), _, _) => Culprit::Decode,
+            }),
     }
     result
 }

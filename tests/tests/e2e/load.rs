@@ -153,14 +153,16 @@ async fn a_kv_budget_smaller_than_the_load_queues_and_every_request_finishes() {
         "some requests waited for blocks: {page}"
     );
 
-    // More than the whole budget can never run: refused at once, naming the reason.
+    // More than the whole budget can never run: refused at once by the router, naming the
+    // parameter and the reason.
     let (status, v) = c.post("/v1/completions", &request(0, 1, 600, false)).await;
     assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "max_tokens", "{v}");
     assert!(
         v["error"]["message"]
             .as_str()
             .unwrap()
-            .contains("KV blocks"),
+            .contains("the largest decode node holds 384 positions"),
         "{v}"
     );
 }

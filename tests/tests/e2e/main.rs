@@ -1,5 +1,6 @@
 //! End-to-end tests: real router, prefill and decode processes on localhost, real HTTP.
 
+mod abuse;
 mod api;
 mod auth;
 mod beam;
