@@ -40,23 +40,24 @@ pub fn prompted(input: &ChatInput) -> ChatInput {
         system.push_str(TOOLS_CLOSE);
         out.push(json!({"role": "system", "content": system}));
     }
-    // Whether the last turn written is the user turn that holds tool results.
-    let mut in_results = false;
+    // The user turn of tool results being written, appended to in place: joining each
+    // result to a copy of the ones before it made a run of results quadratic.
+    let mut results: Option<String> = None;
     for m in rest {
         let role = m["role"].as_str().unwrap_or("");
         if role == "tool" {
-            let block = format!("<tool_response>\n{}\n</tool_response>", text(&m["content"]));
-            match out.last_mut() {
-                Some(Value::Object(turn)) if in_results => {
-                    let joined = format!("{}\n{block}", text(&turn["content"]));
-                    turn.insert("content".into(), Value::String(joined));
-                }
-                _ => out.push(json!({"role": "user", "content": block})),
+            let turn = results.get_or_insert_with(String::new);
+            if !turn.is_empty() {
+                turn.push('\n');
             }
-            in_results = true;
+            turn.push_str("<tool_response>\n");
+            turn.push_str(text(&m["content"]));
+            turn.push_str("\n</tool_response>");
             continue;
         }
-        in_results = false;
+        if let Some(turn) = results.take() {
+            out.push(json!({"role": "user", "content": turn}));
+        }
         let mut m = m.clone();
         if let Some(turn) = m.as_object_mut() {
             let calls = turn.remove("tool_calls");
@@ -66,6 +67,9 @@ pub fn prompted(input: &ChatInput) -> ChatInput {
             }
         }
         out.push(m);
+    }
+    if let Some(turn) = results {
+        out.push(json!({"role": "user", "content": turn}));
     }
     ChatInput {
         messages: Value::Array(out),
