@@ -19,7 +19,6 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::Semaphore;
 
 use crate::metrics::Metrics;
 
@@ -34,8 +33,6 @@ pub struct Limits {
     /// How long a request's head may take to arrive: a slow-drip client cannot hold a
     /// connection open forever.
     pub header_timeout: Duration,
-    /// Connections open at once; past it new ones wait in the listen backlog.
-    pub max_connections: usize,
     /// How long a response write may make no progress (a client that stopped reading)
     /// before the connection is closed, which drops the response and so cancels its
     /// generation on the workers.
@@ -57,15 +54,10 @@ pub async fn serve(
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout);
     let graceful = GracefulShutdown::new();
-    let open = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     tokio::pin!(shutdown);
     loop {
-        // A place first: at the cap no connection is taken, so new ones wait in the
-        // accept queue and the listen backlog while the open ones keep working.
-        let place = tokio::select! {
-            p = Arc::clone(&open).acquire_owned() => p.expect("the semaphore is never closed"),
-            _ = &mut shutdown => break,
-        };
+        // Each connection holds its place among `--max-connections` (`tls::accept`) until
+        // it is dropped.
         let conn = tokio::select! {
             c = incoming.next() => match c {
                 Some(c) => c,
@@ -81,7 +73,6 @@ pub async fn serve(
         );
         let served = graceful.watch(http.serve_connection(TokioIo::new(conn), service));
         tokio::spawn(async move {
-            let _place = place;
             if let Err(e) = served.await {
                 tracing::debug!("HTTP connection ended: {e}");
             }

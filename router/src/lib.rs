@@ -155,14 +155,14 @@ pub async fn serve(
     let limits = http::Limits {
         max_header_bytes: usize::try_from(cfg.max_header_bytes).unwrap_or(usize::MAX),
         header_timeout: std::time::Duration::from_millis(cfg.header_timeout_ms),
-        max_connections: cfg.max_connections,
         write_stall: std::time::Duration::from_millis(cfg.client_stall_timeout_ms),
     };
+    let max_connections = cfg.max_connections;
     let state = Arc::new(AppState::new(cfg)?);
     state.spawn_background()?;
     tracing::info!(addr = %listener.local_addr()?, model = %state.model_name,
         mode = ?state.cfg.mode, https = https.is_some(), "router serving");
-    let incoming = tls::accept(listener, https)?;
+    let incoming = tls::accept(listener, https, max_connections)?;
     let metrics = Arc::clone(&state.metrics);
     http::serve(incoming, app(state), limits, metrics, shutdown).await;
     Ok(())

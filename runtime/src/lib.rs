@@ -33,6 +33,12 @@ pub const CONNECTION_WINDOW: u32 = 32 << 20;
 /// hundred 16 KiB ones.
 pub const MAX_FRAME: u32 = 1 << 20;
 
+/// Connections a worker's port holds open at once, TLS handshakes included; more wait in
+/// the listen backlog. Its peers are routers (a channel each), prefill nodes (at most 16
+/// KV connections each) and Prometheus: far fewer, so only a peer that opens sockets
+/// without end meets it.
+pub const MAX_PEER_CONNECTIONS: usize = 4096;
+
 /// Largest gRPC message on any hop unless configured otherwise (see
 /// `--grpc-max-message-bytes`).
 pub const DEFAULT_MAX_MESSAGE: usize = 64 << 20;
@@ -303,7 +309,7 @@ pub async fn serve_grpc_with_metrics(
         }))
         .route("/metrics", metrics);
     let incoming = sniff::split(
-        tls::accept(listener, tls).map_err(ServeError::Listen)?,
+        tls::accept(listener, tls, MAX_PEER_CONNECTIONS).map_err(ServeError::Listen)?,
         side,
     );
     tonic::transport::Server::builder()

@@ -203,7 +203,7 @@ mod tests {
             preface: b"tandem-kv/1\n",
             conns: side_tx,
         };
-        let mut grpc = Box::pin(split(tls::accept(listener, None).unwrap(), Some(side)));
+        let mut grpc = Box::pin(split(tls::accept(listener, None, 16).unwrap(), Some(side)));
         let send = |bytes: &'static [u8]| async move {
             let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
             // Byte by byte, so that the preface arrives in pieces.

@@ -12,14 +12,14 @@ use std::time::{Duration, Instant};
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tonic::transport::server::Connected;
 
 use crate::{ClientTls, Identity, Peer, Role, ServerTls};
 
-/// How long a client may take to finish its handshake; a slow or silent one must not hold
-/// a task and a socket forever.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client may take to finish its handshake and be taken by the server; a slow
+/// or silent one must not hold a task and a socket forever.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Handshaken connections waiting for the server to take them.
 const BACKLOG: usize = 128;
 /// Pause after the listener fails (out of file descriptors), so the loop does not spin.
@@ -61,8 +61,15 @@ impl Refusals {
     }
 }
 
-/// An accepted connection, in plain text or TLS.
-pub enum Conn {
+/// An accepted connection, in plain text or TLS, holding its place among the listener's
+/// open connections until it is dropped.
+pub struct Conn {
+    io: Stream,
+    _place: OwnedSemaphorePermit,
+}
+
+/// The socket of a connection.
+enum Stream {
     /// Plain TCP.
     Plain(TcpStream),
     /// TLS over TCP, handshake done.
@@ -71,9 +78,9 @@ pub enum Conn {
 
 impl Conn {
     fn tcp(&self) -> &TcpStream {
-        match self {
-            Conn::Plain(s) => s,
-            Conn::Tls(s) => s.get_ref().0,
+        match &self.io {
+            Stream::Plain(s) => s,
+            Stream::Tls(s) => s.get_ref().0,
         }
     }
 
@@ -84,9 +91,9 @@ impl Conn {
 
     /// What the handshake proved about the peer.
     pub fn identity(&self) -> Identity {
-        match self {
-            Conn::Plain(_) => Identity::Plain,
-            Conn::Tls(s) => match s.get_ref().1.peer_certificates() {
+        match &self.io {
+            Stream::Plain(_) => Identity::Plain,
+            Stream::Tls(s) => match s.get_ref().1.peer_certificates() {
                 Some([leaf, ..]) => Identity::Certified(Role::of(leaf)),
                 _ => Identity::Anonymous,
             },
@@ -100,9 +107,9 @@ impl AsyncRead for Conn {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Conn::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            Conn::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        match &mut self.get_mut().io {
+            Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
         }
     }
 }
@@ -113,23 +120,23 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Conn::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            Conn::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        match &mut self.get_mut().io {
+            Stream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
         }
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Conn::Plain(s) => Pin::new(s).poll_flush(cx),
-            Conn::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        match &mut self.get_mut().io {
+            Stream::Plain(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
         }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Conn::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            Conn::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        match &mut self.get_mut().io {
+            Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
     }
 
@@ -138,16 +145,16 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Conn::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            Conn::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        match &mut self.get_mut().io {
+            Stream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
         }
     }
 
     fn is_write_vectored(&self) -> bool {
-        match self {
-            Conn::Plain(s) => s.is_write_vectored(),
-            Conn::Tls(s) => s.is_write_vectored(),
+        match &self.io {
+            Stream::Plain(s) => s.is_write_vectored(),
+            Stream::Tls(s) => s.is_write_vectored(),
         }
     }
 }
@@ -190,19 +197,32 @@ impl tokio_stream::Stream for Incoming {
     }
 }
 
-/// Accepts connections on `listener` from a background task, each with its TLS handshake
-/// (when `tls` is set) on a task of its own, so a slow client delays nobody else. A
-/// refused handshake (plain text on a TLS port, an unknown CA, an expired or missing
-/// client certificate) is logged with the peer and the reason, and dropped.
-pub fn accept(listener: TcpListener, tls: Option<ServerTls>) -> io::Result<Incoming> {
+/// Accepts connections on `listener` from a background task, at most `max_open` open at
+/// once, handshakes included: at the cap no connection is accepted, so new ones wait in the
+/// listen backlog while the open ones keep working, and each place is held until its
+/// connection is dropped. With `tls` each handshake runs on a task of its own, so a slow
+/// client delays nobody else, and it must finish, and the server take the connection,
+/// within [`HANDSHAKE_TIMEOUT`]. A refused handshake (plain text on a TLS port, an unknown
+/// CA, an expired or missing client certificate) is logged with the peer and the reason,
+/// and dropped.
+pub fn accept(
+    listener: TcpListener,
+    tls: Option<ServerTls>,
+    max_open: usize,
+) -> io::Result<Incoming> {
     let local_addr = listener.local_addr()?;
     let (tx, rx) = mpsc::channel(BACKLOG);
     let refusals = Arc::new(Mutex::new(Refusals {
         last_warned: None,
         since: 0,
     }));
+    let open = Arc::new(Semaphore::new(max_open.clamp(1, Semaphore::MAX_PERMITS)));
     tokio::spawn(async move {
         loop {
+            let place = tokio::select! {
+                p = Arc::clone(&open).acquire_owned() => p.expect("the semaphore is never closed"),
+                _ = tx.closed() => return,
+            };
             let (tcp, peer) = tokio::select! {
                 r = listener.accept() => match r {
                     Ok(c) => c,
@@ -215,42 +235,48 @@ pub fn accept(listener: TcpListener, tls: Option<ServerTls>) -> io::Result<Incom
                 _ = tx.closed() => return,
             };
             let _ = tcp.set_nodelay(true);
-            match &tls {
-                None => {
-                    if tx.send(Conn::Plain(tcp)).await.is_err() {
-                        return;
+            let Some(tls) = &tls else {
+                let conn = Conn {
+                    io: Stream::Plain(tcp),
+                    _place: place,
+                };
+                if tx.send(conn).await.is_err() {
+                    return;
+                }
+                continue;
+            };
+            let acceptor = tokio_rustls::TlsAcceptor::from(tls.config());
+            let (tx, refusals) = (tx.clone(), Arc::clone(&refusals));
+            tokio::spawn(async move {
+                let handed = async {
+                    let s = acceptor.accept(tcp).await.map_err(|e| e.to_string())?;
+                    let conn = Conn {
+                        io: Stream::Tls(Box::new(s)),
+                        _place: place,
+                    };
+                    // A server that stopped taking connections refuses nothing: it is
+                    // stopping.
+                    let _ = tx.send(conn).await;
+                    Ok::<_, String>(())
+                };
+                let why = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handed).await {
+                    Ok(Ok(())) => return,
+                    Ok(Err(e)) => e,
+                    Err(_) => format!("not done and taken within {HANDSHAKE_TIMEOUT:?}"),
+                };
+                let warn = refusals
+                    .lock()
+                    .expect("the refusal count's lock is never poisoned")
+                    .refused(Instant::now());
+                match warn {
+                    Some(n) => tracing::warn!(%peer, refused = n,
+                        "TLS handshake refused on {local_addr}: {why} ({n} refused since the last warning; \
+                         the rest are logged at debug, at most one warning a minute)"),
+                    None => {
+                        tracing::debug!(%peer, "TLS handshake refused on {local_addr}: {why}")
                     }
                 }
-                Some(tls) => {
-                    let acceptor = tokio_rustls::TlsAcceptor::from(tls.config());
-                    let (tx, refusals) = (tx.clone(), Arc::clone(&refusals));
-                    tokio::spawn(async move {
-                        let why =
-                            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp))
-                                .await
-                            {
-                                Ok(Ok(s)) => {
-                                    let _ = tx.send(Conn::Tls(Box::new(s))).await;
-                                    return;
-                                }
-                                Ok(Err(e)) => e.to_string(),
-                                Err(_) => format!("timed out after {HANDSHAKE_TIMEOUT:?}"),
-                            };
-                        let warn = refusals
-                            .lock()
-                            .expect("the refusal count's lock is never poisoned")
-                            .refused(Instant::now());
-                        match warn {
-                            Some(n) => tracing::warn!(%peer, refused = n,
-                                "TLS handshake refused on {local_addr}: {why} ({n} refused since the last warning; \
-                                 the rest are logged at debug, at most one warning a minute)"),
-                            None => {
-                                tracing::debug!(%peer, "TLS handshake refused on {local_addr}: {why}")
-                            }
-                        }
-                    });
-                }
-            }
+            });
         }
     });
     Ok(Incoming { rx, local_addr })

@@ -9,7 +9,10 @@ mod conn;
 mod role;
 
 pub use config::{ClientFiles, ClientTls, ServerFiles, ServerTls, TlsArgs};
-pub use conn::{accept, dial, handshakes_refused, ClientStream, Conn, Connector, Incoming, Io};
+pub use conn::{
+    accept, dial, handshakes_refused, ClientStream, Conn, Connector, Incoming, Io,
+    HANDSHAKE_TIMEOUT,
+};
 pub use role::{Identity, Peer, Role};
 
 use std::path::PathBuf;

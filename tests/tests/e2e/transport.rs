@@ -493,3 +493,90 @@ async fn workers_register_through_an_etcd_with_tls_and_a_user() {
         assert!(!logs.contains(secret.as_str()), "{secret} is in the logs");
     }
 }
+
+/// Under HTTPS, `--max-connections` counts sockets still in their TLS handshake: three
+/// clients that connect and never say hello hold three of four places (the fourth is the
+/// cluster's own client), so a new client waits until the handshake deadline closes them.
+/// Each handshake used to run on a task of its own outside the cap, so any number of
+/// silent sockets could be held open.
+#[tokio::test(flavor = "multi_thread")]
+async fn under_https_the_connection_cap_counts_handshakes_and_they_have_a_deadline() {
+    let dir = certs_dir("cap");
+    let pki = Pki::new(&dir, "cluster");
+    let ca = pki.ca();
+    let api = pki.leaf("api", Validity::Good);
+    let router_args = [
+        "--https-cert".into(),
+        api.cert.display().to_string(),
+        "--https-key".into(),
+        api.key.display().to_string(),
+        "--max-connections".into(),
+        "4".into(),
+    ];
+    let c = Cluster::launch(
+        Mode::Pd,
+        &tiny_model(),
+        &strs(&router_args),
+        &[],
+        &[],
+        Some(&ca),
+    )
+    .await;
+    let url = format!("{}/v1/chat/completions", c.url);
+    let kept = &c.client;
+    assert_eq!(
+        kept.post(&url)
+            .json(&chat("kept", 2))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    // Their handshake deadlines run from their accept, which comes after this instant.
+    let silent_since = std::time::Instant::now();
+    let host = c.url.trim_start_matches("https://");
+    let mut silent = Vec::new();
+    for _ in 0..3 {
+        silent.push(
+            tokio::net::TcpStream::connect(host)
+                .await
+                .expect("connecting"),
+        );
+    }
+    assert_eq!(
+        kept.post(&url)
+            .json(&chat("still kept", 2))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200,
+        "an open connection keeps working at the cap"
+    );
+    let fresh = e2e::pki::https_client(&ca);
+    let status = tokio::time::timeout(
+        tls::HANDSHAKE_TIMEOUT + Duration::from_secs(10),
+        fresh.post(&url).json(&chat("new", 2)).send(),
+    )
+    .await
+    .expect("served once a place came free")
+    .expect("the request")
+    .status();
+    let served_after = silent_since.elapsed();
+    assert_eq!(status, 200);
+    assert!(
+        served_after >= tls::HANDSHAKE_TIMEOUT,
+        "a fifth connection was served past the cap of 4, {served_after:?} after three \
+         silent ones connected, before their handshake deadline"
+    );
+    for mut conn in silent {
+        let mut rest = Vec::new();
+        let closed =
+            tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut rest)).await;
+        assert!(
+            closed.is_ok(),
+            "a silent connection outlived its handshake deadline"
+        );
+    }
+}
