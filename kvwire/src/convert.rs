@@ -38,7 +38,7 @@ pub enum SamplingError {
 /// a thread serving connections may be held (a short regex can take half a second).
 pub struct Grammars {
     vocab: Result<engine::grammar::Vocab, String>,
-    turns: tokio::sync::Semaphore,
+    turns: runtime::Turns,
 }
 
 impl Grammars {
@@ -52,7 +52,7 @@ impl Grammars {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         Self {
             vocab,
-            turns: tokio::sync::Semaphore::new(cpus),
+            turns: runtime::Turns::new(cpus),
         }
     }
 
@@ -69,13 +69,9 @@ impl Grammars {
             return Ok(None);
         };
         let failed = |e: String| SamplingError::Grammar(format!("compiling: {e}"));
-        let _turn = self
-            .turns
-            .acquire()
-            .await
-            .map_err(|e| failed(e.to_string()))?;
         let (vocab, stops) = (self.vocab.clone(), stops.to_vec());
-        tokio::task::spawn_blocking(move || constraint_from_proto(Some(&g), &vocab, &stops, beam))
+        self.turns
+            .run(move || constraint_from_proto(Some(&g), &vocab, &stops, beam))
             .await
             .unwrap_or_else(|e| Err(failed(e.to_string())))
     }

@@ -31,18 +31,16 @@ pub(crate) async fn off_the_io_threads<T: Send + 'static>(
 
 /// Runs `work` on the blocking pool, at most one per CPU at a time: for work whose cost
 /// does not follow the body's size, such as compiling a grammar (a short regex can take
-/// half a second).
+/// half a second). The turn goes with the work: a client that leaves while its work runs
+/// frees nothing until the work ends, so leaving cannot start more work than CPUs.
 pub(crate) async fn on_the_blocking_pool<T: Send + 'static>(
     state: &Arc<AppState>,
     work: impl FnOnce(&AppState) -> Result<T, RouterError> + Send + 'static,
 ) -> Result<T, RouterError> {
-    let _turn = state
+    let st = Arc::clone(state);
+    state
         .preparing
-        .acquire()
-        .await
-        .map_err(|_| RouterError::Internal("the router is stopping".into()))?;
-    let (st, span) = (Arc::clone(state), tracing::Span::current());
-    tokio::task::spawn_blocking(move || span.in_scope(|| work(&st)))
+        .run(move || work(&st))
         .await
         .map_err(|e| RouterError::Internal(format!("preparing the request: {e}")))?
 }

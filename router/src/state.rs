@@ -31,7 +31,7 @@ pub struct AppState {
     pub max_prompt_bytes: usize,
     /// Requests being parsed, templated and tokenized at once, on the blocking pool, so
     /// that a large input never runs on the threads that serve connections.
-    pub preparing: tokio::sync::Semaphore,
+    pub preparing: runtime::Turns,
     /// maxSeqLen capped by the model's context.
     pub max_seq_len: usize,
     pub metrics: Arc<Metrics>,
@@ -200,7 +200,7 @@ impl AppState {
             max_prompt_tokens,
             max_prompt_bytes,
             max_seq_len,
-            preparing: tokio::sync::Semaphore::new(runtime::usable_cpus()),
+            preparing: runtime::Turns::new(runtime::usable_cpus()),
             metrics: Arc::default(),
             started: Instant::now(),
             api_keys,

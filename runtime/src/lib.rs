@@ -5,10 +5,12 @@ pub mod channel;
 pub mod process;
 pub mod prom;
 pub mod sniff;
+pub mod turns;
 pub mod worker;
 
 pub use channel::{Channel, ChannelError};
 pub use sniff::{SideProtocol, Sniffed};
+pub use turns::{TurnError, Turns};
 pub use worker::{serve_worker, ClusterArgs, EtcdArgs, Gate, Pass, Served, Tracked};
 
 use std::future::Future;
