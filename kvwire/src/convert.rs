@@ -5,7 +5,7 @@
 
 use proto::v1;
 
-use proto::MAX_LOGIT_BIAS;
+use proto::limits::{GrammarPast, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS};
 
 /// Sampling settings a node refuses, whoever sent them.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -20,6 +20,10 @@ pub enum SamplingError {
     BiasValue { token: u32, bias: f32 },
     #[error("logit_bias names token {0} twice")]
     BiasTwice(u32),
+    #[error("{0} stop token ids, the limit is {MAX_STOP_TOKEN_IDS}")]
+    TooManyStopIds(usize),
+    #[error(transparent)]
+    GrammarPast(#[from] GrammarPast),
     #[error("the grammar names no kind (json_schema, regex or choice)")]
     NoGrammar,
     #[error("the grammar's JSON schema is not JSON: {0}")]
@@ -68,6 +72,8 @@ impl Grammars {
         let Some(g) = g else {
             return Ok(None);
         };
+        // Checked before a turn is waited for: a grammar past the limits costs no compile.
+        grammar_from_proto(&g)?;
         let failed = |e: String| SamplingError::Grammar(format!("compiling: {e}"));
         let (vocab, stops) = (self.vocab.clone(), stops.to_vec());
         self.turns
@@ -106,7 +112,9 @@ pub fn constraint_from_proto(
 pub fn grammar_from_proto(g: &v1::Grammar) -> Result<engine::grammar::Grammar, SamplingError> {
     use engine::grammar::Grammar;
     use v1::grammar::Kind;
-    Ok(match g.kind.as_ref().ok_or(SamplingError::NoGrammar)? {
+    let kind = g.kind.as_ref().ok_or(SamplingError::NoGrammar)?;
+    proto::limits::check_grammar(g)?;
+    Ok(match kind {
         Kind::JsonSchema(s) => Grammar::JsonSchema {
             schema: serde_json::from_str(&s.schema)
                 .map_err(|e| SamplingError::SchemaText(e.to_string()))?,
@@ -127,6 +135,9 @@ pub fn sampling_from_proto(
 ) -> Result<engine::SamplingParams, SamplingError> {
     if !(0.0..=1.0).contains(&p.min_p) {
         return Err(SamplingError::MinP(p.min_p));
+    }
+    if stop_ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(SamplingError::TooManyStopIds(stop_ids.len()));
     }
     if p.logit_bias.len() > MAX_LOGIT_BIAS {
         return Err(SamplingError::TooManyBiases(p.logit_bias.len()));
@@ -321,6 +332,42 @@ mod tests {
         assert!(
             with(&|p| p.min_tokens = 3).unwrap().held.is_empty(),
             "no stop tokens, nothing held"
+        );
+        let stops = vec![1; MAX_STOP_TOKEN_IDS + 1];
+        assert_eq!(
+            sampling_from_proto(&v1::SamplingParams::default(), &stops, 10),
+            Err(SamplingError::TooManyStopIds(MAX_STOP_TOKEN_IDS + 1))
+        );
+        assert!(
+            sampling_from_proto(&v1::SamplingParams::default(), &stops[1..], 10).is_ok(),
+            "{MAX_STOP_TOKEN_IDS} stop ids are within the limit"
+        );
+    }
+
+    #[test]
+    fn grammars_past_their_limits_are_refused_before_they_compile() {
+        use proto::limits::{MAX_GRAMMAR_BYTES, MAX_GUIDED_CHOICES};
+        use v1::grammar::Kind;
+        let choice = |n: usize, len: usize| v1::Grammar {
+            kind: Some(Kind::Choice(v1::Choices {
+                choices: vec!["x".repeat(len); n],
+            })),
+        };
+        assert_eq!(
+            grammar_from_proto(&choice(MAX_GUIDED_CHOICES + 1, 1)).unwrap_err(),
+            SamplingError::GrammarPast(GrammarPast::Choices(MAX_GUIDED_CHOICES + 1))
+        );
+        assert!(grammar_from_proto(&choice(MAX_GUIDED_CHOICES, 1)).is_ok());
+        assert_eq!(
+            grammar_from_proto(&choice(2, MAX_GRAMMAR_BYTES / 2 + 1)).unwrap_err(),
+            SamplingError::GrammarPast(GrammarPast::Bytes(MAX_GRAMMAR_BYTES + 2))
+        );
+        let regex = v1::Grammar {
+            kind: Some(Kind::Regex("a".repeat(MAX_GRAMMAR_BYTES + 1))),
+        };
+        assert_eq!(
+            grammar_from_proto(&regex).unwrap_err(),
+            SamplingError::GrammarPast(GrammarPast::Bytes(MAX_GRAMMAR_BYTES + 1))
         );
     }
 

@@ -6,12 +6,9 @@ pub mod v1 {
     tonic::include_proto!("tandem.v1");
 }
 
-use prost::Message;
+pub mod limits;
 
-/// The most `SamplingParams.logit_bias` entries a request may carry: applying them costs
-/// every step of every sequence, so no peer may set that cost. Nodes refuse more; the router
-/// answers 400.
-pub const MAX_LOGIT_BIAS: usize = 1024;
+use prost::Message;
 
 impl v1::GenerateRequest {
     /// Tokens the decode node samples for each sequence: all of `max_tokens` when it

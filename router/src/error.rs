@@ -20,6 +20,8 @@ pub enum RouterError {
     InvalidJson(String),
     #[error("the request body is larger than {0} bytes")]
     BodyTooLarge(usize),
+    #[error("the request body is too complex: {0}")]
+    BodyTooComplex(String),
     #[error("the request body did not arrive within {0} ms")]
     BodyTimeout(u64),
     #[error("{message}")]
@@ -147,7 +149,7 @@ impl RouterError {
             | NeverFits { .. }
             | NoChatTemplate
             | Template(_) => StatusCode::BAD_REQUEST,
-            BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            BodyTooLarge(_) | BodyTooComplex(_) => StatusCode::PAYLOAD_TOO_LARGE,
             BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ModelNotFound(_) | NoRoute(_) => StatusCode::NOT_FOUND,
             NoWorkers(_) | WorkerUnavailable { .. } | WorkerBusy { .. } => {

@@ -17,16 +17,17 @@ const INLINE_BODY_BYTES: usize = 16 << 10;
 
 /// Runs `work` (parsing, templating, tokenizing: work that grows with the body) on the
 /// body: inline when it is small, else on the blocking pool, at most one per CPU at a time,
-/// so that large bodies never stall the threads that serve every connection.
+/// so that large bodies never stall the threads that serve every connection. `work` owns
+/// the body, so that it can let it go once it is parsed.
 pub(crate) async fn off_the_io_threads<T: Send + 'static>(
     state: &Arc<AppState>,
     body: Bytes,
-    work: impl FnOnce(&AppState, &[u8]) -> Result<T, RouterError> + Send + 'static,
+    work: impl FnOnce(&AppState, Bytes) -> Result<T, RouterError> + Send + 'static,
 ) -> Result<T, RouterError> {
     if body.len() <= INLINE_BODY_BYTES {
-        return work(state, &body);
+        return work(state, body);
     }
-    on_the_blocking_pool(state, move |st| work(st, &body)).await
+    on_the_blocking_pool(state, move |st| work(st, body)).await
 }
 
 /// Runs `work` on the blocking pool, at most one per CPU at a time: for work whose cost

@@ -18,6 +18,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
 use crate::api;
+use crate::api::json::JsonBudget;
 use crate::dispatch::{self, GenRequest, Piece, Pieces};
 use crate::error::{ErrorFormat, RouterError};
 use crate::intake::{
@@ -29,6 +30,7 @@ use crate::output::{ChoiceOut, Echo, Kind, Output, Tally};
 use crate::params;
 use crate::state::AppState;
 use crate::stops::StopStrings;
+use proto::limits::MAX_STOP_TOKEN_IDS;
 use text::structured::Parser;
 
 /// `POST /v1/chat/completions`.
@@ -68,9 +70,20 @@ pub(crate) async fn read_body(
         return Err(RouterError::BodyTooLarge(max));
     }
     let limit = state.cfg.body_timeout_ms;
-    let read = http_body_util::Limited::new(body, max).collect();
+    let mut limited = http_body_util::Limited::new(body, max);
+    // Into one buffer of the announced size as the frames arrive: collecting the frames
+    // first and then joining them held the body twice.
+    let mut bytes = Vec::with_capacity(announced.map_or(0, |n| n as usize));
+    let read = async {
+        while let Some(frame) = limited.frame().await {
+            if let Ok(data) = frame?.into_data() {
+                bytes.extend_from_slice(&data);
+            }
+        }
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    };
     match tokio::time::timeout(std::time::Duration::from_millis(limit), read).await {
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Ok(())) => Ok(Bytes::from(bytes)),
         Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
             Err(RouterError::BodyTooLarge(max))
         }
@@ -179,12 +192,7 @@ async fn run(
         // Held by the streaming task with the in-flight slot, so both end with the stream.
         in_flight.open_stream(state.cfg.max_streams)?;
     }
-    let mut stop_ids = if common.ignore_eos {
-        Vec::new()
-    } else {
-        state.text.config.eos_token_ids.clone()
-    };
-    stop_ids.extend(&common.stop_token_ids);
+    let stop_ids = stop_ids(state, &common)?;
     // Only a choice among several can end while others go on.
     let (ended, ended_rx) = if common.best_of > 1 && !common.stop.is_empty() {
         let (tx, rx) = tokio::sync::watch::channel(0u128);
@@ -290,13 +298,37 @@ async fn run(
     }
 }
 
-/// A request parsed, validated, templated and tokenized.
+/// The tokens that end a request's sequences: the model's end tokens (unless `ignore_eos`)
+/// and the request's `stop_token_ids`, each once, within the limit the nodes hold them to.
+fn stop_ids(state: &AppState, common: &params::Common) -> Result<Vec<u32>, RouterError> {
+    let mut ids = if common.ignore_eos {
+        Vec::new()
+    } else {
+        state.text.config.eos_token_ids.clone()
+    };
+    ids.extend(&common.stop_token_ids);
+    ids.sort_unstable();
+    ids.dedup();
+    if ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(RouterError::param(
+            "stop_token_ids",
+            format!(
+                "stop_token_ids and the model's end tokens are {} distinct ids, the limit is \
+                 {MAX_STOP_TOKEN_IDS}",
+                ids.len()
+            ),
+        ));
+    }
+    Ok(ids)
+}
+
 /// A request of either endpoint, as typed.
 enum Request {
     Chat(api::chat::ChatRequest),
     Completion(api::completions::CompletionRequest),
 }
 
+/// A request parsed, validated, templated and tokenized.
 struct Prepared {
     common: params::Common,
     prompt: Vec<u32>,
@@ -309,8 +341,11 @@ struct Prepared {
 /// Parses and validates a request's body, renders its chat template and tokenizes its
 /// prompt: the work whose cost grows with the input, run on the blocking pool. Text longer
 /// than any prompt of `max_prompt_tokens` can be is refused before it is tokenized.
-fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, RouterError> {
-    let o = api::object(body)?;
+fn prepare(state: &AppState, kind: Kind, body: Bytes) -> Result<Prepared, RouterError> {
+    let json = JsonBudget::new(state.json_limits);
+    let o = json.object(&body)?;
+    // Parsed: a large body need not be held beside its values.
+    drop(body);
     let vocab = state.text.config.vocab_size;
     let stops = match state.cfg.error_format {
         ErrorFormat::Provider => params::StopLimits::PROVIDER,
@@ -320,13 +355,16 @@ fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, Router
         Kind::Chat => {
             let r = api::chat::ChatRequest::from_object(o)?;
             params::known_fields(&r.extra, "")?;
-            (params::common(&r.sampling, vocab, stops)?, Request::Chat(r))
+            (
+                params::common(&r.sampling, vocab, stops, &json)?,
+                Request::Chat(r),
+            )
         }
         Kind::Completion => {
             let r = api::completions::CompletionRequest::from_object(o)?;
             params::known_fields(&r.extra, "")?;
             (
-                params::common(&r.sampling, vocab, stops)?,
+                params::common(&r.sampling, vocab, stops, &json)?,
                 Request::Completion(r),
             )
         }
@@ -336,7 +374,7 @@ fn prepare(state: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, Router
     }
     let (text, tokens, param, logprobs, parser, echo) = match request {
         Request::Chat(r) => {
-            let chat = params::chat(&r)?;
+            let chat = params::chat(r, &json)?;
             let (text, parser) = crate::chat::prompt(state, &chat, &mut common)?;
             (text, None, "messages", chat.logprobs, parser, false)
         }

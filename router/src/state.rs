@@ -29,6 +29,8 @@ pub struct AppState {
     /// The most bytes of prompt text that can make `max_prompt_tokens` tokens: longer text
     /// is refused before it is tokenized.
     pub max_prompt_bytes: usize,
+    /// What a request body's JSON may hold.
+    pub json_limits: crate::api::json::JsonLimits,
     /// Requests being parsed, templated and tokenized at once, on the blocking pool, so
     /// that a large input never runs on the threads that serve connections.
     pub preparing: runtime::Turns,
@@ -199,6 +201,7 @@ impl AppState {
             decode,
             max_prompt_tokens,
             max_prompt_bytes,
+            json_limits: crate::api::json::JsonLimits::for_prompts(max_prompt_tokens),
             max_seq_len,
             preparing: runtime::Turns::new(runtime::usable_cpus()),
             metrics: Arc::default(),

@@ -3,16 +3,17 @@
 
 use std::sync::Arc;
 
+use crate::api::json::JsonBudget;
 use crate::api::tokenize::{
     DetokenizeRequest, Detokenized, TokenizeRequest, Tokenized, TokenizerInfo,
 };
-use crate::api::{self, chat::ChatRequest, Param};
+use crate::api::{chat::ChatRequest, Param};
 use crate::error::RouterError;
 use crate::intake::off_the_io_threads;
 use crate::openai::read_body;
 use crate::params;
 use crate::state::AppState;
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
@@ -27,21 +28,29 @@ fn same_model(state: &AppState, model: &Param<String>) -> Result<(), RouterError
 }
 
 /// A tokenize body's answer: its tokens and, when asked for, their vocabulary strings.
-fn tokenize_body(state: &AppState, body: &[u8]) -> Result<Tokenized, RouterError> {
-    let r = TokenizeRequest::from_object(api::object(body)?)?;
+fn tokenize_body(state: &AppState, body: Bytes) -> Result<Tokenized, RouterError> {
+    let json = JsonBudget::new(state.json_limits);
+    let r = TokenizeRequest::from_object(json.object(&body)?)?;
+    drop(body);
     params::known_fields(&r.extra, "")?;
     same_model(state, &r.model)?;
     r.add_special_tokens.value("add_special_tokens")?;
     let strs = r.return_token_strs.value("return_token_strs")?.copied() == Some(true);
-    let text = match (&r.prompt, &r.messages) {
-        (Param::Absent | Param::Null, Param::Absent | Param::Null) => {
+    let text = match (!r.prompt.present(), !r.messages.present()) {
+        (true, true) => {
             return Err(RouterError::param(
                 "prompt",
                 "prompt or messages is required",
             ))
         }
-        (p, Param::Absent | Param::Null) => {
-            let p = p.value("prompt")?.cloned().unwrap_or_default();
+        (false, false) => {
+            return Err(RouterError::param(
+                "messages",
+                "send prompt or messages, not both",
+            ))
+        }
+        (false, true) => {
+            let p = r.prompt.value("prompt")?.cloned().unwrap_or_default();
             if p.chars().count() > params::MAX_CONTENT_CHARS {
                 return Err(RouterError::param(
                     "prompt",
@@ -53,19 +62,20 @@ fn tokenize_body(state: &AppState, body: &[u8]) -> Result<Tokenized, RouterError
             }
             p
         }
-        (Param::Absent | Param::Null, _) => {
-            let chat = params::chat(&ChatRequest {
-                messages: r.messages.clone(),
-                tools: r.tools.clone(),
-                chat_template_kwargs: r.chat_template_kwargs.clone(),
-                ..ChatRequest::default()
-            })?;
-            let mut input = chat.input;
-            input.add_generation_prompt = r
+        (true, false) => {
+            let add_generation_prompt = r
                 .add_generation_prompt
                 .value("add_generation_prompt")?
                 .copied()
                 .unwrap_or(true);
+            let chat = ChatRequest {
+                messages: r.messages,
+                tools: r.tools,
+                chat_template_kwargs: r.chat_template_kwargs,
+                ..ChatRequest::default()
+            };
+            let mut input = params::chat(chat, &json)?.input;
+            input.add_generation_prompt = add_generation_prompt;
             let template = state
                 .text
                 .template
@@ -74,17 +84,18 @@ fn tokenize_body(state: &AppState, body: &[u8]) -> Result<Tokenized, RouterError
             text::tools::render(template, &input)
                 .map_err(|e| RouterError::Template(e.to_string()))?
         }
-        _ => {
-            return Err(RouterError::param(
-                "messages",
-                "send prompt or messages, not both",
-            ))
-        }
     };
-    let tokenizer = &state.text.tokenizer;
-    let tokens = tokenizer
+    let tokens = state
+        .text
+        .tokenizer
         .encode(&text)
         .map_err(|e| RouterError::param("prompt", e.to_string()))?;
+    tokenized(state, tokens, strs)
+}
+
+/// The answer for `tokens`, with their vocabulary strings when `strs`.
+fn tokenized(state: &AppState, tokens: Vec<u32>, strs: bool) -> Result<Tokenized, RouterError> {
+    let tokenizer = &state.text.tokenizer;
     Ok(Tokenized {
         count: tokens.len(),
         max_model_len: state.max_seq_len,
@@ -103,7 +114,7 @@ fn tokenize_body(state: &AppState, body: &[u8]) -> Result<Tokenized, RouterError
 async fn answer<T: serde::Serialize + Send + 'static>(
     state: Arc<AppState>,
     request: (HeaderMap, Body),
-    work: fn(&AppState, &[u8]) -> Result<T, RouterError>,
+    work: fn(&AppState, Bytes) -> Result<T, RouterError>,
 ) -> Response {
     let result = async {
         let body = read_body(&state, request).await?;
@@ -126,8 +137,8 @@ pub async fn tokenize(
 }
 
 /// A detokenize body's text.
-fn detokenize_body(state: &AppState, body: &[u8]) -> Result<Detokenized, RouterError> {
-    let r = DetokenizeRequest::from_object(api::object(body)?)?;
+fn detokenize_body(state: &AppState, body: Bytes) -> Result<Detokenized, RouterError> {
+    let r = DetokenizeRequest::from_object(JsonBudget::new(state.json_limits).object(&body)?)?;
     params::known_fields(&r.extra, "")?;
     same_model(state, &r.model)?;
     let vocab = state.text.config.vocab_size;

@@ -5,7 +5,8 @@
 //! `params` validates the struct into the internal request (`params::Common` and the
 //! endpoint's own part), refusing what is wrong with an error that names the parameter.
 //! Responses are built from these structs (borrowing the output they show) and serialized
-//! once; error bodies are `error::ErrorBody`.
+//! once; error bodies are `error::ErrorBody`. The body is parsed within limits on its
+//! values and their nesting ([`json`]), before any field is read.
 //!
 //! Every field is a [`Param`]: absent, null, a value of its declared type, or a value of
 //! another type. A wrong type is not a deserialization error: serde's message names no
@@ -20,6 +21,7 @@ pub mod chat;
 pub mod completions;
 pub mod error;
 pub mod health;
+pub mod json;
 pub mod models;
 pub mod tokenize;
 
@@ -244,15 +246,6 @@ pub struct Chunk<'a, C> {
     /// err_msg非空", the output empty and err_msg set, with finish_reason stop).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub err_msg: Option<&'a str>,
-}
-
-/// Parses a body into an object; anything else is a 400.
-pub fn object(body: &[u8]) -> Result<Obj, RouterError> {
-    match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(o)) => Ok(o),
-        Ok(_) => Err(RouterError::InvalidJson("expected a JSON object".into())),
-        Err(e) => Err(RouterError::InvalidJson(e.to_string())),
-    }
 }
 
 /// A request struct from a body's object. Every field takes any JSON, so this cannot fail

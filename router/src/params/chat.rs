@@ -3,8 +3,9 @@
 
 use serde_json::{Map, Value};
 
-use super::{external_ref, int_in, MAX_CONTENT_CHARS};
+use super::{external_ref, int_in, MAX_CONTENT_CHARS, MAX_MESSAGES, MAX_TOOLS};
 use crate::api::chat::ChatRequest;
+use crate::api::json::JsonBudget;
 use crate::api::Param;
 use crate::error::RouterError;
 
@@ -74,6 +75,12 @@ fn tools(tools: &Param<Vec<Value>>) -> Result<Option<Vec<Value>>, RouterError> {
     let list = match tools {
         Param::Absent | Param::Null => return Ok(None),
         Param::Valid(l) if l.is_empty() => return Ok(None),
+        Param::Valid(l) if l.len() > MAX_TOOLS => {
+            return Err(bad(format!(
+                "tools has {} entries, the limit is {MAX_TOOLS}",
+                l.len()
+            )))
+        }
         Param::Valid(l) => l,
         Param::Invalid => return Err(bad("tools must be a list".into())),
     };
@@ -171,9 +178,19 @@ fn tool_choice(choice: &Param<Value>, tools: Option<&[Value]>) -> Result<ToolCho
     Ok(choice)
 }
 
-/// Checks `messages` and the chat-only parameters.
-pub fn chat(o: &ChatRequest) -> Result<Chat, RouterError> {
-    let messages = match &o.messages {
+/// Checks `messages` and the chat-only parameters; JSON text inside them (tool calls'
+/// arguments) is parsed within what is left of `json`.
+pub fn chat(o: ChatRequest, json: &JsonBudget) -> Result<Chat, RouterError> {
+    let messages = match o.messages {
+        Param::Valid(m) if m.len() > MAX_MESSAGES => {
+            return Err(RouterError::param(
+                "messages",
+                format!(
+                    "messages has {} entries, the limit is {MAX_MESSAGES}",
+                    m.len()
+                ),
+            ))
+        }
         Param::Valid(m) if !m.is_empty() => m,
         Param::Valid(_) => {
             return Err(RouterError::param("messages", "messages must not be empty"))
@@ -185,8 +202,8 @@ pub fn chat(o: &ChatRequest) -> Result<Chat, RouterError> {
     };
     let mut chars = 0;
     let mut out = Vec::with_capacity(messages.len());
-    for (i, m) in messages.iter().enumerate() {
-        out.push(message(i, m, &mut chars)?);
+    for (i, m) in messages.into_iter().enumerate() {
+        out.push(message(i, m, &mut chars, json)?);
     }
     if chars > MAX_CONTENT_CHARS {
         return Err(RouterError::param(
@@ -265,17 +282,18 @@ pub fn chat(o: &ChatRequest) -> Result<Chat, RouterError> {
     })
 }
 
-/// One message checked, with list content joined to text for the template.
-fn message(i: usize, m: &Value, chars: &mut usize) -> Result<Value, RouterError> {
+/// One message checked, with list content joined to text for the template. The message
+/// is taken, not copied: its strings may be most of a 20 MiB body.
+fn message(i: usize, m: Value, chars: &mut usize, json: &JsonBudget) -> Result<Value, RouterError> {
     let bad = |msg: String| RouterError::param("messages", format!("messages[{i}]: {msg}"));
-    let Value::Object(m) = m else {
+    let Value::Object(mut m) = m else {
         return Err(bad("a message must be an object".into()));
     };
     let role = match m.get("role") {
-        Some(Value::String(r)) => r.as_str(),
+        Some(Value::String(r)) => r.clone(),
         _ => return Err(bad("role is required and must be a string".into())),
     };
-    if !matches!(role, "system" | "user" | "assistant" | "tool") {
+    if !matches!(role.as_str(), "system" | "user" | "assistant" | "tool") {
         return Err(bad(format!(
             "role must be system, user, assistant or tool, got {role:?}"
         )));
@@ -284,82 +302,89 @@ fn message(i: usize, m: &Value, chars: &mut usize) -> Result<Value, RouterError>
         return Err(bad("a tool message needs a tool_call_id string".into()));
     }
     let has_tool_calls = matches!(m.get("tool_calls"), Some(Value::Array(a)) if !a.is_empty());
-    let content = match m.get("content").filter(|c| !c.is_null()) {
+    let content = match m.remove("content").filter(|c| !c.is_null()) {
         None if role == "assistant" && has_tool_calls => Value::Null,
         None => return Err(bad("content is required".into())),
         Some(Value::String(s)) => {
             *chars += s.chars().count();
-            Value::String(s.clone())
+            Value::String(s)
         }
-        Some(Value::Array(parts)) => {
-            let mut text = String::new();
-            for (j, p) in parts.iter().enumerate() {
-                let kind = p.get("type").and_then(Value::as_str).unwrap_or("");
-                match kind {
-                    "text" => match p.get("text") {
-                        Some(Value::String(t)) if !t.is_empty() => {
-                            *chars += t.chars().count();
-                            text.push_str(t);
-                        }
-                        _ => {
-                            return Err(bad(format!(
-                                "content[{j}].text must be a non-empty string"
-                            )))
-                        }
-                    },
-                    kind if MEDIA_PARTS.contains(&kind) => {
-                        return Err(bad(format!(
-                            "content[{j}] is {kind}: this is a text model, media is not accepted \
-                             (the router never reads a file or fetches a URL for a request)"
-                        )))
-                    }
-                    other => return Err(bad(format!("content[{j}] has unknown type {other:?}"))),
-                }
-            }
-            Value::String(text)
-        }
+        Some(Value::Array(parts)) => Value::String(joined(&parts, chars, &bad)?),
         Some(_) => return Err(bad("content must be a string or a list of parts".into())),
     };
-    let mut out = m.clone();
-    out.insert("content".into(), content);
-    if let Some(calls) = m.get("tool_calls").filter(|c| !c.is_null()) {
+    m.insert("content".into(), content);
+    if let Some(calls) = m.remove("tool_calls").filter(|c| !c.is_null()) {
         if role != "assistant" {
             return Err(bad("only an assistant message has tool_calls".into()));
         }
-        out.insert("tool_calls".into(), tool_calls(calls).map_err(bad)?);
+        m.insert("tool_calls".into(), tool_calls(calls, json, bad)?);
     }
-    Ok(Value::Object(out))
+    Ok(Value::Object(m))
+}
+
+/// List content's text parts joined, counted into `chars`; media and unknown parts are
+/// refused.
+fn joined(
+    parts: &[Value],
+    chars: &mut usize,
+    bad: &impl Fn(String) -> RouterError,
+) -> Result<String, RouterError> {
+    let mut text = String::new();
+    for (j, p) in parts.iter().enumerate() {
+        let kind = p.get("type").and_then(Value::as_str).unwrap_or("");
+        match kind {
+            "text" => match p.get("text") {
+                Some(Value::String(t)) if !t.is_empty() => {
+                    *chars += t.chars().count();
+                    text.push_str(t);
+                }
+                _ => return Err(bad(format!("content[{j}].text must be a non-empty string"))),
+            },
+            kind if MEDIA_PARTS.contains(&kind) => {
+                return Err(bad(format!(
+                    "content[{j}] is {kind}: this is a text model, media is not accepted \
+                     (the router never reads a file or fetches a URL for a request)"
+                )))
+            }
+            other => return Err(bad(format!("content[{j}] has unknown type {other:?}"))),
+        }
+    }
+    Ok(text)
 }
 
 /// An assistant message's `tool_calls`, checked, with each call's arguments as an object:
 /// clients send them as JSON text, and templates such as Qwen2.5's write them with
 /// `tojson`, which would quote that text a second time.
-fn tool_calls(calls: &Value) -> Result<Value, String> {
-    let Value::Array(list) = calls else {
-        return Err("tool_calls must be a list".into());
+fn tool_calls(
+    calls: Value,
+    json: &JsonBudget,
+    bad: impl Fn(String) -> RouterError,
+) -> Result<Value, RouterError> {
+    let Value::Array(mut list) = calls else {
+        return Err(bad("tool_calls must be a list".into()));
     };
-    let mut out = Vec::with_capacity(list.len());
-    for (j, call) in list.iter().enumerate() {
-        let mut call = call.clone();
+    for (j, call) in list.iter_mut().enumerate() {
         let Some(f) = call.get_mut("function").and_then(Value::as_object_mut) else {
-            return Err(format!("tool_calls[{j}].function must be an object"));
+            return Err(bad(format!("tool_calls[{j}].function must be an object")));
         };
         if !f.get("name").is_some_and(Value::is_string) {
-            return Err(format!("tool_calls[{j}].function.name must be a string"));
+            return Err(bad(format!(
+                "tool_calls[{j}].function.name must be a string"
+            )));
         }
+        let not_object = || {
+            bad(format!(
+                "tool_calls[{j}].function.arguments must be a JSON object or text holding one"
+            ))
+        };
         if let Some(Value::String(text)) = f.get("arguments") {
-            match serde_json::from_str::<Value>(text) {
-                Ok(args @ Value::Object(_)) => {
+            match json.text(text).map_err(|e| e.or_syntax(|_| not_object()))? {
+                args @ Value::Object(_) => {
                     f.insert("arguments".into(), args);
                 }
-                _ => {
-                    return Err(format!(
-                    "tool_calls[{j}].function.arguments must be a JSON object or text holding one"
-                ))
-                }
+                _ => return Err(not_object()),
             }
         }
-        out.push(call);
     }
-    Ok(Value::Array(out))
+    Ok(Value::Array(list))
 }

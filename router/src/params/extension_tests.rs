@@ -9,7 +9,12 @@ use super::*;
 fn check(extra: Value) -> Result<Common, RouterError> {
     let mut o = json!({"model": "m"}).as_object().unwrap().clone();
     o.extend(extra.as_object().unwrap().clone());
-    super::common(&crate::api::from_object(o)?, 1000, StopLimits::MINDIE)
+    super::common(
+        &crate::api::from_object(o)?,
+        1000,
+        StopLimits::MINDIE,
+        &crate::api::json::JsonBudget::new(crate::api::json::JsonLimits::for_prompts(0)),
+    )
 }
 
 /// Each body is refused, naming `param` with the message `says`.

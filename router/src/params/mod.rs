@@ -18,14 +18,32 @@ pub use structured::{forced_call, Constrained};
 
 use serde_json::Value;
 
+use proto::limits::{MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS};
 use proto::v1::LogitBias;
-use proto::MAX_LOGIT_BIAS;
 
+use crate::api::json::JsonBudget;
 use crate::api::{Obj, Param, Sampling, Stop, StreamOptions};
 use crate::error::RouterError;
 
 /// Most characters of message content (the seeds' 4 MB).
 pub const MAX_CONTENT_CHARS: usize = 4 * 1024 * 1024;
+
+/// Most messages of a chat (OpenAI's limit): each is checked, copied and templated.
+pub const MAX_MESSAGES: usize = 2048;
+
+/// Most tools of a chat (OpenAI's limit): each goes into the prompt, and a forced call
+/// compiles one grammar alternative per tool.
+pub const MAX_TOOLS: usize = 128;
+
+/// `metadata` as OpenAI bounds it: at most 16 pairs, keys of at most 64 characters, string
+/// values of at most 512.
+pub const MAX_METADATA_PAIRS: usize = 16;
+const MAX_METADATA_KEY: usize = 64;
+const MAX_METADATA_VALUE: usize = 512;
+
+/// Most characters of the other harmless strings (`service_tier`, `prompt_cache_key`,
+/// `safety_identifier`).
+const MAX_HARMLESS_CHARS: usize = 512;
 
 /// Parameters both endpoints share.
 #[derive(Debug, Clone)]
@@ -72,19 +90,56 @@ pub const HARMLESS_FIELDS: [&str; 5] = [
 const NAME_SHOWN: usize = 64;
 
 /// Refuses the first field of `extra` (the fields a request struct does not declare) that
-/// is not harmless, named under `prefix` (`""` at the top, `"stream_options."` inside it).
+/// is not harmless, named under `prefix` (`""` at the top, `"stream_options."` inside it),
+/// and a harmless one past its bounds: ignored is not free, since it is parsed and held.
 pub fn known_fields(extra: &Obj, prefix: &str) -> Result<(), RouterError> {
     let allowed = |k: &str| prefix.is_empty() && HARMLESS_FIELDS.contains(&k);
-    match extra.keys().find(|k| !allowed(k)) {
-        None => Ok(()),
-        Some(k) => {
-            let mut name: String = k.chars().take(NAME_SHOWN).collect();
-            if name.len() < k.len() {
-                name.push('…');
-            }
-            Err(RouterError::UnknownParam(format!("{prefix}{name}")))
+    if let Some(k) = extra.keys().find(|k| !allowed(k)) {
+        let mut name: String = k.chars().take(NAME_SHOWN).collect();
+        if name.len() < k.len() {
+            name.push('…');
         }
+        return Err(RouterError::UnknownParam(format!("{prefix}{name}")));
     }
+    extra.iter().try_for_each(|(k, v)| harmless(k, v))
+}
+
+/// A harmless field within its bounds: `metadata` as OpenAI bounds it, `store` a boolean,
+/// the others strings of at most 512 characters.
+fn harmless(key: &str, v: &Value) -> Result<(), RouterError> {
+    let param = HARMLESS_FIELDS
+        .into_iter()
+        .find(|&h| h == key)
+        .expect("only harmless fields are checked");
+    let chars = |s: &str, max: usize| s.chars().count() <= max;
+    let fits = match (param, v) {
+        (_, Value::Null) | ("store", Value::Bool(_)) => true,
+        ("metadata", Value::Object(m)) => {
+            m.len() <= MAX_METADATA_PAIRS
+                && m.iter().all(|(k, v)| {
+                    chars(k, MAX_METADATA_KEY)
+                        && v.as_str().is_some_and(|v| chars(v, MAX_METADATA_VALUE))
+                })
+        }
+        ("metadata" | "store", _) => false,
+        (_, Value::String(s)) => chars(s, MAX_HARMLESS_CHARS),
+        _ => false,
+    };
+    if fits {
+        return Ok(());
+    }
+    Err(RouterError::param(
+        param,
+        match param {
+            "metadata" => format!(
+                "metadata must be an object of at most {MAX_METADATA_PAIRS} pairs, keys of at \
+                 most {MAX_METADATA_KEY} characters and string values of at most \
+                 {MAX_METADATA_VALUE}"
+            ),
+            "store" => "store must be a boolean".into(),
+            _ => format!("{param} must be a string of at most {MAX_HARMLESS_CHARS} characters"),
+        },
+    ))
 }
 
 /// Refuses the fields for which other servers read a file or fetch a URL (a template, a
@@ -328,8 +383,14 @@ fn logit_bias(p: &Param<Obj>, vocab_size: usize) -> Result<Vec<LogitBias>, Route
 }
 
 /// Checks and reads the parameters both endpoints share. `vocab_size` caps top_k; `stops`
-/// are the stop-string limits the router speaks by.
-pub fn common(o: &Sampling, vocab_size: usize, stops: StopLimits) -> Result<Common, RouterError> {
+/// are the stop-string limits the router speaks by; JSON text inside the parameters (a
+/// schema sent as a string) is parsed within what is left of `json`.
+pub fn common(
+    o: &Sampling,
+    vocab_size: usize,
+    stops: StopLimits,
+    json: &JsonBudget,
+) -> Result<Common, RouterError> {
     let model = match &o.model {
         Param::Valid(s) => s.clone(),
         Param::Null | Param::Invalid => {
@@ -403,6 +464,15 @@ pub fn common(o: &Sampling, vocab_size: usize, stops: StopLimits) -> Result<Comm
     };
     let stop_token_ids = match &o.stop_token_ids {
         Param::Absent | Param::Null => Vec::new(),
+        Param::Valid(ids) if ids.len() > MAX_STOP_TOKEN_IDS => {
+            return Err(RouterError::param(
+                "stop_token_ids",
+                format!(
+                    "stop_token_ids has {} elements, the limit is {MAX_STOP_TOKEN_IDS}",
+                    ids.len()
+                ),
+            ))
+        }
         Param::Valid(ids) => ids
             .iter()
             // The seeds: elements that are not int32 are ignored.
@@ -475,7 +545,7 @@ pub fn common(o: &Sampling, vocab_size: usize, stops: StopLimits) -> Result<Comm
         ));
     }
     let logit_bias = logit_bias(&o.logit_bias, vocab_size)?;
-    let grammar = structured::grammar(o)?;
+    let grammar = structured::grammar(o, json)?;
     if let Some(g) = grammar.as_ref().filter(|_| beam) {
         return Err(RouterError::param(
             g.param,

@@ -10,6 +10,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use text::grammar::{Grammar, Vocab};
 
+use crate::api::json::JsonBudget;
 use crate::api::{Param, Sampling};
 use crate::error::RouterError;
 
@@ -32,9 +33,16 @@ impl Constrained {
                 format!("{param} is not supported for this model: {e}"),
             )
         })?;
+        let wire = self.wire()?;
         vocab
             .compile(&self.grammar, &[])
             .map_err(|e| RouterError::param(param, format!("{param}: {e}")))?;
+        Ok(wire)
+    }
+
+    /// The grammar in its wire form, within the grammar limits (checked before it
+    /// compiles: the limits bound what a compile costs); else a 400 naming the parameter.
+    pub fn wire(&self) -> Result<v1::Grammar, RouterError> {
         let kind = match &self.grammar {
             Grammar::JsonSchema { schema, strict } => Kind::JsonSchema(v1::JsonSchema {
                 schema: schema.to_string(),
@@ -43,7 +51,10 @@ impl Constrained {
             Grammar::Regex(rx) => Kind::Regex(rx.clone()),
             Grammar::Choice(c) => Kind::Choice(v1::Choices { choices: c.clone() }),
         };
-        Ok(v1::Grammar { kind: Some(kind) })
+        let wire = v1::Grammar { kind: Some(kind) };
+        proto::limits::check_grammar(&wire)
+            .map_err(|e| RouterError::param(self.param, format!("{}: {e}", self.param)))?;
+        Ok(wire)
     }
 }
 
@@ -210,7 +221,7 @@ fn response_format(p: &Param<Value>) -> Result<Option<Constrained>, RouterError>
 }
 
 /// The grammar a request's output must match, from whichever one parameter gives it.
-pub fn grammar(s: &Sampling) -> Result<Option<Constrained>, RouterError> {
+pub fn grammar(s: &Sampling, json: &JsonBudget) -> Result<Option<Constrained>, RouterError> {
     let mut found = Vec::new();
     if let Some(c) = response_format(&s.response_format)? {
         found.push(c);
@@ -218,8 +229,10 @@ pub fn grammar(s: &Sampling) -> Result<Option<Constrained>, RouterError> {
     match &s.guided_json {
         Param::Absent | Param::Null => {}
         Param::Valid(Value::String(text)) => {
-            let schema = serde_json::from_str(text).map_err(|e| {
-                RouterError::param("guided_json", format!("guided_json is not JSON: {e}"))
+            let schema = json.text(text).map_err(|e| {
+                e.or_syntax(|e| {
+                    RouterError::param("guided_json", format!("guided_json is not JSON: {e}"))
+                })
             })?;
             found.push(schema_grammar(schema, false, "guided_json")?);
         }

@@ -14,7 +14,12 @@ use crate::api::Obj;
 fn common(extra: Value) -> Result<Common, RouterError> {
     let mut o: Obj = json!({"model": "m"}).as_object().unwrap().clone();
     o.extend(extra.as_object().unwrap().clone());
-    super::common(&crate::api::from_object(o)?, 1000, StopLimits::PROVIDER)
+    super::common(
+        &crate::api::from_object(o)?,
+        1000,
+        StopLimits::PROVIDER,
+        &crate::api::json::JsonBudget::new(crate::api::json::JsonLimits::for_prompts(0)),
+    )
 }
 
 fn grammar(extra: Value) -> Option<Grammar> {

@@ -15,12 +15,16 @@ fn common(o: &Obj, vocab_size: usize) -> Result<Common, RouterError> {
         &crate::api::from_object(o.clone())?,
         vocab_size,
         StopLimits::PROVIDER,
+        &crate::api::json::JsonBudget::new(crate::api::json::JsonLimits::for_prompts(0)),
     )
 }
 
 /// The checks of [`super::chat`], on a body.
 fn chat(o: &Obj) -> Result<Chat, RouterError> {
-    super::chat(&ChatRequest::from_object(o.clone())?)
+    super::chat(
+        ChatRequest::from_object(o.clone())?,
+        &crate::api::json::JsonBudget::new(crate::api::json::JsonLimits::for_prompts(0)),
+    )
 }
 
 /// The checks of [`super::completion`], on a body.
@@ -280,6 +284,7 @@ fn stop_strings_have_the_seeds_limits() {
             &crate::api::from_object(obj(json!({"model": "m", "stop": v}))).unwrap(),
             1000,
             StopLimits::MINDIE,
+            &crate::api::json::JsonBudget::new(crate::api::json::JsonLimits::for_prompts(0)),
         )
     };
     assert!(mindie(json!("x".repeat(32768))).is_ok());
@@ -528,4 +533,91 @@ fn assistant_tool_calls_reach_the_template_as_objects() {
         {"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}
     ]})));
     assert!(on_user.is_err());
+}
+
+/// Every list a client sends has a cap checked before the work it buys.
+#[test]
+fn lists_past_their_caps_are_refused_naming_the_parameter() {
+    use proto::limits::{MAX_GRAMMAR_BYTES, MAX_GUIDED_CHOICES, MAX_STOP_TOKEN_IDS};
+    let ids = |n: usize| json!(vec![1; n]);
+    assert_eq!(
+        rejected_param(json!({"model": "m", "stop_token_ids": ids(MAX_STOP_TOKEN_IDS + 1)})),
+        "stop_token_ids"
+    );
+    assert!(common(
+        &obj(json!({"model": "m", "stop_token_ids": ids(MAX_STOP_TOKEN_IDS)})),
+        1000
+    )
+    .is_ok());
+    let user = json!({"role": "user", "content": "hi"});
+    let refused = |body: Value| match chat(&obj(body)) {
+        Err(RouterError::InvalidParam { param, .. }) => param,
+        other => panic!("expected a rejection, got {other:?}"),
+    };
+    assert_eq!(
+        refused(json!({"messages": vec![user.clone(); MAX_MESSAGES + 1]})),
+        "messages"
+    );
+    assert!(chat(&obj(json!({"messages": vec![user.clone(); MAX_MESSAGES]}))).is_ok());
+    let tool = json!({"type": "function", "function": {"name": "f"}});
+    assert_eq!(
+        refused(json!({"messages": [user.clone()], "tools": vec![tool.clone(); MAX_TOOLS + 1]})),
+        "tools"
+    );
+    assert!(chat(&obj(
+        json!({"messages": [user], "tools": vec![tool; MAX_TOOLS]})
+    ))
+    .is_ok());
+    let wire = |extra: Value| {
+        let mut o = obj(json!({"model": "m"}));
+        o.extend(obj(extra));
+        common(&o, 1000).unwrap().grammar.unwrap().wire()
+    };
+    let choices = |n: usize, len: usize| json!({"guided_choice": vec!["x".repeat(len); n]});
+    assert!(wire(choices(MAX_GUIDED_CHOICES, 1)).is_ok());
+    for past in [
+        choices(MAX_GUIDED_CHOICES + 1, 1),
+        choices(2, MAX_GRAMMAR_BYTES / 2 + 1),
+        json!({"guided_regex": "a".repeat(MAX_GRAMMAR_BYTES + 1)}),
+    ] {
+        assert!(
+            matches!(wire(past.clone()), Err(RouterError::InvalidParam { .. })),
+            "{past:.80}"
+        );
+    }
+}
+
+/// Fields accepted and ignored are still bounded: they are parsed and held.
+#[test]
+fn harmless_fields_are_bounded_as_openai_bounds_them() {
+    let with = |extra: Value| {
+        let mut o = obj(json!({"model": "m", "prompt": "p"}));
+        o.extend(obj(extra));
+        let r = CompletionRequest::from_object(o).unwrap();
+        known_fields(&r.extra, "")
+    };
+    let pairs = |n: usize| {
+        let m: serde_json::Map<String, Value> =
+            (0..n).map(|i| (format!("k{i}"), json!("v"))).collect();
+        json!({"metadata": m})
+    };
+    assert!(with(pairs(MAX_METADATA_PAIRS)).is_ok());
+    assert!(
+        with(json!({"store": true, "service_tier": "auto", "safety_identifier": "u1"})).is_ok()
+    );
+    for past in [
+        pairs(MAX_METADATA_PAIRS + 1),
+        json!({"metadata": {"k": 1}}),
+        json!({"metadata": {"k".repeat(65): "v"}}),
+        json!({"metadata": {"k": "v".repeat(513)}}),
+        json!({"metadata": [0, 0]}),
+        json!({"store": "yes"}),
+        json!({"service_tier": "x".repeat(513)}),
+        json!({"prompt_cache_key": [1]}),
+    ] {
+        assert!(
+            matches!(with(past.clone()), Err(RouterError::InvalidParam { .. })),
+            "{past:.80}"
+        );
+    }
 }

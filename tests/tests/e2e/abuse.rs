@@ -66,3 +66,100 @@ async fn requests_too_large_for_any_decode_node_take_no_node_out_of_rotation() {
         .await;
 }
 
+/// Just under the router's default `--max-body-bytes` (20 MiB).
+const HOSTILE_BYTES: usize = (20 << 20) - 1024;
+
+/// A completion body whose `field` holds `filler`, repeated to make the body
+/// [`HOSTILE_BYTES`] long, between `open` and `close`.
+fn hostile(head: &str, open: &str, filler: &str, close: &str) -> Vec<u8> {
+    let mut body = format!("{head}{open}").into_bytes();
+    let room = HOSTILE_BYTES - body.len() - close.len();
+    body.extend(
+        filler
+            .as_bytes()
+            .iter()
+            .cycle()
+            .take(room / filler.len() * filler.len()),
+    );
+    body.extend(close.as_bytes());
+    body
+}
+
+/// A 20 MiB body costs the router at most 64 MiB beyond what it holds idle, however its
+/// JSON is shaped: values are counted as they are parsed, and so are the values of JSON
+/// text inside the request (a tool call's arguments, a schema sent as a string), and the
+/// body is read into one buffer and let go once parsed. An array of ten million zeros in a
+/// harmless field used to grow the router by 1.8 GiB, and was answered 200. Each body goes
+/// to a router of its own: the allocator keeps what one body freed for the next, which
+/// would hide the next one's cost.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hostile_body_costs_the_router_a_bounded_amount_of_memory() {
+    let completion = r#"{"model": "test", "prompt": "hi", "max_tokens": 1, "#;
+    let chat = r#"{"model": "test", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": ""#;
+    let cases = [
+        (
+            "an array of zeros",
+            completion,
+            hostile(completion, r#""metadata": ["#, "0,", "0]}"),
+            413,
+        ),
+        (
+            "one long string",
+            completion,
+            hostile(completion, r#""user": ""#, "x", r#""}"#),
+            200,
+        ),
+        (
+            "deep arrays",
+            completion,
+            hostile(completion, r#""metadata": "#, "[", ""),
+            413,
+        ),
+        (
+            "a schema as text",
+            completion,
+            hostile(completion, r#""guided_json": "["#, "0,", r#"0]"}"#),
+            413,
+        ),
+        (
+            "tool call arguments",
+            chat,
+            hostile(chat, "[", "0,", r#"0]"}}]}]}"#),
+            413,
+        ),
+    ];
+    for (what, head, body, want) in cases {
+        let c = e2e::Cluster::start(e2e::Mode::Colocated, &tiny_model(), &[]).await;
+        c.assert_serving("at the start").await;
+        let router = c.procs.last().expect("the router is the last process");
+        let idle = router.memory().rss;
+        router.reset_peak_memory();
+        let path = if head == chat {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        };
+        let resp = c
+            .client
+            .post(format!("{}{path}", c.url))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .expect("an answer");
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap_or_default();
+        let grew = router.memory().peak.saturating_sub(idle);
+        eprintln!(
+            "{what}: {status}, the router grew {} MiB over idle",
+            grew >> 20
+        );
+        assert_eq!(status, want, "{what}: {text}");
+        assert!(
+            grew <= 64 << 20,
+            "{what}: the router grew {} MiB over idle for a 20 MiB body",
+            grew >> 20
+        );
+        c.assert_serving(what).await;
+    }
+}

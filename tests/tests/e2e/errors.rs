@@ -196,7 +196,7 @@ async fn workers_refuse_sampling_a_peer_could_abuse() {
                     token: 1,
                     bias: 1.0
                 };
-                proto::MAX_LOGIT_BIAS + 1
+                proto::limits::MAX_LOGIT_BIAS + 1
             ],
             ..Default::default()
         },
@@ -237,6 +237,63 @@ async fn workers_refuse_sampling_a_peer_could_abuse() {
                 request_id: "abusive-sampling".into(),
                 prompt: vec![1, 2, 3],
                 sampling: Some(sampling),
+                max_tokens: 2,
+                prefill_here: true,
+                ..GenerateRequest::default()
+            })
+            .await,
+        );
+    }
+}
+
+/// What a request means costs too: more stop token ids than the limit (each checked against
+/// every token of every sequence) and grammars past their limits (a compile each) are
+/// refused by both nodes whoever sends them, before any compile.
+#[tokio::test]
+async fn workers_refuse_lists_and_grammars_past_their_limits() {
+    use proto::limits::{MAX_GRAMMAR_BYTES, MAX_GUIDED_CHOICES, MAX_STOP_TOKEN_IDS};
+    use proto::v1::grammar::Kind;
+    use proto::v1::{Choices, GenerateRequest, Grammar, PrefillRequest, SamplingParams};
+
+    let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+    let (mut p, mut d) = node_clients(&c).await;
+    let grammar = |kind| SamplingParams {
+        grammar: Some(Grammar { kind: Some(kind) }),
+        ..Default::default()
+    };
+    let cases = [
+        (SamplingParams::default(), vec![1; MAX_STOP_TOKEN_IDS + 1]),
+        (
+            grammar(Kind::Choice(Choices {
+                choices: vec!["a".into(); MAX_GUIDED_CHOICES + 1],
+            })),
+            Vec::new(),
+        ),
+        (
+            grammar(Kind::Regex("a".repeat(MAX_GRAMMAR_BYTES + 1))),
+            Vec::new(),
+        ),
+    ];
+    for (sampling, stop_token_ids) in cases {
+        refused_as_invalid(
+            p.prefill(PrefillRequest {
+                request_id: "past-limits".into(),
+                prompt: vec![1, 2, 3],
+                sampling: Some(sampling.clone()),
+                stop_token_ids: stop_token_ids.clone(),
+                decode_addr: c.decode.clone(),
+                max_tokens: 2,
+                kv_ticket: vec![7; 32],
+                ..PrefillRequest::default()
+            })
+            .await,
+        );
+        refused_as_invalid(
+            d.generate(GenerateRequest {
+                request_id: "past-limits".into(),
+                prompt: vec![1, 2, 3],
+                sampling: Some(sampling),
+                stop_token_ids,
                 max_tokens: 2,
                 prefill_here: true,
                 ..GenerateRequest::default()
