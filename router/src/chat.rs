@@ -17,17 +17,7 @@ pub(crate) fn prompt(
     chat: &Chat,
     common: &mut Common,
 ) -> Result<(String, Option<Parser>), RouterError> {
-    let template = state
-        .text
-        .template
-        .as_ref()
-        .ok_or(RouterError::NoChatTemplate)?;
-    let rendered = if state.tools_in_prompt {
-        template.render(&text::tools::prompted(&chat.input))
-    } else {
-        text::tools::render(template, &chat.input)
-    };
-    let mut text = rendered.map_err(|e| RouterError::Template(e.to_string()))?;
+    let mut text = render(state, &chat.input)?;
     let parser = parser(state, &chat.tool_choice, &mut text)?;
     if let Some(g) = forced_call_grammar(state, chat) {
         if let Some(other) = &common.grammar {
@@ -44,6 +34,59 @@ pub(crate) fn prompt(
         common.grammar = Some(g);
     }
     Ok((text, parser))
+}
+
+/// A chat rendered by the model's template: with the tools and tool turns written into
+/// the messages for a template that teaches no tool format, and the special tokens' texts
+/// in the client's strings escaped (`text::specials`; undone by [`encode`] and [`shown`]).
+/// `/tokenize` counts the same prompt.
+pub(crate) fn render(state: &AppState, input: &text::ChatInput) -> Result<String, RouterError> {
+    let template = state
+        .text
+        .template
+        .as_ref()
+        .ok_or(RouterError::NoChatTemplate)?;
+    let escaped;
+    let input = match &state.specials {
+        Some(s) => {
+            escaped = text::ChatInput {
+                messages: s.escape(&input.messages),
+                tools: input.tools.as_ref().map(|t| s.escape(t)),
+                add_generation_prompt: input.add_generation_prompt,
+                kwargs: input
+                    .kwargs
+                    .iter()
+                    .map(|(k, v)| (k.clone(), s.escape(v)))
+                    .collect(),
+            };
+            &escaped
+        }
+        None => input,
+    };
+    let rendered = if state.tools_in_prompt {
+        template.render(&text::tools::prompted(input))
+    } else {
+        text::tools::render(template, input)
+    };
+    rendered.map_err(|e| RouterError::Template(e.to_string()))
+}
+
+/// The ids of a prompt [`render`] made.
+pub(crate) fn encode(state: &AppState, prompt: &str) -> Result<Vec<u32>, RouterError> {
+    let tokenizer = &state.text.tokenizer;
+    match &state.specials {
+        Some(s) => s.encode(tokenizer, prompt),
+        None => tokenizer.encode(prompt),
+    }
+    .map_err(|e| RouterError::param("messages", e.to_string()))
+}
+
+/// A prompt [`render`] made, as the model reads it: for logs.
+pub(crate) fn shown(state: &AppState, prompt: &str) -> String {
+    match &state.specials {
+        Some(s) => s.unescape(prompt),
+        None => prompt.to_string(),
+    }
 }
 
 /// The grammar that holds a forced tool call (`tool_choice` required or named) to the

@@ -45,6 +45,15 @@ pub enum ReasoningParser {
     Think,
 }
 
+/// What a special token's text inside a chat's content becomes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpecialTokensInContent {
+    /// The plain text it is.
+    Text,
+    /// The special token.
+    Special,
+}
+
 /// An API key; never printed.
 #[derive(Clone, PartialEq, Eq)]
 pub struct ApiKey(pub String);
@@ -160,6 +169,12 @@ pub struct Config {
     /// Reasoning markup parsed out of chat output into `reasoning_content`.
     #[arg(long, env = "ROUTER_REASONING_PARSER", value_enum, default_value_t = ReasoningParser::Auto)]
     pub reasoning_parser: ReasoningParser,
+    /// What a special token's text (`<|im_start|>`) inside a chat's messages, tools or
+    /// template kwargs is: `text` (the default) encodes it as the plain text it is, so only
+    /// the chat template marks turns; `special` makes it the special token, as older
+    /// servers did, which lets any client write turns of any role.
+    #[arg(long, env = "ROUTER_SPECIAL_TOKENS_IN_CONTENT", value_enum, default_value_t = SpecialTokensInContent::Text)]
+    pub special_tokens_in_content: SpecialTokensInContent,
     /// Debugging only: log each request's prompt text (the rendered prompt) at info. Prompts
     /// are private: off by default, and a warning at startup says when it is on.
     #[arg(long, env = "ROUTER_LOG_PROMPTS", default_value_t = false)]

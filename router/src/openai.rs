@@ -397,7 +397,7 @@ fn prepare(state: &AppState, kind: Kind, body: Bytes) -> Result<Prepared, Router
     };
     if state.cfg.log_prompts {
         // Inside the request's span, so the line carries its req_id.
-        tracing::info!(prompt = ?text, "prompt");
+        tracing::info!(prompt = ?crate::chat::shown(state, &text), "prompt");
     }
     if tokens.is_none() && text.len() > state.max_prompt_bytes {
         return Err(RouterError::param(
@@ -409,9 +409,10 @@ fn prepare(state: &AppState, kind: Kind, body: Bytes) -> Result<Prepared, Router
             ),
         ));
     }
-    let prompt = match tokens {
-        Some(ids) => ids,
-        None => state
+    let prompt = match (tokens, kind) {
+        (Some(ids), _) => ids,
+        (None, Kind::Chat) => crate::chat::encode(state, &text)?,
+        (None, Kind::Completion) => state
             .text
             .tokenizer
             .encode(&text)

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::{Config, Mode, ReasoningParser, ToolCallParser};
+use crate::config::{Config, Mode, ReasoningParser, SpecialTokensInContent, ToolCallParser};
 use crate::error::RouterError;
 use crate::keys::{Key, Keys};
 use crate::metrics::Metrics;
@@ -45,6 +45,9 @@ pub struct AppState {
     pub tools_in_prompt: bool,
     /// Whether `<think>` blocks go to `reasoning_content`.
     pub think: bool,
+    /// The special tokens escaped in a chat's content (`--special-tokens-in-content text`);
+    /// `None` leaves them special.
+    pub specials: Option<text::specials::Specials>,
     /// Accepted API keys; none means the API is open.
     api_keys: Keys,
     /// True while etcd cannot be reached (the last known workers keep serving).
@@ -189,10 +192,18 @@ impl AppState {
                  use it only for debugging, never with private data"
             );
         }
+        let specials = match cfg.special_tokens_in_content {
+            SpecialTokensInContent::Text => Some(
+                text::specials::Specials::of(&text.tokenizer)
+                    .map_err(|e| RouterError::Internal(format!("the tokenizer: {e}")))?,
+            ),
+            SpecialTokensInContent::Special => None,
+        };
         Ok(Self {
             tool_format,
             tools_in_prompt,
             think,
+            specials,
             cfg,
             model_name,
             text,

@@ -76,13 +76,8 @@ fn tokenize_body(state: &AppState, body: Bytes) -> Result<Tokenized, RouterError
             };
             let mut input = params::chat(chat, &json)?.input;
             input.add_generation_prompt = add_generation_prompt;
-            let template = state
-                .text
-                .template
-                .as_ref()
-                .ok_or(RouterError::NoChatTemplate)?;
-            text::tools::render(template, &input)
-                .map_err(|e| RouterError::Template(e.to_string()))?
+            let prompt = crate::chat::render(state, &input)?;
+            return tokenized(state, crate::chat::encode(state, &prompt)?, strs);
         }
     };
     let tokens = state

@@ -11,6 +11,7 @@ pub mod error;
 pub mod gguf;
 pub mod grammar;
 mod load;
+pub mod specials;
 pub mod structured;
 pub mod tokenizer;
 pub mod tools;
