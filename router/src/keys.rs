@@ -23,24 +23,48 @@ pub struct Key {
     partition: [u8; 16],
 }
 
-/// Tokens a request in flight holds of its key's quota; given back when dropped, after
-/// [`QuotaHold::charge`] has counted what the request used.
+/// Tokens a request in flight holds of its key's quota. When dropped it charges the key
+/// what the request used ([`QuotaHold::used`]), or at least what its workers spent on it
+/// ([`Spent`]), and gives back the rest.
 #[derive(Debug)]
 pub struct QuotaHold {
     key: Arc<Key>,
     tokens: u64,
+    used: u64,
+    spent: Spent,
+}
+
+/// The least a request is charged, whatever becomes of it: raised to its prompt once a
+/// worker takes the prompt to compute it, so that a client that leaves before its first
+/// token still pays for the prefill it caused. Shared with the attempts that run it.
+#[derive(Debug, Clone, Default)]
+pub struct Spent(Arc<AtomicU64>);
+
+impl Spent {
+    /// Raises the charge to at least `tokens`.
+    pub fn at_least(&self, tokens: u64) {
+        self.0.fetch_max(tokens, Ordering::AcqRel);
+    }
 }
 
 impl QuotaHold {
-    /// Counts `used` tokens against the key (at most what was held: a request cannot use
-    /// more than its worst case).
-    pub fn charge(&self, used: u64) {
-        self.key.charge(used.min(self.tokens));
+    /// Records that the request used `tokens` (its prompt and completion) in all.
+    pub fn used(&mut self, tokens: u64) {
+        self.used = self.used.max(tokens);
+    }
+
+    /// The handle through which the request's attempts raise its least charge.
+    pub fn spent(&self) -> Spent {
+        self.spent.clone()
     }
 }
 
 impl Drop for QuotaHold {
+    /// Charges the key (at most what was held: a request cannot use more than its worst
+    /// case) and gives the hold back.
     fn drop(&mut self) {
+        let spent = self.spent.0.load(Ordering::Acquire);
+        self.key.charge(self.used.max(spent).min(self.tokens));
         self.key.held.fetch_sub(self.tokens, Ordering::AcqRel);
     }
 }
@@ -93,6 +117,8 @@ impl Key {
         Ok(QuotaHold {
             key: Arc::clone(self),
             tokens,
+            used: 0,
+            spent: Spent::default(),
         })
     }
 
@@ -232,9 +258,9 @@ mod tests {
             Err(RouterError::MissingApiKey)
         ));
         let small = keys.authorize(Some("Bearer sk-small")).unwrap().unwrap();
-        small.hold(99).unwrap().charge(99);
+        small.hold(99).unwrap().used(99);
         assert!(keys.authorize(Some("Bearer sk-small")).is_ok());
-        small.hold(1).unwrap().charge(1);
+        small.hold(1).unwrap().used(1);
         assert!(matches!(
             keys.authorize(Some("Bearer sk-small")),
             Err(RouterError::QuotaExceeded {
@@ -245,7 +271,7 @@ mod tests {
         let open = keys.authorize(Some("Bearer sk-open")).unwrap().unwrap();
         open.hold(u64::from(u32::MAX))
             .unwrap()
-            .charge(u64::from(u32::MAX));
+            .used(u64::from(u32::MAX));
         assert!(keys.authorize(Some("Bearer sk-open")).is_ok(), "no quota");
         std::fs::write(&file, "sk-bad lots\n").unwrap();
         assert!(Keys::load(&[], Some(&file)).is_err());
@@ -260,7 +286,7 @@ mod tests {
             let tries: Vec<_> = (0..8).map(|_| s.spawn(|| k.hold(30))).collect();
             tries.into_iter().map(|t| t.join().unwrap()).collect()
         });
-        let granted: Vec<_> = holds.into_iter().filter_map(Result::ok).collect();
+        let mut granted: Vec<_> = holds.into_iter().filter_map(Result::ok).collect();
         assert_eq!(granted.len(), 3);
         assert!(matches!(
             k.hold(11),
@@ -271,16 +297,44 @@ mod tests {
             })
         ));
         // Each used only 5: once they end, the unused tokens are free again.
-        for h in &granted {
-            h.charge(5);
+        for h in &mut granted {
+            h.used(5);
         }
         drop(granted);
         assert_eq!(k.used.load(Ordering::Acquire), 15);
         assert_eq!(k.held.load(Ordering::Acquire), 0);
-        let h = k.hold(85).expect("85 of 100 are left");
+        let mut h = k.hold(85).expect("85 of 100 are left");
         // A request is charged at most what it held.
-        h.charge(1000);
+        h.used(1000);
         drop(h);
         assert_eq!(k.used.load(Ordering::Acquire), 100);
+    }
+
+    #[test]
+    fn a_request_abandoned_after_its_prompt_was_taken_pays_for_the_prompt() {
+        let k = key(ApiKey("sk".into()), Some(100));
+        drop(k.hold(50).unwrap());
+        assert_eq!(
+            k.used.load(Ordering::Acquire),
+            0,
+            "nothing was spent on a request no worker took"
+        );
+        let h = k.hold(50).unwrap();
+        h.spent().at_least(20);
+        drop(h);
+        assert_eq!(
+            k.used.load(Ordering::Acquire),
+            20,
+            "its prompt was computed"
+        );
+        let mut h = k.hold(50).unwrap();
+        h.spent().at_least(20);
+        h.used(30);
+        drop(h);
+        assert_eq!(
+            k.used.load(Ordering::Acquire),
+            50,
+            "what it used, when it got further"
+        );
     }
 }

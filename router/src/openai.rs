@@ -24,7 +24,7 @@ use crate::error::{ErrorFormat, RouterError};
 use crate::intake::{
     client_request_id, off_the_io_threads, on_the_blocking_pool, REQUEST_ID_HEADER,
 };
-use crate::keys::Key;
+use crate::keys::{Key, QuotaHold};
 use crate::metrics::InFlight;
 use crate::output::{ChoiceOut, Echo, Kind, Output, Tally};
 use crate::params;
@@ -200,7 +200,7 @@ async fn run(
     } else {
         (None, None)
     };
-    let req = GenRequest {
+    let mut req = GenRequest {
         id: id.clone(),
         log_id,
         max_tokens: state.completion_budget(common.max_tokens, prompt.len()),
@@ -216,6 +216,7 @@ async fn run(
         cache_partition: key
             .as_ref()
             .map_or_else(Vec::new, |k| k.cache_partition().to_vec()),
+        spent: None,
     };
     let prompt_tokens = req.prompt.len();
     let echo = echo.map(|text| Echo::new(text, req.prompt.clone()));
@@ -223,6 +224,7 @@ async fn run(
     let sequences = req.reported();
     let worst = prompt_tokens + req.max_tokens * req.sequences.max(sequences);
     let hold = key.as_ref().map(|k| k.hold(worst as u64)).transpose()?;
+    req.spent = hold.as_ref().map(QuotaHold::spent);
     // A non-streamed request has sent nothing yet when a worker fails mid-way, so it can
     // start over (same seed, same tokens) where a stream has to end with an error.
     let restart = (!common.stream).then(|| req.clone());

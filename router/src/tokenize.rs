@@ -10,6 +10,7 @@ use crate::api::tokenize::{
 use crate::api::{chat::ChatRequest, Param};
 use crate::error::RouterError;
 use crate::intake::off_the_io_threads;
+use crate::keys::Key;
 use crate::openai::read_body;
 use crate::params;
 use crate::state::AppState;
@@ -17,7 +18,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 
 /// The served model's name, when a request gives one.
 fn same_model(state: &AppState, model: &Param<String>) -> Result<(), RouterError> {
@@ -105,30 +106,48 @@ fn tokenized(state: &AppState, tokens: Vec<u32>, strs: bool) -> Result<Tokenized
 }
 
 /// Reads a body, runs `work` on it off the I/O threads when it is large, and answers with
-/// its result as JSON, or the error.
+/// its result as JSON, or the error. Like a completion, the request holds an in-flight
+/// slot (the router's and its API key's) while it runs, and is counted by `endpoint`.
 async fn answer<T: serde::Serialize + Send + 'static>(
     state: Arc<AppState>,
+    endpoint: &'static str,
+    key: Option<Arc<Key>>,
     request: (HeaderMap, Body),
     work: fn(&AppState, Bytes) -> Result<T, RouterError>,
 ) -> Response {
     let result = async {
+        let _in_flight = state.metrics.start(
+            state.cfg.max_in_flight,
+            key,
+            state.cfg.max_in_flight_per_key,
+        )?;
         let body = read_body(&state, request).await?;
         off_the_io_threads(&state, body, work).await
     };
-    match result.await {
+    let response = match result.await {
         Ok(v) => Json(v).into_response(),
         Err(e) => state.error_response(e),
-    }
+    };
+    state.metrics.finished(endpoint, response.status().as_u16());
+    response
 }
 
 /// `POST /tokenize`: `{"prompt"}` or `{"messages"}` to `{"count", "max_model_len",
 /// "tokens", "token_strs"}`.
 pub async fn tokenize(
     State(state): State<Arc<AppState>>,
+    key: Option<Extension<Arc<Key>>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    answer(state, (headers, body), tokenize_body).await
+    answer(
+        state,
+        "tokenize",
+        key.map(|k| k.0),
+        (headers, body),
+        tokenize_body,
+    )
+    .await
 }
 
 /// A detokenize body's text.
@@ -158,10 +177,18 @@ fn detokenize_body(state: &AppState, body: Bytes) -> Result<Detokenized, RouterE
 /// `POST /detokenize`: `{"tokens"}` to `{"prompt"}`, special tokens written out.
 pub async fn detokenize(
     State(state): State<Arc<AppState>>,
+    key: Option<Extension<Arc<Key>>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    answer(state, (headers, body), detokenize_body).await
+    answer(
+        state,
+        "detokenize",
+        key.map(|k| k.0),
+        (headers, body),
+        detokenize_body,
+    )
+    .await
 }
 
 /// `GET /tokenizer_info`.

@@ -53,6 +53,7 @@ pub(super) async fn local_on(
             resumed: req.resumed as u32,
         },
     );
+    req.prompt_taken();
     let stream = w
         .decode()
         .generate(generate)

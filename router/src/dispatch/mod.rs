@@ -17,6 +17,7 @@ use tracing::Instrument;
 
 use crate::config::Mode;
 use crate::error::RouterError;
+use crate::keys::Spent;
 use crate::metrics::Culprit;
 use crate::placement::{LocalReason, Placement};
 use crate::room::KvNeed;
@@ -57,9 +58,18 @@ pub struct GenRequest {
     /// The prompt's last tokens that are output the client already has: an attempt that
     /// moved the stream from a failed decode node.
     pub resumed: usize,
+    /// The least its API key is charged, raised to the prompt when a worker takes it.
+    pub spent: Option<Spent>,
 }
 
 impl GenRequest {
+    /// Counts the prompt as spent: a worker is about to compute it.
+    fn prompt_taken(&self) {
+        if let Some(s) = &self.spent {
+            s.at_least(self.prompt.len() as u64);
+        }
+    }
+
     /// Sequences the workers report back, each ending with its own finish.
     pub fn reported(&self) -> usize {
         self.beam.unwrap_or(self.sequences)

@@ -106,6 +106,7 @@ mod tests {
             prompt_logprobs: true,
             ended: None,
             resumed: 0,
+            spent: None,
         }
     }
 

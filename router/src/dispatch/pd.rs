@@ -112,6 +112,7 @@ pub(super) async fn pd_on(
     );
     let first = {
         let _hold = Hold::new(p, req.prompt.len() as u64, 0, 0);
+        req.prompt_taken();
         pc.prefill(prefill).await.map_err(|s| {
             // A transfer that failed is the decode node's doing as often as not.
             let culprit = match proto::error_reason(&s) {

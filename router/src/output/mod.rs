@@ -234,11 +234,11 @@ pub(crate) struct Output {
 }
 
 impl Drop for Output {
-    /// Charges the key for every token the request used, also when the client left early;
-    /// the hold then gives back the rest.
+    /// Records every token the request used, also when the client left early; the hold,
+    /// dropped next, charges them and gives back the rest.
     fn drop(&mut self) {
-        if let Some(hold) = &self.hold {
-            hold.charge((self.prompt_tokens + self.tally.completion_tokens) as u64);
+        if let Some(hold) = &mut self.hold {
+            hold.used((self.prompt_tokens + self.tally.completion_tokens) as u64);
         }
     }
 }

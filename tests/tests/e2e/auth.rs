@@ -157,3 +157,96 @@ async fn provider_error_format_uses_the_003_codes() {
     assert_eq!(v["code"], 9999, "{v}");
     assert!(v["result"].is_null() && v["message"].is_string(), "{v}");
 }
+
+/// The tokens an API key may still hold, as a request too large for it is told: 128
+/// sequences of the router's most tokens (513) need more than the key's 50,000.
+async fn quota_left(c: &Cluster, key: &str) -> u64 {
+    let body = json!({"model": "test", "prompt": "hi", "max_tokens": 2000, "n": 128,
+        "temperature": 1.0});
+    let (status, v) = ask(c, "/v1/completions", Some(key), &body).await;
+    assert_eq!(status, 429, "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    let left = message
+        .split(" the API key has ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok());
+    left.unwrap_or_else(|| panic!("no tokens left in {message:?}"))
+}
+
+/// A client that leaves after a prefill node took its prompt, before its first token,
+/// still pays for the prompt: the prefill was computed for it. It used to pay nothing, so
+/// a key could buy prefills without end by leaving early.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_abandoned_before_its_first_token_pays_for_its_prompt() {
+    use tokio::io::AsyncWriteExt;
+    let file = scratch().join("abandon-keys.txt");
+    std::fs::write(&file, "open-key\nmetered 50000\n").unwrap();
+    let file = file.display().to_string();
+    let c = Cluster::start(Mode::Pd, &e2e::smollm2(), &["--api-key-file", &file]).await;
+    let prefill = c.prefill.clone().expect("a prefill node");
+    let quota = quota_left(&c, "metered").await;
+    // A long prompt keeps the prefill node's compute thread busy...
+    let long =
+        json!({"model": "test", "prompt": "river stone lantern ".repeat(600), "max_tokens": 1});
+    let busy = {
+        let url = format!("{}/v1/completions", c.url);
+        tokio::spawn(async move {
+            reqwest::Client::new()
+                .post(url)
+                .bearer_auth("open-key")
+                .json(&long)
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        })
+    };
+    e2e::wait_metric(
+        &prefill,
+        "prefill_running_prompts",
+        "",
+        1.0,
+        std::time::Duration::from_secs(30),
+    )
+    .await;
+    // ...so the metered request's prompt waits in its queue when its client leaves.
+    let prompt = "Summarise the harbour's history in one line.";
+    let body = json!({"model": "test", "prompt": prompt, "max_tokens": 8}).to_string();
+    let host = c.url.trim_start_matches("http://");
+    let mut sock = tokio::net::TcpStream::connect(host).await.unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer metered\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    sock.write_all(head.as_bytes()).await.unwrap();
+    sock.write_all(body.as_bytes()).await.unwrap();
+    e2e::wait_metric(
+        &prefill,
+        "prefill_queue_depth",
+        "",
+        1.0,
+        std::time::Duration::from_secs(30),
+    )
+    .await;
+    drop(sock);
+    let (_, tokenized) = ask(
+        &c,
+        "/tokenize",
+        Some("open-key"),
+        &json!({"model": "test", "prompt": prompt}),
+    )
+    .await;
+    let prompt_tokens = tokenized["count"].as_u64().expect("a count");
+    let charged = e2e::poll_until(std::time::Duration::from_secs(30), || async {
+        (quota_left(&c, "metered").await == quota - prompt_tokens).then_some(())
+    })
+    .await;
+    assert!(
+        charged.is_some(),
+        "the key was not charged the {prompt_tokens} prompt tokens of the abandoned request: \
+         {} of {quota} left",
+        quota_left(&c, "metered").await
+    );
+    assert_eq!(busy.await.unwrap().expect("an answer"), 200);
+}

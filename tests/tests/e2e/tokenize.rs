@@ -143,3 +143,27 @@ async fn special_tokens_in_a_message_are_text_unless_configured() {
     }
 }
 
+/// `/tokenize` and `/detokenize` take an in-flight slot like any request, and are counted:
+/// at `--max-in-flight 0` every one is refused. They used to bypass the limit.
+#[tokio::test]
+async fn tokenizing_takes_an_in_flight_slot_and_is_counted() {
+    let c = Cluster::start(
+        Mode::Colocated,
+        &e2e::tiny_model(),
+        &["--max-in-flight", "0"],
+    )
+    .await;
+    let (status, t) = c.post("/tokenize", &json!({"prompt": "hello"})).await;
+    assert_eq!(status, 503, "{t}");
+    let (status, d) = c.post("/detokenize", &json!({"tokens": [1, 2]})).await;
+    assert_eq!(status, 503, "{d}");
+    let page = c.router_metrics().await;
+    for endpoint in ["tokenize", "detokenize"] {
+        let labels = format!("{{endpoint=\"{endpoint}\",status=\"503\"}}");
+        assert_eq!(
+            e2e::metric(&page, "router_requests_total", &labels),
+            Some(1.0),
+            "{endpoint}:\n{page}"
+        );
+    }
+}
