@@ -21,13 +21,14 @@ DECODE_LISTEN=127.0.0.1:51052 "$BIN/tandem-decode" >"$LOGS/decode.log" 2>&1 & PI
 for r in a b; do
   port=$([ $r = a ] && echo 51080 || echo 51081)
   local_max=$([ $r = a ] && echo 0 || echo 1000000)
-  ROUTER_LISTEN=127.0.0.1:$port ROUTER_PREFILL_NODES=127.0.0.1:51051 \
+  ROUTER_LISTEN=127.0.0.1:$port ROUTER_METRICS_LISTEN=127.0.0.1:$((port + 10)) \
+    ROUTER_PREFILL_NODES=127.0.0.1:51051 \
     ROUTER_DECODE_NODES=127.0.0.1:51052 ROUTER_LOCAL_PREFILL_MAX_TOKENS=$local_max \
     "$BIN/tandem-router" >"$LOGS/router-$r.log" 2>&1 & PIDS+=($!)
 done
 for port in 51080 51081; do
   for _ in $(seq 1 240); do
-    curl -sf "http://127.0.0.1:$port/health/ready" >/dev/null && break
+    curl -sf "http://127.0.0.1:$((port + 10))/health/ready" >/dev/null && break
     sleep 0.5
   done
 done

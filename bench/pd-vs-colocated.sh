@@ -46,16 +46,16 @@ run() { # label, router port
 }
 
 pinned_pd() { # label, local-prefill-max-tokens
-P=$(free_port); D=$(free_port); R=$(free_port)
+P=$(free_port); D=$(free_port); R=$(free_port); M=$(free_port)
 taskset -c 0 "$BIN/tandem-prefill" --model "$MODEL" --listen "127.0.0.1:$P" \
     --decode-nodes "127.0.0.1:$D" >"$LOGS/p.log" 2>&1 & PIDS+=($!)
 taskset -c 1 "$BIN/tandem-decode" --model "$MODEL" --listen "127.0.0.1:$D" >"$LOGS/d.log" 2>&1 & PIDS+=($!)
-"$BIN/tandem-router" --model "$MODEL" --model-name bench --listen "127.0.0.1:$R" \
+"$BIN/tandem-router" --model "$MODEL" --model-name bench --listen "127.0.0.1:$R" --metrics-listen "127.0.0.1:$M" \
     --prefill-nodes "127.0.0.1:$P" --decode-nodes "127.0.0.1:$D" \
     --local-prefill-max-tokens "$2" >"$LOGS/r.log" 2>&1 & PIDS+=($!)
-wait_ready "$R"
+wait_ready "$M"
 run "$1" "$R"
-curl -s "http://127.0.0.1:$R/metrics" | grep '^router_prefill_placements_total' || true
+curl -s "http://127.0.0.1:$M/metrics" | grep '^router_prefill_placements_total' || true
 stop
 }
 
@@ -71,11 +71,11 @@ fi
 
 if [[ " $SETUPS " == *" colocated "* ]]; then
 echo "== colocated: one worker on both cores"
-D=$(free_port); R=$(free_port)
+D=$(free_port); R=$(free_port); M=$(free_port)
 taskset -c 0,1 "$BIN/tandem-decode" --model "$MODEL" --listen "127.0.0.1:$D" >"$LOGS/c.log" 2>&1 & PIDS+=($!)
-"$BIN/tandem-router" --model "$MODEL" --model-name bench --listen "127.0.0.1:$R" --mode colocated \
+"$BIN/tandem-router" --model "$MODEL" --model-name bench --listen "127.0.0.1:$R" --metrics-listen "127.0.0.1:$M" --mode colocated \
     --decode-nodes "127.0.0.1:$D" >"$LOGS/rc.log" 2>&1 & PIDS+=($!)
-wait_ready "$R"
+wait_ready "$M"
 run colocated "$R"
 stop
 fi

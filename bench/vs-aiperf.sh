@@ -23,14 +23,14 @@ trap stop EXIT
 mkdir -p "$OUT"
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-D=$(free_port); R=$(free_port)
+D=$(free_port); R=$(free_port); M=$(free_port)
 taskset -c 0 "$BIN/tandem-decode" --model "$MODEL" --listen "127.0.0.1:$D" >"$LOGS/d.log" 2>&1 &
 PIDS+=($!)
 taskset -c 0 "$BIN/tandem-router" --model "$MODEL" --model-name small --mode colocated \
-    --listen "127.0.0.1:$R" --decode-nodes "127.0.0.1:$D" >"$LOGS/r.log" 2>&1 &
+    --listen "127.0.0.1:$R" --metrics-listen "127.0.0.1:$M" --decode-nodes "127.0.0.1:$D" >"$LOGS/r.log" 2>&1 &
 PIDS+=($!)
-for _ in $(seq 1 600); do curl -sf "http://127.0.0.1:$R/health/ready" >/dev/null && break; sleep 0.1; done
-curl -sf "http://127.0.0.1:$R/health/ready" >/dev/null || { echo "router not ready; logs in $LOGS" >&2; exit 1; }
+for _ in $(seq 1 600); do curl -sf "http://127.0.0.1:$M/health/ready" >/dev/null && break; sleep 0.1; done
+curl -sf "http://127.0.0.1:$M/health/ready" >/dev/null || { echo "router not ready; logs in $LOGS" >&2; exit 1; }
 # One request first, so that neither tool's first run pays the server's warm-up.
 curl -sf "http://127.0.0.1:$R/v1/completions" -H 'content-type: application/json' \
     -d '{"model": "small", "prompt": "warm up", "max_tokens": 8}' >/dev/null

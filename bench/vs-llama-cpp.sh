@@ -40,8 +40,8 @@ wait_ok() { # url
 }
 
 start() { # server, streams; sets PORT
-    local R P D
-    R=$(free_port)
+    local R P D M
+    R=$(free_port); M=$(free_port)
     case $1 in
     llama-cpp)
         "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$R" -t 2 -np "$2" \
@@ -54,9 +54,10 @@ start() { # server, streams; sets PORT
         "$BIN/tandem-decode" --model "$MODEL" --listen "127.0.0.1:$D" >"$LOGS/c.log" 2>&1 &
         PIDS+=($!)
         "$BIN/tandem-router" --model "$MODEL" --model-name bench --listen "127.0.0.1:$R" \
+            --metrics-listen "127.0.0.1:$M" \
             --mode colocated --decode-nodes "127.0.0.1:$D" >"$LOGS/rc.log" 2>&1 &
         PIDS+=($!)
-        wait_ok "http://127.0.0.1:$R/health/ready"
+        wait_ok "http://127.0.0.1:$M/health/ready"
         ;;
     tandem-pd | tandem-conditional)
         local local_args=()
@@ -70,10 +71,11 @@ start() { # server, streams; sets PORT
         "$BIN/tandem-decode" --model "$MODEL" --listen "127.0.0.1:$D" >"$LOGS/d.log" 2>&1 &
         PIDS+=($!)
         "$BIN/tandem-router" --model "$MODEL" --model-name bench --listen "127.0.0.1:$R" \
+            --metrics-listen "127.0.0.1:$M" \
             --prefill-nodes "127.0.0.1:$P" --decode-nodes "127.0.0.1:$D" "${local_args[@]}" \
             >"$LOGS/r.log" 2>&1 &
         PIDS+=($!)
-        wait_ok "http://127.0.0.1:$R/health/ready"
+        wait_ok "http://127.0.0.1:$M/health/ready"
         ;;
     esac
     PORT=$R

@@ -6,8 +6,9 @@
 #   bash scripts/quickstart.sh
 #
 # Environment (all optional): TANDEM_MODEL (another model folder or GGUF file),
-# ROUTER_LISTEN, PREFILL_LISTEN, DECODE_LISTEN, TANDEM_BIN_DIR (prebuilt binaries: skips the
-# build), and every other env twin of the three binaries' flags (see their --help).
+# ROUTER_LISTEN, ROUTER_METRICS_LISTEN (the router's /metrics and /health/ready),
+# PREFILL_LISTEN, DECODE_LISTEN, TANDEM_BIN_DIR (prebuilt binaries: skips the build), and
+# every other env twin of the three binaries' flags (see their --help).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -18,6 +19,7 @@ if [ -z "${TANDEM_MODEL:-}" ]; then
 fi
 export TANDEM_MODEL
 export ROUTER_LISTEN="${ROUTER_LISTEN:-127.0.0.1:8080}"
+export ROUTER_METRICS_LISTEN="${ROUTER_METRICS_LISTEN:-127.0.0.1:9464}"
 export PREFILL_LISTEN="${PREFILL_LISTEN:-127.0.0.1:50051}"
 export DECODE_LISTEN="${DECODE_LISTEN:-127.0.0.1:50052}"
 export ROUTER_PREFILL_NODES="$PREFILL_LISTEN" ROUTER_DECODE_NODES="$DECODE_LISTEN"
@@ -44,6 +46,6 @@ trap stop INT TERM EXIT
 "$bin/tandem-prefill" & pids+=($!)
 "$bin/tandem-decode" & pids+=($!)
 "$bin/tandem-router" & pids+=($!)
-echo "tandem: router on http://$ROUTER_LISTEN (model $TANDEM_MODEL); Ctrl-C stops it" >&2
+echo "tandem: router on http://$ROUTER_LISTEN (model $TANDEM_MODEL), metrics on http://$ROUTER_METRICS_LISTEN; Ctrl-C stops it" >&2
 # If any of the three exits, stop the others.
 wait -n "${pids[@]}"

@@ -92,6 +92,7 @@ pub async fn serve(
     let info = runtime::worker_info(
         discovery::Role::Decode,
         advertise,
+        cfg.cluster.name(discovery::Role::Decode),
         &cfg.model,
         kvwire::convert::layout_info(&layout),
         capacity,

@@ -64,6 +64,10 @@ pub struct WorkerInfo {
     pub role: Role,
     /// The gRPC address (host:port) routers and prefill nodes dial.
     pub addr: String,
+    /// What routers call the worker in their metrics, never its address: in Kubernetes,
+    /// its pod's name. Empty in a registration that gives none.
+    #[serde(default)]
+    pub name: String,
     /// The model's folder or file name.
     pub model: String,
     pub layout: Layout,
@@ -101,6 +105,7 @@ mod tests {
         let info = WorkerInfo {
             role: Role::Decode,
             addr: "10.0.0.7:50052".into(),
+            name: "decode-0".into(),
             model: "qwen".into(),
             layout: Layout {
                 n_layers: 24,
@@ -125,5 +130,6 @@ mod tests {
             "layout":{"n_layers":1,"n_kv_heads":1,"head_dim":1,"dtype":"f32"}}"#;
         let bare: WorkerInfo = serde_json::from_str(bare).unwrap();
         assert_eq!(bare.capacity, Capacity::default());
+        assert_eq!(bare.name, "");
     }
 }

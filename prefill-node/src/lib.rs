@@ -83,6 +83,7 @@ pub async fn serve(
     let info = runtime::worker_info(
         discovery::Role::Prefill,
         advertise,
+        cfg.cluster.name(discovery::Role::Prefill),
         &cfg.model,
         kvwire::convert::layout_info(&layout),
         capacity,

@@ -130,6 +130,7 @@ mod tests {
         discovery::WorkerInfo {
             role,
             addr: addr.into(),
+            name: String::new(),
             model: "m".into(),
             layout: discovery::Layout {
                 n_layers: 1,

@@ -81,6 +81,11 @@ pub struct Config {
     /// Address the HTTP API listens on.
     #[arg(long, env = "ROUTER_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
+    /// Address the operations listener listens on: `/metrics`, `/health` and
+    /// `/health/ready`, for Prometheus and probes. The API port serves `/health` alone, so
+    /// no client reads the cluster's map or its breakers from it.
+    #[arg(long, env = "ROUTER_METRICS_LISTEN", default_value = "127.0.0.1:9464")]
+    pub metrics_listen: SocketAddr,
     /// Hugging Face model folder or GGUF file; the router reads its tokenizer, chat
     /// template and config, never its weights.
     #[arg(long, env = "TANDEM_MODEL")]

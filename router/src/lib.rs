@@ -41,7 +41,8 @@ pub use error::ErrorFormat;
 pub use error::RouterError;
 pub use state::AppState;
 
-/// The HTTP routes over shared state.
+/// The API's routes over shared state, with `/health` (the process serves): what clients
+/// reach. Metrics and readiness are [`ops_app`]'s.
 pub fn app(state: Arc<AppState>) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(openai::chat))
@@ -56,14 +57,25 @@ pub fn app(state: Arc<AppState>) -> Router {
         ));
     Router::new()
         .merge(api)
-        .route(
-            "/health",
-            get(|| async { Json(api::health::Liveness { status: "ok" }) }),
-        )
+        .route("/health", get(live))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// The operations listener's routes: `/metrics`, `/health` and `/health/ready`, for
+/// Prometheus and probes. They name the workers, their states and their breakers, so they
+/// stay off the port clients reach.
+pub fn ops_app(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(live))
         .route("/health/ready", get(ready))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .with_state(state)
+}
+
+async fn live() -> Json<api::health::Liveness> {
+    Json(api::health::Liveness { status: "ok" })
 }
 
 /// Lets a request through only with a valid API key that has quota left, when keys are
@@ -133,10 +145,22 @@ pub enum ServeError {
     Io(#[from] std::io::Error),
 }
 
-/// Serves the API on `listener` until `shutdown` resolves, over HTTPS when a certificate
-/// is configured.
+/// The router's bound listeners.
+pub struct Listeners {
+    /// The HTTP API's (`--listen`).
+    pub api: TcpListener,
+    /// The operations listener's (`--metrics-listen`): metrics and health.
+    pub ops: TcpListener,
+}
+
+/// Connections the operations listener holds open at once: Prometheus and the kubelet's
+/// probes need a few.
+const OPS_CONNECTIONS: usize = 64;
+
+/// Serves the API on `listeners.api` and metrics and health on `listeners.ops`, both over
+/// HTTPS when a certificate is configured, until `shutdown` resolves.
 pub async fn serve(
-    listener: TcpListener,
+    listeners: Listeners,
     cfg: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
@@ -160,10 +184,35 @@ pub async fn serve(
     let max_connections = cfg.max_connections;
     let state = Arc::new(AppState::new(cfg)?);
     state.spawn_background()?;
-    tracing::info!(addr = %listener.local_addr()?, model = %state.model_name,
-        mode = ?state.cfg.mode, https = https.is_some(), "router serving");
-    let incoming = tls::accept(listener, https, max_connections)?;
+    tracing::info!(addr = %listeners.api.local_addr()?, ops = %listeners.ops.local_addr()?,
+        model = %state.model_name, mode = ?state.cfg.mode, https = https.is_some(),
+        "router serving");
+    let (stop, stopping) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop.send(true);
+    });
+    let stopped = move || {
+        let mut stopping = stopping.clone();
+        async move {
+            let _ = stopping.wait_for(|s| *s).await;
+        }
+    };
+    let ops = http::serve(
+        tls::accept(listeners.ops, https.clone(), OPS_CONNECTIONS)?,
+        ops_app(Arc::clone(&state)),
+        limits,
+        Arc::clone(&state.metrics),
+        stopped(),
+    );
     let metrics = Arc::clone(&state.metrics);
-    http::serve(incoming, app(state), limits, metrics, shutdown).await;
+    let api = http::serve(
+        tls::accept(listeners.api, https, max_connections)?,
+        app(state),
+        limits,
+        metrics,
+        stopped(),
+    );
+    tokio::join!(api, ops);
     Ok(())
 }

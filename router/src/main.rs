@@ -11,8 +11,11 @@ fn main() -> anyhow::Result<()> {
     let cfg = Config::parse();
     runtime::io_runtime(cfg.threads.map(usize::from))?.block_on(async {
         runtime::init_tracing(&cfg.log);
-        let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
-        router::serve(listener, cfg, runtime::shutdown_signal()).await?;
+        let listeners = router::Listeners {
+            api: tokio::net::TcpListener::bind(cfg.listen).await?,
+            ops: tokio::net::TcpListener::bind(cfg.metrics_listen).await?,
+        };
+        router::serve(listeners, cfg, runtime::shutdown_signal()).await?;
         Ok(())
     })
 }

@@ -37,8 +37,8 @@ impl Pool {
         policy: Arc<dyn Policy>,
     ) -> Result<Self, RouterError> {
         let mut workers = BTreeMap::new();
-        for addr in addrs {
-            let w = Worker::new(addr, None, &settings)?;
+        for (i, addr) in addrs.iter().enumerate() {
+            let w = Worker::new(format!("{name}-{i}"), addr, None, &settings)?;
             workers.insert(format!("static/{addr}"), Arc::new(w));
         }
         Ok(Self {
@@ -65,7 +65,7 @@ impl Pool {
             if let Some(why) = &mismatch {
                 tracing::warn!(%key, %why, "registered worker is incompatible; not routed to");
             }
-            match Worker::new(&info.addr, mismatch, &self.settings) {
+            match Worker::new(label(info, key), &info.addr, mismatch, &self.settings) {
                 Ok(w) => {
                     workers.insert(key.clone(), Arc::new(w));
                 }
@@ -200,11 +200,23 @@ impl Pool {
             r.gauge_with(
                 "router_breaker_open",
                 "1 while a worker's circuit breaker keeps it out of rotation.",
-                &[("role", role), ("worker", &w.addr)],
+                &[("role", role), ("worker", &w.name)],
             )
             .set(f64::from(u8::from(w.breaker_open())));
         }
     }
+}
+
+/// The name a registered worker is labelled by: its registration's (at most 63 characters),
+/// else its role and a digest of its key, which is stable and names no address.
+fn label(info: &WorkerInfo, key: &str) -> String {
+    if !info.name.is_empty() {
+        return info.name.chars().take(63).collect();
+    }
+    let digest = key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    format!("{}-{:08x}", info.role.as_str(), digest as u32)
 }
 
 /// Sets the worker gauges of the router's pools, each `(role label, pool)`, for a render.
@@ -232,6 +244,7 @@ mod tests {
         WorkerInfo {
             role,
             addr: addr.into(),
+            name: String::new(),
             model: model.into(),
             layout: layout(layers),
             engine_version: version.into(),
@@ -286,5 +299,37 @@ mod tests {
         assert_eq!(pool.states(), [0, 1, 0, 3, 0], "a worker that left is gone");
         pool.sync(&BTreeMap::new());
         assert_eq!(pool.states(), [0, 1, 0, 0, 0], "static workers stay");
+    }
+
+    #[test]
+    fn workers_are_labelled_by_name_never_by_address() {
+        let mut named = info(Role::Decode, "10.1.2.3:50052", "m", 2, "1");
+        named.name = "decode-7f9c".into();
+        assert_eq!(
+            label(&named, "/tandem/workers/decode/10.1.2.3:50052"),
+            "decode-7f9c"
+        );
+        let unnamed = info(Role::Decode, "10.1.2.3:50052", "m", 2, "1");
+        let key = "/tandem/workers/decode/10.1.2.3:50052";
+        let l = label(&unnamed, key);
+        assert!(l.starts_with("decode-") && !l.contains("10.1"), "{l}");
+        assert_eq!(l, label(&unnamed, key), "stable");
+        assert_ne!(l, label(&unnamed, "/tandem/workers/decode/10.1.2.4:50052"));
+        let pool = Pool::new(
+            "decode",
+            Role::Decode,
+            &["127.0.0.1:9".into(), "127.0.0.1:10".into()],
+            Expected {
+                model: "m".into(),
+                layout: layout(2),
+                engine_version: "1".into(),
+            },
+            test_settings(3, 1000),
+            crate::routing::PolicyKind::RoundRobin.build(0),
+        )
+        .unwrap();
+        let mut names: Vec<_> = pool.all().iter().map(|w| w.name.clone()).collect();
+        names.sort();
+        assert_eq!(names, ["decode-0", "decode-1"]);
     }
 }

@@ -82,6 +82,9 @@ pub const AFFINITY_BLOCK: usize = 16;
 #[derive(Debug)]
 pub struct Worker {
     pub addr: String,
+    /// What metrics call it: its registration's name, or its role and place in a static
+    /// list; never its address, which is the cluster's map.
+    pub name: String,
     channel: Channel,
     /// Largest gRPC message sent or accepted.
     max_message: usize,
@@ -117,6 +120,7 @@ struct Breaker {
 
 impl Worker {
     pub(crate) fn new(
+        name: String,
         addr: &str,
         mismatch: Option<String>,
         s: &PoolSettings,
@@ -127,6 +131,7 @@ impl Worker {
             .map_err(|e| RouterError::Internal(format!("bad worker address {addr}: {e}")))?;
         Ok(Self {
             addr: addr.to_string(),
+            name,
             channel,
             max_message: s.dialer.max_message,
             mismatch,
@@ -147,7 +152,7 @@ impl Worker {
     /// A healthy worker at `addr` with nothing placed on it, for policy tests.
     #[cfg(test)]
     pub fn new_for_tests(addr: &str, s: &PoolSettings) -> Self {
-        let w = Self::new(addr, None, s).expect("a valid address");
+        let w = Self::new("test".into(), addr, None, s).expect("a valid address");
         w.probe.lock().expect("probe lock").ok = true;
         w
     }
@@ -417,7 +422,7 @@ mod tests {
     #[tokio::test]
     async fn states_follow_probes_and_registrations() {
         let s = test_settings(3, 1000);
-        let w = Worker::new("127.0.0.1:1", None, &s).unwrap();
+        let w = Worker::new("w".into(), "127.0.0.1:1", None, &s).unwrap();
         assert_eq!(
             w.state(),
             State::Unhealthy,
@@ -426,7 +431,7 @@ mod tests {
         w.probe.lock().unwrap().ok = true;
         w.probe.lock().unwrap().draining = true;
         assert_eq!(w.state(), State::Draining);
-        let other = Worker::new("127.0.0.1:1", Some("model x".into()), &s).unwrap();
+        let other = Worker::new("w".into(), "127.0.0.1:1", Some("model x".into()), &s).unwrap();
         other.probe.lock().unwrap().ok = true;
         assert_eq!(other.state(), State::Incompatible);
     }

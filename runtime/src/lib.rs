@@ -54,6 +54,7 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 pub fn worker_info(
     role: discovery::Role,
     addr: String,
+    name: String,
     model: &std::path::Path,
     layout: discovery::Layout,
     capacity: discovery::Capacity,
@@ -61,6 +62,7 @@ pub fn worker_info(
     discovery::WorkerInfo {
         role,
         addr,
+        name,
         model: discovery::model_identity(model),
         layout,
         engine_version: VERSION.into(),

@@ -85,6 +85,11 @@ pub struct ClusterArgs {
     /// Needed when listening on 0.0.0.0 (in Kubernetes, the pod IP).
     #[arg(long, env = "TANDEM_ADVERTISE_ADDR")]
     pub advertise_addr: Option<String>,
+    /// The name this worker registers under, by which routers label it in their metrics
+    /// (never by its address): in Kubernetes, the pod's name. Default: its role and its
+    /// process id.
+    #[arg(long, env = "TANDEM_WORKER_NAME")]
+    pub worker_name: Option<String>,
     /// Seconds the registration outlives a worker that stops renewing it (killed, cut off).
     #[arg(long, env = "TANDEM_LEASE_TTL_S", default_value_t = 10)]
     pub lease_ttl_s: u64,
@@ -103,6 +108,14 @@ pub struct ClusterArgs {
 }
 
 impl ClusterArgs {
+    /// The name to register as a worker of `role` (`--worker-name`).
+    pub fn name(&self, role: discovery::Role) -> String {
+        self.worker_name
+            .clone()
+            .filter(|n| !n.is_empty())
+            .unwrap_or_else(|| format!("{}-{}", role.as_str(), std::process::id()))
+    }
+
     /// The address to register: `--advertise-addr`, else the listen address when it is a
     /// specific one.
     pub fn advertise(&self, listen: SocketAddr) -> Result<String, ServeError> {

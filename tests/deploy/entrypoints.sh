@@ -103,10 +103,11 @@ start prefill
 start decode
 start router
 router="http://127.0.0.1:$PORT_router"
+ops="http://127.0.0.1:$PORT_router_metrics"
 
 ready=""
 for _ in $(seq 600); do
-  if curl -sf "$router/health/ready" >/dev/null 2>&1; then ready=1; break; fi
+  if curl -sf "$ops/health/ready" >/dev/null 2>&1; then ready=1; break; fi
   for c in prefill decode router; do
     kill -0 "${pid[$c]}" 2>/dev/null || { echo "$c exited early"; break 2; }
   done
@@ -130,7 +131,7 @@ if [ "$code" = 200 ]; then
 else
   bad "/v1/completions: $code $(head -c 300 "$work/completion.json")"; logs
 fi
-curl -s "$router/metrics" | grep -E '^router_workers' | sed 's/^/     /' || true
+curl -s "$ops/metrics" | grep -E '^router_workers' | sed 's/^/     /' || true
 
 # Stop as Kubernetes does: SIGTERM, then terminationGracePeriodSeconds to exit.
 declare -A term_at=()

@@ -177,12 +177,24 @@ def check_pod_consistency(t, c_label, wl, spec, c, env, binary, volumes, by_key)
     tls_port = eff.get("https-cert" if binary == "tandem-router" else "tls-cert")
     mutual = binary != "tandem-router" and tls_port
     named = {pp.get("name"): pp["containerPort"] for pp in c.get("ports") or []}
+    # A router answers probes (and Prometheus) on its operations listener, never on the
+    # API's port; a worker on its listen port.
+    probe_flag = "metrics-listen" if binary == "tandem-router" else "listen"
+    probe_at = eff.get(probe_flag) or ""
+    pport = int(probe_at.rsplit(":", 1)[1]) if ":" in probe_at else None
+    if binary == "tandem-router":
+        t.ok(f"{c_label} metrics-listen port {pport} is a containerPort apart from the API's",
+             pport in ports and pport != lport)
+    annotations = (wl["spec"]["template"].get("metadata") or {}).get("annotations") or {}
+    if annotations.get("prometheus.io/scrape") == "true":
+        t.ok(f"{c_label} prometheus.io/port is the {probe_flag} port ({pport})",
+             str(annotations.get("prometheus.io/port")) == str(pport))
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
         p = c.get(probe)
         if not t.ok(f"{c_label} has a {probe}", p is not None):
             continue
         kind, port = probe_target(p, named)
-        t.ok(f"{c_label} {probe} ({kind}) port {port} is the listen port", port == lport)
+        t.ok(f"{c_label} {probe} ({kind}) port {port} is the {probe_flag} port", port == pport)
         if kind == "httpGet":
             scheme = p["httpGet"].get("scheme", "HTTP")
             want = "HTTPS" if tls_port else "HTTP"
@@ -193,7 +205,6 @@ def check_pod_consistency(t, c_label, wl, spec, c, env, binary, volumes, by_key)
                  kind not in ("httpGet", "grpc"),
                  "an httpGet or grpc probe is refused in the handshake: the kubelet presents "
                  "no client certificate")
-    annotations = (wl["spec"]["template"].get("metadata") or {}).get("annotations") or {}
     if annotations.get("prometheus.io/scrape") == "true":
         want = "https" if tls_port else "http"
         t.ok(f"{c_label} prometheus.io/scheme is {want}",
@@ -436,7 +447,8 @@ def cmd_plan(args):
     """Writes a bash file defining, for router, prefill and decode: <c>_cmd (the command and
     args), <c>_env (NAME=VALUE of its whole environment), <c>_mounts (HOST:CONTAINER[:ro],
     container mode only), <c>_podman_opts (its security context and scratch volumes as podman
-    options), <c>_grace, PORT_<c> (its first containerPort's local port); and
+    options), <c>_grace, PORT_<c> (its first containerPort's local port), PORT_<c>_<name>
+    (each named containerPort's); and
     API_KEY (the first key of the router's Secret), MODEL_NAME."""
     path = os.path.join(K8S, args.overlay) if not os.path.isabs(args.overlay) else args.overlay
     objs = render(path)
@@ -461,6 +473,9 @@ def cmd_plan(args):
         envd = env_dict(env)
         ports = {p["containerPort"]: free_port() for p in c.get("ports") or []}
         out.append(f"PORT_{comp}={ports[next(iter(ports))]}")
+        for p in c.get("ports") or []:
+            if p.get("name"):
+                out.append(f"PORT_{comp}_{p['name']}={ports[p['containerPort']]}")
         if comp == "router":
             out.append(f"MODEL_NAME={shlex.quote(envd.get('ROUTER_MODEL_NAME', ''))}")
 

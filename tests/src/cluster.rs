@@ -16,6 +16,9 @@ pub enum Mode {
 /// A running cluster of real processes.
 pub struct Cluster {
     pub url: String,
+    /// The router's operations listener (host:port): `/metrics` and `/health/*`, over
+    /// HTTPS when the API is.
+    pub ops: String,
     pub model_name: String,
     pub procs: Vec<Proc>,
     /// The prefill node's address (host:port), in PD mode.
@@ -97,9 +100,12 @@ impl Cluster {
             router.extend(args(&["--mode", "colocated"]));
         }
         let port = free_port();
+        let ops = format!("127.0.0.1:{}", free_port());
         router.extend(args(&[
             "--listen",
             &format!("127.0.0.1:{port}"),
+            "--metrics-listen",
+            &ops,
             "--model-name",
             "test",
         ]));
@@ -115,6 +121,7 @@ impl Cluster {
         };
         let mut cluster = Self {
             url: format!("{scheme}://127.0.0.1:{port}"),
+            ops,
             client,
             model_name: "test".into(),
             procs,
@@ -137,13 +144,19 @@ impl Cluster {
         assert_eq!(status, 200, "{what}: {v}\nlogs:\n{}", self.logs());
     }
 
+    /// The operations listener's URL for `path`, in the API's scheme.
+    pub fn ops_url(&self, path: &str) -> String {
+        let scheme = self.url.split("://").next().unwrap_or("http");
+        format!("{scheme}://{}{path}", self.ops)
+    }
+
     /// Polls `/health/ready` until it answers 200; panics with the logs after `limit`.
     pub async fn wait_ready(&mut self, limit: Duration) {
         let client = self.client.clone();
         let deadline = Instant::now() + limit;
         loop {
             let ok = client
-                .get(format!("{}/health/ready", self.url))
+                .get(self.ops_url("/health/ready"))
                 .timeout(Duration::from_secs(2))
                 .send()
                 .await
@@ -181,10 +194,10 @@ impl Cluster {
             .collect()
     }
 
-    /// The router's `/metrics` page.
+    /// The router's `/metrics` page, from its operations listener.
     pub async fn router_metrics(&self) -> String {
         self.client
-            .get(format!("{}/metrics", self.url))
+            .get(self.ops_url("/metrics"))
             .send()
             .await
             .unwrap_or_else(|e| panic!("scraping the router: {e}"))

@@ -85,6 +85,8 @@ pub struct Fleet {
     pub etcd: Etcd,
     /// The router's base URL, `http://127.0.0.1:<port>`.
     pub url: String,
+    /// The router's operations listener (host:port): `/metrics` and `/health/*`.
+    pub ops: String,
     pub router: Proc,
     pub prefill: Vec<Worker>,
     pub decode: Vec<Worker>,
@@ -104,11 +106,14 @@ impl Fleet {
     pub async fn start_on(etcd: Etcd, model: &Path, router_args: &[&str]) -> Self {
         let port = free_port();
         let tag = format!("fleet-{port}");
+        let ops = format!("127.0.0.1:{}", free_port());
         let mut router_argv = args(&[
             "--model",
             &model.display().to_string(),
             "--listen",
             &format!("127.0.0.1:{port}"),
+            "--metrics-listen",
+            &ops,
             "--model-name",
             "test",
             "--etcd-endpoints",
@@ -123,6 +128,7 @@ impl Fleet {
         let mut fleet = Self {
             etcd,
             url: format!("http://127.0.0.1:{port}"),
+            ops,
             router,
             prefill: Vec::new(),
             decode: Vec::new(),
@@ -216,7 +222,7 @@ impl Fleet {
 
     /// The router's `/metrics` page.
     pub async fn router_metrics(&self) -> String {
-        scrape(self.url.trim_start_matches("http://")).await
+        scrape(&self.ops).await
     }
 
     /// Polls the router's metrics until `holds` accepts the page; returns that page.
@@ -227,7 +233,7 @@ impl Fleet {
         limit: Duration,
         holds: impl Fn(&str) -> bool,
     ) -> String {
-        let router = self.url.trim_start_matches("http://");
+        let router = self.ops.as_str();
         let page = poll_until(limit, || async {
             let page = try_scrape(router).await?;
             holds(&page).then_some(page)
@@ -255,7 +261,7 @@ impl Fleet {
 
     /// `GET /health/ready`: its status and JSON body (Null when it is not JSON).
     pub async fn ready(&self) -> (u16, Value) {
-        let url = format!("{}/health/ready", self.url);
+        let url = format!("http://{}/health/ready", self.ops);
         let (status, body) = try_get(&url)
             .await
             .unwrap_or_else(|| panic!("{url} did not answer; logs:\n{}", self.logs()));

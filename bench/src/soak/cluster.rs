@@ -7,6 +7,8 @@ pub(super) struct Cluster {
     pub(super) fleet: Option<Fleet>,
     pub(super) model: PathBuf,
     pub(super) url: String,
+    /// The router's operations listener (host:port): its `/metrics`.
+    pub(super) ops: String,
     pub(super) model_name: String,
     pub(super) procs: Vec<Tracked>,
     /// Flags every prefill node started here gets, restarts included.
@@ -29,10 +31,14 @@ impl Cluster {
         let model = cfg.model.clone().unwrap_or_else(e2e::tiny_model);
         if let Some(url) = &cfg.url {
             let url = url.trim_end_matches('/').to_string();
+            let ops = cfg
+                .router_metrics
+                .clone()
+                .ok_or_else(|| SoakError::Config("--url needs --router-metrics".into()))?;
             let mut procs = vec![Tracked {
                 name: "router".into(),
                 kind: Kind::Router,
-                addr: url.trim_start_matches("http://").to_string(),
+                addr: ops.clone(),
             }];
             for addr in &cfg.workers {
                 let page = scrape(scraper, addr)
@@ -56,6 +62,7 @@ impl Cluster {
                 fleet: None,
                 model,
                 url,
+                ops,
                 model_name: cfg.model_name.clone(),
                 procs,
                 prefill_args: Vec::new(),
@@ -81,7 +88,7 @@ impl Cluster {
         let mut procs = vec![Tracked {
             name: "router".into(),
             kind: Kind::Router,
-            addr: fleet.url.trim_start_matches("http://").to_string(),
+            addr: fleet.ops.clone(),
         }];
         for (role, kind) in [(Role::Prefill, Kind::Prefill), (Role::Decode, Kind::Decode)] {
             for (i, w) in fleet.workers(role).iter().enumerate() {
@@ -94,6 +101,7 @@ impl Cluster {
         }
         Ok(Self {
             url: fleet.url.clone(),
+            ops: fleet.ops.clone(),
             fleet: Some(fleet),
             model,
             model_name: "test".into(),
@@ -153,7 +161,7 @@ impl Cluster {
 
     /// The router's count of ready workers of `role`; `None` when it does not answer.
     pub(super) async fn ready_workers(&self, scraper: &reqwest::Client, role: Role) -> Option<f64> {
-        let page = scrape(scraper, self.router_addr()).await?;
+        let page = scrape(scraper, &self.ops).await?;
         workers_in(&page, role, "ready")
     }
 

@@ -111,6 +111,9 @@ pub struct SoakConfig {
     /// (nothing is killed then).
     #[arg(long)]
     pub url: Option<String>,
+    /// With `--url`: the router's operations listener (host:port of its `/metrics`).
+    #[arg(long)]
+    pub router_metrics: Option<String>,
     /// With `--url`: the `model` of each request.
     #[arg(long, default_value = "test")]
     pub model_name: String,
@@ -209,7 +212,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport, SoakError> {
         cfg: cfg.clone(),
         t0,
     };
-    let router_before = scrape(&scraper, cluster.router_addr())
+    let router_before = scrape(&scraper, &cluster.ops)
         .await
         .map(|p| router_requests(&p))
         .ok_or_else(|| SoakError::Unreachable(cluster.url.clone()))?;

@@ -145,11 +145,20 @@ async fn models_health_and_metrics() {
     assert_eq!(models["data"][0]["id"], c.model_name.as_str());
     assert_eq!(models["data"][0]["object"], "model");
     assert_eq!(get("/health").await.unwrap().status(), 200);
-    let ready: Value = get("/health/ready").await.unwrap().json().await.unwrap();
+    let ops = |path: &str| reqwest::get(format!("http://{}{path}", c.ops));
+    let ready: Value = ops("/health/ready").await.unwrap().json().await.unwrap();
     assert_eq!(ready["ready"], true);
+    // What names workers and their states stays off the port clients reach.
+    for private in ["/metrics", "/health/ready"] {
+        assert_eq!(get(private).await.unwrap().status(), 404, "{private}");
+    }
     let body = json!({"model": c.model_name, "prompt": "hello", "max_tokens": 2});
     assert_eq!(c.post("/v1/completions", &body).await.0, 200);
-    let metrics = get("/metrics").await.unwrap().text().await.unwrap();
+    let metrics = ops("/metrics").await.unwrap().text().await.unwrap();
+    assert!(
+        !metrics.contains(&c.decode),
+        "the router's metrics name a worker's address:\n{metrics}"
+    );
     assert!(
         metrics.contains("router_requests_total{endpoint=\"completions\",status=\"200\"} 1"),
         "{metrics}"

@@ -100,9 +100,17 @@ async fn api_keys_guard_the_api_but_not_health_or_metrics() {
 
     let models = reqwest::get(format!("{}/v1/models", c.url)).await.unwrap();
     assert_eq!(models.status(), 401);
-    for open in ["/health", "/metrics"] {
-        let r = reqwest::get(format!("{}{open}", c.url)).await.unwrap();
-        assert_eq!(r.status(), 200, "{open} needs no key");
+    let r = reqwest::get(format!("{}/health", c.url)).await.unwrap();
+    assert_eq!(r.status(), 200, "/health needs no key");
+    for open in ["/health", "/health/ready", "/metrics"] {
+        let r = reqwest::get(format!("http://{}{open}", c.ops))
+            .await
+            .unwrap();
+        assert_eq!(
+            r.status(),
+            200,
+            "{open} on the operations listener needs no key"
+        );
     }
 }
 

@@ -131,7 +131,7 @@ async fn streams_past_max_streams_are_refused_until_one_ends() {
         &["--max-streams", "2", "--max-iter-times", "2000"],
     )
     .await;
-    let addr = c.url.trim_start_matches("http://").to_string();
+    let addr = c.ops.clone();
     let open = |want: f64| wait_metric(&addr, "router_streams_open", "", want, WAIT);
 
     // A stream that finishes gives its slot back.
@@ -201,7 +201,7 @@ async fn a_stream_that_fails_gives_its_slot_back() {
         ],
     )
     .await;
-    let addr = c.url.trim_start_matches("http://").to_string();
+    let addr = c.ops.clone();
     let mut held = open_held(&c).await;
     let url = format!("{}/v1/chat/completions", c.url);
     let (status, _) = SseStream::open(&url, &held_request()).await;

@@ -88,7 +88,7 @@ async fn a_dead_prefill_node_gives_503_not_a_hang() {
     let mut c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
     c.procs[1].kill(); // the prefill node
     expect_503(&c).await;
-    let ready = reqwest::get(format!("{}/health/ready", c.url))
+    let ready = reqwest::get(format!("http://{}/health/ready", c.ops))
         .await
         .unwrap();
     assert_eq!(ready.status(), 503, "not ready without a prefill node");
@@ -97,6 +97,7 @@ async fn a_dead_prefill_node_gives_503_not_a_hang() {
 #[tokio::test]
 async fn a_router_with_no_reachable_worker_is_not_ready() {
     let port = free_port();
+    let ops = format!("127.0.0.1:{}", free_port());
     let dead = format!("127.0.0.1:{}", free_port());
     let router = e2e::Proc::spawn(
         &e2e::bin("tandem-router"),
@@ -105,6 +106,8 @@ async fn a_router_with_no_reachable_worker_is_not_ready() {
             tiny_model().display().to_string(),
             "--listen".into(),
             format!("127.0.0.1:{port}"),
+            "--metrics-listen".into(),
+            ops.clone(),
             "--prefill-nodes".into(),
             dead.clone(),
             "--decode-nodes".into(),
@@ -116,7 +119,11 @@ async fn a_router_with_no_reachable_worker_is_not_ready() {
     let client = reqwest::Client::new();
     let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
-        if let Ok(r) = client.get(format!("{url}/health/ready")).send().await {
+        if let Ok(r) = client
+            .get(format!("http://{ops}/health/ready"))
+            .send()
+            .await
+        {
             break r.status();
         }
         assert!(

@@ -229,7 +229,7 @@ async fn streams_whose_clients_stop_reading_are_dropped_and_cancelled() {
         );
         silent.push(conn);
     }
-    let router = host.clone();
+    let router = c.ops.clone();
     wait_metric(
         &router,
         "router_client_stalls_total",

@@ -369,7 +369,7 @@ async fn past_its_in_flight_limit_the_router_refuses_at_once() {
         held.push(conn);
     }
     wait_metric(
-        &host,
+        &c.ops,
         "router_requests_in_flight",
         "",
         2.0,
@@ -393,7 +393,7 @@ async fn past_its_in_flight_limit_the_router_refuses_at_once() {
     );
     drop(held);
     wait_metric(
-        &host,
+        &c.ops,
         "router_requests_in_flight",
         "",
         0.0,

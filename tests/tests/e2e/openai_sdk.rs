@@ -44,7 +44,7 @@ fn listening(addr: &str) -> bool {
 async fn openai_sdk_against_the_quickstart_cluster() {
     let py = venv_bin("python");
     let model = smollm2();
-    let addrs: Vec<String> = (0..3)
+    let addrs: Vec<String> = (0..4)
         .map(|_| format!("127.0.0.1:{}", free_port()))
         .collect();
     let log = scratch().join("quickstart.log");
@@ -56,6 +56,7 @@ async fn openai_sdk_against_the_quickstart_cluster() {
         .env("ROUTER_LISTEN", &addrs[0])
         .env("PREFILL_LISTEN", &addrs[1])
         .env("DECODE_LISTEN", &addrs[2])
+        .env("ROUTER_METRICS_LISTEN", &addrs[3])
         .stdout(out.try_clone().unwrap())
         .stderr(out)
         .stdin(Stdio::null())
@@ -68,7 +69,7 @@ async fn openai_sdk_against_the_quickstart_cluster() {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let ready = client
-            .get(format!("{url}/health/ready"))
+            .get(format!("http://{}/health/ready", addrs[3]))
             .send()
             .await
             .is_ok_and(|r| r.status().is_success());

@@ -62,7 +62,7 @@ async fn short_prompts_prefilled_on_their_decode_node_give_the_pd_tokens() {
             }
         }
     }
-    let router = e2e::scrape(cond.url.trim_start_matches("http://")).await;
+    let router = cond.router_metrics().await;
     let placed = |labels: &str| {
         e2e::metric(&router, "router_prefill_placements_total", labels).unwrap_or(0.0)
     };
@@ -134,7 +134,7 @@ async fn a_short_prompt_goes_to_the_prefill_node_when_its_decode_node_is_full() 
         let (url, body) = (format!("{}/v1/completions", cond.url), short.clone());
         async move { e2e::post(&url, &body).await }
     });
-    let router = cond.url.trim_start_matches("http://").to_string();
+    let router = cond.ops.clone();
     let no_room = "{placement=\"prefill_node\",reason=\"no_room\"}";
     wait_metric(
         &router,

@@ -107,7 +107,7 @@ async fn a_router_on_one_thread_serves_concurrent_unary_and_streamed_requests() 
     }
     assert!(!texts[0].is_empty());
     assert!(texts.iter().all(|t| *t == texts[0]), "{texts:?}");
-    let page = e2e::scrape(c.url.trim_start_matches("http://")).await;
+    let page = c.router_metrics().await;
     assert_eq!(
         e2e::metric(&page, "process_threads", ""),
         Some(1.0),

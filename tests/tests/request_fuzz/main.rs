@@ -343,7 +343,11 @@ fn fuzzed_requests_are_answered_and_refusals_name_their_parameter() {
     ])
     .expect("the router's flags");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = rt.spawn(router::serve(listener, cfg, async {
+    let ops = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("binding a port");
+    let listeners = router::Listeners { api: listener, ops };
+    let server = rt.spawn(router::serve(listeners, cfg, async {
         let _ = stopped.await;
     }));
 
