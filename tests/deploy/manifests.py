@@ -24,6 +24,7 @@ import socket
 import sys
 import tempfile
 
+import fetch
 import helm
 import monitoring
 from objects import (K8S, Tally, binary_help, container_env, effective, env_dict, expand,
@@ -428,6 +429,7 @@ def cmd_check(args):
     versions = [v.strip() for v in versions.split(",") if v.strip()]
     t = Tally()
     check_tree(t, K8S, versions)
+    fetch.check(t)
     selftest(t, versions, check_tree)
     print(f"{t.passed} passed, {t.failed} failed")
     return 1 if t.failed else 0
