@@ -271,6 +271,9 @@ async fn start(cfg: &OverheadConfig, setup: Setup, round: usize) -> Result<Runni
                 "zero".into(),
                 "--listen".into(),
                 listen,
+                // A port of its own, so that it never meets another router's.
+                "--metrics-listen".into(),
+                format!("127.0.0.1:{}", free_port()),
                 "--decode-nodes".into(),
                 d,
             ];
