@@ -10,9 +10,9 @@
 
 use std::sync::Arc;
 
-use llguidance::api::{GrammarWithLexer, TopLevelGrammar};
+use llguidance::api::{GrammarWithLexer, ParserLimits, TopLevelGrammar};
 use llguidance::toktrie::{SimpleVob, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
-use llguidance::{JsonCompileOptions, Matcher, ParserFactory};
+use llguidance::{JsonCompileOptions, Matcher, ParserFactory, TokenParser};
 use serde_json::Value;
 
 use crate::Tokenizer;
@@ -41,6 +41,35 @@ pub enum GrammarError {
     #[error("grammar constraint failed: {0}")]
     Failed(String),
 }
+
+/// What one grammar may cost, set here rather than left to llguidance's defaults, since a
+/// grammar is a stranger's input. Measured on SmolLM2's vocabulary (49,152 tokens) on the
+/// development machine: a 16 KiB `const` masks a token in about 6 ms, a 128-way regex in
+/// under 1 ms, the schemas of the tests in under 1 ms; the first mask of a grammar costs
+/// about five times its later ones.
+pub const PARSER_LIMITS: ParserLimits = ParserLimits {
+    // Earley items in one row: the grammar's branching at one point of the text.
+    max_items_in_row: 2_000,
+    // Building the lexer's regular expressions at compile time (about 50k a millisecond):
+    // a compile gives up after about 20-70 ms of lexer work.
+    initial_lexer_fuel: 1_000_000,
+    // Lexer work for one token's mask; past it the mask fails and so does the request.
+    step_lexer_fuel: 100_000,
+    // Earley items created for one token's mask.
+    step_max_items: 50_000,
+    // Lexer states a grammar may build, lazily, over its life (1-2 KiB each): at most
+    // about 40 MiB for one grammar, shared by every sequence that uses it.
+    max_lexer_states: 20_000,
+    // Symbols in the grammar's productions; a grammar's text is at most
+    // `proto::limits::MAX_GRAMMAR_BYTES` (128 KiB) before it gets here.
+    max_grammar_size: 200_000,
+    // Large lexemes are run against the vocabulary once, at compile time, within the
+    // initial fuel, so that every mask after is cheaper.
+    precompute_large_lexemes: true,
+    // An error names what went wrong, not the grammar and tokens so far: it goes back to
+    // the client, and a grammar can be 128 KiB.
+    verbose_errors: false,
+};
 
 /// The JSON the model writes: one space after `,` and `:` and no other whitespace, so that
 /// a small model at a high temperature cannot spend its token budget on blank lines.
@@ -159,6 +188,7 @@ impl Vocab {
         let mut factory =
             ParserFactory::new_simple(&env).map_err(|e| GrammarError::Invalid(e.to_string()))?;
         factory.quiet();
+        *factory.limits_mut() = PARSER_LIMITS;
         Ok(Self {
             factory: Arc::new(factory),
             eos: eos.into(),
@@ -166,31 +196,71 @@ impl Vocab {
     }
 
     /// The constraint of `grammar` before any output, for a request that ends on `stops`
-    /// (its stop tokens), or what is wrong with the grammar.
-    ///
-    /// The grammar's end is offered through the end-of-sequence tokens among `stops` only:
-    /// with `ignore_eos` none of them is a stop, and the sequence goes on while its grammar
-    /// can, until its budget or a grammar that allows nothing more ends it.
+    /// (its stop tokens), or what is wrong with the grammar: [`Vocab::parse`] then
+    /// [`Compiled::start`].
     pub fn compile(&self, grammar: &Grammar, stops: &[u32]) -> Result<Constraint, GrammarError> {
+        Ok(self.parse(grammar)?.start(stops))
+    }
+
+    /// `grammar` compiled against this vocabulary, or what is wrong with it.
+    pub fn parse(&self, grammar: &Grammar) -> Result<Compiled, GrammarError> {
         let top = grammar.top_level()?;
         // A grammar is a stranger's input: a panic in the compiler fails this grammar only.
         let parser = llguidance::panic_utils::catch_unwind(std::panic::AssertUnwindSafe(|| {
             self.factory.create_parser(top)
         }))
         .map_err(|e| GrammarError::Invalid(e.to_string()))?;
+        // A clone shares the lexer the matcher builds as it masks: it measures its size.
+        let lexer = parser.clone();
         let matcher = Matcher::new(Ok(parser));
         match matcher.get_error() {
             Some(e) => Err(GrammarError::Invalid(e)),
-            None => Ok(Constraint {
+            None => Ok(Compiled {
                 matcher,
-                hidden_ends: self
-                    .eos
-                    .iter()
-                    .copied()
-                    .filter(|t| !stops.contains(t))
-                    .collect(),
+                lexer,
+                eos: self.eos.clone(),
             }),
         }
+    }
+}
+
+/// A compiled grammar, before any output: what every sequence that uses it starts from.
+/// Its constraints share its lexer, which grows as they mask (up to
+/// [`PARSER_LIMITS`]' `max_lexer_states`).
+#[derive(Clone)]
+pub struct Compiled {
+    matcher: Matcher,
+    lexer: TokenParser,
+    eos: Arc<[u32]>,
+}
+
+impl std::fmt::Debug for Compiled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Compiled").finish_non_exhaustive()
+    }
+}
+
+impl Compiled {
+    /// The constraint before any output, for a request that ends on `stops`.
+    ///
+    /// The grammar's end is offered through the end-of-sequence tokens among `stops` only:
+    /// with `ignore_eos` none of them is a stop, and the sequence goes on while its grammar
+    /// can, until its budget or a grammar that allows nothing more ends it.
+    pub fn start(&self, stops: &[u32]) -> Constraint {
+        Constraint {
+            matcher: self.matcher.clone(),
+            hidden_ends: self
+                .eos
+                .iter()
+                .copied()
+                .filter(|t| !stops.contains(t))
+                .collect(),
+        }
+    }
+
+    /// Bytes its lexer holds now (it grows as its constraints mask).
+    pub fn lexer_bytes(&self) -> usize {
+        self.lexer.parser.lexer_stats().num_bytes
     }
 }
 

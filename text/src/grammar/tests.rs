@@ -286,3 +286,30 @@ fn a_state_rebuilt_from_the_tokens_so_far_masks_as_the_one_that_grew() {
         }
     }
 }
+
+#[test]
+fn a_failed_constraint_does_not_echo_the_grammar_back() {
+    let m = model();
+    let long = format!("[0-9]+({})?", "x".repeat(4096));
+    let mut c = m.vocab.compile(&Grammar::Regex(long), &m.eos).unwrap();
+    let letter = m.tokenizer.encode("a").unwrap();
+    let err = c.advance(&letter).unwrap_err().to_string();
+    assert!(err.len() < 512, "{} bytes: {err:.200}", err.len());
+}
+
+#[test]
+fn the_constraints_of_one_grammar_share_its_lexer() {
+    let m = model();
+    let compiled = m.vocab.parse(&Grammar::Regex("[a-z]{1,9}".into())).unwrap();
+    let before = compiled.lexer_bytes();
+    let mut c = compiled.start(&m.eos);
+    for text in ["ab", "cd"] {
+        c.mask().unwrap();
+        c.advance(&m.tokenizer.encode(text).unwrap()).unwrap();
+    }
+    assert!(compiled.lexer_bytes() > before, "{before}");
+    assert!(
+        !compiled.start(&m.eos).mask().unwrap().allows(m.eos[0]),
+        "a fresh start is unmoved by another's tokens"
+    );
+}
