@@ -27,7 +27,7 @@ pub struct Shape {
     pub layout: KvLayout,
     pub vocab: usize,
     /// What request grammars compile with.
-    pub grammars: kvwire::convert::Grammars,
+    pub grammars: kvwire::grammars::Grammars,
 }
 
 /// State shared by the service's handlers.

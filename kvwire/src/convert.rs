@@ -36,78 +36,6 @@ pub enum SamplingError {
     NoVocab(String),
 }
 
-/// What a node compiles request grammars with: the model's vocabulary (or why it cannot be
-/// used: the node still serves, and refuses only the requests that carry a grammar), and
-/// turns on the blocking pool, one per CPU, since compiling a grammar can take longer than
-/// a thread serving connections may be held (a short regex can take half a second).
-pub struct Grammars {
-    vocab: Result<engine::grammar::Vocab, String>,
-    turns: runtime::Turns,
-}
-
-impl Grammars {
-    /// The grammars of `loaded`'s vocabulary.
-    pub fn of(loaded: &engine::Loaded) -> Self {
-        let eos = &loaded.model.config().eos_token_ids;
-        let vocab = engine::grammar::Vocab::new(&loaded.tokenizer, eos).map_err(|e| {
-            tracing::warn!(error = %e, "requests with a grammar will be refused");
-            e.to_string()
-        });
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Self {
-            vocab,
-            turns: runtime::Turns::new(cpus),
-        }
-    }
-
-    /// The constraint a request's sequences start from, for a request that ends on
-    /// `stops`, compiled on the blocking pool in a turn of this node's; `None` without a
-    /// grammar.
-    pub async fn constraint(
-        &self,
-        g: Option<v1::Grammar>,
-        stops: &[u32],
-        beam: bool,
-    ) -> Result<Option<engine::grammar::Constraint>, SamplingError> {
-        let Some(g) = g else {
-            return Ok(None);
-        };
-        // Checked before a turn is waited for: a grammar past the limits costs no compile.
-        grammar_from_proto(&g)?;
-        let failed = |e: String| SamplingError::Grammar(format!("compiling: {e}"));
-        let (vocab, stops) = (self.vocab.clone(), stops.to_vec());
-        self.turns
-            .run(move || constraint_from_proto(Some(&g), &vocab, &stops, beam))
-            .await
-            .unwrap_or_else(|e| Err(failed(e.to_string())))
-    }
-}
-
-/// The constraint a request's sequences start from (before any output), compiled from its
-/// grammar against the node's vocabulary (`vocab`, or why the node has none); `None`
-/// without a grammar.
-pub fn constraint_from_proto(
-    g: Option<&v1::Grammar>,
-    vocab: &Result<engine::grammar::Vocab, String>,
-    stops: &[u32],
-    beam: bool,
-) -> Result<Option<engine::grammar::Constraint>, SamplingError> {
-    let Some(g) = g else {
-        return Ok(None);
-    };
-    if beam {
-        return Err(SamplingError::GrammarWithBeams);
-    }
-    let vocab = vocab
-        .as_ref()
-        .map_err(|e| SamplingError::NoVocab(e.clone()))?;
-    let grammar = grammar_from_proto(g)?;
-    vocab
-        .compile(&grammar, stops)
-        .map(Some)
-        .map_err(|e| SamplingError::Grammar(e.to_string()))
-}
-
 /// A request's grammar from its wire form; compiled by the node that samples with it.
 pub fn grammar_from_proto(g: &v1::Grammar) -> Result<engine::grammar::Grammar, SamplingError> {
     use engine::grammar::Grammar;
@@ -392,23 +320,8 @@ mod tests {
     }
 
     #[test]
-    fn grammars_a_node_cannot_use_are_refused() {
+    fn grammars_without_a_kind_or_valid_schema_text_are_refused() {
         use v1::grammar::Kind;
-        let none: Result<engine::grammar::Vocab, String> = Err("no end token".into());
-        assert!(constraint_from_proto(None, &none, &[], true)
-            .unwrap()
-            .is_none());
-        let rx = v1::Grammar {
-            kind: Some(Kind::Regex("a+".into())),
-        };
-        assert_eq!(
-            constraint_from_proto(Some(&rx), &none, &[], true).unwrap_err(),
-            SamplingError::GrammarWithBeams
-        );
-        assert_eq!(
-            constraint_from_proto(Some(&rx), &none, &[], false).unwrap_err(),
-            SamplingError::NoVocab("no end token".into())
-        );
         assert_eq!(
             grammar_from_proto(&v1::Grammar { kind: None }).unwrap_err(),
             SamplingError::NoGrammar

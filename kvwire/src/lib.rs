@@ -16,6 +16,7 @@
 
 mod client;
 pub mod convert;
+pub mod grammars;
 
 pub use client::Client;
 

@@ -53,7 +53,7 @@ pub async fn serve(
     let path = cfg.model.clone();
     let loaded =
         runtime::load_model(move || engine::load(&path, &candle_core::Device::Cpu)).await?;
-    let grammars = kvwire::convert::Grammars::of(&loaded);
+    let grammars = kvwire::grammars::Grammars::of(&loaded);
     let model = loaded.model;
     let layout = model.kv_layout();
     let max_positions = model.config().max_position_embeddings;

@@ -24,7 +24,7 @@ pub struct PrefillService {
     layout: KvLayout,
     max_positions: usize,
     vocab: usize,
-    grammars: kvwire::convert::Grammars,
+    grammars: kvwire::grammars::Grammars,
     kv: Arc<kvwire::Client>,
     targets: DecodeTargets,
     gate: runtime::Gate,
@@ -37,7 +37,7 @@ pub struct Setup {
     pub max_positions: usize,
     pub vocab: usize,
     /// What request grammars compile with.
-    pub grammars: kvwire::convert::Grammars,
+    pub grammars: kvwire::grammars::Grammars,
     pub kv: kvwire::Client,
     pub targets: DecodeTargets,
 }
