@@ -32,6 +32,8 @@ pub struct DecodeMetrics {
     pub transfer_failures: Counter,
     /// KV connections refused before a ticket was redeemed.
     pub kv_refused: Counter,
+    /// Sampled tokens put off because their request's grammar time was spent.
+    pub grammar_deferred: Counter,
     /// Each decode step's wall time.
     pub step_duration: Histogram,
     /// Each admitted request's wait for KV blocks or a batch slot.
@@ -109,6 +111,11 @@ impl DecodeMetrics {
                 "decode_kv_refused_total",
                 "KV connections refused before a ticket was redeemed: no ticket, a wrong or \
                  spent one, a bad or late header.",
+            ),
+            grammar_deferred: r.counter(
+                "decode_grammar_deferred_total",
+                "Tokens put off to a later step because their request's grammar masks had \
+                 taken its share of the steps.",
             ),
             step_duration: r.histogram(STEP_DURATION, "Wall time of each batched decode step."),
             queue_wait: r.histogram(

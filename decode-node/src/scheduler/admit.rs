@@ -165,6 +165,7 @@ impl Scheduler {
             None => 0,
         };
         let (prompt, so_far) = engine::sampling::split_resumed(&a.prompt, a.resumed);
+        let grammar_time = Account::default();
         let seqs = caches.into_iter().zip(first).zip(constraints);
         for (choice, ((cache, first), constraint)) in seqs.enumerate() {
             let mut output = so_far.to_vec();
@@ -176,6 +177,8 @@ impl Scheduler {
                 prompt: prompt.to_vec(),
                 sampling: a.sampling.for_choice(choice),
                 constraint,
+                grammar_time: grammar_time.clone(),
+                parked: None,
                 top_logprobs: a.top_logprobs,
                 max_new: a.max_new,
                 stop_ids: a.stop_ids.clone(),

@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use engine::beam::BeamSearch;
-use engine::grammar::Constraint;
+use engine::grammar::{Constraint, GrammarError};
 use engine::sampling::Context;
 use engine::{EngineError, Model, Sampled, SamplingParams, SeqCache, SeqInput};
 use proto::v1::{
@@ -31,9 +31,12 @@ use runtime::prom::Observe;
 
 mod admit;
 mod beam;
+pub mod masks;
 mod prefill;
+mod step;
 
 use beam::{ended, BeamGroup, BeamState};
+use masks::Account;
 
 /// Where a sequence's events go; closed when its caller is gone.
 pub type Events = mpsc::UnboundedSender<Result<GenerateEvent, Status>>;
@@ -93,6 +96,10 @@ struct Seq {
     sampling: SamplingParams,
     /// Its grammar's state after `output`.
     constraint: Option<Constraint>,
+    /// Its request's time for grammar masks.
+    grammar_time: Account,
+    /// Logits waiting for that time, when it ran out.
+    parked: Option<Parked>,
     top_logprobs: usize,
     max_new: usize,
     stop_ids: Vec<u32>,
@@ -104,6 +111,15 @@ struct Seq {
     produced: usize,
     ready_since: Instant,
     events: Events,
+}
+
+/// A sequence's logits from a step, kept until its grammar may mask them.
+struct Parked {
+    row: Vec<f32>,
+    /// The step's time and batch, reported with the token.
+    ms: f64,
+    batch: usize,
+    since: Instant,
 }
 
 /// Starts the compute thread, which runs at most `max_batch` sequences a step (a request
@@ -318,133 +334,6 @@ impl Scheduler {
     fn fail(&self, events: &Events, e: DecodeError) {
         let _ = events.send(Err(e.into()));
         self.metrics.failures.increment(1);
-    }
-
-    fn step(&mut self) {
-        let batch = self.batch_len();
-        let span = tracing::debug_span!("decode_step", batch);
-        let _entered = span.enter();
-        let started = Instant::now();
-        // One forward over every running sequence and then every live beam, in that order.
-        let inputs: Vec<[u32; 1]> = self
-            .running
-            .iter()
-            .map(|s| *s.output.last().expect("a running sequence has a token"))
-            .chain(self.groups.iter().flat_map(|g| {
-                g.search
-                    .live()
-                    .iter()
-                    .map(|b| *b.tokens.last().expect("a beam has a token"))
-            }))
-            .map(|t| [t])
-            .collect();
-        let rows = {
-            let caches = self.running.iter_mut().map(|s| &mut s.cache).chain(
-                self.groups.iter_mut().flat_map(|g| {
-                    g.search
-                        .live_states_mut()
-                        .map(|b| b.cache.as_mut().expect("a live beam holds its cache"))
-                }),
-            );
-            let mut seqs: Vec<SeqInput<'_>> = caches
-                .zip(&inputs)
-                .map(|(cache, t)| SeqInput { tokens: t, cache })
-                .collect();
-            self.model
-                .forward(&mut seqs)
-                .and_then(|l| l.to_vec2::<f32>().map_err(EngineError::from))
-        };
-        let mut rows = match rows {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::error!(error = %e, "decode step failed; failing its sequences");
-                let status = Status::internal(format!("decode step failed: {e}"));
-                for s in self.running.drain(..) {
-                    let _ = s.events.send(Err(status.clone()));
-                }
-                for g in self.groups.drain(..) {
-                    let _ = g.events.send(Err(status.clone()));
-                }
-                self.metrics.failures.increment(1);
-                return;
-            }
-        };
-        let beam_rows = rows.split_off(self.running.len());
-        let sampled: Vec<Result<Sampled, _>> = self
-            .running
-            .iter_mut()
-            .zip(&rows)
-            .map(|(s, row)| {
-                let allowed = s.constraint.as_mut().map(Constraint::mask).transpose()?;
-                let cx = Context::of(&s.prompt, &s.output).masked(allowed.as_ref());
-                let step = s.output.len() as u64;
-                Ok(engine::sampling::sample(
-                    row,
-                    &s.sampling,
-                    &cx,
-                    step,
-                    s.top_logprobs,
-                ))
-            })
-            .collect();
-        let elapsed = started.elapsed();
-        let ms = elapsed.as_secs_f64() * 1e3;
-        let m = &self.metrics;
-        m.steps.increment(1);
-        m.step_sequences.increment(batch as u64);
-        m.step_duration.observe(elapsed);
-        m.generated_tokens.increment(batch as u64);
-        let now = Instant::now();
-        for (mut seq, s) in std::mem::take(&mut self.running).into_iter().zip(sampled) {
-            let advanced = s.and_then(|s| {
-                let c = seq.constraint.as_mut();
-                c.map_or(Ok(()), |c| c.advance(&[s.token])).map(|()| s)
-            });
-            let s = match advanced {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(parent: &seq.span, error = %e, "grammar failed");
-                    self.fail(&seq.events, DecodeError::Grammar(e.to_string()));
-                    continue;
-                }
-            };
-            let wait = started.saturating_duration_since(seq.ready_since);
-            let _ = seq.events.send(Ok(token_event(
-                &s,
-                seq.choice,
-                ms,
-                batch,
-                wait.as_micros() as u64,
-            )));
-            seq.output.push(s.token);
-            seq.produced += 1;
-            seq.ready_since = now;
-            self.keep_or_finish(seq);
-        }
-        let mut beam_rows = beam_rows.into_iter();
-        for mut g in std::mem::take(&mut self.groups) {
-            let rows: Vec<Vec<f32>> = beam_rows.by_ref().take(g.search.live().len()).collect();
-            let wait = started.saturating_duration_since(g.ready_since).as_micros() as u64;
-            let stepped = g.search.step(
-                &rows,
-                g.top_logprobs,
-                |b: &BeamState| {
-                    Ok::<_, EngineError>(BeamState {
-                        cache: Some(b.cache().fork()?),
-                        history: b.history.clone(),
-                    })
-                },
-                ended,
-                |b, s| b.history.push(token(s, 0, ms, batch, wait)),
-            );
-            if let Err(e) = stepped {
-                self.fail(&g.events, e.into());
-                continue;
-            }
-            g.produced += 1;
-            g.ready_since = now;
-            self.keep_or_end(g);
-        }
     }
 }
 

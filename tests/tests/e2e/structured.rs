@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use e2e::{person_schema, smollm2, Cluster, Mode};
+use e2e::{person_schema, scrape, smollm2, Cluster, Mode};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::task::JoinSet;
@@ -281,4 +281,39 @@ async fn a_bad_grammar_is_a_400_naming_the_parameter() {
         .await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(served(e2e::scrape(prefill).await), 1.0);
+}
+
+/// A grammar that costs much more per token than its share of a step (a 16 KiB `const`
+/// masks in about 6 ms, a step of two sequences takes about 15) is put off to later steps
+/// while a plain request shares the node, and gives the same tokens as alone: sampling
+/// does not depend on when. The plain request's own time is a benchmark's to judge
+/// (`mask-bench --mixed`); here, that the costly grammar was deferred and nothing changed.
+#[tokio::test]
+async fn a_costly_grammar_is_put_off_without_changing_its_tokens() {
+    let c = Arc::new(Cluster::start(Mode::Pd, &smollm2(), &[]).await);
+    let costly = completion_body(
+        json!({"guided_json": {"const": "x".repeat(16 << 10)}, "max_tokens": 24}),
+        21,
+    );
+    let plain = completion_body(json!({"max_tokens": 96, "ignore_eos": true}), 22);
+    let alone = run_all(&c, "/v1/completions", vec![costly.clone()]).await;
+    let before = e2e::metric(
+        &scrape(&c.decode).await,
+        "decode_grammar_deferred_total",
+        "",
+    );
+    assert_eq!(
+        before,
+        Some(0.0),
+        "alone on the node, a grammar never waits"
+    );
+    let mixed = run_all(&c, "/v1/completions", vec![costly, plain]).await;
+    assert_eq!(mixed[0], alone[0]);
+    assert_eq!(mixed[1].1, "length");
+    let after = e2e::metric(
+        &scrape(&c.decode).await,
+        "decode_grammar_deferred_total",
+        "",
+    );
+    assert!(after > Some(0.0), "{after:?}");
 }
