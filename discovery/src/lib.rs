@@ -32,6 +32,14 @@ impl Role {
             Role::Decode => "decode",
         }
     }
+
+    /// The role a worker of this kind proves with its certificate under mutual TLS.
+    pub fn certified(self) -> tls::Role {
+        match self {
+            Role::Prefill => tls::Role::Prefill,
+            Role::Decode => tls::Role::Decode,
+        }
+    }
 }
 
 /// The KV cache layout a worker computes; a prefill and a decode node pair only when theirs

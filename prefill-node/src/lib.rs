@@ -101,7 +101,11 @@ pub async fn serve(
         grammars,
         kv: kvwire::Client::new(
             Duration::from_millis(cfg.connect_timeout_ms),
-            cfg.cluster.tls.client()?,
+            // Only a decode node may take a request's KV cache.
+            cfg.cluster
+                .tls
+                .client()?
+                .map(|t| t.expecting(discovery::Role::Decode.certified())),
         ),
         targets,
     };

@@ -36,6 +36,9 @@ impl Pool {
         settings: PoolSettings,
         policy: Arc<dyn Policy>,
     ) -> Result<Self, RouterError> {
+        let mut settings = settings;
+        // Each worker of the pool must prove this role, not only the cluster's name.
+        settings.dialer.tls = settings.dialer.tls.map(|t| t.expecting(role.certified()));
         let mut workers = BTreeMap::new();
         for (i, addr) in addrs.iter().enumerate() {
             let w = Worker::new(format!("{name}-{i}"), addr, None, &settings)?;

@@ -9,7 +9,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 
-use crate::TlsError;
+use crate::{Role, TlsError};
 
 /// How often the files behind a configuration are checked for changes.
 const RELOAD_POLL: Duration = Duration::from_secs(1);
@@ -189,6 +189,8 @@ impl ServerTls {
 pub struct ClientTls {
     config: Arc<Reloading<ClientConfig>>,
     server_name: Option<String>,
+    /// The role a server's certificate must carry, where the dialer knows whom it dials.
+    peer_role: Option<Role>,
 }
 
 impl ClientTls {
@@ -210,7 +212,21 @@ impl ClientTls {
         Ok(Self {
             config,
             server_name,
+            peer_role: None,
         })
+    }
+
+    /// The same configuration, for dialing peers whose certificates must carry `role`
+    /// (`spiffe://tandem/<role>`) besides the name: a prefill node's certificate cannot
+    /// serve as a decode node's, though the CA signed both for one shared name.
+    pub fn expecting(mut self, role: Role) -> Self {
+        self.peer_role = Some(role);
+        self
+    }
+
+    /// The role servers dialed with this configuration must prove, if any.
+    pub fn peer_role(&self) -> Option<Role> {
+        self.peer_role
     }
 
     /// The configuration new connections get.

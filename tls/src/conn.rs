@@ -296,7 +296,8 @@ impl Connector {
     }
 
     /// Dials `host:port` and completes the handshake; a refusal is logged with the peer
-    /// and the reason (an unknown CA, an expired certificate, a name it does not carry).
+    /// and the reason (an unknown CA, an expired certificate, a name it does not carry, a
+    /// role other than the one expected).
     pub async fn connect(&self, host: &str, port: u16) -> io::Result<ClientStream> {
         let name = self
             .tls
@@ -305,9 +306,28 @@ impl Connector {
         let tcp = TcpStream::connect((host.trim_matches(['[', ']']), port)).await?;
         let _ = tcp.set_nodelay(true);
         let connector = tokio_rustls::TlsConnector::from(self.tls.config());
-        connector.connect(name, tcp).await.inspect_err(|e| {
+        let stream = connector.connect(name, tcp).await.inspect_err(|e| {
             tracing::warn!("TLS handshake with {host}:{port} refused: {e}");
-        })
+        })?;
+        let Some(want) = self.tls.peer_role() else {
+            return Ok(stream);
+        };
+        let presented = stream
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first());
+        let role = presented.and_then(Role::of);
+        if role == Some(want) {
+            return Ok(stream);
+        }
+        let why = format!(
+            "TLS handshake with {host}:{port} refused: its certificate carries role {}, not {}",
+            role.map_or("none", Role::uri),
+            want.uri()
+        );
+        tracing::warn!("{why}");
+        Err(io::Error::new(io::ErrorKind::PermissionDenied, why))
     }
 }
 

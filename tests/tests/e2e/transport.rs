@@ -237,12 +237,17 @@ async fn the_router_skips_workers_whose_certificates_fail_and_serves_through_goo
     let ca = pki.ca();
     let other = Pki::new(&dir, "other");
     let model = tiny_model().display().to_string();
-    // Two more prefill nodes the router is told about: one with an expired certificate,
-    // one with a certificate from a CA the router does not trust.
+    // Three more prefill nodes the router is told about: one with an expired certificate,
+    // one with a certificate from a CA the router does not trust, and one with a good
+    // certificate of the cluster's CA that makes it a decode node, not a prefill node.
     let mut bad = Vec::new();
     for (name, leaf) in [
         ("expired", pki.leaf("p-expired", Validity::Expired)),
         ("stranger", other.leaf("p-stranger", Validity::Good)),
+        (
+            "impostor",
+            pki.leaf_as(Some("decode"), "p-impostor", Validity::Good),
+        ),
     ] {
         let addr = format!("127.0.0.1:{}", e2e::free_port());
         let mut args = vec![
@@ -274,10 +279,10 @@ async fn the_router_skips_workers_whose_certificates_fail_and_serves_through_goo
     .await;
     let router = proc_tagged(&c, "router");
     for (name, addr, _) in &bad {
-        let why = if *name == "expired" {
-            "certificate expired"
-        } else {
-            "UnknownIssuer"
+        let why = match *name {
+            "expired" => "certificate expired",
+            "stranger" => "UnknownIssuer",
+            _ => "carries role spiffe://tandem/decode, not spiffe://tandem/prefill",
         };
         wait_log_line(
             router,
@@ -296,8 +301,8 @@ async fn the_router_skips_workers_whose_certificates_fail_and_serves_through_goo
     let page = c.router_metrics().await;
     assert_eq!(
         e2e::workers_in(&page, e2e::Role::Prefill, "unhealthy"),
-        Some(2.0),
-        "both bad prefill nodes are out of rotation:\n{page}"
+        Some(3.0),
+        "the three bad prefill nodes are out of rotation:\n{page}"
     );
 }
 
