@@ -2,8 +2,9 @@
 //! steady run beside the real load: on each decode node's port, KV transfers with forged
 //! tickets, connections that send the preface and then nothing, and senders that drip one
 //! byte a second; on the router, requests whose body never comes and streams whose client
-//! stops reading. The soak's own checks (every real request answered, nothing held,
-//! memory back near its baseline) then say whether any of it cost the cluster.
+//! stops reading; and every abuse recipe of docs/security.md (`recipes`), each of which must
+//! get its documented answer. The soak's own checks (every real request answered, nothing
+//! held, memory back near its baseline) then say whether any of it cost the cluster.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -50,6 +51,8 @@ pub struct HostileReport {
     /// (a node being killed and restarted).
     pub never_closed: u64,
     pub unreachable: u64,
+    /// What each abuse recipe got.
+    pub recipes: BTreeMap<String, crate::recipes::Answers>,
 }
 
 impl HostileReport {
@@ -66,11 +69,27 @@ impl HostileReport {
         if streams > 0 {
             *saw.entry("completions/200".to_string()).or_default() += streams;
         }
+        for a in self.recipes.values() {
+            let Some(endpoint) = a.counted_as else {
+                continue;
+            };
+            for (status, n) in a.statuses.iter().filter(|(s, _)| **s != 0) {
+                *saw.entry(format!("{endpoint}/{status}")).or_default() += n;
+            }
+        }
         saw
     }
 
-    /// The checks the soak adds: `(name, passed, detail)`.
-    pub fn checks(&self) -> Vec<(String, bool, String)> {
+    /// The checks the soak adds: `(name, passed, detail)`; `excused` says whether an answer
+    /// at that second of the soak came while a node was down.
+    pub fn checks(&self, excused: impl Fn(f64) -> bool) -> Vec<(String, bool, String)> {
+        let recipes = self.recipes.iter().map(|(name, a)| {
+            (
+                format!("hostile: {name} answered {}", a.want),
+                a.as_documented(&excused),
+                format!("{:?} (status: count)", a.statuses),
+            )
+        });
         let timed_out = self.no_body_statuses.get(&408).copied().unwrap_or(0);
         let no_body: u64 = self.no_body_statuses.values().sum();
         vec![
@@ -112,6 +131,9 @@ impl HostileReport {
                 ),
             ),
         ]
+        .into_iter()
+        .chain(recipes)
+        .collect()
     }
 }
 
@@ -122,15 +144,23 @@ fn note(report: &Shared, f: impl FnOnce(&mut HostileReport)) {
 }
 
 /// Runs the hostile peers against the decode nodes at `decode` and the router at `router`
-/// (host:port each, the router serving `model`) until `until`, then reports.
+/// (host:port each, the router serving `model`) from `t0` until `until`, then reports.
 pub async fn run(
     decode: Vec<String>,
     router: String,
     model: String,
+    t0: Instant,
     until: Instant,
 ) -> HostileReport {
     let report = Shared::default();
     let mut tasks = JoinSet::new();
+    {
+        let (router, model, report) = (router.clone(), model.clone(), Arc::clone(&report));
+        tasks.spawn(async move {
+            let answers = crate::recipes::run(&router, &model, t0, until).await;
+            note(&report, |r| r.recipes = answers);
+        });
+    }
     for addr in &decode {
         tasks.spawn(forged_kv(addr.clone(), until, Arc::clone(&report)));
         for _ in 0..IDLE_KV {

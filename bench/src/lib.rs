@@ -11,6 +11,7 @@ pub mod hostile;
 pub mod load;
 pub mod mask;
 pub mod overhead;
+pub mod recipes;
 pub mod serve;
 pub mod soak;
 pub mod stats;

@@ -237,7 +237,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport, SoakError> {
             .collect();
         let router = cluster.router_addr().to_string();
         let model = cluster.model_name.clone();
-        tokio::spawn(crate::hostile::run(decode, router, model, steady_until))
+        tokio::spawn(crate::hostile::run(decode, router, model, t0, steady_until))
     });
     let mut kills = Vec::new();
     for (role, at) in &kills_planned {
@@ -396,7 +396,8 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport, SoakError> {
             ),
         ));
     }
-    for (name, passed, detail) in hostile.iter().flat_map(|h| h.checks()) {
+    let down = |at: f64| in_kill_window(&kills, at, cfg.kill_grace_s);
+    for (name, passed, detail) in hostile.iter().flat_map(|h| h.checks(down)) {
         checks.push(check(&name, passed, detail));
     }
     if kills.len() < kills_planned.len() {
