@@ -57,8 +57,9 @@ pub const PARSER_LIMITS: ParserLimits = ParserLimits {
     step_lexer_fuel: 100_000,
     // Earley items created for one token's mask.
     step_max_items: 50_000,
-    // Lexer states a grammar may build, lazily, over its life (1-2 KiB each): at most
-    // about 40 MiB for one grammar, shared by every sequence that uses it.
+    // Lexer states a grammar may build, lazily, over its life: 1-2 KiB each for the
+    // grammars of the tests, but a state holds what is left of a long literal, so a 64 KiB
+    // `const` grows its lexer by about 650 KiB a token. MAX_LEXER_BYTES is the bound.
     max_lexer_states: 20_000,
     // Symbols in the grammar's productions; a grammar's text is at most
     // `proto::limits::MAX_GRAMMAR_BYTES` (128 KiB) before it gets here.
@@ -70,6 +71,12 @@ pub const PARSER_LIMITS: ParserLimits = ParserLimits {
     // the client, and a grammar can be 128 KiB.
     verbose_errors: false,
 };
+
+/// Bytes one grammar's lexer may hold (it grows as its sequences mask, and all the
+/// sequences of a grammar share it): past it, the next mask fails, and with it the request,
+/// as the request's fault. Checked after every mask, so it is passed by at most one mask's
+/// growth.
+pub const MAX_LEXER_BYTES: usize = 64 << 20;
 
 /// The JSON the model writes: one space after `,` and `:` and no other whitespace, so that
 /// a small model at a high temperature cannot spend its token budget on blank lines.
@@ -147,6 +154,7 @@ impl TokenizerEnv for Env {
 pub struct Vocab {
     factory: Arc<ParserFactory>,
     eos: Arc<[u32]>,
+    max_lexer_bytes: usize,
 }
 
 impl std::fmt::Debug for Vocab {
@@ -192,7 +200,15 @@ impl Vocab {
         Ok(Self {
             factory: Arc::new(factory),
             eos: eos.into(),
+            max_lexer_bytes: MAX_LEXER_BYTES,
         })
+    }
+
+    /// The same vocabulary, whose grammars' lexers may hold at most `bytes` (default
+    /// [`MAX_LEXER_BYTES`]).
+    pub fn with_max_lexer_bytes(mut self, bytes: usize) -> Self {
+        self.max_lexer_bytes = bytes;
+        self
     }
 
     /// The constraint of `grammar` before any output, for a request that ends on `stops`
@@ -219,6 +235,7 @@ impl Vocab {
                 matcher,
                 lexer,
                 eos: self.eos.clone(),
+                max_lexer_bytes: self.max_lexer_bytes,
             }),
         }
     }
@@ -232,6 +249,7 @@ pub struct Compiled {
     matcher: Matcher,
     lexer: TokenParser,
     eos: Arc<[u32]>,
+    max_lexer_bytes: usize,
 }
 
 impl std::fmt::Debug for Compiled {
@@ -249,6 +267,8 @@ impl Compiled {
     pub fn start(&self, stops: &[u32]) -> Constraint {
         Constraint {
             matcher: self.matcher.clone(),
+            lexer: self.lexer.clone(),
+            max_lexer_bytes: self.max_lexer_bytes,
             hidden_ends: self
                 .eos
                 .iter()
@@ -268,6 +288,9 @@ impl Compiled {
 #[derive(Clone)]
 pub struct Constraint {
     matcher: Matcher,
+    /// Measures the lexer the matcher shares with the grammar's other constraints.
+    lexer: TokenParser,
+    max_lexer_bytes: usize,
     /// End-of-sequence tokens that are not the request's stop tokens (`ignore_eos`).
     hidden_ends: Arc<[u32]>,
 }
@@ -289,6 +312,14 @@ impl Constraint {
             .matcher
             .compute_mask_or_eos()
             .map_err(|e| GrammarError::Failed(e.to_string()))?;
+        let bytes = self.lexer.parser.lexer_stats().num_bytes;
+        if bytes > self.max_lexer_bytes {
+            return Err(GrammarError::Failed(format!(
+                "the grammar's lexer holds {} MiB, the limit is {} MiB",
+                bytes >> 20,
+                self.max_lexer_bytes >> 20
+            )));
+        }
         let hidden = self
             .hidden_ends
             .iter()

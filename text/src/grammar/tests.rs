@@ -313,3 +313,41 @@ fn the_constraints_of_one_grammar_share_its_lexer() {
         "a fresh start is unmoved by another's tokens"
     );
 }
+
+#[test]
+fn a_grammar_whose_lexer_outgrows_its_bytes_fails() {
+    let m = model();
+    // A state of this lexer holds what is left of the literal: it grows to about 21 MiB
+    // in its first tokens' masks, past a limit of 8 MiB.
+    let vocab = m.vocab.clone().with_max_lexer_bytes(8 << 20);
+    let compiled = vocab
+        .parse(&schema(json!({"const": "x".repeat(64 << 10)})))
+        .unwrap();
+    let mut c = compiled.start(&m.eos);
+    let failed = (0..64).find_map(|_| {
+        let mask = match c.mask() {
+            Ok(mask) => mask,
+            Err(e) => return Some(e),
+        };
+        let t = (0..m.tokenizer.vocab_size() as u32)
+            .find(|&t| mask.allows(t) && !m.eos.contains(&t))
+            .expect("the const goes on");
+        c.advance(&[t]).err()
+    });
+    let err = failed
+        .unwrap_or_else(|| panic!("the lexer stayed at {} bytes", compiled.lexer_bytes()))
+        .to_string();
+    assert!(err.contains("the limit is 8 MiB"), "{err}");
+    // The default leaves it be.
+    let mut c = m
+        .vocab
+        .compile(&schema(json!({"const": "x".repeat(64 << 10)})), &m.eos)
+        .unwrap();
+    for _ in 0..64 {
+        let mask = c.mask().unwrap();
+        let t = (0..m.tokenizer.vocab_size() as u32)
+            .find(|&t| mask.allows(t) && !m.eos.contains(&t))
+            .unwrap();
+        c.advance(&[t]).unwrap();
+    }
+}
