@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Writes every example request body in the API documents (../shared/seeds) to
+"""Writes every example request body in MindIE's API documents (a folder of them, outside
+this repository: SEEDS_DIR, by default a `shared/seeds` folder beside the checkout) to
 tests/fixtures/seed_requests.json, for the conformance test that sends each one as written.
+The fixture is committed, so only refreshing it needs the documents.
 
     python3 scripts/extract-seed-requests.py [SEEDS_DIR]
 

@@ -1,4 +1,4 @@
-//! The router: an OpenAI-style HTTP API (the MindIE flavour in `../shared/seeds`) that
+//! The router: an OpenAI-style HTTP API (MindIE's flavour of it, docs/api.md) that
 //! tokenizes and templates each request once, picks a prefill and a decode worker and
 //! streams the tokens back.
 
