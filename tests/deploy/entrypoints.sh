@@ -2,10 +2,12 @@
 # shellcheck disable=SC2015,SC2154  # ok() never fails; the *_cmd, *_env, PORT_* come from the plan
 # Starts tandem-prefill, tandem-decode and tandem-router with exactly the commands, args and
 # environment that the pods of deploy/k8s/overlays/${OVERLAY:-small} get (read from the
-# rendered YAML by tests/deploy/manifests.py plan: envFrom ConfigMaps, env, $(POD_IP)
-# expansion, the api-keys Secret as a file), rewritten only where a pod differs from one
-# machine: the pod IP is 127.0.0.1, every containerPort becomes a free port, etcd is a local
-# one on free ports, the model is ${TANDEM_MODEL}, and Secret files live in a temporary folder.
+# rendered YAML by tests/deploy/plan.py: envFrom ConfigMaps, env, $(POD_IP) expansion, the
+# api-keys Secret and each role's certificate as files), rewritten only where a pod differs
+# from one machine: the pod IP is 127.0.0.1, every containerPort becomes a free port, etcd is a
+# local one on free ports with the StatefulSet's TLS flags, the model is ${TANDEM_MODEL}, the
+# Secrets cert-manager would make come from a CA made here (openssl), and Secret files live in
+# a temporary folder.
 # Then: the router's /health/ready, both workers registered in etcd, a /v1/completions request
 # with the Secret's key answers 200 (and 401 without it), and a SIGTERM to each worker
 # deregisters it and exits 0 within its terminationGracePeriodSeconds; then the router too.
@@ -16,7 +18,7 @@
 # as a container of ${IMAGE} (host network, the model and Secret files mounted where the pod
 # has them, the pod's runAsUser, read-only root, dropped capabilities and emptyDirs;
 # tests/deploy/image.sh builds the image and calls this). Needs etcd (Debian
-# etcd-server), curl, a Python with tests/deploy/requirements.txt (PYTHON, default
+# etcd-server, etcd-client), openssl, curl, a Python with tests/deploy/requirements.txt (PYTHON, default
 # .venv/bin/python) and kubectl (see get-kubectl.sh). Ends with `<n> passed, <m> failed`.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -61,19 +63,60 @@ trap cleanup EXIT
 
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-# A local etcd on free ports, for the manifests' TANDEM_ETCD_ENDPOINTS.
-ec="$(free_port)" ep="$(free_port)"
-etcd --name e2e --data-dir "$work/etcd" \
-  --listen-client-urls "http://127.0.0.1:$ec" --advertise-client-urls "http://127.0.0.1:$ec" \
-  --listen-peer-urls "http://127.0.0.1:$ep" --initial-advertise-peer-urls "http://127.0.0.1:$ep" \
-  --initial-cluster "e2e=http://127.0.0.1:$ep" >"$work/etcd.log" 2>&1 &
-etcd_pid=$!
-for _ in $(seq 100); do curl -sf "http://127.0.0.1:$ec/health" >/dev/null && break; sleep 0.1; done
+# The Secrets cert-manager makes in a cluster (components/cert-manager-certs), from a CA of
+# this run's own and with the same names and usages: each role's certificate, which the
+# binaries present to etcd, and etcd's, which names 127.0.0.1 (the endpoint dialed here).
+certs="$work/certs"
+mkdir -p "$certs"
+openssl req -x509 -nodes -newkey ec -pkeyopt ec_paramgen_curve:P-256 -days 1 -subj /CN=tandem-ca \
+  -keyout "$certs/ca.key" -out "$certs/ca.crt" 2>/dev/null
+issue() {  # Secret name, common name, subjectAltName
+  local d="$certs/$1"
+  mkdir -p "$d"
+  openssl req -new -nodes -newkey ec -pkeyopt ec_paramgen_curve:P-256 -subj "/CN=$2" \
+    -keyout "$d/tls.key" -out "$work/$1.csr" 2>/dev/null
+  printf '%s\n' "subjectAltName=$3" 'extendedKeyUsage=serverAuth,clientAuth' \
+    'keyUsage=critical,digitalSignature' 'basicConstraints=critical,CA:FALSE' >"$work/$1.ext"
+  openssl x509 -req -in "$work/$1.csr" -CA "$certs/ca.crt" -CAkey "$certs/ca.key" \
+    -CAcreateserial -days 1 -extfile "$work/$1.ext" -out "$d/tls.crt" 2>/dev/null
+  cp "$certs/ca.crt" "$d/ca.crt"
+}
+issue tandem-router-tls tandem-router URI:spiffe://tandem/router
+for role in prefill decode; do
+  issue "tandem-$role-tls" tandem-worker.tandem.svc \
+    "DNS:tandem-worker.tandem.svc,URI:spiffe://tandem/$role"
+done
+issue tandem-etcd-tls etcd.tandem.svc DNS:localhost,IP:127.0.0.1
 
-"$PY" tests/deploy/manifests.py plan "$work/plan.sh" --overlay "overlays/$OVERLAY" \
-  --model "$MODEL" --etcd "127.0.0.1:$ec" --workdir "$work/files" --mode "$mode"
+ec="$(free_port)" ep="$(free_port)" em="$(free_port)"
+"$PY" tests/deploy/plan.py "$work/plan.sh" --overlay "overlays/$OVERLAY" \
+  --model "$MODEL" --etcd "127.0.0.1:$ec" --workdir "$work/files" --certs "$certs" --mode "$mode"
 # shellcheck disable=SC1091
 source "$work/plan.sh"
+
+# A local etcd on free ports, for the manifests' TANDEM_ETCD_ENDPOINTS, with the TLS flags of
+# their StatefulSet (ETCD_SCHEME, etcd_tls_args from the plan).
+etcd --name e2e --data-dir "$work/etcd" "${etcd_tls_args[@]}" \
+  --listen-client-urls "$ETCD_SCHEME://127.0.0.1:$ec" \
+  --advertise-client-urls "$ETCD_SCHEME://127.0.0.1:$ec" \
+  --listen-peer-urls "http://127.0.0.1:$ep" --initial-advertise-peer-urls "http://127.0.0.1:$ep" \
+  --initial-cluster "e2e=http://127.0.0.1:$ep" --listen-metrics-urls "http://127.0.0.1:$em" \
+  >"$work/etcd.log" 2>&1 &
+etcd_pid=$!
+for _ in $(seq 100); do curl -sf "http://127.0.0.1:$em/health" >/dev/null && break; sleep 0.1; done
+# etcdctl as etcd's own certificate (serverAuth and clientAuth), where etcd asks for one.
+etcdctl_() {
+  ETCDCTL_API=3 etcdctl --endpoints="$ETCD_SCHEME://127.0.0.1:$ec" --cacert="$certs/ca.crt" \
+    --cert="$certs/tandem-etcd-tls/tls.crt" --key="$certs/tandem-etcd-tls/tls.key" "$@"
+}
+if [ "$ETCD_SCHEME" = https ] && command -v etcdctl >/dev/null; then
+  if ETCDCTL_API=3 etcdctl --endpoints="https://127.0.0.1:$ec" --cacert="$certs/ca.crt" \
+    --dial-timeout=2s get --prefix / --keys-only >/dev/null 2>&1; then
+    bad "etcd answers a client without a certificate"
+  else
+    ok "etcd refuses a client without a certificate from the CA"
+  fi
+fi
 prefix="$(for e in "${router_env[@]}"; do case "$e" in TANDEM_ETCD_PREFIX=*) echo "${e#*=}";; esac; done)"
 prefix="${prefix:-/tandem/workers/}"
 
@@ -116,7 +159,7 @@ done
 if [ -n "$ready" ]; then ok "router /health/ready"; else bad "router /health/ready"; logs; fi
 
 if command -v etcdctl >/dev/null; then
-  keys="$(ETCDCTL_API=3 etcdctl --endpoints="127.0.0.1:$ec" get --prefix "$prefix" --keys-only | grep -c . || true)"
+  keys="$(etcdctl_ get --prefix "$prefix" --keys-only | grep -c . || true)"
   [ "$keys" = 2 ] && ok "2 workers registered under $prefix" || bad "$keys registrations under $prefix (want 2)"
 fi
 
@@ -181,7 +224,7 @@ else
   bad "decode had nothing in flight at SIGTERM: $(grep -a draining "$work/decode.log")"
 fi
 if command -v etcdctl >/dev/null; then
-  keys="$(ETCDCTL_API=3 etcdctl --endpoints="127.0.0.1:$ec" get --prefix "$prefix" --keys-only | grep -c . || true)"
+  keys="$(etcdctl_ get --prefix "$prefix" --keys-only | grep -c . || true)"
   [ "$keys" = 0 ] && ok "workers deregistered" || bad "$keys registrations left after SIGTERM"
 fi
 term router

@@ -18,8 +18,7 @@ WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
 # Schemas of the custom resources the manifests use (kubernetes-validate knows built-in kinds).
 CRD_SCHEMAS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crd-schemas.yaml")
 # Components meant to be used together: rendered and checked together on the base as well.
-COMBINATIONS = [("mtls", "cert-manager-certs"), ("model-fetch-init", "mtls"),
-                ("mtls", "etcd-tls", "cert-manager-certs")]
+COMBINATIONS = [("mtls", "cert-manager-certs"), ("model-fetch-init", "mtls")]
 
 
 # ---------------------------------------------------------------------------------------------
