@@ -28,9 +28,9 @@ export PREFILL_DECODE_NODES="$DECODE_LISTEN"
 
 bin="${TANDEM_BIN_DIR:-}"
 if [ -z "$bin" ]; then
-  command -v protoc >/dev/null || {
-    echo "the build needs protoc (etcd-client's build runs it): apt-get install protobuf-compiler" >&2
-    exit 1; }
+  # The build scripts run protoc: the machine's, or a pinned one from crates.io.
+  PROTOC="${PROTOC:-$(bash scripts/get-protoc.sh)}"
+  export PROTOC
   cargo build --release -p router -p prefill-node -p decode-node
   bin="$root/target/release"
 fi
