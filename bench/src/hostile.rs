@@ -329,11 +329,11 @@ async fn no_body(router: String, until: Instant, report: Shared) {
 /// Streams with a lot to say whose client reads the response head and then nothing for
 /// [`STALL_HOLD`], then reads what is left.
 async fn stalled(router: String, model: String, until: Instant, report: Shared) {
-    // 64 sequences of 256 tokens with five alternatives each: several megabytes of events,
-    // more than the socket buffers (which grow to 4 MiB on Linux) hold once the client
-    // stops reading.
+    // 32 sequences (a decode node's default batch, the most one request may have) of 512
+    // tokens with five alternatives each: several megabytes of events, more than the socket
+    // buffers (which grow to 4 MiB on Linux) hold once the client stops reading.
     let body = serde_json::json!({"model": model, "prompt": "tell me everything",
-        "max_tokens": 256, "n": 64, "logprobs": 5, "ignore_eos": true, "stream": true})
+        "max_tokens": 512, "n": 32, "logprobs": 5, "ignore_eos": true, "stream": true})
     .to_string();
     let request = format!(
         "POST /v1/completions HTTP/1.1\r\nHost: tandem\r\nContent-Type: application/json\r\n\

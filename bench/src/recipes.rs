@@ -34,10 +34,18 @@ pub fn all(model: &str) -> Vec<Recipe> {
         .collect();
     vec![
         Recipe {
-            name: "a request larger than any decode node's KV budget",
+            name: "a request no decode node could take (128 sequences of a long prompt)",
             path: "/v1/completions",
             body: json_body(json!({"model": model, "prompt": words, "n": 128,
                 "max_tokens": 1024})),
+            want: 400,
+            counted_as: Some("completions"),
+        },
+        Recipe {
+            name: "more sequences than any decode node runs in a step",
+            path: "/v1/completions",
+            body: json_body(json!({"model": model, "prompt": "hi", "n": 64,
+                "temperature": 1.0, "max_tokens": 1})),
             want: 400,
             counted_as: Some("completions"),
         },

@@ -16,7 +16,8 @@ pub struct Config {
     /// Hugging Face model folder or GGUF file.
     #[arg(long, env = "TANDEM_MODEL")]
     pub model: PathBuf,
-    /// Most sequences decoded in one step.
+    /// Most sequences decoded in one step; a request with more (n, best_of, a beam's
+    /// width) is refused.
     #[arg(long, env = "DECODE_MAX_BATCH_SIZE", default_value_t = 32)]
     pub max_batch_size: usize,
     /// Memory for KV caches in MiB, split into blocks of `--kv-block-tokens` positions. Every

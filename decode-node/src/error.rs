@@ -25,6 +25,11 @@ pub enum DecodeError {
         "prompt plus max tokens need {blocks} KV blocks and the decode node has {capacity} in all"
     )]
     TooLarge { blocks: usize, capacity: usize },
+    #[error(
+        "{sequences} sequences asked for; this decode node runs at most {max_batch} a step \
+         (--max-batch-size)"
+    )]
+    TooWide { sequences: usize, max_batch: usize },
     #[error("the decode node's KV budget is taken and {0} requests already wait for it")]
     QueueFull(usize),
     #[error("invalid request: {0}")]
@@ -52,6 +57,7 @@ impl From<DecodeError> for tonic::Status {
             BadTransfer(_) => (Code::InvalidArgument, R::KvTransfer),
             InvalidRequest(_) | Grammar(_) => (Code::InvalidArgument, R::InvalidRequest),
             TooLarge { .. } => (Code::InvalidArgument, R::KvTooLarge),
+            TooWide { .. } => (Code::InvalidArgument, R::InvalidRequest),
             BadTicket | BeyondReservation(_) => (Code::PermissionDenied, R::KvTransfer),
             Duplicate(_) => (Code::AlreadyExists, R::InvalidRequest),
             QueueFull(_) => (Code::ResourceExhausted, R::QueueFull),

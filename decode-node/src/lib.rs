@@ -106,6 +106,7 @@ pub async fn serve(
             layout: layout.clone(),
             vocab,
             grammars,
+            max_batch: cfg.max_batch_size.max(1),
         },
         Arc::clone(&metrics),
         gate.clone(),

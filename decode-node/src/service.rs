@@ -28,6 +28,9 @@ pub struct Shape {
     pub vocab: usize,
     /// What request grammars compile with.
     pub grammars: kvwire::grammars::Grammars,
+    /// Sequences one step runs (--max-batch-size): a request with more is refused, since it
+    /// would run alone, over the bound, while every other request waits.
+    pub max_batch: usize,
 }
 
 /// State shared by the service's handlers.
@@ -232,6 +235,14 @@ impl proto::v1::decode_server::Decode for DecodeService {
             ))
             .into());
         }
+        let sequences = if width > 0 { width } else { n };
+        if sequences > self.shape.max_batch {
+            return Err(DecodeError::TooWide {
+                sequences,
+                max_batch: self.shape.max_batch,
+            }
+            .into());
+        }
         let top = engine::sampling::MAX_TOP_LOGPROBS;
         if req.top_logprobs as usize > top {
             return Err(DecodeError::InvalidRequest(format!(
@@ -266,7 +277,6 @@ impl proto::v1::decode_server::Decode for DecodeService {
             .map_err(invalid)?;
         let max_new = req.tokens_to_sample() as usize;
         let positions = self.budget.positions(req.prompt.len(), max_new);
-        let sequences = if width > 0 { width } else { n };
         let reserved = Reserved {
             prompt: req.prompt.len(),
             max_new,
@@ -342,6 +352,7 @@ impl proto::v1::decode_server::Decode for DecodeService {
                 kv_blocks_capacity: capacity,
                 kv_blocks_free: capacity.saturating_sub(self.budget.used() as u64),
                 kv_block_tokens: self.budget.block_tokens() as u32,
+                max_batch: self.shape.max_batch as u32,
             }),
         }))
     }

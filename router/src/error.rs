@@ -49,6 +49,15 @@ pub enum RouterError {
         sequences: usize,
         largest: u64,
     },
+    #[error(
+        "{param} asks for {sequences} sequences and the decode nodes run at most {widest} at \
+         once (their --max-batch-size)"
+    )]
+    TooWide {
+        param: &'static str,
+        sequences: usize,
+        widest: u32,
+    },
     #[error("the model has no chat template")]
     NoChatTemplate,
     #[error("the chat template failed: {0}")]
@@ -147,6 +156,7 @@ impl RouterError {
             | UnknownParam(_)
             | PromptTooLong { .. }
             | NeverFits { .. }
+            | TooWide { .. }
             | NoChatTemplate
             | Template(_) => StatusCode::BAD_REQUEST,
             BodyTooLarge(_) | BodyTooComplex(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -229,9 +239,10 @@ impl RouterError {
     pub fn body(&self) -> ErrorBody {
         use RouterError::*;
         let param = match self {
-            InvalidParam { param, .. } | PromptTooLong { param, .. } | NeverFits { param, .. } => {
-                Some(param.to_string())
-            }
+            InvalidParam { param, .. }
+            | PromptTooLong { param, .. }
+            | NeverFits { param, .. }
+            | TooWide { param, .. } => Some(param.to_string()),
             UnknownParam(name) => Some(name.clone()),
             ModelNotFound(_) => Some("model".into()),
             NoChatTemplate | Template(_) => Some("messages".into()),

@@ -211,6 +211,11 @@ async fn run(
         prompt_logprobs: echo.is_some() && logprobs.is_some(),
         ended: ended_rx,
         sequences: common.best_of,
+        sequences_param: if common.best_of > common.n {
+            "best_of"
+        } else {
+            "n"
+        },
         beam: common.beam.then_some(common.n),
         resumed: 0,
         cache_partition: key

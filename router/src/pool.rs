@@ -119,9 +119,9 @@ impl Pool {
         ready
     }
 
-    /// `Err` with the positions the largest worker holds when none of them could ever hold
-    /// a request that needs `need` (see [`crate::room`]).
-    pub fn fits_some(&self, need: crate::room::KvNeed) -> Result<(), u64> {
+    /// `Err` with why when none of the workers could ever take a request that needs `need`
+    /// (see [`crate::room`]).
+    pub fn fits_some(&self, need: crate::room::KvNeed) -> Result<(), crate::room::NoRoom> {
         let loads: Vec<_> = self.all().iter().map(|w| w.load()).collect();
         crate::room::fits_some(&loads, need)
     }

@@ -1,6 +1,7 @@
-//! Whether any decode node could ever hold a request's KV memory. A request larger than
-//! every node's whole budget is refused by the router, before any worker is called: each
-//! node would refuse it too, and the answer would be the same 400 after a round trip.
+//! Whether any decode node could ever take a request: hold its KV memory, and run all of
+//! its sequences in one step. A request no node could take is refused by the router, before
+//! any worker is called: each node would refuse it too, and the answer would be the same
+//! 400 after a round trip.
 
 use proto::v1::WorkerLoad;
 
@@ -20,23 +21,37 @@ impl KvNeed {
     }
 }
 
-/// `Err` with the positions the largest node holds in all when no node of `loads` (what
-/// each reported at its last probe) could hold `need`. A node that has not reported its
-/// budget yet might hold it, so then the request goes on, as it does with no node at all
-/// (the pick says there is none).
-pub fn fits_some(loads: &[WorkerLoad], need: KvNeed) -> Result<(), u64> {
-    let mut largest = 0;
-    for l in loads {
-        if l.kv_blocks_capacity == 0 || need.blocks(l.kv_block_tokens) <= l.kv_blocks_capacity {
-            return Ok(());
-        }
-        largest = largest.max(l.kv_blocks_capacity * u64::from(l.kv_block_tokens));
+/// Why no decode node could take a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoRoom {
+    /// More sequences than any node runs in a step; the widest node's batch.
+    Batch { widest: u32 },
+    /// More KV memory than any node (wide enough) has; the positions the largest holds.
+    Kv { largest: u64 },
+}
+
+/// `Err` when no node of `loads` (what each reported at its last probe) could take `need`.
+/// A node that has not reported its budget or batch yet might, so then the request goes on,
+/// as it does with no node at all (the pick says there is none).
+pub fn fits_some(loads: &[WorkerLoad], need: KvNeed) -> Result<(), NoRoom> {
+    let wide_enough = |l: &WorkerLoad| l.max_batch == 0 || need.sequences <= l.max_batch as usize;
+    let holds = |l: &WorkerLoad| {
+        l.kv_blocks_capacity == 0 || need.blocks(l.kv_block_tokens) <= l.kv_blocks_capacity
+    };
+    if loads.is_empty() || loads.iter().any(|l| wide_enough(l) && holds(l)) {
+        return Ok(());
     }
-    if loads.is_empty() {
-        Ok(())
-    } else {
-        Err(largest)
+    if !loads.iter().any(wide_enough) {
+        let widest = loads.iter().map(|l| l.max_batch).max().unwrap_or(0);
+        return Err(NoRoom::Batch { widest });
     }
+    let largest = loads
+        .iter()
+        .filter(|l| wide_enough(l))
+        .map(|l| l.kv_blocks_capacity * u64::from(l.kv_block_tokens))
+        .max()
+        .unwrap_or(0);
+    Err(NoRoom::Kv { largest })
 }
 
 #[cfg(test)]
@@ -48,6 +63,13 @@ mod tests {
             kv_blocks_capacity: blocks,
             kv_block_tokens: block_tokens,
             ..Default::default()
+        }
+    }
+
+    fn batched(blocks: u64, max_batch: u32) -> WorkerLoad {
+        WorkerLoad {
+            max_batch,
+            ..node(blocks, 16)
         }
     }
 
@@ -63,10 +85,16 @@ mod tests {
         let nodes = [node(10, 16), node(100, 16)];
         assert_eq!(fits_some(&nodes, need(1600, 1)), Ok(()));
         assert_eq!(fits_some(&nodes, need(160, 10)), Ok(()));
-        assert_eq!(fits_some(&nodes, need(1601, 1)), Err(1600));
+        assert_eq!(
+            fits_some(&nodes, need(1601, 1)),
+            Err(NoRoom::Kv { largest: 1600 })
+        );
         // Each sequence's positions are rounded up to whole blocks on its own.
         assert_eq!(fits_some(&nodes, need(17, 50)), Ok(()));
-        assert_eq!(fits_some(&nodes, need(17, 51)), Err(1600));
+        assert_eq!(
+            fits_some(&nodes, need(17, 51)),
+            Err(NoRoom::Kv { largest: 1600 })
+        );
     }
 
     #[test]
@@ -76,5 +104,32 @@ mod tests {
             Ok(())
         );
         assert_eq!(fits_some(&[], need(1 << 20, 128)), Ok(()));
+    }
+
+    #[test]
+    fn a_request_wider_than_every_batch_is_refused_with_the_widest() {
+        let nodes = [batched(100, 4), batched(100, 8)];
+        assert_eq!(fits_some(&nodes, need(16, 8)), Ok(()));
+        assert_eq!(
+            fits_some(&nodes, need(16, 9)),
+            Err(NoRoom::Batch { widest: 8 })
+        );
+        // A node that has not reported its batch might run it.
+        assert_eq!(
+            fits_some(&[batched(100, 4), node(100, 16)], need(16, 9)),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn the_memory_that_counts_is_the_wide_enough_nodes() {
+        // The large node runs 4 sequences a step, the small one 8: 8 sequences fit only the
+        // small one's batch, and not its memory.
+        let nodes = [batched(1000, 4), batched(10, 8)];
+        assert_eq!(
+            fits_some(&nodes, need(32, 8)),
+            Err(NoRoom::Kv { largest: 160 })
+        );
+        assert_eq!(fits_some(&nodes, need(16, 8)), Ok(()));
     }
 }

@@ -122,8 +122,8 @@ struct Parked {
     since: Instant,
 }
 
-/// Starts the compute thread, which runs at most `max_batch` sequences a step (a request
-/// with more runs alone); it ends when every sender of `admissions` is gone and the
+/// Starts the compute thread, which runs at most `max_batch` sequences a step (the service
+/// refuses a request with more); it ends when every sender of `admissions` is gone and the
 /// running sequences are done.
 pub fn spawn(
     model: Arc<Model>,

@@ -20,7 +20,7 @@ use crate::error::RouterError;
 use crate::keys::Spent;
 use crate::metrics::Culprit;
 use crate::placement::{LocalReason, Placement};
-use crate::room::KvNeed;
+use crate::room::{KvNeed, NoRoom};
 use crate::state::AppState;
 use crate::worker::Worker;
 use blame::{blame, Blame};
@@ -44,6 +44,8 @@ pub struct GenRequest {
     /// Sequences generated from the prompt (best_of, else n); the beam width with beam
     /// search.
     pub sequences: usize,
+    /// The parameter that set `sequences` (`n` or `best_of`), for the errors that name it.
+    pub sequences_param: &'static str,
     /// Beam search returning this many hypotheses.
     pub beam: Option<usize>,
     /// The prefix-cache partition of the request's API key (empty without keys).
@@ -133,13 +135,27 @@ pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<(Piece, Pie
         positions: req.prompt.len() + req.max_tokens,
         sequences: req.sequences,
     };
-    if let Err(largest) = state.decode.fits_some(need) {
-        return Err(RouterError::NeverFits {
-            param: if req.sequences > 1 { "n" } else { "max_tokens" },
-            positions: need.positions,
-            sequences: need.sequences,
-            largest,
-        });
+    match state.decode.fits_some(need) {
+        Ok(()) => {}
+        Err(NoRoom::Kv { largest }) => {
+            return Err(RouterError::NeverFits {
+                param: if req.sequences > 1 {
+                    req.sequences_param
+                } else {
+                    "max_tokens"
+                },
+                positions: need.positions,
+                sequences: need.sequences,
+                largest,
+            })
+        }
+        Err(NoRoom::Batch { widest }) => {
+            return Err(RouterError::TooWide {
+                param: req.sequences_param,
+                sequences: req.sequences,
+                widest,
+            })
+        }
     }
     let (tx, mut rx) = mpsc::channel(64);
     let state = Arc::clone(state);

@@ -101,6 +101,7 @@ mod tests {
             stop_ids: vec![9],
             top_logprobs: 0,
             sequences: 1,
+            sequences_param: "n",
             beam: None,
             cache_partition: Vec::new(),
             prompt_logprobs: true,

@@ -17,8 +17,9 @@ fn wide(n: usize) -> serde_json::Value {
 }
 
 /// A hundred requests no decode node can hold leave every node in rotation: those the
-/// router can tell are too large (128 sequences: 128 blocks by its count) get a 400 naming
-/// `n` before any worker is called, and those only a node can tell (32 sequences: 32 blocks
+/// router can tell are too large (128 sequences: wider than a node's batch of 32, and 128
+/// blocks by its count) get a 400 naming `n` before any worker is called, and those only a
+/// node can tell (32 sequences: 32 blocks
 /// by the router's count, 128 on the node) are refused by the node, which counts as the
 /// request's failure, not the node's. Both used to open the nodes' breakers after three.
 #[tokio::test(flavor = "multi_thread")]

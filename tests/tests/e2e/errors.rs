@@ -353,6 +353,58 @@ async fn workers_refuse_a_resume_they_cannot_continue() {
     assert_eq!(c.post("/v1/completions", &body).await.0, 200);
 }
 
+/// A request with more sequences than a decode node runs in a step would run alone, over
+/// the node's bound, while every other request waited for it: the router refuses it with a
+/// 400 naming the parameter (from the width each node reports), and the decode node refuses
+/// it from any peer; a request as wide as the batch is served.
+#[tokio::test]
+async fn a_request_wider_than_the_batch_is_refused() {
+    use proto::v1::GenerateRequest;
+
+    let c = Cluster::start_full(
+        Mode::Pd,
+        &tiny_model(),
+        &[],
+        &[],
+        &["--max-batch-size", "4"],
+    )
+    .await;
+    let ask = |extra: serde_json::Value| {
+        let mut body = json!({"model": c.model_name, "prompt": "Hello", "max_tokens": 2,
+            "temperature": 1.0});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    for (extra, param) in [
+        (json!({"n": 5}), "n"),
+        (json!({"n": 2, "best_of": 6}), "best_of"),
+    ] {
+        let (status, v) = c.post("/v1/completions", &ask(extra.clone())).await;
+        assert_eq!(status, 400, "{extra}: {v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains("at most 4"), "{message}");
+    }
+    let (status, v) = c.post("/v1/completions", &ask(json!({"n": 4}))).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"].as_array().unwrap().len(), 4);
+
+    let (_, mut d) = node_clients(&c).await;
+    refused_as_invalid(
+        d.generate(GenerateRequest {
+            request_id: "too-wide".into(),
+            prompt: vec![1, 2, 3],
+            n: 5,
+            max_tokens: 2,
+            prefill_here: true,
+            ..GenerateRequest::default()
+        })
+        .await,
+    );
+}
+
 /// gRPC clients of a PD cluster's prefill and decode nodes, speaking to them as any peer
 /// could.
 async fn node_clients(
