@@ -1,7 +1,7 @@
 //! `/tokenize`, `/detokenize` and `/tokenizer_info` in vLLM's shapes: a prompt counts as
 //! the completion endpoints run it, and bad input gets an error naming the parameter.
 
-use e2e::{smollm2, Cluster, Mode};
+use e2e::{smollm2, tiny_model, Cluster, Mode};
 use serde_json::{json, Value};
 
 #[tokio::test]
@@ -164,6 +164,53 @@ async fn tokenizing_takes_an_in_flight_slot_and_is_counted() {
             e2e::metric(&page, "router_requests_total", &labels),
             Some(1.0),
             "{endpoint}:\n{page}"
+        );
+    }
+}
+
+/// A chat with tools, an assistant's call and its result counts in `/tokenize` exactly as
+/// `/v1/chat/completions` runs it, on a template that teaches a tool format (the tiny
+/// model's, Hermes style) and on one that teaches none (SmolLM2's: the router writes the
+/// tools and the tool turns into the messages).
+#[tokio::test]
+async fn tokenize_counts_a_chat_with_tools_as_it_runs() {
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"location": {"type": "string"}},
+            "required": ["location"]}}}]);
+    let messages = json!([
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"location\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "wind 10 km/h"}
+    ]);
+    for model in [tiny_model(), smollm2()] {
+        let c = Cluster::start(Mode::Pd, &model, &[]).await;
+        let mut counts = Vec::new();
+        for with_tools in [false, true] {
+            let mut counted = json!({"model": c.model_name, "messages": messages});
+            let mut run = json!({"model": c.model_name, "messages": messages, "max_tokens": 1});
+            if with_tools {
+                counted["tools"] = tools.clone();
+                run["tools"] = tools.clone();
+            }
+            let (status, t) = c.post("/tokenize", &counted).await;
+            assert_eq!(status, 200, "{t}");
+            let (status, done) = c.post("/v1/chat/completions", &run).await;
+            assert_eq!(status, 200, "{done}");
+            assert_eq!(
+                t["count"],
+                done["usage"]["prompt_tokens"],
+                "{} with tools: {with_tools}",
+                model.display()
+            );
+            counts.push(t["count"].as_u64().unwrap());
+        }
+        assert!(
+            counts[1] > counts[0],
+            "the tools reach the prompt: {counts:?}"
         );
     }
 }
