@@ -2,6 +2,7 @@ use clap::Parser;
 use decode_node::Config;
 
 fn main() -> anyhow::Result<()> {
+    runtime::cpu::require_cpu_features();
     decode_node::hold_freed_memory();
     runtime::fit_compute_threads();
     tokio::runtime::Runtime::new()?.block_on(run())

@@ -2,6 +2,7 @@ use clap::Parser;
 use prefill_node::Config;
 
 fn main() -> anyhow::Result<()> {
+    runtime::cpu::require_cpu_features();
     runtime::fit_compute_threads();
     tokio::runtime::Runtime::new()?.block_on(run())
 }

@@ -8,6 +8,7 @@ use router::Config;
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
+    runtime::cpu::require_cpu_features();
     let cfg = Config::parse();
     runtime::io_runtime(cfg.threads.map(usize::from))?.block_on(async {
         runtime::init_tracing(&cfg.log);

@@ -2,6 +2,7 @@
 //! the request id carried in gRPC metadata, and why a node could not serve.
 
 pub mod channel;
+pub mod cpu;
 pub mod process;
 pub mod prom;
 pub mod sniff;
