@@ -111,6 +111,15 @@ def podman_opts(spec, c, volumes, model_dir):
     return opts
 
 
+def local_path(value, path_map):
+    """`value`, a path in the container, as this machine's copy when it lies under one of
+    `path_map`'s mounts ({mountPath: local folder}); otherwise as it is."""
+    for mount_path, d in path_map.items():
+        if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
+            return d + value[len(mount_path):]
+    return value
+
+
 def etcd_plan(by_key, workdir, certs):
     """(scheme, flags) of the manifests' etcd for a local one: its client URL scheme and its TLS
     flags, each file taken from the run's copy of the Secret the StatefulSet mounts there."""
@@ -125,8 +134,7 @@ def etcd_plan(by_key, workdir, certs):
     flags = []
     for flag in ETCD_TLS_FILE_FLAGS:
         if args.get(flag):
-            mount = next(p for p in path_map if args[flag].startswith(p.rstrip("/") + "/"))
-            flags.append(f"--{flag}={path_map[mount]}{args[flag][len(mount.rstrip('/')):]}")
+            flags.append(f"--{flag}={local_path(args[flag], path_map)}")
     if ETCD_CLIENT_AUTH in args:
         flags.append(f"--{ETCD_CLIENT_AUTH}")
     scheme = "https" if (args.get("listen-client-urls") or "").startswith("https://") else "http"
@@ -160,11 +168,7 @@ def component_plan(comp, wl, spec, c, by_key, args):
             return f"127.0.0.1:{ports[p]}" if p in ports else m.group(0)
 
         value = re.sub(r"(0\.0\.0\.0|127\.0\.0\.1):(\d+)", port, value)
-        if args.mode == "process":
-            for mount_path, d in path_map.items():
-                if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
-                    value = d + value[len(mount_path):]
-        return value
+        return local_path(value, path_map) if args.mode == "process" else value
 
     cmd = [expand(a, envd) for a in (c.get("command") or []) + (c.get("args") or [])]
     h = binary_help(os.path.basename(cmd[0]))
