@@ -22,7 +22,10 @@ pub mod room;
 pub mod routing;
 pub mod state;
 pub mod stops;
+#[cfg(test)]
+mod testing;
 pub mod tokenize;
+mod valid;
 pub mod worker;
 
 use std::future::Future;

@@ -8,6 +8,7 @@ use crate::config::{Config, Mode, ReasoningParser, SpecialTokensInContent, ToolC
 use crate::error::RouterError;
 use crate::keys::{Key, Keys};
 use crate::metrics::Metrics;
+use crate::output::Render;
 use crate::pool::Pool;
 use crate::routing::RetryBudget;
 use crate::worker::{Expected, PoolSettings};
@@ -18,7 +19,7 @@ pub struct AppState {
     pub cfg: Config,
     /// The name requests must give as `model`.
     pub model_name: String,
-    pub text: text::TextModel,
+    pub text: Arc<text::TextModel>,
     /// The vocabulary request grammars are checked against, or why the model's cannot be
     /// constrained (requests with a grammar are then refused).
     pub grammar_vocab: Result<text::grammar::Vocab, String>,
@@ -37,6 +38,8 @@ pub struct AppState {
     /// maxSeqLen capped by the model's context.
     pub max_seq_len: usize,
     pub metrics: Arc<Metrics>,
+    /// What every request's output is shown with.
+    pub(crate) render: Render,
     pub started: Instant,
     /// The tool-call markup chat output is parsed for; `None` refuses tools.
     pub tool_format: Option<ToolFormat>,
@@ -199,6 +202,14 @@ impl AppState {
             ),
             SpecialTokensInContent::Special => None,
         };
+        let text = Arc::new(text);
+        let metrics = Arc::<Metrics>::default();
+        let render = Render {
+            text: Arc::clone(&text),
+            model: model_name.as_str().into(),
+            full_text: cfg.full_text_enabled,
+            metrics: Arc::clone(&metrics),
+        };
         Ok(Self {
             tool_format,
             tools_in_prompt,
@@ -215,7 +226,8 @@ impl AppState {
             json_limits: crate::api::json::JsonLimits::for_prompts(max_prompt_tokens),
             max_seq_len,
             preparing: runtime::Turns::new(runtime::usable_cpus()),
-            metrics: Arc::default(),
+            metrics,
+            render,
             started: Instant::now(),
             api_keys,
             degraded: AtomicBool::new(false),

@@ -45,6 +45,11 @@ impl StopStrings {
         }
     }
 
+    /// Whether the request gave no stop string.
+    pub fn is_empty(&self) -> bool {
+        self.stops.is_empty()
+    }
+
     /// The stop string at `i`.
     pub fn get(&self, i: usize) -> &str {
         &self.stops[i]

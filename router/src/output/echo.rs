@@ -33,7 +33,7 @@ impl Output {
     /// Takes a worker's scores of the prompt: one per prompt token after the first, in
     /// order, or the worker is at fault. A second set (a retried attempt) replaces the first.
     pub(crate) fn scored_prompt(&mut self, scored: &[proto::v1::Token]) -> Result<(), RouterError> {
-        let Some(echo) = &self.echo else {
+        let Some(echo) = &self.spec.echo else {
             return Err(RouterError::Internal(
                 "a worker scored a prompt that was not to be echoed".into(),
             ));
@@ -49,7 +49,7 @@ impl Output {
             )));
         }
         // Each token's offset is the characters decoded before it, as for the output.
-        let tokenizer = &self.state.text.tokenizer;
+        let tokenizer = &self.render.text.tokenizer;
         let mut decoder = text::IncrementalDecoder::new(false);
         let mut offsets = Vec::with_capacity(tokens.len());
         let mut chars = 0;
@@ -75,7 +75,7 @@ impl Output {
             })
             .collect();
         let first = self.shown(tokens[0]);
-        if let Some(echo) = &mut self.echo {
+        if let Some(echo) = &mut self.spec.echo {
             echo.scored = Some((first, entries));
         }
         Ok(())

@@ -5,6 +5,8 @@
 
 mod echo;
 mod render;
+#[cfg(test)]
+mod tests;
 
 pub(crate) use echo::Echo;
 
@@ -15,14 +17,15 @@ use proto::v1::FinishReason;
 use runtime::prom::Observe;
 use text::structured::Parser;
 use text::tools::ToolCall;
+use tokio::sync::watch;
 
 use crate::api::StopReason;
 use crate::dispatch::{Piece, TokenStat};
 use crate::error::RouterError;
 use crate::keys::QuotaHold;
+use crate::metrics::Metrics;
 use crate::params;
 use crate::placement::Placement;
-use crate::state::AppState;
 use crate::stops::{Progress, Scan, StopStrings};
 
 /// Which endpoint a request came in on.
@@ -202,35 +205,63 @@ pub(crate) fn call_id() -> String {
     )
 }
 
-/// One request's output: one `ChoiceOut` per generated sequence.
-pub(crate) struct Output {
-    pub(crate) state: Arc<AppState>,
+/// How a request's sequences end: by token, and by the text they decode to.
+#[derive(Debug, Clone)]
+pub(crate) struct Stopping {
+    /// Every id that ends generation (EOS unless ignored, and stop_token_ids).
+    pub(crate) ids: Vec<u32>,
+    /// The request's own stop_token_ids, reported as `stop_reason`.
+    pub(crate) user_ids: Vec<u32>,
+    pub(crate) strings: StopStrings,
+}
+
+/// What a request asked its output to be: everything about the output that the request
+/// decides.
+#[derive(Clone)]
+pub(crate) struct OutputSpec {
     pub(crate) kind: Kind,
     pub(crate) id: String,
     pub(crate) created: u64,
     pub(crate) prompt_tokens: usize,
-    /// Every id that ends generation (EOS unless ignored, and stop_token_ids).
-    pub(crate) stop_ids: Vec<u32>,
-    /// The request's own stop_token_ids, reported as `stop_reason`.
-    pub(crate) user_stop_ids: Vec<u32>,
-    pub(crate) stops: StopStrings,
+    pub(crate) stopping: Stopping,
     /// Whether the request asked for logprobs.
     pub(crate) logprobs: bool,
     /// Choices returned (the best n of the sequences when best_of > n).
     pub(crate) n: usize,
-    pub(crate) choices: Vec<ChoiceOut>,
-    pub(crate) tally: Tally,
-    /// When the first token arrived.
-    pub(crate) first_at: Instant,
-    /// What the request holds of its API key's quota, charged for the tokens it used.
-    pub(crate) hold: Option<QuotaHold>,
+    /// Sequences the workers report, one `ChoiceOut` each.
+    pub(crate) sequences: usize,
+    pub(crate) skip_special_tokens: bool,
+    /// The chat parser each choice's text goes through, if the request needs one.
+    pub(crate) parser: Option<Parser>,
     /// `stream_options.include_usage`: the stream ends with a usage chunk.
     pub(crate) include_usage: bool,
     /// `echo`: the prompt, shown before each choice's output.
     pub(crate) echo: Option<Echo>,
     /// Choices ended by a stop string while others go on (bit i: choice i), for the
     /// decode node to stop decoding (`GenRequest::ended`); none where that cannot happen.
-    pub(crate) ended: Option<Arc<tokio::sync::watch::Sender<u128>>>,
+    pub(crate) ended: Option<Arc<watch::Sender<u128>>>,
+}
+
+/// What the server gives every output: the tokenizer that shows its tokens, the served
+/// model's name, whether fullText is on, and the metrics it reports to.
+#[derive(Clone)]
+pub(crate) struct Render {
+    pub(crate) text: Arc<text::TextModel>,
+    pub(crate) model: Arc<str>,
+    pub(crate) full_text: bool,
+    pub(crate) metrics: Arc<Metrics>,
+}
+
+/// One request's output: one `ChoiceOut` per generated sequence.
+pub(crate) struct Output {
+    pub(crate) spec: OutputSpec,
+    render: Render,
+    pub(crate) choices: Vec<ChoiceOut>,
+    pub(crate) tally: Tally,
+    /// When the first token arrived.
+    first_at: Instant,
+    /// What the request holds of its API key's quota, charged for the tokens it used.
+    hold: Option<QuotaHold>,
 }
 
 impl Drop for Output {
@@ -238,15 +269,64 @@ impl Drop for Output {
     /// dropped next, charges them and gives back the rest.
     fn drop(&mut self) {
         if let Some(hold) = &mut self.hold {
-            hold.used((self.prompt_tokens + self.tally.completion_tokens) as u64);
+            hold.used((self.spec.prompt_tokens + self.tally.completion_tokens) as u64);
         }
     }
 }
 
 impl Output {
+    /// The output of `spec` as its first token arrives, charged to `hold`.
+    pub(crate) fn new(spec: OutputSpec, render: Render, hold: Option<QuotaHold>) -> Self {
+        let choices = Self::fresh_choices(&spec);
+        Self {
+            spec,
+            render,
+            choices,
+            tally: Tally::default(),
+            first_at: Instant::now(),
+            hold,
+        }
+    }
+
+    fn fresh_choices(spec: &OutputSpec) -> Vec<ChoiceOut> {
+        (0..spec.sequences)
+            .map(|_| {
+                let mut c = ChoiceOut::new(spec.skip_special_tokens, spec.parser.clone());
+                if let Some(e) = &spec.echo {
+                    c.content.clone_from(&e.text);
+                }
+                c
+            })
+            .collect()
+    }
+
+    /// Starts the output again, before a new attempt starts (which must not see the choices
+    /// the failed one ended early): the key pays for the answer it gets, not for the attempt
+    /// that failed, so the tokens counted so far are dropped and the hold stays.
+    pub(crate) fn restart(&mut self) {
+        self.choices = Self::fresh_choices(&self.spec);
+        self.tally = Tally::default();
+        if let Some(echo) = &mut self.spec.echo {
+            echo.scored = None;
+        }
+        if let Some(ended) = &self.spec.ended {
+            ended.send_replace(0);
+        }
+    }
+
+    /// Notes that the first token of a restarted attempt has arrived.
+    pub(crate) fn first_token_now(&mut self) {
+        self.first_at = Instant::now();
+    }
+
+    /// Whether the stream ends with a usage chunk.
+    pub(crate) fn include_usage(&self) -> bool {
+        self.spec.include_usage
+    }
+
     pub(crate) fn shown(&self, id: u32) -> Shown {
         let bytes = self
-            .state
+            .render
             .text
             .tokenizer
             .token_bytes(id)
@@ -285,23 +365,23 @@ impl Output {
         } else {
             tally.decode_ms.push(ms(t.step_ms));
         }
-        let entry = self.logprobs.then(|| LogprobEntry {
+        let entry = self.spec.logprobs.then(|| LogprobEntry {
             token: self.shown(t.id),
             logprob: t.logprob,
             top: t.top.iter().map(|&(id, lp)| (self.shown(id), lp)).collect(),
             offset: 0,
         });
-        let is_stop = self.stop_ids.contains(&t.id);
-        let user_stop = self.user_stop_ids.contains(&t.id);
+        let is_stop = self.spec.stopping.ids.contains(&t.id);
+        let user_stop = self.spec.stopping.user_ids.contains(&t.id);
         // A stop token ends the output and is not part of its text, unless it is one of the
         // request's stop_token_ids and include_stop_str_in_output asks to keep it (seed 000:
         // "By default, the output does not contain the token ID in the list for stopping
         // inference"; include_stop_str_in_output is ignored "if stop or stop_token_ids is not
         // passed").
-        let piece = if is_stop && !(user_stop && self.stops.include()) {
+        let piece = if is_stop && !(user_stop && self.spec.stopping.strings.include()) {
             String::new()
         } else {
-            let tokenizer = &self.state.text.tokenizer;
+            let tokenizer = &self.render.text.tokenizer;
             let choice = &mut self.choices[t.choice as usize];
             choice
                 .decoder
@@ -309,13 +389,13 @@ impl Output {
                 .map_err(|e| RouterError::Internal(e.to_string()))?
                 .unwrap_or_default()
         };
-        let stops = &self.stops;
+        let stops = &self.spec.stopping.strings;
         // Offsets count the echoed prompt too: they index the choice's text as shown.
-        let echoed = self.echo.as_ref().map_or(0, |e| e.chars);
+        let echoed = self.spec.echo.as_ref().map_or(0, |e| e.chars);
         let choice = &mut self.choices[t.choice as usize];
         let now = Instant::now();
         if let Some(last) = choice.last_at.replace(now) {
-            self.state.metrics.itl.observe(now - last);
+            self.render.metrics.itl.observe(now - last);
         }
         choice.cumulative_logprob += f64::from(t.logprob);
         if let Some(mut e) = entry {
@@ -327,7 +407,7 @@ impl Output {
         }
         choice.append(&piece, stops, true);
         let mut part = choice.release(stops, false);
-        if let Some(echo) = self.echo.as_ref().filter(|_| choice.tokens == 1) {
+        if let Some(echo) = self.spec.echo.as_ref().filter(|_| choice.tokens == 1) {
             // A stream shows the prompt with the choice's first token.
             part.content.insert_str(0, &echo.text);
         }
@@ -340,8 +420,8 @@ impl Output {
         choice: u32,
         reason: FinishReason,
     ) -> Result<Released, RouterError> {
-        let tokenizer = &self.state.text.tokenizer;
-        let stops = &self.stops;
+        let tokenizer = &self.render.text.tokenizer;
+        let stops = &self.spec.stopping.strings;
         let c = self.choices.get_mut(choice as usize).ok_or_else(|| {
             RouterError::Internal(format!("a finish for unknown choice {choice}"))
         })?;
@@ -362,7 +442,7 @@ impl Output {
         let rest = c.release(stops, true);
         if self.all_finished() {
             self.record();
-        } else if let Some(ended) = self.ended.as_ref().filter(|_| cut_short) {
+        } else if let Some(ended) = self.spec.ended.as_ref().filter(|_| cut_short) {
             // The decode node would go on decoding it for the other choices' sake.
             ended.send_modify(|m| *m |= 1u128 << choice);
         }
@@ -390,8 +470,8 @@ impl Output {
     }
 
     pub(crate) fn record(&self) {
-        let m = &self.state.metrics;
-        m.tokens(self.prompt_tokens, self.tally.completion_tokens);
+        let m = &self.render.metrics;
+        m.tokens(self.spec.prompt_tokens, self.tally.completion_tokens);
         let per_choice = self.tally.completion_tokens as f64 / self.choices.len().max(1) as f64;
         if per_choice > 1.0 {
             m.tpot

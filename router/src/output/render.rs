@@ -68,12 +68,12 @@ impl Output {
     fn usage(&self) -> Usage<'_> {
         let t = &self.tally;
         Usage {
-            prompt_tokens: self.prompt_tokens,
+            prompt_tokens: self.spec.prompt_tokens,
             prompt_tokens_details: PromptTokensDetails {
                 cached_tokens: t.cached_tokens,
             },
             completion_tokens: t.completion_tokens,
-            total_tokens: self.prompt_tokens + t.completion_tokens,
+            total_tokens: self.spec.prompt_tokens + t.completion_tokens,
             batch_size: &t.batch_size,
             queue_wait_time: &t.queue_wait_us,
             prefill_placement: t.placement.map(|p| PrefillPlacement {
@@ -85,21 +85,21 @@ impl Output {
 
     fn head(&self, chunk: bool) -> Head<'_> {
         Head {
-            id: &self.id,
-            object: match (self.kind, chunk) {
+            id: &self.spec.id,
+            object: match (self.spec.kind, chunk) {
                 (Kind::Chat, false) => "chat.completion",
                 (Kind::Chat, true) => "chat.completion.chunk",
                 (Kind::Completion, _) => "text_completion",
             },
-            created: self.created,
-            model: &self.state.model_name,
+            created: self.spec.created,
+            model: &self.render.model,
         }
     }
 
     /// Chat logprobs of `entries`, when asked for. Logprobs are f32; they are shown as the
     /// f64 of that f32, as before the API was typed.
     fn chat_logprobs<'a>(&self, entries: &'a [LogprobEntry]) -> Option<chat::Logprobs<'a>> {
-        self.logprobs.then(|| chat::Logprobs {
+        self.spec.logprobs.then(|| chat::Logprobs {
             content: entries
                 .iter()
                 .map(|e| chat::TokenLogprob {
@@ -129,10 +129,11 @@ impl Output {
         echoed: bool,
         base: usize,
     ) -> Option<completions::Logprobs<'a>> {
-        if !self.logprobs {
+        if !self.spec.logprobs {
             return None;
         }
         let prompt = self
+            .spec
             .echo
             .as_ref()
             .filter(|_| echoed)
@@ -179,7 +180,7 @@ impl Output {
     /// whole output and with fullText.
     fn content_of<'a>(&self, c: &'a ChoiceOut, part: Option<&'a Released>) -> &'a str {
         match part {
-            Some(r) if !self.state.cfg.full_text_enabled => r.content.as_str(),
+            Some(r) if !self.render.full_text => r.content.as_str(),
             _ => c.content.as_str(),
         }
     }
@@ -197,7 +198,7 @@ impl Output {
     ) -> AnyChoice<'a> {
         let finish_reason = finish.map(|f| finish_str(f, !c.calls.is_empty()));
         let content = self.content_of(c, part);
-        match (self.kind, part) {
+        match (self.spec.kind, part) {
             (Kind::Completion, _) => AnyChoice::Text(completions::Choice {
                 index,
                 text: content,
@@ -268,10 +269,7 @@ impl Output {
 
     /// A choice's whole text for a last chunk's `full_text`, with fullText enabled.
     fn full_text<'a>(&self, c: &'a ChoiceOut) -> Option<&'a str> {
-        self.state
-            .cfg
-            .full_text_enabled
-            .then_some(c.content.as_str())
+        self.render.full_text.then_some(c.content.as_str())
     }
 
     /// The chunk that ends `choice` with what it still held back; the last one to end
@@ -375,13 +373,13 @@ impl Output {
     /// order, without best_of).
     pub(crate) fn response(&self) -> Whole<'_, AnyChoice<'_>> {
         let mut order: Vec<usize> = (0..self.choices.len()).collect();
-        if self.choices.len() > self.n {
+        if self.choices.len() > self.spec.n {
             order.sort_by(|&a, &b| {
                 self.choices[b]
                     .cumulative_logprob
                     .total_cmp(&self.choices[a].cumulative_logprob)
             });
-            order.truncate(self.n);
+            order.truncate(self.spec.n);
         }
         let bases = self.offset_bases(order.iter().copied());
         Whole {

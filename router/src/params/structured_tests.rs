@@ -2,7 +2,6 @@
 //! the parameter. Compiling against a real vocabulary uses the bundled model's tokenizer
 //! (`models/`, fetched by `scripts/fetch-models.sh`).
 
-use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use serde_json::{json, Value};
@@ -37,9 +36,7 @@ fn refused(r: Result<impl std::fmt::Debug, RouterError>) -> (&'static str, Strin
 fn vocab() -> &'static Result<Vocab, String> {
     static VOCAB: OnceLock<Result<Vocab, String>> = OnceLock::new();
     VOCAB.get_or_init(|| {
-        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../models/smollm2-135m-instruct-q4_1.gguf");
-        let text = text::load(&path).expect("the bundled model (scripts/fetch-models.sh)");
+        let text = crate::testing::bundled();
         Vocab::new(&text.tokenizer, &text.config.eos_token_ids).map_err(|e| e.to_string())
     })
 }
