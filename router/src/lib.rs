@@ -7,7 +7,6 @@ pub mod budget;
 mod chat;
 pub mod config;
 pub mod dispatch;
-mod ending;
 pub mod error;
 pub mod http;
 mod intake;

@@ -3,25 +3,17 @@
 
 use std::sync::Arc;
 
-use proto::v1::GenerateRequest;
-
+use super::ending::end_sequences;
 use super::forward::{forward, Source};
-use super::out::Out;
-use super::{decode_blocks, Failed, GenRequest};
-use crate::ending;
+use super::request::PromptOn;
+use super::{decode_blocks, Attempt, Failed};
 use crate::error::RouterError;
 use crate::placement::{LocalReason, Placement};
 use crate::worker::{Hold, Worker};
 
-/// One generation on worker `w`, which computes the prompt itself; `id` is the attempt's
-/// id on the worker.
-pub(super) async fn local_on(
-    req: &GenRequest,
-    id: String,
-    placed: Placement,
-    w: &Arc<Worker>,
-    out: &Out,
-) -> Result<(), Failed> {
+/// One generation on worker `w`, which computes the prompt itself.
+pub(super) async fn local_on(at: &Attempt<'_>, w: &Arc<Worker>) -> Result<(), Failed> {
+    let req = at.req;
     let positions = req.prompt.len() + req.max_tokens;
     let _hold = Hold::new(
         w,
@@ -32,45 +24,29 @@ pub(super) async fn local_on(
     // The prompt tokens it computes count until its first event: the room check of the
     // next short prompt (crate::placement) sees them.
     let computing = Hold::new(w, req.prompt.len() as u64, 0, 0);
-    let reported = req.reported();
-    let role = match placed {
+    let role = match at.placed {
         Placement::DecodeNode(LocalReason::Colocated) => "colocated",
         _ => "decode",
     };
-    let generate = runtime::with_request_id(
-        &req.log_id,
-        GenerateRequest {
-            request_id: id.clone(),
-            prompt: req.prompt.clone(),
-            sampling: Some(req.sampling.clone()),
-            max_tokens: req.max_tokens as u32,
-            stop_token_ids: req.stop_ids.clone(),
-            prefill_here: true,
-            top_logprobs: req.top_logprobs as u32,
-            n: reported as u32,
-            beam_width: req.beam_width(),
-            prompt_logprobs: req.prompt_logprobs,
-            resumed: req.resumed as u32,
-        },
-    );
+    let generate = req.generate(&at.id, PromptOn::DecodeNode);
     req.prompt_taken();
     let stream = w
         .decode()
         .generate(generate)
         .await
         .map_err(|s| Failed::on(w, RouterError::worker(role, &w.addr, s)))?;
-    let _ends = ending::end_sequences(req, w, &id);
+    let _ends = end_sequences(req, w, &at.id);
     let src = Source {
         role,
         worker: w,
         prefill: None,
-        placement: placed,
+        placement: at.placed,
     };
     forward(
         stream.into_inner(),
-        reported,
+        req.reported(),
         src,
-        out,
+        at.out,
         false,
         Some(computing),
     )

@@ -2,96 +2,32 @@
 //! worker. The HTTP layer sees only a stream of tokens with their timings, then a finish.
 
 mod blame;
+mod ending;
 mod forward;
 mod local;
 mod out;
 mod pd;
+mod request;
 
 use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
 use proto::v1::FinishReason;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tracing::Instrument;
 
 use crate::config::Mode;
 use crate::error::RouterError;
-use crate::keys::Spent;
 use crate::metrics::Culprit;
 use crate::placement::{LocalReason, Placement};
 use crate::room::{KvNeed, NoRoom};
 use crate::state::AppState;
-use crate::worker::Worker;
+use crate::worker::{PoolSettings, Worker};
 use blame::{blame, Blame};
 use out::{Out, Resume};
-
-/// A tokenized, validated request.
-#[derive(Debug, Clone)]
-pub struct GenRequest {
-    /// The response's id; each attempt's KV transfer is matched by an id made from it.
-    pub id: String,
-    /// What the nodes log the request as (gRPC metadata): the client's X-Request-Id, else
-    /// `id`. It need not be unique, so nothing is matched by it.
-    pub log_id: String,
-    pub prompt: Vec<u32>,
-    pub sampling: proto::v1::SamplingParams,
-    /// Completion tokens allowed in all, the prefill node's first one included.
-    pub max_tokens: usize,
-    pub stop_ids: Vec<u32>,
-    /// Alternatives reported with each token.
-    pub top_logprobs: usize,
-    /// Sequences generated from the prompt (best_of, else n); the beam width with beam
-    /// search.
-    pub sequences: usize,
-    /// The parameter that set `sequences` (`n` or `best_of`), for the errors that name it.
-    pub sequences_param: &'static str,
-    /// Beam search returning this many hypotheses.
-    pub beam: Option<usize>,
-    /// The prefix-cache partition of the request's API key (empty without keys).
-    pub cache_partition: Vec<u8>,
-    /// Score every prompt token after the first (echo with logprobs), with `top_logprobs`
-    /// alternatives: a [`Piece::Prompt`] before the tokens.
-    pub prompt_logprobs: bool,
-    /// The choices the client's output has ended (bit i: choice i) while others go on: the
-    /// decode node is told to stop decoding them. Only for requests where that can happen
-    /// (several sequences and stop strings): watching costs a task per attempt.
-    pub ended: Option<watch::Receiver<u128>>,
-    /// The prompt's last tokens that are output the client already has: an attempt that
-    /// moved the stream from a failed decode node.
-    pub resumed: usize,
-    /// The least its API key is charged, raised to the prompt when a worker takes it.
-    pub spent: Option<Spent>,
-}
-
-impl GenRequest {
-    /// Counts the prompt as spent: a worker is about to compute it.
-    fn prompt_taken(&self) {
-        if let Some(s) = &self.spent {
-            s.at_least(self.prompt.len() as u64);
-        }
-    }
-
-    /// Sequences the workers report back, each ending with its own finish.
-    pub fn reported(&self) -> usize {
-        self.beam.unwrap_or(self.sequences)
-    }
-
-    /// Whether a failure after some tokens can move the generation to other workers: one
-    /// sequence, no beam search (see `out`).
-    fn movable(&self) -> bool {
-        self.reported() == 1 && self.beam.is_none()
-    }
-
-    /// The beam width a decode node is asked for: 0 without beam search.
-    fn beam_width(&self) -> u32 {
-        if self.beam.is_some() {
-            self.sequences as u32
-        } else {
-            0
-        }
-    }
-}
+use pd::Pair;
+pub use request::{AttemptId, GenRequest};
 
 /// One generated token and what it cost.
 #[derive(Debug, Clone, PartialEq)]
@@ -131,32 +67,7 @@ pub type Pieces = mpsc::Receiver<Result<Piece, RouterError>>;
 /// becomes a plain HTTP error. Dropping the returned receiver cancels the generation on
 /// every worker it reached.
 pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<(Piece, Pieces), RouterError> {
-    let need = KvNeed {
-        positions: req.prompt.len() + req.max_tokens,
-        sequences: req.sequences,
-    };
-    match state.decode.fits_some(need) {
-        Ok(()) => {}
-        Err(NoRoom::Kv { largest }) => {
-            return Err(RouterError::NeverFits {
-                param: if req.sequences > 1 {
-                    req.sequences_param
-                } else {
-                    "max_tokens"
-                },
-                positions: need.positions,
-                sequences: need.sequences,
-                largest,
-            })
-        }
-        Err(NoRoom::Batch { widest }) => {
-            return Err(RouterError::TooWide {
-                param: req.sequences_param,
-                sequences: req.sequences,
-                widest,
-            })
-        }
-    }
+    room_for(state, &req)?;
     let (tx, mut rx) = mpsc::channel(64);
     let state = Arc::clone(state);
     let timeout_ms = state.cfg.request_timeout_ms;
@@ -196,6 +107,33 @@ pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<(Piece, Pie
     }
 }
 
+/// Refuses a request that no decode node could ever hold: more KV memory than the largest
+/// has, or more sequences than the widest batches.
+fn room_for(state: &AppState, req: &GenRequest) -> Result<(), RouterError> {
+    let need = KvNeed {
+        positions: req.prompt.len() + req.max_tokens,
+        sequences: req.sequences,
+    };
+    match state.decode.fits_some(need) {
+        Ok(()) => Ok(()),
+        Err(NoRoom::Kv { largest }) => Err(RouterError::NeverFits {
+            param: if req.sequences > 1 {
+                req.sequences_param
+            } else {
+                "max_tokens"
+            },
+            positions: need.positions,
+            sequences: need.sequences,
+            largest,
+        }),
+        Err(NoRoom::Batch { widest }) => Err(RouterError::TooWide {
+            param: req.sequences_param,
+            sequences: req.sequences,
+            widest,
+        }),
+    }
+}
+
 type Tx = mpsc::Sender<Result<Piece, RouterError>>;
 
 /// Why one attempt at a generation failed.
@@ -226,6 +164,15 @@ impl Failed {
             b => Some((w, b)),
         }
     }
+}
+
+/// One attempt at a generation: the request, its id on the workers, where its prompt is
+/// computed, and where its pieces go.
+struct Attempt<'a> {
+    req: &'a GenRequest,
+    id: AttemptId,
+    placed: Placement,
+    out: &'a Out,
 }
 
 /// Runs attempts until one succeeds or the failure may not be retried: a worker that fails
@@ -269,15 +216,7 @@ where
             Err(f) => f,
         };
         if let Some((w, b)) = failed.counted() {
-            // A full worker is busy, not broken: it is avoided but its breaker stays shut.
-            match b {
-                Blame::Down => {
-                    w.failed(settings);
-                    w.mark_down();
-                }
-                Blame::Fault => w.failed(settings),
-                Blame::Busy | Blame::Request => {}
-            }
+            count(w, b, settings);
             avoid.push(w.addr.clone());
         }
         progressed |= failed.progressed;
@@ -301,6 +240,19 @@ where
         last = Some(failed.error);
     }
     unreachable!("the attempts loop returns")
+}
+
+/// Counts a failure against worker `w`. A full worker is busy, not broken: it is avoided
+/// but its breaker stays shut.
+fn count(w: &Worker, b: Blame, settings: &PoolSettings) {
+    match b {
+        Blame::Down => {
+            w.failed(settings);
+            w.mark_down();
+        }
+        Blame::Fault => w.failed(settings),
+        Blame::Busy | Blame::Request => {}
+    }
 }
 
 /// Try `retry` (0: the first) of a PD generation, on a pair chosen avoiding `avoid`.
@@ -328,10 +280,15 @@ async fn attempt_pd(
         &d,
         decode_blocks(&d, positions, req.sequences),
     );
-    let kv_id = attempt_id(req, retry);
+    let at = Attempt {
+        req,
+        id: AttemptId::new(req, retry),
+        placed,
+        out,
+    };
     if let Placement::DecodeNode(_) = placed {
         tracing::debug!(decode = %d.addr, "picked to prefill locally");
-        return local_attempt(state, req, kv_id, placed, &d, out).await;
+        return local_attempt(state, &at, &d).await;
     }
     let p = state
         .prefill
@@ -339,40 +296,29 @@ async fn attempt_pd(
         .map_err(no_worker)?;
     state.metrics.placed(placed);
     tracing::debug!(prefill = %p.addr, decode = %d.addr, "picked");
-    let result = pd::pd_on(
-        req,
-        kv_id,
-        placed,
-        state.cfg.kv_reserve_timeout_ms,
-        &p,
-        &d,
-        out,
-    )
-    .await;
+    let pair = Pair {
+        prefill: &p,
+        decode: &d,
+    };
+    let wait = Duration::from_millis(state.cfg.kv_reserve_timeout_ms);
+    let result = pd::pd_on(&at, pair, wait).await;
     match &result {
         Ok(()) => {
             p.succeeded(&state.prefill.settings);
             d.succeeded(&state.decode.settings);
         }
-        Err(f) => state
-            .metrics
-            .attempt_failed(match (&f.culprit, f.counted()) {
-                (None, _) => Culprit::None,
-                (Some(_), None) => Culprit::Request,
-                (Some(w), _) if Arc::ptr_eq(w, &p) => Culprit::Prefill,
-                (Some(_), _) => Culprit::Decode,
-            }),
+        Err(f) => state.metrics.attempt_failed(pd_culprit(f, &p)),
     }
     result
 }
 
-/// The id attempt `retry` (0: the first) of `req` has on its workers, which match its KV
-/// transfer and its ended sequences by it (and log it). A retry gets its own, since the
-/// same decode node may still hold the failed attempt's cache until it times out.
-fn attempt_id(req: &GenRequest, retry: usize) -> String {
-    match retry {
-        0 => req.id.clone(),
-        n => format!("{}-retry{n}", req.id),
+/// What a failed PD attempt on prefill node `p` is counted against in the metrics.
+fn pd_culprit(f: &Failed, p: &Arc<Worker>) -> Culprit {
+    match (&f.culprit, f.counted()) {
+        (None, _) => Culprit::None,
+        (Some(_), None) => Culprit::Request,
+        (Some(w), _) if Arc::ptr_eq(w, p) => Culprit::Prefill,
+        (Some(_), _) => Culprit::Decode,
     }
 }
 
@@ -402,22 +348,21 @@ async fn attempt_colocated(
             culprit: None,
             progressed: false,
         })?;
-    let placed = Placement::DecodeNode(LocalReason::Colocated);
-    local_attempt(state, req, attempt_id(req, retry), placed, &w, out).await
+    let at = Attempt {
+        req,
+        id: AttemptId::new(req, retry),
+        placed: Placement::DecodeNode(LocalReason::Colocated),
+        out,
+    };
+    local_attempt(state, &at, &w).await
 }
 
-/// An attempt on worker `w`, which computes the prompt itself (`placed` says why), with
+/// An attempt on worker `w`, which computes the prompt itself (`at.placed` says why), with
 /// its outcome counted.
-async fn local_attempt(
-    state: &AppState,
-    req: &GenRequest,
-    id: String,
-    placed: Placement,
-    w: &Arc<Worker>,
-    out: &Out,
-) -> Result<(), Failed> {
+async fn local_attempt(state: &AppState, at: &Attempt<'_>, w: &Arc<Worker>) -> Result<(), Failed> {
+    let placed = at.placed;
     state.metrics.placed(placed);
-    let result = local::local_on(req, id, placed, w, out).await;
+    let result = local::local_on(at, w).await;
     match &result {
         Ok(()) => w.succeeded(&state.decode.settings),
         Err(f) => state

@@ -7,12 +7,12 @@ use std::sync::Arc;
 use proto::v1::EndSequenceRequest;
 use tracing::Instrument;
 
-use crate::dispatch::GenRequest;
+use super::{AttemptId, GenRequest};
 use crate::worker::Worker;
 
 /// Passes the choices the client's output ends early (a stop string met while the request's
 /// other choices go on) to decode node `d` as EndSequence calls, until dropped.
-pub(crate) struct EndSequences(tokio::task::JoinHandle<()>);
+pub(super) struct EndSequences(tokio::task::JoinHandle<()>);
 
 impl Drop for EndSequences {
     fn drop(&mut self) {
@@ -20,13 +20,15 @@ impl Drop for EndSequences {
     }
 }
 
-pub(crate) fn end_sequences(
+/// Starts passing the choices of attempt `id` of `req` that the client's output ends early
+/// to decode node `d`; `None` for a request where none can end early.
+pub(super) fn end_sequences(
     req: &GenRequest,
     d: &Arc<Worker>,
-    kv_id: &str,
+    id: &AttemptId,
 ) -> Option<EndSequences> {
     let mut ended = req.ended.clone()?;
-    let (d, kv_id, log_id) = (Arc::clone(d), kv_id.to_string(), req.log_id.clone());
+    let (d, id, log_id) = (Arc::clone(d), id.clone(), req.log_id.clone());
     let task = async move {
         let mut sent = 0u128;
         loop {
@@ -34,7 +36,7 @@ pub(crate) fn end_sequences(
             sent |= new;
             for choice in (0..128u32).filter(|c| new >> c & 1 == 1) {
                 let call = EndSequenceRequest {
-                    request_id: kv_id.clone(),
+                    request_id: id.as_str().to_string(),
                     choice,
                 };
                 let call = runtime::with_request_id(&log_id, call);
@@ -51,3 +53,4 @@ pub(crate) fn end_sequences(
         task.instrument(tracing::Span::current()),
     )))
 }
+
