@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 use engine::{KvAssembler, KvLayout};
+use proto::limits::MAX_SEQUENCES;
 use proto::v1::{KvHeader, TransferAck};
 use tokio::io::{AsyncRead, AsyncWriteExt};
 use tokio::sync::Semaphore;
@@ -24,8 +25,6 @@ use crate::metrics::DecodeMetrics;
 use crate::store::{Arrived, Redeemed, Tickets};
 use runtime::prom::Observe;
 
-/// Most sequences one request may decode (the seeds' n and best_of limit).
-pub const MAX_SEQUENCES: usize = 128;
 /// How long a refused sender may take to read the refusal and close.
 const REFUSAL_DRAIN: Duration = Duration::from_secs(2);
 /// Largest first-tokens frame: 128 tokens with 20 alternatives each take about 40 KB.
@@ -321,7 +320,9 @@ impl KvPlane {
                         return Err(bad("the first token came before the whole cache".into()));
                     }
                     if f.tokens.is_empty() || f.tokens.len() > MAX_SEQUENCES {
-                        return Err(bad("a transfer carries 1 to 128 first tokens".into()));
+                        return Err(bad(format!(
+                            "a transfer carries 1 to {MAX_SEQUENCES} first tokens"
+                        )));
                     }
                     let first = f
                         .tokens

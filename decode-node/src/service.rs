@@ -17,10 +17,10 @@ use tracing::Instrument;
 use crate::budget::{KvBudget, Lease};
 use crate::ended::Live;
 use crate::error::DecodeError;
-use crate::kv::MAX_SEQUENCES;
 use crate::metrics::DecodeMetrics;
 use crate::scheduler::{Admission, Events, Start};
 use crate::store::{Reserved, Tickets};
+use proto::limits::{MAX_SEQUENCES, MAX_TOP_LOGPROBS};
 
 /// What requests are checked against: the model's cache layout and vocabulary.
 pub struct Shape {
@@ -243,10 +243,9 @@ impl proto::v1::decode_server::Decode for DecodeService {
             }
             .into());
         }
-        let top = engine::sampling::MAX_TOP_LOGPROBS;
-        if req.top_logprobs as usize > top {
+        if req.top_logprobs as usize > MAX_TOP_LOGPROBS {
             return Err(DecodeError::InvalidRequest(format!(
-                "{} alternatives per token asked for, the limit is {top}",
+                "{} alternatives per token asked for, the limit is {MAX_TOP_LOGPROBS}",
                 req.top_logprobs
             ))
             .into());

@@ -7,6 +7,10 @@ use proto::v1;
 
 use proto::limits::{GrammarPast, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS};
 
+// The nodes let requests through up to the contract's top_logprobs limit; the engine's
+// sampler must report that many.
+const _: () = assert!(proto::limits::MAX_TOP_LOGPROBS <= engine::sampling::MAX_TOP_LOGPROBS);
+
 /// Sampling settings a node refuses, whoever sent them.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SamplingError {

@@ -7,9 +7,9 @@ pub enum PrefillError {
     EmptyPrompt,
     #[error("the prompt has {got} tokens, the model's context is {limit}")]
     PromptTooLong { got: usize, limit: usize },
-    #[error("{0} sequences asked for, the limit is 128")]
+    #[error("{0} sequences asked for, the limit is {max}", max = proto::limits::MAX_SEQUENCES)]
     TooManySequences(u32),
-    #[error("{0} alternatives per token asked for, the limit is {max}", max = engine::sampling::MAX_TOP_LOGPROBS)]
+    #[error("{0} alternatives per token asked for, the limit is {max}", max = proto::limits::MAX_TOP_LOGPROBS)]
     TooManyLogprobs(u32),
     #[error(
         "resumed = {resumed} needs one sequence, no beam search and a prompt longer than that \

@@ -77,10 +77,10 @@ impl PrefillService {
                 limit: self.max_positions,
             });
         }
-        if req.n > 128 {
+        if req.n as usize > proto::limits::MAX_SEQUENCES {
             return Err(PrefillError::TooManySequences(req.n));
         }
-        if req.top_logprobs as usize > engine::sampling::MAX_TOP_LOGPROBS {
+        if req.top_logprobs as usize > proto::limits::MAX_TOP_LOGPROBS {
             return Err(PrefillError::TooManyLogprobs(req.top_logprobs));
         }
         if !engine::sampling::can_resume(n, req.resumed as usize, req.n as usize, req.beam_search) {

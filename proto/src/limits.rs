@@ -2,6 +2,15 @@
 //! request's *meaning* buys (per step, per sequence, per compile), so the router answers
 //! 400 past it, and every node refuses past it whoever sent it.
 
+/// The most sequences one request generates (`n`, `best_of`, a beam's width; the seeds'
+/// limit): each holds a KV cache of its own and a batch slot every step. The router keeps a
+/// bit for each in a `u128`.
+pub const MAX_SEQUENCES: usize = 128;
+
+/// The most alternatives reported with each token (`top_logprobs`, the seeds' limit): each
+/// is an entry of every token's answer.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
 /// The most `SamplingParams.logit_bias` entries: applying them costs every step of every
 /// sequence.
 pub const MAX_LOGIT_BIAS: usize = 1024;

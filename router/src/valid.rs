@@ -10,7 +10,7 @@ use tokio::sync::watch;
 
 use crate::api;
 use crate::api::json::JsonBudget;
-use crate::dispatch::GenRequest;
+use crate::dispatch::{EndedChoices, GenRequest};
 use crate::error::{ErrorFormat, RouterError};
 use crate::output::{Echo, Kind, OutputSpec, Stopping};
 use crate::params::{self, Common, Constrained};
@@ -78,7 +78,7 @@ pub(crate) struct Valid {
     pub(crate) stream: bool,
     /// The choices the output ended by a stop string while others go on, for the decode
     /// node to stop decoding them; the sending half is the output's.
-    pub(crate) ended: Option<watch::Receiver<u128>>,
+    pub(crate) ended: Option<watch::Receiver<EndedChoices>>,
     pub(crate) output: OutputSpec,
 }
 
@@ -281,7 +281,7 @@ fn validated(
     };
     // Only a choice among several can end while others go on.
     let (ended_tx, ended) = if width.best_of > 1 && !stopping.strings.is_empty() {
-        let (tx, rx) = watch::channel(0u128);
+        let (tx, rx) = watch::channel(EndedChoices::default());
         (Some(Arc::new(tx)), Some(rx))
     } else {
         (None, None)

@@ -4,11 +4,35 @@
 
 use std::sync::Arc;
 
+use proto::limits::MAX_SEQUENCES;
 use proto::v1::EndSequenceRequest;
 use tracing::Instrument;
 
 use super::{AttemptId, GenRequest};
 use crate::worker::Worker;
+
+/// Choices of a request that the client's output ended early: one bit for each sequence a
+/// request may have.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EndedChoices(u128);
+
+const _: () = assert!(MAX_SEQUENCES <= u128::BITS as usize);
+
+impl EndedChoices {
+    /// These and `choice`.
+    pub fn with(self, choice: u32) -> Self {
+        match 1u128.checked_shl(choice) {
+            Some(bit) => Self(self.0 | bit),
+            None => self,
+        }
+    }
+
+    /// The choices among these that are not among `sent`.
+    fn beyond(self, sent: Self) -> impl Iterator<Item = u32> {
+        let new = self.0 & !sent.0;
+        (0..u128::BITS).filter(move |c| new >> c & 1 == 1)
+    }
+}
 
 /// Passes the choices the client's output ends early (a stop string met while the request's
 /// other choices go on) to decode node `d` as EndSequence calls, until dropped.
@@ -30,11 +54,12 @@ pub(super) fn end_sequences(
     let mut ended = req.ended.clone()?;
     let (d, id, log_id) = (Arc::clone(d), id.clone(), req.log_id.clone());
     let task = async move {
-        let mut sent = 0u128;
+        let mut sent = EndedChoices::default();
         loop {
-            let new = *ended.borrow_and_update() & !sent;
-            sent |= new;
-            for choice in (0..128u32).filter(|c| new >> c & 1 == 1) {
+            let now = *ended.borrow_and_update();
+            let new = now.beyond(sent);
+            sent = now;
+            for choice in new {
                 let call = EndSequenceRequest {
                     request_id: id.as_str().to_string(),
                     choice,
@@ -54,3 +79,17 @@ pub(super) fn end_sequences(
     )))
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_choices_not_yet_sent_are_sent() {
+        let sent = EndedChoices::default().with(0).with(5);
+        let now = sent.with(127).with(3);
+        assert_eq!(now.beyond(sent).collect::<Vec<_>>(), [3, 127]);
+        assert_eq!(sent.beyond(now).count(), 0);
+        // Past the contract's limit there is no choice to end.
+        assert_eq!(now.with(128), now);
+    }
+}

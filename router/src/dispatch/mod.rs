@@ -25,6 +25,7 @@ use crate::room::{KvNeed, NoRoom};
 use crate::state::AppState;
 use crate::worker::{PoolSettings, Worker};
 use blame::{blame, Blame};
+pub use ending::EndedChoices;
 use out::{Out, Resume};
 use pd::Pair;
 pub use request::{AttemptId, GenRequest};

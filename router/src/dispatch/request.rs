@@ -5,6 +5,7 @@
 use proto::v1::{GenerateRequest, PrefillRequest};
 use tokio::sync::watch;
 
+use super::EndedChoices;
 use crate::keys::Spent;
 
 /// An attempt's id on its workers: they match its KV transfer and its ended sequences by
@@ -58,7 +59,7 @@ pub struct GenRequest {
     /// The choices the client's output has ended (bit i: choice i) while others go on: the
     /// decode node is told to stop decoding them. Only for requests where that can happen
     /// (several sequences and stop strings): watching costs a task per attempt.
-    pub ended: Option<watch::Receiver<u128>>,
+    pub ended: Option<watch::Receiver<EndedChoices>>,
     /// The prompt's last tokens that are output the client already has: an attempt that
     /// moved the stream from a failed decode node.
     pub resumed: usize,

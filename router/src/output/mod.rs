@@ -20,7 +20,7 @@ use text::tools::ToolCall;
 use tokio::sync::watch;
 
 use crate::api::StopReason;
-use crate::dispatch::{Piece, TokenStat};
+use crate::dispatch::{EndedChoices, Piece, TokenStat};
 use crate::error::RouterError;
 use crate::keys::QuotaHold;
 use crate::metrics::Metrics;
@@ -239,7 +239,7 @@ pub(crate) struct OutputSpec {
     pub(crate) echo: Option<Echo>,
     /// Choices ended by a stop string while others go on (bit i: choice i), for the
     /// decode node to stop decoding (`GenRequest::ended`); none where that cannot happen.
-    pub(crate) ended: Option<Arc<watch::Sender<u128>>>,
+    pub(crate) ended: Option<Arc<watch::Sender<EndedChoices>>>,
 }
 
 /// What the server gives every output: the tokenizer that shows its tokens, the served
@@ -310,7 +310,7 @@ impl Output {
             echo.scored = None;
         }
         if let Some(ended) = &self.spec.ended {
-            ended.send_replace(0);
+            ended.send_replace(EndedChoices::default());
         }
     }
 
@@ -438,13 +438,13 @@ impl Output {
         } else {
             reason
         });
-        let cut_short = c.stopped && choice < 128;
+        let cut_short = c.stopped;
         let rest = c.release(stops, true);
         if self.all_finished() {
             self.record();
         } else if let Some(ended) = self.spec.ended.as_ref().filter(|_| cut_short) {
             // The decode node would go on decoding it for the other choices' sake.
-            ended.send_modify(|m| *m |= 1u128 << choice);
+            ended.send_modify(|m| *m = m.with(choice));
         }
         Ok(rest)
     }

@@ -281,7 +281,7 @@ fn best_of_returns_the_n_likeliest_with_offsets_continued() {
 
 #[test]
 fn a_stop_string_ending_one_of_several_choices_tells_the_workers() {
-    let (tx, rx) = watch::channel(0u128);
+    let (tx, rx) = watch::channel(EndedChoices::default());
     let mut s = spec(Kind::Completion);
     s.sequences = 2;
     s.n = 2;
@@ -289,11 +289,11 @@ fn a_stop_string_ending_one_of_several_choices_tells_the_workers() {
     s.ended = Some(Arc::new(tx));
     let mut out = Output::new(s, render(false), None);
     generate(&mut out, 1, &ids("a b c"), -1.0);
-    assert_eq!(*rx.borrow(), 0b10);
+    assert_eq!(*rx.borrow(), EndedChoices::default().with(1));
     assert!(!out.all_finished());
     // A new attempt starts every choice again.
     out.restart();
-    assert_eq!(*rx.borrow(), 0);
+    assert_eq!(*rx.borrow(), EndedChoices::default());
     assert_eq!(out.tally.completion_tokens, 0);
     assert!(out.choices.iter().all(|c| c.finish.is_none()));
 }

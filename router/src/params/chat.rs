@@ -1,6 +1,7 @@
 //! A chat request's own parameters: messages (checked, list content joined to text, media
 //! refused), tools and tool_choice, logprobs, and the template's kwargs.
 
+use proto::limits::MAX_TOP_LOGPROBS;
 use serde_json::{Map, Value};
 
 use super::{external_ref, int_in, MAX_CONTENT_CHARS, MAX_MESSAGES, MAX_TOOLS};
@@ -216,7 +217,7 @@ pub fn chat(o: ChatRequest, json: &JsonBudget) -> Result<Chat, RouterError> {
     }
     let tools = tools(&o.tools)?;
     let tool_choice = tool_choice(&o.tool_choice, tools.as_deref())?;
-    let top = int_in(&o.top_logprobs, "top_logprobs", 0, 20)?;
+    let top = int_in(&o.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS as i128)?;
     // The seeds: a valid top_logprobs without logprobs turns logprobs on.
     let logprobs = match (o.logprobs.value("logprobs")?, top) {
         (None, top) => top,

@@ -18,7 +18,7 @@ pub use structured::{forced_call, Constrained};
 
 use serde_json::Value;
 
-use proto::limits::{MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS};
+use proto::limits::{MAX_LOGIT_BIAS, MAX_SEQUENCES, MAX_STOP_TOKEN_IDS};
 use proto::v1::LogitBias;
 
 use crate::api::json::JsonBudget;
@@ -492,8 +492,9 @@ pub fn common(
     if let Param::Invalid = o.user {
         return Err(RouterError::param("user", "user must be a string"));
     }
-    let n_given = int_in(&o.n, "n", 1, 128)?;
-    let best_of_given = int_in(&o.best_of, "best_of", 1, 128)?;
+    let most = MAX_SEQUENCES as i128;
+    let n_given = int_in(&o.n, "n", 1, most)?;
+    let best_of_given = int_in(&o.best_of, "best_of", 1, most)?;
     let n = n_given.unwrap_or(1);
     let beam = boolean(&o.use_beam_search, "use_beam_search", false)?;
     let best_of = if beam {
