@@ -41,6 +41,9 @@ pub enum DecodeError {
     ShuttingDown,
     #[error("internal: {0}")]
     Internal(String),
+    /// A decode step failed: every sequence in it fails with this.
+    #[error("decode step failed: {0}")]
+    StepFailed(engine::EngineError),
     #[error("engine: {0}")]
     Engine(#[from] engine::EngineError),
 }
@@ -63,12 +66,39 @@ impl From<DecodeError> for tonic::Status {
             QueueFull(_) => (Code::ResourceExhausted, R::QueueFull),
             ShuttingDown => (Code::Unavailable, R::ShuttingDown),
             Abandoned => (Code::Cancelled, R::Cancelled),
-            Internal(_) => (Code::Internal, R::Internal),
-            Engine(engine::EngineError::ContextOverflow { .. })
-            | Engine(engine::EngineError::InvalidInput(_))
-            | Engine(engine::EngineError::KvCache(_)) => (Code::InvalidArgument, R::InvalidRequest),
+            Internal(_) | StepFailed(_) => (Code::Internal, R::Internal),
+            Engine(e) if e.is_request_fault() => (Code::InvalidArgument, R::InvalidRequest),
             Engine(_) => (Code::Internal, R::Internal),
         };
         proto::error_status(code, e.to_string(), reason)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use engine::EngineError as E;
+    use proto::v1::ErrorReason;
+
+    fn reason(e: DecodeError) -> (tonic::Code, ErrorReason) {
+        let s = tonic::Status::from(e);
+        (s.code(), proto::error_reason(&s))
+    }
+
+    #[test]
+    fn engine_errors_map_by_whose_fault_they_are() {
+        let request = (tonic::Code::InvalidArgument, ErrorReason::InvalidRequest);
+        let internal = (tonic::Code::Internal, ErrorReason::Internal);
+        let overflow = E::ContextOverflow { got: 9, limit: 8 };
+        assert_eq!(reason(DecodeError::Engine(overflow)), request);
+        assert_eq!(reason(DecodeError::Engine(E::BadKv("x".into()))), request);
+        // The node's own caches disagreeing is no request's fault.
+        assert_eq!(
+            reason(DecodeError::Engine(E::KvCache("x".into()))),
+            internal
+        );
+        let failed = DecodeError::StepFailed(E::InvalidInput("x".into()));
+        assert_eq!(failed.to_string(), "decode step failed: invalid input: x");
+        assert_eq!(reason(failed), internal);
     }
 }

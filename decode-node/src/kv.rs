@@ -116,10 +116,14 @@ impl KvPlane {
                 "KV connection refused: not a prefill node"
             );
             self.metrics.kv_refused.increment(1);
-            let status = Status::permission_denied(format!(
-                "only a certificate with {} may send KV; this one carries {identity:?}",
-                tls::Role::Prefill.uri()
-            ));
+            let status = proto::error_status(
+                tonic::Code::PermissionDenied,
+                format!(
+                    "only a certificate with {} may send KV; this one carries {identity:?}",
+                    tls::Role::Prefill.uri()
+                ),
+                proto::v1::ErrorReason::Forbidden,
+            );
             let _ = kvwire::write_refusal(&mut w, &status).await;
             let _ = w.shutdown().await;
             return;

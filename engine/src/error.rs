@@ -17,8 +17,14 @@ pub enum EngineError {
     Tensor(#[from] candle_core::Error),
     #[error(transparent)]
     Text(#[from] text::TextError),
+    /// The engine's own caches disagree with each other or with the model: a fault inside
+    /// the worker.
     #[error("KV cache: {0}")]
     KvCache(String),
+    /// A KV cache sent from elsewhere (a layout, a chunk, a transfer) is not what it says:
+    /// the sender's fault, not this worker's.
+    #[error("KV cache: {0}")]
+    BadKv(String),
     #[error("sequence of {got} tokens exceeds the model's {limit} positions")]
     ContextOverflow { got: usize, limit: usize },
     #[error("invalid input: {0}")]
@@ -29,6 +35,20 @@ pub enum EngineError {
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
 
 impl EngineError {
+    /// Whether the input is at fault (the request's tokens or positions, or a KV cache a
+    /// peer sent), so that no other worker would do better; otherwise the engine failed.
+    /// Both nodes map their engine errors to a status by this alone.
+    pub fn is_request_fault(&self) -> bool {
+        match self {
+            Self::ContextOverflow { .. } | Self::InvalidInput(_) | Self::BadKv(_) => true,
+            Self::Io { .. }
+            | Self::InvalidModel { .. }
+            | Self::Tensor(_)
+            | Self::Text(_)
+            | Self::KvCache(_) => false,
+        }
+    }
+
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {
             path: path.into(),
@@ -41,5 +61,28 @@ impl EngineError {
             path: path.into(),
             reason: reason.into(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_bad_input_is_the_request_s_fault() {
+        let faults = [
+            EngineError::ContextOverflow { got: 9, limit: 8 },
+            EngineError::InvalidInput("token 99 of 10".into()),
+            EngineError::BadKv("chunk for layer 3 of 2".into()),
+        ];
+        assert!(faults.iter().all(EngineError::is_request_fault));
+        let ours = [
+            EngineError::KvCache("cache layout does not match the model".into()),
+            EngineError::Tensor(candle_core::Error::Msg("shape".into())),
+            EngineError::invalid_model("m.gguf", "no tokenizer"),
+        ];
+        assert!(!ours.iter().any(EngineError::is_request_fault));
+        // The split kept the words a client or a log reads.
+        assert_eq!(faults[2].to_string(), "KV cache: chunk for layer 3 of 2");
     }
 }

@@ -38,6 +38,9 @@ pub enum PrefillError {
     Cancelled,
     #[error("engine: {0}")]
     Engine(#[from] engine::EngineError),
+    /// A prefill step failed: every prompt in it fails with this.
+    #[error("the prefill step failed: {0}")]
+    StepFailed(String),
     #[error("the decode node closed the KV transfer")]
     TransferClosed,
     #[error("KV transfer to {addr} failed: {status}")]
@@ -72,10 +75,8 @@ impl From<PrefillError> for tonic::Status {
             TransferClosed | Transfer { .. } => (Code::Unavailable, R::KvTransfer),
             ShuttingDown => (Code::Unavailable, R::ShuttingDown),
             Cancelled => (Code::Cancelled, R::Cancelled),
-            Engine(engine::EngineError::ContextOverflow { .. })
-            | Engine(engine::EngineError::InvalidInput(_)) => {
-                (Code::InvalidArgument, R::InvalidRequest)
-            }
+            StepFailed(_) => (Code::Internal, R::Internal),
+            Engine(e) if e.is_request_fault() => (Code::InvalidArgument, R::InvalidRequest),
             Engine(_) => (Code::Internal, R::Internal),
         };
         proto::error_status(code, e.to_string(), reason)
@@ -123,5 +124,18 @@ mod tests {
             reason(QueueFull(3)),
             (tonic::Code::ResourceExhausted, ErrorReason::QueueFull)
         );
+    }
+
+    #[test]
+    fn engine_errors_map_by_whose_fault_they_are() {
+        use engine::EngineError as E;
+        let request = (tonic::Code::InvalidArgument, ErrorReason::InvalidRequest);
+        let internal = (tonic::Code::Internal, ErrorReason::Internal);
+        let overflow = E::ContextOverflow { got: 9, limit: 8 };
+        assert_eq!(reason(Engine(overflow)), request);
+        assert_eq!(reason(Engine(E::BadKv("x".into()))), request);
+        assert_eq!(reason(Engine(E::KvCache("x".into()))), internal);
+        // A failed step is the node's, whatever the engine said.
+        assert_eq!(reason(StepFailed("KV cache: x".into())), internal);
     }
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use engine::grammar::{Constraint, GrammarError, TokenMask};
 use engine::sampling::Context;
-use engine::{EngineError, Model, Sampled, SamplingParams, SeqCache, SeqInput};
+use engine::{Model, Sampled, SamplingParams, SeqCache, SeqInput};
 use kvwire::Item;
 use proto::v1::FirstTokens;
 use tokio::sync::{mpsc, oneshot};
@@ -327,9 +327,7 @@ impl Worker {
                     let _ = a
                         .job
                         .done
-                        .send(Err(PrefillError::Engine(EngineError::KvCache(
-                            e.to_string(),
-                        ))));
+                        .send(Err(PrefillError::StepFailed(e.to_string())));
                 }
                 return;
             }

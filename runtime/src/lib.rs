@@ -278,14 +278,19 @@ async fn gate_callers(
         path,
         "refused a call from a peer without the role for it"
     );
-    tonic::Status::permission_denied(format!(
+    let message = format!(
         "{path} takes calls from {} only; the caller's certificate carries {identity:?}",
         callers
             .iter()
             .map(|r| r.uri())
             .collect::<Vec<_>>()
             .join(", ")
-    ))
+    );
+    proto::error_status(
+        tonic::Code::PermissionDenied,
+        message,
+        proto::v1::ErrorReason::Forbidden,
+    )
     .into_http()
 }
 

@@ -158,8 +158,10 @@ impl Gate {
     /// the router retries it elsewhere.
     pub fn admit(&self) -> Result<Pass, tonic::Status> {
         if self.draining() {
-            return Err(tonic::Status::unavailable(
-                "the worker is draining and takes no new work",
+            return Err(proto::error_status(
+                tonic::Code::Unavailable,
+                "the worker is draining and takes no new work".into(),
+                proto::v1::ErrorReason::ShuttingDown,
             ));
         }
         Ok(self.track())

@@ -108,7 +108,7 @@ impl Scheduler {
             }
             Err(e) => {
                 tracing::error!(error = %e, "decode step failed; failing its sequences");
-                let status = Status::internal(format!("decode step failed: {e}"));
+                let status = Status::from(DecodeError::StepFailed(e));
                 for s in self.running.drain(..) {
                     let _ = s.events.send(Err(status.clone()));
                 }

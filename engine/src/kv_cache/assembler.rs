@@ -62,13 +62,13 @@ impl KvAssembler {
     ) -> Result<Self> {
         let per_position = layout.validate()?;
         if tokens.is_empty() {
-            return Err(EngineError::KvCache(
+            return Err(EngineError::BadKv(
                 "a transfer covers at least one position".into(),
             ));
         }
         let capacity = capacity.max(tokens.len());
         if capacity.checked_mul(per_position).is_none() {
-            return Err(EngineError::KvCache(format!(
+            return Err(EngineError::BadKv(format!(
                 "{capacity} positions of {per_position} bytes do not fit in memory"
             )));
         }
@@ -153,7 +153,7 @@ impl KvAssembler {
     ) -> Result<ChunkWrite<'_>> {
         let layer = layer as usize;
         let (start, len) = (start as usize, len as usize);
-        let bad = |why: String| Err(EngineError::KvCache(why));
+        let bad = |why: String| Err(EngineError::BadKv(why));
         if layer >= self.filled.len() {
             return bad(format!("chunk for layer {layer} of {}", self.filled.len()));
         }
@@ -211,7 +211,7 @@ impl KvAssembler {
     /// The rebuilt cache, once complete.
     pub fn finish(self) -> Result<SeqCache> {
         if !self.is_complete() {
-            return Err(EngineError::KvCache(format!(
+            return Err(EngineError::BadKv(format!(
                 "incomplete transfer: {} of {} positions per layer",
                 self.filled.iter().min().copied().unwrap_or(0),
                 self.expected.len()
@@ -381,7 +381,7 @@ mod tests {
                     !layout_is_valid(&layout) || n == 0,
                     "{layout:?} with {n} tokens refused: {e}"
                 );
-                assert!(matches!(e, EngineError::KvCache(_)), "{e:?}");
+                assert!(matches!(e, EngineError::BadKv(_)), "{e:?}");
                 return (0, false);
             }
         };
@@ -421,7 +421,7 @@ mod tests {
                         "a good chunk was refused ({e}): {}",
                         describe(&chunk)
                     );
-                    assert!(matches!(e, EngineError::KvCache(_)), "{e:?}");
+                    assert!(matches!(e, EngineError::BadKv(_)), "{e:?}");
                 }
             }
             assert_eq!(asm.allocated_bytes(), allocated, "the cache never moves");

@@ -81,7 +81,7 @@ impl KvLayout {
     /// stores, no empty dimension, and sizes whose arithmetic cannot overflow. Returns the
     /// K+V bytes of one position over all layers.
     pub fn validate(&self) -> Result<usize> {
-        let bad = |why: String| Err(EngineError::KvCache(format!("layout {self:?}: {why}")));
+        let bad = |why: String| Err(EngineError::BadKv(format!("layout {self:?}: {why}")));
         if self.dtype != KV_DTYPE {
             return bad(format!("dtype {:?} is not {KV_DTYPE}", self.dtype));
         }

@@ -45,9 +45,10 @@ fn of_status(status: &tonic::Status, progressed: bool) -> Blame {
             Blame::Request
         }
         ErrorReason::QueueFull | ErrorReason::ShuttingDown => Blame::Busy,
-        ErrorReason::KvTransfer | ErrorReason::KvNotReceived | ErrorReason::UnknownDecodeNode => {
-            Blame::Fault
-        }
+        ErrorReason::KvTransfer
+        | ErrorReason::KvNotReceived
+        | ErrorReason::UnknownDecodeNode
+        | ErrorReason::Forbidden => Blame::Fault,
         ErrorReason::Internal | ErrorReason::Unspecified => match status.code() {
             Code::Unavailable => Blame::Down,
             Code::ResourceExhausted => Blame::Busy,
@@ -107,6 +108,7 @@ mod tests {
                 worker(Code::Internal, ErrorReason::KvTransfer),
                 worker(Code::FailedPrecondition, ErrorReason::UnknownDecodeNode),
                 bare(tonic::Status::permission_denied("wrong role")),
+                worker(Code::PermissionDenied, ErrorReason::Forbidden),
                 RouterError::Internal("no reservation".into()),
             ] {
                 assert_eq!(blame(&e, progressed), Blame::Fault, "{e}");
