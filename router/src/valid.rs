@@ -165,8 +165,8 @@ pub(crate) fn prepare(state: &AppState, stamp: Stamp, body: Bytes) -> Result<Val
     if common.model != state.model_name {
         return Err(RouterError::ModelNotFound(common.model));
     }
-    let given = given(state, request, &json, &mut common)?;
-    let prompt = tokenized(state, kind, &given)?;
+    let mut given = given(state, request, &json, &mut common)?;
+    let prompt = tokenized(state, kind, &mut given)?;
     validated(state, stamp, common, given, prompt)
 }
 
@@ -216,8 +216,9 @@ fn given(
     })
 }
 
-/// The prompt's tokens, within `max_prompt_tokens`.
-fn tokenized(state: &AppState, kind: Kind, given: &Given) -> Result<Vec<u32>, RouterError> {
+/// The prompt's tokens, within `max_prompt_tokens`: a client's token ids are taken from
+/// `given`, not copied.
+fn tokenized(state: &AppState, kind: Kind, given: &mut Given) -> Result<Vec<u32>, RouterError> {
     let (text, param) = (&given.text, given.param);
     if state.cfg.log_prompts {
         // Inside the request's span, so the line carries its req_id.
@@ -233,8 +234,8 @@ fn tokenized(state: &AppState, kind: Kind, given: &Given) -> Result<Vec<u32>, Ro
             ),
         ));
     }
-    let prompt = match (&given.tokens, kind) {
-        (Some(ids), _) => ids.clone(),
+    let prompt = match (given.tokens.take(), kind) {
+        (Some(ids), _) => ids,
         (None, Kind::Chat) => crate::chat::encode(state, text)?,
         (None, Kind::Completion) => state
             .text
