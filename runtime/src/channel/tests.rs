@@ -94,6 +94,15 @@ fn serve(addr: SocketAddr) -> (tokio::runtime::Runtime, mpsc::UnboundedReceiver<
     (rt, left_rx)
 }
 
+/// Stops a server from [`serve`] and returns once its threads have ended, so its
+/// listener is closed and the address can be bound again. `shutdown_background` would
+/// return before a worker thread drops the listener, and a rebind could then race it.
+async fn kill(server: tokio::runtime::Runtime) {
+    tokio::task::spawn_blocking(move || server.shutdown_timeout(Duration::from_secs(30)))
+        .await
+        .expect("the server runtime stops");
+}
+
 async fn free_addr() -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").await.expect("a port");
     l.local_addr().expect("its address")
@@ -198,7 +207,7 @@ async fn a_dead_peer_fails_calls_as_unavailable_and_is_dialed_again_once_back() 
         .await
         .expect("dialed once it listens");
     let mut held = held_call(&mut c).await;
-    server.shutdown_background();
+    kill(server).await;
     let cut = next(&mut held, Duration::from_secs(10))
         .await
         .expect_err("the peer died under the call");
