@@ -24,6 +24,7 @@ done
 refuse text 'engine|candle-.*' "the text layer links no candle"
 refuse engine 'proto|tonic|kvwire|router|runtime' "the engine knows no transport"
 refuse prefill-node 'decode-node' "P and D meet only through the contracts"
+refuse intake "kvwire|prefill-node|decode-node|router" "intake checks requests; it is no KV plane and no node"
 refuse decode-node 'prefill-node' "P and D meet only through the contracts"
 [ "$fail" = 0 ] && echo "crate graph: every rule holds"
 exit "$fail"

@@ -34,6 +34,9 @@ pub enum DecodeError {
     QueueFull(usize),
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// The request asks for what no node runs: the sender's mistake.
+    #[error("invalid request: {0}")]
+    Request(#[from] intake::RequestError),
     /// The request's grammar failed while generating: the request's doing, not the node's.
     #[error("the request's grammar failed: {0}")]
     Grammar(String),
@@ -58,7 +61,9 @@ impl From<DecodeError> for tonic::Status {
             TransferDeadline(_) | Quiet(_) => (Code::DeadlineExceeded, R::KvTransfer),
             TransferFailed { .. } => (Code::Aborted, R::KvNotReceived),
             BadTransfer(_) => (Code::InvalidArgument, R::KvTransfer),
-            InvalidRequest(_) | Grammar(_) => (Code::InvalidArgument, R::InvalidRequest),
+            InvalidRequest(_) | Request(_) | Grammar(_) => {
+                (Code::InvalidArgument, R::InvalidRequest)
+            }
             TooLarge { .. } => (Code::InvalidArgument, R::KvTooLarge),
             TooWide { .. } => (Code::InvalidArgument, R::InvalidRequest),
             BadTicket | BeyondReservation(_) => (Code::PermissionDenied, R::KvTransfer),

@@ -54,11 +54,11 @@ pub async fn serve(
     let path = cfg.model.clone();
     let loaded =
         runtime::load_model(move || engine::load(&path, &candle_core::Device::Cpu)).await?;
-    let grammars = kvwire::grammars::Grammars::of(&loaded);
+    let grammars = intake::Grammars::of(&loaded);
     let model = loaded.model;
     let layout = model.kv_layout();
     let max_positions = model.config().max_position_embeddings;
-    let vocab = model.config().vocab_size;
+    let bounds = intake::ModelBounds::of(&model);
     let block_tokens = cfg.kv_block_tokens.max(1);
     let blocks = cfg.kv_blocks.unwrap_or(budget::KvBudget::blocks_in(
         cfg.kv_cache_mb << 20,
@@ -104,8 +104,7 @@ pub async fn serve(
         Arc::clone(&budget),
         service::Shape {
             layout: layout.clone(),
-            vocab,
-            grammars,
+            intake: intake::Intake { bounds, grammars },
             max_batch: cfg.max_batch_size.max(1),
         },
         Arc::clone(&metrics),

@@ -20,14 +20,13 @@ use crate::error::DecodeError;
 use crate::metrics::DecodeMetrics;
 use crate::scheduler::{Admission, Events, Start};
 use crate::store::{Reserved, Tickets};
-use proto::limits::{MAX_SEQUENCES, MAX_TOP_LOGPROBS};
 
-/// What requests are checked against: the model's cache layout and vocabulary.
+/// What requests are checked against: the model's cache layout, its bounds and grammars,
+/// and the batch.
 pub struct Shape {
     pub layout: KvLayout,
-    pub vocab: usize,
-    /// What request grammars compile with.
-    pub grammars: kvwire::grammars::Grammars,
+    /// What requests are checked against, and what their grammars compile with.
+    pub intake: intake::Intake,
     /// Sequences one step runs (--max-batch-size): a request with more is refused, since it
     /// would run alone, over the bound, while every other request waits.
     pub max_batch: usize,
@@ -221,21 +220,18 @@ impl proto::v1::decode_server::Decode for DecodeService {
         let id = req.request_id.clone();
         let span = tracing::info_span!("generate", req_id = %logged, kv_id = %id,
             prefill_here = req.prefill_here);
-        let n = (req.n as usize).max(1);
-        if n > MAX_SEQUENCES {
-            return Err(DecodeError::InvalidRequest(format!(
-                "{n} sequences asked for, the limit is {MAX_SEQUENCES}"
-            ))
-            .into());
-        }
-        let width = req.beam_width as usize;
-        if width > MAX_SEQUENCES || (width > 0 && n > width) {
-            return Err(DecodeError::InvalidRequest(format!(
-                "a beam search of width {width} cannot return {n} hypotheses (width at most {MAX_SEQUENCES})"
-            ))
-            .into());
-        }
-        let sequences = if width > 0 { width } else { n };
+        let asked = intake::Asked {
+            prompt: &req.prompt,
+            n: req.n,
+            beam_width: req.beam_width,
+            top_logprobs: req.top_logprobs,
+            resumed: req.resumed,
+        };
+        // The batch bound is checked before a grammar compiles for the request.
+        let checked = asked
+            .check(self.shape.intake.bounds)
+            .map_err(DecodeError::from)?;
+        let sequences = checked.sequences();
         if sequences > self.shape.max_batch {
             return Err(DecodeError::TooWide {
                 sequences,
@@ -243,37 +239,12 @@ impl proto::v1::decode_server::Decode for DecodeService {
             }
             .into());
         }
-        if req.top_logprobs as usize > MAX_TOP_LOGPROBS {
-            return Err(DecodeError::InvalidRequest(format!(
-                "{} alternatives per token asked for, the limit is {MAX_TOP_LOGPROBS}",
-                req.top_logprobs
-            ))
-            .into());
-        }
-        if req.prompt.is_empty() {
-            return Err(DecodeError::InvalidRequest("the prompt is empty".into()).into());
-        }
-        let resumed = req.resumed as usize;
-        if !engine::sampling::can_resume(req.prompt.len(), resumed, n, width > 0) {
-            return Err(DecodeError::InvalidRequest(format!(
-                "resumed = {resumed} needs one sequence, no beam search and a prompt longer \
-                 than that ({} tokens)",
-                req.prompt.len()
-            ))
-            .into());
-        }
-        let mut wire = req.sampling.take().unwrap_or_default();
-        let invalid =
-            |e: kvwire::convert::SamplingError| DecodeError::InvalidRequest(e.to_string());
-        let sampling =
-            kvwire::convert::sampling_from_proto(&wire, &req.stop_token_ids, self.shape.vocab)
-                .map_err(invalid)?;
-        let constraint = self
+        let sampler = self
             .shape
-            .grammars
-            .constraint(wire.grammar.take(), &req.stop_token_ids, width > 0)
+            .intake
+            .sampler(&checked, req.sampling.take(), &req.stop_token_ids)
             .await
-            .map_err(invalid)?;
+            .map_err(DecodeError::from)?;
         let max_new = req.tokens_to_sample() as usize;
         let positions = self.budget.positions(req.prompt.len(), max_new);
         let reserved = Reserved {
@@ -285,16 +256,16 @@ impl proto::v1::decode_server::Decode for DecodeService {
         let admission = Admission {
             span: span.clone(),
             prompt: req.prompt,
-            sampling,
-            constraint,
-            top_logprobs: req.top_logprobs as usize,
-            n,
-            beam_width: width,
+            sampling: sampler.params,
+            constraint: sampler.constraint,
+            top_logprobs: checked.top_logprobs,
+            n: checked.n,
+            beam_width: checked.beam_width,
             max_new,
             positions,
             stop_ids: req.stop_token_ids,
             prompt_logprobs: req.prompt_logprobs && req.prefill_here,
-            resumed,
+            resumed: checked.resumed,
             ended: self.live.register(&id, sequences),
             start: Start::Prefill,
             enqueued: Instant::now(),

@@ -55,6 +55,11 @@ struct Dims {
 }
 
 impl ModelSize {
+    /// The positions the model's context holds (`max_position_embeddings`).
+    pub fn max_positions(self) -> usize {
+        self.dims().max_positions
+    }
+
     fn dims(self) -> Dims {
         match self {
             Self::Tiny => Dims {

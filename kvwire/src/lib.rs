@@ -16,7 +16,6 @@
 
 mod client;
 pub mod convert;
-pub mod grammars;
 
 pub use client::Client;
 

@@ -3,21 +3,9 @@
 /// Why a prefill failed.
 #[derive(Debug, thiserror::Error)]
 pub enum PrefillError {
-    #[error("the prompt is empty")]
-    EmptyPrompt,
-    #[error("the prompt has {got} tokens, the model's context is {limit}")]
-    PromptTooLong { got: usize, limit: usize },
-    #[error("{0} sequences asked for, the limit is {max}", max = proto::limits::MAX_SEQUENCES)]
-    TooManySequences(u32),
-    #[error("{0} alternatives per token asked for, the limit is {max}", max = proto::limits::MAX_TOP_LOGPROBS)]
-    TooManyLogprobs(u32),
-    #[error(
-        "resumed = {resumed} needs one sequence, no beam search and a prompt longer than that \
-         ({prompt} tokens)"
-    )]
-    BadResume { resumed: u32, prompt: usize },
+    /// The request asks for what no node runs: the sender's mistake.
     #[error(transparent)]
-    Sampling(#[from] kvwire::convert::SamplingError),
+    Request(#[from] intake::RequestError),
     #[error("grammar: {0}")]
     Grammar(engine::grammar::GrammarError),
     #[error("no decode node address was given")]
@@ -28,8 +16,6 @@ pub enum PrefillError {
         "no KV ticket was given: the decode node issues one when it reserves the request's memory"
     )]
     NoTicket,
-    #[error("prompt token {token} at position {at} is outside the vocabulary of {vocab}")]
-    TokenOutOfRange { token: u32, at: usize, vocab: usize },
     #[error("the prefill queue is full ({0} prompts)")]
     QueueFull(usize),
     #[error("the prefill node is shutting down")]
@@ -53,16 +39,9 @@ impl From<PrefillError> for tonic::Status {
         use tonic::Code;
         use PrefillError::*;
         let (code, reason) = match &e {
-            EmptyPrompt
-            | PromptTooLong { .. }
-            | TooManySequences(_)
-            | TooManyLogprobs(_)
-            | BadResume { .. }
-            | Sampling(_)
-            | Grammar(_)
-            | NoDecodeAddr
-            | NoTicket
-            | TokenOutOfRange { .. } => (Code::InvalidArgument, R::InvalidRequest),
+            Request(_) | Grammar(_) | NoDecodeAddr | NoTicket => {
+                (Code::InvalidArgument, R::InvalidRequest)
+            }
             UnknownDecode(_) => (Code::FailedPrecondition, R::UnknownDecodeNode),
             QueueFull(_) => (Code::ResourceExhausted, R::QueueFull),
             // The decode node judged the KV itself bad, or a message broke the gRPC size

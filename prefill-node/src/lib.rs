@@ -53,11 +53,10 @@ pub async fn serve(
     let path = cfg.model.clone();
     let loaded =
         runtime::load_model(move || engine::load(&path, &candle_core::Device::Cpu)).await?;
-    let grammars = kvwire::grammars::Grammars::of(&loaded);
+    let grammars = intake::Grammars::of(&loaded);
     let model = loaded.model;
     let layout = model.kv_layout();
-    let max_positions = model.config().max_position_embeddings;
-    let vocab = model.config().vocab_size;
+    let bounds = intake::ModelBounds::of(&model);
     let bytes_per_token = layout.bytes_per_token_layer();
     let message_tokens = (cfg.transfer_chunk_bytes / bytes_per_token).max(1);
     let max_queue = cfg.max_queue.max(1);
@@ -96,9 +95,7 @@ pub async fn serve(
     }
     let setup = service::Setup {
         layout,
-        max_positions,
-        vocab,
-        grammars,
+        intake: intake::Intake { bounds, grammars },
         kv: kvwire::Client::new(
             Duration::from_millis(cfg.connect_timeout_ms),
             // Only a decode node may take a request's KV cache.

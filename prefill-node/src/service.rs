@@ -22,9 +22,7 @@ pub struct PrefillService {
     metrics: Arc<PrefillMetrics>,
     max_queue: usize,
     layout: KvLayout,
-    max_positions: usize,
-    vocab: usize,
-    grammars: kvwire::grammars::Grammars,
+    intake: intake::Intake,
     kv: Arc<kvwire::Client>,
     targets: DecodeTargets,
     gate: runtime::Gate,
@@ -34,10 +32,8 @@ pub struct PrefillService {
 /// KV caches.
 pub struct Setup {
     pub layout: KvLayout,
-    pub max_positions: usize,
-    pub vocab: usize,
-    /// What request grammars compile with.
-    pub grammars: kvwire::grammars::Grammars,
+    /// What requests are checked against, and what their grammars compile with.
+    pub intake: intake::Intake,
     pub kv: kvwire::Client,
     pub targets: DecodeTargets,
 }
@@ -56,9 +52,7 @@ impl PrefillService {
             metrics,
             max_queue,
             layout: setup.layout,
-            max_positions: setup.max_positions,
-            vocab: setup.vocab,
-            grammars: setup.grammars,
+            intake: setup.intake,
             kv: Arc::new(setup.kv),
             targets: setup.targets,
             gate,
@@ -67,48 +61,18 @@ impl PrefillService {
 
     async fn run(&self, mut req: PrefillRequest) -> Result<PrefillResponse, PrefillError> {
         let enqueued = Instant::now();
-        let n = req.prompt.len();
-        if n == 0 {
-            return Err(PrefillError::EmptyPrompt);
-        }
-        if n >= self.max_positions {
-            return Err(PrefillError::PromptTooLong {
-                got: n,
-                limit: self.max_positions,
-            });
-        }
-        if req.n as usize > proto::limits::MAX_SEQUENCES {
-            return Err(PrefillError::TooManySequences(req.n));
-        }
-        if req.top_logprobs as usize > proto::limits::MAX_TOP_LOGPROBS {
-            return Err(PrefillError::TooManyLogprobs(req.top_logprobs));
-        }
-        if !engine::sampling::can_resume(n, req.resumed as usize, req.n as usize, req.beam_search) {
-            return Err(PrefillError::BadResume {
-                resumed: req.resumed,
-                prompt: n,
-            });
-        }
-        // An id outside the vocabulary would fail the whole batch's forward pass, not just
-        // this request.
-        if let Some((at, &token)) = req
-            .prompt
-            .iter()
-            .enumerate()
-            .find(|(_, &t)| t as usize >= self.vocab)
-        {
-            return Err(PrefillError::TokenOutOfRange {
-                token,
-                at,
-                vocab: self.vocab,
-            });
-        }
-        let mut wire = req.sampling.take().unwrap_or_default();
-        let sampling =
-            kvwire::convert::sampling_from_proto(&wire, &req.stop_token_ids, self.vocab)?;
-        let constraint = self
-            .grammars
-            .constraint(wire.grammar.take(), &req.stop_token_ids, req.beam_search)
+        let asked = intake::Asked {
+            prompt: &req.prompt,
+            n: req.n,
+            // A prefill node samples each of a beam's first tokens: its n is the width.
+            beam_width: if req.beam_search { req.n.max(1) } else { 0 },
+            top_logprobs: req.top_logprobs,
+            resumed: req.resumed,
+        };
+        let checked = asked.check(self.intake.bounds)?;
+        let sampler = self
+            .intake
+            .sampler(&checked, req.sampling.take(), &req.stop_token_ids)
             .await?;
         if req.kv_ticket.is_empty() {
             return Err(PrefillError::NoTicket);
@@ -130,14 +94,14 @@ impl PrefillService {
         let (done_tx, done_rx) = oneshot::channel();
         let job = Job {
             prompt: req.prompt,
-            sampling,
-            constraint,
-            top_logprobs: req.top_logprobs as usize,
-            n: (req.n as usize).max(1),
-            beam: req.beam_search,
+            sampling: sampler.params,
+            constraint: sampler.constraint,
+            top_logprobs: checked.top_logprobs,
+            n: checked.sequences(),
+            beam: checked.beam(),
             cache_partition: req.cache_partition,
             prompt_logprobs: req.prompt_logprobs,
-            resumed: req.resumed as usize,
+            resumed: checked.resumed,
             enqueued,
             span: tracing::Span::current(),
             transfer: tx,

@@ -353,6 +353,53 @@ async fn workers_refuse_a_resume_they_cannot_continue() {
     assert_eq!(c.post("/v1/completions", &body).await.0, 200);
 }
 
+/// A prompt the model cannot run (an id outside its vocabulary, no position left to
+/// generate into) is refused by the call itself on both nodes, before any memory is
+/// reserved for it, with the same message from each.
+#[tokio::test]
+async fn workers_refuse_a_prompt_their_model_cannot_run() {
+    use proto::v1::{GenerateRequest, PrefillRequest};
+
+    let c = Cluster::start(Mode::Pd, &tiny_model(), &[]).await;
+    let (mut p, mut d) = node_clients(&c).await;
+    let context = engine::testmodel::ModelSize::Tiny.max_positions();
+    for (prompt, says) in [
+        (
+            vec![1, 1 << 20, 2],
+            "prompt token 1048576 at position 1 is outside the vocabulary",
+        ),
+        (vec![1; context], "tokens, the model's context is"),
+    ] {
+        let refused = p
+            .prefill(PrefillRequest {
+                request_id: "unrunnable".into(),
+                prompt: prompt.clone(),
+                decode_addr: c.decode.clone(),
+                max_tokens: 2,
+                kv_ticket: vec![7; 32],
+                ..PrefillRequest::default()
+            })
+            .await;
+        assert!(
+            refused.as_ref().unwrap_err().message().contains(says),
+            "{refused:?}"
+        );
+        refused_as_invalid(refused);
+        let refused = d
+            .generate(GenerateRequest {
+                request_id: "unrunnable".into(),
+                prompt,
+                max_tokens: 2,
+                prefill_here: true,
+                ..GenerateRequest::default()
+            })
+            .await;
+        let message = refused.as_ref().map(|_| "").unwrap_or_else(|e| e.message());
+        assert!(message.contains(says), "{message}");
+        refused_as_invalid(refused);
+    }
+}
+
 /// A request with more sequences than a decode node runs in a step would run alone, over
 /// the node's bound, while every other request waited for it: the router refuses it with a
 /// 400 naming the parameter (from the width each node reports), and the decode node refuses

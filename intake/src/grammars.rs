@@ -12,7 +12,7 @@ use lru::LruCache;
 use prost::Message;
 use proto::v1;
 
-use crate::convert::{grammar_from_proto, SamplingError};
+use crate::sampling::{grammar_from_proto, SamplingError};
 
 /// Compiled grammars a node keeps, least recently used first out.
 pub const GRAMMAR_CACHE_ENTRIES: usize = 256;
