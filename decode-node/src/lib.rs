@@ -43,6 +43,67 @@ pub fn hold_freed_memory() {
     }
 }
 
+/// The node's KV memory from its flags: `--kv-blocks`, else as many as `--kv-cache-mb`
+/// holds.
+fn kv_budget(cfg: &Config, layout: &engine::KvLayout, max_positions: usize) -> budget::KvBudget {
+    let block_tokens = cfg.kv_block_tokens.max(1);
+    let blocks = cfg.kv_blocks.unwrap_or(budget::KvBudget::blocks_in(
+        cfg.kv_cache_mb << 20,
+        layout,
+        block_tokens,
+    ));
+    budget::KvBudget::new(
+        layout.clone(),
+        max_positions,
+        block_tokens,
+        blocks,
+        cfg.max_waiting,
+    )
+}
+
+/// The KV data plane's bounds from the node's flags, for a model of `max_positions`.
+fn kv_limits(cfg: &Config, max_positions: usize) -> kv::KvLimits {
+    kv::KvLimits {
+        header: Duration::from_millis(cfg.kv_header_timeout_ms),
+        idle: Duration::from_millis(cfg.kv_idle_timeout_ms),
+        quiet: Duration::from_millis(cfg.kv_timeout_ms),
+        min_rate: cfg.kv_min_transfer_kib_s.saturating_mul(1024),
+        max_header: kv::KvLimits::header_bytes(max_positions),
+        max_transfers: cfg.kv_max_transfers,
+    }
+}
+
+/// Serves each KV data-plane connection from `conns` on `plane` in a task of its own.
+/// Dropping the sender it returns (once the server has stopped) ends them all: KV
+/// connections still open (a prefill node's idle ones) close, and the service they hold
+/// goes, so the compute thread can end.
+fn accept_kv(
+    plane: Arc<kv::KvPlane>,
+    mut conns: tokio::sync::mpsc::Receiver<runtime::Sniffed>,
+) -> tokio::sync::watch::Sender<()> {
+    let (stop, stopped) = tokio::sync::watch::channel(());
+    let mut accepting = stopped.clone();
+    tokio::spawn(async move {
+        loop {
+            let conn = tokio::select! {
+                c = conns.recv() => match c {
+                    Some(c) => c,
+                    None => return,
+                },
+                _ = accepting.changed() => return,
+            };
+            let (plane, mut stopped) = (Arc::clone(&plane), stopped.clone());
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = plane.serve(conn) => {}
+                    _ = stopped.changed() => {}
+                }
+            });
+        }
+    });
+    stop
+}
+
 /// Loads the model and serves `tandem.v1.Decode`, and the KV data plane beside it, on
 /// `listener` until `shutdown` resolves.
 pub async fn serve(
@@ -54,24 +115,13 @@ pub async fn serve(
     let path = cfg.model.clone();
     let loaded =
         runtime::load_model(move || engine::load(&path, &candle_core::Device::Cpu)).await?;
-    let grammars = intake::Grammars::of(&loaded);
+    let intake = intake::Intake::of(&loaded);
     let model = loaded.model;
     let layout = model.kv_layout();
+    let registered = kvwire::convert::layout_info(&layout);
     let max_positions = model.config().max_position_embeddings;
-    let bounds = intake::ModelBounds::of(&model);
-    let block_tokens = cfg.kv_block_tokens.max(1);
-    let blocks = cfg.kv_blocks.unwrap_or(budget::KvBudget::blocks_in(
-        cfg.kv_cache_mb << 20,
-        &layout,
-        block_tokens,
-    ));
-    let budget = Arc::new(budget::KvBudget::new(
-        layout.clone(),
-        max_positions,
-        block_tokens,
-        blocks,
-        cfg.max_waiting,
-    ));
+    let budget = Arc::new(kv_budget(cfg, &layout, max_positions));
+    let (blocks, block_tokens) = (budget.capacity(), budget.block_tokens());
     let metrics = Arc::new(DecodeMetrics::new(block_tokens));
     metrics.spawn_upkeep();
     let (admit_tx, admit_rx) = tokio::sync::mpsc::unbounded_channel();
@@ -83,20 +133,6 @@ pub async fn serve(
     )?;
     let tickets = store::Tickets::new();
     let gate = runtime::Gate::default();
-    let capacity = discovery::Capacity {
-        kv_blocks: blocks as u64,
-        block_tokens: block_tokens as u64,
-        max_batch: cfg.max_batch_size as u64,
-        max_queue: cfg.max_waiting as u64,
-    };
-    let info = runtime::worker_info(
-        discovery::Role::Decode,
-        advertise,
-        cfg.cluster.name(discovery::Role::Decode),
-        &cfg.model,
-        kvwire::convert::layout_info(&layout),
-        capacity,
-    );
     let max = cfg.cluster.grpc_max_message_bytes;
     let svc = Arc::new(service::DecodeService::new(
         admit_tx,
@@ -104,7 +140,7 @@ pub async fn serve(
         Arc::clone(&budget),
         service::Shape {
             layout: layout.clone(),
-            intake: intake::Intake { bounds, grammars },
+            intake,
             max_batch: cfg.max_batch_size.max(1),
         },
         Arc::clone(&metrics),
@@ -116,63 +152,46 @@ pub async fn serve(
         layout,
         Arc::clone(&metrics),
         gate.clone(),
-        kv::KvLimits {
-            header: Duration::from_millis(cfg.kv_header_timeout_ms),
-            idle: Duration::from_millis(cfg.kv_idle_timeout_ms),
-            quiet: Duration::from_millis(cfg.kv_timeout_ms),
-            min_rate: cfg.kv_min_transfer_kib_s.saturating_mul(1024),
-            max_header: kv::KvLimits::header_bytes(max_positions),
-            max_transfers: cfg.kv_max_transfers,
-        },
+        kv_limits(cfg, max_positions),
     ));
-    let (kv_tx, mut kv_rx) = tokio::sync::mpsc::channel(KV_BACKLOG);
-    // Dropped once the server has stopped: KV connections still open (a prefill node's
-    // idle ones) close, and the service they hold goes, so the compute thread can end.
-    let (stop_kv, stopped) = tokio::sync::watch::channel(());
-    let kv_plane = Arc::clone(&plane);
-    let mut accepting = stopped.clone();
-    tokio::spawn(async move {
-        loop {
-            let conn = tokio::select! {
-                c = kv_rx.recv() => match c {
-                    Some(c) => c,
-                    None => return,
-                },
-                _ = accepting.changed() => return,
-            };
-            let (plane, mut stopped) = (Arc::clone(&kv_plane), stopped.clone());
-            tokio::spawn(async move {
-                tokio::select! {
-                    () = plane.serve(conn) => {}
-                    _ = stopped.changed() => {}
-                }
-            });
-        }
-    });
+    let (kv_tx, kv_rx) = tokio::sync::mpsc::channel(KV_BACKLOG);
+    let stop_kv = accept_kv(Arc::clone(&plane), kv_rx);
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(),
         kv_blocks = blocks, block_tokens, "decode node serving");
     let server = proto::v1::decode_server::DecodeServer::from_arc(svc)
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
     let routes = tonic::service::Routes::new(server);
-    let served = runtime::Served {
-        routes,
-        render: move || {
-            metrics.render(metrics::Held {
-                capacity: budget.capacity(),
-                used_blocks: budget.used(),
-                reserving: budget.waiting(),
-                receiving: plane.receiving(),
-                tickets: tickets.len(),
-            })
+    let node = runtime::Node {
+        role: discovery::Role::Decode,
+        advertise,
+        model: cfg.model.clone(),
+        layout: registered,
+        capacity: discovery::Capacity {
+            kv_blocks: blocks as u64,
+            block_tokens: block_tokens as u64,
+            max_batch: cfg.max_batch_size as u64,
+            max_queue: cfg.max_waiting as u64,
         },
-        side: Some(runtime::SideProtocol {
-            preface: kvwire::PREFACE,
-            conns: kv_tx,
-        }),
+        served: runtime::Served {
+            routes,
+            render: move || {
+                metrics.render(metrics::Held {
+                    capacity: budget.capacity(),
+                    used_blocks: budget.used(),
+                    reserving: budget.waiting(),
+                    receiving: plane.receiving(),
+                    tickets: tickets.len(),
+                })
+            },
+            side: Some(runtime::SideProtocol {
+                preface: kvwire::PREFACE,
+                conns: kv_tx,
+            }),
+        },
+        gate,
+        compute,
+        until_stopped: Some(Box::new(stop_kv)),
     };
-    runtime::serve_worker(listener, served, shutdown, &cfg.cluster, info, gate).await?;
-    drop(stop_kv);
-    let _ = tokio::task::spawn_blocking(move || compute.join()).await;
-    Ok(())
+    runtime::serve_node(listener, node, shutdown, &cfg.cluster).await
 }

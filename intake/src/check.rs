@@ -162,6 +162,16 @@ pub struct Intake {
     pub grammars: Grammars,
 }
 
+impl Intake {
+    /// What requests to `loaded` are taken in with.
+    pub fn of(loaded: &engine::Loaded) -> Self {
+        Self {
+            bounds: ModelBounds::of(&loaded.model),
+            grammars: Grammars::of(loaded),
+        }
+    }
+}
+
 /// A request's sampling settings and grammar in the engine's terms.
 pub struct Sampler {
     pub params: engine::SamplingParams,

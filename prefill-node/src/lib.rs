@@ -43,6 +43,30 @@ fn registered_decoders(
     Ok(Some(rx))
 }
 
+/// The compute thread's bounds from the node's flags, for caches of `layout`.
+fn worker_limits(cfg: &Config, layout: &engine::KvLayout) -> worker::Limits {
+    let bytes_per_token = layout.bytes_per_token_layer();
+    worker::Limits {
+        step_tokens: cfg.step_tokens,
+        chunk_tokens: cfg.chunk_tokens,
+        message_tokens: (cfg.transfer_chunk_bytes / bytes_per_token).max(1),
+        prefix_cache_bytes: cfg.prefix_cache_mb << 20,
+        max_active_tokens: cfg.max_active_tokens,
+    }
+}
+
+/// The client KV caches go to decode nodes with.
+fn kv_client(cfg: &Config) -> Result<kvwire::Client, ServeError> {
+    Ok(kvwire::Client::new(
+        Duration::from_millis(cfg.connect_timeout_ms),
+        // Only a decode node may take a request's KV cache.
+        cfg.cluster
+            .tls
+            .client()?
+            .map(|t| t.expecting(discovery::Role::Decode.certified())),
+    ))
+}
+
 /// Loads the model and serves `tandem.v1.Prefill` on `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
@@ -53,23 +77,15 @@ pub async fn serve(
     let path = cfg.model.clone();
     let loaded =
         runtime::load_model(move || engine::load(&path, &candle_core::Device::Cpu)).await?;
-    let grammars = intake::Grammars::of(&loaded);
+    let intake = intake::Intake::of(&loaded);
     let model = loaded.model;
     let layout = model.kv_layout();
-    let bounds = intake::ModelBounds::of(&model);
-    let bytes_per_token = layout.bytes_per_token_layer();
-    let message_tokens = (cfg.transfer_chunk_bytes / bytes_per_token).max(1);
+    let registered = kvwire::convert::layout_info(&layout);
     let max_queue = cfg.max_queue.max(1);
     let (jobs_tx, jobs_rx) = tokio::sync::mpsc::channel(max_queue);
     let metrics = Arc::new(PrefillMetrics::default());
     metrics.spawn_upkeep();
-    let limits = worker::Limits {
-        step_tokens: cfg.step_tokens,
-        chunk_tokens: cfg.chunk_tokens,
-        message_tokens,
-        prefix_cache_bytes: cfg.prefix_cache_mb << 20,
-        max_active_tokens: cfg.max_active_tokens,
-    };
+    let limits = worker_limits(cfg, &layout);
     let compute = worker::spawn(Arc::new(model), limits, Arc::clone(&metrics), jobs_rx)?;
     let queue = jobs_tx.clone();
     let shown = Arc::clone(&metrics);
@@ -79,14 +95,6 @@ pub async fn serve(
         max_queue: max_queue as u64,
         ..Default::default()
     };
-    let info = runtime::worker_info(
-        discovery::Role::Prefill,
-        advertise,
-        cfg.cluster.name(discovery::Role::Prefill),
-        &cfg.model,
-        kvwire::convert::layout_info(&layout),
-        capacity,
-    );
     let targets = targets::DecodeTargets::new(&cfg.decode_nodes, registered_decoders(cfg)?);
     if targets.is_unconfigured() {
         tracing::warn!(
@@ -95,15 +103,8 @@ pub async fn serve(
     }
     let setup = service::Setup {
         layout,
-        intake: intake::Intake { bounds, grammars },
-        kv: kvwire::Client::new(
-            Duration::from_millis(cfg.connect_timeout_ms),
-            // Only a decode node may take a request's KV cache.
-            cfg.cluster
-                .tls
-                .client()?
-                .map(|t| t.expecting(discovery::Role::Decode.certified())),
-        ),
+        intake,
+        kv: kv_client(cfg)?,
         targets,
     };
     let svc = service::PrefillService::new(
@@ -119,14 +120,22 @@ pub async fn serve(
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
     let routes = tonic::service::Routes::new(server);
-    let served = runtime::Served {
-        routes,
-        render,
-        side: None,
+    let node = runtime::Node {
+        role: discovery::Role::Prefill,
+        advertise,
+        model: cfg.model.clone(),
+        layout: registered,
+        capacity,
+        served: runtime::Served {
+            routes,
+            render,
+            side: None,
+        },
+        gate,
+        // The server drops the service and with it the job sender (the metrics closure's
+        // clone too): the thread ends.
+        compute,
+        until_stopped: None,
     };
-    runtime::serve_worker(listener, served, shutdown, &cfg.cluster, info, gate).await?;
-    // The server has dropped the service and with it the job sender (the metrics closure's
-    // clone too): the thread ends.
-    let _ = tokio::task::spawn_blocking(move || compute.join()).await;
-    Ok(())
+    runtime::serve_node(listener, node, shutdown, &cfg.cluster).await
 }

@@ -12,7 +12,7 @@ pub mod worker;
 pub use channel::{Channel, ChannelError};
 pub use sniff::{SideProtocol, Sniffed};
 pub use turns::{TurnError, Turns};
-pub use worker::{serve_worker, ClusterArgs, EtcdArgs, Gate, Pass, Served, Tracked};
+pub use worker::{serve_node, ClusterArgs, EtcdArgs, Gate, Node, Pass, Served, Tracked};
 
 use std::future::Future;
 
@@ -52,7 +52,7 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The registration of a worker of `role` at `addr` serving the model at `model` with
 /// caches of `layout`.
-pub fn worker_info(
+pub(crate) fn worker_info(
     role: discovery::Role,
     addr: String,
     name: String,

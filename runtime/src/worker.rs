@@ -215,7 +215,7 @@ pub struct Served<R> {
 
 /// Serves `served` on `listener`; registers `info` in etcd when configured; on `shutdown`
 /// drains through `gate` and stops.
-pub async fn serve_worker<R: Fn() -> String + Clone + Send + Sync + 'static>(
+async fn serve_worker<R: Fn() -> String + Clone + Send + Sync + 'static>(
     listener: TcpListener,
     served: Served<R>,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -280,6 +280,50 @@ pub async fn serve_worker<R: Fn() -> String + Clone + Send + Sync + 'static>(
             Ok(())
         }
     }
+}
+
+/// A worker node set up to serve: what it registers as, what it serves, and the thread
+/// that runs its model.
+pub struct Node<R> {
+    pub role: discovery::Role,
+    /// The address others dial it at ([`ClusterArgs::advertise`]).
+    pub advertise: String,
+    /// The model file it serves: its identity in the registration.
+    pub model: std::path::PathBuf,
+    pub layout: discovery::Layout,
+    pub capacity: discovery::Capacity,
+    pub served: Served<R>,
+    pub gate: Gate,
+    /// The compute thread: it ends once the server has dropped the node's services.
+    pub compute: std::thread::JoinHandle<()>,
+    /// Held while the server runs and dropped once it has stopped, before the compute
+    /// thread is waited for: what else holds the services (a decode node's KV connections)
+    /// lets go on it.
+    pub until_stopped: Option<Box<dyn Send>>,
+}
+
+/// Serves `node` on `listener` as [`serve_worker`] does, then waits for its compute thread
+/// to end. Both worker nodes serve through it.
+pub async fn serve_node<R: Fn() -> String + Clone + Send + Sync + 'static>(
+    listener: TcpListener,
+    node: Node<R>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    args: &ClusterArgs,
+) -> Result<(), ServeError> {
+    let name = args.name(node.role);
+    let info = crate::worker_info(
+        node.role,
+        node.advertise,
+        name,
+        &node.model,
+        node.layout,
+        node.capacity,
+    );
+    serve_worker(listener, node.served, shutdown, args, info, node.gate).await?;
+    drop(node.until_stopped);
+    let compute = node.compute;
+    let _ = tokio::task::spawn_blocking(move || compute.join()).await;
+    Ok(())
 }
 
 #[cfg(test)]
