@@ -3,96 +3,51 @@
 
 use super::*;
 
+/// A request's prompt done: the caches its sequences start from and their first tokens.
+struct Started {
+    /// The prompt's cache; once forked, one per first token.
+    caches: Vec<SeqCache>,
+    first: Vec<Sampled>,
+    /// The first tokens' events when this node sampled them (colocated); a prefill node's
+    /// went to the router from there.
+    prefilled: Option<Vec<TokenEvent>>,
+    /// Since when the sequences wait for their next step.
+    ready_since: Instant,
+}
+
+impl Started {
+    /// One cache per first token: sequence 0 keeps the prompt's, the others decode from
+    /// copies of it.
+    fn fork(&mut self) -> Result<(), EngineError> {
+        for _ in 1..self.first.len() {
+            let copy = self.caches[0].fork()?;
+            self.caches.push(copy);
+        }
+        Ok(())
+    }
+}
+
 impl Scheduler {
     /// Starts a request: its caches are sized to its whole length, and each sequence (or
     /// the beam search) holds its share of the request's reservation.
     pub(super) fn admit(&mut self, mut a: Admission) {
         let _entered = a.span.clone().entered();
         let width = sequences(&a);
-        let positions = a.positions;
-        let per_seq = a.lease.blocks() / width;
         // A moved stream's grammar state goes on from its output so far.
         let (_, so_far) = engine::sampling::split_resumed(&a.prompt, a.resumed);
         if let Some(Err(e)) = a.constraint.as_mut().map(|c| c.advance(so_far)) {
             let e = DecodeError::InvalidRequest(format!("the resumed output: {e}"));
             return self.fail(&a.events, e);
         }
-        // The prompt's cache, each sequence's first token, the events of the first tokens
-        // when this node sampled them, and since when the sequences wait for their next step.
-        let (cache, first, prefilled, ready_since) = match a.start {
-            Start::Transferred {
-                cache,
-                first_tokens,
-            } => {
-                if first_tokens.len() != width {
-                    let e = DecodeError::InvalidRequest(format!(
-                        "{} first tokens arrived for {width} sequences",
-                        first_tokens.len(),
-                    ));
-                    return self.fail(&a.events, e);
-                }
-                // A first token outside the vocabulary would fail the whole batch's next
-                // forward pass, not just this request.
-                let vocab = self.model.config().vocab_size;
-                let outside = first_tokens
-                    .iter()
-                    .flat_map(|s| std::iter::once(s.token).chain(s.top.iter().map(|t| t.token)))
-                    .find(|&t| t as usize >= vocab);
-                if let Some(t) = outside {
-                    let e = DecodeError::BadTransfer(format!(
-                        "first token {t} is outside the vocabulary of {vocab}"
-                    ));
-                    return self.fail(&a.events, e);
-                }
-                let mut cache = cache;
-                if let Err(e) = cache.reserve_exact(positions) {
-                    return self.fail(&a.events, e.into());
-                }
-                (cache, first_tokens, None, a.enqueued)
-            }
-            Start::Prefill => {
-                if a.max_new == 0 {
-                    for choice in 0..a.n as u32 {
-                        let _ = a
-                            .events
-                            .send(Ok(finish_event(FinishReason::Length, choice)));
-                    }
-                    return;
-                }
-                let started = Instant::now();
-                let allowed = match a.constraint.as_mut().map(Constraint::mask).transpose() {
-                    Ok(m) => m,
-                    Err(e) => return self.fail(&a.events, DecodeError::Internal(e.to_string())),
-                };
-                let (cache, first, scored) = match self.prefill(&a, width, positions, allowed) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "prefill failed");
-                        return self.fail(&a.events, e);
-                    }
-                };
-                if a.prompt_logprobs {
-                    let tokens = scored.iter().map(kvwire::convert::token_to_proto).collect();
-                    let _ = a.events.send(Ok(GenerateEvent {
-                        event: Some(Event::Prompt(PromptLogprobs { tokens })),
-                    }));
-                }
-                let ms = started.elapsed().as_secs_f64() * 1e3;
-                let wait = (started - a.enqueued).as_micros() as u64;
-                let events: Vec<TokenEvent> = first
-                    .iter()
-                    .enumerate()
-                    .map(|(choice, s)| TokenEvent {
-                        from_prefill: true,
-                        ..token(s, choice as u32, ms, 1, wait)
-                    })
-                    .collect();
-                (cache, first, Some(events), Instant::now())
-            }
+        let mut started = match self.first_tokens(&mut a, width) {
+            Ok(Some(s)) => s,
+            Ok(None) => return,
+            Err(e) => return self.fail(&a.events, e),
         };
         // Each sequence's grammar state after its first token: a prefill node's first token
         // is checked against the grammar like any other.
-        let constraints = first
+        let constraints = started
+            .first
             .iter()
             .map(|f| {
                 let mut c = a.constraint.clone();
@@ -105,55 +60,138 @@ impl Scheduler {
             Ok(c) => c,
             Err(e) => return self.fail(&a.events, DecodeError::BadTransfer(e.to_string())),
         };
-        // Sequence 0 keeps the prompt's cache; the others decode from copies of it.
-        let mut caches = Vec::with_capacity(first.len());
-        for _ in 1..first.len() {
-            match cache.fork() {
-                Ok(c) => caches.push(c),
-                Err(e) => return self.fail(&a.events, e.into()),
-            }
+        if let Err(e) = started.fork() {
+            return self.fail(&a.events, e.into());
         }
-        caches.insert(0, cache);
         if a.beam_width > 0 {
-            let produced = usize::from(prefilled.is_some());
-            // A beam's history starts with its first token; a prefill node's carries no
-            // figures here, the router has them.
-            let histories: Vec<TokenEvent> = prefilled.unwrap_or_else(|| {
-                first
-                    .iter()
-                    .map(|s| TokenEvent {
-                        from_prefill: true,
-                        ..token(s, 0, 0.0, 1, 0)
-                    })
-                    .collect()
-            });
-            let states = caches
-                .into_iter()
-                .zip(histories)
-                .map(|(cache, e)| BeamState {
-                    cache: Some(cache),
-                    history: vec![e],
-                });
-            let search = BeamSearch::new(
-                a.prompt.len(),
-                a.stop_ids,
-                first.into_iter().zip(states).collect(),
-                ended,
-            );
-            self.keep_or_end(BeamGroup {
-                span: a.span.clone(),
-                search,
-                n: a.n,
-                top_logprobs: a.top_logprobs,
-                max_new: a.max_new,
-                produced,
-                ready_since,
-                events: a.events,
-                _lease: a.lease,
-            });
-            return;
+            self.start_beams(a, started);
+        } else {
+            self.start_sequences(a, started, constraints);
         }
-        let produced = match prefilled {
+    }
+
+    /// The request's prompt cache and first tokens: transferred (and checked), or computed
+    /// here. `None` when the request is done already (no token to produce).
+    fn first_tokens(
+        &self,
+        a: &mut Admission,
+        width: usize,
+    ) -> Result<Option<Started>, DecodeError> {
+        match std::mem::replace(&mut a.start, Start::Prefill) {
+            Start::Transferred {
+                mut cache,
+                first_tokens,
+            } => {
+                let vocab = self.model.config().vocab_size;
+                plan::check_first_tokens(&first_tokens, width, vocab)?;
+                cache.reserve_exact(a.positions)?;
+                Ok(Some(Started {
+                    caches: vec![cache],
+                    first: first_tokens,
+                    prefilled: None,
+                    ready_since: a.enqueued,
+                }))
+            }
+            Start::Prefill if a.max_new == 0 => {
+                for choice in 0..a.n as u32 {
+                    let _ = a
+                        .events
+                        .send(Ok(finish_event(FinishReason::Length, choice)));
+                }
+                Ok(None)
+            }
+            Start::Prefill => self.prefill_here(a, width).map(Some),
+        }
+    }
+
+    /// Computes the request's prompt here and samples its first tokens, sending the
+    /// prompt's scores first when asked.
+    fn prefill_here(&self, a: &mut Admission, width: usize) -> Result<Started, DecodeError> {
+        let started = Instant::now();
+        let allowed = a
+            .constraint
+            .as_mut()
+            .map(Constraint::mask)
+            .transpose()
+            .map_err(|e| DecodeError::Internal(e.to_string()))?;
+        let (cache, first, scored) = self
+            .prefill(a, width, a.positions, allowed)
+            .inspect_err(|e| tracing::warn!(error = %e, "prefill failed"))?;
+        if a.prompt_logprobs {
+            let tokens = scored.iter().map(kvwire::convert::token_to_proto).collect();
+            let _ = a.events.send(Ok(GenerateEvent {
+                event: Some(Event::Prompt(PromptLogprobs { tokens })),
+            }));
+        }
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        let wait = (started - a.enqueued).as_micros() as u64;
+        let events = first
+            .iter()
+            .enumerate()
+            .map(|(choice, s)| TokenEvent {
+                from_prefill: true,
+                ..token(s, choice as u32, ms, 1, wait)
+            })
+            .collect();
+        Ok(Started {
+            caches: vec![cache],
+            first,
+            prefilled: Some(events),
+            ready_since: Instant::now(),
+        })
+    }
+
+    /// Starts a beam search over `caches`, one per first token.
+    fn start_beams(&mut self, a: Admission, started: Started) {
+        let produced = usize::from(started.prefilled.is_some());
+        // A beam's history starts with its first token; a prefill node's carries no
+        // figures here, the router has them.
+        let histories: Vec<TokenEvent> = started.prefilled.unwrap_or_else(|| {
+            started
+                .first
+                .iter()
+                .map(|s| TokenEvent {
+                    from_prefill: true,
+                    ..token(s, 0, 0.0, 1, 0)
+                })
+                .collect()
+        });
+        let states = started
+            .caches
+            .into_iter()
+            .zip(histories)
+            .map(|(cache, e)| BeamState {
+                cache: Some(cache),
+                history: vec![e],
+            });
+        let search = BeamSearch::new(
+            a.prompt.len(),
+            a.stop_ids,
+            started.first.into_iter().zip(states).collect(),
+            ended,
+        );
+        self.keep_or_end(BeamGroup {
+            span: a.span.clone(),
+            search,
+            n: a.n,
+            top_logprobs: a.top_logprobs,
+            max_new: a.max_new,
+            produced,
+            ready_since: started.ready_since,
+            events: a.events,
+            _lease: a.lease,
+        });
+    }
+
+    /// Starts the request's sequences, one per first token, each with its cache, its
+    /// grammar state and its share of the reservation.
+    fn start_sequences(
+        &mut self,
+        mut a: Admission,
+        started: Started,
+        constraints: Vec<Option<Constraint>>,
+    ) {
+        let produced = match started.prefilled {
             Some(events) => {
                 for event in events {
                     let _ = a.events.send(Ok(GenerateEvent {
@@ -164,9 +202,14 @@ impl Scheduler {
             }
             None => 0,
         };
+        let per_seq = a.lease.blocks() / started.caches.len().max(1);
         let (prompt, so_far) = engine::sampling::split_resumed(&a.prompt, a.resumed);
         let grammar_time = Account::default();
-        let seqs = caches.into_iter().zip(first).zip(constraints);
+        let seqs = started
+            .caches
+            .into_iter()
+            .zip(started.first)
+            .zip(constraints);
         for (choice, ((cache, first), constraint)) in seqs.enumerate() {
             let mut output = so_far.to_vec();
             output.push(first.token);
@@ -183,11 +226,12 @@ impl Scheduler {
                 max_new: a.max_new,
                 stop_ids: a.stop_ids.clone(),
                 cache,
-                // The lease holds `width` shares of `per_seq` blocks: a split never fails.
+                // The lease holds one share of `per_seq` blocks for each sequence: a
+                // split never fails.
                 _lease: a.lease.split(per_seq).unwrap_or_default(),
                 output,
                 produced,
-                ready_since,
+                ready_since: started.ready_since,
                 events: a.events.clone(),
             });
         }

@@ -32,6 +32,7 @@ use runtime::prom::Observe;
 mod admit;
 mod beam;
 pub mod masks;
+mod plan;
 mod prefill;
 mod step;
 
@@ -275,8 +276,7 @@ impl Scheduler {
     /// Starts queued requests, oldest first, while the next one has a batch slot.
     fn start_waiting(&mut self) {
         while let Some(a) = self.waiting.front() {
-            let batch = self.batch_len();
-            if batch > 0 && batch + sequences(a) > self.max_batch {
+            if !plan::starts(self.batch_len(), sequences(a), self.max_batch) {
                 break;
             }
             let a = self.waiting.pop_front().expect("the front exists");
@@ -305,17 +305,15 @@ impl Scheduler {
 
     /// Why `seq` stops after its newest token, if it does.
     fn finish_of(&self, seq: &Seq) -> Option<FinishReason> {
-        let last = *seq.output.last()?;
-        if seq.stop_ids.contains(&last) || seq.constraint.as_ref().is_some_and(Constraint::finished)
-        {
-            Some(FinishReason::Stop)
-        } else if seq.produced >= seq.max_new
-            || seq.cache.len() >= self.model.config().max_position_embeddings
-        {
-            Some(FinishReason::Length)
-        } else {
-            None
-        }
+        plan::finish(plan::Progress {
+            last: *seq.output.last()?,
+            stop_ids: &seq.stop_ids,
+            grammar_finished: seq.constraint.as_ref().is_some_and(Constraint::finished),
+            produced: seq.produced,
+            max_new: seq.max_new,
+            positions: seq.cache.len(),
+            max_positions: self.model.config().max_position_embeddings,
+        })
     }
 
     /// Keeps `seq` running, or sends its finish and lets it (and its cache) go.
@@ -345,3 +343,6 @@ fn sequences(a: &Admission) -> usize {
         a.n
     }
 }
+
+#[cfg(test)]
+mod tests;

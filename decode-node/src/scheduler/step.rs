@@ -144,7 +144,12 @@ impl Scheduler {
         let mut served = Vec::new();
         for (k, &i) in parked.iter().enumerate() {
             let seq = &mut self.running[i];
-            if alone || (nothing_else && k == 0) || seq.grammar_time.in_credit() {
+            let turn = plan::ParkedTurn {
+                alone,
+                oldest_with_nothing_else: nothing_else && k == 0,
+                in_credit: seq.grammar_time.in_credit(),
+            };
+            if plan::samples_now(turn) {
                 let p = seq.parked.take().expect("parked");
                 let s = seq.sample(&p.row);
                 served.push((i, s, p));
