@@ -4,6 +4,7 @@
 pub mod config;
 pub mod error;
 pub mod metrics;
+pub mod plan;
 pub mod prefix;
 pub mod service;
 pub mod targets;

@@ -19,6 +19,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::error::PrefillError;
 use crate::metrics::PrefillMetrics;
+use crate::plan;
 use crate::prefix::PrefixCache;
 use runtime::prom::Observe;
 
@@ -98,6 +99,14 @@ struct Active {
     scored: Vec<Sampled>,
 }
 
+/// What a step's forward pass gave: for each prompt in it, its last position's logits,
+/// every position's when it scores its prompt, and whether its transfer closed.
+struct Pass {
+    rows: Vec<Vec<f32>>,
+    every: Vec<Option<Vec<Vec<f32>>>>,
+    closed: Vec<bool>,
+}
+
 impl Active {
     fn done(&self) -> usize {
         self.cache.len()
@@ -167,7 +176,8 @@ impl Worker {
                 return;
             };
             let held: usize = self.active.iter().map(|a| a.job.prompt.len()).sum();
-            if !self.active.is_empty() && held + job.prompt.len() > self.limits.max_active_tokens {
+            let (started, tokens) = (self.active.len(), job.prompt.len());
+            if !plan::starts(held, started, tokens, self.limits.max_active_tokens) {
                 self.next = Some(job);
                 return;
             }
@@ -239,114 +249,107 @@ impl Worker {
     /// One forward pass over the next piece of each prompt, oldest first, within the
     /// step's token budget; prompts that complete get their first tokens and leave.
     fn step(&mut self) {
-        let mut budget = self.limits.step_tokens.max(1);
-        let chunk = self.limits.chunk_tokens.max(1);
-        // Tokens each of the oldest prompts gets this step: every prompt in the step gets
-        // at least one, so the step is a prefix of `active`.
-        let mut takes = Vec::new();
-        for a in &self.active {
-            if budget == 0 {
-                break;
-            }
-            let take = (a.job.prompt.len() - a.done()).min(chunk).min(budget);
-            takes.push(take);
-            budget -= take;
-        }
+        let takes = plan::takes(
+            self.active.iter().map(|a| a.job.prompt.len() - a.done()),
+            self.limits.step_tokens,
+            self.limits.chunk_tokens,
+        );
         let started = Instant::now();
         for a in self.active.iter_mut().take(takes.len()) {
             a.started.get_or_insert(started);
         }
-        let message_tokens = self.limits.message_tokens.max(1);
-        // A prompt whose transfer closed (its decode node failed, or the request was
-        // cancelled) stops sending; its batch mates go on.
-        let mut closed = vec![false; takes.len()];
-        let every_row: Vec<bool> = self
-            .active
-            .iter()
-            .take(takes.len())
-            .map(|a| a.job.prompt_logprobs)
-            .collect();
-        let logits = {
-            // The transfer also carries what came from the prefix cache: it starts at
-            // what was sent, not at what this step computes.
-            let transfers: Vec<(mpsc::UnboundedSender<Item>, usize)> = self
-                .active
-                .iter()
-                .take(takes.len())
-                .map(|a| (a.job.transfer.clone(), a.sent))
-                .collect();
-            let mut batch: Vec<SeqInput<'_>> = self
-                .active
-                .iter_mut()
-                .zip(&takes)
-                .map(|(a, &take)| {
-                    let from = a.cache.len();
-                    SeqInput {
-                        tokens: &a.job.prompt[from..from + take],
-                        cache: &mut a.cache,
-                    }
-                })
-                .collect();
-            self.model.forward_rows(
-                &mut batch,
-                &mut |layer, seqs| {
-                    for (k, s) in seqs.iter().enumerate() {
-                        if closed[k] {
-                            continue;
-                        }
-                        let (tx, sent) = &transfers[k];
-                        let n = s.tokens.len();
-                        let end = s.cache.len() + n;
-                        for start in (*sent..end).step_by(message_tokens) {
-                            let len = message_tokens.min(end - start);
-                            let chunk = s.cache.export_pending(layer, start, len, n)?;
-                            if tx.send(Item::Chunk(chunk)).is_err() {
-                                closed[k] = true;
-                                break;
-                            }
-                        }
-                    }
-                    Ok(())
-                },
-                &every_row,
-            )
-        };
-        let batch_size = takes.len();
-        let rows = logits.and_then(|(last, every)| {
-            let every = every
-                .into_iter()
-                .map(|t| t.map(|t| t.to_vec2::<f32>()).transpose())
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok((last.to_vec2::<f32>()?, every))
-        });
-        let (rows, every) = match rows {
-            Ok(rows) => rows,
+        match self.forward(&takes) {
+            Ok(pass) => {
+                self.metrics.step_duration.observe(started.elapsed());
+                self.metrics
+                    .prompt_tokens
+                    .increment(takes.iter().sum::<usize>() as u64);
+                self.settle(pass);
+            }
             Err(e) => {
                 tracing::error!(error = %e, "prefill step failed; failing its prompts");
-                for a in self.active.drain(..batch_size) {
+                for a in self.active.drain(..takes.len()) {
                     let _ = a
                         .job
                         .done
                         .send(Err(PrefillError::StepFailed(e.to_string())));
                 }
-                return;
             }
-        };
-        self.metrics.step_duration.observe(started.elapsed());
-        self.metrics
-            .prompt_tokens
-            .increment(takes.iter().sum::<usize>() as u64);
+        }
+    }
+
+    /// Runs the next `takes[i]` tokens of the i-th started prompt in one forward pass,
+    /// sending each layer's K/V for them (and for what came from the prefix cache) on the
+    /// prompt's transfer as soon as the layer is done.
+    fn forward(&mut self, takes: &[usize]) -> Result<Pass, engine::EngineError> {
+        let message_tokens = self.limits.message_tokens.max(1);
+        // A prompt whose transfer closed (its decode node failed, or the request was
+        // cancelled) stops sending; its batch mates go on.
+        let mut closed = vec![false; takes.len()];
+        let stepped = || self.active.iter().take(takes.len());
+        let every_row: Vec<bool> = stepped().map(|a| a.job.prompt_logprobs).collect();
+        // The transfer also carries what came from the prefix cache: it starts at what
+        // was sent, not at what this step computes.
+        let transfers: Vec<(mpsc::UnboundedSender<Item>, usize)> = stepped()
+            .map(|a| (a.job.transfer.clone(), a.sent))
+            .collect();
+        let mut batch: Vec<SeqInput<'_>> = self
+            .active
+            .iter_mut()
+            .zip(takes)
+            .map(|(a, &take)| {
+                let from = a.cache.len();
+                SeqInput {
+                    tokens: &a.job.prompt[from..from + take],
+                    cache: &mut a.cache,
+                }
+            })
+            .collect();
+        let (last, every) = self.model.forward_rows(
+            &mut batch,
+            &mut |layer, seqs| {
+                for (k, s) in seqs.iter().enumerate() {
+                    if closed[k] {
+                        continue;
+                    }
+                    let (tx, sent) = &transfers[k];
+                    let n = s.tokens.len();
+                    let end = s.cache.len() + n;
+                    for start in (*sent..end).step_by(message_tokens) {
+                        let len = message_tokens.min(end - start);
+                        let chunk = s.cache.export_pending(layer, start, len, n)?;
+                        if tx.send(Item::Chunk(chunk)).is_err() {
+                            closed[k] = true;
+                            break;
+                        }
+                    }
+                }
+                Ok(())
+            },
+            &every_row,
+        )?;
+        let every = every
+            .into_iter()
+            .map(|t| t.map(|t| t.to_vec2::<f32>()).transpose())
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Pass {
+            rows: last.to_vec2::<f32>()?,
+            every,
+            closed,
+        })
+    }
+
+    /// Takes a step's outcome: each prompt's scores so far, then its first tokens when
+    /// it is complete, or its place at the front when it is not.
+    fn settle(&mut self, pass: Pass) {
+        let batch_size = pass.rows.len();
         let stepped: Vec<Active> = self.active.drain(..batch_size).collect();
         let mut kept = Vec::new();
-        for (((mut a, row), closed), every) in stepped.into_iter().zip(&rows).zip(closed).zip(every)
-        {
+        let outcomes = pass.rows.iter().zip(pass.closed).zip(pass.every);
+        for (mut a, ((row, closed), every)) in stepped.into_iter().zip(outcomes) {
             if let Some(every) = every {
-                // Row i of the piece (prompt position from + i) scores the token after it:
-                // the next piece's first token for the last row, nothing for the prompt's
-                // last position (its row gives the first generated token).
                 let from = a.done() - every.len();
-                let prompt = &a.job.prompt;
-                let next = &prompt[from + 1..(from + every.len() + 1).min(prompt.len())];
+                let next = plan::scored_tokens(&a.job.prompt, from, every.len());
                 let top = a.job.top_logprobs;
                 a.scored.extend(engine::sampling::scored(&every, next, top));
             }
@@ -435,3 +438,6 @@ fn first_mask(
     c.advance(output)?;
     c.mask().map(Some)
 }
+
+#[cfg(test)]
+mod tests;
