@@ -68,6 +68,71 @@ impl DecodeService {
             kv_wait,
         }
     }
+
+    /// Checks a Generate call and turns it into its admission, with the memory it
+    /// reserves; its events go to `events`.
+    async fn call(
+        &self,
+        mut req: GenerateRequest,
+        span: tracing::Span,
+        events: Events,
+    ) -> Result<Call, DecodeError> {
+        let asked = intake::Asked {
+            prompt: &req.prompt,
+            n: req.n,
+            beam_width: req.beam_width,
+            top_logprobs: req.top_logprobs,
+            resumed: req.resumed,
+        };
+        // The batch bound is checked before a grammar compiles for the request.
+        let checked = asked.check(self.shape.intake.bounds)?;
+        let sequences = checked.sequences();
+        if sequences > self.shape.max_batch {
+            return Err(DecodeError::TooWide {
+                sequences,
+                max_batch: self.shape.max_batch,
+            });
+        }
+        let sampler = self
+            .shape
+            .intake
+            .sampler(&checked, req.sampling.take(), &req.stop_token_ids)
+            .await?;
+        let max_new = req.tokens_to_sample() as usize;
+        let positions = self.budget.positions(req.prompt.len(), max_new);
+        let reserved = Reserved {
+            prompt: req.prompt.len(),
+            max_new,
+            positions,
+        };
+        let admission = Admission {
+            span,
+            prompt: req.prompt,
+            sampling: sampler.params,
+            constraint: sampler.constraint,
+            top_logprobs: checked.top_logprobs,
+            n: checked.n,
+            beam_width: checked.beam_width,
+            max_new,
+            positions,
+            stop_ids: req.stop_token_ids,
+            prompt_logprobs: req.prompt_logprobs && req.prefill_here,
+            resumed: checked.resumed,
+            ended: self.live.register(&req.request_id, sequences),
+            start: Start::Prefill,
+            enqueued: Instant::now(),
+            events,
+            delayed: false,
+            lease: Lease::default(),
+        };
+        Ok(Call {
+            id: req.request_id,
+            admission,
+            prefill_here: req.prefill_here,
+            reserved,
+            blocks: self.budget.blocks_for(positions).saturating_mul(sequences),
+        })
+    }
 }
 
 /// What one Generate call needs once its memory is reserved.
@@ -216,70 +281,11 @@ impl proto::v1::decode_server::Decode for DecodeService {
         // Logged as the id the router names the request by (the client's, when it gave
         // one); the transfer is matched by the message's own id, unique per attempt.
         let logged = runtime::request_id(&req, &req.get_ref().request_id);
-        let mut req = req.into_inner();
-        let id = req.request_id.clone();
-        let span = tracing::info_span!("generate", req_id = %logged, kv_id = %id,
+        let req = req.into_inner();
+        let span = tracing::info_span!("generate", req_id = %logged, kv_id = %req.request_id,
             prefill_here = req.prefill_here);
-        let asked = intake::Asked {
-            prompt: &req.prompt,
-            n: req.n,
-            beam_width: req.beam_width,
-            top_logprobs: req.top_logprobs,
-            resumed: req.resumed,
-        };
-        // The batch bound is checked before a grammar compiles for the request.
-        let checked = asked
-            .check(self.shape.intake.bounds)
-            .map_err(DecodeError::from)?;
-        let sequences = checked.sequences();
-        if sequences > self.shape.max_batch {
-            return Err(DecodeError::TooWide {
-                sequences,
-                max_batch: self.shape.max_batch,
-            }
-            .into());
-        }
-        let sampler = self
-            .shape
-            .intake
-            .sampler(&checked, req.sampling.take(), &req.stop_token_ids)
-            .await
-            .map_err(DecodeError::from)?;
-        let max_new = req.tokens_to_sample() as usize;
-        let positions = self.budget.positions(req.prompt.len(), max_new);
-        let reserved = Reserved {
-            prompt: req.prompt.len(),
-            max_new,
-            positions,
-        };
         let (events, rx) = mpsc::unbounded_channel();
-        let admission = Admission {
-            span: span.clone(),
-            prompt: req.prompt,
-            sampling: sampler.params,
-            constraint: sampler.constraint,
-            top_logprobs: checked.top_logprobs,
-            n: checked.n,
-            beam_width: checked.beam_width,
-            max_new,
-            positions,
-            stop_ids: req.stop_token_ids,
-            prompt_logprobs: req.prompt_logprobs && req.prefill_here,
-            resumed: checked.resumed,
-            ended: self.live.register(&id, sequences),
-            start: Start::Prefill,
-            enqueued: Instant::now(),
-            events,
-            delayed: false,
-            lease: Lease::default(),
-        };
-        let call = Call {
-            id,
-            admission,
-            prefill_here: req.prefill_here,
-            reserved,
-            blocks: self.budget.blocks_for(positions).saturating_mul(sequences),
-        };
+        let call = self.call(req, span.clone(), events).await?;
         // In a task of its own, so that the call returns at once and its events stream
         // while it waits for memory or its transfer.
         tokio::spawn(

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use engine::KvLayout;
-use proto::v1::{HealthReply, HealthRequest, KvHeader, PrefillRequest, PrefillResponse};
+use proto::v1::{
+    HealthReply, HealthRequest, KvHeader, PrefillRequest, PrefillResponse, TransferAck,
+};
 use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
@@ -13,7 +15,7 @@ use tracing::Instrument;
 use crate::error::PrefillError;
 use crate::metrics::PrefillMetrics;
 use crate::targets::DecodeTargets;
-use crate::worker::Job;
+use crate::worker::{Computed, Job};
 use runtime::prom::{Counter, Observe};
 
 /// State shared by the service's handlers.
@@ -78,19 +80,7 @@ impl PrefillService {
             return Err(PrefillError::NoTicket);
         }
         self.targets.check(&req.decode_addr).await?;
-        let (tx, rx) = mpsc::unbounded_channel();
-        let header = KvHeader {
-            request_id: req.request_id.clone(),
-            layout: Some(kvwire::convert::layout_to_proto(&self.layout)),
-            tokens: req.prompt.clone(),
-            max_tokens: req.max_tokens,
-            ticket: req.kv_ticket.clone(),
-        };
-        let (kv, addr) = (Arc::clone(&self.kv), req.decode_addr.clone());
-        let transfer = tokio::spawn(
-            async move { kv.transfer(&addr, header, rx).await }
-                .instrument(tracing::Span::current()),
-        );
+        let transfer = self.transfer(&req);
         let (done_tx, done_rx) = oneshot::channel();
         let job = Job {
             prompt: req.prompt,
@@ -104,7 +94,7 @@ impl PrefillService {
             resumed: checked.resumed,
             enqueued,
             span: tracing::Span::current(),
-            transfer: tx,
+            transfer: transfer.items,
             done: done_tx,
         };
         self.jobs.try_send(job).map_err(|e| match e {
@@ -120,7 +110,7 @@ impl PrefillService {
             Ok(c) => c,
             Err(PrefillError::TransferClosed) => {
                 // The transfer call ended first; its status says why.
-                return Err(match transfer.await {
+                return Err(match transfer.call.await {
                     Ok(Err(status)) => transfer_error(status),
                     _ => PrefillError::TransferClosed,
                 });
@@ -128,9 +118,34 @@ impl PrefillService {
             Err(e) => return Err(e),
         };
         let ack = transfer
+            .call
             .await
             .map_err(|_| PrefillError::TransferClosed)?
             .map_err(transfer_error)?;
+        Ok(self.response(computed, ack))
+    }
+
+    /// Starts the KV transfer of `req`'s cache to its decode node; the compute thread
+    /// feeds it.
+    fn transfer(&self, req: &PrefillRequest) -> Transfer {
+        let (items, rx) = mpsc::unbounded_channel();
+        let header = KvHeader {
+            request_id: req.request_id.clone(),
+            layout: Some(kvwire::convert::layout_to_proto(&self.layout)),
+            tokens: req.prompt.clone(),
+            max_tokens: req.max_tokens,
+            ticket: req.kv_ticket.clone(),
+        };
+        let (kv, addr) = (Arc::clone(&self.kv), req.decode_addr.clone());
+        let call = tokio::spawn(
+            async move { kv.transfer(&addr, header, rx).await }
+                .instrument(tracing::Span::current()),
+        );
+        Transfer { items, call }
+    }
+
+    /// The answer to a prefill whose cache the decode node acknowledged with `ack`.
+    fn response(&self, computed: Computed, ack: TransferAck) -> PrefillResponse {
         let prefill_time = computed.started.elapsed();
         // The part of the transfer the compute did not hide: its last layer's chunk and the
         // decode node's rebuild, up to the acknowledgement.
@@ -142,24 +157,24 @@ impl PrefillService {
             bytes = ack.bytes,
             "prefilled"
         );
-        Ok(PrefillResponse {
-            first: computed
-                .first
-                .iter()
-                .map(kvwire::convert::token_to_proto)
-                .collect(),
+        let tokens =
+            |t: &[engine::Sampled]| t.iter().map(kvwire::convert::token_to_proto).collect();
+        PrefillResponse {
+            first: tokens(&computed.first),
             prefill_time_ms: prefill_time.as_secs_f64() * 1e3,
             queue_wait_us: computed.queue_wait.as_micros() as u64,
             cached_tokens: computed.cached_tokens as u32,
             batch_size: computed.batch_size as u32,
             transfer_bytes: ack.bytes,
-            prompt_logprobs: computed
-                .prompt_logprobs
-                .iter()
-                .map(kvwire::convert::token_to_proto)
-                .collect(),
-        })
+            prompt_logprobs: tokens(&computed.prompt_logprobs),
+        }
     }
+}
+
+/// A request's KV transfer under way: where its items go, and the call that sends them.
+struct Transfer {
+    items: mpsc::UnboundedSender<kvwire::Item>,
+    call: tokio::task::JoinHandle<Result<TransferAck, kvwire::WireError>>,
 }
 
 /// Counts one call's outcome: what it settles with, or, when the call goes away before
