@@ -57,6 +57,22 @@ pub(crate) struct Tally {
     pub(crate) placement: Option<Placement>,
 }
 
+impl Tally {
+    /// Counts one token's figures.
+    fn count(&mut self, t: &TokenStat) {
+        self.completion_tokens += 1;
+        self.batch_size.push(t.batch_size);
+        self.queue_wait_us.push(t.queue_wait_us);
+        if t.from_prefill {
+            self.prefill_ms = t.step_ms;
+            self.cached_tokens = t.cached_tokens;
+            self.placement = Some(t.placement);
+        } else {
+            self.decode_ms.push(ms(t.step_ms));
+        }
+    }
+}
+
 /// Milliseconds to three decimals.
 pub(crate) fn ms(x: f64) -> f64 {
     (x * 1e3).round() / 1e3
@@ -354,41 +370,15 @@ impl Output {
         if self.choice_mut(t.choice)?.finish.is_some() {
             return Ok(None);
         }
-        let tally = &mut self.tally;
-        tally.completion_tokens += 1;
-        tally.batch_size.push(t.batch_size);
-        tally.queue_wait_us.push(t.queue_wait_us);
-        if t.from_prefill {
-            tally.prefill_ms = t.step_ms;
-            tally.cached_tokens = t.cached_tokens;
-            tally.placement = Some(t.placement);
-        } else {
-            tally.decode_ms.push(ms(t.step_ms));
-        }
+        self.tally.count(t);
         let entry = self.spec.logprobs.then(|| LogprobEntry {
             token: self.shown(t.id),
             logprob: t.logprob,
             top: t.top.iter().map(|&(id, lp)| (self.shown(id), lp)).collect(),
             offset: 0,
         });
-        let is_stop = self.spec.stopping.ids.contains(&t.id);
         let user_stop = self.spec.stopping.user_ids.contains(&t.id);
-        // A stop token ends the output and is not part of its text, unless it is one of the
-        // request's stop_token_ids and include_stop_str_in_output asks to keep it (seed 000:
-        // "By default, the output does not contain the token ID in the list for stopping
-        // inference"; include_stop_str_in_output is ignored "if stop or stop_token_ids is not
-        // passed").
-        let piece = if is_stop && !(user_stop && self.spec.stopping.strings.include()) {
-            String::new()
-        } else {
-            let tokenizer = &self.render.text.tokenizer;
-            let choice = &mut self.choices[t.choice as usize];
-            choice
-                .decoder
-                .push(tokenizer, t.id)
-                .map_err(|e| RouterError::Internal(e.to_string()))?
-                .unwrap_or_default()
-        };
+        let piece = self.text_of(t)?;
         let stops = &self.spec.stopping.strings;
         // Offsets count the echoed prompt too: they index the choice's text as shown.
         let echoed = self.spec.echo.as_ref().map_or(0, |e| e.chars);
@@ -412,6 +402,26 @@ impl Output {
             part.content.insert_str(0, &echo.text);
         }
         Ok(Some(part))
+    }
+
+    /// The text `t` adds to its choice. A stop token ends the output and is not part of its
+    /// text, unless it is one of the request's stop_token_ids and include_stop_str_in_output
+    /// asks to keep it (seed 000: "By default, the output does not contain the token ID in
+    /// the list for stopping inference"; include_stop_str_in_output is ignored "if stop or
+    /// stop_token_ids is not passed").
+    fn text_of(&mut self, t: &TokenStat) -> Result<String, RouterError> {
+        let stopping = &self.spec.stopping;
+        let user_stop = stopping.user_ids.contains(&t.id);
+        if stopping.ids.contains(&t.id) && !(user_stop && stopping.strings.include()) {
+            return Ok(String::new());
+        }
+        let tokenizer = &self.render.text.tokenizer;
+        let choice = &mut self.choices[t.choice as usize];
+        Ok(choice
+            .decoder
+            .push(tokenizer, t.id)
+            .map_err(|e| RouterError::Internal(e.to_string()))?
+            .unwrap_or_default())
     }
 
     /// Ends a choice: returns what it still held back.
