@@ -18,7 +18,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
 use crate::api;
-use crate::dispatch::{self, GenRequest, Piece, Pieces};
+use crate::dispatch::{self, GenRequest, Generation, Piece};
 use crate::error::{ErrorFormat, RouterError};
 use crate::intake::{
     client_request_id, off_the_io_threads, on_the_blocking_pool, REQUEST_ID_HEADER,
@@ -28,7 +28,7 @@ use crate::metrics::InFlight;
 use crate::output::{Kind, Output};
 use crate::params;
 use crate::state::AppState;
-use crate::valid::{prepare, Stamp};
+use crate::valid::{prepare, Parts, Stamp};
 
 /// `POST /v1/chat/completions`.
 pub async fn chat(
@@ -189,23 +189,28 @@ async fn run(
     let partition = key
         .as_ref()
         .map_or_else(Vec::new, |k| k.cache_partition().to_vec());
-    let mut req = valid.request(log_id, partition);
     let hold = key
         .as_ref()
         .map(|k| k.hold(valid.worst_case()))
         .transpose()?;
-    req.spent = hold.as_ref().map(QuotaHold::spent);
+    let streamed = valid.stream;
+    let beam = valid.width.beam;
+    let Parts {
+        mut request,
+        output,
+    } = valid.into_parts(log_id, partition);
+    request.spent = hold.as_ref().map(QuotaHold::spent);
     // A non-streamed request has sent nothing yet when a worker fails mid-way, so it can
     // start over (same seed, same tokens) where a stream has to end with an error.
-    let restart = (!valid.stream).then(|| req.clone());
-    let (first, rest) = dispatch::start(state, req).await?;
-    let out = Output::new(valid.output, state.render.clone(), hold);
+    let restart = (!streamed).then(|| request.clone());
+    let generation = dispatch::start(state, request).await?;
+    let out = Output::new(output, state.render.clone(), hold);
     state.metrics.ttft.observe(Instant::now() - arrived);
     let format = state.cfg.error_format;
     Ok(match restart {
-        None if valid.width.beam => stream_whole(out, first, rest, in_flight, format),
-        None => stream(out, first, rest, in_flight, format),
-        Some(req) => answer(state, out, req, first, rest).await?,
+        None if beam => stream_whole(out, generation, in_flight, format),
+        None => stream(out, generation, in_flight, format),
+        Some(req) => answer(state, out, req, generation).await?,
     })
 }
 
@@ -215,12 +220,11 @@ async fn answer(
     state: &Arc<AppState>,
     mut out: Output,
     req: GenRequest,
-    mut first: Piece,
-    mut rest: Pieces,
+    mut generation: Generation,
 ) -> Result<Response, RouterError> {
     let mut restarts = 0;
     loop {
-        match drain(&mut out, first, rest).await {
+        match drain(&mut out, &mut generation).await {
             Ok(()) => return Ok(Json(out.response()).into_response()),
             Err(e)
                 if e.retryable()
@@ -232,7 +236,9 @@ async fn answer(
                     "a worker failed before the answer was sent; starting the generation again");
                 state.metrics.retried();
                 out.restart();
-                (first, rest) = dispatch::start(state, req.clone()).await?;
+                // What is left of the failed attempt goes before the next one starts.
+                drop(generation);
+                generation = dispatch::start(state, req.clone()).await?;
                 out.first_token_now();
             }
             Err(e) => return Err(e),
@@ -241,9 +247,9 @@ async fn answer(
 }
 
 /// Takes pieces until every choice has ended.
-async fn drain(out: &mut Output, first: Piece, mut rest: Pieces) -> Result<(), RouterError> {
-    let mut piece = first;
+async fn drain(out: &mut Output, generation: &mut Generation) -> Result<(), RouterError> {
     loop {
+        let piece = generation.next().await?;
         match &piece {
             Piece::Token(t) => {
                 out.push(t)?;
@@ -257,7 +263,6 @@ async fn drain(out: &mut Output, first: Piece, mut rest: Pieces) -> Result<(), R
         if out.all_finished() {
             return Ok(());
         }
-        piece = next(&mut rest).await?;
     }
 }
 
@@ -266,8 +271,7 @@ async fn drain(out: &mut Output, first: Piece, mut rest: Pieces) -> Result<(), R
 /// usage, then `[DONE]`.
 fn stream_whole(
     mut out: Output,
-    first: Piece,
-    rest: Pieces,
+    mut generation: Generation,
     in_flight: InFlight,
     format: ErrorFormat,
 ) -> Response {
@@ -276,9 +280,10 @@ fn stream_whole(
         async move {
             let _in_flight = in_flight;
             let body = tokio::select! {
-                // The client went away; returning drops `rest`, which cancels the search.
+                // The client went away; returning drops the generation, which cancels the
+                // search.
                 _ = tx.closed() => return,
-                r = drain(&mut out, first, rest) => match r {
+                r = drain(&mut out, &mut generation) => match r {
                     Ok(()) => out.whole_chunk(),
                     Err(e) => e.body_in(format).to_json(),
                 },
@@ -295,20 +300,12 @@ fn stream_whole(
     Sse::new(ReceiverStream::new(rx)).into_response()
 }
 
-async fn next(rest: &mut Pieces) -> Result<Piece, RouterError> {
-    match rest.recv().await {
-        Some(p) => p,
-        None => Err(RouterError::Internal("the generation ended early".into())),
-    }
-}
-
 /// Streams the generation as SSE: one chunk per token, a chunk that ends each choice (the
 /// last one with the usage), then `[DONE]`. An error after the first token becomes an
 /// error event.
 fn stream(
     mut out: Output,
-    first: Piece,
-    rest: Pieces,
+    generation: Generation,
     in_flight: InFlight,
     format: ErrorFormat,
 ) -> Response {
@@ -316,7 +313,7 @@ fn stream(
     tokio::spawn(
         async move {
             let _in_flight = in_flight;
-            let ended = pump(&mut out, first, rest, &tx).await;
+            let ended = pump(&mut out, generation, &tx).await;
             if let Err(e) = ended {
                 tracing::warn!(error = %e, "stream failed after its first token");
                 if format == ErrorFormat::Provider {
@@ -338,19 +335,23 @@ fn stream(
 
 async fn pump(
     out: &mut Output,
-    first: Piece,
-    mut rest: Pieces,
+    mut generation: Generation,
     tx: &mpsc::Sender<Result<Event, Infallible>>,
 ) -> Result<(), RouterError> {
     let send = |v: String| tx.send(Ok(Event::default().data(v)));
     let head = out.chunk_head();
-    let mut piece = first;
     loop {
+        // Between tokens (a request queued on the decode node may wait long) the client
+        // can leave; it is noticed at once, not at the next token. Returning drops the
+        // generation, which cancels it.
+        let piece = tokio::select! {
+            p = generation.next() => p?,
+            _ = tx.closed() => return Ok(()),
+        };
         match &piece {
             Piece::Token(t) => {
                 if let Some(part) = out.push(t)? {
                     if send(out.token_chunk(&head, t.choice, &part)).await.is_err() {
-                        // The client went away; dropping `rest` cancels the generation.
                         return Ok(());
                     }
                 }
@@ -368,11 +369,5 @@ async fn pump(
             }
             return Ok(());
         }
-        // Between tokens (a request queued on the decode node may wait long) the client
-        // can leave; it is noticed at once, not at the next token.
-        piece = tokio::select! {
-            p = next(&mut rest) => p?,
-            _ = tx.closed() => return Ok(()),
-        };
     }
 }

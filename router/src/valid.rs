@@ -10,7 +10,7 @@ use tokio::sync::watch;
 
 use crate::api;
 use crate::api::json::JsonBudget;
-use crate::dispatch::{EndedChoices, GenRequest};
+use crate::dispatch::{EndedChoices, GenRequest, Width};
 use crate::error::{ErrorFormat, RouterError};
 use crate::output::{Echo, Kind, OutputSpec, Stopping};
 use crate::params::{self, Common, Constrained};
@@ -28,38 +28,6 @@ pub(crate) struct Stamp {
     /// Seed 001: `created` is "推理请求时间戳，精确到秒" (the inference request's timestamp,
     /// to the second), so it is taken on arrival, not when the first token comes.
     pub(crate) created: u64,
-}
-
-/// How many sequences a request generates and how many it returns.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Width {
-    /// Choices returned.
-    pub(crate) n: usize,
-    /// Sequences generated (the beam width with beam search).
-    pub(crate) best_of: usize,
-    /// Beam search instead of sampling.
-    pub(crate) beam: bool,
-}
-
-impl Width {
-    /// The parameter that set the sequences generated, for the errors that name it.
-    pub(crate) fn param(self) -> &'static str {
-        if self.best_of > self.n {
-            "best_of"
-        } else {
-            "n"
-        }
-    }
-
-    /// Sequences the workers report back: beam search returns its n best hypotheses,
-    /// sampling all best_of sequences.
-    pub(crate) fn reported(self) -> usize {
-        if self.beam {
-            self.n
-        } else {
-            self.best_of
-        }
-    }
 }
 
 /// A request parsed, validated, templated and tokenized.
@@ -83,25 +51,28 @@ pub(crate) struct Valid {
 }
 
 impl Valid {
-    /// The request the workers run, built here alone: `log_id` names it in the nodes' logs,
-    /// `cache_partition` is its API key's prefix-cache partition (empty without keys).
-    pub(crate) fn request(&self, log_id: String, cache_partition: Vec<u8>) -> GenRequest {
-        GenRequest {
+    /// Splits the request into what the workers run, built here alone, and what its
+    /// output needs: `log_id` names it in the nodes' logs, `cache_partition` is its API
+    /// key's prefix-cache partition (empty without keys).
+    pub(crate) fn into_parts(self, log_id: String, cache_partition: Vec<u8>) -> Parts {
+        let request = GenRequest {
             id: self.output.id.clone(),
             log_id,
-            prompt: self.prompt.clone(),
-            sampling: self.sampling.clone(),
+            prompt: self.prompt,
+            sampling: self.sampling,
             max_tokens: self.max_tokens,
             stop_ids: self.output.stopping.ids.clone(),
             top_logprobs: self.top_logprobs,
-            sequences: self.width.best_of,
-            sequences_param: self.width.param(),
-            beam: self.width.beam.then_some(self.width.n),
+            width: self.width,
             cache_partition,
             prompt_logprobs: self.output.echo.is_some() && self.output.logprobs,
-            ended: self.ended.clone(),
+            ended: self.ended,
             resumed: 0,
             spent: None,
+        };
+        Parts {
+            request,
+            output: self.output,
         }
     }
 
@@ -111,6 +82,12 @@ impl Valid {
         let sequences = self.width.best_of.max(self.width.reported());
         (self.prompt.len() + self.max_tokens * sequences) as u64
     }
+}
+
+/// A validated request split in two: what the workers run and what its output needs.
+pub(crate) struct Parts {
+    pub(crate) request: GenRequest,
+    pub(crate) output: OutputSpec,
 }
 
 /// A request of either endpoint, as typed.

@@ -18,8 +18,8 @@ pub(super) async fn local_on(at: &Attempt<'_>, w: &Arc<Worker>) -> Result<(), Fa
     let _hold = Hold::new(
         w,
         0,
-        req.sequences as u64,
-        decode_blocks(w, positions, req.sequences),
+        req.sequences() as u64,
+        decode_blocks(w, positions, req.sequences()),
     );
     // The prompt tokens it computes count until its first event: the room check of the
     // next short prompt (crate::placement) sees them.

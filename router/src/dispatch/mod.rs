@@ -28,7 +28,7 @@ use blame::{blame, Blame};
 pub use ending::EndedChoices;
 use out::{Out, Resume};
 use pd::Pair;
-pub use request::{AttemptId, GenRequest};
+pub use request::{AttemptId, GenRequest, Width};
 
 /// One generated token and what it cost.
 #[derive(Debug, Clone, PartialEq)]
@@ -61,13 +61,30 @@ pub enum Piece {
     },
 }
 
-/// Pieces after the first.
-pub type Pieces = mpsc::Receiver<Result<Piece, RouterError>>;
+/// A generation under way, its first piece already in. Dropping it cancels the
+/// generation on every worker it reached.
+pub struct Generation {
+    first: Option<Piece>,
+    rest: mpsc::Receiver<Result<Piece, RouterError>>,
+}
+
+impl Generation {
+    /// The next piece: the first, then the others in order. Cancel-safe: a piece is taken
+    /// only by the call that returns it.
+    pub async fn next(&mut self) -> Result<Piece, RouterError> {
+        if let Some(first) = self.first.take() {
+            return Ok(first);
+        }
+        match self.rest.recv().await {
+            Some(p) => p,
+            None => Err(RouterError::Internal("the generation ended early".into())),
+        }
+    }
+}
 
 /// Starts a generation and waits for its first piece, so that a failure before any token
-/// becomes a plain HTTP error. Dropping the returned receiver cancels the generation on
-/// every worker it reached.
-pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<(Piece, Pieces), RouterError> {
+/// becomes a plain HTTP error.
+pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<Generation, RouterError> {
     room_for(state, &req)?;
     let (tx, mut rx) = mpsc::channel(64);
     let state = Arc::clone(state);
@@ -100,7 +117,10 @@ pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<(Piece, Pie
         .instrument(tracing::Span::current()),
     );
     match rx.recv().await {
-        Some(Ok(first)) => Ok((first, rx)),
+        Some(Ok(first)) => Ok(Generation {
+            first: Some(first),
+            rest: rx,
+        }),
         Some(Err(e)) => Err(e),
         None => Err(RouterError::Internal(
             "generation ended without a result".into(),
@@ -113,13 +133,13 @@ pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<(Piece, Pie
 fn room_for(state: &AppState, req: &GenRequest) -> Result<(), RouterError> {
     let need = KvNeed {
         positions: req.prompt.len() + req.max_tokens,
-        sequences: req.sequences,
+        sequences: req.sequences(),
     };
     match state.decode.fits_some(need) {
         Ok(()) => Ok(()),
         Err(NoRoom::Kv { largest }) => Err(RouterError::NeverFits {
-            param: if req.sequences > 1 {
-                req.sequences_param
+            param: if req.sequences() > 1 {
+                req.width.param()
             } else {
                 "max_tokens"
             },
@@ -128,8 +148,8 @@ fn room_for(state: &AppState, req: &GenRequest) -> Result<(), RouterError> {
             largest,
         }),
         Err(NoRoom::Batch { widest }) => Err(RouterError::TooWide {
-            param: req.sequences_param,
-            sequences: req.sequences,
+            param: req.width.param(),
+            sequences: req.sequences(),
             widest,
         }),
     }
@@ -273,13 +293,13 @@ async fn attempt_pd(
     let positions = req.prompt.len() + req.max_tokens;
     let d = state
         .decode
-        .pick_decode(&avoid, positions, req.sequences)
+        .pick_decode(&avoid, positions, req.sequences())
         .map_err(no_worker)?;
     let placed = Placement::under_pd(
         &state.cfg,
         req.prompt.len(),
         &d,
-        decode_blocks(&d, positions, req.sequences),
+        decode_blocks(&d, positions, req.sequences()),
     );
     let at = Attempt {
         req,
@@ -343,7 +363,7 @@ async fn attempt_colocated(
     let req = &*req;
     let w = state
         .decode
-        .pick_decode(&avoid, req.prompt.len() + req.max_tokens, req.sequences)
+        .pick_decode(&avoid, req.prompt.len() + req.max_tokens, req.sequences())
         .map_err(|error| Failed {
             error,
             culprit: None,

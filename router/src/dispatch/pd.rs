@@ -35,8 +35,8 @@ pub(super) async fn pd_on(
     let _decode_hold = Hold::new(
         d,
         0,
-        req.sequences as u64,
-        decode_blocks(d, req.prompt.len() + req.max_tokens, req.sequences),
+        req.sequences() as u64,
+        decode_blocks(d, req.prompt.len() + req.max_tokens, req.sequences()),
     );
     let reserved = reserve(at, d, reserve_wait).await?;
     let mut first = prefill(at, &pair, reserved.ticket).await?;
@@ -48,7 +48,7 @@ pub(super) async fn pd_on(
     }
     // The prefill node's figures go with each first token; with beam search the decode
     // node sends the first tokens of the hypotheses it returns, and they get them there.
-    let beam = req.beam.is_some();
+    let beam = req.width.beam;
     if !beam {
         for (choice, token) in first.first.iter().enumerate() {
             let piece = Piece::Token(prefilled(&first, choice as u32, token, at.placed));
@@ -144,13 +144,13 @@ async fn prefill(
         })?
     };
     let first = first.into_inner();
-    if first.first.len() != req.sequences {
+    if first.first.len() != req.sequences() {
         return Err(Failed::on(
             p,
             RouterError::Internal(format!(
                 "the prefill node sent {} first tokens for {} sequences",
                 first.first.len(),
-                req.sequences
+                req.sequences()
             )),
         ));
     }

@@ -44,13 +44,8 @@ pub struct GenRequest {
     pub stop_ids: Vec<u32>,
     /// Alternatives reported with each token.
     pub top_logprobs: usize,
-    /// Sequences generated from the prompt (best_of, else n); the beam width with beam
-    /// search.
-    pub sequences: usize,
-    /// The parameter that set `sequences` (`n` or `best_of`), for the errors that name it.
-    pub sequences_param: &'static str,
-    /// Beam search returning this many hypotheses.
-    pub beam: Option<usize>,
+    /// Sequences generated and returned.
+    pub width: Width,
     /// The prefix-cache partition of the request's API key (empty without keys).
     pub cache_partition: Vec<u8>,
     /// Score every prompt token after the first (echo with logprobs), with `top_logprobs`
@@ -67,6 +62,38 @@ pub struct GenRequest {
     pub spent: Option<Spent>,
 }
 
+/// How many sequences a request generates and how many it returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Width {
+    /// Choices returned.
+    pub n: usize,
+    /// Sequences generated (the beam width with beam search).
+    pub best_of: usize,
+    /// Beam search instead of sampling.
+    pub beam: bool,
+}
+
+impl Width {
+    /// The parameter that set the sequences generated, for the errors that name it.
+    pub fn param(self) -> &'static str {
+        if self.best_of > self.n {
+            "best_of"
+        } else {
+            "n"
+        }
+    }
+
+    /// Sequences the workers report back: beam search returns its n best hypotheses,
+    /// sampling all best_of sequences.
+    pub fn reported(self) -> usize {
+        if self.beam {
+            self.n
+        } else {
+            self.best_of
+        }
+    }
+}
+
 impl GenRequest {
     /// Counts the prompt as spent: a worker is about to compute it.
     pub(super) fn prompt_taken(&self) {
@@ -75,21 +102,27 @@ impl GenRequest {
         }
     }
 
+    /// Sequences generated from the prompt (best_of, else n); the beam width with beam
+    /// search.
+    pub fn sequences(&self) -> usize {
+        self.width.best_of
+    }
+
     /// Sequences the workers report back, each ending with its own finish.
     pub fn reported(&self) -> usize {
-        self.beam.unwrap_or(self.sequences)
+        self.width.reported()
     }
 
     /// Whether a failure after some tokens can move the generation to other workers: one
     /// sequence, no beam search (see `out`).
     pub(super) fn movable(&self) -> bool {
-        self.reported() == 1 && self.beam.is_none()
+        self.reported() == 1 && !self.width.beam
     }
 
     /// The beam width a decode node is asked for: 0 without beam search.
     pub(super) fn beam_width(&self) -> u32 {
-        if self.beam.is_some() {
-            self.sequences as u32
+        if self.width.beam {
+            self.width.best_of as u32
         } else {
             0
         }
@@ -148,8 +181,8 @@ impl GenRequest {
                 sampling: Some(self.sampling.clone()),
                 decode_addr: decode_addr.to_string(),
                 top_logprobs: self.top_logprobs as u32,
-                n: self.sequences as u32,
-                beam_search: self.beam.is_some(),
+                n: self.sequences() as u32,
+                beam_search: self.width.beam,
                 max_tokens: self.max_tokens as u32,
                 kv_ticket: ticket,
                 cache_partition: self.cache_partition.clone(),
@@ -174,9 +207,11 @@ mod tests {
             max_tokens: 16,
             stop_ids: vec![2],
             top_logprobs: 3,
-            sequences: 4,
-            sequences_param: "best_of",
-            beam: None,
+            width: Width {
+                n: 1,
+                best_of: 4,
+                beam: false,
+            },
             cache_partition: vec![9],
             prompt_logprobs: true,
             ended: None,
@@ -210,7 +245,11 @@ mod tests {
     #[test]
     fn beam_search_reports_n_hypotheses_of_a_wider_beam() {
         let req = GenRequest {
-            beam: Some(2),
+            width: Width {
+                n: 2,
+                best_of: 4,
+                beam: true,
+            },
             ..request()
         };
         let generate = req.generate(&AttemptId::new(&req, 0), PromptOn::DecodeNode);
