@@ -15,6 +15,7 @@ mod logprobs;
 pub mod model;
 pub mod q4;
 pub mod q8;
+mod rope;
 pub mod sampling;
 mod split;
 mod swiglu;

@@ -13,6 +13,7 @@ use rayon::prelude::*;
 use crate::attention;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvLayout, SeqCache};
+use crate::rope::Frequencies;
 use crate::swiglu;
 use crate::weights::{Linear, Stacked, WeightSource};
 use text::{ModelConfig, RopeStyle};
@@ -201,7 +202,9 @@ impl Model {
             names.embed
         };
         let lm_head = src.linear(head_name, None, (cfg.vocab_size, h), device)?;
-        let (cos, sin) = rope_tables(&cfg, device)?;
+        let divisors = rope_divisors(&cfg, src, device)?;
+        let frequencies = Frequencies::of(&cfg, divisors.as_deref());
+        let (cos, sin) = frequencies.tables(cfg.max_position_embeddings, device)?;
         Ok(Self {
             cfg,
             device: device.clone(),
@@ -501,28 +504,29 @@ fn join_own_rayon_pool() {
     });
 }
 
-/// cos/sin for every position, computed in f32 the way Hugging Face does.
-fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
-    let hd = cfg.head_dim;
-    let theta = cfg.rope_theta as f32;
-    let inv_freq: Vec<f32> = (0..hd)
-        .step_by(2)
-        .map(|i| 1.0 / theta.powf(i as f32 / hd as f32))
-        .collect();
-    let n = cfg.max_position_embeddings;
-    let mut cos = Vec::with_capacity(n * hd / 2);
-    let mut sin = Vec::with_capacity(n * hd / 2);
-    for p in 0..n {
-        for f in &inv_freq {
-            let a = p as f32 * f;
-            cos.push(a.cos());
-            sin.push(a.sin());
-        }
+/// The per-frequency divisors of a GGUF llama file's `rope_freqs` tensor: how llama.cpp's
+/// converter writes Llama 3's RoPE scaling. Only llama.cpp's llama graph applies them, so
+/// another architecture carrying one is refused rather than run without it.
+fn rope_divisors(
+    cfg: &ModelConfig,
+    src: &mut WeightSource,
+    device: &Device,
+) -> Result<Option<Vec<f32>>> {
+    const NAME: &str = "rope_freqs.weight";
+    if !src.contains(NAME) {
+        return Ok(None);
     }
-    Ok((
-        Tensor::from_vec(cos, (n, hd / 2), device)?,
-        Tensor::from_vec(sin, (n, hd / 2), device)?,
-    ))
+    if cfg.architecture != "llama" {
+        return Err(EngineError::invalid_model(
+            src.path(),
+            format!(
+                "{NAME} is not supported for architecture {:?}",
+                cfg.architecture
+            ),
+        ));
+    }
+    let divisors = src.dense_shaped(NAME, &[cfg.head_dim / 2], device)?;
+    Ok(Some(divisors.to_vec1()?))
 }
 
 /// Additive mask for `group` heads × `t` new rows at positions `pos ..`, over the

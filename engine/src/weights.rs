@@ -170,7 +170,8 @@ impl WeightSource {
         })
     }
 
-    fn path(&self) -> &Path {
+    /// The folder or file the weights come from.
+    pub fn path(&self) -> &Path {
         match self {
             Self::SafeTensors { path, .. } | Self::Gguf { path, .. } => path,
         }

@@ -6,6 +6,7 @@ use serde::Deserialize;
 
 use crate::error::{Result, TextError};
 use crate::gguf::{Metadata, Value};
+use crate::rope::{Rope, RopeScaling};
 
 /// How rotary embeddings pair the dimensions of a head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,6 +30,8 @@ pub struct ModelConfig {
     pub head_dim: usize,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
+    /// How rotary angles are stretched past the trained context.
+    pub rope_scaling: RopeScaling,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     pub rope_style: RopeStyle,
@@ -57,23 +60,17 @@ struct HfConfig {
     head_dim: Option<usize>,
     #[serde(default = "default_eps")]
     rms_norm_eps: f64,
-    #[serde(default = "default_theta")]
-    rope_theta: f64,
     #[serde(default = "default_max_pos")]
     max_position_embeddings: usize,
     #[serde(default)]
     tie_word_embeddings: bool,
     bos_token_id: Option<u32>,
     eos_token_id: Option<OneOrMany>,
-    rope_scaling: Option<serde_json::Value>,
     hidden_act: Option<String>,
 }
 
 fn default_eps() -> f64 {
     1e-6
-}
-fn default_theta() -> f64 {
-    10_000.0
 }
 fn default_max_pos() -> usize {
     4096
@@ -83,8 +80,11 @@ impl ModelConfig {
     /// Reads `config.json` from a Hugging Face model folder.
     pub fn from_hf_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| TextError::io(path, e))?;
-        let hf: HfConfig = serde_json::from_str(&text)
-            .map_err(|e| TextError::invalid_model(path, format!("config.json: {e}")))?;
+        let invalid = |e: String| TextError::invalid_model(path, format!("config.json: {e}"));
+        let raw: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        let hf = HfConfig::deserialize(serde_json::Value::Object(raw.clone()))
+            .map_err(|e| invalid(e.to_string()))?;
         let model_type = hf.model_type.clone().unwrap_or_default();
         let arch = hf.architectures.first().cloned().unwrap_or_default();
         let supported = matches!(model_type.as_str(), "llama" | "qwen2")
@@ -95,12 +95,7 @@ impl ModelConfig {
                 format!("unsupported architecture {arch:?} (model_type {model_type:?}); expected llama or qwen2"),
             ));
         }
-        if let Some(scaling) = hf.rope_scaling.as_ref().filter(|v| !v.is_null()) {
-            return Err(TextError::invalid_model(
-                path,
-                format!("rope_scaling {scaling} is not supported"),
-            ));
-        }
+        let rope = Rope::from_hf(&raw, hf.max_position_embeddings).map_err(invalid)?;
         if let Some(act) = hf.hidden_act.as_deref().filter(|a| *a != "silu") {
             return Err(TextError::invalid_model(
                 path,
@@ -122,7 +117,8 @@ impl ModelConfig {
             num_key_value_heads: hf.num_key_value_heads.unwrap_or(heads),
             head_dim: hf.head_dim.unwrap_or(hf.hidden_size / heads),
             rms_norm_eps: hf.rms_norm_eps,
-            rope_theta: hf.rope_theta,
+            rope_theta: rope.theta,
+            rope_scaling: rope.scaling,
             max_position_embeddings: hf.max_position_embeddings,
             tie_word_embeddings: hf.tie_word_embeddings,
             rope_style: RopeStyle::Half,
@@ -178,6 +174,7 @@ impl ModelConfig {
             head_dim: num("rope.dimension_count").unwrap_or(hidden / heads),
             rms_norm_eps: float("attention.layer_norm_rms_epsilon", 1e-6),
             rope_theta: float("rope.freq_base", 10_000.0),
+            rope_scaling: gguf_rope_scaling(meta, &arch).map_err(bad)?,
             max_position_embeddings: num("context_length").unwrap_or(4096),
             tie_word_embeddings: tied,
             rope_style: if arch == "llama" {
@@ -216,5 +213,103 @@ impl ModelConfig {
     /// Heads that share one K/V head.
     pub fn group_size(&self) -> usize {
         self.num_attention_heads / self.num_key_value_heads
+    }
+}
+
+/// The `{arch}.rope.scaling.*` keys of a GGUF file, read as llama.cpp reads them: a
+/// `factor` divides every frequency (llama.cpp's `freq_scale`) under type `none` or
+/// `linear`. YaRN and the keys llama.cpp reads only for it are refused, as is any other
+/// scaling key, so that no setting of the file is skipped.
+fn gguf_rope_scaling(meta: &Metadata, arch: &str) -> std::result::Result<RopeScaling, String> {
+    let prefix = format!("{arch}.rope.scaling.");
+    let kind = meta
+        .get(&format!("{prefix}type"))
+        .and_then(Value::as_str)
+        .unwrap_or("none");
+    if !matches!(kind, "none" | "linear") {
+        return Err(format!(
+            "{prefix}type {kind:?} is not supported (none and linear are)"
+        ));
+    }
+    // Informational, or read by llama.cpp only for YaRN.
+    let neutral = ["type", "factor", "original_context_length", "finetuned"];
+    let mut keys: Vec<&String> = meta
+        .values
+        .keys()
+        .filter(|k| k.starts_with(&prefix))
+        .collect();
+    keys.sort();
+    for key in keys {
+        let name = &key[prefix.len()..];
+        let unit = meta.get(key).and_then(Value::to_f64) == Some(1.0);
+        let allowed = neutral.contains(&name) || (name == "attn_factor" && unit);
+        if !allowed {
+            return Err(format!("{key} is not supported"));
+        }
+    }
+    // The key older converters wrote, which llama.cpp still reads first.
+    let factor = meta
+        .get(&format!("{arch}.rope.scale_linear"))
+        .or_else(|| meta.get(&format!("{prefix}factor")))
+        .and_then(Value::to_f64);
+    match factor {
+        Some(factor) if factor != 0.0 && factor != 1.0 => Ok(RopeScaling::Linear { factor }),
+        _ => Ok(RopeScaling::None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(values: &[(&str, Value)]) -> Metadata {
+        Metadata {
+            values: values
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect(),
+            tensors: Default::default(),
+        }
+    }
+
+    #[test]
+    fn a_gguf_factor_scales_linearly_as_llama_cpp_reads_it() {
+        let linear = RopeScaling::Linear { factor: 4.0 };
+        assert_eq!(
+            gguf_rope_scaling(&meta(&[]), "llama"),
+            Ok(RopeScaling::None)
+        );
+        let typed = meta(&[
+            ("llama.rope.scaling.type", Value::String("linear".into())),
+            ("llama.rope.scaling.factor", Value::F32(4.0)),
+        ]);
+        assert_eq!(gguf_rope_scaling(&typed, "llama"), Ok(linear.clone()));
+        // llama.cpp applies the factor whatever the type says, and the old key first.
+        let untyped = meta(&[("qwen2.rope.scale_linear", Value::F32(4.0))]);
+        assert_eq!(gguf_rope_scaling(&untyped, "qwen2"), Ok(linear));
+        let neutral = meta(&[
+            ("llama.rope.scaling.attn_factor", Value::F32(1.0)),
+            (
+                "llama.rope.scaling.original_context_length",
+                Value::U32(8192),
+            ),
+        ]);
+        assert_eq!(gguf_rope_scaling(&neutral, "llama"), Ok(RopeScaling::None));
+    }
+
+    #[test]
+    fn gguf_scaling_the_engine_does_not_compute_is_refused_by_key() {
+        let yarn = meta(&[("qwen2.rope.scaling.type", Value::String("yarn".into()))]);
+        assert_eq!(
+            gguf_rope_scaling(&yarn, "qwen2"),
+            Err("qwen2.rope.scaling.type \"yarn\" is not supported (none and linear are)".into())
+        );
+        let attn = meta(&[("llama.rope.scaling.attn_factor", Value::F32(0.8))]);
+        assert_eq!(
+            gguf_rope_scaling(&attn, "llama"),
+            Err("llama.rope.scaling.attn_factor is not supported".into())
+        );
+        let other = meta(&[("llama.rope.scaling.yarn_log_multiplier", Value::F32(0.1))]);
+        assert!(gguf_rope_scaling(&other, "llama").is_err());
     }
 }

@@ -11,6 +11,7 @@ pub mod error;
 pub mod gguf;
 pub mod grammar;
 mod load;
+mod rope;
 pub mod specials;
 pub mod structured;
 pub mod tokenizer;
@@ -20,6 +21,7 @@ pub use chat_template::{py_json, ChatInput, ChatTemplate};
 pub use config::{ModelConfig, RopeStyle};
 pub use error::{Result, TextError};
 pub use load::{load, TextModel};
+pub use rope::{Rope, RopeScaling};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 
 /// The ChatML template, with tools and thinking, that the generated test models carry.

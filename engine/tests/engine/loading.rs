@@ -166,12 +166,16 @@ fn unsupported_configs_are_refused_at_load() {
     std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    cfg["rope_scaling"] = json!({"type": "yarn", "factor": 4.0});
+    cfg["rope_scaling"] = json!({"type": "dynamic", "factor": 4.0});
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     let err = Model::load(&dir, &Device::Cpu)
         .err()
         .expect("rope_scaling must be refused");
-    assert!(err.to_string().contains("rope_scaling"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("rope_scaling rope type \"dynamic\""),
+        "{err}"
+    );
     let missing = Model::load(&dir.join("nope"), &Device::Cpu)
         .err()
         .expect("missing path");

@@ -5,5 +5,6 @@ mod kv_and_batching;
 mod llama_cpp;
 mod loading;
 mod reference;
+mod rope;
 mod smollm2;
 mod templates;

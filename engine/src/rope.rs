@@ -1,0 +1,275 @@
+//! The cos/sin tables of rotary embeddings with the scaling the model's files say,
+//! computed in f32 step for step as transformers computes them (`modeling_rope_utils`):
+//! the reference's angles, not an approximation of them.
+
+use candle_core::{Device, Tensor};
+use text::{ModelConfig, RopeScaling};
+
+use crate::error::Result;
+
+/// Each frequency pair's inverse frequency, and the factor cos and sin are scaled by.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Frequencies {
+    pub(crate) inv_freq: Vec<f32>,
+    pub(crate) attention_factor: f32,
+}
+
+impl Frequencies {
+    /// The frequencies of `cfg`; `divisors` (a GGUF file's `rope_freqs`, one per pair)
+    /// divide them, as llama.cpp divides its angles by them.
+    pub(crate) fn of(cfg: &ModelConfig, divisors: Option<&[f32]>) -> Self {
+        let (base, dim) = (cfg.rope_theta, cfg.head_dim);
+        let mut f = match &cfg.rope_scaling {
+            RopeScaling::None => Self::plain(base, dim),
+            RopeScaling::Linear { factor } => {
+                let mut f = Self::plain(base, dim);
+                f.inv_freq.iter_mut().for_each(|x| *x /= *factor as f32);
+                f
+            }
+            &RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => Self {
+                inv_freq: llama3(
+                    plain(base as f32, dim),
+                    factor as f32,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings,
+                ),
+                attention_factor: 1.0,
+            },
+            &RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                attention_factor,
+                beta_fast,
+                beta_slow,
+                truncate,
+            } => {
+                let ramp = Ramp::yarn(
+                    base,
+                    dim,
+                    beta_fast,
+                    beta_slow,
+                    original_max_position_embeddings,
+                    truncate,
+                );
+                Self {
+                    inv_freq: yarn(base as f32, dim, factor as f32, ramp),
+                    attention_factor: attention_factor as f32,
+                }
+            }
+        };
+        if let Some(d) = divisors {
+            f.inv_freq.iter_mut().zip(d).for_each(|(x, d)| *x /= d);
+        }
+        f
+    }
+
+    fn plain(base: f64, dim: usize) -> Self {
+        Self {
+            inv_freq: plain(base as f32, dim),
+            attention_factor: 1.0,
+        }
+    }
+
+    /// cos and sin of every position's angles, `(positions, dim / 2)` each.
+    pub(crate) fn tables(&self, positions: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(positions * half);
+        let mut sin = Vec::with_capacity(positions * half);
+        for p in 0..positions {
+            for f in &self.inv_freq {
+                let a = p as f32 * f;
+                cos.push(a.cos() * self.attention_factor);
+                sin.push(a.sin() * self.attention_factor);
+            }
+        }
+        Ok((
+            Tensor::from_vec(cos, (positions, half), device)?,
+            Tensor::from_vec(sin, (positions, half), device)?,
+        ))
+    }
+}
+
+/// Plain RoPE's inverse frequencies: `1 / base^(2i / dim)`.
+fn plain(base: f32, dim: usize) -> Vec<f32> {
+    (0..dim)
+        .step_by(2)
+        .map(|i| 1.0 / base.powf(i as f32 / dim as f32))
+        .collect()
+}
+
+/// Llama 3.1's: long wavelengths slowed by `factor`, short ones kept, a ramp between.
+fn llama3(inv: Vec<f32>, factor: f32, low: f64, high: f64, original: f64) -> Vec<f32> {
+    let low_wavelen = (original / low) as f32;
+    let high_wavelen = (original / high) as f32;
+    let span = (high - low) as f32;
+    let two_pi = (2.0 * std::f64::consts::PI) as f32;
+    inv.into_iter()
+        .map(|f| {
+            let wavelen = two_pi / f;
+            let scaled = if wavelen > low_wavelen { f / factor } else { f };
+            if wavelen < high_wavelen || wavelen > low_wavelen {
+                return scaled;
+            }
+            let smooth = (original as f32 / wavelen - low as f32) / span;
+            (1.0 - smooth) * scaled / factor + smooth * scaled
+        })
+        .collect()
+}
+
+/// YaRN's ramp over the frequency pairs: from `low` (extrapolated, kept) to `high`
+/// (interpolated, scaled).
+#[derive(Debug, Clone, Copy)]
+struct Ramp {
+    low: f64,
+    high: f64,
+}
+
+impl Ramp {
+    /// The pairs between `beta_fast` and `beta_slow` rotations over the original context.
+    fn yarn(
+        base: f64,
+        dim: usize,
+        beta_fast: f64,
+        beta_slow: f64,
+        original: f64,
+        truncate: bool,
+    ) -> Self {
+        let pair = |rotations: f64| {
+            dim as f64 * (original / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                / (2.0 * base.ln())
+        };
+        let (mut low, mut high) = (pair(beta_fast), pair(beta_slow));
+        if truncate {
+            low = low.floor();
+            high = high.ceil();
+        }
+        let (low, mut high) = (low.max(0.0), high.min(dim as f64 - 1.0));
+        if low == high {
+            high += 0.001;
+        }
+        Self { low, high }
+    }
+
+    /// How far pair `i` is interpolated, in [0, 1].
+    fn at(self, i: usize) -> f32 {
+        ((i as f32 - self.low as f32) / (self.high - self.low) as f32).clamp(0.0, 1.0)
+    }
+}
+
+/// YaRN's inverse frequencies: each pair's blend of the plain one and the one slowed by
+/// `factor`.
+fn yarn(base: f32, dim: usize, factor: f32, ramp: Ramp) -> Vec<f32> {
+    (0..dim)
+        .step_by(2)
+        .enumerate()
+        .map(|(pair, i)| {
+            let pos_freq = base.powf(i as f32 / dim as f32);
+            let extrapolated = 1.0 / pos_freq;
+            let interpolated = 1.0 / (factor * pos_freq);
+            let kept = 1.0 - ramp.at(pair);
+            interpolated * (1.0 - kept) + extrapolated * kept
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(scaling: RopeScaling) -> ModelConfig {
+        ModelConfig {
+            architecture: "llama".into(),
+            vocab_size: 8,
+            hidden_size: 128,
+            intermediate_size: 8,
+            num_hidden_layers: 1,
+            num_attention_heads: 1,
+            num_key_value_heads: 1,
+            head_dim: 128,
+            rms_norm_eps: 1e-5,
+            rope_theta: 500_000.0,
+            rope_scaling: scaling,
+            max_position_embeddings: 8,
+            tie_word_embeddings: true,
+            rope_style: text::RopeStyle::Interleaved,
+            bos_token_id: None,
+            eos_token_ids: Vec::new(),
+        }
+    }
+
+    /// llama.cpp's converter writes Llama 3's scaling as one divisor per frequency
+    /// (`rope_freqs`): 1 for short wavelengths, the factor for long ones, the inverse of
+    /// transformers' blend between. Divided by them, plain frequencies must be the llama3
+    /// ones, so a GGUF file and its Hugging Face folder rotate alike.
+    #[test]
+    fn llama_cpp_rope_freqs_are_the_llama3_scaling() {
+        let (factor, low, high, original) = (8.0, 1.0, 4.0, 8192.0);
+        let llama3 = Frequencies::of(
+            &config(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: original,
+            }),
+            None,
+        );
+        let divisors: Vec<f32> = plain(500_000.0, 128)
+            .iter()
+            .map(|&f| {
+                let wavelen = 2.0 * std::f64::consts::PI / f64::from(f);
+                if wavelen < original / high {
+                    1.0
+                } else if wavelen > original / low {
+                    factor as f32
+                } else {
+                    let smooth = (original / wavelen - low) / (high - low);
+                    (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+                }
+            })
+            .collect();
+        let converted = Frequencies::of(&config(RopeScaling::None), Some(&divisors));
+        let kinds = divisors
+            .iter()
+            .map(|d| d.to_bits())
+            .collect::<std::collections::HashSet<_>>();
+        assert!(
+            kinds.len() > 3,
+            "short, long and blended wavelengths are all covered"
+        );
+        for (a, b) in llama3.inv_freq.iter().zip(&converted.inv_freq) {
+            assert!((a - b).abs() <= 1e-6 * a.abs(), "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn linear_scaling_divides_every_frequency_and_yarn_scales_cos_and_sin() {
+        let plain = Frequencies::of(&config(RopeScaling::None), None);
+        let linear = Frequencies::of(&config(RopeScaling::Linear { factor: 4.0 }), None);
+        for (p, l) in plain.inv_freq.iter().zip(&linear.inv_freq) {
+            assert_eq!(p / 4.0, *l);
+        }
+        let yarn = Frequencies::of(
+            &config(RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_position_embeddings: 64.0,
+                attention_factor: 1.25,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                truncate: true,
+            }),
+            None,
+        );
+        // The fastest pairs keep their frequency, the slowest are interpolated.
+        assert_eq!(yarn.inv_freq[0], plain.inv_freq[0]);
+        let last = plain.inv_freq.len() - 1;
+        assert!((yarn.inv_freq[last] - plain.inv_freq[last] / 4.0).abs() < 1e-12);
+        let (cos, _) = yarn.tables(1, &Device::Cpu).unwrap();
+        assert_eq!(cos.to_vec2::<f32>().unwrap()[0][0], 1.25, "cos 0, scaled");
+    }
+}

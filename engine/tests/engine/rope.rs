@@ -1,0 +1,72 @@
+//! The generated tiny model under each rotary scaling the engine reads, against
+//! `transformers` on the same weights: `engine/tests/fixtures/rope_reference.json` comes from
+//! `scripts/oracle_rope.py`, which ran each variant's config.json (kept whole in the
+//! fixture) on a prompt longer than its original context. Both config layouts are covered:
+//! transformers 4's `rope_theta` / `rope_scaling` and transformers 5's `rope_parameters`.
+
+use std::path::PathBuf;
+
+use engine::generate::generate;
+use engine::SamplingParams;
+use serde_json::Value;
+
+use crate::common;
+
+/// The tiny model's folder with `config` as its config.json.
+fn variant(name: &str, config: &Value) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("rope-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(common::tiny_model_dir()).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+    }
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    dir
+}
+
+#[test]
+fn every_rope_scaling_matches_transformers() {
+    let fx: Value = serde_json::from_str(
+        &std::fs::read_to_string(common::fixture("rope_reference.json")).unwrap(),
+    )
+    .unwrap();
+    let variants = fx["variants"].as_array().unwrap();
+    assert!(variants.len() >= 5);
+    for v in variants {
+        let name = v["name"].as_str().unwrap();
+        let model = engine::Model::load(&variant(name, &v["config"]), &common::device())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let ids: Vec<u32> = serde_json::from_value(v["prompt_ids"].clone()).unwrap();
+        let logits = model.logits_for(&ids).unwrap();
+        let top = &v["first_step_top5"];
+        for (id, want) in top["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(top["logits"].as_array().unwrap())
+        {
+            let got = logits[id.as_u64().unwrap() as usize];
+            let want = want.as_f64().unwrap() as f32;
+            assert!(
+                (got - want).abs() < 1e-3 * want.abs().max(1.0),
+                "{name}: logit of {id}: {got} vs {want}"
+            );
+        }
+        let want: Vec<u32> = serde_json::from_value(v["generated_ids"].clone()).unwrap();
+        let mut cache = model.new_cache().unwrap();
+        let got: Vec<u32> = generate(
+            &model,
+            &mut cache,
+            &ids,
+            &SamplingParams::default(),
+            want.len(),
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|s| s.token)
+        .collect();
+        assert_eq!(got, want, "{name}: greedy tokens");
+    }
+}

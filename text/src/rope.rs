@@ -1,0 +1,235 @@
+//! Rotary position embeddings as a model's files set them: the base and the scaling that
+//! stretches a context past the one trained. A Hugging Face `config.json` says it in one of
+//! two layouts, transformers 4's top-level `rope_theta` and `rope_scaling`, or transformers
+//! 5's `rope_parameters`, read here the way transformers reads them; a GGUF file says it in
+//! its `rope.*` keys (and, for Llama 3, in a `rope_freqs` tensor the engine reads). A
+//! setting the engine does not compute is refused, naming its field.
+
+use serde_json::{Map, Value};
+
+/// How positions become rotation angles beyond the plain base.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    None,
+    /// Every frequency divided by `factor` (positions interpolated).
+    Linear { factor: f64 },
+    /// Llama 3.1's: frequencies whose wavelength is past `original / low_freq_factor`
+    /// divided by `factor`, those under `original / high_freq_factor` kept, a smooth ramp
+    /// between.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+    /// YaRN: interpolated and extrapolated frequencies blended by a ramp over the dimensions
+    /// between `beta_fast` and `beta_slow` rotations in the original context, and cos/sin
+    /// scaled by `attention_factor`.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: f64,
+        attention_factor: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        /// Round the ramp's bounds to whole dimensions.
+        truncate: bool,
+    },
+}
+
+/// The RoPE settings of a config: its base and its scaling.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rope {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+}
+
+/// transformers' base when a config names none.
+const DEFAULT_THETA: f64 = 10_000.0;
+
+/// The keys each rope type takes beside `rope_type` (or `type`) and `rope_theta`.
+fn keys_of(rope_type: &str) -> Option<&'static [&'static str]> {
+    Some(match rope_type {
+        "default" => &[],
+        "linear" => &["factor"],
+        "llama3" => &[
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ],
+        "yarn" => &[
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        ],
+        _ => return None,
+    })
+}
+
+impl Rope {
+    /// The RoPE settings of a `config.json`'s top-level object, for a model of
+    /// `max_position_embeddings`, or why the engine cannot run them. `rope_scaling` (when set)
+    /// is taken over `rope_parameters`, and a `rope_theta` inside them over a top-level
+    /// one, as transformers 5 does.
+    pub fn from_hf(
+        config: &Map<String, Value>,
+        max_position_embeddings: usize,
+    ) -> Result<Self, String> {
+        let nonempty = |key: &'static str| {
+            config
+                .get(key)
+                .and_then(Value::as_object)
+                .filter(|m| !m.is_empty())
+                .map(|m| (key, m))
+        };
+        let (field, params) = match nonempty("rope_scaling").or_else(|| nonempty("rope_parameters"))
+        {
+            Some((field, m)) => (field, m.clone()),
+            None => ("rope_parameters", Map::new()),
+        };
+        let number = |key: &str| number(&params, field, key);
+        let theta = match number("rope_theta")? {
+            Some(t) => t,
+            None => match config.get("rope_theta") {
+                None | Some(Value::Null) => DEFAULT_THETA,
+                Some(v) => v
+                    .as_f64()
+                    .ok_or_else(|| format!("rope_theta must be a number, got {v}"))?,
+            },
+        };
+        for partial in [
+            params.get("partial_rotary_factor"),
+            config.get("partial_rotary_factor"),
+        ] {
+            if let Some(p) = partial.filter(|p| !p.is_null() && p.as_f64() != Some(1.0)) {
+                return Err(format!(
+                    "partial_rotary_factor {p} is not supported: every dimension of a head rotates"
+                ));
+            }
+        }
+        let rope_type = params
+            .get("rope_type")
+            .or_else(|| params.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let known = keys_of(rope_type).ok_or_else(|| refused_type(field, rope_type))?;
+        let common = ["rope_type", "type", "rope_theta", "partial_rotary_factor"];
+        if let Some(key) = params
+            .keys()
+            .find(|k| !common.contains(&k.as_str()) && !known.contains(&k.as_str()))
+        {
+            return Err(format!(
+                "{field}.{key} is not supported for rope type {rope_type:?}"
+            ));
+        }
+        // A top-level original_max_position_embeddings is taken over the one in the
+        // parameters, as transformers does for the models that keep it there (Phi-3).
+        let original = || -> Result<f64, String> {
+            match config
+                .get("original_max_position_embeddings")
+                .and_then(Value::as_f64)
+            {
+                Some(o) => Ok(o),
+                None => Ok(number("original_max_position_embeddings")?
+                    .unwrap_or(max_position_embeddings as f64)),
+            }
+        };
+        let required = |key: &str| -> Result<f64, String> {
+            number(key)?
+                .ok_or_else(|| format!("{field}.{key} is missing for rope type {rope_type:?}"))
+        };
+        let scaling = match rope_type {
+            "default" => RopeScaling::None,
+            "linear" => RopeScaling::Linear {
+                factor: required("factor")?,
+            },
+            "llama3" => RopeScaling::Llama3 {
+                factor: required("factor")?,
+                low_freq_factor: required("low_freq_factor")?,
+                high_freq_factor: required("high_freq_factor")?,
+                original_max_position_embeddings: original()?,
+            },
+            _ => yarn(&params, field, max_position_embeddings, original()?)?,
+        };
+        Ok(Self { theta, scaling })
+    }
+}
+
+/// Why a rope type is refused: `dynamic` for its own reason, the others as unknown.
+fn refused_type(field: &str, rope_type: &str) -> String {
+    if rope_type == "dynamic" {
+        format!(
+            "{field} rope type \"dynamic\" is not supported: its angles depend on the sequence's \
+             length when each token is computed, so a prompt computed in chunks or on a prefill \
+             node would not be the model colocated runs"
+        )
+    } else {
+        format!("{field} rope type {rope_type:?} is not supported (default, linear, llama3 and yarn are)")
+    }
+}
+
+/// `params[key]` as a number, `None` when unset or null.
+fn number(params: &Map<String, Value>, field: &str, key: &str) -> Result<Option<f64>, String> {
+    match params.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| format!("{field}.{key} must be a number, got {v}")),
+    }
+}
+
+/// transformers' YaRN magnitude scale for a context stretched by `scale`.
+fn mscale(scale: f64, m: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * m * scale.ln() + 1.0
+    }
+}
+
+/// YaRN's settings, with transformers' defaults: a factor of max / original positions when
+/// none is given, beta_fast 32 and beta_slow 1 when unset or 0, the attention factor from
+/// the factor (and mscale / mscale_all_dim when both are set), bounds truncated.
+fn yarn(
+    params: &Map<String, Value>,
+    field: &str,
+    max_position_embeddings: usize,
+    original: f64,
+) -> Result<RopeScaling, String> {
+    let number = |key: &str| number(params, field, key);
+    let factor = number("factor")?.unwrap_or(max_position_embeddings as f64 / original);
+    let attention_factor = match number("attention_factor")? {
+        Some(a) => a,
+        None => match (number("mscale")?, number("mscale_all_dim")?) {
+            (Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                mscale(factor, m) / mscale(factor, all)
+            }
+            _ => mscale(factor, 1.0),
+        },
+    };
+    let or = |v: Option<f64>, default: f64| v.filter(|&x| x != 0.0).unwrap_or(default);
+    let truncate = match params.get("truncate") {
+        None | Some(Value::Null) => true,
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| format!("{field}.truncate must be true or false, got {v}"))?,
+    };
+    Ok(RopeScaling::Yarn {
+        factor,
+        original_max_position_embeddings: original,
+        attention_factor,
+        beta_fast: or(number("beta_fast")?, 32.0),
+        beta_slow: or(number("beta_slow")?, 1.0),
+        truncate,
+    })
+}
+
+#[cfg(test)]
+mod tests;
