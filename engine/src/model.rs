@@ -203,6 +203,7 @@ impl Model {
         };
         let lm_head = src.linear(head_name, None, (cfg.vocab_size, h), device)?;
         let divisors = rope_divisors(&cfg, src, device)?;
+        refuse_unread(&cfg, src, names)?;
         let frequencies = Frequencies::of(&cfg, divisors.as_deref());
         let (cos, sin) = frequencies.tables(cfg.max_position_embeddings, device)?;
         Ok(Self {
@@ -502,6 +503,36 @@ fn join_own_rayon_pool() {
                 .ok()
         });
     });
+}
+
+/// Refuses a model whose files hold a tensor the engine never read: a part of the model
+/// it does not implement would otherwise be skipped without a word. Two are left unread on
+/// purpose, as transformers leaves them: the rotary `inv_freq` buffers older checkpoints
+/// saved (the engine computes them from the config), and the output head of a model whose
+/// config ties it to the embeddings.
+fn refuse_unread(cfg: &ModelConfig, src: &WeightSource, names: &Names) -> Result<()> {
+    let skipped = |n: &&str| {
+        n.ends_with(".rotary_emb.inv_freq") || (cfg.tie_word_embeddings && *n == names.lm_head)
+    };
+    let unread: Vec<&str> = src.unread().into_iter().filter(|n| !skipped(n)).collect();
+    if unread.is_empty() {
+        return Ok(());
+    }
+    let shown = unread
+        .iter()
+        .take(5)
+        .copied()
+        .collect::<Vec<_>>()
+        .join(", ");
+    Err(EngineError::invalid_model(
+        src.path(),
+        format!(
+            "{} tensor(s) of the file are not used by this engine's {} model, so it cannot run \
+             the model the file holds: {shown}",
+            unread.len(),
+            cfg.architecture
+        ),
+    ))
 }
 
 /// The per-frequency divisors of a GGUF llama file's `rope_freqs` tensor: how llama.cpp's

@@ -3,7 +3,7 @@
 //! Both sources hand out `Linear` layers: dense f32 for safetensors, and GGML block-quantized
 //! for GGUF, so that Q4/Q8 weights stay quantized in memory.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
@@ -106,16 +106,19 @@ fn apply_ours(xs: &Tensor, matmul: impl Fn(&[f32], usize) -> Vec<f32>) -> Result
     Ok(Tensor::from_vec(out, (n, cols), xs.device())?)
 }
 
-/// Tensors by name, from either file format.
+/// Tensors by name, from either file format, with the names read so far: a tensor the
+/// model never reads is one the engine does not implement ([`WeightSource::unread`]).
 pub enum WeightSource {
     SafeTensors {
         path: PathBuf,
         tensors: HashMap<String, Tensor>,
+        read: HashSet<String>,
     },
     Gguf {
         path: PathBuf,
         content: gguf_file::Content,
         reader: BufReader<File>,
+        read: HashSet<String>,
     },
 }
 
@@ -154,6 +157,7 @@ impl WeightSource {
         Ok(Self::SafeTensors {
             path: dir.to_path_buf(),
             tensors,
+            read: HashSet::new(),
         })
     }
 
@@ -167,6 +171,7 @@ impl WeightSource {
             path: path.to_path_buf(),
             content,
             reader,
+            read: HashSet::new(),
         })
     }
 
@@ -175,6 +180,25 @@ impl WeightSource {
         match self {
             Self::SafeTensors { path, .. } | Self::Gguf { path, .. } => path,
         }
+    }
+
+    /// The tensors of the file that nothing has read, by name.
+    pub fn unread(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = match self {
+            Self::SafeTensors { tensors, read, .. } => tensors
+                .keys()
+                .filter(|n| !read.contains(*n))
+                .map(String::as_str)
+                .collect(),
+            Self::Gguf { content, read, .. } => content
+                .tensor_infos
+                .keys()
+                .filter(|n| !read.contains(*n))
+                .map(String::as_str)
+                .collect(),
+        };
+        names.sort_unstable();
+        names
     }
 
     /// Whether a tensor of that name exists.
@@ -191,9 +215,13 @@ impl WeightSource {
                 path,
                 content,
                 reader,
-            } => content
-                .tensor(reader, name, device)
-                .map_err(|e| EngineError::invalid_model(path.as_path(), format!("{name}: {e}"))),
+                read,
+            } => {
+                read.insert(name.to_string());
+                content
+                    .tensor(reader, name, device)
+                    .map_err(|e| EngineError::invalid_model(path.as_path(), format!("{name}: {e}")))
+            }
             Self::SafeTensors { .. } => unreachable!("qtensor is only called for GGUF"),
         }
     }
@@ -201,7 +229,12 @@ impl WeightSource {
     /// A tensor converted to f32, whatever its stored type.
     pub fn dense(&mut self, name: &str, device: &Device) -> Result<Tensor> {
         match self {
-            Self::SafeTensors { path, tensors } => {
+            Self::SafeTensors {
+                path,
+                tensors,
+                read,
+            } => {
+                read.insert(name.to_string());
                 let t = tensors.get(name).ok_or_else(|| {
                     EngineError::invalid_model(path.as_path(), format!("missing tensor {name}"))
                 })?;

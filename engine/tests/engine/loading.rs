@@ -182,6 +182,29 @@ fn unsupported_configs_are_refused_at_load() {
     assert!(missing.to_string().contains("nope"), "{missing}");
 }
 
+/// A tensor the engine never reads is part of a model it does not implement: the load is
+/// refused, naming it, rather than run without it.
+#[test]
+fn a_tensor_the_engine_does_not_read_is_refused_by_name() {
+    let src = common::tiny_model_dir();
+    let dir = scratch("unread-tensor");
+    copy_side_files(&src, &dir);
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let mut tensors =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    let extra = "model.layers.0.self_attn.q_norm.weight";
+    tensors.insert(
+        extra.into(),
+        candle_core::Tensor::ones(16, DType::F32, &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+    let err = Model::load(&dir, &Device::Cpu)
+        .err()
+        .expect("an unread tensor must be refused");
+    assert!(err.to_string().contains(extra), "{err}");
+    assert!(err.to_string().contains("1 tensor(s) of the file"), "{err}");
+}
+
 /// Streaming pieces are whole characters and add up to the full decode.
 #[test]
 fn incremental_decoding_never_splits_characters() {
