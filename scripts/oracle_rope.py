@@ -17,6 +17,10 @@ for a fixed prompt of PROMPT_LEN token ids (longer than every variant's
 
 Loading must report no missing, unexpected or mismatched weights, so the variant runs the
 weights the engine runs. `engine/tests/engine/rope.rs` reads the output.
+
+It also records `config_fields`: every field transformers writes into a config.json for the
+configuration classes of the architectures the engine runs (LlamaConfig, Qwen2Config), so
+that a test can check the engine knows what to do with each.
 """
 
 import json
@@ -26,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
 
 from oracle_common import dump, versions
 
@@ -132,6 +136,7 @@ def main() -> None:
             "dtype": "float32",
             "attn_implementation": "eager",
             "variants": results,
+            "config_fields": {c.__name__: sorted(c().to_dict()) for c in (LlamaConfig, Qwen2Config)},
         },
         out,
     )

@@ -8,6 +8,9 @@ use crate::error::{Result, TextError};
 use crate::gguf::{Metadata, Value};
 use crate::rope::{Rope, RopeScaling};
 
+mod fields;
+pub use fields::{field_use, FieldUse};
+
 /// How rotary embeddings pair the dimensions of a head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RopeStyle {
@@ -95,6 +98,7 @@ impl ModelConfig {
                 format!("unsupported architecture {arch:?} (model_type {model_type:?}); expected llama or qwen2"),
             ));
         }
+        fields::check(&raw).map_err(invalid)?;
         let rope = Rope::from_hf(&raw, hf.max_position_embeddings).map_err(invalid)?;
         if let Some(act) = hf.hidden_act.as_deref().filter(|a| *a != "silu") {
             return Err(TextError::invalid_model(

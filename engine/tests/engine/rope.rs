@@ -3,6 +3,7 @@
 //! `scripts/oracle_rope.py`, which ran each variant's config.json (kept whole in the
 //! fixture) on a prompt longer than its original context. Both config layouts are covered:
 //! transformers 4's `rope_theta` / `rope_scaling` and transformers 5's `rope_parameters`.
+//! The same fixture lists the fields of the configuration classes the engine runs.
 
 use std::path::PathBuf;
 
@@ -68,5 +69,28 @@ fn every_rope_scaling_matches_transformers() {
         .map(|s| s.token)
         .collect();
         assert_eq!(got, want, "{name}: greedy tokens");
+    }
+}
+
+/// Every field transformers writes for the configuration classes the engine runs
+/// (recorded by `scripts/oracle_rope.py`) is one the engine reads, leaves as transformers
+/// leaves it at inference, or runs at one value and refuses at others: none is skipped
+/// unknown.
+#[test]
+fn every_field_of_the_supported_config_classes_is_known() {
+    let fx: Value = serde_json::from_str(
+        &std::fs::read_to_string(common::fixture("rope_reference.json")).unwrap(),
+    )
+    .unwrap();
+    let classes = fx["config_fields"].as_object().unwrap();
+    assert_eq!(classes.len(), 2, "LlamaConfig and Qwen2Config");
+    for (class, fields) in classes {
+        for field in fields.as_array().unwrap() {
+            let field = field.as_str().unwrap();
+            assert!(
+                text::config::field_use(field).is_some(),
+                "{class}.{field} is neither used, ignored nor refused"
+            );
+        }
     }
 }

@@ -1,0 +1,187 @@
+//! Every field a `config.json` of a supported architecture may carry, and what the engine
+//! does with it: reads it, leaves it as transformers leaves it at inference, or runs only
+//! one value of it and refuses the others. A field in none of these is refused, so that no
+//! setting of a model is skipped without a word.
+
+use serde_json::{Map, Value};
+
+/// What the engine does with one field of a config.json.
+#[derive(Debug, Clone, Copy)]
+pub enum FieldUse {
+    /// Read into the hyper-parameters (and refused there if its value is not run).
+    Used,
+    /// Not part of what the model computes at inference, in transformers either; the
+    /// text says why.
+    Ignored(&'static str),
+    /// Runs only at the value the text names; any other is refused.
+    Only(&'static str, fn(&Value) -> bool),
+}
+
+fn is_false(v: &Value) -> bool {
+    matches!(v, Value::Null | Value::Bool(false))
+}
+
+fn all_full_attention(v: &Value) -> bool {
+    v.is_null()
+        || v.as_array()
+            .is_some_and(|a| a.iter().all(|t| t == "full_attention"))
+}
+
+fn absent(_: &Value) -> bool {
+    false
+}
+
+const USED: &[&str] = &[
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "partial_rotary_factor",
+    "original_max_position_embeddings",
+];
+
+const IGNORED: &[(&str, &str)] = &[
+    ("attention_dropout", "dropout is off at inference"),
+    ("initializer_range", "it initializes weights for training"),
+    ("use_cache", "a switch of transformers' own generation loop"),
+    (
+        "pad_token_id",
+        "padding is not part of what the model computes",
+    ),
+    (
+        "pretraining_tp",
+        "it splits products into slices that sum to the same",
+    ),
+    ("chunk_size_feed_forward", "the same product in chunks"),
+    (
+        "dtype",
+        "the weights carry their own; the engine computes in f32",
+    ),
+    (
+        "torch_dtype",
+        "the weights carry their own; the engine computes in f32",
+    ),
+    ("transformers_version", "a note of the writer"),
+    ("_name_or_path", "a note of the writer"),
+    ("id2label", "labels of classification heads"),
+    ("label2id", "labels of classification heads"),
+    ("problem_type", "for classification heads"),
+    ("output_attentions", "what transformers returns"),
+    ("output_hidden_states", "what transformers returns"),
+    ("return_dict", "what transformers returns"),
+    (
+        "sliding_window",
+        "read only with use_sliding_window, which is refused",
+    ),
+    (
+        "max_window_layers",
+        "read only with use_sliding_window, which is refused",
+    ),
+    // SmolLM2's config carries nanotron's notes, which transformers does not read.
+    (
+        "is_llama_config",
+        "nanotron's note; transformers does not read it",
+    ),
+    (
+        "rope_interleaved",
+        "nanotron's note; transformers does not read it",
+    ),
+    ("transformers.js_config", "settings of transformers.js"),
+];
+
+/// What the engine does with field `key` of a config.json, `None` for a field it does not
+/// know.
+pub fn field_use(key: &str) -> Option<FieldUse> {
+    if USED.contains(&key) {
+        return Some(FieldUse::Used);
+    }
+    if let Some((_, why)) = IGNORED.iter().find(|(k, _)| *k == key) {
+        return Some(FieldUse::Ignored(why));
+    }
+    Some(match key {
+        "attention_bias" => FieldUse::Only("false (Llama's projections without biases)", is_false),
+        "mlp_bias" => FieldUse::Only("false", is_false),
+        "use_sliding_window" => {
+            FieldUse::Only("false: every layer attends to the whole context", is_false)
+        }
+        "layer_types" => FieldUse::Only("full_attention in every layer", all_full_attention),
+        "is_encoder_decoder" => FieldUse::Only("false", is_false),
+        "quantization_config" => FieldUse::Only(
+            "absent: pre-quantized safetensors (GPTQ, AWQ, FP8) are not read; use a GGUF file",
+            absent,
+        ),
+        _ => return None,
+    })
+}
+
+/// Refuses a config.json with a field the engine does not know or a value it does not run.
+pub(super) fn check(raw: &Map<String, Value>) -> Result<(), String> {
+    for (key, value) in raw {
+        match field_use(key) {
+            None => {
+                return Err(format!(
+                    "field {key:?} is not one this engine knows, so it cannot tell whether the \
+                     model needs it"
+                ))
+            }
+            Some(FieldUse::Only(runs, ok)) if !ok(value) => {
+                return Err(format!(
+                    "{key} {value} is not supported; the engine runs {runs}"
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn checked(v: Value) -> Result<(), String> {
+        check(v.as_object().unwrap())
+    }
+
+    #[test]
+    fn values_the_engine_does_not_run_are_refused_by_name() {
+        assert!(
+            checked(json!({"attention_bias": false, "use_sliding_window": false,
+            "sliding_window": 4096, "layer_types": ["full_attention"]}))
+            .is_ok()
+        );
+        let refused = checked(json!({"use_sliding_window": true})).unwrap_err();
+        assert!(
+            refused.starts_with("use_sliding_window true is not supported"),
+            "{refused}"
+        );
+        let sliding = checked(json!({"layer_types": ["sliding_attention"]})).unwrap_err();
+        assert!(sliding.starts_with("layer_types"), "{sliding}");
+        let quantized = checked(json!({"quantization_config": {"quant_method": "gptq"}}));
+        assert!(quantized.unwrap_err().contains("GGUF"));
+        assert_eq!(
+            checked(json!({"sparse_attention": 1})),
+            Err(
+                "field \"sparse_attention\" is not one this engine knows, so it cannot tell \
+                 whether the model needs it"
+                    .into()
+            )
+        );
+    }
+}
