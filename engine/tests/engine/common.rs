@@ -42,3 +42,28 @@ pub fn fixture(name: &str) -> PathBuf {
         .join("tests/fixtures")
         .join(name)
 }
+
+/// Checks `logits` against a fixture's `first_step_top5` (`ids`, `logits`), each within
+/// 1e-3 relative: what the oracle scripts record of a reference's first step.
+pub fn assert_top5(name: &str, logits: &[f32], top: &serde_json::Value) {
+    let ids = top["ids"].as_array().unwrap();
+    for (id, want) in ids.iter().zip(top["logits"].as_array().unwrap()) {
+        let got = logits[id.as_u64().unwrap() as usize];
+        let want = want.as_f64().unwrap() as f32;
+        assert!(
+            (got - want).abs() < 1e-3 * want.abs().max(1.0),
+            "{name}: logit of {id}: {got} vs {want}"
+        );
+    }
+}
+
+/// `n` greedy tokens after `prompt`.
+pub fn greedy(model: &engine::Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut cache = model.new_cache().unwrap();
+    let default = engine::SamplingParams::default();
+    engine::generate::generate(model, &mut cache, prompt, &default, n, &[])
+        .unwrap()
+        .iter()
+        .map(|s| s.token)
+        .collect()
+}

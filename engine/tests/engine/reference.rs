@@ -3,8 +3,6 @@
 //! `engine/tests/fixtures/tiny_reference.json` comes from `scripts/oracle_generated.py`;
 //! if the generator changes, rerun that script (see scripts/README.md).
 
-use engine::generate::generate;
-use engine::SamplingParams;
 use serde_json::Value;
 use text::ChatInput;
 
@@ -42,35 +40,9 @@ fn tiny_model_matches_transformers_token_for_token() {
         assert_eq!(ids, want_ids, "{name}: prompt ids");
 
         let logits = loaded.model.logits_for(&ids).unwrap();
-        let top = &p["first_step_top5"];
-        for (id, want) in top["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .zip(top["logits"].as_array().unwrap())
-        {
-            let got = logits[id.as_u64().unwrap() as usize];
-            let want = want.as_f64().unwrap() as f32;
-            assert!(
-                (got - want).abs() < 1e-3 * want.abs().max(1.0),
-                "{name}: logit of {id}: {got} vs {want}"
-            );
-        }
-
+        common::assert_top5(name, &logits, &p["first_step_top5"]);
         let want: Vec<u32> = serde_json::from_value(p["generated_ids"].clone()).unwrap();
-        let mut cache = loaded.model.new_cache().unwrap();
-        let got: Vec<u32> = generate(
-            &loaded.model,
-            &mut cache,
-            &ids,
-            &SamplingParams::default(),
-            want.len(),
-            &[],
-        )
-        .unwrap()
-        .iter()
-        .map(|s| s.token)
-        .collect();
+        let got = common::greedy(&loaded.model, &ids, want.len());
         assert_eq!(got, want, "{name}: greedy tokens");
         assert_eq!(
             loaded.tokenizer.decode(&got, false).unwrap(),

@@ -7,8 +7,6 @@
 
 use std::path::PathBuf;
 
-use engine::generate::generate;
-use engine::SamplingParams;
 use serde_json::Value;
 
 use crate::common;
@@ -39,35 +37,13 @@ fn every_rope_scaling_matches_transformers() {
         let model = engine::Model::load(&variant(name, &v["config"]), &common::device())
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         let ids: Vec<u32> = serde_json::from_value(v["prompt_ids"].clone()).unwrap();
-        let logits = model.logits_for(&ids).unwrap();
-        let top = &v["first_step_top5"];
-        for (id, want) in top["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .zip(top["logits"].as_array().unwrap())
-        {
-            let got = logits[id.as_u64().unwrap() as usize];
-            let want = want.as_f64().unwrap() as f32;
-            assert!(
-                (got - want).abs() < 1e-3 * want.abs().max(1.0),
-                "{name}: logit of {id}: {got} vs {want}"
-            );
-        }
+        common::assert_top5(
+            name,
+            &model.logits_for(&ids).unwrap(),
+            &v["first_step_top5"],
+        );
         let want: Vec<u32> = serde_json::from_value(v["generated_ids"].clone()).unwrap();
-        let mut cache = model.new_cache().unwrap();
-        let got: Vec<u32> = generate(
-            &model,
-            &mut cache,
-            &ids,
-            &SamplingParams::default(),
-            want.len(),
-            &[],
-        )
-        .unwrap()
-        .iter()
-        .map(|s| s.token)
-        .collect();
+        let got = common::greedy(&model, &ids, want.len());
         assert_eq!(got, want, "{name}: greedy tokens");
     }
 }
