@@ -19,7 +19,8 @@ Loading must report no missing, unexpected or mismatched weights, so the variant
 weights the engine runs. `engine/tests/engine/rope.rs` reads the output.
 
 It also records `config_fields`: every field transformers writes into a config.json for the
-configuration classes of the architectures the engine runs (LlamaConfig, Qwen2Config), so
+configuration classes of the architectures the engine runs (LlamaConfig, Qwen2Config,
+Qwen3Config), so
 that a test can check the engine knows what to do with each.
 """
 
@@ -30,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
 from oracle_common import dump, versions
 
@@ -136,7 +137,7 @@ def main() -> None:
             "dtype": "float32",
             "attn_implementation": "eager",
             "variants": results,
-            "config_fields": {c.__name__: sorted(c().to_dict()) for c in (LlamaConfig, Qwen2Config)},
+            "config_fields": {c.__name__: sorted(c().to_dict()) for c in (LlamaConfig, Qwen2Config, Qwen3Config)},
         },
         out,
     )

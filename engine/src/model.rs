@@ -22,11 +22,29 @@ struct Layer {
     attn_norm: Tensor,
     /// q, k and v.
     qkv: Stacked,
+    /// Qwen3's RMSNorm of each head's query and key, before RoPE.
+    qk_norm: Option<QkNorm>,
     o: Linear,
     mlp_norm: Tensor,
     /// gate and up.
     gate_up: Stacked,
     down: Linear,
+}
+
+/// The weights of a per-head RMSNorm of queries and keys.
+struct QkNorm {
+    q: Tensor,
+    k: Tensor,
+}
+
+impl QkNorm {
+    /// Normalizes each `head_dim` slice of `(rows, heads * head_dim)` projections.
+    fn apply(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+        let (rows, width) = x.dims2()?;
+        let hd = weight.dim(0)?;
+        let heads = x.contiguous()?.reshape((rows * (width / hd), hd))?;
+        Ok(candle_nn::ops::rms_norm(&heads, weight, eps)?.reshape((rows, width))?)
+    }
 }
 
 /// A loaded decoder-only model.
@@ -67,6 +85,8 @@ const HF_NAMES: Names = Names {
             "k" => "self_attn.k_proj",
             "v" => "self_attn.v_proj",
             "o" => "self_attn.o_proj",
+            "q_norm" => "self_attn.q_norm",
+            "k_norm" => "self_attn.k_norm",
             "gate" => "mlp.gate_proj",
             "up" => "mlp.up_proj",
             _ => "mlp.down_proj",
@@ -87,6 +107,8 @@ const GGUF_NAMES: Names = Names {
             "k" => "attn_k",
             "v" => "attn_v",
             "o" => "attn_output",
+            "q_norm" => "attn_q_norm",
+            "k_norm" => "attn_k_norm",
             "gate" => "ffn_gate",
             "up" => "ffn_up",
             _ => "ffn_down",
@@ -96,13 +118,15 @@ const GGUF_NAMES: Names = Names {
 };
 
 /// The parts of a layer, as `Names::layer` knows them.
-const LAYER_PARTS: [&str; 9] = [
+const LAYER_PARTS: [&str; 11] = [
     "attn_norm",
     "mlp_norm",
     "q",
     "k",
     "v",
     "o",
+    "q_norm",
+    "k_norm",
     "gate",
     "up",
     "down",
@@ -185,6 +209,14 @@ impl Model {
                     h,
                     device,
                 )?,
+                qk_norm: if cfg.architecture == "qwen3" {
+                    Some(QkNorm {
+                        q: src.dense_shaped(&w("q_norm"), &[hd], device)?,
+                        k: src.dense_shaped(&w("k_norm"), &[hd], device)?,
+                    })
+                } else {
+                    None
+                },
                 o: src.linear(&w("o"), None, (h, q_out), device)?,
                 mlp_norm: src.dense_shaped(&w("mlp_norm"), &[h], device)?,
                 gate_up: src.stacked(
@@ -333,7 +365,11 @@ impl Model {
         let eps = self.cfg.rms_norm_eps as f32;
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&xs, &layer.attn_norm, eps)?;
-            let qkv = layer.qkv.forward(&h)?;
+            let mut qkv = layer.qkv.forward(&h)?;
+            if let Some(n) = &layer.qk_norm {
+                qkv[0] = QkNorm::apply(&qkv[0], &n.q, eps)?;
+                qkv[1] = QkNorm::apply(&qkv[1], &n.k, eps)?;
+            }
             let (q, k, v) = (&qkv[0], &qkv[1], &qkv[2]);
             let outs = self.attend_all(li, batch, &spans, q, k, v)?;
             let attn = Tensor::cat(&outs, 0)?;

@@ -303,3 +303,37 @@ pub fn write_model(dir: &Path, size: ModelSize, dtype: DType, seed: u64) -> Resu
     }
     Ok(())
 }
+
+/// Turns the Qwen2 folder `dir` (from [`write_model`]) into a Qwen3 one in place: the q/k/v
+/// biases go, each layer gains the per-head RMSNorm weights of its queries and keys, and
+/// the config names Qwen3 with an explicit head size.
+pub fn into_qwen3(dir: &Path, seed: u64) -> Result<()> {
+    let st_path = dir.join("model.safetensors");
+    let mut w = candle_core::safetensors::load(&st_path, &Device::Cpu)?;
+    let dtype = w["model.embed_tokens.weight"].dtype();
+    let config_path = dir.join("config.json");
+    let text =
+        std::fs::read_to_string(&config_path).map_err(|e| EngineError::io(&config_path, e))?;
+    let mut config: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| EngineError::invalid_model(&config_path, e.to_string()))?;
+    let field = |k: &str| config[k].as_u64().unwrap_or_default() as usize;
+    let (layers, head_dim) = (
+        field("num_hidden_layers"),
+        field("hidden_size") / field("num_attention_heads"),
+    );
+    w.retain(|name, _| !name.ends_with("_proj.bias"));
+    let mut rng = Normal(crate::sampling::SplitMix64::new(seed ^ 0x0051_5745_4e33));
+    for i in 0..layers {
+        for part in ["q_norm", "k_norm"] {
+            let norm = rng.tensor(&[head_dim], 1.0, 0.1)?.to_dtype(dtype)?;
+            w.insert(format!("model.layers.{i}.self_attn.{part}.weight"), norm);
+        }
+    }
+    candle_core::safetensors::save(&w, &st_path)?;
+    config["architectures"] = json!(["Qwen3ForCausalLM"]);
+    config["model_type"] = json!("qwen3");
+    config["head_dim"] = json!(head_dim);
+    config["attention_bias"] = json!(false);
+    let text = serde_json::to_string_pretty(&config).expect("json values serialize");
+    std::fs::write(&config_path, text + "\n").map_err(|e| EngineError::io(&config_path, e))
+}

@@ -90,14 +90,20 @@ impl ModelConfig {
             .map_err(|e| invalid(e.to_string()))?;
         let model_type = hf.model_type.clone().unwrap_or_default();
         let arch = hf.architectures.first().cloned().unwrap_or_default();
-        let supported = matches!(model_type.as_str(), "llama" | "qwen2")
-            || matches!(arch.as_str(), "LlamaForCausalLM" | "Qwen2ForCausalLM");
-        if !supported {
-            return Err(TextError::invalid_model(
-                path,
-                format!("unsupported architecture {arch:?} (model_type {model_type:?}); expected llama or qwen2"),
-            ));
-        }
+        let architecture = match (model_type.as_str(), arch.as_str()) {
+            ("llama", _) | ("", "LlamaForCausalLM") => "llama",
+            ("qwen2", _) | ("", "Qwen2ForCausalLM") => "qwen2",
+            ("qwen3", _) | ("", "Qwen3ForCausalLM") => "qwen3",
+            _ => {
+                return Err(TextError::invalid_model(
+                    path,
+                    format!(
+                        "unsupported architecture {arch:?} (model_type {model_type:?}); \
+                         expected llama, qwen2 or qwen3"
+                    ),
+                ))
+            }
+        };
         fields::check(&raw).map_err(invalid)?;
         let rope = Rope::from_hf(&raw, hf.max_position_embeddings).map_err(invalid)?;
         if let Some(act) = hf.hidden_act.as_deref().filter(|a| *a != "silu") {
@@ -108,11 +114,7 @@ impl ModelConfig {
         }
         let heads = hf.num_attention_heads;
         let cfg = Self {
-            architecture: if model_type == "qwen2" || arch.starts_with("Qwen2") {
-                "qwen2".into()
-            } else {
-                "llama".into()
-            },
+            architecture: architecture.into(),
             vocab_size: hf.vocab_size,
             hidden_size: hf.hidden_size,
             intermediate_size: hf.intermediate_size,

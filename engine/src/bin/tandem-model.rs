@@ -8,7 +8,7 @@ use engine::gguf_export::export_gguf;
 use engine::testmodel::{write_model, ModelSize};
 
 #[derive(Debug, Parser)]
-#[command(about = "Write a deterministic Qwen2 test model as a Hugging Face folder")]
+#[command(about = "Write a deterministic Qwen2 (or Qwen3) test model as a Hugging Face folder")]
 struct Config {
     /// Folder to write (created if missing).
     #[arg(long, env = "TANDEM_MODEL_OUT")]
@@ -22,6 +22,9 @@ struct Config {
     /// Also write `model-<QUANT>.gguf` into the folder (f32, f16, q8_0, q4_0, q4_1).
     #[arg(long, value_parser = parse_quant)]
     gguf: Option<GgmlDType>,
+    /// Write a Qwen3 model (q/k norms, no q/k/v biases) instead of a Qwen2 one.
+    #[arg(long)]
+    qwen3: bool,
     /// Seed for the random weights.
     #[arg(long, default_value_t = engine::testmodel::DEFAULT_SEED)]
     seed: u64,
@@ -35,6 +38,9 @@ fn main() -> anyhow::Result<()> {
         candle_core::DType::F32
     };
     write_model(&cfg.out, cfg.size, dtype, cfg.seed)?;
+    if cfg.qwen3 {
+        engine::testmodel::into_qwen3(&cfg.out, cfg.seed)?;
+    }
     println!("{}", cfg.out.display());
     if let Some(quant) = cfg.gguf {
         let path = cfg.out.join(format!("model-{quant:?}.gguf").to_lowercase());

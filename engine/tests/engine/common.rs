@@ -24,6 +24,21 @@ pub fn tiny_model_dir() -> PathBuf {
     .clone()
 }
 
+/// The generated tiny model turned Qwen3 (q/k norms, no q/k/v biases), written once per
+/// test binary into the target folder.
+pub fn tiny_qwen3_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("tiny-qwen3-{}", std::process::id()));
+        let seed = engine::testmodel::DEFAULT_SEED;
+        write_model(&dir, ModelSize::Tiny, DType::F32, seed).expect("writing the tiny model");
+        engine::testmodel::into_qwen3(&dir, seed).expect("turning it Qwen3");
+        dir
+    })
+    .clone()
+}
+
 /// The device engine tests run on: CUDA when the build has it, else CPU.
 pub fn device() -> Device {
     Device::cuda_if_available(0).expect("device")

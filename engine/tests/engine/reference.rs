@@ -10,11 +10,20 @@ use crate::common;
 
 #[test]
 fn tiny_model_matches_transformers_token_for_token() {
-    let fx: Value = serde_json::from_str(
-        &std::fs::read_to_string(common::fixture("tiny_reference.json")).unwrap(),
-    )
-    .unwrap();
-    let loaded = engine::load(&common::tiny_model_dir(), &common::device()).unwrap();
+    matches_reference(&common::tiny_model_dir(), "tiny_reference.json");
+}
+
+/// The same model turned Qwen3 (`engine::testmodel::into_qwen3`: per-head q/k RMSNorm, no
+/// q/k/v biases) against transformers' Qwen3ForCausalLM, `tiny_qwen3_reference.json`.
+#[test]
+fn tiny_qwen3_matches_transformers_token_for_token() {
+    matches_reference(&common::tiny_qwen3_dir(), "tiny_qwen3_reference.json");
+}
+
+fn matches_reference(dir: &std::path::Path, fixture: &str) {
+    let fx: Value =
+        serde_json::from_str(&std::fs::read_to_string(common::fixture(fixture)).unwrap()).unwrap();
+    let loaded = engine::load(dir, &common::device()).unwrap();
     let template = loaded
         .template
         .as_ref()
