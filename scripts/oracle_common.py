@@ -42,6 +42,34 @@ def dump(obj, path: Path) -> None:
     path.write_text(text + "\n", encoding="utf-8")
     print(f"wrote {path}")
 
+def greedy_run(model, ids: list, new_tokens: int, pad: int) -> tuple:
+    """A reference's first-step logits after `ids` and its `new_tokens` greedy tokens
+    (model.generate, EOS never stops it), as the engine tests compare them."""
+    import torch
+
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(input_ids).logits[0, -1]
+        out_ids = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=pad,
+        )[0, len(ids) :].tolist()
+    return logits, out_ids
+
+
+def top5(logits) -> dict:
+    """The five largest logits, as the fixtures record them."""
+    import torch
+
+    top = torch.topk(logits, 5)
+    return {"ids": top.indices.tolist(), "logits": [float(v) for v in top.values]}
+
+
 # The one tool definition every oracle renders.
 TOOLS = [
     {

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from oracle_common import TOOLS, dump, versions
+from oracle_common import TOOLS, dump, greedy_run, top5, versions
 
 NEW_TOKENS = 32
 
@@ -101,29 +101,18 @@ def main() -> None:
             )
             entry.update(messages=messages, tools=tools, kwargs=kwargs)
         ids = tok.encode(prompt, add_special_tokens=False)
-        input_ids = torch.tensor([ids])
+        logits, out_ids = greedy_run(model, ids, NEW_TOKENS, pad)
         with torch.no_grad():
-            logits = model(input_ids).logits[0, -1]
-            out_ids = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=pad,
-            )[0, len(ids) :].tolist()
             # Cross-check: teacher-forced argmax over the whole sequence gives the same tokens.
             full = model(torch.tensor([ids + out_ids])).logits[0, len(ids) - 1 : -1].argmax(-1).tolist()
         assert len(out_ids) == NEW_TOKENS, (name, len(out_ids))
-        top = torch.topk(logits, 5)
         entry.update(
             prompt=prompt,
             prompt_ids=ids,
             generated_ids=out_ids,
             generated_text=tok.decode(out_ids),
             teacher_forced_argmax_matches=full == out_ids,
-            first_step_top5={"ids": top.indices.tolist(), "logits": [float(v) for v in top.values]},
+            first_step_top5=top5(logits),
         )
         results.append(entry)
         print(f"{name}: {len(ids)} prompt ids -> {out_ids[:8]}...")

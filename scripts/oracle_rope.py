@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
-from oracle_common import dump, versions
+from oracle_common import dump, greedy_run, top5, versions
 
 NEW_TOKENS = 16
 PROMPT_LEN = 200
@@ -94,23 +94,11 @@ def run(model_dir: Path, vocab: int) -> dict:
     model.eval()
     model.generation_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
     ids = prompt(vocab)
-    input_ids = torch.tensor([ids])
-    with torch.no_grad():
-        logits = model(input_ids).logits[0, -1]
-        out_ids = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(ids) :].tolist()
-    top = torch.topk(logits, 5)
+    logits, out_ids = greedy_run(model, ids, NEW_TOKENS, 0)
     return {
         "prompt_ids": ids,
         "generated_ids": out_ids,
-        "first_step_top5": {"ids": top.indices.tolist(), "logits": [float(v) for v in top.values]},
+        "first_step_top5": top5(logits),
     }
 
 
