@@ -1,10 +1,9 @@
-//! The Llama/Qwen2 decoder as Hugging Face defines it, over caller-owned KV caches.
+//! The Llama, Qwen2 and Qwen3 decoder as Hugging Face defines it, over caller-owned KV caches.
 //!
 //! Weights are immutable and shared; every call names the sequences it advances and their
 //! caches. The dense layers see all the batch's tokens as one matrix; attention runs per
 //! sequence because each has its own length.
 
-use std::path::Path;
 use std::sync::OnceLock;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
@@ -13,10 +12,13 @@ use rayon::prelude::*;
 use crate::attention;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvLayout, SeqCache};
-use crate::rope::Frequencies;
 use crate::swiglu;
-use crate::weights::{Linear, Stacked, WeightSource};
+use crate::weights::{Linear, Stacked};
 use text::{ModelConfig, RopeStyle};
+
+mod load;
+
+pub(crate) use load::gguf_name_of;
 
 struct Layer {
     attn_norm: Tensor,
@@ -65,191 +67,7 @@ pub struct SeqInput<'a> {
     pub cache: &'a mut SeqCache,
 }
 
-/// Layer names in the two formats.
-struct Names {
-    embed: &'static str,
-    norm: &'static str,
-    lm_head: &'static str,
-    layer: fn(usize, &str) -> String,
-}
-
-const HF_NAMES: Names = Names {
-    embed: "model.embed_tokens.weight",
-    norm: "model.norm.weight",
-    lm_head: "lm_head.weight",
-    layer: |i, part| {
-        let hf = match part {
-            "attn_norm" => "input_layernorm",
-            "mlp_norm" => "post_attention_layernorm",
-            "q" => "self_attn.q_proj",
-            "k" => "self_attn.k_proj",
-            "v" => "self_attn.v_proj",
-            "o" => "self_attn.o_proj",
-            "q_norm" => "self_attn.q_norm",
-            "k_norm" => "self_attn.k_norm",
-            "gate" => "mlp.gate_proj",
-            "up" => "mlp.up_proj",
-            _ => "mlp.down_proj",
-        };
-        format!("model.layers.{i}.{hf}")
-    },
-};
-
-const GGUF_NAMES: Names = Names {
-    embed: "token_embd.weight",
-    norm: "output_norm.weight",
-    lm_head: "output.weight",
-    layer: |i, part| {
-        let g = match part {
-            "attn_norm" => "attn_norm",
-            "mlp_norm" => "ffn_norm",
-            "q" => "attn_q",
-            "k" => "attn_k",
-            "v" => "attn_v",
-            "o" => "attn_output",
-            "q_norm" => "attn_q_norm",
-            "k_norm" => "attn_k_norm",
-            "gate" => "ffn_gate",
-            "up" => "ffn_up",
-            _ => "ffn_down",
-        };
-        format!("blk.{i}.{g}")
-    },
-};
-
-/// The parts of a layer, as `Names::layer` knows them.
-const LAYER_PARTS: [&str; 11] = [
-    "attn_norm",
-    "mlp_norm",
-    "q",
-    "k",
-    "v",
-    "o",
-    "q_norm",
-    "k_norm",
-    "gate",
-    "up",
-    "down",
-];
-
-/// The GGUF name of a Hugging Face tensor name, from the tables the loader reads by.
-pub(crate) fn gguf_name_of(hf: &str) -> Option<String> {
-    let whole = [
-        (HF_NAMES.embed, GGUF_NAMES.embed),
-        (HF_NAMES.norm, GGUF_NAMES.norm),
-        (HF_NAMES.lm_head, GGUF_NAMES.lm_head),
-    ];
-    if let Some((_, g)) = whole.iter().find(|(h, _)| *h == hf) {
-        return Some(g.to_string());
-    }
-    let (module, kind) = hf.rsplit_once('.')?;
-    let layer: usize = hf
-        .strip_prefix("model.layers.")?
-        .split('.')
-        .next()?
-        .parse()
-        .ok()?;
-    LAYER_PARTS
-        .iter()
-        .find(|part| (HF_NAMES.layer)(layer, part) == module)
-        .map(|part| format!("{}.{kind}", (GGUF_NAMES.layer)(layer, part)))
-}
-
 impl Model {
-    /// Loads a Hugging Face folder (`config.json` + safetensors) or a `.gguf` file.
-    pub fn load(path: &Path, device: &Device) -> Result<Self> {
-        let cfg = if path.is_dir() {
-            ModelConfig::from_hf_file(&path.join("config.json"))?
-        } else {
-            ModelConfig::from_gguf(&text::gguf::Metadata::open(path)?, path)?
-        };
-        Self::load_with(path, cfg, device)
-    }
-
-    /// Loads the weights at `path` for hyper-parameters already read from it (as
-    /// `text::load` reads them with the tokenizer), so that they are read once.
-    pub fn load_with(path: &Path, cfg: ModelConfig, device: &Device) -> Result<Self> {
-        if path.is_dir() {
-            let mut src = WeightSource::open_hf_folder(path, device)?;
-            Self::from_source(cfg, &mut src, &HF_NAMES, device)
-        } else {
-            Self::from_source(
-                cfg,
-                &mut WeightSource::open_gguf(path)?,
-                &GGUF_NAMES,
-                device,
-            )
-        }
-    }
-
-    fn from_source(
-        cfg: ModelConfig,
-        src: &mut WeightSource,
-        names: &Names,
-        device: &Device,
-    ) -> Result<Self> {
-        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
-        let q_out = cfg.num_attention_heads * hd;
-        let kv_out = cfg.num_key_value_heads * hd;
-        let inter = cfg.intermediate_size;
-        let embed = src.dense_shaped(names.embed, &[cfg.vocab_size, h], device)?;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
-            let n = |part: &str| (names.layer)(i, part);
-            let w = |part: &str| format!("{}.weight", n(part));
-            let b = |part: &str| format!("{}.bias", n(part));
-            layers.push(Layer {
-                attn_norm: src.dense_shaped(&w("attn_norm"), &[h], device)?,
-                qkv: src.stacked(
-                    &[
-                        (&w("q"), Some(&b("q")), q_out),
-                        (&w("k"), Some(&b("k")), kv_out),
-                        (&w("v"), Some(&b("v")), kv_out),
-                    ],
-                    h,
-                    device,
-                )?,
-                qk_norm: if cfg.architecture == "qwen3" {
-                    Some(QkNorm {
-                        q: src.dense_shaped(&w("q_norm"), &[hd], device)?,
-                        k: src.dense_shaped(&w("k_norm"), &[hd], device)?,
-                    })
-                } else {
-                    None
-                },
-                o: src.linear(&w("o"), None, (h, q_out), device)?,
-                mlp_norm: src.dense_shaped(&w("mlp_norm"), &[h], device)?,
-                gate_up: src.stacked(
-                    &[(&w("gate"), None, inter), (&w("up"), None, inter)],
-                    h,
-                    device,
-                )?,
-                down: src.linear(&w("down"), None, (h, inter), device)?,
-            });
-        }
-        let norm = src.dense_shaped(names.norm, &[h], device)?;
-        let head_name = if !cfg.tie_word_embeddings && src.contains(names.lm_head) {
-            names.lm_head
-        } else {
-            names.embed
-        };
-        let lm_head = src.linear(head_name, None, (cfg.vocab_size, h), device)?;
-        let divisors = rope_divisors(&cfg, src, device)?;
-        refuse_unread(&cfg, src, names)?;
-        let frequencies = Frequencies::of(&cfg, divisors.as_deref());
-        let (cos, sin) = frequencies.tables(cfg.max_position_embeddings, device)?;
-        Ok(Self {
-            cfg,
-            device: device.clone(),
-            embed,
-            layers,
-            norm,
-            lm_head,
-            cos,
-            sin,
-        })
-    }
-
     /// The model's hyper-parameters.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
@@ -539,61 +357,6 @@ fn join_own_rayon_pool() {
                 .ok()
         });
     });
-}
-
-/// Refuses a model whose files hold a tensor the engine never read: a part of the model
-/// it does not implement would otherwise be skipped without a word. Two are left unread on
-/// purpose, as transformers leaves them: the rotary `inv_freq` buffers older checkpoints
-/// saved (the engine computes them from the config), and the output head of a model whose
-/// config ties it to the embeddings.
-fn refuse_unread(cfg: &ModelConfig, src: &WeightSource, names: &Names) -> Result<()> {
-    let skipped = |n: &&str| {
-        n.ends_with(".rotary_emb.inv_freq") || (cfg.tie_word_embeddings && *n == names.lm_head)
-    };
-    let unread: Vec<&str> = src.unread().into_iter().filter(|n| !skipped(n)).collect();
-    if unread.is_empty() {
-        return Ok(());
-    }
-    let shown = unread
-        .iter()
-        .take(5)
-        .copied()
-        .collect::<Vec<_>>()
-        .join(", ");
-    Err(EngineError::invalid_model(
-        src.path(),
-        format!(
-            "{} tensor(s) of the file are not used by this engine's {} model, so it cannot run \
-             the model the file holds: {shown}",
-            unread.len(),
-            cfg.architecture
-        ),
-    ))
-}
-
-/// The per-frequency divisors of a GGUF llama file's `rope_freqs` tensor: how llama.cpp's
-/// converter writes Llama 3's RoPE scaling. Only llama.cpp's llama graph applies them, so
-/// another architecture carrying one is refused rather than run without it.
-fn rope_divisors(
-    cfg: &ModelConfig,
-    src: &mut WeightSource,
-    device: &Device,
-) -> Result<Option<Vec<f32>>> {
-    const NAME: &str = "rope_freqs.weight";
-    if !src.contains(NAME) {
-        return Ok(None);
-    }
-    if cfg.architecture != "llama" {
-        return Err(EngineError::invalid_model(
-            src.path(),
-            format!(
-                "{NAME} is not supported for architecture {:?}",
-                cfg.architecture
-            ),
-        ));
-    }
-    let divisors = src.dense_shaped(NAME, &[cfg.head_dim / 2], device)?;
-    Ok(Some(divisors.to_vec1()?))
 }
 
 /// Additive mask for `group` heads × `t` new rows at positions `pos ..`, over the
