@@ -81,18 +81,7 @@ impl Rope {
         config: &Map<String, Value>,
         max_position_embeddings: usize,
     ) -> Result<Self, String> {
-        let nonempty = |key: &'static str| {
-            config
-                .get(key)
-                .and_then(Value::as_object)
-                .filter(|m| !m.is_empty())
-                .map(|m| (key, m))
-        };
-        let (field, params) = match nonempty("rope_scaling").or_else(|| nonempty("rope_parameters"))
-        {
-            Some((field, m)) => (field, m.clone()),
-            None => ("rope_parameters", Map::new()),
-        };
+        let (field, params) = parameters(config);
         let number = |key: &str| number(&params, field, key);
         let theta = match number("rope_theta")? {
             Some(t) => t,
@@ -103,31 +92,13 @@ impl Rope {
                     .ok_or_else(|| format!("rope_theta must be a number, got {v}"))?,
             },
         };
-        for partial in [
-            params.get("partial_rotary_factor"),
-            config.get("partial_rotary_factor"),
-        ] {
-            if let Some(p) = partial.filter(|p| !p.is_null() && p.as_f64() != Some(1.0)) {
-                return Err(format!(
-                    "partial_rotary_factor {p} is not supported: every dimension of a head rotates"
-                ));
-            }
-        }
+        refuse_partial_rotary(config, &params)?;
         let rope_type = params
             .get("rope_type")
             .or_else(|| params.get("type"))
             .and_then(Value::as_str)
             .unwrap_or("default");
-        let known = keys_of(rope_type).ok_or_else(|| refused_type(field, rope_type))?;
-        let common = ["rope_type", "type", "rope_theta", "partial_rotary_factor"];
-        if let Some(key) = params
-            .keys()
-            .find(|k| !common.contains(&k.as_str()) && !known.contains(&k.as_str()))
-        {
-            return Err(format!(
-                "{field}.{key} is not supported for rope type {rope_type:?}"
-            ));
-        }
+        refuse_unknown_keys(&params, field, rope_type)?;
         // A top-level original_max_position_embeddings is taken over the one in the
         // parameters, as transformers does for the models that keep it there (Phi-3).
         let original = || -> Result<f64, String> {
@@ -158,6 +129,59 @@ impl Rope {
             _ => yarn(&params, field, max_position_embeddings, original()?)?,
         };
         Ok(Self { theta, scaling })
+    }
+}
+
+/// The field the RoPE parameters are read from and its contents: a non-empty
+/// `rope_scaling` over a non-empty `rope_parameters`, none as an empty `rope_parameters`.
+fn parameters(config: &Map<String, Value>) -> (&'static str, Map<String, Value>) {
+    let nonempty = |key: &'static str| {
+        config
+            .get(key)
+            .and_then(Value::as_object)
+            .filter(|m| !m.is_empty())
+            .map(|m| (key, m.clone()))
+    };
+    nonempty("rope_scaling")
+        .or_else(|| nonempty("rope_parameters"))
+        .unwrap_or(("rope_parameters", Map::new()))
+}
+
+/// Refuses a rotary factor other than 1, in the parameters or at the top level: the engine
+/// rotates every dimension of a head.
+fn refuse_partial_rotary(
+    config: &Map<String, Value>,
+    params: &Map<String, Value>,
+) -> Result<(), String> {
+    for partial in [
+        params.get("partial_rotary_factor"),
+        config.get("partial_rotary_factor"),
+    ] {
+        if let Some(p) = partial.filter(|p| !p.is_null() && p.as_f64() != Some(1.0)) {
+            return Err(format!(
+                "partial_rotary_factor {p} is not supported: every dimension of a head rotates"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a rope type the engine does not compute, and a key its type does not take.
+fn refuse_unknown_keys(
+    params: &Map<String, Value>,
+    field: &str,
+    rope_type: &str,
+) -> Result<(), String> {
+    let known = keys_of(rope_type).ok_or_else(|| refused_type(field, rope_type))?;
+    let common = ["rope_type", "type", "rope_theta", "partial_rotary_factor"];
+    match params
+        .keys()
+        .find(|k| !common.contains(&k.as_str()) && !known.contains(&k.as_str()))
+    {
+        Some(key) => Err(format!(
+            "{field}.{key} is not supported for rope type {rope_type:?}"
+        )),
+        None => Ok(()),
     }
 }
 
