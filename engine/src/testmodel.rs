@@ -306,7 +306,9 @@ pub fn write_model(dir: &Path, size: ModelSize, dtype: DType, seed: u64) -> Resu
 
 /// Turns the Qwen2 folder `dir` (from [`write_model`]) into a Qwen3 one in place: the q/k/v
 /// biases go, each layer gains the per-head RMSNorm weights of its queries and keys, and
-/// the config names Qwen3 with an explicit head size.
+/// the heads are twice as wide as `hidden_size / num_attention_heads`, as Qwen3's own
+/// checkpoints have them (0.6B: 1024 / 16 = 64, head_dim 128), with new projections of
+/// those shapes; the config names Qwen3 with its explicit head size.
 pub fn into_qwen3(dir: &Path, seed: u64) -> Result<()> {
     let st_path = dir.join("model.safetensors");
     let mut w = candle_core::safetensors::load(&st_path, &Device::Cpu)?;
@@ -317,12 +319,26 @@ pub fn into_qwen3(dir: &Path, seed: u64) -> Result<()> {
     let mut config: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| EngineError::invalid_model(&config_path, e.to_string()))?;
     let field = |k: &str| config[k].as_u64().unwrap_or_default() as usize;
-    let (layers, head_dim) = (
-        field("num_hidden_layers"),
-        field("hidden_size") / field("num_attention_heads"),
-    );
+    let (layers, hidden) = (field("num_hidden_layers"), field("hidden_size"));
+    let (heads, kv_heads) = (field("num_attention_heads"), field("num_key_value_heads"));
+    let head_dim = 2 * hidden / heads;
     w.retain(|name, _| !name.ends_with("_proj.bias"));
     let mut rng = Normal(crate::sampling::SplitMix64::new(seed ^ 0x0051_5745_4e33));
+    let mut proj = |out: usize, inp: usize| -> Result<Tensor> {
+        let t = rng.tensor(&[out, inp], 0.0, (1.0 / inp as f32).sqrt())?;
+        Ok(t.to_dtype(dtype)?)
+    };
+    for i in 0..layers {
+        let p = format!("model.layers.{i}.self_attn");
+        for (part, shape) in [
+            ("q_proj", (heads * head_dim, hidden)),
+            ("k_proj", (kv_heads * head_dim, hidden)),
+            ("v_proj", (kv_heads * head_dim, hidden)),
+            ("o_proj", (hidden, heads * head_dim)),
+        ] {
+            w.insert(format!("{p}.{part}.weight"), proj(shape.0, shape.1)?);
+        }
+    }
     for i in 0..layers {
         for part in ["q_norm", "k_norm"] {
             let norm = rng.tensor(&[head_dim], 1.0, 0.1)?.to_dtype(dtype)?;
@@ -334,6 +350,32 @@ pub fn into_qwen3(dir: &Path, seed: u64) -> Result<()> {
     config["model_type"] = json!("qwen3");
     config["head_dim"] = json!(head_dim);
     config["attention_bias"] = json!(false);
+    let text = serde_json::to_string_pretty(&config).expect("json values serialize");
+    std::fs::write(&config_path, text + "\n").map_err(|e| EngineError::io(&config_path, e))
+}
+
+/// The sliding window of [`into_mistral`]'s model: shorter than every reference prompt,
+/// so that each one's later rows see only part of it.
+pub const MISTRAL_WINDOW: usize = 16;
+
+/// Turns the Qwen2 folder `dir` (from [`write_model`]) into a Mistral one in place: the
+/// q/k/v biases go, and every layer attends to the last [`MISTRAL_WINDOW`] positions.
+pub fn into_mistral(dir: &Path) -> Result<()> {
+    let st_path = dir.join("model.safetensors");
+    let mut w = candle_core::safetensors::load(&st_path, &Device::Cpu)?;
+    w.retain(|name, _| !name.ends_with("_proj.bias"));
+    candle_core::safetensors::save(&w, &st_path)?;
+    let config_path = dir.join("config.json");
+    let text =
+        std::fs::read_to_string(&config_path).map_err(|e| EngineError::io(&config_path, e))?;
+    let mut config: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text)
+        .map_err(|e| EngineError::invalid_model(&config_path, e.to_string()))?;
+    // Qwen2's switches, which MistralConfig does not have.
+    config.remove("use_sliding_window");
+    config.remove("max_window_layers");
+    config.insert("architectures".into(), json!(["MistralForCausalLM"]));
+    config.insert("model_type".into(), json!("mistral"));
+    config.insert("sliding_window".into(), json!(MISTRAL_WINDOW));
     let text = serde_json::to_string_pretty(&config).expect("json values serialize");
     std::fs::write(&config_path, text + "\n").map_err(|e| EngineError::io(&config_path, e))
 }

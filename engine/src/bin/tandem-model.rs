@@ -8,7 +8,7 @@ use engine::gguf_export::export_gguf;
 use engine::testmodel::{write_model, ModelSize};
 
 #[derive(Debug, Parser)]
-#[command(about = "Write a deterministic Qwen2 (or Qwen3) test model as a Hugging Face folder")]
+#[command(about = "Write a deterministic test model as a Hugging Face folder")]
 struct Config {
     /// Folder to write (created if missing).
     #[arg(long, env = "TANDEM_MODEL_OUT")]
@@ -22,12 +22,23 @@ struct Config {
     /// Also write `model-<QUANT>.gguf` into the folder (f32, f16, q8_0, q4_0, q4_1).
     #[arg(long, value_parser = parse_quant)]
     gguf: Option<GgmlDType>,
-    /// Write a Qwen3 model (q/k norms, no q/k/v biases) instead of a Qwen2 one.
-    #[arg(long)]
-    qwen3: bool,
+    /// The architecture to write.
+    #[arg(long, value_enum, default_value = "qwen2")]
+    family: Family,
     /// Seed for the random weights.
     #[arg(long, default_value_t = engine::testmodel::DEFAULT_SEED)]
     seed: u64,
+}
+
+/// The architectures a generated model can take.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Family {
+    /// Qwen2: q/k/v biases.
+    Qwen2,
+    /// Qwen3: per-head q/k norms, no q/k/v biases, heads twice the plain width.
+    Qwen3,
+    /// Mistral: no biases, a sliding window of 16 positions in every layer.
+    Mistral,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -38,8 +49,10 @@ fn main() -> anyhow::Result<()> {
         candle_core::DType::F32
     };
     write_model(&cfg.out, cfg.size, dtype, cfg.seed)?;
-    if cfg.qwen3 {
-        engine::testmodel::into_qwen3(&cfg.out, cfg.seed)?;
+    match cfg.family {
+        Family::Qwen2 => {}
+        Family::Qwen3 => engine::testmodel::into_qwen3(&cfg.out, cfg.seed)?,
+        Family::Mistral => engine::testmodel::into_mistral(&cfg.out)?,
     }
     println!("{}", cfg.out.display());
     if let Some(quant) = cfg.gguf {
