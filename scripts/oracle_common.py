@@ -88,3 +88,30 @@ TOOLS = [
         },
     }
 ]
+
+
+def llama_cpp_case(llm, prompt: list, continuation: int, top: int) -> dict:
+    """llama.cpp's greedy continuation of `prompt` (at most `continuation` tokens, up to
+    EOS), then one teacher-forced pass over prompt + continuation with logits at every
+    position: for each continuation token, llama.cpp's `top` best next tokens before it,
+    with their log-probabilities."""
+    import numpy as np
+
+    llm.reset()
+    out = []
+    for t in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+        if t == llm.token_eos() or len(out) == continuation:
+            break
+        out.append(t)
+    llm.reset()
+    llm.eval(prompt + out)
+    positions = []
+    for i in range(len(out)):
+        # The logits after prompt + out[:i], which predict out[i].
+        row = np.array(llm.scores[len(prompt) - 1 + i]).astype(np.float64)
+        lp = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+        best = np.argsort(-lp, kind="stable")[:top]
+        positions.append(
+            {"top": [int(t) for t in best], "logprobs": [round(float(lp[t]), 5) for t in best]}
+        )
+    return {"prompt": prompt, "continuation": out, "positions": positions}

@@ -18,10 +18,9 @@ Rerun (from the repo root; llama.cpp builds in about 5 minutes on two cores):
 
 import importlib.metadata as md
 
-import numpy as np
 from llama_cpp import Llama
 
-from oracle_common import FIXTURES, MODELS, dump
+from oracle_common import FIXTURES, MODELS, dump, llama_cpp_case
 
 GGUF_NAME = "smollm2-135m-instruct-q4_1.gguf"
 CONTINUATION = 32
@@ -60,12 +59,6 @@ def chat(question: str) -> str:
     )
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max()
-    return x - (m + np.log(np.exp(x - m).sum()))
-
-
 def main() -> None:
     path = MODELS / GGUF_NAME
     llm = Llama(
@@ -80,30 +73,7 @@ def main() -> None:
     cases = []
     for q in QUESTIONS:
         prompt = llm.tokenize(chat(q).encode(), add_bos=False, special=True)
-        llm.reset()
-        out = []
-        for t in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-            if t == llm.token_eos() or len(out) == CONTINUATION:
-                break
-            out.append(t)
-        # Teacher-forced: one pass over prompt + continuation, logits at every position.
-        llm.reset()
-        llm.eval(prompt + out)
-        positions = []
-        for i in range(len(out)):
-            # The logits after prompt + out[:i], which predict out[i].
-            row = np.array(llm.scores[len(prompt) - 1 + i])
-            lp = log_softmax(row)
-            best = np.argsort(-lp, kind="stable")[:TOP]
-            positions.append(
-                {
-                    "top": [int(t) for t in best],
-                    "logprobs": [round(float(lp[t]), 5) for t in best],
-                }
-            )
-        cases.append(
-            {"question": q, "prompt": prompt, "continuation": out, "positions": positions}
-        )
+        cases.append({"question": q, **llama_cpp_case(llm, prompt, CONTINUATION, TOP)})
     dump(
         {
             "note": "written by scripts/oracle_llama_cpp.py; do not edit",

@@ -1,11 +1,16 @@
 //! Our next-token choices against llama.cpp's own on the same GGUF, teacher-forced: the
 //! bar our kernels are held to (issue 32), since they need not match candle's bit for bit.
-//! The reference is `fixtures/llama_cpp_smollm2.json`, made with llama.cpp itself by
-//! `scripts/oracle_llama_cpp.py`: chat prompts, llama.cpp's greedy continuation of each,
-//! and at each position its five best next tokens with their log-probabilities.
+//! Each reference is made with llama.cpp itself: prompts, llama.cpp's greedy continuation
+//! of each, and at each position its five best next tokens with their log-probabilities.
+//! `llama_cpp_smollm2.json` (`scripts/oracle_llama_cpp.py`) is for the real SmolLM2 file;
+//! `llama_cpp_tiny_qwen3_*.json` (`scripts/oracle_gguf.py`) for the generated tiny Qwen3
+//! as llama.cpp's own converter and quantizer write it (`fixtures/gguf/`).
 
+use std::path::Path;
+
+use candle_core::quantized::gguf_file;
 use candle_core::Device;
-use engine::{SeqCache, SeqInput};
+use engine::{Model, SeqCache, SeqInput};
 use serde::Deserialize;
 
 use crate::common;
@@ -38,44 +43,69 @@ const NEAR_TIE_NATS: f64 = 0.5;
 /// best next token is llama.cpp's, and where it is not, it is a near-tie there.
 #[test]
 fn batched_decode_agrees_with_llama_cpp_teacher_forced() {
-    let path = crate::smollm2::gguf_path();
-    let reference: Reference = serde_json::from_str(
-        &std::fs::read_to_string(common::fixture("llama_cpp_smollm2.json")).unwrap(),
-    )
-    .unwrap();
-    assert!(reference.cases.len() >= 16, "a batch of at least 16");
-    let model = engine::load(&path, &Device::Cpu).unwrap().model;
-    let mut caches: Vec<SeqCache> = reference
-        .cases
-        .iter()
-        .map(|_| model.new_cache().unwrap())
-        .collect();
-    // chosen[c][i]: our best token after case c's prompt and its first i continuation tokens.
-    let mut chosen: Vec<Vec<u32>> = vec![Vec::new(); reference.cases.len()];
-    let mut fed: Vec<Vec<u32>> = reference.cases.iter().map(|c| c.prompt.clone()).collect();
-    loop {
-        let live: Vec<usize> = (0..reference.cases.len())
-            .filter(|&c| chosen[c].len() < reference.cases[c].continuation.len())
-            .collect();
-        if live.is_empty() {
-            break;
-        }
-        let mut inputs: Vec<SeqInput<'_>> = Vec::new();
-        for (c, cache) in caches.iter_mut().enumerate() {
-            if live.contains(&c) {
-                inputs.push(SeqInput {
-                    tokens: &fed[c],
-                    cache,
-                });
-            }
-        }
-        let rows: Vec<Vec<f32>> = model.forward(&mut inputs).unwrap().to_vec2().unwrap();
-        for (&c, row) in live.iter().zip(&rows) {
-            chosen[c].push(engine::model::argmax(row));
-            fed[c] = vec![reference.cases[c].continuation[chosen[c].len() - 1]];
-        }
-    }
+    assert_agrees(&crate::smollm2::gguf_path(), "llama_cpp_smollm2.json");
+}
 
+/// The same for the tiny Qwen3 (per-head q/k norms, heads wider than the embedding over
+/// the head count) as llama.cpp converts and quantizes it, in each quantization.
+#[test]
+fn tiny_qwen3_from_llama_cpps_converter_agrees_with_llama_cpp() {
+    for quant in ["q8_0", "q4_1"] {
+        let gguf = common::fixture(&format!("gguf/tiny-qwen3-{quant}.gguf"));
+        assert_agrees(&gguf, &format!("llama_cpp_tiny_qwen3_{quant}.json"));
+    }
+}
+
+/// llama.cpp's conversion of the tiny Qwen3 reads as the hyper-parameters of its folder,
+/// and holds its weights: the committed files are the model the tests generate.
+#[test]
+fn llama_cpps_conversion_of_tiny_qwen3_is_its_folder() {
+    let dir = common::tiny_qwen3_dir();
+    let hf = text::ModelConfig::from_hf_file(&dir.join("config.json")).unwrap();
+    let path = common::fixture("gguf/tiny-qwen3-q8_0.gguf");
+    let gguf =
+        text::ModelConfig::from_gguf(&text::gguf::Metadata::open(&path).unwrap(), &path).unwrap();
+    // The converter writes the first of the config's EOS ids only, and the norm epsilon
+    // as an f32.
+    assert_eq!(gguf.eos_token_ids, hf.eos_token_ids[..1]);
+    let hf = text::ModelConfig {
+        eos_token_ids: gguf.eos_token_ids.clone(),
+        rms_norm_eps: hf.rms_norm_eps as f32 as f64,
+        ..hf
+    };
+    assert_eq!(gguf, hf);
+    // Norm weights stay f32 through quantization, so they compare exactly.
+    let mut file = std::fs::File::open(&path).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let st = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    for (g, h) in [
+        (
+            "blk.1.attn_q_norm.weight",
+            "model.layers.1.self_attn.q_norm.weight",
+        ),
+        (
+            "blk.0.ffn_norm.weight",
+            "model.layers.0.post_attention_layernorm.weight",
+        ),
+    ] {
+        let ours: Vec<f32> = content
+            .tensor(&mut file, g, &Device::Cpu)
+            .unwrap()
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(ours, st[h].to_vec1::<f32>().unwrap(), "{g}");
+    }
+}
+
+/// Our best next tokens against the llama.cpp reference `fixture` for the file `gguf`.
+fn assert_agrees(gguf: &Path, fixture: &str) {
+    let reference: Reference =
+        serde_json::from_str(&std::fs::read_to_string(common::fixture(fixture)).unwrap()).unwrap();
+    assert!(reference.cases.len() >= 16, "a batch of at least 16");
+    let model = engine::load(gguf, &Device::Cpu).unwrap().model;
+    let chosen = batched_choices(&model, &reference);
     let (mut agree, mut total) = (0, 0);
     let mut far = Vec::new();
     for (c, case) in reference.cases.iter().enumerate() {
@@ -98,15 +128,49 @@ fn batched_decode_agrees_with_llama_cpp_teacher_forced() {
             }
         }
     }
-    eprintln!("teacher-forced agreement with llama.cpp: {agree} of {total}");
+    eprintln!("{fixture}: teacher-forced agreement with llama.cpp: {agree} of {total}");
     assert!(total >= 400, "{total} positions");
     assert!(
         agree * 100 >= total * 95,
-        "agreement {agree} of {total} is under 95%"
+        "{fixture}: agreement {agree} of {total} is under 95%"
     );
     assert!(
         far.is_empty(),
-        "disagreements that are not near-ties:\n{}",
+        "{fixture}: disagreements that are not near-ties:\n{}",
         far.join("\n")
     );
+}
+
+/// `chosen[c][i]`: our best token after case c's prompt and its first i continuation
+/// tokens, every case advanced in one batch a step.
+fn batched_choices(model: &Model, reference: &Reference) -> Vec<Vec<u32>> {
+    let mut caches: Vec<SeqCache> = reference
+        .cases
+        .iter()
+        .map(|_| model.new_cache().unwrap())
+        .collect();
+    let mut chosen: Vec<Vec<u32>> = vec![Vec::new(); reference.cases.len()];
+    let mut fed: Vec<Vec<u32>> = reference.cases.iter().map(|c| c.prompt.clone()).collect();
+    loop {
+        let live: Vec<usize> = (0..reference.cases.len())
+            .filter(|&c| chosen[c].len() < reference.cases[c].continuation.len())
+            .collect();
+        if live.is_empty() {
+            return chosen;
+        }
+        let mut inputs: Vec<SeqInput<'_>> = Vec::new();
+        for (c, cache) in caches.iter_mut().enumerate() {
+            if live.contains(&c) {
+                inputs.push(SeqInput {
+                    tokens: &fed[c],
+                    cache,
+                });
+            }
+        }
+        let rows: Vec<Vec<f32>> = model.forward(&mut inputs).unwrap().to_vec2().unwrap();
+        for (&c, row) in live.iter().zip(&rows) {
+            chosen[c].push(engine::model::argmax(row));
+            fed[c] = vec![reference.cases[c].continuation[chosen[c].len() - 1]];
+        }
+    }
 }

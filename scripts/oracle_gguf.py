@@ -1,0 +1,111 @@
+"""The generated tiny Qwen3 model as llama.cpp's own tools make and run it in GGUF.
+
+Usage (from the scripts/ directory):
+  LLAMA_CPP=DIR python3 oracle_gguf.py TINY_QWEN3_DIR
+
+TINY_QWEN3_DIR is `tandem-model --family qwen3`'s folder. DIR is a llama.cpp source tree at the
+version llama-cpp-python vendors (its sdist's vendor/llama.cpp), for its converter
+`convert_hf_to_gguf.py` and the `gguf-py` beside it.
+
+1. convert_hf_to_gguf.py writes the folder as an f32 GGUF (its sha256 is recorded). The
+   tiny model's tokenizer is trained here, so the converter cannot recognise its
+   pre-tokenizer by the hash of its ids; it is told "qwen2", Qwen3's own. The tests feed
+   token ids, so llama.cpp's tokenizer never decides anything they check.
+2. llama.cpp's quantizer (`llama_model_quantize`, what `llama-quantize` runs) makes Q8_0
+   and Q4_1 files from it: engine/tests/fixtures/gguf/tiny-qwen3-{q8_0,q4_1}.gguf.
+3. For each, llama.cpp (through llama-cpp-python) continues PROMPTS fixed random prompts
+   greedily and records, teacher-forced, its five best next tokens at every position:
+   engine/tests/fixtures/llama_cpp_tiny_qwen3_{q8_0,q4_1}.json, the schema of
+   llama_cpp_smollm2.json. engine/tests/engine/llama_cpp.rs holds our decode path to them.
+"""
+
+import hashlib
+import importlib.metadata as md
+import os
+import runpy
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from oracle_common import FIXTURES, dump, llama_cpp_case
+
+PROMPTS = 16
+CONTINUATION = 32
+TOP = 5
+SEED = 20261128
+# (name, llama_ftype): LLAMA_FTYPE_MOSTLY_Q8_0 and LLAMA_FTYPE_MOSTLY_Q4_1.
+QUANTS = [("q8_0", 7), ("q4_1", 3)]
+
+
+def convert(llama_cpp: Path, model_dir: Path, out: Path) -> None:
+    """Runs llama.cpp's converter on `model_dir`, writing an f32 GGUF to `out`."""
+    sys.path[:0] = [str(llama_cpp / "gguf-py"), str(llama_cpp)]
+    import conversion.base as base
+
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+    argv = sys.argv
+    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outfile", str(out), "--outtype", "f32"]
+    try:
+        runpy.run_path(str(llama_cpp / "convert_hf_to_gguf.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+
+
+def quantize(src: Path, out: Path, ftype: int) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 2
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params) != 0:
+        raise RuntimeError(f"llama_model_quantize failed for {out}")
+
+
+def prompts() -> list:
+    """Random prompts of 8 to 200 ordinary ids: the tiny tokenizer's specials are 0 to 2
+    and the tokens added after its 512 trained ones."""
+    rng = np.random.default_rng(SEED)
+    lengths = np.linspace(8, 200, PROMPTS).astype(int)
+    return [[int(t) for t in rng.integers(3, 512, size=n)] for n in lengths]
+
+
+def main() -> None:
+    from llama_cpp import Llama
+
+    llama_cpp_dir = Path(os.environ["LLAMA_CPP"])
+    model_dir = Path(sys.argv[1])
+    with tempfile.TemporaryDirectory() as tmp:
+        f32 = Path(tmp) / "tiny-qwen3-f32.gguf"
+        convert(llama_cpp_dir, model_dir, f32)
+        f32_sha = hashlib.sha256(f32.read_bytes()).hexdigest()
+        for name, ftype in QUANTS:
+            path = FIXTURES / "gguf" / f"tiny-qwen3-{name}.gguf"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            quantize(f32, path, ftype)
+            llm = Llama(
+                model_path=str(path),
+                n_ctx=512,
+                n_batch=512,
+                n_threads=2,
+                logits_all=True,
+                seed=0,
+                verbose=False,
+            )
+            cases = [llama_cpp_case(llm, p, CONTINUATION, TOP) for p in prompts()]
+            dump(
+                {
+                    "note": "written by scripts/oracle_gguf.py; do not edit",
+                    "model": path.name,
+                    "converted_f32_sha256": f32_sha,
+                    "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                    "versions": {"llama-cpp-python": md.version("llama-cpp-python")},
+                    "cases": cases,
+                },
+                FIXTURES / f"llama_cpp_tiny_qwen3_{name}.json",
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+//! Model hyper-parameters from a GGUF file's metadata, read as llama.cpp reads them. Every
+//! `{arch}.*` key is either read or refused, so that a setting of the file the engine does
+//! not compute is never skipped; `general.*` keys describe the file and `tokenizer.*` keys
+//! are the tokenizer's.
+
+use std::path::Path;
+
+use super::{ModelConfig, RopeStyle};
+use crate::error::{Result, TextError};
+use crate::gguf::{Metadata, Value};
+use crate::rope::RopeScaling;
+
+/// The GGUF architectures the engine runs.
+const ARCHITECTURES: [&str; 3] = ["llama", "qwen2", "qwen3"];
+
+/// The `{arch}.*` keys the engine reads, beside `rope.scaling.*` ([`gguf_rope_scaling`]).
+const READ_KEYS: [&str; 13] = [
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "rope.scale_linear",
+    "vocab_size",
+];
+
+impl ModelConfig {
+    /// Reads the `llama`, `qwen2` or `qwen3` keys of a GGUF file's metadata.
+    pub fn from_gguf(meta: &Metadata, path: &Path) -> Result<Self> {
+        let md = |key: &str| meta.get(key);
+        let bad = |reason: String| TextError::invalid_model(path, reason);
+        let arch = md("general.architecture")
+            .and_then(|v| v.as_str().map(str::to_string))
+            .ok_or_else(|| bad("no general.architecture".into()))?;
+        if !ARCHITECTURES.contains(&arch.as_str()) {
+            return Err(bad(format!(
+                "unsupported GGUF architecture {arch:?} ({} are supported)",
+                ARCHITECTURES.join(", ")
+            )));
+        }
+        refuse_unknown_keys(meta, &arch).map_err(bad)?;
+        let num = |key: &str| -> Result<usize> {
+            let full = format!("{arch}.{key}");
+            md(&full)
+                .and_then(Value::to_u64)
+                .map(|v| v as usize)
+                .ok_or_else(|| bad(format!("missing {full}")))
+        };
+        let float = |key: &str, default: f64| -> f64 {
+            md(&format!("{arch}.{key}"))
+                .and_then(Value::to_f64)
+                .unwrap_or(default)
+        };
+        let hidden = num("embedding_length")?;
+        let heads = num("attention.head_count")?;
+        let vocab = match md("tokenizer.ggml.tokens").and_then(Value::as_array) {
+            Some(tokens) => tokens.len(),
+            None => num("vocab_size")?,
+        };
+        let head_dim = head_dim(&num, hidden / heads).map_err(bad)?;
+        let tied = !meta.tensors.contains("output.weight");
+        let token_id = |key: &str| md(key).and_then(Value::to_u64).map(|v| v as u32);
+        let cfg = Self {
+            architecture: arch.clone(),
+            vocab_size: vocab,
+            hidden_size: hidden,
+            intermediate_size: num("feed_forward_length")?,
+            num_hidden_layers: num("block_count")?,
+            num_attention_heads: heads,
+            num_key_value_heads: num("attention.head_count_kv").unwrap_or(heads),
+            head_dim,
+            rms_norm_eps: float("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta: float("rope.freq_base", 10_000.0),
+            rope_scaling: gguf_rope_scaling(meta, &arch).map_err(bad)?,
+            max_position_embeddings: num("context_length").unwrap_or(4096),
+            tie_word_embeddings: tied,
+            // llama.cpp's converter permutes a llama file's q/k rows so that its graph
+            // rotates adjacent pairs; Qwen's keep Hugging Face's halves (NEOX in llama.cpp).
+            rope_style: if arch == "llama" {
+                RopeStyle::Interleaved
+            } else {
+                RopeStyle::Half
+            },
+            bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
+            eos_token_ids: token_id("tokenizer.ggml.eos_token_id")
+                .into_iter()
+                .collect(),
+        };
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+}
+
+/// The head size as llama.cpp takes it: `attention.key_length`, else the embedding width
+/// over the heads (`plain`). Values as wide as keys and every dimension rotated are the
+/// only shapes the engine runs, so a different `value_length` or `rope.dimension_count`
+/// is refused.
+fn head_dim(
+    num: &dyn Fn(&str) -> Result<usize>,
+    plain: usize,
+) -> std::result::Result<usize, String> {
+    let key = num("attention.key_length").unwrap_or(plain);
+    for (name, default) in [
+        ("attention.value_length", key),
+        ("rope.dimension_count", key),
+    ] {
+        let value = num(name).unwrap_or(default);
+        if value != key {
+            return Err(format!(
+                "{name} {value} differs from the head size {key}, which the engine does not run"
+            ));
+        }
+    }
+    Ok(key)
+}
+
+/// Refuses an `{arch}.*` key the engine neither reads nor knows to be neutral.
+fn refuse_unknown_keys(meta: &Metadata, arch: &str) -> std::result::Result<(), String> {
+    let prefix = format!("{arch}.");
+    let mut keys: Vec<&String> = meta
+        .values
+        .keys()
+        .filter(|k| k.starts_with(&prefix))
+        .collect();
+    keys.sort();
+    for key in keys {
+        let name = &key[prefix.len()..];
+        if !READ_KEYS.contains(&name) && !name.starts_with("rope.scaling.") {
+            return Err(format!(
+                "{key} is not supported: the engine does not compute what it sets"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The `{arch}.rope.scaling.*` keys of a GGUF file, read as llama.cpp reads them: a
+/// `factor` divides every frequency (llama.cpp's `freq_scale`) under type `none` or
+/// `linear`. YaRN and the keys llama.cpp reads only for it are refused, as is any other
+/// scaling key, so that no setting of the file is skipped.
+fn gguf_rope_scaling(meta: &Metadata, arch: &str) -> std::result::Result<RopeScaling, String> {
+    let prefix = format!("{arch}.rope.scaling.");
+    let kind = meta
+        .get(&format!("{prefix}type"))
+        .and_then(Value::as_str)
+        .unwrap_or("none");
+    if !matches!(kind, "none" | "linear") {
+        return Err(format!(
+            "{prefix}type {kind:?} is not supported (none and linear are)"
+        ));
+    }
+    // Informational, or read by llama.cpp only for YaRN.
+    let neutral = ["type", "factor", "original_context_length", "finetuned"];
+    let mut keys: Vec<&String> = meta
+        .values
+        .keys()
+        .filter(|k| k.starts_with(&prefix))
+        .collect();
+    keys.sort();
+    for key in keys {
+        let name = &key[prefix.len()..];
+        let unit = meta.get(key).and_then(Value::to_f64) == Some(1.0);
+        let allowed = neutral.contains(&name) || (name == "attn_factor" && unit);
+        if !allowed {
+            return Err(format!("{key} is not supported"));
+        }
+    }
+    // The key older converters wrote, which llama.cpp still reads first.
+    let factor = meta
+        .get(&format!("{arch}.rope.scale_linear"))
+        .or_else(|| meta.get(&format!("{prefix}factor")))
+        .and_then(Value::to_f64);
+    match factor {
+        Some(factor) if factor != 0.0 && factor != 1.0 => Ok(RopeScaling::Linear { factor }),
+        _ => Ok(RopeScaling::None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(values: &[(&str, Value)]) -> Metadata {
+        Metadata {
+            values: values
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect(),
+            tensors: Default::default(),
+        }
+    }
+
+    #[test]
+    fn a_gguf_factor_scales_linearly_as_llama_cpp_reads_it() {
+        let linear = RopeScaling::Linear { factor: 4.0 };
+        assert_eq!(
+            gguf_rope_scaling(&meta(&[]), "llama"),
+            Ok(RopeScaling::None)
+        );
+        let typed = meta(&[
+            ("llama.rope.scaling.type", Value::String("linear".into())),
+            ("llama.rope.scaling.factor", Value::F32(4.0)),
+        ]);
+        assert_eq!(gguf_rope_scaling(&typed, "llama"), Ok(linear.clone()));
+        // llama.cpp applies the factor whatever the type says, and the old key first.
+        let untyped = meta(&[("qwen2.rope.scale_linear", Value::F32(4.0))]);
+        assert_eq!(gguf_rope_scaling(&untyped, "qwen2"), Ok(linear));
+        let neutral = meta(&[
+            ("llama.rope.scaling.attn_factor", Value::F32(1.0)),
+            (
+                "llama.rope.scaling.original_context_length",
+                Value::U32(8192),
+            ),
+        ]);
+        assert_eq!(gguf_rope_scaling(&neutral, "llama"), Ok(RopeScaling::None));
+    }
+
+    #[test]
+    fn gguf_scaling_the_engine_does_not_compute_is_refused_by_key() {
+        let yarn = meta(&[("qwen2.rope.scaling.type", Value::String("yarn".into()))]);
+        assert_eq!(
+            gguf_rope_scaling(&yarn, "qwen2"),
+            Err("qwen2.rope.scaling.type \"yarn\" is not supported (none and linear are)".into())
+        );
+        let attn = meta(&[("llama.rope.scaling.attn_factor", Value::F32(0.8))]);
+        assert_eq!(
+            gguf_rope_scaling(&attn, "llama"),
+            Err("llama.rope.scaling.attn_factor is not supported".into())
+        );
+        let other = meta(&[("llama.rope.scaling.yarn_log_multiplier", Value::F32(0.1))]);
+        assert!(gguf_rope_scaling(&other, "llama").is_err());
+    }
+
+    #[test]
+    fn gguf_keys_the_engine_does_not_read_are_refused() {
+        let read = meta(&[
+            ("qwen3.block_count", Value::U32(2)),
+            ("qwen3.rope.scaling.type", Value::String("none".into())),
+            ("general.name", Value::String("tiny".into())),
+        ]);
+        assert_eq!(refuse_unknown_keys(&read, "qwen3"), Ok(()));
+        let experts = meta(&[("qwen3.expert_count", Value::U32(8))]);
+        assert_eq!(
+            refuse_unknown_keys(&experts, "qwen3"),
+            Err(
+                "qwen3.expert_count is not supported: the engine does not compute what it sets"
+                    .into()
+            )
+        );
+        let window = meta(&[("llama.attention.sliding_window", Value::U32(4096))]);
+        assert!(refuse_unknown_keys(&window, "llama").is_err());
+    }
+
+    #[test]
+    fn the_head_size_is_the_key_length_with_every_dimension_rotated() {
+        let of = |pairs: &'static [(&'static str, usize)]| {
+            move |key: &str| -> Result<usize> {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == key)
+                    .map(|(_, v)| *v)
+                    .ok_or_else(|| TextError::invalid_model(Path::new("x"), key.to_string()))
+            }
+        };
+        assert_eq!(head_dim(&of(&[]), 64), Ok(64));
+        let qwen3 = of(&[
+            ("attention.key_length", 128),
+            ("attention.value_length", 128),
+        ]);
+        assert_eq!(head_dim(&qwen3, 64), Ok(128));
+        let partial = of(&[("rope.dimension_count", 32)]);
+        assert_eq!(
+            head_dim(&partial, 64),
+            Err(
+                "rope.dimension_count 32 differs from the head size 64, which the engine does \
+                 not run"
+                    .into()
+            )
+        );
+        let narrow_values = of(&[
+            ("attention.key_length", 128),
+            ("attention.value_length", 64),
+        ]);
+        assert!(head_dim(&narrow_values, 64).is_err());
+    }
+}
