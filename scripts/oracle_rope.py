@@ -19,8 +19,8 @@ Loading must report no missing, unexpected or mismatched weights, so the variant
 weights the engine runs. `engine/tests/engine/rope.rs` reads the output.
 
 It also records `config_fields`: every field transformers writes into a config.json for the
-configuration classes of the architectures the engine runs (LlamaConfig, Qwen2Config,
-Qwen3Config), so
+configuration classes of the architectures the engine runs (LlamaConfig, MistralConfig,
+Qwen2Config, Qwen3Config), so
 that a test can check the engine knows what to do with each.
 """
 
@@ -31,11 +31,19 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from oracle_common import dump, greedy_run, top5, versions
 
 NEW_TOKENS = 16
+CONFIG_CLASSES = (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
 PROMPT_LEN = 200
 ORIGINAL = 64
 
@@ -125,7 +133,7 @@ def main() -> None:
             "dtype": "float32",
             "attn_implementation": "eager",
             "variants": results,
-            "config_fields": {c.__name__: sorted(c().to_dict()) for c in (LlamaConfig, Qwen2Config, Qwen3Config)},
+            "config_fields": {c.__name__: sorted(c().to_dict()) for c in CONFIG_CLASSES},
         },
         out,
     )

@@ -290,16 +290,17 @@ impl Model {
         let (keys, values) = cache.view(layer, t)?;
         let group = cfg.group_size();
         let scale = 1.0 / (hd as f64).sqrt();
+        let window = cfg.attention_windows[layer];
         if self.device.is_cpu() {
-            return attention::causal(&q, &keys, &values, scale, spread);
+            return attention::causal(&q, &keys, &values, scale, spread, window);
         }
         // Off the CPU, where none of our kernels run: candle's ops, on the cache's f16
         // widened to f32.
         let (keys, values) = (keys.to_dtype(DType::F32)?, values.to_dtype(DType::F32)?);
         let q = q.reshape((n_kv, group * t, hd))?;
         let mut scores = (q.matmul(&keys.t()?)? * scale)?;
-        if t > 1 {
-            let mask = causal_mask(group, t, pos, &self.device)?;
+        if t > 1 || window.is_some_and(|w| w <= pos) {
+            let mask = causal_mask(group, t, pos, window, &self.device)?;
             scores = scores.broadcast_add(&mask)?;
         }
         let probs = candle_nn::ops::softmax_last_dim(&scores)?;
@@ -360,13 +361,28 @@ fn join_own_rayon_pool() {
 }
 
 /// Additive mask for `group` heads × `t` new rows at positions `pos ..`, over the
-/// `pos + t` keys: a row sees the keys up to its own position.
-pub(crate) fn causal_mask(group: usize, t: usize, pos: usize, device: &Device) -> Result<Tensor> {
+/// `pos + t` keys: a row sees the keys up to its own position, with a `window` only the
+/// last `window` of them.
+pub(crate) fn causal_mask(
+    group: usize,
+    t: usize,
+    pos: usize,
+    window: Option<usize>,
+    device: &Device,
+) -> Result<Tensor> {
     let keys = pos + t;
     let mut m = Vec::with_capacity(group * t * keys);
     for _ in 0..group {
         for i in 0..t {
-            m.extend((0..keys).map(|j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 }));
+            let p = pos + i;
+            let first = window.map_or(0, |w| (p + 1).saturating_sub(w));
+            m.extend((0..keys).map(|j| {
+                if j > p || j < first {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            }));
         }
     }
     Ok(Tensor::from_vec(m, (group * t, keys), device)?)

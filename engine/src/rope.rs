@@ -198,6 +198,7 @@ mod tests {
             max_position_embeddings: 8,
             tie_word_embeddings: true,
             rope_style: text::RopeStyle::Interleaved,
+            attention_windows: vec![None],
             bos_token_id: None,
             eos_token_ids: Vec::new(),
         }

@@ -111,6 +111,33 @@ pub fn tiny_model() -> PathBuf {
     .clone()
 }
 
+/// The generated tiny model turned Qwen3 (`qwen3`) or Mistral with its sliding window,
+/// written once per test binary.
+pub fn tiny_model_turned(family: &str) -> PathBuf {
+    static DIRS: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
+    let mut dirs = DIRS.lock().expect("no test panics while holding the list");
+    if let Some((_, dir)) = dirs.iter().find(|(f, _)| f == family) {
+        return dir.clone();
+    }
+    let dir = scratch().join(format!("tiny-{family}"));
+    let seed = engine::testmodel::DEFAULT_SEED;
+    engine::testmodel::write_model(
+        &dir,
+        engine::testmodel::ModelSize::Tiny,
+        candle_core::DType::F32,
+        seed,
+    )
+    .expect("writing the tiny model");
+    match family {
+        "qwen3" => engine::testmodel::into_qwen3(&dir, seed),
+        "mistral" => engine::testmodel::into_mistral(&dir),
+        other => panic!("no generated {other} model"),
+    }
+    .expect("turning the tiny model");
+    dirs.push((family.to_string(), dir.clone()));
+    dir
+}
+
 /// A folder for this test process's files (models, logs).
 pub fn scratch() -> PathBuf {
     let dir = root()

@@ -9,6 +9,7 @@ use crate::rope::{Rope, RopeScaling};
 
 mod fields;
 mod gguf;
+mod windows;
 pub use fields::{field_use, FieldUse};
 
 /// How rotary embeddings pair the dimensions of a head.
@@ -38,6 +39,9 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     pub rope_style: RopeStyle,
+    /// Each layer's attention span: `None` for the whole context, `Some(w)` for the last
+    /// `w` positions up to and including the row's own.
+    pub attention_windows: Vec<Option<usize>>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
@@ -94,18 +98,22 @@ impl ModelConfig {
             ("llama", _) | ("", "LlamaForCausalLM") => "llama",
             ("qwen2", _) | ("", "Qwen2ForCausalLM") => "qwen2",
             ("qwen3", _) | ("", "Qwen3ForCausalLM") => "qwen3",
+            ("mistral", _) | ("", "MistralForCausalLM") => "mistral",
             _ => {
                 return Err(TextError::invalid_model(
                     path,
                     format!(
                         "unsupported architecture {arch:?} (model_type {model_type:?}); \
-                         expected llama, qwen2 or qwen3"
+                         expected llama, mistral, qwen2 or qwen3"
                     ),
                 ))
             }
         };
         fields::check(&raw).map_err(invalid)?;
         let rope = Rope::from_hf(&raw, hf.max_position_embeddings).map_err(invalid)?;
+        let attention_windows =
+            windows::attention_windows(architecture, &raw, hf.num_hidden_layers)
+                .map_err(invalid)?;
         if let Some(act) = hf.hidden_act.as_deref().filter(|a| *a != "silu") {
             return Err(TextError::invalid_model(
                 path,
@@ -128,6 +136,7 @@ impl ModelConfig {
             max_position_embeddings: hf.max_position_embeddings,
             tie_word_embeddings: hf.tie_word_embeddings,
             rope_style: RopeStyle::Half,
+            attention_windows,
             bos_token_id: hf.bos_token_id,
             eos_token_ids: match hf.eos_token_id {
                 None => vec![],

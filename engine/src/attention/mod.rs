@@ -9,16 +9,20 @@
 //! row's tail in another order when the row is longer; a 40-token prompt split 39 + 1 gave
 //! logits up to 0.48 apart from the whole.
 //!
-//! For a query row at position `p`, in this order:
-//! - each score `j <= p`: eight chains of fused multiply-adds, lane `l` over the head
+//! For a query row at position `p` that sees keys `s ..= p` (`s` is 0, or `p + 1 - w` in
+//! a layer with a sliding window of `w`), in this order:
+//! - each score `s <= j <= p`: eight chains of fused multiply-adds, lane `l` over the head
 //!   dimensions `l` modulo 8, the lanes then added in pairs, then times the scale
 //!   (`kernels::scores`);
-//! - the softmax of those `p + 1` scores ([`softmax`]);
-//! - each output value: one fused multiply-add chain over keys `0 ..= p` from zero
-//!   (`kernels::weighted_values`).
+//! - the softmax of those scores ([`softmax`]);
+//! - each output value: one fused multiply-add chain over keys `s ..= p` from zero
+//!   (`kernels::weighted_values`). A block of rows runs the chain from the block's
+//!   earliest `s`, each row's weights before its own `s` zero: a zero weight adds an exact
+//!   zero to a chain still at zero, so the row's bits are the same.
 
 mod kernels;
 
+use std::ops::Range;
 use std::sync::OnceLock;
 
 use candle_core::{Storage, Tensor, WithDType};
@@ -47,6 +51,7 @@ pub(crate) fn causal(
     values: &Tensor,
     scale: f64,
     spread: bool,
+    window: Option<usize>,
 ) -> Result<Tensor> {
     let (heads, t, hd) = q.dims3()?;
     let (kv_heads, len, _) = keys.dims3()?;
@@ -70,9 +75,11 @@ pub(crate) fn causal(
     let block = |item: usize| {
         let (h, first) = (item / blocks, item % blocks * ROWS);
         let rows = ROWS.min(per_head - first);
-        let visible: Vec<usize> = (first..first + rows).map(|i| pos + i % t + 1).collect();
+        let spans: Vec<Range<usize>> = (first..first + rows)
+            .map(|i| span(pos + i % t, window))
+            .collect();
         let q = &q[(h * per_head + first) * hd..][..rows * hd];
-        attend_block(q, &visible, k.head(h), v.head(h), hd, scale)
+        attend_block(q, &spans, k.head(h), v.head(h), hd, scale)
     };
     let items = kv_heads * blocks;
     let outs: Vec<Vec<f32>> = if t > 1 {
@@ -103,25 +110,36 @@ pub(crate) fn causal(
     Ok(Tensor::from_vec(out, (t, heads * hd), keys.device())?)
 }
 
-/// One block of query rows of a K/V head: row `r` sees the first `visible[r]` keys.
-/// Returns the rows' outputs, one after another.
+/// The keys a row at position `p` sees: all up to its own, or the last `window` of them.
+fn span(p: usize, window: Option<usize>) -> Range<usize> {
+    let start = window.map_or(0, |w| (p + 1).saturating_sub(w));
+    start..p + 1
+}
+
+/// One block of query rows of a K/V head: row `r` sees the keys `spans[r]`. Returns the
+/// rows' outputs, one after another.
 fn attend_block(
     q: &[f32],
-    visible: &[usize],
+    spans: &[Range<usize>],
     keys: &[f16],
     values: &[f16],
     head_dim: usize,
     scale: f32,
 ) -> Vec<f32> {
+    let from = spans.iter().map(|s| s.start).min().unwrap_or(0);
+    let visible: Vec<usize> = spans.iter().map(|s| s.end - from).collect();
     let seen = visible.iter().copied().max().unwrap_or(0);
+    let (keys, values) = (&keys[from * head_dim..], &values[from * head_dim..]);
     let mut probs = vec![0f32; visible.len() * seen];
     // Scores past a row's own position are computed with the others' and never read.
     kernels::scores(true, q, keys, seen, head_dim, scale, &mut probs);
-    for (row, &vis) in probs.chunks_exact_mut(seen).zip(visible) {
-        softmax(&mut row[..vis]);
+    for (row, s) in probs.chunks_exact_mut(seen).zip(spans) {
+        let (start, end) = (s.start - from, s.end - from);
+        row[..start].fill(0.0);
+        softmax(&mut row[start..end]);
     }
     let mut out = vec![0f32; visible.len() * head_dim];
-    kernels::weighted_values(true, &probs, seen, visible, values, head_dim, &mut out);
+    kernels::weighted_values(true, &probs, seen, &visible, values, head_dim, &mut out);
     out
 }
 
@@ -258,69 +276,95 @@ mod tests {
         pos: usize,
         rows: std::ops::Range<usize>,
         spread: bool,
+        window: Option<usize>,
     ) -> Vec<f32> {
         let end = pos + rows.end;
         let q = q.narrow(1, rows.start, rows.len()).unwrap();
         let (k, v) = (k.narrow(1, 0, end).unwrap(), v.narrow(1, 0, end).unwrap());
         let scale = 1.0 / (q.dim(2).unwrap() as f64).sqrt();
-        values(&causal(&q, &k, &v, scale, spread).unwrap())
+        values(&causal(&q, &k, &v, scale, spread, window).unwrap())
     }
+
+    /// No window, windows shorter than a block's spread of positions, and one past them.
+    const WINDOWS: [Option<usize>; 4] = [None, Some(1), Some(5), Some(64)];
 
     #[test]
     fn a_row_gives_the_same_bits_however_the_rows_are_split() {
-        for (i, &(kv, group, hd, pos, t)) in SHAPES.iter().enumerate() {
-            let [q, k, v] = inputs(i, kv, group, hd, pos + t, t);
-            let whole = part(&q, &k, &v, pos, 0..t, false);
-            let width = kv * group * hd;
-            // Each row alone, as a decode step would run it, spread or not.
-            for r in 0..t {
-                let alone = part(&q, &k, &v, pos, r..r + 1, r % 2 == 0);
-                let differ = bits_differ(&alone, &whole[r * width..][..width]);
-                assert_eq!(
-                    differ, 0,
-                    "shape {i}, row {r} alone: {differ} values differ"
-                );
+        for window in WINDOWS {
+            for (i, &(kv, group, hd, pos, t)) in SHAPES.iter().enumerate() {
+                split_anywhere(i, (kv, group, hd, pos, t), window);
             }
-            // Two parts, split at every row.
-            for split in 1..t {
-                let mut parts = part(&q, &k, &v, pos, 0..split, false);
-                parts.extend(part(&q, &k, &v, pos, split..t, true));
-                let differ = bits_differ(&parts, &whole);
-                assert_eq!(
-                    differ, 0,
-                    "shape {i}, split at {split}: {differ} values differ"
-                );
-            }
+        }
+    }
+
+    /// Shape `i`'s rows attended whole, one by one and in two parts at every row.
+    fn split_anywhere(
+        i: usize,
+        (kv, group, hd, pos, t): (usize, usize, usize, usize, usize),
+        window: Option<usize>,
+    ) {
+        let [q, k, v] = inputs(i, kv, group, hd, pos + t, t);
+        let whole = part(&q, &k, &v, pos, 0..t, false, window);
+        let width = kv * group * hd;
+        // Each row alone, as a decode step would run it, spread or not.
+        for r in 0..t {
+            let alone = part(&q, &k, &v, pos, r..r + 1, r % 2 == 0, window);
+            let differ = bits_differ(&alone, &whole[r * width..][..width]);
+            assert_eq!(
+                differ, 0,
+                "shape {i}, window {window:?}, row {r} alone: {differ} values differ"
+            );
+        }
+        // Two parts, split at every row.
+        for split in 1..t {
+            let mut parts = part(&q, &k, &v, pos, 0..split, false, window);
+            parts.extend(part(&q, &k, &v, pos, split..t, true, window));
+            let differ = bits_differ(&parts, &whole);
+            assert_eq!(
+                differ, 0,
+                "shape {i}, window {window:?}, split at {split}: {differ} values differ"
+            );
         }
     }
 
     #[test]
     fn agrees_with_candles_scale_mask_softmax_and_products() {
-        let dev = Device::Cpu;
-        for (i, &(kv, group, hd, pos, t)) in SHAPES.iter().enumerate() {
-            let [q, k, v] = inputs(i, kv, group, hd, pos + t, t);
-            let ours = part(&q, &k, &v, pos, 0..t, true);
-            // The cache's values widened, as the kernels widen them.
-            let widen = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-            let (k, v) = (widen(&k), widen(&v));
-            let scale = 1.0 / (hd as f64).sqrt();
-            let heads = kv * group;
-            let folded = q.reshape((kv, group * t, hd)).unwrap();
-            let scores = (folded.matmul(&k.t().unwrap()).unwrap() * scale).unwrap();
-            let mask = crate::model::causal_mask(group, t, pos, &dev).unwrap();
-            let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask).unwrap());
-            let theirs = probs.unwrap().matmul(&v.contiguous().unwrap()).unwrap();
-            let theirs = theirs
-                .reshape((heads, t, hd))
-                .unwrap()
-                .transpose(0, 1)
-                .unwrap();
-            for (j, (&a, &b)) in ours.iter().zip(&values(&theirs)).enumerate() {
-                assert!(
-                    (a - b).abs() <= 1e-5,
-                    "shape {i}, value {j}: {a} against {b}"
-                );
+        for window in WINDOWS {
+            for (i, &shape) in SHAPES.iter().enumerate() {
+                agrees_with_candle(i, shape, window);
             }
+        }
+    }
+
+    /// Shape `i` attended by our kernels and by candle's ops under the additive mask.
+    fn agrees_with_candle(
+        i: usize,
+        (kv, group, hd, pos, t): (usize, usize, usize, usize, usize),
+        window: Option<usize>,
+    ) {
+        let dev = Device::Cpu;
+        let [q, k, v] = inputs(i, kv, group, hd, pos + t, t);
+        let ours = part(&q, &k, &v, pos, 0..t, true, window);
+        // The cache's values widened, as the kernels widen them.
+        let widen = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let (k, v) = (widen(&k), widen(&v));
+        let scale = 1.0 / (hd as f64).sqrt();
+        let heads = kv * group;
+        let folded = q.reshape((kv, group * t, hd)).unwrap();
+        let scores = (folded.matmul(&k.t().unwrap()).unwrap() * scale).unwrap();
+        let mask = crate::model::causal_mask(group, t, pos, window, &dev).unwrap();
+        let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask).unwrap());
+        let theirs = probs.unwrap().matmul(&v.contiguous().unwrap()).unwrap();
+        let theirs = theirs
+            .reshape((heads, t, hd))
+            .unwrap()
+            .transpose(0, 1)
+            .unwrap();
+        for (j, (&a, &b)) in ours.iter().zip(&values(&theirs)).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5,
+                "shape {i}, window {window:?}, value {j}: {a} against {b}"
+            );
         }
     }
 
@@ -367,6 +411,6 @@ mod tests {
     #[test]
     fn refuses_more_rows_than_keys() {
         let [q, k, v] = inputs(0, 3, 3, 64, 4, 5);
-        assert!(causal(&q, &k, &v, 0.125, false).is_err());
+        assert!(causal(&q, &k, &v, 0.125, false, None).is_err());
     }
 }

@@ -177,14 +177,19 @@ fn layer(
     let inter = cfg.intermediate_size;
     let n = |part: &str| (names.layer)(i, part);
     let w = |part: &str| format!("{}.weight", n(part));
-    let b = |part: &str| format!("{}.bias", n(part));
+    // Qwen2 adds biases to q, k and v, and llama.cpp's llama graph adds them where a GGUF
+    // file has them; transformers' other models here have none (`attention_bias` is
+    // refused unless false), so a folder that holds them is refused as unread.
+    let gguf = matches!(src, WeightSource::Gguf { .. });
+    let biases = cfg.architecture == "qwen2" || (cfg.architecture == "llama" && gguf);
+    let b = |part: &str| biases.then(|| format!("{}.bias", n(part)));
     Ok(Layer {
         attn_norm: src.dense_shaped(&w("attn_norm"), &[h], device)?,
         qkv: src.stacked(
             &[
-                (&w("q"), Some(&b("q")), q_out),
-                (&w("k"), Some(&b("k")), kv_out),
-                (&w("v"), Some(&b("v")), kv_out),
+                (&w("q"), b("q").as_deref(), q_out),
+                (&w("k"), b("k").as_deref(), kv_out),
+                (&w("v"), b("v").as_deref(), kv_out),
             ],
             h,
             device,

@@ -39,6 +39,21 @@ pub fn tiny_qwen3_dir() -> PathBuf {
     .clone()
 }
 
+/// The generated tiny model turned Mistral (no biases, a sliding window of
+/// `engine::testmodel::MISTRAL_WINDOW` positions), written once per test binary.
+pub fn tiny_mistral_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("tiny-mistral-{}", std::process::id()));
+        let seed = engine::testmodel::DEFAULT_SEED;
+        write_model(&dir, ModelSize::Tiny, DType::F32, seed).expect("writing the tiny model");
+        engine::testmodel::into_mistral(&dir).expect("turning it Mistral");
+        dir
+    })
+    .clone()
+}
+
 /// The device engine tests run on: CUDA when the build has it, else CPU.
 pub fn device() -> Device {
     Device::cuda_if_available(0).expect("device")

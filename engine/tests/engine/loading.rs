@@ -205,6 +205,22 @@ fn a_tensor_the_engine_does_not_read_is_refused_by_name() {
     assert!(err.to_string().contains("1 tensor(s) of the file"), "{err}");
 }
 
+/// Mistral has no q/k/v biases in transformers: a folder that holds them (here the tiny
+/// Qwen2's, put back beside a Mistral config) is refused rather than run with them.
+#[test]
+fn biases_a_mistral_does_not_have_are_refused() {
+    let dir = scratch("mistral-biases");
+    let mistral = common::tiny_mistral_dir();
+    copy_side_files(&mistral, &dir);
+    std::fs::copy(mistral.join("config.json"), dir.join("config.json")).unwrap();
+    let qwen2 = common::tiny_model_dir().join("model.safetensors");
+    std::fs::copy(qwen2, dir.join("model.safetensors")).unwrap();
+    let err = Model::load(&dir, &Device::Cpu)
+        .err()
+        .expect("biases Mistral does not read must be refused");
+    assert!(err.to_string().contains("self_attn.k_proj.bias"), "{err}");
+}
+
 /// Streaming pieces are whole characters and add up to the full decode.
 #[test]
 fn incremental_decoding_never_splits_characters() {

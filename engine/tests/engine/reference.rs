@@ -20,6 +20,15 @@ fn tiny_qwen3_matches_transformers_token_for_token() {
     matches_reference(&common::tiny_qwen3_dir(), "tiny_qwen3_reference.json");
 }
 
+/// The same model turned Mistral (`engine::testmodel::into_mistral`: no biases, every
+/// layer attending to the last 16 positions) against transformers' MistralForCausalLM,
+/// `tiny_mistral_reference.json`. Every prompt is longer than the window, and the greedy
+/// tokens run further past it one step at a time.
+#[test]
+fn tiny_mistral_with_a_sliding_window_matches_transformers_token_for_token() {
+    matches_reference(&common::tiny_mistral_dir(), "tiny_mistral_reference.json");
+}
+
 fn matches_reference(dir: &std::path::Path, fixture: &str) {
     let fx: Value =
         serde_json::from_str(&std::fs::read_to_string(common::fixture(fixture)).unwrap()).unwrap();

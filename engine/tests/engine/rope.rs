@@ -59,7 +59,11 @@ fn every_field_of_the_supported_config_classes_is_known() {
     )
     .unwrap();
     let classes = fx["config_fields"].as_object().unwrap();
-    assert_eq!(classes.len(), 3, "LlamaConfig, Qwen2Config and Qwen3Config");
+    assert_eq!(
+        classes.len(),
+        4,
+        "LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config"
+    );
     for (class, fields) in classes {
         for field in fields.as_array().unwrap() {
             let field = field.as_str().unwrap();

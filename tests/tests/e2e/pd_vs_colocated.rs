@@ -2,7 +2,7 @@
 //! colocated worker and of one in-process engine, for the same seed. This test stays.
 
 use candle_core::Device;
-use e2e::{smollm2, tiny_model, Cluster, Mode};
+use e2e::{smollm2, tiny_model, tiny_model_turned, Cluster, Mode};
 use serde_json::{json, Value};
 
 /// What one process makes of `prompt`: the engine's plain generation loop.
@@ -116,6 +116,48 @@ async fn pd_equals_colocated_equals_one_process() {
         );
         assert_eq!(a["usage"]["completion_tokens"], 24);
         assert_eq!(b["usage"]["completion_tokens"], 24);
+    }
+}
+
+/// Qwen3 (per-head q/k norms, wide heads) and Mistral (a sliding window of 16 positions),
+/// with a prompt past the window computed in chunks of 4 on the prefill node: PD, colocated
+/// and one process give the same tokens, greedy and sampled.
+#[tokio::test]
+async fn pd_equals_colocated_equals_one_process_for_qwen3_and_mistral() {
+    let prompt = "Every request ends with tokens, an error, or a clean finish reason, \
+                  whichever node computed its prompt.";
+    for family in ["qwen3", "mistral"] {
+        let model = tiny_model_turned(family);
+        let chunked = ["--chunk-tokens", "4", "--step-tokens", "6"];
+        let pd = Cluster::start_with(Mode::Pd, &model, &[], &chunked).await;
+        let colo = Cluster::start(Mode::Colocated, &model, &[]).await;
+        let loaded = engine::load(&model, &Device::Cpu).expect("loading the model");
+        let window = engine::testmodel::MISTRAL_WINDOW;
+        assert!(loaded.tokenizer.encode(prompt).unwrap().len() > 2 * window);
+        for (sampling, params) in [
+            (json!({"temperature": 0}), engine::SamplingParams::default()),
+            (
+                json!({"temperature": 0.9, "seed": 7}),
+                engine::SamplingParams {
+                    temperature: 0.9,
+                    seed: 7,
+                    ..Default::default()
+                },
+            ),
+        ] {
+            let mut body =
+                json!({"model": "test", "prompt": prompt, "max_tokens": 24, "ignore_eos": true});
+            body.as_object_mut()
+                .unwrap()
+                .extend(sampling.as_object().unwrap().clone());
+            let (s1, a) = pd.post("/v1/completions", &body).await;
+            let (s2, b) = colo.post("/v1/completions", &body).await;
+            assert_eq!((s1, s2), (200, 200), "{a}\n{b}");
+            let expected = one_process_tokens(&loaded, prompt, &params, 24, &[]);
+            let expected = loaded.tokenizer.decode(&expected, true).unwrap();
+            assert_eq!(text_of(&a), expected, "{family} PD, {sampling}");
+            assert_eq!(text_of(&b), expected, "{family} colocated, {sampling}");
+        }
     }
 }
 

@@ -21,12 +21,6 @@ fn is_false(v: &Value) -> bool {
     matches!(v, Value::Null | Value::Bool(false))
 }
 
-fn all_full_attention(v: &Value) -> bool {
-    v.is_null()
-        || v.as_array()
-            .is_some_and(|a| a.iter().all(|t| t == "full_attention"))
-}
-
 fn absent(_: &Value) -> bool {
     false
 }
@@ -52,6 +46,10 @@ const USED: &[&str] = &[
     "rope_parameters",
     "partial_rotary_factor",
     "original_max_position_embeddings",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "layer_types",
 ];
 
 const IGNORED: &[(&str, &str)] = &[
@@ -83,14 +81,6 @@ const IGNORED: &[(&str, &str)] = &[
     ("output_attentions", "what transformers returns"),
     ("output_hidden_states", "what transformers returns"),
     ("return_dict", "what transformers returns"),
-    (
-        "sliding_window",
-        "read only with use_sliding_window, which is refused",
-    ),
-    (
-        "max_window_layers",
-        "read only with use_sliding_window, which is refused",
-    ),
     // SmolLM2's config carries nanotron's notes, which transformers does not read.
     (
         "is_llama_config",
@@ -115,10 +105,6 @@ pub fn field_use(key: &str) -> Option<FieldUse> {
     Some(match key {
         "attention_bias" => FieldUse::Only("false (Llama's projections without biases)", is_false),
         "mlp_bias" => FieldUse::Only("false", is_false),
-        "use_sliding_window" => {
-            FieldUse::Only("false: every layer attends to the whole context", is_false)
-        }
-        "layer_types" => FieldUse::Only("full_attention in every layer", all_full_attention),
         "is_encoder_decoder" => FieldUse::Only("false", is_false),
         "quantization_config" => FieldUse::Only(
             "absent: pre-quantized safetensors (GPTQ, AWQ, FP8) are not read; use a GGUF file",
@@ -161,18 +147,12 @@ mod tests {
 
     #[test]
     fn values_the_engine_does_not_run_are_refused_by_name() {
+        assert!(checked(json!({"attention_bias": false, "mlp_bias": null})).is_ok());
+        let refused = checked(json!({"attention_bias": true})).unwrap_err();
         assert!(
-            checked(json!({"attention_bias": false, "use_sliding_window": false,
-            "sliding_window": 4096, "layer_types": ["full_attention"]}))
-            .is_ok()
-        );
-        let refused = checked(json!({"use_sliding_window": true})).unwrap_err();
-        assert!(
-            refused.starts_with("use_sliding_window true is not supported"),
+            refused.starts_with("attention_bias true is not supported"),
             "{refused}"
         );
-        let sliding = checked(json!({"layer_types": ["sliding_attention"]})).unwrap_err();
-        assert!(sliding.starts_with("layer_types"), "{sliding}");
         let quantized = checked(json!({"quantization_config": {"quant_method": "gptq"}}));
         assert!(quantized.unwrap_err().contains("GGUF"));
         assert_eq!(

@@ -87,6 +87,9 @@ impl ModelConfig {
             } else {
                 RopeStyle::Half
             },
+            // The architectures read here attend to the whole context in llama.cpp; a
+            // window key would have been refused with the other unknown keys.
+            attention_windows: vec![None; num("block_count")?],
             bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
             eos_token_ids: token_id("tokenizer.ggml.eos_token_id")
                 .into_iter()

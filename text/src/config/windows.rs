@@ -1,0 +1,154 @@
+//! Which layers attend only to a sliding window of recent positions, decided from a
+//! `config.json` as each architecture's transformers configuration class decides it.
+
+use serde_json::{Map, Value};
+
+/// `MistralConfig`'s, `Qwen2Config`'s and `Qwen3Config`'s window when the field is absent.
+const DEFAULT_WINDOW: u64 = 4096;
+/// `Qwen2Config`'s and `Qwen3Config`'s first sliding layer when the field is absent.
+const DEFAULT_MAX_WINDOW_LAYERS: u64 = 28;
+
+/// Each of `layers` layers' window (`None`: the whole context) for architecture `arch`:
+/// - Mistral: every layer, `sliding_window` (4096 when absent, none when null);
+///   `layer_types` is refused, as transformers' Mistral does not read it.
+/// - Qwen2 and Qwen3: `sliding_window` only with `use_sliding_window`, in the layers
+///   `layer_types` names `sliding_attention`, by default those from `max_window_layers` on.
+/// - Llama has no window; a config that asks for one is refused rather than run whole.
+pub(super) fn attention_windows(
+    arch: &str,
+    raw: &Map<String, Value>,
+    layers: usize,
+) -> Result<Vec<Option<usize>>, String> {
+    let window = match arch {
+        "mistral" => {
+            if raw.contains_key("layer_types") {
+                return Err(
+                    "layer_types is not read by transformers' Mistral, so a config \
+                            that sets it is not one it runs"
+                        .into(),
+                );
+            }
+            return Ok(vec![window_field(raw)?; layers]);
+        }
+        "qwen2" | "qwen3" if flag(raw, "use_sliding_window")? => window_field(raw)?,
+        _ => None,
+    };
+    let sliding = match raw.get("layer_types").filter(|v| !v.is_null()) {
+        Some(types) => layer_types(types, layers)?,
+        None => {
+            let first = match raw.get("max_window_layers") {
+                None | Some(Value::Null) => DEFAULT_MAX_WINDOW_LAYERS,
+                Some(v) => v
+                    .as_u64()
+                    .ok_or_else(|| format!("max_window_layers must be a count, got {v}"))?,
+            };
+            (0..layers)
+                .map(|i| window.is_some() && i as u64 >= first)
+                .collect()
+        }
+    };
+    if window.is_none() && sliding.contains(&true) {
+        return Err(if arch == "llama" {
+            "layer_types names sliding_attention layers, which Llama does not have".into()
+        } else {
+            "layer_types names sliding_attention layers but use_sliding_window sets no window"
+                .into()
+        });
+    }
+    if arch == "llama" && flag(raw, "use_sliding_window")? {
+        return Err("use_sliding_window true is not supported: Llama has no window".into());
+    }
+    Ok(sliding.into_iter().map(|s| window.filter(|_| s)).collect())
+}
+
+/// `sliding_window`: the default when absent, none when null, else a count of at least 1.
+fn window_field(raw: &Map<String, Value>) -> Result<Option<usize>, String> {
+    match raw.get("sliding_window") {
+        None => Ok(Some(DEFAULT_WINDOW as usize)),
+        Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(w) if w >= 1 => Ok(Some(w as usize)),
+            _ => Err(format!(
+                "sliding_window must be a count of 1 or more, got {v}"
+            )),
+        },
+    }
+}
+
+fn flag(raw: &Map<String, Value>, key: &str) -> Result<bool, String> {
+    match raw.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| format!("{key} must be true or false, got {v}")),
+    }
+}
+
+/// Whether each layer slides, from a `layer_types` list of one entry per layer.
+fn layer_types(types: &Value, layers: usize) -> Result<Vec<bool>, String> {
+    let list = types
+        .as_array()
+        .filter(|l| l.len() == layers)
+        .ok_or_else(|| format!("layer_types must list the {layers} layers, got {types}"))?;
+    list.iter()
+        .map(|t| match t.as_str() {
+            Some("full_attention") => Ok(false),
+            Some("sliding_attention") => Ok(true),
+            _ => Err(format!(
+                "layer_types entry {t} is not supported (full_attention and \
+                 sliding_attention are)"
+            )),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn windows(arch: &str, v: Value, layers: usize) -> Result<Vec<Option<usize>>, String> {
+        attention_windows(arch, v.as_object().unwrap(), layers)
+    }
+
+    #[test]
+    fn mistral_slides_every_layer_by_its_window_or_the_default() {
+        assert_eq!(
+            windows("mistral", json!({"sliding_window": 8}), 2),
+            Ok(vec![Some(8); 2])
+        );
+        assert_eq!(windows("mistral", json!({}), 1), Ok(vec![Some(4096)]));
+        assert_eq!(
+            windows("mistral", json!({"sliding_window": null}), 1),
+            Ok(vec![None])
+        );
+        assert!(windows("mistral", json!({"layer_types": ["full_attention"]}), 1).is_err());
+        assert!(windows("mistral", json!({"sliding_window": 0}), 1).is_err());
+    }
+
+    #[test]
+    fn qwen_slides_only_with_use_sliding_window_from_max_window_layers() {
+        let off = json!({"sliding_window": 8, "max_window_layers": 1});
+        assert_eq!(windows("qwen2", off, 3), Ok(vec![None; 3]));
+        let on = json!({"use_sliding_window": true, "sliding_window": 8, "max_window_layers": 1});
+        assert_eq!(windows("qwen3", on, 3), Ok(vec![None, Some(8), Some(8)]));
+        let listed = json!({"use_sliding_window": true, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"]});
+        assert_eq!(windows("qwen2", listed, 2), Ok(vec![Some(8), None]));
+        let windowless = json!({"layer_types": ["sliding_attention"]});
+        assert!(windows("qwen2", windowless, 1).is_err());
+        let short = json!({"use_sliding_window": true, "layer_types": ["full_attention"]});
+        assert!(windows("qwen2", short, 2).is_err());
+    }
+
+    #[test]
+    fn llama_refuses_a_window() {
+        assert_eq!(
+            windows("llama", json!({"sliding_window": 8}), 1),
+            Ok(vec![None])
+        );
+        assert!(windows("llama", json!({"use_sliding_window": true}), 1).is_err());
+        assert!(windows("llama", json!({"layer_types": ["sliding_attention"]}), 1).is_err());
+    }
+}
