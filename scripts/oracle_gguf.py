@@ -36,12 +36,15 @@ CONTINUATION = 32
 TOP = 5
 SEED = 20261128
 # (name, llama_ftype): LLAMA_FTYPE_MOSTLY_Q8_0 and LLAMA_FTYPE_MOSTLY_Q4_1.
-QUANTS = [("q8_0", 7), ("q4_1", 3)]
+Q8_0, Q4_1 = ("q8_0", 7), ("q4_1", 3)
+# (model, quantizations), in the order of the command's folders.
+MODELS = [("qwen3", [Q8_0, Q4_1]), ("llama3", [Q8_0])]
 
 
 def convert(llama_cpp: Path, model_dir: Path, out: Path) -> None:
     """Runs llama.cpp's converter on `model_dir`, writing an f32 GGUF to `out`."""
-    sys.path[:0] = [str(llama_cpp / "gguf-py"), str(llama_cpp)]
+    if str(llama_cpp) not in sys.path:
+        sys.path[:0] = [str(llama_cpp / "gguf-py"), str(llama_cpp)]
     import conversion.base as base
 
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
@@ -72,39 +75,44 @@ def prompts() -> list:
 
 
 def main() -> None:
+    llama_cpp_dir = Path(os.environ["LLAMA_CPP"])
+    for (model, quants), model_dir in zip(MODELS, sys.argv[1:], strict=True):
+        with tempfile.TemporaryDirectory() as tmp:
+            f32 = Path(tmp) / f"tiny-{model}-f32.gguf"
+            convert(llama_cpp_dir, Path(model_dir), f32)
+            for quant in quants:
+                record(model, f32, quant)
+
+
+def record(model: str, f32: Path, quant: tuple) -> None:
+    """Quantizes `f32` and writes llama.cpp's teacher-forced reference for the file."""
     from llama_cpp import Llama
 
-    llama_cpp_dir = Path(os.environ["LLAMA_CPP"])
-    model_dir = Path(sys.argv[1])
-    with tempfile.TemporaryDirectory() as tmp:
-        f32 = Path(tmp) / "tiny-qwen3-f32.gguf"
-        convert(llama_cpp_dir, model_dir, f32)
-        f32_sha = hashlib.sha256(f32.read_bytes()).hexdigest()
-        for name, ftype in QUANTS:
-            path = FIXTURES / "gguf" / f"tiny-qwen3-{name}.gguf"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            quantize(f32, path, ftype)
-            llm = Llama(
-                model_path=str(path),
-                n_ctx=512,
-                n_batch=512,
-                n_threads=2,
-                logits_all=True,
-                seed=0,
-                verbose=False,
-            )
-            cases = [llama_cpp_case(llm, p, CONTINUATION, TOP) for p in prompts()]
-            dump(
-                {
-                    "note": "written by scripts/oracle_gguf.py; do not edit",
-                    "model": path.name,
-                    "converted_f32_sha256": f32_sha,
-                    "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-                    "versions": {"llama-cpp-python": md.version("llama-cpp-python")},
-                    "cases": cases,
-                },
-                FIXTURES / f"llama_cpp_tiny_qwen3_{name}.json",
-            )
+    name, ftype = quant
+    path = FIXTURES / "gguf" / f"tiny-{model}-{name}.gguf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    quantize(f32, path, ftype)
+    llm = Llama(
+        model_path=str(path),
+        n_ctx=512,
+        n_batch=512,
+        n_threads=2,
+        logits_all=True,
+        seed=0,
+        verbose=False,
+    )
+    cases = [llama_cpp_case(llm, p, CONTINUATION, TOP) for p in prompts()]
+    dump(
+        {
+            "note": "written by scripts/oracle_gguf.py; do not edit",
+            "model": path.name,
+            "converted_f32_sha256": hashlib.sha256(f32.read_bytes()).hexdigest(),
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "versions": {"llama-cpp-python": md.version("llama-cpp-python")},
+            "cases": cases,
+        },
+        FIXTURES / f"llama_cpp_tiny_{model}_{name}.json",
+    )
 
 
 if __name__ == "__main__":

@@ -361,6 +361,46 @@ pub const MISTRAL_WINDOW: usize = 16;
 /// Turns the Qwen2 folder `dir` (from [`write_model`]) into a Mistral one in place: the
 /// q/k/v biases go, and every layer attends to the last [`MISTRAL_WINDOW`] positions.
 pub fn into_mistral(dir: &Path) -> Result<()> {
+    without_biases(dir, |config| {
+        config.insert("architectures".into(), json!(["MistralForCausalLM"]));
+        config.insert("model_type".into(), json!("mistral"));
+        config.insert("sliding_window".into(), json!(MISTRAL_WINDOW));
+    })
+}
+
+/// The context [`into_llama3`]'s model was "trained" on: shorter than most reference
+/// prompts, so that Llama 3's scaled frequencies decide their later positions.
+pub const LLAMA3_ORIGINAL_CONTEXT: usize = 64;
+
+/// Turns the Qwen2 folder `dir` (from [`write_model`]) into a Llama 3.1 one in place: the
+/// q/k/v biases go, and RoPE is Llama 3's scaling of a base of 50000 by 8 past an original
+/// context of [`LLAMA3_ORIGINAL_CONTEXT`].
+pub fn into_llama3(dir: &Path) -> Result<()> {
+    without_biases(dir, |config| {
+        config.insert("architectures".into(), json!(["LlamaForCausalLM"]));
+        config.insert("model_type".into(), json!("llama"));
+        config.insert("rope_theta".into(), json!(50000.0));
+        config.insert(
+            "rope_scaling".into(),
+            json!({
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT,
+            }),
+        );
+        // Qwen2's window fields, which neither Llama nor Mistral has.
+        config.remove("sliding_window");
+    })
+}
+
+/// Drops the q/k/v biases of the folder `dir` and rewrites its config.json with `edit`,
+/// after removing Qwen2's sliding-window switches.
+fn without_biases(
+    dir: &Path,
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> Result<()> {
     let st_path = dir.join("model.safetensors");
     let mut w = candle_core::safetensors::load(&st_path, &Device::Cpu)?;
     w.retain(|name, _| !name.ends_with("_proj.bias"));
@@ -370,12 +410,9 @@ pub fn into_mistral(dir: &Path) -> Result<()> {
         std::fs::read_to_string(&config_path).map_err(|e| EngineError::io(&config_path, e))?;
     let mut config: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text)
         .map_err(|e| EngineError::invalid_model(&config_path, e.to_string()))?;
-    // Qwen2's switches, which MistralConfig does not have.
     config.remove("use_sliding_window");
     config.remove("max_window_layers");
-    config.insert("architectures".into(), json!(["MistralForCausalLM"]));
-    config.insert("model_type".into(), json!("mistral"));
-    config.insert("sliding_window".into(), json!(MISTRAL_WINDOW));
+    edit(&mut config);
     let text = serde_json::to_string_pretty(&config).expect("json values serialize");
     std::fs::write(&config_path, text + "\n").map_err(|e| EngineError::io(&config_path, e))
 }

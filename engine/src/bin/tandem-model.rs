@@ -39,6 +39,8 @@ enum Family {
     Qwen3,
     /// Mistral: no biases, a sliding window of 16 positions in every layer.
     Mistral,
+    /// Llama 3.1: no biases, Llama 3's RoPE scaling past a context of 64.
+    Llama3,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -53,6 +55,7 @@ fn main() -> anyhow::Result<()> {
         Family::Qwen2 => {}
         Family::Qwen3 => engine::testmodel::into_qwen3(&cfg.out, cfg.seed)?,
         Family::Mistral => engine::testmodel::into_mistral(&cfg.out)?,
+        Family::Llama3 => engine::testmodel::into_llama3(&cfg.out)?,
     }
     println!("{}", cfg.out.display());
     if let Some(quant) = cfg.gguf {

@@ -43,15 +43,26 @@ pub fn tiny_qwen3_dir() -> PathBuf {
 /// `engine::testmodel::MISTRAL_WINDOW` positions), written once per test binary.
 pub fn tiny_mistral_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("tiny-mistral-{}", std::process::id()));
-        let seed = engine::testmodel::DEFAULT_SEED;
-        write_model(&dir, ModelSize::Tiny, DType::F32, seed).expect("writing the tiny model");
-        engine::testmodel::into_mistral(&dir).expect("turning it Mistral");
-        dir
-    })
-    .clone()
+    DIR.get_or_init(|| turned("mistral", engine::testmodel::into_mistral))
+        .clone()
+}
+
+/// The generated tiny model turned Llama 3.1 (no biases, Llama 3's RoPE scaling), written
+/// once per test binary.
+pub fn tiny_llama3_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| turned("llama3", engine::testmodel::into_llama3))
+        .clone()
+}
+
+/// The tiny model written into the target folder and turned into `family` by `turn`.
+fn turned(family: &str, turn: fn(&std::path::Path) -> engine::Result<()>) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("tiny-{family}-{}", std::process::id()));
+    let seed = engine::testmodel::DEFAULT_SEED;
+    write_model(&dir, ModelSize::Tiny, DType::F32, seed).expect("writing the tiny model");
+    turn(&dir).expect("turning the tiny model");
+    dir
 }
 
 /// The device engine tests run on: CUDA when the build has it, else CPU.

@@ -3,8 +3,9 @@
 //! Each reference is made with llama.cpp itself: prompts, llama.cpp's greedy continuation
 //! of each, and at each position its five best next tokens with their log-probabilities.
 //! `llama_cpp_smollm2.json` (`scripts/oracle_llama_cpp.py`) is for the real SmolLM2 file;
-//! `llama_cpp_tiny_qwen3_*.json` (`scripts/oracle_gguf.py`) for the generated tiny Qwen3
-//! as llama.cpp's own converter and quantizer write it (`fixtures/gguf/`).
+//! `llama_cpp_tiny_{qwen3,llama3}_*.json` (`scripts/oracle_gguf.py`) for the generated tiny
+//! Qwen3 and Llama 3.1 as llama.cpp's own converter and quantizer write them
+//! (`fixtures/gguf/`).
 
 use std::path::Path;
 
@@ -54,6 +55,17 @@ fn tiny_qwen3_from_llama_cpps_converter_agrees_with_llama_cpp() {
         let gguf = common::fixture(&format!("gguf/tiny-qwen3-{quant}.gguf"));
         assert_agrees(&gguf, &format!("llama_cpp_tiny_qwen3_{quant}.json"));
     }
+}
+
+/// The tiny Llama 3.1 (RoPE scaled past a context of 64, prompts of up to 200) as
+/// llama.cpp's converter writes it: q/k rows permuted for adjacent-pair rotation and the
+/// scaling as the `rope_freqs` tensor, which the engine must read to agree.
+#[test]
+fn tiny_llama3_from_llama_cpps_converter_agrees_with_llama_cpp() {
+    let gguf = common::fixture("gguf/tiny-llama3-q8_0.gguf");
+    let meta = text::gguf::Metadata::open(&gguf).unwrap();
+    assert!(meta.tensors.contains("rope_freqs.weight"));
+    assert_agrees(&gguf, "llama_cpp_tiny_llama3_q8_0.json");
 }
 
 /// llama.cpp's conversion of the tiny Qwen3 reads as the hyper-parameters of its folder,

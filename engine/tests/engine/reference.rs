@@ -29,6 +29,14 @@ fn tiny_mistral_with_a_sliding_window_matches_transformers_token_for_token() {
     matches_reference(&common::tiny_mistral_dir(), "tiny_mistral_reference.json");
 }
 
+/// The same model turned Llama 3.1 (`engine::testmodel::into_llama3`: no biases, Llama 3's
+/// RoPE scaling past a context of 64) against transformers' LlamaForCausalLM,
+/// `tiny_llama3_reference.json`.
+#[test]
+fn tiny_llama3_matches_transformers_token_for_token() {
+    matches_reference(&common::tiny_llama3_dir(), "tiny_llama3_reference.json");
+}
+
 fn matches_reference(dir: &std::path::Path, fixture: &str) {
     let fx: Value =
         serde_json::from_str(&std::fs::read_to_string(common::fixture(fixture)).unwrap()).unwrap();
