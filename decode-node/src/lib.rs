@@ -113,8 +113,19 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let advertise = cfg.cluster.advertise(listener.local_addr()?)?;
     let path = cfg.model.clone();
+    let reserve = match cfg.kv_blocks {
+        Some(blocks) => engine::KvReserve {
+            bytes: 0,
+            positions: (blocks * cfg.kv_block_tokens.max(1)) as u64,
+        },
+        None => engine::KvReserve {
+            bytes: (cfg.kv_cache_mb as u64) << 20,
+            positions: 0,
+        },
+    };
     let loaded =
-        runtime::load_model(move || engine::load(&path, &candle_core::Device::Cpu)).await?;
+        runtime::load_model(move || engine::load_within(&path, &candle_core::Device::Cpu, reserve))
+            .await?;
     let intake = intake::Intake::of(&loaded);
     let model = loaded.model;
     let layout = model.kv_layout();

@@ -29,6 +29,23 @@ pub enum EngineError {
     ContextOverflow { got: usize, limit: usize },
     #[error("invalid input: {0}")]
     InvalidInput(String),
+    /// The model's weights and the node's KV reserve do not fit the machine.
+    #[error(
+        "{path} does not fit: its weights take {} while loading and the KV reserve {}, {} in \
+         all, past this machine's {} ({source_of_limit}); give the node more memory or a \
+         smaller KV budget, or run a smaller or more quantized model",
+        crate::footprint::size(*weights),
+        crate::footprint::size(*kv),
+        crate::footprint::size(weights.saturating_add(*kv)),
+        crate::footprint::size(*machine)
+    )]
+    OutOfMemory {
+        path: PathBuf,
+        weights: u64,
+        kv: u64,
+        machine: u64,
+        source_of_limit: &'static str,
+    },
 }
 
 /// Result alias for engine calls.
@@ -45,7 +62,8 @@ impl EngineError {
             | Self::InvalidModel { .. }
             | Self::Tensor(_)
             | Self::Text(_)
-            | Self::KvCache(_) => false,
+            | Self::KvCache(_)
+            | Self::OutOfMemory { .. } => false,
         }
     }
 

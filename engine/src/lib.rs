@@ -6,6 +6,7 @@ mod act_quant;
 mod attention;
 pub mod beam;
 pub mod error;
+pub mod footprint;
 pub mod fuzz;
 pub mod generate;
 pub mod gguf_export;
@@ -24,8 +25,9 @@ mod vexp;
 pub mod weights;
 
 pub use error::{EngineError, Result};
+pub use footprint::KvReserve;
 pub use kv_cache::{KvAssembler, KvChunk, KvLayout, SeqCache, KV_DTYPE};
-pub use loader::{load, Loaded};
+pub use loader::{load, load_within, Loaded};
 pub use model::{Model, SeqInput};
 pub use sampling::{Sampled, SamplingParams};
 /// Structured outputs' grammars and token masks, which sampling applies.

@@ -6,6 +6,7 @@ use candle_core::Device;
 use text::{ChatTemplate, Tokenizer};
 
 use crate::error::Result;
+use crate::footprint::{self, KvReserve};
 use crate::model::Model;
 
 /// A model with the tokenizer and chat template that came with it.
@@ -18,7 +19,14 @@ pub struct Loaded {
 
 /// Loads a Hugging Face folder or a GGUF file.
 pub fn load(path: &Path, device: &Device) -> Result<Loaded> {
+    load_within(path, device, KvReserve::default())
+}
+
+/// [`load`], first refusing a model whose weights and the KV memory its node reserves
+/// (`reserve`) exceed the machine's memory (`footprint`), before any weight is read.
+pub fn load_within(path: &Path, device: &Device, reserve: KvReserve) -> Result<Loaded> {
     let text = text::load(path)?;
+    footprint::check_model(path, &text.config, reserve)?;
     Ok(Loaded {
         model: Model::load_with(path, text.config, device)?,
         tokenizer: text.tokenizer,

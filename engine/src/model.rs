@@ -92,6 +92,18 @@ impl Model {
         layers + norm(&self.norm) + self.lm_head.weight_bytes()
     }
 
+    /// Bytes the loaded weights hold: those a step reads, the q/k norms and the embedding
+    /// table ([`crate::footprint`] predicts them from the files' headers).
+    pub fn resident_bytes(&self) -> usize {
+        let qk_norms: usize = self
+            .layers
+            .iter()
+            .filter_map(|l| l.qk_norm.as_ref())
+            .map(|n| 4 * (n.q.elem_count() + n.k.elem_count()))
+            .sum();
+        self.weight_bytes_per_step() + qk_norms + 4 * self.embed.elem_count()
+    }
+
     /// The device the weights live on.
     pub fn device(&self) -> &Device {
         &self.device

@@ -76,8 +76,15 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let advertise = cfg.cluster.advertise(listener.local_addr()?)?;
     let path = cfg.model.clone();
+    // The prompts started at once each hold a cache of their length, beside the prefix
+    // cache: the KV memory the node may take.
+    let reserve = engine::KvReserve {
+        bytes: (cfg.prefix_cache_mb as u64) << 20,
+        positions: cfg.max_active_tokens as u64,
+    };
     let loaded =
-        runtime::load_model(move || engine::load(&path, &candle_core::Device::Cpu)).await?;
+        runtime::load_model(move || engine::load_within(&path, &candle_core::Device::Cpu, reserve))
+            .await?;
     let intake = intake::Intake::of(&loaded);
     let model = loaded.model;
     let layout = model.kv_layout();

@@ -221,6 +221,81 @@ fn biases_a_mistral_does_not_have_are_refused() {
     assert!(err.to_string().contains("self_attn.k_proj.bias"), "{err}");
 }
 
+/// What the footprint check predicts from the headers is what the loader holds: for GGUF
+/// files of every quantization the tests have (tied and untied heads, our kernels and
+/// candle's), and for folders in f32 (held as read) and bf16 (read, then converted).
+#[test]
+fn the_predicted_weight_memory_is_what_the_loader_holds() {
+    use engine::footprint::{peak_weight_bytes, read_headers};
+    let mut ggufs: Vec<PathBuf> = ["tiny-qwen3-q8_0", "tiny-qwen3-q4_1", "tiny-llama3-q8_0"]
+        .iter()
+        .map(|n| common::fixture(&format!("gguf/{n}.gguf")))
+        .collect();
+    ggufs.push(crate::smollm2::gguf_path());
+    for path in ggufs {
+        let model = Model::load(&path, &Device::Cpu).unwrap();
+        let predicted = peak_weight_bytes(&read_headers(&path).unwrap(), true);
+        assert_eq!(
+            predicted,
+            model.resident_bytes() as u64,
+            "{}",
+            path.display()
+        );
+    }
+    let f32_dir = common::tiny_qwen3_dir();
+    let model = Model::load(&f32_dir, &Device::Cpu).unwrap();
+    let headers = read_headers(&f32_dir).unwrap();
+    assert_eq!(
+        peak_weight_bytes(&headers, false),
+        model.resident_bytes() as u64
+    );
+    let bf16_dir = scratch("bf16-footprint");
+    engine::testmodel::write_model(
+        &bf16_dir,
+        engine::testmodel::ModelSize::Tiny,
+        DType::BF16,
+        engine::testmodel::DEFAULT_SEED,
+    )
+    .unwrap();
+    let model = Model::load(&bf16_dir, &Device::Cpu).unwrap();
+    let headers = read_headers(&bf16_dir).unwrap();
+    let stored: u64 = headers.iter().map(|t| t.stored).sum();
+    assert_eq!(
+        peak_weight_bytes(&headers, false),
+        stored + model.resident_bytes() as u64
+    );
+}
+
+/// A node whose KV reserve and weights exceed the machine is refused before any weight is
+/// read, with both numbers; this machine's own limit is the bound.
+#[test]
+fn a_model_and_reserve_past_the_machines_memory_are_refused_at_load() {
+    let machine = engine::footprint::machine_memory().expect("a Linux machine's MemTotal");
+    let dir = common::tiny_model_dir();
+    let fits = engine::KvReserve {
+        bytes: 1 << 20,
+        positions: 1024,
+    };
+    assert!(engine::load_within(&dir, &Device::Cpu, fits).is_ok());
+    let past = engine::KvReserve {
+        bytes: machine.bytes,
+        positions: 0,
+    };
+    let err = engine::load_within(&dir, &Device::Cpu, past)
+        .err()
+        .expect("a reserve of the whole machine plus weights must be refused");
+    let text = err.to_string();
+    assert!(
+        matches!(err, engine::EngineError::OutOfMemory { .. }),
+        "{text}"
+    );
+    assert!(
+        text.contains(&engine::footprint::size(machine.bytes)),
+        "{text}"
+    );
+    assert!(text.contains("does not fit"), "{text}");
+}
+
 /// Streaming pieces are whole characters and add up to the full decode.
 #[test]
 fn incremental_decoding_never_splits_characters() {

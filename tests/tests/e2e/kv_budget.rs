@@ -5,6 +5,7 @@
 
 use e2e::{metric, scrape, smollm2, Cluster, Mode};
 use serde_json::json;
+use std::time::Duration;
 
 /// The decode node's `--kv-cache-mb`: room for two of the prompts below at once.
 const BUDGET_MB: u64 = 64;
@@ -81,4 +82,39 @@ async fn a_burst_of_long_prompts_stays_within_the_decode_budget() {
         delayed > 0.0,
         "no request waited for KV blocks, so the burst did not test the budget:\n{page}"
     );
+}
+
+/// A node whose KV reserve and weights exceed the machine's memory exits at start with
+/// both numbers, before reading a weight, instead of being killed later: a decode node
+/// by `--kv-cache-mb`, a prefill node by `--max-active-tokens`. A node that starts anyway
+/// serves until killed, so the wait for its exit is bounded.
+#[tokio::test]
+async fn a_reserve_past_the_machines_memory_stops_the_node_at_start() {
+    let model = e2e::tiny_model().display().to_string();
+    let machine = engine::footprint::machine_memory().expect("a Linux machine's MemTotal");
+    let mb = (machine.bytes >> 20).to_string();
+    for (node, flag, value) in [
+        ("tandem-decode", "--kv-cache-mb", mb.as_str()),
+        ("tandem-prefill", "--max-active-tokens", "100000000000"),
+    ] {
+        let listen = format!("127.0.0.1:{}", e2e::free_port());
+        let child = tokio::process::Command::new(e2e::bin(node))
+            .args(["--model", &model, "--listen", &listen, flag, value])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("running the node");
+        let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+            .await
+            .unwrap_or_else(|_| panic!("{node} started serving past the machine's memory"))
+            .expect("the node's output");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{node} started: {stderr}");
+        assert!(stderr.contains("does not fit"), "{node}: {stderr}");
+        assert!(
+            stderr.contains(&engine::footprint::size(machine.bytes)),
+            "{node}: {stderr}"
+        );
+    }
 }

@@ -1,0 +1,272 @@
+//! The memory a model takes before its weights are read: what the loader will hold for each
+//! tensor, from the files' headers alone, plus the KV memory its node reserves, against the
+//! memory the machine (or its container) has. A node refuses to start a model that cannot
+//! fit, with the numbers, instead of being killed for memory halfway through loading it or
+//! under its first full batch.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::{gguf_file, GgmlDType};
+use serde::Deserialize;
+
+use crate::error::{EngineError, Result};
+use crate::kv_cache::KvLayout;
+use text::ModelConfig;
+
+/// The KV memory a node reserves beside the weights: a fixed amount and a number of
+/// positions of the model's cache (each counted at its bytes for every layer's K and V).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct KvReserve {
+    pub bytes: u64,
+    pub positions: u64,
+}
+
+impl KvReserve {
+    /// The reserve in bytes for a model of `layout`.
+    pub fn bytes_for(&self, layout: &KvLayout) -> u64 {
+        let per_position = 2 * layout.n_layers as u64 * layout.bytes_per_token_layer() as u64;
+        self.bytes
+            .saturating_add(self.positions.saturating_mul(per_position))
+    }
+}
+
+/// One tensor of a model file, as its header describes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorHeader {
+    pub name: String,
+    pub elements: u64,
+    /// Bytes in the file.
+    pub stored: u64,
+    pub dims: usize,
+    /// GGUF's block type; `None` for safetensors.
+    pub ggml: Option<GgmlDType>,
+    /// Whether the file stores it as f32.
+    pub f32: bool,
+}
+
+/// The most memory loading a model's weights takes at once, from its tensors' headers, as
+/// `crate::weights` holds them:
+/// - a Hugging Face folder is read whole, then every tensor converted to f32 beside it (an
+///   f32 tensor is kept as read), the files' copies dropped once the model is built;
+/// - a GGUF file is read a tensor at a time: vectors and the embedding table dequantized to
+///   f32, Q4_1 matrices in our kernel's form (f32 scales and minimums, 24 bytes a block of
+///   32 against the file's 20), F32 and F16 matrices as f32 (candle's), other types as
+///   stored; with no `output.weight`, the head is the embedding table again, as stored.
+///
+/// The rotation tables and the activations of a step come on top, small beside these.
+pub fn peak_weight_bytes(tensors: &[TensorHeader], gguf: bool) -> u64 {
+    if !gguf {
+        let stored: u64 = tensors.iter().map(|t| t.stored).sum();
+        let converted: u64 = tensors
+            .iter()
+            .filter(|t| !t.f32)
+            .map(|t| 4 * t.elements)
+            .sum();
+        return stored + converted;
+    }
+    let tied = !tensors.iter().any(|t| t.name == "output.weight");
+    tensors
+        .iter()
+        .map(|t| {
+            let matrix = |t: &TensorHeader| match t.ggml {
+                Some(GgmlDType::Q4_1) => t.elements / 2 + t.elements / 32 * 8,
+                Some(GgmlDType::F32 | GgmlDType::F16) => 4 * t.elements,
+                _ => t.stored,
+            };
+            match (t.dims, t.name.as_str()) {
+                (_, "token_embd.weight") => 4 * t.elements + if tied { matrix(t) } else { 0 },
+                // Read into the rotation tables and dropped.
+                (_, "rope_freqs.weight") => 0,
+                (1, _) => 4 * t.elements,
+                _ => matrix(t),
+            }
+        })
+        .sum()
+}
+
+/// The tensors of a Hugging Face folder or a GGUF file, from the headers alone.
+pub fn read_headers(path: &Path) -> Result<Vec<TensorHeader>> {
+    if path.is_dir() {
+        return safetensors_headers(path);
+    }
+    let mut file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
+    let content = gguf_file::Content::read(&mut file)
+        .map_err(|e| EngineError::invalid_model(path, e.to_string()))?;
+    Ok(content
+        .tensor_infos
+        .iter()
+        .map(|(name, info)| {
+            let elements = info.shape.elem_count() as u64;
+            let dtype = info.ggml_dtype;
+            TensorHeader {
+                name: name.clone(),
+                elements,
+                stored: elements / dtype.block_size() as u64 * dtype.type_size() as u64,
+                dims: info.shape.rank(),
+                ggml: Some(dtype),
+                f32: dtype == GgmlDType::F32,
+            }
+        })
+        .collect())
+}
+
+/// One entry of a safetensors header.
+#[derive(Deserialize)]
+struct Entry {
+    dtype: String,
+    shape: Vec<u64>,
+    data_offsets: [u64; 2],
+}
+
+#[derive(Deserialize)]
+struct ShardIndex {
+    weight_map: HashMap<String, String>,
+}
+
+/// The tensors of `model.safetensors` or of the shards its index names.
+fn safetensors_headers(dir: &Path) -> Result<Vec<TensorHeader>> {
+    let single = dir.join("model.safetensors");
+    let files: Vec<PathBuf> = if single.exists() {
+        vec![single]
+    } else {
+        let index = dir.join("model.safetensors.index.json");
+        let text = std::fs::read_to_string(&index).map_err(|e| EngineError::io(&index, e))?;
+        let idx: ShardIndex = serde_json::from_str(&text)
+            .map_err(|e| EngineError::invalid_model(&index, e.to_string()))?;
+        let mut shards: Vec<String> = idx.weight_map.into_values().collect();
+        shards.sort();
+        shards.dedup();
+        shards.into_iter().map(|s| dir.join(s)).collect()
+    };
+    let mut out = Vec::new();
+    for file in files {
+        for (name, e) in safetensors_header(&file)? {
+            out.push(TensorHeader {
+                name,
+                elements: e.shape.iter().product(),
+                stored: e.data_offsets[1].saturating_sub(e.data_offsets[0]),
+                dims: e.shape.len(),
+                ggml: None,
+                f32: e.dtype == "F32",
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The largest safetensors header read: the format's own limit is 100 MB.
+const MAX_SAFETENSORS_HEADER: u64 = 100_000_000;
+
+/// A safetensors file's header: an 8-byte little-endian length, then that much JSON.
+fn safetensors_header(path: &Path) -> Result<Vec<(String, Entry)>> {
+    let bad = |reason: String| EngineError::invalid_model(path, reason);
+    let mut file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)
+        .map_err(|e| EngineError::io(path, e))?;
+    let len = u64::from_le_bytes(len);
+    if len > MAX_SAFETENSORS_HEADER {
+        return Err(bad(format!("safetensors header of {len} bytes")));
+    }
+    let mut json = vec![0u8; len as usize];
+    file.read_exact(&mut json)
+        .map_err(|e| EngineError::io(path, e))?;
+    let map: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&json).map_err(|e| bad(e.to_string()))?;
+    map.into_iter()
+        .filter(|(name, _)| name != "__metadata__")
+        .map(|(name, v)| {
+            let e: Entry = serde_json::from_value(v).map_err(|e| bad(format!("{name}: {e}")))?;
+            Ok((name, e))
+        })
+        .collect()
+}
+
+/// The memory a process here may use, and where that bound comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MachineMemory {
+    pub bytes: u64,
+    pub source: &'static str,
+}
+
+/// The least of the container's memory limit (cgroup v2 `memory.max`, or v1's
+/// `memory.limit_in_bytes`) and the machine's `MemTotal`; `None` when none can be read.
+pub fn machine_memory() -> Option<MachineMemory> {
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    let limits = [
+        (
+            read("/sys/fs/cgroup/memory.max").and_then(|s| cgroup_limit(&s)),
+            "the cgroup's memory.max",
+        ),
+        (
+            read("/sys/fs/cgroup/memory/memory.limit_in_bytes").and_then(|s| cgroup_limit(&s)),
+            "the cgroup's memory.limit_in_bytes",
+        ),
+        (
+            read("/proc/meminfo").and_then(|s| mem_total(&s)),
+            "MemTotal in /proc/meminfo",
+        ),
+    ];
+    limits
+        .into_iter()
+        .filter_map(|(bytes, source)| bytes.map(|bytes| MachineMemory { bytes, source }))
+        .min_by_key(|m| m.bytes)
+}
+
+/// A cgroup limit file's bytes; `None` for no limit (`max`, or v1's huge sentinel).
+fn cgroup_limit(text: &str) -> Option<u64> {
+    text.trim().parse::<u64>().ok().filter(|&b| b < 1 << 60)
+}
+
+/// `MemTotal` of `/proc/meminfo`, in bytes.
+fn mem_total(text: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Refuses a model whose weights and KV reserve together exceed the machine's memory.
+pub fn check_fits(
+    path: &Path,
+    weights: u64,
+    kv: u64,
+    machine: &MachineMemory,
+) -> std::result::Result<(), EngineError> {
+    let total = weights.saturating_add(kv);
+    if total <= machine.bytes {
+        return Ok(());
+    }
+    Err(EngineError::OutOfMemory {
+        path: path.to_path_buf(),
+        weights,
+        kv,
+        machine: machine.bytes,
+        source_of_limit: machine.source,
+    })
+}
+
+/// Bytes in GiB (MiB below one GiB) with two decimals, for messages.
+pub fn size(bytes: u64) -> String {
+    if bytes < 1 << 30 {
+        format!("{:.2} MiB", bytes as f64 / f64::from(1 << 20))
+    } else {
+        format!("{:.2} GiB", bytes as f64 / f64::from(1 << 30))
+    }
+}
+
+/// Whether `cfg`'s reserve and the weights at `path` fit this machine; the check
+/// [`crate::load_within`] runs before it reads any weight.
+pub fn check_model(path: &Path, cfg: &ModelConfig, reserve: KvReserve) -> Result<()> {
+    let Some(machine) = machine_memory() else {
+        return Ok(());
+    };
+    let gguf = !path.is_dir();
+    let weights = peak_weight_bytes(&read_headers(path)?, gguf);
+    let kv = reserve.bytes_for(&KvLayout::for_model(cfg));
+    check_fits(path, weights, kv, &machine)
+}
+
+#[cfg(test)]
+mod tests;

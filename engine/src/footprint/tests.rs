@@ -1,0 +1,91 @@
+use super::*;
+
+fn header(
+    name: &str,
+    elements: u64,
+    stored: u64,
+    dims: usize,
+    ggml: Option<GgmlDType>,
+) -> TensorHeader {
+    TensorHeader {
+        name: name.into(),
+        elements,
+        stored,
+        dims,
+        ggml,
+        f32: ggml == Some(GgmlDType::F32) || (ggml.is_none() && stored == 4 * elements),
+    }
+}
+
+#[test]
+fn a_folder_peaks_with_its_files_and_their_f32_copies() {
+    let f32 = [header("a", 100, 400, 2, None), header("b", 10, 40, 1, None)];
+    assert_eq!(peak_weight_bytes(&f32, false), 440);
+    let bf16 = [header("a", 100, 200, 2, None), header("b", 10, 20, 1, None)];
+    assert_eq!(peak_weight_bytes(&bf16, false), 220 + 440);
+}
+
+#[test]
+fn a_gguf_holds_vectors_and_the_embedding_as_f32_and_q4_1_in_our_form() {
+    let q41 = Some(GgmlDType::Q4_1);
+    let untied = [
+        header("token_embd.weight", 64, 40, 2, q41),
+        header("output.weight", 64, 40, 2, Some(GgmlDType::Q8_0)),
+        header("blk.0.attn_q.weight", 64, 40, 2, q41),
+        header("blk.0.attn_norm.weight", 8, 32, 1, Some(GgmlDType::F32)),
+    ];
+    // embedding 256 as f32; head 40 as stored; Q4_1 32 + 2 blocks of 8; norm 32.
+    assert_eq!(peak_weight_bytes(&untied, true), 256 + 40 + 48 + 32);
+    let tied = [header("token_embd.weight", 64, 40, 2, q41)];
+    assert_eq!(peak_weight_bytes(&tied, true), 256 + 48);
+}
+
+#[test]
+fn limits_read_from_cgroups_and_meminfo() {
+    assert_eq!(cgroup_limit("8589934592\n"), Some(8 << 30));
+    assert_eq!(cgroup_limit("max\n"), None);
+    assert_eq!(cgroup_limit("9223372036854771712\n"), None);
+    let meminfo = "MemTotal:       24576000 kB\nMemFree:         1000 kB\n";
+    assert_eq!(mem_total(meminfo), Some(24_576_000 * 1024));
+    assert_eq!(mem_total("MemFree: 1 kB\n"), None);
+}
+
+#[test]
+fn a_model_past_the_machine_is_refused_with_both_numbers() {
+    let machine = MachineMemory {
+        bytes: 8 << 30,
+        source: "MemTotal in /proc/meminfo",
+    };
+    let path = Path::new("/models/big.gguf");
+    assert!(check_fits(path, 4 << 30, 4 << 30, &machine).is_ok());
+    let err = check_fits(path, 6 << 30, 3 << 30, &machine).unwrap_err();
+    let text = err.to_string();
+    for part in [
+        "6.00 GiB", "3.00 GiB", "9.00 GiB", "8.00 GiB", "MemTotal", "big.gguf",
+    ] {
+        assert!(text.contains(part), "{part} missing from: {text}");
+    }
+    assert!(!err.is_request_fault());
+}
+
+#[test]
+fn a_reserve_counts_each_position_in_every_layers_k_and_v() {
+    let layout = KvLayout {
+        n_layers: 2,
+        n_kv_heads: 2,
+        head_dim: 4,
+        dtype: crate::KV_DTYPE.into(),
+    };
+    let reserve = KvReserve {
+        bytes: 1000,
+        positions: 10,
+    };
+    // 2 layers x (K and V) x 2 heads x 4 dims x 2 bytes = 64 bytes a position.
+    assert_eq!(reserve.bytes_for(&layout), 1000 + 640);
+}
+
+#[test]
+fn sizes_read_in_gib_or_mib() {
+    assert_eq!(size(3 << 29), "1.50 GiB");
+    assert_eq!(size(564_120), "0.54 MiB");
+}
