@@ -90,6 +90,22 @@ TOOLS = [
 ]
 
 
+def llama_cpp_model(path: Path):
+    """llama.cpp (through llama-cpp-python) on the GGUF file `path`, with logits kept at
+    every position for teacher forcing."""
+    from llama_cpp import Llama
+
+    return Llama(
+        model_path=str(path),
+        n_ctx=512,
+        n_batch=512,
+        n_threads=2,
+        logits_all=True,
+        seed=0,
+        verbose=False,
+    )
+
+
 def llama_cpp_case(llm, prompt: list, continuation: int, top: int) -> dict:
     """llama.cpp's greedy continuation of `prompt` (at most `continuation` tokens, up to
     EOS), then one teacher-forced pass over prompt + continuation with logits at every

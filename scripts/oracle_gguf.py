@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from oracle_common import FIXTURES, dump, llama_cpp_case
+from oracle_common import FIXTURES, dump, llama_cpp_case, llama_cpp_model
 
 PROMPTS = 16
 CONTINUATION = 32
@@ -86,21 +86,11 @@ def main() -> None:
 
 def record(model: str, f32: Path, quant: tuple) -> None:
     """Quantizes `f32` and writes llama.cpp's teacher-forced reference for the file."""
-    from llama_cpp import Llama
-
     name, ftype = quant
     path = FIXTURES / "gguf" / f"tiny-{model}-{name}.gguf"
     path.parent.mkdir(parents=True, exist_ok=True)
     quantize(f32, path, ftype)
-    llm = Llama(
-        model_path=str(path),
-        n_ctx=512,
-        n_batch=512,
-        n_threads=2,
-        logits_all=True,
-        seed=0,
-        verbose=False,
-    )
+    llm = llama_cpp_model(path)
     cases = [llama_cpp_case(llm, p, CONTINUATION, TOP) for p in prompts()]
     dump(
         {

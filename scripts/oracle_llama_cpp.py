@@ -18,9 +18,7 @@ Rerun (from the repo root; llama.cpp builds in about 5 minutes on two cores):
 
 import importlib.metadata as md
 
-from llama_cpp import Llama
-
-from oracle_common import FIXTURES, MODELS, dump, llama_cpp_case
+from oracle_common import FIXTURES, MODELS, dump, llama_cpp_case, llama_cpp_model
 
 GGUF_NAME = "smollm2-135m-instruct-q4_1.gguf"
 CONTINUATION = 32
@@ -61,15 +59,7 @@ def chat(question: str) -> str:
 
 def main() -> None:
     path = MODELS / GGUF_NAME
-    llm = Llama(
-        model_path=str(path),
-        n_ctx=512,
-        n_batch=512,
-        n_threads=2,
-        logits_all=True,
-        seed=0,
-        verbose=False,
-    )
+    llm = llama_cpp_model(path)
     cases = []
     for q in QUESTIONS:
         prompt = llm.tokenize(chat(q).encode(), add_bos=False, special=True)

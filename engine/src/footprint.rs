@@ -4,9 +4,8 @@
 //! fit, with the numbers, instead of being killed for memory halfway through loading it or
 //! under its first full batch.
 
-use std::collections::HashMap;
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::quantized::{gguf_file, GgmlDType};
 use serde::Deserialize;
@@ -120,28 +119,10 @@ struct Entry {
     data_offsets: [u64; 2],
 }
 
-#[derive(Deserialize)]
-struct ShardIndex {
-    weight_map: HashMap<String, String>,
-}
-
 /// The tensors of `model.safetensors` or of the shards its index names.
 fn safetensors_headers(dir: &Path) -> Result<Vec<TensorHeader>> {
-    let single = dir.join("model.safetensors");
-    let files: Vec<PathBuf> = if single.exists() {
-        vec![single]
-    } else {
-        let index = dir.join("model.safetensors.index.json");
-        let text = std::fs::read_to_string(&index).map_err(|e| EngineError::io(&index, e))?;
-        let idx: ShardIndex = serde_json::from_str(&text)
-            .map_err(|e| EngineError::invalid_model(&index, e.to_string()))?;
-        let mut shards: Vec<String> = idx.weight_map.into_values().collect();
-        shards.sort();
-        shards.dedup();
-        shards.into_iter().map(|s| dir.join(s)).collect()
-    };
     let mut out = Vec::new();
-    for file in files {
+    for file in crate::weights::safetensors_files(dir)? {
         for (name, e) in safetensors_header(&file)? {
             out.push(TensorHeader {
                 name,

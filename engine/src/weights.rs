@@ -127,29 +127,34 @@ struct ShardIndex {
     weight_map: HashMap<String, String>,
 }
 
+/// The safetensors files of a Hugging Face folder: `model.safetensors`, or the shards
+/// `model.safetensors.index.json` names.
+pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    if !index.exists() {
+        return Err(EngineError::invalid_model(
+            dir,
+            "no model.safetensors or model.safetensors.index.json",
+        ));
+    }
+    let text = std::fs::read_to_string(&index).map_err(|e| EngineError::io(&index, e))?;
+    let idx: ShardIndex = serde_json::from_str(&text)
+        .map_err(|e| EngineError::invalid_model(&index, e.to_string()))?;
+    let mut shards: Vec<String> = idx.weight_map.into_values().collect();
+    shards.sort();
+    shards.dedup();
+    Ok(shards.into_iter().map(|s| dir.join(s)).collect())
+}
+
 impl WeightSource {
     /// Loads `model.safetensors` or the shards named by `model.safetensors.index.json`.
     pub fn open_hf_folder(dir: &Path, device: &Device) -> Result<Self> {
-        let single = dir.join("model.safetensors");
-        let index = dir.join("model.safetensors.index.json");
-        let files: Vec<PathBuf> = if single.exists() {
-            vec![single]
-        } else if index.exists() {
-            let text = std::fs::read_to_string(&index).map_err(|e| EngineError::io(&index, e))?;
-            let idx: ShardIndex = serde_json::from_str(&text)
-                .map_err(|e| EngineError::invalid_model(&index, e.to_string()))?;
-            let mut shards: Vec<String> = idx.weight_map.into_values().collect();
-            shards.sort();
-            shards.dedup();
-            shards.into_iter().map(|s| dir.join(s)).collect()
-        } else {
-            return Err(EngineError::invalid_model(
-                dir,
-                "no model.safetensors or model.safetensors.index.json",
-            ));
-        };
         let mut tensors = HashMap::new();
-        for file in &files {
+        for file in &safetensors_files(dir)? {
             let loaded = candle_core::safetensors::load(file, device)
                 .map_err(|e| EngineError::invalid_model(file, e.to_string()))?;
             tensors.extend(loaded);

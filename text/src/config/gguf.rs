@@ -123,17 +123,21 @@ fn head_dim(
     Ok(key)
 }
 
+/// The metadata keys starting with `prefix`, in order, each with the rest of its name.
+fn keys_under<'a>(meta: &'a Metadata, prefix: &str) -> Vec<(&'a str, &'a str)> {
+    let mut keys: Vec<(&str, &str)> = meta
+        .values
+        .keys()
+        .filter_map(|k| Some((k.as_str(), k.strip_prefix(prefix)?)))
+        .collect();
+    keys.sort();
+    keys
+}
+
 /// Refuses an `{arch}.*` key the engine neither reads nor knows to be neutral.
 fn refuse_unknown_keys(meta: &Metadata, arch: &str) -> std::result::Result<(), String> {
     let prefix = format!("{arch}.");
-    let mut keys: Vec<&String> = meta
-        .values
-        .keys()
-        .filter(|k| k.starts_with(&prefix))
-        .collect();
-    keys.sort();
-    for key in keys {
-        let name = &key[prefix.len()..];
+    for (key, name) in keys_under(meta, &prefix) {
         if !READ_KEYS.contains(&name) && !name.starts_with("rope.scaling.") {
             return Err(format!(
                 "{key} is not supported: the engine does not compute what it sets"
@@ -160,14 +164,7 @@ fn gguf_rope_scaling(meta: &Metadata, arch: &str) -> std::result::Result<RopeSca
     }
     // Informational, or read by llama.cpp only for YaRN.
     let neutral = ["type", "factor", "original_context_length", "finetuned"];
-    let mut keys: Vec<&String> = meta
-        .values
-        .keys()
-        .filter(|k| k.starts_with(&prefix))
-        .collect();
-    keys.sort();
-    for key in keys {
-        let name = &key[prefix.len()..];
+    for (key, name) in keys_under(meta, &prefix) {
         let unit = meta.get(key).and_then(Value::to_f64) == Some(1.0);
         let allowed = neutral.contains(&name) || (name == "attn_factor" && unit);
         if !allowed {
