@@ -68,7 +68,7 @@ impl KvBudget {
         max_waiting: usize,
     ) -> Self {
         let block_tokens = block_tokens.max(1);
-        let block_bytes = 2 * layout.n_layers * block_tokens * layout.bytes_per_token_layer();
+        let block_bytes = block_tokens * layout.bytes_per_position();
         Self {
             blocks: Arc::new(Semaphore::new(capacity.min(Semaphore::MAX_PERMITS))),
             capacity,
@@ -83,7 +83,7 @@ impl KvBudget {
 
     /// Blocks a budget of `bytes` holds for caches of `layout` in blocks of `block_tokens`.
     pub fn blocks_in(bytes: usize, layout: &KvLayout, block_tokens: usize) -> usize {
-        bytes / (2 * layout.n_layers * block_tokens.max(1) * layout.bytes_per_token_layer())
+        bytes / (block_tokens.max(1) * layout.bytes_per_position())
     }
 
     /// Positions for a prompt, the first token (fed back in), then `max_new` more, within

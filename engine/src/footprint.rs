@@ -25,7 +25,7 @@ pub struct KvReserve {
 impl KvReserve {
     /// The reserve in bytes for a model of `layout`.
     pub fn bytes_for(&self, layout: &KvLayout) -> u64 {
-        let per_position = 2 * layout.n_layers as u64 * layout.bytes_per_token_layer() as u64;
+        let per_position = layout.bytes_per_position() as u64;
         self.bytes
             .saturating_add(self.positions.saturating_mul(per_position))
     }

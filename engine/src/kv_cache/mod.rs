@@ -65,6 +65,11 @@ impl KvLayout {
         self.n_kv_heads * self.head_dim * ELEM_BYTES
     }
 
+    /// Bytes of K and V that one position takes over every layer.
+    pub fn bytes_per_position(&self) -> usize {
+        2 * self.n_layers * self.bytes_per_token_layer()
+    }
+
     /// Memory a cache of `positions` takes from the allocator: each layer's K and V are one
     /// allocation each, which costs its bytes, the allocator's header, rounded up to whole
     /// pages (large ones are mapped pages of their own; a decode node makes every cache
@@ -240,7 +245,7 @@ impl SeqCache {
 
     /// Bytes the cache's tensors occupy, filled or not.
     pub fn allocated_bytes(&self) -> usize {
-        2 * self.layout.n_layers * self.capacity * self.layout.bytes_per_token_layer()
+        self.capacity * self.layout.bytes_per_position()
     }
 
     /// Makes room for `extra` more positions, keeping what is stored.
