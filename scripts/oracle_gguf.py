@@ -1,9 +1,9 @@
-"""The generated tiny Qwen3 model as llama.cpp's own tools make and run it in GGUF.
+"""The generated tiny models as llama.cpp's own tools make and run them in GGUF.
 
 Usage (from the scripts/ directory):
-  LLAMA_CPP=DIR python3 oracle_gguf.py TINY_QWEN3_DIR
+  LLAMA_CPP=DIR python3 oracle_gguf.py TINY_QWEN3 TINY_LLAMA3 TINY_QWEN3_MOE TINY_MIXTRAL
 
-TINY_QWEN3_DIR is `tandem-model --family qwen3`'s folder. DIR is a llama.cpp source tree at the
+Each folder is `tandem-model --family qwen3|llama3|qwen3-moe|mixtral`'s. DIR is a llama.cpp source tree at the
 version llama-cpp-python vendors (its sdist's vendor/llama.cpp), for its converter
 `convert_hf_to_gguf.py` and the `gguf-py` beside it.
 
@@ -11,11 +11,11 @@ version llama-cpp-python vendors (its sdist's vendor/llama.cpp), for its convert
    tiny model's tokenizer is trained here, so the converter cannot recognise its
    pre-tokenizer by the hash of its ids; it is told "qwen2", Qwen3's own. The tests feed
    token ids, so llama.cpp's tokenizer never decides anything they check.
-2. llama.cpp's quantizer (`llama_model_quantize`, what `llama-quantize` runs) makes Q8_0
-   and Q4_1 files from it: engine/tests/fixtures/gguf/tiny-qwen3-{q8_0,q4_1}.gguf.
+2. llama.cpp's quantizer (`llama_model_quantize`, what `llama-quantize` runs) makes the
+   files MODELS names from it: engine/tests/fixtures/gguf/tiny-{model}-{quant}.gguf.
 3. For each, llama.cpp (through llama-cpp-python) continues PROMPTS fixed random prompts
    greedily and records, teacher-forced, its five best next tokens at every position:
-   engine/tests/fixtures/llama_cpp_tiny_qwen3_{q8_0,q4_1}.json, the schema of
+   engine/tests/fixtures/llama_cpp_tiny_{model}_{quant}.json, the schema of
    llama_cpp_smollm2.json. engine/tests/engine/llama_cpp.rs holds our decode path to them.
 """
 
@@ -38,7 +38,12 @@ SEED = 20261128
 # (name, llama_ftype): LLAMA_FTYPE_MOSTLY_Q8_0 and LLAMA_FTYPE_MOSTLY_Q4_1.
 Q8_0, Q4_1 = ("q8_0", 7), ("q4_1", 3)
 # (model, quantizations), in the order of the command's folders.
-MODELS = [("qwen3", [Q8_0, Q4_1]), ("llama3", [Q8_0])]
+MODELS = [
+    ("qwen3", [Q8_0, Q4_1]),
+    ("llama3", [Q8_0]),
+    ("qwen3_moe", [Q8_0]),
+    ("mixtral", [Q4_1]),
+]
 
 
 def convert(llama_cpp: Path, model_dir: Path, out: Path) -> None:

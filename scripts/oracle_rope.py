@@ -20,8 +20,8 @@ weights the engine runs. `engine/tests/engine/rope.rs` reads the output.
 
 It also records `config_fields`: every field transformers writes into a config.json for the
 configuration classes of the architectures the engine runs (LlamaConfig, MistralConfig,
-Qwen2Config, Qwen3Config), so
-that a test can check the engine knows what to do with each.
+MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig), so that a test can check the engine
+knows what to do with each.
 """
 
 import json
@@ -36,14 +36,23 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from oracle_common import dump, greedy_run, top5, versions
 
 NEW_TOKENS = 16
-CONFIG_CLASSES = (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
+CONFIG_CLASSES = (
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 PROMPT_LEN = 200
 ORIGINAL = 64
 

@@ -1,4 +1,5 @@
-//! The Llama, Qwen2 and Qwen3 decoder as Hugging Face defines it, over caller-owned KV caches.
+//! The Llama, Mistral, Qwen2 and Qwen3 decoders, dense or mixtures of experts (Qwen3-MoE,
+//! Mixtral), as Hugging Face defines them, over caller-owned KV caches.
 //!
 //! Weights are immutable and shared; every call names the sequences it advances and their
 //! caches. The dense layers see all the batch's tokens as one matrix; attention runs per
@@ -12,10 +13,11 @@ use rayon::prelude::*;
 use crate::attention;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvLayout, SeqCache};
-use crate::swiglu;
 use crate::weights::{Linear, Stacked};
+use ffn::Ffn;
 use text::{ModelConfig, RopeStyle};
 
+mod ffn;
 mod load;
 
 pub(crate) use load::gguf_name_of;
@@ -28,9 +30,7 @@ struct Layer {
     qk_norm: Option<QkNorm>,
     o: Linear,
     mlp_norm: Tensor,
-    /// gate and up.
-    gate_up: Stacked,
-    down: Linear,
+    ffn: Ffn,
 }
 
 /// The weights of a per-head RMSNorm of queries and keys.
@@ -73,27 +73,15 @@ impl Model {
         &self.cfg
     }
 
-    /// Bytes of weights one decode step reads: every projection, norm and the head (the
-    /// embedding table is only gathered from, a row per token).
+    /// Bytes of weights one token's decode step reads: every projection, norm and the
+    /// head, and of a mixture the router and the experts a token picks (the embedding
+    /// table is only gathered from, a row per token).
     pub fn weight_bytes_per_step(&self) -> usize {
-        let norm = |t: &Tensor| t.elem_count() * 4;
-        let layers: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                l.qkv.weight_bytes()
-                    + l.gate_up.weight_bytes()
-                    + l.o.weight_bytes()
-                    + l.down.weight_bytes()
-                    + norm(&l.attn_norm)
-                    + norm(&l.mlp_norm)
-            })
-            .sum();
-        layers + norm(&self.norm) + self.lm_head.weight_bytes()
+        self.weight_bytes(Ffn::bytes_per_token)
     }
 
-    /// Bytes the loaded weights hold: those a step reads, the q/k norms and the embedding
-    /// table ([`crate::footprint`] predicts them from the files' headers).
+    /// Bytes the loaded weights hold: those a step reads, every expert, the q/k norms and
+    /// the embedding table ([`crate::footprint`] predicts them from the files' headers).
     pub fn resident_bytes(&self) -> usize {
         let qk_norms: usize = self
             .layers
@@ -101,7 +89,25 @@ impl Model {
             .filter_map(|l| l.qk_norm.as_ref())
             .map(|n| 4 * (n.q.elem_count() + n.k.elem_count()))
             .sum();
-        self.weight_bytes_per_step() + qk_norms + 4 * self.embed.elem_count()
+        self.weight_bytes(Ffn::resident_bytes) + qk_norms + 4 * self.embed.elem_count()
+    }
+
+    /// The bytes of every projection, norm and the head, each feed-forward's counted by
+    /// `ffn`.
+    fn weight_bytes(&self, ffn: fn(&Ffn) -> usize) -> usize {
+        let norm = |t: &Tensor| t.elem_count() * 4;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.qkv.weight_bytes()
+                    + l.o.weight_bytes()
+                    + ffn(&l.ffn)
+                    + norm(&l.attn_norm)
+                    + norm(&l.mlp_norm)
+            })
+            .sum();
+        layers + norm(&self.norm) + self.lm_head.weight_bytes()
     }
 
     /// The device the weights live on.
@@ -205,9 +211,7 @@ impl Model {
             let attn = Tensor::cat(&outs, 0)?;
             xs = (xs + layer.o.forward(&attn)?)?;
             let h = candle_nn::ops::rms_norm(&xs, &layer.mlp_norm, eps)?;
-            let gate_up = layer.gate_up.forward(&h)?;
-            let gated = swiglu::silu_mul(&gate_up[0], &gate_up[1])?;
-            xs = (xs + layer.down.forward(&gated)?)?;
+            xs = (xs + layer.ffn.forward(&h)?)?;
             layer_done(li, batch)?;
         }
         let mut last_rows = Vec::with_capacity(batch.len());

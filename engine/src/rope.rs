@@ -199,6 +199,7 @@ mod tests {
             tie_word_embeddings: true,
             rope_style: text::RopeStyle::Interleaved,
             attention_windows: vec![None],
+            moe: None,
             bos_token_id: None,
             eos_token_ids: Vec::new(),
         }

@@ -9,6 +9,7 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use serde::Deserialize;
@@ -310,49 +311,99 @@ impl WeightSource {
             qs.push(self.qtensor_shaped(name, (rows, cols), device)?);
             biases.push(self.bias(bias, rows, device)?);
         }
-        let dtype = qs[0].dtype();
-        let all_biased = biases.iter().all(Option::is_some);
-        // A zero bias for the parts without one would turn -0.0 into 0.0: keep them apart.
-        let joinable = qs.iter().all(|q| q.dtype() == dtype)
-            && (all_biased || biases.iter().all(Option::is_none));
-        if let Some(build) = our_kernel(dtype, device).filter(|_| joinable) {
-            let mut bytes = Vec::new();
-            for q in &qs {
-                bytes.extend_from_slice(&q.data()?);
-            }
-            let weight = build(bytes, widths.iter().sum(), cols)?;
-            let bias = if all_biased {
-                Some(Tensor::cat(
-                    &biases.into_iter().flatten().collect::<Vec<_>>(),
-                    0,
-                )?)
-            } else {
-                None
-            };
-            return Ok(Stacked {
-                joined: Some(Linear { weight, bias }),
-                parts: Vec::new(),
-                widths,
-            });
-        }
-        let parts = qs
-            .into_iter()
-            .zip(biases)
-            .zip(&widths)
-            .map(|((q, bias), &rows)| {
-                Ok(Linear {
-                    weight: quantized_weight(q, (rows, cols), device)?,
-                    bias,
-                })
-            })
-            .collect::<Result<_>>()?;
-        Ok(Stacked {
-            joined: None,
-            parts,
-            widths,
-        })
+        stack_quantized(qs, biases, widths, cols, device)
     }
 
+    /// The `experts` matrices `[out, in]` of a GGUF tensor `[experts, out, in]`, as
+    /// llama.cpp's converter stacks a mixture's experts, each sliced out of the file's
+    /// blocks as they are.
+    pub fn expert_slices(
+        &mut self,
+        name: &str,
+        experts: usize,
+        out_in: (usize, usize),
+        device: &Device,
+    ) -> Result<Vec<QTensor>> {
+        let q = self.qtensor(name, device)?;
+        let want = [experts, out_in.0, out_in.1];
+        if q.shape().dims() != want {
+            return Err(EngineError::invalid_model(
+                self.path(),
+                format!("{name} has shape {:?}, expected {want:?}", q.shape()),
+            ));
+        }
+        let data = q.data()?;
+        let per_expert = data.len() / experts;
+        data.chunks_exact(per_expert)
+            .map(|bytes| {
+                let dims = vec![out_in.0, out_in.1];
+                Ok(qtensor_from_ggml(q.dtype(), bytes, dims, device)?)
+            })
+            .collect()
+    }
+}
+
+/// Quantized projections of one input, with their biases and output widths, all with
+/// `cols` inputs: stacked into one of our matrices when they all can be.
+pub fn stack_quantized(
+    qs: Vec<QTensor>,
+    biases: Vec<Option<Tensor>>,
+    widths: Vec<usize>,
+    cols: usize,
+    device: &Device,
+) -> Result<Stacked> {
+    let dtype = qs[0].dtype();
+    let all_biased = biases.iter().all(Option::is_some);
+    // A zero bias for the parts without one would turn -0.0 into 0.0: keep them apart.
+    let joinable =
+        qs.iter().all(|q| q.dtype() == dtype) && (all_biased || biases.iter().all(Option::is_none));
+    if let Some(build) = our_kernel(dtype, device).filter(|_| joinable) {
+        let mut bytes = Vec::new();
+        for q in &qs {
+            bytes.extend_from_slice(&q.data()?);
+        }
+        let weight = build(bytes, widths.iter().sum(), cols)?;
+        let bias = if all_biased {
+            Some(Tensor::cat(
+                &biases.into_iter().flatten().collect::<Vec<_>>(),
+                0,
+            )?)
+        } else {
+            None
+        };
+        return Ok(Stacked {
+            joined: Some(Linear { weight, bias }),
+            parts: Vec::new(),
+            widths,
+        });
+    }
+    let parts = qs
+        .into_iter()
+        .zip(biases)
+        .zip(&widths)
+        .map(|((q, bias), &rows)| {
+            Ok(Linear {
+                weight: quantized_weight(q, (rows, cols), device)?,
+                bias,
+            })
+        })
+        .collect::<Result<_>>()?;
+    Ok(Stacked {
+        joined: None,
+        parts,
+        widths,
+    })
+}
+
+/// A projection of quantized weights `[out, in]`, without a bias.
+pub fn quantized_linear(q: QTensor, out_in: (usize, usize), device: &Device) -> Result<Linear> {
+    Ok(Linear {
+        weight: quantized_weight(q, out_in, device)?,
+        bias: None,
+    })
+}
+
+impl WeightSource {
     /// A GGUF tensor that must have shape `[out, in]`.
     fn qtensor_shaped(
         &mut self,

@@ -111,8 +111,8 @@ pub fn tiny_model() -> PathBuf {
     .clone()
 }
 
-/// The generated tiny model turned Qwen3 (`qwen3`) or Mistral with its sliding window,
-/// written once per test binary.
+/// The generated tiny model turned `qwen3`, `mistral` (with its sliding window),
+/// `qwen3_moe` or `mixtral`, written once per test binary.
 pub fn tiny_model_turned(family: &str) -> PathBuf {
     static DIRS: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
     let mut dirs = DIRS.lock().expect("no test panics while holding the list");
@@ -131,6 +131,8 @@ pub fn tiny_model_turned(family: &str) -> PathBuf {
     match family {
         "qwen3" => engine::testmodel::into_qwen3(&dir, seed),
         "mistral" => engine::testmodel::into_mistral(&dir),
+        "qwen3_moe" => engine::testmodel::into_qwen3_moe(&dir, seed),
+        "mixtral" => engine::testmodel::into_mixtral(&dir, seed),
         other => panic!("no generated {other} model"),
     }
     .expect("turning the tiny model");

@@ -9,8 +9,10 @@ use crate::rope::{Rope, RopeScaling};
 
 mod fields;
 mod gguf;
+mod moe;
 mod windows;
 pub use fields::{field_use, FieldUse};
+pub use moe::MoeConfig;
 
 /// How rotary embeddings pair the dimensions of a head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,6 +44,8 @@ pub struct ModelConfig {
     /// Each layer's attention span: `None` for the whole context, `Some(w)` for the last
     /// `w` positions up to and including the row's own.
     pub attention_windows: Vec<Option<usize>>,
+    /// The mixture of experts of a sparse model; `None` for a dense one.
+    pub moe: Option<MoeConfig>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
@@ -76,6 +80,20 @@ struct HfConfig {
     hidden_act: Option<String>,
 }
 
+/// The engine's name for a config's architecture, from its `model_type` or, without one,
+/// its first `architectures` class; `None` for one it does not run.
+fn architecture_of(model_type: &str, class: &str) -> Option<&'static str> {
+    Some(match (model_type, class) {
+        ("llama", _) | ("", "LlamaForCausalLM") => "llama",
+        ("qwen2", _) | ("", "Qwen2ForCausalLM") => "qwen2",
+        ("qwen3", _) | ("", "Qwen3ForCausalLM") => "qwen3",
+        ("mistral", _) | ("", "MistralForCausalLM") => "mistral",
+        ("qwen3_moe", _) | ("", "Qwen3MoeForCausalLM") => "qwen3_moe",
+        ("mixtral", _) | ("", "MixtralForCausalLM") => "mixtral",
+        _ => return None,
+    })
+}
+
 fn default_eps() -> f64 {
     1e-6
 }
@@ -94,26 +112,27 @@ impl ModelConfig {
             .map_err(|e| invalid(e.to_string()))?;
         let model_type = hf.model_type.clone().unwrap_or_default();
         let arch = hf.architectures.first().cloned().unwrap_or_default();
-        let architecture = match (model_type.as_str(), arch.as_str()) {
-            ("llama", _) | ("", "LlamaForCausalLM") => "llama",
-            ("qwen2", _) | ("", "Qwen2ForCausalLM") => "qwen2",
-            ("qwen3", _) | ("", "Qwen3ForCausalLM") => "qwen3",
-            ("mistral", _) | ("", "MistralForCausalLM") => "mistral",
-            _ => {
-                return Err(TextError::invalid_model(
-                    path,
-                    format!(
-                        "unsupported architecture {arch:?} (model_type {model_type:?}); \
-                         expected llama, mistral, qwen2 or qwen3"
-                    ),
-                ))
-            }
+        let Some(architecture) = architecture_of(&model_type, &arch) else {
+            return Err(TextError::invalid_model(
+                path,
+                format!(
+                    "unsupported architecture {arch:?} (model_type {model_type:?}); \
+                     expected llama, mistral, mixtral, qwen2, qwen3 or qwen3_moe"
+                ),
+            ));
         };
         fields::check(&raw).map_err(invalid)?;
         let rope = Rope::from_hf(&raw, hf.max_position_embeddings).map_err(invalid)?;
         let attention_windows =
             windows::attention_windows(architecture, &raw, hf.num_hidden_layers)
                 .map_err(invalid)?;
+        let moe = moe::from_hf(
+            architecture,
+            &raw,
+            hf.intermediate_size,
+            hf.num_hidden_layers,
+        )
+        .map_err(invalid)?;
         if let Some(act) = hf.hidden_act.as_deref().filter(|a| *a != "silu") {
             return Err(TextError::invalid_model(
                 path,
@@ -137,6 +156,7 @@ impl ModelConfig {
             tie_word_embeddings: hf.tie_word_embeddings,
             rope_style: RopeStyle::Half,
             attention_windows,
+            moe,
             bos_token_id: hf.bos_token_id,
             eos_token_ids: match hf.eos_token_id {
                 None => vec![],
@@ -165,6 +185,14 @@ impl ModelConfig {
                 format!("inconsistent hyper-parameters: {self:?}"),
             ))
         }
+    }
+
+    /// Whether each head's queries and keys are RMS-normalized before RoPE (Qwen3's).
+    pub fn has_qk_norm(&self) -> bool {
+        matches!(
+            self.architecture.as_str(),
+            "qwen3" | "qwen3_moe" | "qwen3moe"
+        )
     }
 
     /// Heads that share one K/V head.

@@ -18,7 +18,7 @@ pub mod tokenizer;
 pub mod tools;
 
 pub use chat_template::{py_json, ChatInput, ChatTemplate};
-pub use config::{ModelConfig, RopeStyle};
+pub use config::{ModelConfig, MoeConfig, RopeStyle};
 pub use error::{Result, TextError};
 pub use load::{load, TextModel};
 pub use rope::{Rope, RopeScaling};

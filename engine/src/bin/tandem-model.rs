@@ -41,6 +41,10 @@ enum Family {
     Mistral,
     /// Llama 3.1: no biases, Llama 3's RoPE scaling past a context of 64.
     Llama3,
+    /// Qwen3-MoE: Qwen3's attention, 8 experts per layer, 2 per token, normalized.
+    Qwen3Moe,
+    /// Mixtral: no biases, 8 experts per layer, 2 per token.
+    Mixtral,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -56,6 +60,8 @@ fn main() -> anyhow::Result<()> {
         Family::Qwen3 => engine::testmodel::into_qwen3(&cfg.out, cfg.seed)?,
         Family::Mistral => engine::testmodel::into_mistral(&cfg.out)?,
         Family::Llama3 => engine::testmodel::into_llama3(&cfg.out)?,
+        Family::Qwen3Moe => engine::testmodel::into_qwen3_moe(&cfg.out, cfg.seed)?,
+        Family::Mixtral => engine::testmodel::into_mixtral(&cfg.out, cfg.seed)?,
     }
     println!("{}", cfg.out.display());
     if let Some(quant) = cfg.gguf {

@@ -5,11 +5,14 @@ use std::path::Path;
 
 use candle_core::Device;
 
+use super::ffn::{Ffn, Mlp};
 use super::{Layer, Model, QkNorm};
 use crate::error::{EngineError, Result};
 use crate::rope::Frequencies;
 use crate::weights::WeightSource;
 use text::ModelConfig;
+
+mod experts;
 
 /// Layer names in the two formats.
 struct Names {
@@ -194,7 +197,7 @@ fn layer(
             h,
             device,
         )?,
-        qk_norm: if cfg.architecture == "qwen3" {
+        qk_norm: if cfg.has_qk_norm() {
             Some(QkNorm {
                 q: src.dense_shaped(&w("q_norm"), &[hd], device)?,
                 k: src.dense_shaped(&w("k_norm"), &[hd], device)?,
@@ -204,12 +207,30 @@ fn layer(
         },
         o: src.linear(&w("o"), None, (h, q_out), device)?,
         mlp_norm: src.dense_shaped(&w("mlp_norm"), &[h], device)?,
-        gate_up: src.stacked(
-            &[(&w("gate"), None, inter), (&w("up"), None, inter)],
-            h,
-            device,
-        )?,
-        down: src.linear(&w("down"), None, (h, inter), device)?,
+        ffn: match cfg.moe.as_ref().filter(|m| m.sparse_layers[i]) {
+            None => Ffn::Dense(mlp(
+                src,
+                [&w("gate"), &w("up"), &w("down")],
+                inter,
+                h,
+                device,
+            )?),
+            Some(moe) => Ffn::Mixture(experts::mixture(cfg, moe, src, i, device)?),
+        },
+    })
+}
+
+/// A gated MLP from its gate, up and down weights, `inter` wide over `h` inputs.
+pub(super) fn mlp(
+    src: &mut WeightSource,
+    [gate, up, down]: [&str; 3],
+    inter: usize,
+    h: usize,
+    device: &Device,
+) -> Result<Mlp> {
+    Ok(Mlp {
+        gate_up: src.stacked(&[(gate, None, inter), (up, None, inter)], h, device)?,
+        down: src.linear(down, None, (h, inter), device)?,
     })
 }
 

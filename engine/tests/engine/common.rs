@@ -55,6 +55,30 @@ pub fn tiny_llama3_dir() -> PathBuf {
         .clone()
 }
 
+/// The generated tiny model turned Qwen3-MoE (8 experts per layer, 2 per token), written
+/// once per test binary.
+pub fn tiny_qwen3_moe_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        turned("qwen3-moe", |dir| {
+            engine::testmodel::into_qwen3_moe(dir, engine::testmodel::DEFAULT_SEED)
+        })
+    })
+    .clone()
+}
+
+/// The generated tiny model turned Mixtral (no biases, 8 experts per layer, 2 per token),
+/// written once per test binary.
+pub fn tiny_mixtral_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        turned("mixtral", |dir| {
+            engine::testmodel::into_mixtral(dir, engine::testmodel::DEFAULT_SEED)
+        })
+    })
+    .clone()
+}
+
 /// The tiny model written into the target folder and turned into `family` by `turn`.
 fn turned(family: &str, turn: fn(&std::path::Path) -> engine::Result<()>) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))

@@ -3,9 +3,9 @@
 //! Each reference is made with llama.cpp itself: prompts, llama.cpp's greedy continuation
 //! of each, and at each position its five best next tokens with their log-probabilities.
 //! `llama_cpp_smollm2.json` (`scripts/oracle_llama_cpp.py`) is for the real SmolLM2 file;
-//! `llama_cpp_tiny_{qwen3,llama3}_*.json` (`scripts/oracle_gguf.py`) for the generated tiny
-//! Qwen3 and Llama 3.1 as llama.cpp's own converter and quantizer write them
-//! (`fixtures/gguf/`).
+//! `llama_cpp_tiny_{qwen3,llama3,qwen3_moe,mixtral}_*.json` (`scripts/oracle_gguf.py`) for
+//! the generated tiny Qwen3, Llama 3.1, Qwen3-MoE and Mixtral as llama.cpp's own converter
+//! and quantizer write them (`fixtures/gguf/`).
 
 use std::path::Path;
 
@@ -68,46 +68,97 @@ fn tiny_llama3_from_llama_cpps_converter_agrees_with_llama_cpp() {
     assert_agrees(&gguf, "llama_cpp_tiny_llama3_q8_0.json");
 }
 
+/// The tiny Qwen3-MoE (8 experts a layer, 2 per token) as llama.cpp converts it: each
+/// layer's experts stacked into one tensor per projection, sliced apart at load.
+#[test]
+fn tiny_qwen3_moe_from_llama_cpps_converter_agrees_with_llama_cpp() {
+    let gguf = common::fixture("gguf/tiny-qwen3_moe-q8_0.gguf");
+    assert_agrees(&gguf, "llama_cpp_tiny_qwen3_moe_q8_0.json");
+}
+
+/// The tiny Mixtral, which llama.cpp's converter writes as a `llama` file with experts,
+/// in Q4_1 (our kernel for each expert).
+#[test]
+fn tiny_mixtral_from_llama_cpps_converter_agrees_with_llama_cpp() {
+    let gguf = common::fixture("gguf/tiny-mixtral-q4_1.gguf");
+    assert_agrees(&gguf, "llama_cpp_tiny_mixtral_q4_1.json");
+}
+
 /// llama.cpp's conversion of the tiny Qwen3 reads as the hyper-parameters of its folder,
 /// and holds its weights: the committed files are the model the tests generate.
 #[test]
 fn llama_cpps_conversion_of_tiny_qwen3_is_its_folder() {
-    let dir = common::tiny_qwen3_dir();
+    assert_conversion_is_folder(
+        &common::tiny_qwen3_dir(),
+        "gguf/tiny-qwen3-q8_0.gguf",
+        "qwen3",
+        &[
+            (
+                "blk.1.attn_q_norm.weight",
+                "model.layers.1.self_attn.q_norm.weight",
+            ),
+            (
+                "blk.0.ffn_norm.weight",
+                "model.layers.0.post_attention_layernorm.weight",
+            ),
+        ],
+    );
+}
+
+/// The same for the tiny Qwen3-MoE: its experts' hyper-parameters read alike from both,
+/// and the routers, which llama.cpp's quantizer leaves in f32, are bit-equal.
+#[test]
+fn llama_cpps_conversion_of_tiny_qwen3_moe_is_its_folder() {
+    assert_conversion_is_folder(
+        &common::tiny_qwen3_moe_dir(),
+        "gguf/tiny-qwen3_moe-q8_0.gguf",
+        "qwen3moe",
+        &[
+            (
+                "blk.1.ffn_gate_inp.weight",
+                "model.layers.1.mlp.gate.weight",
+            ),
+            (
+                "blk.0.attn_k_norm.weight",
+                "model.layers.0.self_attn.k_norm.weight",
+            ),
+        ],
+    );
+}
+
+/// The GGUF `fixture` reads as the hyper-parameters of the folder `dir` under the GGUF
+/// architecture name `arch`, and holds its tensors `same` (GGUF name, folder name), which
+/// stay f32 through quantization, bit for bit.
+fn assert_conversion_is_folder(dir: &Path, fixture: &str, arch: &str, same: &[(&str, &str)]) {
     let hf = text::ModelConfig::from_hf_file(&dir.join("config.json")).unwrap();
-    let path = common::fixture("gguf/tiny-qwen3-q8_0.gguf");
+    let path = common::fixture(fixture);
     let gguf =
         text::ModelConfig::from_gguf(&text::gguf::Metadata::open(&path).unwrap(), &path).unwrap();
     // The converter writes the first of the config's EOS ids only, and the norm epsilon
     // as an f32.
     assert_eq!(gguf.eos_token_ids, hf.eos_token_ids[..1]);
     let hf = text::ModelConfig {
+        architecture: arch.into(),
         eos_token_ids: gguf.eos_token_ids.clone(),
         rms_norm_eps: hf.rms_norm_eps as f32 as f64,
         ..hf
     };
     assert_eq!(gguf, hf);
-    // Norm weights stay f32 through quantization, so they compare exactly.
     let mut file = std::fs::File::open(&path).unwrap();
     let content = gguf_file::Content::read(&mut file).unwrap();
     let st = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
-    for (g, h) in [
-        (
-            "blk.1.attn_q_norm.weight",
-            "model.layers.1.self_attn.q_norm.weight",
-        ),
-        (
-            "blk.0.ffn_norm.weight",
-            "model.layers.0.post_attention_layernorm.weight",
-        ),
-    ] {
+    for (g, h) in same {
         let ours: Vec<f32> = content
             .tensor(&mut file, g, &Device::Cpu)
             .unwrap()
             .dequantize(&Device::Cpu)
             .unwrap()
+            .flatten_all()
+            .unwrap()
             .to_vec1()
             .unwrap();
-        assert_eq!(ours, st[h].to_vec1::<f32>().unwrap(), "{g}");
+        let theirs = st[*h].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(ours, theirs, "{g}");
     }
 }
 

@@ -227,10 +227,16 @@ fn biases_a_mistral_does_not_have_are_refused() {
 #[test]
 fn the_predicted_weight_memory_is_what_the_loader_holds() {
     use engine::footprint::{peak_weight_bytes, read_headers};
-    let mut ggufs: Vec<PathBuf> = ["tiny-qwen3-q8_0", "tiny-qwen3-q4_1", "tiny-llama3-q8_0"]
-        .iter()
-        .map(|n| common::fixture(&format!("gguf/{n}.gguf")))
-        .collect();
+    let mut ggufs: Vec<PathBuf> = [
+        "tiny-qwen3-q8_0",
+        "tiny-qwen3-q4_1",
+        "tiny-llama3-q8_0",
+        "tiny-qwen3_moe-q8_0",
+        "tiny-mixtral-q4_1",
+    ]
+    .iter()
+    .map(|n| common::fixture(&format!("gguf/{n}.gguf")))
+    .collect();
     ggufs.push(crate::smollm2::gguf_path());
     for path in ggufs {
         let model = Model::load(&path, &Device::Cpu).unwrap();
@@ -242,13 +248,14 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
             path.display()
         );
     }
-    let f32_dir = common::tiny_qwen3_dir();
-    let model = Model::load(&f32_dir, &Device::Cpu).unwrap();
-    let headers = read_headers(&f32_dir).unwrap();
-    assert_eq!(
-        peak_weight_bytes(&headers, false),
-        model.resident_bytes() as u64
-    );
+    for f32_dir in [common::tiny_qwen3_dir(), common::tiny_mixtral_dir()] {
+        let model = Model::load(&f32_dir, &Device::Cpu).unwrap();
+        let headers = read_headers(&f32_dir).unwrap();
+        assert_eq!(
+            peak_weight_bytes(&headers, false),
+            model.resident_bytes() as u64
+        );
+    }
     let bf16_dir = scratch("bf16-footprint");
     engine::testmodel::write_model(
         &bf16_dir,

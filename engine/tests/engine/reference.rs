@@ -37,6 +37,23 @@ fn tiny_llama3_matches_transformers_token_for_token() {
     matches_reference(&common::tiny_llama3_dir(), "tiny_llama3_reference.json");
 }
 
+/// The tiny model turned Qwen3-MoE against transformers' Qwen3MoeForCausalLM,
+/// `tiny_qwen3_moe_reference.json`: every layer a mixture of 8 experts, 2 per token.
+#[test]
+fn tiny_qwen3_moe_matches_transformers_token_for_token() {
+    matches_reference(
+        &common::tiny_qwen3_moe_dir(),
+        "tiny_qwen3_moe_reference.json",
+    );
+}
+
+/// The tiny model turned Mixtral against transformers' MixtralForCausalLM,
+/// `tiny_mixtral_reference.json`.
+#[test]
+fn tiny_mixtral_matches_transformers_token_for_token() {
+    matches_reference(&common::tiny_mixtral_dir(), "tiny_mixtral_reference.json");
+}
+
 fn matches_reference(dir: &std::path::Path, fixture: &str) {
     let fx: Value =
         serde_json::from_str(&std::fs::read_to_string(common::fixture(fixture)).unwrap()).unwrap();

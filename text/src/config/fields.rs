@@ -91,12 +91,21 @@ const IGNORED: &[(&str, &str)] = &[
         "nanotron's note; transformers does not read it",
     ),
     ("transformers.js_config", "settings of transformers.js"),
+    ("router_aux_loss_coef", "a training loss of the router"),
+    (
+        "output_router_logits",
+        "what transformers returns (for the training loss)",
+    ),
+    (
+        "router_jitter_noise",
+        "transformers applies it only while training",
+    ),
 ];
 
 /// What the engine does with field `key` of a config.json, `None` for a field it does not
 /// know.
 pub fn field_use(key: &str) -> Option<FieldUse> {
-    if USED.contains(&key) {
+    if USED.contains(&key) || super::moe::MOE_FIELDS.contains(&key) {
         return Some(FieldUse::Used);
     }
     if let Some((_, why)) = IGNORED.iter().find(|(k, _)| *k == key) {

@@ -11,9 +11,10 @@ use crate::gguf::{Metadata, Value};
 use crate::rope::RopeScaling;
 
 /// The GGUF architectures the engine runs.
-const ARCHITECTURES: [&str; 3] = ["llama", "qwen2", "qwen3"];
+const ARCHITECTURES: [&str; 4] = ["llama", "qwen2", "qwen3", "qwen3moe"];
 
-/// The `{arch}.*` keys the engine reads, beside `rope.scaling.*` ([`gguf_rope_scaling`]).
+/// The `{arch}.*` keys the engine reads, beside `rope.scaling.*` ([`gguf_rope_scaling`])
+/// and the experts' ([`super::moe::GGUF_KEYS`]).
 const READ_KEYS: [&str; 13] = [
     "block_count",
     "context_length",
@@ -31,7 +32,7 @@ const READ_KEYS: [&str; 13] = [
 ];
 
 impl ModelConfig {
-    /// Reads the `llama`, `qwen2` or `qwen3` keys of a GGUF file's metadata.
+    /// Reads the `llama`, `qwen2`, `qwen3` or `qwen3moe` keys of a GGUF file's metadata.
     pub fn from_gguf(meta: &Metadata, path: &Path) -> Result<Self> {
         let md = |key: &str| meta.get(key);
         let bad = |reason: String| TextError::invalid_model(path, reason);
@@ -65,13 +66,16 @@ impl ModelConfig {
         };
         let head_dim = head_dim(&num, hidden / heads).map_err(bad)?;
         let tied = !meta.tensors.contains("output.weight");
+        let feed_forward = num("feed_forward_length")?;
+        let layers = num("block_count")?;
+        let moe = super::moe::from_gguf(meta, &arch, feed_forward, layers).map_err(bad)?;
         let token_id = |key: &str| md(key).and_then(Value::to_u64).map(|v| v as u32);
         let cfg = Self {
             architecture: arch.clone(),
             vocab_size: vocab,
             hidden_size: hidden,
-            intermediate_size: num("feed_forward_length")?,
-            num_hidden_layers: num("block_count")?,
+            intermediate_size: feed_forward,
+            num_hidden_layers: layers,
             num_attention_heads: heads,
             num_key_value_heads: num("attention.head_count_kv").unwrap_or(heads),
             head_dim,
@@ -89,7 +93,8 @@ impl ModelConfig {
             },
             // The architectures read here attend to the whole context in llama.cpp; a
             // window key would have been refused with the other unknown keys.
-            attention_windows: vec![None; num("block_count")?],
+            attention_windows: vec![None; layers],
+            moe,
             bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
             eos_token_ids: token_id("tokenizer.ggml.eos_token_id")
                 .into_iter()
@@ -138,7 +143,8 @@ fn keys_under<'a>(meta: &'a Metadata, prefix: &str) -> Vec<(&'a str, &'a str)> {
 fn refuse_unknown_keys(meta: &Metadata, arch: &str) -> std::result::Result<(), String> {
     let prefix = format!("{arch}.");
     for (key, name) in keys_under(meta, &prefix) {
-        if !READ_KEYS.contains(&name) && !name.starts_with("rope.scaling.") {
+        let read = READ_KEYS.contains(&name) || super::moe::GGUF_KEYS.contains(&name);
+        if !read && !name.starts_with("rope.scaling.") {
             return Err(format!(
                 "{key} is not supported: the engine does not compute what it sets"
             ));
@@ -245,11 +251,12 @@ mod tests {
             ("general.name", Value::String("tiny".into())),
         ]);
         assert_eq!(refuse_unknown_keys(&read, "qwen3"), Ok(()));
-        let experts = meta(&[("qwen3.expert_count", Value::U32(8))]);
+        let gating = meta(&[("qwen3moe.expert_gating_func", Value::U32(2))]);
         assert_eq!(
-            refuse_unknown_keys(&experts, "qwen3"),
+            refuse_unknown_keys(&gating, "qwen3moe"),
             Err(
-                "qwen3.expert_count is not supported: the engine does not compute what it sets"
+                "qwen3moe.expert_gating_func is not supported: the engine does not compute what \
+                 it sets"
                     .into()
             )
         );

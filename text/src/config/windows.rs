@@ -9,8 +9,10 @@ const DEFAULT_WINDOW: u64 = 4096;
 const DEFAULT_MAX_WINDOW_LAYERS: u64 = 28;
 
 /// Each of `layers` layers' window (`None`: the whole context) for architecture `arch`:
-/// - Mistral: every layer, `sliding_window` (4096 when absent, none when null);
-///   `layer_types` is refused, as transformers' Mistral does not read it.
+/// - Mistral and Mixtral: every layer, `sliding_window` (4096 when absent, none when
+///   null); `layer_types` is refused, as transformers' Mistral does not read it.
+/// - Qwen3-MoE: every layer, `sliding_window` only with `use_sliding_window`;
+///   transformers' Qwen3-MoE reads neither `layer_types` (refused) nor `max_window_layers`.
 /// - Qwen2 and Qwen3: `sliding_window` only with `use_sliding_window`, in the layers
 ///   `layer_types` names `sliding_attention`, by default those from `max_window_layers` on.
 /// - Llama has no window; a config that asks for one is refused rather than run whole.
@@ -20,15 +22,16 @@ pub(super) fn attention_windows(
     layers: usize,
 ) -> Result<Vec<Option<usize>>, String> {
     let window = match arch {
-        "mistral" => {
+        "mistral" | "mixtral" | "qwen3_moe" => {
             if raw.contains_key("layer_types") {
-                return Err(
-                    "layer_types is not read by transformers' Mistral, so a config \
-                            that sets it is not one it runs"
-                        .into(),
-                );
+                return Err(format!(
+                    "layer_types is not read by transformers' {arch}, so a config that sets \
+                     it is not one it runs"
+                ));
             }
-            return Ok(vec![window_field(raw)?; layers]);
+            let slides = arch != "qwen3_moe" || flag(raw, "use_sliding_window")?;
+            let window = if slides { window_field(raw)? } else { None };
+            return Ok(vec![window; layers]);
         }
         "qwen2" | "qwen3" if flag(raw, "use_sliding_window")? => window_field(raw)?,
         _ => None,
@@ -75,7 +78,8 @@ fn window_field(raw: &Map<String, Value>) -> Result<Option<usize>, String> {
     }
 }
 
-fn flag(raw: &Map<String, Value>, key: &str) -> Result<bool, String> {
+/// A boolean field, false when absent or null.
+pub(super) fn flag(raw: &Map<String, Value>, key: &str) -> Result<bool, String> {
     match raw.get(key) {
         None | Some(Value::Null) => Ok(false),
         Some(v) => v
@@ -125,6 +129,17 @@ mod tests {
         );
         assert!(windows("mistral", json!({"layer_types": ["full_attention"]}), 1).is_err());
         assert!(windows("mistral", json!({"sliding_window": 0}), 1).is_err());
+        assert_eq!(windows("mixtral", json!({}), 1), Ok(vec![Some(4096)]));
+    }
+
+    #[test]
+    fn qwen3_moe_slides_every_layer_only_with_use_sliding_window() {
+        let off = json!({"sliding_window": 8, "max_window_layers": 1});
+        assert_eq!(windows("qwen3_moe", off, 2), Ok(vec![None; 2]));
+        let on = json!({"use_sliding_window": true, "sliding_window": 8, "max_window_layers": 1});
+        assert_eq!(windows("qwen3_moe", on, 2), Ok(vec![Some(8); 2]));
+        let listed = json!({"layer_types": ["full_attention", "full_attention"]});
+        assert!(windows("qwen3_moe", listed, 2).is_err());
     }
 
     #[test]

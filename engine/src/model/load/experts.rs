@@ -1,0 +1,95 @@
+//! Loading a mixture of experts: each expert's MLP and the router, by the names each
+//! format gives them.
+
+use candle_core::Device;
+
+use super::mlp;
+use crate::error::Result;
+use crate::model::ffn::{Mixture, Mlp};
+use crate::weights::{quantized_linear, stack_quantized, WeightSource};
+use text::{ModelConfig, MoeConfig};
+
+/// Layer `i`'s mixture of experts.
+pub(super) fn mixture(
+    cfg: &ModelConfig,
+    moe: &MoeConfig,
+    src: &mut WeightSource,
+    i: usize,
+    device: &Device,
+) -> Result<Mixture> {
+    let (h, inter) = (cfg.hidden_size, moe.expert_intermediate_size);
+    let gguf = matches!(src, WeightSource::Gguf { .. });
+    let router = if gguf {
+        format!("blk.{i}.ffn_gate_inp.weight")
+    } else {
+        format!("{}.gate.weight", hf_block(cfg, i))
+    };
+    let router = src.linear(&router, None, (moe.experts, h), device)?;
+    let experts = if gguf {
+        gguf_experts(moe.experts, src, i, (inter, h), device)?
+    } else {
+        (0..moe.experts)
+            .map(|e| {
+                let [gate, up, down] = hf_expert(cfg, i, e);
+                mlp(src, [&gate, &up, &down], inter, h, device)
+            })
+            .collect::<Result<_>>()?
+    };
+    Ok(Mixture {
+        router,
+        experts,
+        top_k: moe.experts_per_token,
+        normalize: moe.normalize_top_k,
+    })
+}
+
+/// The module of layer `i` that holds the router and the experts in a Hugging Face file.
+fn hf_block(cfg: &ModelConfig, i: usize) -> String {
+    match cfg.architecture.as_str() {
+        "mixtral" => format!("model.layers.{i}.block_sparse_moe"),
+        _ => format!("model.layers.{i}.mlp"),
+    }
+}
+
+/// Expert `e`'s gate, up and down weights in a Hugging Face file: Mixtral's `w1`, `w3`
+/// and `w2`, Qwen's `*_proj`.
+fn hf_expert(cfg: &ModelConfig, i: usize, e: usize) -> [String; 3] {
+    let block = hf_block(cfg, i);
+    let parts = match cfg.architecture.as_str() {
+        "mixtral" => ["w1", "w3", "w2"],
+        _ => ["gate_proj", "up_proj", "down_proj"],
+    };
+    parts.map(|p| format!("{block}.experts.{e}.{p}.weight"))
+}
+
+/// The experts of layer `i` of a GGUF file, where each of gate, up and down is one
+/// tensor of all experts.
+fn gguf_experts(
+    experts: usize,
+    src: &mut WeightSource,
+    i: usize,
+    (inter, h): (usize, usize),
+    device: &Device,
+) -> Result<Vec<Mlp>> {
+    let name = |part: &str| format!("blk.{i}.ffn_{part}_exps.weight");
+    let gates = src.expert_slices(&name("gate"), experts, (inter, h), device)?;
+    let ups = src.expert_slices(&name("up"), experts, (inter, h), device)?;
+    let downs = src.expert_slices(&name("down"), experts, (h, inter), device)?;
+    gates
+        .into_iter()
+        .zip(ups)
+        .zip(downs)
+        .map(|((gate, up), down)| {
+            Ok(Mlp {
+                gate_up: stack_quantized(
+                    vec![gate, up],
+                    vec![None, None],
+                    vec![inter, inter],
+                    h,
+                    device,
+                )?,
+                down: quantized_linear(down, (h, inter), device)?,
+            })
+        })
+        .collect()
+}
