@@ -1,9 +1,10 @@
 """The generated tiny models as llama.cpp's own tools make and run them in GGUF.
 
 Usage (from the scripts/ directory):
-  LLAMA_CPP=DIR python3 oracle_gguf.py TINY_QWEN3 TINY_LLAMA3 TINY_QWEN3_MOE TINY_MIXTRAL
+  LLAMA_CPP=DIR python3 oracle_gguf.py TINY_QWEN3 TINY_LLAMA3 TINY_QWEN3_MOE TINY_MIXTRAL \
+      TINY_QWEN2_MOE
 
-Each folder is `tandem-model --family qwen3|llama3|qwen3-moe|mixtral`'s. DIR is a llama.cpp source tree at the
+Each folder is `tandem-model --family qwen3|llama3|qwen3-moe|mixtral|qwen2-moe`'s. DIR is a llama.cpp source tree at the
 version llama-cpp-python vendors (its sdist's vendor/llama.cpp), for its converter
 `convert_hf_to_gguf.py` and the `gguf-py` beside it.
 
@@ -43,6 +44,7 @@ MODELS = [
     ("llama3", [Q8_0]),
     ("qwen3_moe", [Q8_0]),
     ("mixtral", [Q4_1]),
+    ("qwen2_moe", [Q8_0]),
 ]
 
 

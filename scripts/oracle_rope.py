@@ -20,7 +20,7 @@ weights the engine runs. `engine/tests/engine/rope.rs` reads the output.
 
 It also records `config_fields`: every field transformers writes into a config.json for the
 configuration classes of the architectures the engine runs (LlamaConfig, MistralConfig,
-MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig), so that a test can check the engine
+MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig), so that a test can check the engine
 knows what to do with each.
 """
 
@@ -38,6 +38,7 @@ from transformers import (
     MistralConfig,
     MixtralConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -50,6 +51,7 @@ CONFIG_CLASSES = (
     MistralConfig,
     MixtralConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )

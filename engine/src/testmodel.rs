@@ -22,7 +22,7 @@ use text::tokenizer::QWEN2_SPLIT;
 use text::TextError;
 
 mod moe;
-pub use moe::{into_mixtral, into_qwen3_moe};
+pub use moe::{into_mixtral, into_qwen2_moe, into_qwen3_moe};
 
 /// Seed of the committed reference models.
 pub const DEFAULT_SEED: u64 = 20_261_122;

@@ -47,6 +47,14 @@ impl Linear {
         })
     }
 
+    /// A projection of a dense `[out, in]` weight, without a bias.
+    pub fn dense(weight: Tensor) -> Self {
+        Self {
+            weight: Weight::Candle(QMatMul::Tensor(weight)),
+            bias: None,
+        }
+    }
+
     /// Bytes a forward pass reads from this layer's weights (and bias).
     pub fn weight_bytes(&self) -> usize {
         let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();

@@ -89,6 +89,7 @@ fn architecture_of(model_type: &str, class: &str) -> Option<&'static str> {
         ("qwen3", _) | ("", "Qwen3ForCausalLM") => "qwen3",
         ("mistral", _) | ("", "MistralForCausalLM") => "mistral",
         ("qwen3_moe", _) | ("", "Qwen3MoeForCausalLM") => "qwen3_moe",
+        ("qwen2_moe", _) | ("", "Qwen2MoeForCausalLM") => "qwen2_moe",
         ("mixtral", _) | ("", "MixtralForCausalLM") => "mixtral",
         _ => return None,
     })
@@ -117,7 +118,8 @@ impl ModelConfig {
                 path,
                 format!(
                     "unsupported architecture {arch:?} (model_type {model_type:?}); \
-                     expected llama, mistral, mixtral, qwen2, qwen3 or qwen3_moe"
+                     expected llama, mistral, mixtral, qwen2, qwen2_moe, qwen3 or \
+                     qwen3_moe"
                 ),
             ));
         };
@@ -193,6 +195,16 @@ impl ModelConfig {
             self.architecture.as_str(),
             "qwen3" | "qwen3_moe" | "qwen3moe"
         )
+    }
+
+    /// Whether q, k and v carry biases where the weights hold them: Qwen2's and
+    /// Qwen2-MoE's, and any llama GGUF file's, as llama.cpp's llama graph adds them.
+    pub fn reads_qkv_biases(&self, gguf: bool) -> bool {
+        match self.architecture.as_str() {
+            "qwen2" | "qwen2_moe" | "qwen2moe" => true,
+            "llama" => gguf,
+            _ => false,
+        }
     }
 
     /// Heads that share one K/V head.

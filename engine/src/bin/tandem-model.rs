@@ -45,6 +45,8 @@ enum Family {
     Qwen3Moe,
     /// Mixtral: no biases, 8 experts per layer, 2 per token.
     Mixtral,
+    /// Qwen2-MoE: q/k/v biases, 8 experts per layer, 2 per token, and a shared expert.
+    Qwen2Moe,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -62,6 +64,7 @@ fn main() -> anyhow::Result<()> {
         Family::Llama3 => engine::testmodel::into_llama3(&cfg.out)?,
         Family::Qwen3Moe => engine::testmodel::into_qwen3_moe(&cfg.out, cfg.seed)?,
         Family::Mixtral => engine::testmodel::into_mixtral(&cfg.out, cfg.seed)?,
+        Family::Qwen2Moe => engine::testmodel::into_qwen2_moe(&cfg.out, cfg.seed)?,
     }
     println!("{}", cfg.out.display());
     if let Some(quant) = cfg.gguf {

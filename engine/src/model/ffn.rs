@@ -37,6 +37,21 @@ pub(super) struct Mixture {
     pub(super) top_k: usize,
     /// Whether the chosen weights are divided by their sum.
     pub(super) normalize: bool,
+    pub(super) shared: Option<SharedExpert>,
+}
+
+/// An expert every token runs beside its chosen ones, its output scaled by
+/// `sigmoid(gate(x))` (Qwen2-MoE's).
+pub(super) struct SharedExpert {
+    /// `[1, hidden]`.
+    pub(super) gate: Linear,
+    pub(super) mlp: Mlp,
+}
+
+impl SharedExpert {
+    fn weight_bytes(&self) -> usize {
+        self.gate.weight_bytes() + self.mlp.weight_bytes()
+    }
 }
 
 /// A layer's feed-forward.
@@ -59,18 +74,23 @@ impl Ffn {
         match self {
             Self::Dense(mlp) => mlp.weight_bytes(),
             Self::Mixture(m) => {
-                m.router.weight_bytes() + m.experts.iter().map(Mlp::weight_bytes).sum::<usize>()
+                m.router.weight_bytes()
+                    + m.experts.iter().map(Mlp::weight_bytes).sum::<usize>()
+                    + m.shared.as_ref().map_or(0, SharedExpert::weight_bytes)
             }
         }
     }
 
-    /// Bytes one token's step reads: the router and the `top_k` experts it picks.
+    /// Bytes one token's step reads: the router, the `top_k` experts it picks and the
+    /// shared expert.
     pub(super) fn bytes_per_token(&self) -> usize {
         match self {
             Self::Dense(mlp) => mlp.weight_bytes(),
             Self::Mixture(m) => {
                 let experts: usize = m.experts.iter().map(Mlp::weight_bytes).sum();
-                m.router.weight_bytes() + experts / m.experts.len() * m.top_k
+                m.router.weight_bytes()
+                    + experts / m.experts.len() * m.top_k
+                    + m.shared.as_ref().map_or(0, SharedExpert::weight_bytes)
             }
         }
     }
@@ -96,6 +116,10 @@ impl Mixture {
             let weights = Tensor::from_vec(batch.weights, (n, 1), xs.device())?;
             let ys = self.experts[expert].forward(&xs.index_select(&rows, 0)?)?;
             out = out.index_add(&rows, &ys.broadcast_mul(&weights)?, 0)?;
+        }
+        if let Some(shared) = &self.shared {
+            let gate = candle_nn::ops::sigmoid(&shared.gate.forward(xs)?)?;
+            out = (out + shared.mlp.forward(xs)?.broadcast_mul(&gate)?)?;
         }
         Ok(out)
     }

@@ -183,8 +183,7 @@ fn layer(
     // Qwen2 adds biases to q, k and v, and llama.cpp's llama graph adds them where a GGUF
     // file has them; transformers' other models here have none (`attention_bias` is
     // refused unless false), so a folder that holds them is refused as unread.
-    let gguf = matches!(src, WeightSource::Gguf { .. });
-    let biases = cfg.architecture == "qwen2" || (cfg.architecture == "llama" && gguf);
+    let biases = cfg.reads_qkv_biases(matches!(src, WeightSource::Gguf { .. }));
     let b = |part: &str| biases.then(|| format!("{}.bias", n(part)));
     Ok(Layer {
         attn_norm: src.dense_shaped(&w("attn_norm"), &[h], device)?,

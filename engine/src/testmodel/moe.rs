@@ -44,6 +44,36 @@ pub fn into_qwen3_moe(dir: &Path, seed: u64) -> Result<()> {
     .and_then(|width| with_experts(dir, seed, width, names, router))
 }
 
+/// Turns the Qwen2 folder `dir` (from [`super::write_model`]) into a Qwen2-MoE one in
+/// place, shaped as Qwen1.5-MoE-A2.7B is: Qwen2's attention with its q/k/v biases, and in
+/// every layer [`EXPERTS`] experts half the dense width, [`EXPERTS_PER_TOKEN`] run per
+/// token with their softmax weights as they are, and a shared expert of the dense width
+/// behind a sigmoid gate.
+pub fn into_qwen2_moe(dir: &Path, seed: u64) -> Result<()> {
+    let width = edit_config(dir, |config, dense| {
+        config.insert("architectures".into(), json!(["Qwen2MoeForCausalLM"]));
+        config.insert("model_type".into(), json!("qwen2_moe"));
+        config.insert("num_experts".into(), json!(EXPERTS));
+        config.insert("num_experts_per_tok".into(), json!(EXPERTS_PER_TOKEN));
+        config.insert("moe_intermediate_size".into(), json!(dense / 2));
+        config.insert("shared_expert_intermediate_size".into(), json!(dense));
+        config.insert("norm_topk_prob".into(), json!(false));
+        config.insert("decoder_sparse_step".into(), json!(1));
+        config.insert("mlp_only_layers".into(), json!([]));
+        config.insert("qkv_bias".into(), json!(true));
+        dense / 2
+    })?;
+    let block = |i: usize| format!("model.layers.{i}.mlp");
+    let names = move |i: usize, e: usize| {
+        ["gate_proj", "up_proj", "down_proj"]
+            .map(|p| format!("{}.experts.{e}.{p}.weight", block(i)))
+    };
+    with_experts(dir, seed, width, names, |i| {
+        format!("{}.gate.weight", block(i))
+    })?;
+    with_shared_expert(dir, seed, 2 * width, block)
+}
+
 /// Turns the Qwen2 folder `dir` (from [`super::write_model`]) into a Mixtral one in
 /// place: no biases, no window (as Mixtral 8x7B's config has it), and in every layer
 /// [`EXPERTS`] experts of the dense width, [`EXPERTS_PER_TOKEN`] run per token.
@@ -115,6 +145,43 @@ fn with_experts(
                 let t = rng.tensor(&shape, 0.0, (1.0 / shape[1] as f32).sqrt())?;
                 w.insert(name, t.to_dtype(dtype)?);
             }
+        }
+    }
+    candle_core::safetensors::save(&w, &path)?;
+    Ok(())
+}
+
+/// Gives every layer of `dir` a shared expert `width` wide and its gate, under the module
+/// `block(layer)` names.
+fn with_shared_expert(
+    dir: &Path,
+    seed: u64,
+    width: usize,
+    block: impl Fn(usize) -> String,
+) -> Result<()> {
+    let path = dir.join("model.safetensors");
+    let mut w = candle_core::safetensors::load(&path, &Device::Cpu)?;
+    let dtype = w["model.embed_tokens.weight"].dtype();
+    let hidden = w["model.norm.weight"].dim(0)?;
+    let layers = w.keys().filter(|k| k.ends_with(".gate.weight")).count();
+    let mut rng = Normal(crate::sampling::SplitMix64::new(seed ^ 0x0053_6845));
+    for i in 0..layers {
+        let b = block(i);
+        let gate = rng.tensor(&[1, hidden], 0.0, (1.0 / hidden as f32).sqrt())?;
+        w.insert(
+            format!("{b}.shared_expert_gate.weight"),
+            gate.to_dtype(dtype)?,
+        );
+        for (part, shape) in [
+            ("gate", [width, hidden]),
+            ("up", [width, hidden]),
+            ("down", [hidden, width]),
+        ] {
+            let t = rng.tensor(&shape, 0.0, (1.0 / shape[1] as f32).sqrt())?;
+            w.insert(
+                format!("{b}.shared_expert.{part}_proj.weight"),
+                t.to_dtype(dtype)?,
+            );
         }
     }
     candle_core::safetensors::save(&w, &path)?;

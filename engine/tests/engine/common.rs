@@ -79,6 +79,18 @@ pub fn tiny_mixtral_dir() -> PathBuf {
     .clone()
 }
 
+/// The generated tiny model turned Qwen2-MoE (8 experts per layer, 2 per token, and a
+/// shared expert), written once per test binary.
+pub fn tiny_qwen2_moe_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        turned("qwen2-moe", |dir| {
+            engine::testmodel::into_qwen2_moe(dir, engine::testmodel::DEFAULT_SEED)
+        })
+    })
+    .clone()
+}
+
 /// The tiny model written into the target folder and turned into `family` by `turn`.
 fn turned(family: &str, turn: fn(&std::path::Path) -> engine::Result<()>) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))

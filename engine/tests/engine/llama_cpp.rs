@@ -3,9 +3,9 @@
 //! Each reference is made with llama.cpp itself: prompts, llama.cpp's greedy continuation
 //! of each, and at each position its five best next tokens with their log-probabilities.
 //! `llama_cpp_smollm2.json` (`scripts/oracle_llama_cpp.py`) is for the real SmolLM2 file;
-//! `llama_cpp_tiny_{qwen3,llama3,qwen3_moe,mixtral}_*.json` (`scripts/oracle_gguf.py`) for
-//! the generated tiny Qwen3, Llama 3.1, Qwen3-MoE and Mixtral as llama.cpp's own converter
-//! and quantizer write them (`fixtures/gguf/`).
+//! `llama_cpp_tiny_{model}_*.json` (`scripts/oracle_gguf.py`) for the generated tiny
+//! Qwen3, Llama 3.1, Qwen3-MoE, Mixtral and Qwen2-MoE as llama.cpp's own converter and
+//! quantizer write them (`fixtures/gguf/`).
 
 use std::path::Path;
 
@@ -76,6 +76,14 @@ fn tiny_qwen3_moe_from_llama_cpps_converter_agrees_with_llama_cpp() {
     assert_agrees(&gguf, "llama_cpp_tiny_qwen3_moe_q8_0.json");
 }
 
+/// The tiny Qwen2-MoE, whose shared expert and its gate llama.cpp's converter writes as
+/// tensors of their own.
+#[test]
+fn tiny_qwen2_moe_from_llama_cpps_converter_agrees_with_llama_cpp() {
+    let gguf = common::fixture("gguf/tiny-qwen2_moe-q8_0.gguf");
+    assert_agrees(&gguf, "llama_cpp_tiny_qwen2_moe_q8_0.json");
+}
+
 /// The tiny Mixtral, which llama.cpp's converter writes as a `llama` file with experts,
 /// in Q4_1 (our kernel for each expert).
 #[test]
@@ -121,6 +129,26 @@ fn llama_cpps_conversion_of_tiny_qwen3_moe_is_its_folder() {
             (
                 "blk.0.attn_k_norm.weight",
                 "model.layers.0.self_attn.k_norm.weight",
+            ),
+        ],
+    );
+}
+
+/// The same for the tiny Qwen2-MoE, with its shared expert's gate.
+#[test]
+fn llama_cpps_conversion_of_tiny_qwen2_moe_is_its_folder() {
+    assert_conversion_is_folder(
+        &common::tiny_qwen2_moe_dir(),
+        "gguf/tiny-qwen2_moe-q8_0.gguf",
+        "qwen2moe",
+        &[
+            (
+                "blk.0.ffn_gate_inp.weight",
+                "model.layers.0.mlp.gate.weight",
+            ),
+            (
+                "blk.1.ffn_gate_inp_shexp.weight",
+                "model.layers.1.mlp.shared_expert_gate.weight",
             ),
         ],
     );

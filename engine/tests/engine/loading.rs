@@ -233,6 +233,7 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
         "tiny-llama3-q8_0",
         "tiny-qwen3_moe-q8_0",
         "tiny-mixtral-q4_1",
+        "tiny-qwen2_moe-q8_0",
     ]
     .iter()
     .map(|n| common::fixture(&format!("gguf/{n}.gguf")))
@@ -248,7 +249,11 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
             path.display()
         );
     }
-    for f32_dir in [common::tiny_qwen3_dir(), common::tiny_mixtral_dir()] {
+    for f32_dir in [
+        common::tiny_qwen3_dir(),
+        common::tiny_mixtral_dir(),
+        common::tiny_qwen2_moe_dir(),
+    ] {
         let model = Model::load(&f32_dir, &Device::Cpu).unwrap();
         let headers = read_headers(&f32_dir).unwrap();
         assert_eq!(

@@ -54,6 +54,16 @@ fn tiny_mixtral_matches_transformers_token_for_token() {
     matches_reference(&common::tiny_mixtral_dir(), "tiny_mixtral_reference.json");
 }
 
+/// The tiny model turned Qwen2-MoE against transformers' Qwen2MoeForCausalLM,
+/// `tiny_qwen2_moe_reference.json`: unnormalized routing and a gated shared expert.
+#[test]
+fn tiny_qwen2_moe_matches_transformers_token_for_token() {
+    matches_reference(
+        &common::tiny_qwen2_moe_dir(),
+        "tiny_qwen2_moe_reference.json",
+    );
+}
+
 fn matches_reference(dir: &std::path::Path, fixture: &str) {
     let fx: Value =
         serde_json::from_str(&std::fs::read_to_string(common::fixture(fixture)).unwrap()).unwrap();

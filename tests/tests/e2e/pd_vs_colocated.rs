@@ -120,14 +120,15 @@ async fn pd_equals_colocated_equals_one_process() {
 }
 
 /// Qwen3 (per-head q/k norms, wide heads), Mistral (a sliding window of 16 positions) and
-/// the mixtures Qwen3-MoE and Mixtral (8 experts, 2 per token), with a prompt past the
+/// the mixtures Qwen3-MoE, Mixtral and Qwen2-MoE (8 experts, 2 per token; Qwen2-MoE's
+/// shared expert), with a prompt past the
 /// window computed in chunks of 4 on the prefill node: PD, colocated and one process give
 /// the same tokens, greedy and sampled.
 #[tokio::test]
 async fn pd_equals_colocated_equals_one_process_for_each_family() {
     let prompt = "Every request ends with tokens, an error, or a clean finish reason, \
                   whichever node computed its prompt.";
-    for family in ["qwen3", "mistral", "qwen3_moe", "mixtral"] {
+    for family in ["qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe"] {
         let model = tiny_model_turned(family);
         let chunked = ["--chunk-tokens", "4", "--step-tokens", "6"];
         let pd = Cluster::start_with(Mode::Pd, &model, &[], &chunked).await;

@@ -112,6 +112,9 @@ pub fn field_use(key: &str) -> Option<FieldUse> {
         return Some(FieldUse::Ignored(why));
     }
     Some(match key {
+        "qkv_bias" => FieldUse::Only("true (Qwen2-MoE's q/k/v biases)", |v| {
+            matches!(v, Value::Null | Value::Bool(true))
+        }),
         "attention_bias" => FieldUse::Only("false (Llama's projections without biases)", is_false),
         "mlp_bias" => FieldUse::Only("false", is_false),
         "is_encoder_decoder" => FieldUse::Only("false", is_false),

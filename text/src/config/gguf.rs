@@ -11,7 +11,7 @@ use crate::gguf::{Metadata, Value};
 use crate::rope::RopeScaling;
 
 /// The GGUF architectures the engine runs.
-const ARCHITECTURES: [&str; 4] = ["llama", "qwen2", "qwen3", "qwen3moe"];
+const ARCHITECTURES: [&str; 5] = ["llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe"];
 
 /// The `{arch}.*` keys the engine reads, beside `rope.scaling.*` ([`gguf_rope_scaling`])
 /// and the experts' ([`super::moe::GGUF_KEYS`]).
@@ -32,7 +32,7 @@ const READ_KEYS: [&str; 13] = [
 ];
 
 impl ModelConfig {
-    /// Reads the `llama`, `qwen2`, `qwen3` or `qwen3moe` keys of a GGUF file's metadata.
+    /// Reads the keys of a GGUF file's metadata for one of [`ARCHITECTURES`].
     pub fn from_gguf(meta: &Metadata, path: &Path) -> Result<Self> {
         let md = |key: &str| meta.get(key);
         let bad = |reason: String| TextError::invalid_model(path, reason);

@@ -21,11 +21,15 @@ pub struct MoeConfig {
     pub normalize_top_k: bool,
     /// Per layer, whether its feed-forward is the mixture (`true`) or the dense MLP.
     pub sparse_layers: Vec<bool>,
+    /// The width of the expert every token also runs, its output scaled by a sigmoid
+    /// gate (Qwen2-MoE's); `None` without one.
+    pub shared_expert_intermediate_size: Option<usize>,
 }
 
 /// The fields only a mixture-of-experts config has; a dense architecture carrying one is
-/// refused, since it would not run them.
-pub(super) const MOE_FIELDS: [&str; 7] = [
+/// refused, since it would not run them. Qwen's mixtures read all but the last, which
+/// only Qwen2-MoE has.
+pub(super) const MOE_FIELDS: [&str; 8] = [
     "num_experts",
     "num_local_experts",
     "num_experts_per_tok",
@@ -33,13 +37,16 @@ pub(super) const MOE_FIELDS: [&str; 7] = [
     "norm_topk_prob",
     "decoder_sparse_step",
     "mlp_only_layers",
+    "shared_expert_intermediate_size",
 ];
 
 /// The mixture of `arch`'s config, `None` for a dense architecture:
-/// - Qwen3-MoE: `num_experts` (or transformers 5's `num_local_experts`), top
-///   `num_experts_per_tok`, experts `moe_intermediate_size` wide, `norm_topk_prob`; layer
-///   `i` is sparse unless `mlp_only_layers` names it, when `(i + 1) % decoder_sparse_step`
-///   is 0. Absent fields take `Qwen3MoeConfig`'s defaults.
+/// - Qwen3-MoE and Qwen2-MoE: `num_experts` (or transformers 5's `num_local_experts`),
+///   top `num_experts_per_tok`, experts `moe_intermediate_size` wide, `norm_topk_prob`;
+///   layer `i` is sparse unless `mlp_only_layers` names it, when
+///   `(i + 1) % decoder_sparse_step` is 0; Qwen2-MoE's shared expert
+///   `shared_expert_intermediate_size` wide. Absent fields take the configuration class's
+///   defaults.
 /// - Mixtral: `num_local_experts`, top `num_experts_per_tok`, experts
 ///   `intermediate_size` wide, always normalized, every layer sparse.
 pub(super) fn from_hf(
@@ -58,18 +65,29 @@ pub(super) fn from_hf(
         }
     };
     let moe = match arch {
-        "qwen3_moe" => {
-            refuse_fields_but(arch, raw, &MOE_FIELDS)?;
+        "qwen3_moe" | "qwen2_moe" => {
+            let qwen2 = arch == "qwen2_moe";
+            let read = if qwen2 {
+                &MOE_FIELDS[..]
+            } else {
+                &MOE_FIELDS[..7]
+            };
+            refuse_fields_but(arch, raw, read)?;
             let step = count(&["decoder_sparse_step"], 1)?;
             let dense = mlp_only_layers(raw)?;
+            // (experts, per token, width) by default: Qwen2MoeConfig's, Qwen3MoeConfig's.
+            let defaults = if qwen2 { (60, 4, 1408) } else { (128, 8, 768) };
             MoeConfig {
-                experts: count(&["num_experts", "num_local_experts"], 128)?,
-                experts_per_token: count(&["num_experts_per_tok"], 8)?,
-                expert_intermediate_size: count(&["moe_intermediate_size"], 768)?,
+                experts: count(&["num_experts", "num_local_experts"], defaults.0)?,
+                experts_per_token: count(&["num_experts_per_tok"], defaults.1)?,
+                expert_intermediate_size: count(&["moe_intermediate_size"], defaults.2)?,
                 normalize_top_k: flag(raw, "norm_topk_prob")?,
                 sparse_layers: (0..layers)
                     .map(|i| !dense.contains(&i) && step > 0 && (i + 1) % step == 0)
                     .collect(),
+                shared_expert_intermediate_size: qwen2
+                    .then(|| count(&["shared_expert_intermediate_size"], 5632))
+                    .transpose()?,
             }
         }
         "mixtral" => {
@@ -80,6 +98,7 @@ pub(super) fn from_hf(
                 expert_intermediate_size: intermediate_size,
                 normalize_top_k: true,
                 sparse_layers: vec![true; layers],
+                shared_expert_intermediate_size: None,
             }
         }
         _ => {
@@ -106,7 +125,8 @@ fn refuse_fields_but(arch: &str, raw: &Map<String, Value>, read: &[&str]) -> Res
 /// The mixture of a GGUF file of `arch`, as llama.cpp's graphs run it: `expert_count`
 /// experts of `expert_feed_forward_length` (a llama file's, Mixtral's, are
 /// `feed_forward_length` wide), top `expert_used_count`, in every layer; llama.cpp's
-/// `qwen3moe` and `llama` graphs always normalize the chosen weights.
+/// `qwen3moe` and `llama` graphs always normalize the chosen weights, its `qwen2moe`
+/// never, and runs its shared expert `expert_shared_feed_forward_length` wide.
 pub(super) fn from_gguf(
     meta: &Metadata,
     arch: &str,
@@ -121,28 +141,33 @@ pub(super) fn from_gguf(
     let Some(experts) = num("expert_count").filter(|&n| n > 0) else {
         return Ok(None);
     };
-    let width = match arch {
-        "qwen3moe" => num("expert_feed_forward_length")
-            .ok_or_else(|| format!("missing {arch}.expert_feed_forward_length"))?,
-        "llama" => feed_forward,
+    let required = |key: &str| num(key).ok_or_else(|| format!("missing {arch}.{key}"));
+    let (width, shared) = match arch {
+        "qwen3moe" => (required("expert_feed_forward_length")?, None),
+        "qwen2moe" => (
+            required("expert_feed_forward_length")?,
+            Some(required("expert_shared_feed_forward_length")?),
+        ),
+        "llama" => (feed_forward, None),
         _ => return Err(format!("{arch}.expert_count: {arch} has no experts")),
     };
     let moe = MoeConfig {
         experts,
-        experts_per_token: num("expert_used_count")
-            .ok_or_else(|| format!("missing {arch}.expert_used_count"))?,
+        experts_per_token: required("expert_used_count")?,
         expert_intermediate_size: width,
-        normalize_top_k: true,
+        normalize_top_k: arch != "qwen2moe",
         sparse_layers: vec![true; layers],
+        shared_expert_intermediate_size: shared,
     };
     moe.validate().map(|()| Some(moe))
 }
 
 /// The GGUF `{arch}.*` keys [`from_gguf`] reads.
-pub(super) const GGUF_KEYS: [&str; 3] = [
+pub(super) const GGUF_KEYS: [&str; 4] = [
     "expert_count",
     "expert_used_count",
     "expert_feed_forward_length",
+    "expert_shared_feed_forward_length",
 ];
 
 impl MoeConfig {
@@ -207,6 +232,15 @@ mod tests {
         let moe = from_gguf(&mixtral, "llama", 48, 1).unwrap().unwrap();
         assert_eq!(moe.expert_intermediate_size, 48);
         assert_eq!(from_gguf(&gguf(&[]), "llama", 48, 1), Ok(None));
+        let shared = gguf(&[
+            ("qwen2moe.expert_count", 8),
+            ("qwen2moe.expert_used_count", 2),
+            ("qwen2moe.expert_feed_forward_length", 16),
+            ("qwen2moe.expert_shared_feed_forward_length", 32),
+        ]);
+        let moe = from_gguf(&shared, "qwen2moe", 48, 1).unwrap().unwrap();
+        assert_eq!(moe.shared_expert_intermediate_size, Some(32));
+        assert!(!moe.normalize_top_k);
         let dense = gguf(&[("qwen3.expert_count", 8), ("qwen3.expert_used_count", 2)]);
         assert!(from_gguf(&dense, "qwen3", 48, 1).is_err());
         let unused = gguf(&[("llama.expert_count", 4)]);
@@ -230,6 +264,23 @@ mod tests {
         let v5 = json!({"num_local_experts": 4, "num_experts_per_tok": 2});
         let v5 = hf("qwen3_moe", v5, 1).unwrap();
         assert_eq!(v5.unwrap().experts, 4);
+    }
+
+    #[test]
+    fn qwen2_moe_has_a_shared_expert_and_its_own_defaults() {
+        let moe = hf(
+            "qwen2_moe",
+            json!({"shared_expert_intermediate_size": 96}),
+            1,
+        );
+        let moe = moe.unwrap().unwrap();
+        assert_eq!((moe.experts, moe.experts_per_token), (60, 4));
+        assert_eq!(moe.shared_expert_intermediate_size, Some(96));
+        assert!(!moe.normalize_top_k);
+        let qwen3 = hf("qwen3_moe", json!({"num_experts_per_tok": 2}), 1).unwrap();
+        assert_eq!(qwen3.unwrap().shared_expert_intermediate_size, None);
+        let shared = json!({"shared_expert_intermediate_size": 8});
+        assert!(hf("qwen3_moe", shared, 1).is_err());
     }
 
     #[test]

@@ -15,6 +15,8 @@ const DEFAULT_MAX_WINDOW_LAYERS: u64 = 28;
 ///   transformers' Qwen3-MoE reads neither `layer_types` (refused) nor `max_window_layers`.
 /// - Qwen2 and Qwen3: `sliding_window` only with `use_sliding_window`, in the layers
 ///   `layer_types` names `sliding_attention`, by default those from `max_window_layers` on.
+/// - Qwen2-MoE: no window; `use_sliding_window` is refused (its layer pattern is not
+///   run), as are `layer_types` that name a sliding layer.
 /// - Llama has no window; a config that asks for one is refused rather than run whole.
 pub(super) fn attention_windows(
     arch: &str,
@@ -34,6 +36,9 @@ pub(super) fn attention_windows(
             return Ok(vec![window; layers]);
         }
         "qwen2" | "qwen3" if flag(raw, "use_sliding_window")? => window_field(raw)?,
+        "qwen2_moe" if flag(raw, "use_sliding_window")? => {
+            return Err("use_sliding_window true is not supported for qwen2_moe".into())
+        }
         _ => None,
     };
     let sliding = match raw.get("layer_types").filter(|v| !v.is_null()) {
@@ -155,6 +160,16 @@ mod tests {
         assert!(windows("qwen2", windowless, 1).is_err());
         let short = json!({"use_sliding_window": true, "layer_types": ["full_attention"]});
         assert!(windows("qwen2", short, 2).is_err());
+    }
+
+    #[test]
+    fn qwen2_moe_refuses_its_window() {
+        assert_eq!(
+            windows("qwen2_moe", json!({"sliding_window": 8}), 2),
+            Ok(vec![None; 2])
+        );
+        let on = json!({"use_sliding_window": true, "sliding_window": 8});
+        assert!(windows("qwen2_moe", on, 2).is_err());
     }
 
     #[test]

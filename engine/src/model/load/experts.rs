@@ -5,8 +5,8 @@ use candle_core::Device;
 
 use super::mlp;
 use crate::error::Result;
-use crate::model::ffn::{Mixture, Mlp};
-use crate::weights::{quantized_linear, stack_quantized, WeightSource};
+use crate::model::ffn::{Mixture, Mlp, SharedExpert};
+use crate::weights::{quantized_linear, stack_quantized, Linear, WeightSource};
 use text::{ModelConfig, MoeConfig};
 
 /// Layer `i`'s mixture of experts.
@@ -35,11 +35,44 @@ pub(super) fn mixture(
             })
             .collect::<Result<_>>()?
     };
+    let shared = match moe.shared_expert_intermediate_size {
+        Some(width) => Some(shared_expert(cfg, src, i, width, device)?),
+        None => None,
+    };
     Ok(Mixture {
         router,
         experts,
         top_k: moe.experts_per_token,
         normalize: moe.normalize_top_k,
+        shared,
+    })
+}
+
+/// Layer `i`'s shared expert, `width` wide, and its gate: `[1, hidden]` in a Hugging Face
+/// file, `[hidden]` in a GGUF one.
+fn shared_expert(
+    cfg: &ModelConfig,
+    src: &mut WeightSource,
+    i: usize,
+    width: usize,
+    device: &Device,
+) -> Result<SharedExpert> {
+    let h = cfg.hidden_size;
+    let (names, gate) = if matches!(src, WeightSource::Gguf { .. }) {
+        let names = ["gate", "up", "down"].map(|p| format!("blk.{i}.ffn_{p}_shexp.weight"));
+        let gate = src.dense_shaped(&format!("blk.{i}.ffn_gate_inp_shexp.weight"), &[h], device)?;
+        (names, Linear::dense(gate.reshape((1, h))?))
+    } else {
+        let block = hf_block(cfg, i);
+        let names =
+            ["gate", "up", "down"].map(|p| format!("{block}.shared_expert.{p}_proj.weight"));
+        let gate = format!("{block}.shared_expert_gate.weight");
+        (names, src.linear(&gate, None, (1, h), device)?)
+    };
+    let [g, u, d] = &names;
+    Ok(SharedExpert {
+        gate,
+        mlp: mlp(src, [g, u, d], width, h, device)?,
     })
 }
 
