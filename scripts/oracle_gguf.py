@@ -2,9 +2,11 @@
 
 Usage (from the scripts/ directory):
   LLAMA_CPP=DIR python3 oracle_gguf.py TINY_QWEN3 TINY_LLAMA3 TINY_QWEN3_MOE TINY_MIXTRAL \
-      TINY_QWEN2_MOE
+      TINY_QWEN2_MOE TINY_QWEN2
 
-Each folder is `tandem-model --family qwen3|llama3|qwen3-moe|mixtral|qwen2-moe`'s. DIR is a llama.cpp source tree at the
+Each folder is `tandem-model --family qwen3|llama3|qwen3-moe|mixtral|qwen2-moe|qwen2`'s. The
+plain Qwen2 one is converted with Qwen2.5's long-context setting added to a copy of its
+config.json (YaRN, factor 4, past an original context of 64: YARN), as `qwen2_yarn`. DIR is a llama.cpp source tree at the
 version llama-cpp-python vendors (its sdist's vendor/llama.cpp), for its converter
 `convert_hf_to_gguf.py` and the `gguf-py` beside it.
 
@@ -22,8 +24,10 @@ version llama-cpp-python vendors (its sdist's vendor/llama.cpp), for its convert
 
 import hashlib
 import importlib.metadata as md
+import json
 import os
 import runpy
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -45,7 +49,14 @@ MODELS = [
     ("qwen3_moe", [Q8_0]),
     ("mixtral", [Q4_1]),
     ("qwen2_moe", [Q8_0]),
+    ("qwen2_yarn", [Q8_0]),
 ]
+# The config.json fields each model's folder is converted with, over its own.
+CONFIG_EDITS = {
+    "qwen2_yarn": {
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    },
+}
 
 
 def convert(llama_cpp: Path, model_dir: Path, out: Path) -> None:
@@ -86,9 +97,21 @@ def main() -> None:
     for (model, quants), model_dir in zip(MODELS, sys.argv[1:], strict=True):
         with tempfile.TemporaryDirectory() as tmp:
             f32 = Path(tmp) / f"tiny-{model}-f32.gguf"
-            convert(llama_cpp_dir, Path(model_dir), f32)
+            source = edited(Path(model_dir), Path(tmp) / model, CONFIG_EDITS.get(model))
+            convert(llama_cpp_dir, source, f32)
             for quant in quants:
                 record(model, f32, quant)
+
+
+def edited(model_dir: Path, copy: Path, edit: dict | None) -> Path:
+    """`model_dir`, or a copy of it at `copy` with `edit`'s fields set in its config.json."""
+    if edit is None:
+        return model_dir
+    shutil.copytree(model_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config.update(edit)
+    (copy / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return copy
 
 
 def record(model: str, f32: Path, quant: tuple) -> None:

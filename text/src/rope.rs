@@ -210,7 +210,7 @@ fn number(params: &Map<String, Value>, field: &str, key: &str) -> Result<Option<
 }
 
 /// transformers' YaRN magnitude scale for a context stretched by `scale`.
-fn mscale(scale: f64, m: f64) -> f64 {
+pub(crate) fn mscale(scale: f64, m: f64) -> f64 {
     if scale <= 1.0 {
         1.0
     } else {

@@ -4,8 +4,8 @@
 //! of each, and at each position its five best next tokens with their log-probabilities.
 //! `llama_cpp_smollm2.json` (`scripts/oracle_llama_cpp.py`) is for the real SmolLM2 file;
 //! `llama_cpp_tiny_{model}_*.json` (`scripts/oracle_gguf.py`) for the generated tiny
-//! Qwen3, Llama 3.1, Qwen3-MoE, Mixtral and Qwen2-MoE as llama.cpp's own converter and
-//! quantizer write them (`fixtures/gguf/`).
+//! Qwen3, Llama 3.1, Qwen3-MoE, Mixtral, Qwen2-MoE and Qwen2 with YaRN as llama.cpp's own
+//! converter and quantizer write them (`fixtures/gguf/`).
 
 use std::path::Path;
 
@@ -66,6 +66,18 @@ fn tiny_llama3_from_llama_cpps_converter_agrees_with_llama_cpp() {
     let meta = text::gguf::Metadata::open(&gguf).unwrap();
     assert!(meta.tensors.contains("rope_freqs.weight"));
     assert_agrees(&gguf, "llama_cpp_tiny_llama3_q8_0.json");
+}
+
+/// The tiny Qwen2 with Qwen2.5's long-context YaRN (factor 4 past 64 positions, prompts
+/// of up to 200) as llama.cpp's converter writes it: `rope.scaling.type yarn`, read as
+/// llama.cpp reads it.
+#[test]
+fn tiny_qwen2_with_yarn_from_llama_cpps_converter_agrees_with_llama_cpp() {
+    let gguf = common::fixture("gguf/tiny-qwen2_yarn-q8_0.gguf");
+    let meta = text::gguf::Metadata::open(&gguf).unwrap();
+    let cfg = text::ModelConfig::from_gguf(&meta, &gguf).unwrap();
+    assert!(matches!(cfg.rope_scaling, text::RopeScaling::Yarn { .. }));
+    assert_agrees(&gguf, "llama_cpp_tiny_qwen2_yarn_q8_0.json");
 }
 
 /// The tiny Qwen3-MoE (8 experts a layer, 2 per token) as llama.cpp converts it: each

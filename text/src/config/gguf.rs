@@ -8,12 +8,13 @@ use std::path::Path;
 use super::{ModelConfig, RopeStyle};
 use crate::error::{Result, TextError};
 use crate::gguf::{Metadata, Value};
-use crate::rope::RopeScaling;
+
+mod rope;
 
 /// The GGUF architectures the engine runs.
 const ARCHITECTURES: [&str; 5] = ["llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe"];
 
-/// The `{arch}.*` keys the engine reads, beside `rope.scaling.*` ([`gguf_rope_scaling`])
+/// The `{arch}.*` keys the engine reads, beside `rope.scaling.*` ([`rope::scaling`])
 /// and the experts' ([`super::moe::GGUF_KEYS`]).
 const READ_KEYS: [&str; 13] = [
     "block_count",
@@ -36,16 +37,7 @@ impl ModelConfig {
     pub fn from_gguf(meta: &Metadata, path: &Path) -> Result<Self> {
         let md = |key: &str| meta.get(key);
         let bad = |reason: String| TextError::invalid_model(path, reason);
-        let arch = md("general.architecture")
-            .and_then(|v| v.as_str().map(str::to_string))
-            .ok_or_else(|| bad("no general.architecture".into()))?;
-        if !ARCHITECTURES.contains(&arch.as_str()) {
-            return Err(bad(format!(
-                "unsupported GGUF architecture {arch:?} ({} are supported)",
-                ARCHITECTURES.join(", ")
-            )));
-        }
-        refuse_unknown_keys(meta, &arch).map_err(bad)?;
+        let arch = architecture(meta).map_err(bad)?;
         let num = |key: &str| -> Result<usize> {
             let full = format!("{arch}.{key}");
             md(&full)
@@ -66,6 +58,7 @@ impl ModelConfig {
         };
         let head_dim = head_dim(&num, hidden / heads).map_err(bad)?;
         let tied = !meta.tensors.contains("output.weight");
+        let context_length = num("context_length").unwrap_or(4096);
         let feed_forward = num("feed_forward_length")?;
         let layers = num("block_count")?;
         let moe = super::moe::from_gguf(meta, &arch, feed_forward, layers).map_err(bad)?;
@@ -81,8 +74,8 @@ impl ModelConfig {
             head_dim,
             rms_norm_eps: float("attention.layer_norm_rms_epsilon", 1e-6),
             rope_theta: float("rope.freq_base", 10_000.0),
-            rope_scaling: gguf_rope_scaling(meta, &arch).map_err(bad)?,
-            max_position_embeddings: num("context_length").unwrap_or(4096),
+            rope_scaling: rope::scaling(meta, &arch, context_length).map_err(bad)?,
+            max_position_embeddings: context_length,
             tie_word_embeddings: tied,
             // llama.cpp's converter permutes a llama file's q/k rows so that its graph
             // rotates adjacent pairs; Qwen's keep Hugging Face's halves (NEOX in llama.cpp).
@@ -103,6 +96,23 @@ impl ModelConfig {
         cfg.validate(path)?;
         Ok(cfg)
     }
+}
+
+/// The file's `general.architecture`, one the engine runs, whose every `{arch}.*` key the
+/// engine reads.
+fn architecture(meta: &Metadata) -> std::result::Result<String, String> {
+    let arch = meta
+        .get("general.architecture")
+        .and_then(Value::as_str)
+        .ok_or("no general.architecture")?;
+    if !ARCHITECTURES.contains(&arch) {
+        return Err(format!(
+            "unsupported GGUF architecture {arch:?} ({} are supported)",
+            ARCHITECTURES.join(", ")
+        ));
+    }
+    refuse_unknown_keys(meta, arch)?;
+    Ok(arch.to_string())
 }
 
 /// The head size as llama.cpp takes it: `attention.key_length`, else the embedding width
@@ -153,46 +163,12 @@ fn refuse_unknown_keys(meta: &Metadata, arch: &str) -> std::result::Result<(), S
     Ok(())
 }
 
-/// The `{arch}.rope.scaling.*` keys of a GGUF file, read as llama.cpp reads them: a
-/// `factor` divides every frequency (llama.cpp's `freq_scale`) under type `none` or
-/// `linear`. YaRN and the keys llama.cpp reads only for it are refused, as is any other
-/// scaling key, so that no setting of the file is skipped.
-fn gguf_rope_scaling(meta: &Metadata, arch: &str) -> std::result::Result<RopeScaling, String> {
-    let prefix = format!("{arch}.rope.scaling.");
-    let kind = meta
-        .get(&format!("{prefix}type"))
-        .and_then(Value::as_str)
-        .unwrap_or("none");
-    if !matches!(kind, "none" | "linear") {
-        return Err(format!(
-            "{prefix}type {kind:?} is not supported (none and linear are)"
-        ));
-    }
-    // Informational, or read by llama.cpp only for YaRN.
-    let neutral = ["type", "factor", "original_context_length", "finetuned"];
-    for (key, name) in keys_under(meta, &prefix) {
-        let unit = meta.get(key).and_then(Value::to_f64) == Some(1.0);
-        let allowed = neutral.contains(&name) || (name == "attn_factor" && unit);
-        if !allowed {
-            return Err(format!("{key} is not supported"));
-        }
-    }
-    // The key older converters wrote, which llama.cpp still reads first.
-    let factor = meta
-        .get(&format!("{arch}.rope.scale_linear"))
-        .or_else(|| meta.get(&format!("{prefix}factor")))
-        .and_then(Value::to_f64);
-    match factor {
-        Some(factor) if factor != 0.0 && factor != 1.0 => Ok(RopeScaling::Linear { factor }),
-        _ => Ok(RopeScaling::None),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn meta(values: &[(&str, Value)]) -> Metadata {
+    /// Metadata of `values` and no tensors.
+    pub(super) fn meta(values: &[(&str, Value)]) -> Metadata {
         Metadata {
             values: values
                 .iter()
@@ -200,47 +176,6 @@ mod tests {
                 .collect(),
             tensors: Default::default(),
         }
-    }
-
-    #[test]
-    fn a_gguf_factor_scales_linearly_as_llama_cpp_reads_it() {
-        let linear = RopeScaling::Linear { factor: 4.0 };
-        assert_eq!(
-            gguf_rope_scaling(&meta(&[]), "llama"),
-            Ok(RopeScaling::None)
-        );
-        let typed = meta(&[
-            ("llama.rope.scaling.type", Value::String("linear".into())),
-            ("llama.rope.scaling.factor", Value::F32(4.0)),
-        ]);
-        assert_eq!(gguf_rope_scaling(&typed, "llama"), Ok(linear.clone()));
-        // llama.cpp applies the factor whatever the type says, and the old key first.
-        let untyped = meta(&[("qwen2.rope.scale_linear", Value::F32(4.0))]);
-        assert_eq!(gguf_rope_scaling(&untyped, "qwen2"), Ok(linear));
-        let neutral = meta(&[
-            ("llama.rope.scaling.attn_factor", Value::F32(1.0)),
-            (
-                "llama.rope.scaling.original_context_length",
-                Value::U32(8192),
-            ),
-        ]);
-        assert_eq!(gguf_rope_scaling(&neutral, "llama"), Ok(RopeScaling::None));
-    }
-
-    #[test]
-    fn gguf_scaling_the_engine_does_not_compute_is_refused_by_key() {
-        let yarn = meta(&[("qwen2.rope.scaling.type", Value::String("yarn".into()))]);
-        assert_eq!(
-            gguf_rope_scaling(&yarn, "qwen2"),
-            Err("qwen2.rope.scaling.type \"yarn\" is not supported (none and linear are)".into())
-        );
-        let attn = meta(&[("llama.rope.scaling.attn_factor", Value::F32(0.8))]);
-        assert_eq!(
-            gguf_rope_scaling(&attn, "llama"),
-            Err("llama.rope.scaling.attn_factor is not supported".into())
-        );
-        let other = meta(&[("llama.rope.scaling.yarn_log_multiplier", Value::F32(0.1))]);
-        assert!(gguf_rope_scaling(&other, "llama").is_err());
     }
 
     #[test]
