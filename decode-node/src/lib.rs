@@ -123,9 +123,11 @@ pub async fn serve(
             positions: 0,
         },
     };
-    let loaded =
-        runtime::load_model(move || engine::load_within(&path, &candle_core::Device::Cpu, reserve))
-            .await?;
+    let loaded = runtime::load_model(move || {
+        let cpu = candle_core::Device::Cpu;
+        engine::load_reporting(&path, &cpu, reserve, &mut engine::progress::log)
+    })
+    .await?;
     let intake = intake::Intake::of(&loaded);
     let model = loaded.model;
     let layout = model.kv_layout();

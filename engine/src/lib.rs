@@ -14,6 +14,7 @@ pub mod kv_cache;
 pub mod loader;
 mod logprobs;
 pub mod model;
+pub mod progress;
 pub mod q4;
 pub mod q8;
 mod rope;
@@ -27,8 +28,9 @@ pub mod weights;
 pub use error::{EngineError, Result};
 pub use footprint::KvReserve;
 pub use kv_cache::{KvAssembler, KvChunk, KvLayout, SeqCache, KV_DTYPE};
-pub use loader::{load, load_within, Loaded};
+pub use loader::{load, load_reporting, load_within, Loaded};
 pub use model::{Model, SeqInput};
+pub use progress::LoadStep;
 pub use sampling::{Sampled, SamplingParams};
 /// Structured outputs' grammars and token masks, which sampling applies.
 pub use text::grammar;

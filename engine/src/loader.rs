@@ -8,6 +8,7 @@ use text::{ChatTemplate, Tokenizer};
 use crate::error::Result;
 use crate::footprint::{self, KvReserve};
 use crate::model::Model;
+use crate::progress::LoadStep;
 
 /// A model with the tokenizer and chat template that came with it.
 pub struct Loaded {
@@ -25,10 +26,20 @@ pub fn load(path: &Path, device: &Device) -> Result<Loaded> {
 /// [`load`], first refusing a model whose weights and the KV memory its node reserves
 /// (`reserve`) exceed the machine's memory (`footprint`), before any weight is read.
 pub fn load_within(path: &Path, device: &Device, reserve: KvReserve) -> Result<Loaded> {
+    load_reporting(path, device, reserve, &mut |_| {})
+}
+
+/// [`load_within`], calling `report` after each step of reading the weights.
+pub fn load_reporting(
+    path: &Path,
+    device: &Device,
+    reserve: KvReserve,
+    report: &mut dyn FnMut(LoadStep),
+) -> Result<Loaded> {
     let text = text::load(path)?;
     footprint::check_model(path, &text.config, reserve)?;
     Ok(Loaded {
-        model: Model::load_with(path, text.config, device)?,
+        model: Model::load_reporting(path, text.config, device, report)?,
         tokenizer: text.tokenizer,
         template: text.template,
     })

@@ -15,6 +15,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
+use crate::progress::LoadStep;
 use crate::q4::Q41Matrix;
 use crate::q8::Q80Matrix;
 
@@ -160,13 +161,23 @@ pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
 }
 
 impl WeightSource {
-    /// Loads `model.safetensors` or the shards named by `model.safetensors.index.json`.
-    pub fn open_hf_folder(dir: &Path, device: &Device) -> Result<Self> {
+    /// Loads `model.safetensors` or the shards named by `model.safetensors.index.json`,
+    /// calling `report` after each file.
+    pub fn open_hf_folder(
+        dir: &Path,
+        device: &Device,
+        report: &mut dyn FnMut(LoadStep),
+    ) -> Result<Self> {
         let mut tensors = HashMap::new();
-        for file in &safetensors_files(dir)? {
+        let files = safetensors_files(dir)?;
+        for (i, file) in files.iter().enumerate() {
             let loaded = candle_core::safetensors::load(file, device)
                 .map_err(|e| EngineError::invalid_model(file, e.to_string()))?;
             tensors.extend(loaded);
+            report(LoadStep::FileRead {
+                done: i + 1,
+                files: files.len(),
+            });
         }
         Ok(Self::SafeTensors {
             path: dir.to_path_buf(),

@@ -8,6 +8,7 @@ use candle_core::Device;
 use super::ffn::{Ffn, Mlp};
 use super::{Layer, Model, QkNorm};
 use crate::error::{EngineError, Result};
+use crate::progress::LoadStep;
 use crate::rope::Frequencies;
 use crate::weights::WeightSource;
 use text::ModelConfig;
@@ -118,17 +119,23 @@ impl Model {
     /// Loads the weights at `path` for hyper-parameters already read from it (as
     /// `text::load` reads them with the tokenizer), so that they are read once.
     pub fn load_with(path: &Path, cfg: ModelConfig, device: &Device) -> Result<Self> {
-        if path.is_dir() {
-            let mut src = WeightSource::open_hf_folder(path, device)?;
-            Self::from_source(cfg, &mut src, &HF_NAMES, device)
+        Self::load_reporting(path, cfg, device, &mut |_| {})
+    }
+
+    /// [`Model::load_with`], calling `report` after each file read and each layer built.
+    pub fn load_reporting(
+        path: &Path,
+        cfg: ModelConfig,
+        device: &Device,
+        report: &mut dyn FnMut(LoadStep),
+    ) -> Result<Self> {
+        let (mut src, names) = if path.is_dir() {
+            let src = WeightSource::open_hf_folder(path, device, report)?;
+            (src, &HF_NAMES)
         } else {
-            Self::from_source(
-                cfg,
-                &mut WeightSource::open_gguf(path)?,
-                &GGUF_NAMES,
-                device,
-            )
-        }
+            (WeightSource::open_gguf(path)?, &GGUF_NAMES)
+        };
+        Self::from_source(cfg, &mut src, names, device, report)
     }
 
     fn from_source(
@@ -136,11 +143,20 @@ impl Model {
         src: &mut WeightSource,
         names: &Names,
         device: &Device,
+        report: &mut dyn FnMut(LoadStep),
     ) -> Result<Self> {
         let h = cfg.hidden_size;
         let embed = src.dense_shaped(names.embed, &[cfg.vocab_size, h], device)?;
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|i| layer(&cfg, src, names, i, device))
+        let count = cfg.num_hidden_layers;
+        let layers = (0..count)
+            .map(|i| {
+                let built = layer(&cfg, src, names, i, device)?;
+                report(LoadStep::LayerBuilt {
+                    done: i + 1,
+                    layers: count,
+                });
+                Ok(built)
+            })
             .collect::<Result<Vec<_>>>()?;
         let norm = src.dense_shaped(names.norm, &[h], device)?;
         let head_name = if !cfg.tie_word_embeddings && src.contains(names.lm_head) {

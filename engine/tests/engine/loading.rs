@@ -533,3 +533,23 @@ fn fast_encoding_equals_the_tokenizers_crate() {
         }
     }
 }
+
+/// Loading reports each weight file read and each layer built, in order: what a node logs
+/// while large weights load.
+#[test]
+fn loading_reports_each_file_and_layer_in_order() {
+    use engine::LoadStep::{FileRead, LayerBuilt};
+    let steps = |path: &std::path::Path| {
+        let mut steps = Vec::new();
+        let reserve = engine::KvReserve::default();
+        engine::load_reporting(path, &Device::Cpu, reserve, &mut |s| steps.push(s)).unwrap();
+        steps
+    };
+    let layers = |n| (1..=n).map(move |done| LayerBuilt { done, layers: n });
+    let folder: Vec<_> = std::iter::once(FileRead { done: 1, files: 1 })
+        .chain(layers(2))
+        .collect();
+    assert_eq!(steps(&common::tiny_model_dir()), folder);
+    let gguf = common::fixture("gguf/tiny-qwen3-q8_0.gguf");
+    assert_eq!(steps(&gguf), layers(2).collect::<Vec<_>>());
+}
