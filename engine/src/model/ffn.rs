@@ -73,11 +73,7 @@ impl Ffn {
     pub(super) fn resident_bytes(&self) -> usize {
         match self {
             Self::Dense(mlp) => mlp.weight_bytes(),
-            Self::Mixture(m) => {
-                m.router.weight_bytes()
-                    + m.experts.iter().map(Mlp::weight_bytes).sum::<usize>()
-                    + m.shared.as_ref().map_or(0, SharedExpert::weight_bytes)
-            }
+            Self::Mixture(m) => m.bytes_with(m.experts.iter().map(Mlp::weight_bytes).sum()),
         }
     }
 
@@ -88,15 +84,20 @@ impl Ffn {
             Self::Dense(mlp) => mlp.weight_bytes(),
             Self::Mixture(m) => {
                 let experts: usize = m.experts.iter().map(Mlp::weight_bytes).sum();
-                m.router.weight_bytes()
-                    + experts / m.experts.len() * m.top_k
-                    + m.shared.as_ref().map_or(0, SharedExpert::weight_bytes)
+                m.bytes_with(experts / m.experts.len() * m.top_k)
             }
         }
     }
 }
 
 impl Mixture {
+    /// The router's and the shared expert's bytes, plus `experts` bytes of experts.
+    fn bytes_with(&self, experts: usize) -> usize {
+        self.router.weight_bytes()
+            + experts
+            + self.shared.as_ref().map_or(0, SharedExpert::weight_bytes)
+    }
+
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let logits: Vec<Vec<f32>> = self.router.forward(xs)?.to_dtype(DType::F32)?.to_vec2()?;
         let routes: Vec<Vec<Choice>> = logits
