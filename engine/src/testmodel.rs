@@ -408,14 +408,24 @@ fn without_biases(
     let mut w = candle_core::safetensors::load(&st_path, &Device::Cpu)?;
     w.retain(|name, _| !name.ends_with("_proj.bias"));
     candle_core::safetensors::save(&w, &st_path)?;
-    let config_path = dir.join("config.json");
-    let text =
-        std::fs::read_to_string(&config_path).map_err(|e| EngineError::io(&config_path, e))?;
+    edit_config(dir, |config| {
+        config.remove("use_sliding_window");
+        config.remove("max_window_layers");
+        edit(config);
+    })
+}
+
+/// Rewrites `dir`'s config.json with `edit`, returning what `edit` returns.
+fn edit_config<T>(
+    dir: &Path,
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>) -> T,
+) -> Result<T> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| EngineError::io(&path, e))?;
     let mut config: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text)
-        .map_err(|e| EngineError::invalid_model(&config_path, e.to_string()))?;
-    config.remove("use_sliding_window");
-    config.remove("max_window_layers");
-    edit(&mut config);
+        .map_err(|e| EngineError::invalid_model(&path, e.to_string()))?;
+    let out = edit(&mut config);
     let text = serde_json::to_string_pretty(&config).expect("json values serialize");
-    std::fs::write(&config_path, text + "\n").map_err(|e| EngineError::io(&config_path, e))
+    std::fs::write(&path, text + "\n").map_err(|e| EngineError::io(&path, e))?;
+    Ok(out)
 }

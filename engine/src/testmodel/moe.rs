@@ -7,7 +7,7 @@ use candle_core::Device;
 use serde_json::{json, Map, Value};
 
 use super::{without_biases, Normal};
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 
 /// Experts per layer of the generated mixtures, and how many each token runs.
 pub const EXPERTS: usize = 8;
@@ -101,15 +101,10 @@ fn edit_config(
     dir: &Path,
     edit: impl FnOnce(&mut Map<String, Value>, usize) -> usize,
 ) -> Result<usize> {
-    let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| EngineError::io(&path, e))?;
-    let mut config: Map<String, Value> = serde_json::from_str(&text)
-        .map_err(|e| EngineError::invalid_model(&path, e.to_string()))?;
-    let dense = config["intermediate_size"].as_u64().unwrap_or_default() as usize;
-    let width = edit(&mut config, dense);
-    let text = serde_json::to_string_pretty(&config).expect("json values serialize");
-    std::fs::write(&path, text + "\n").map_err(|e| EngineError::io(&path, e))?;
-    Ok(width)
+    super::edit_config(dir, |config| {
+        let dense = config["intermediate_size"].as_u64().unwrap_or_default() as usize;
+        edit(config, dense)
+    })
 }
 
 /// Replaces every layer's dense MLP with [`EXPERTS`] experts `width` wide, named by
