@@ -2,9 +2,10 @@
 
 Usage (from the scripts/ directory):
   LLAMA_CPP=DIR python3 oracle_gguf.py TINY_QWEN3 TINY_LLAMA3 TINY_QWEN3_MOE TINY_MIXTRAL \
-      TINY_QWEN2_MOE TINY_QWEN2
+      TINY_QWEN2_MOE TINY_QWEN2 TINY_GEMMA2 TINY_GEMMA3
 
-Each folder is `tandem-model --family qwen3|llama3|qwen3-moe|mixtral|qwen2-moe|qwen2`'s. The
+Each folder is `tandem-model --family
+qwen3|llama3|qwen3-moe|mixtral|qwen2-moe|qwen2|gemma2|gemma3`'s. The
 plain Qwen2 one is converted with Qwen2.5's long-context setting added to a copy of its
 config.json (YaRN, factor 4, past an original context of 64: YARN), as `qwen2_yarn`. DIR is a llama.cpp source tree at the
 version llama-cpp-python vendors (its sdist's vendor/llama.cpp), for its converter
@@ -12,8 +13,10 @@ version llama-cpp-python vendors (its sdist's vendor/llama.cpp), for its convert
 
 1. convert_hf_to_gguf.py writes the folder as an f32 GGUF (its sha256 is recorded). The
    tiny model's tokenizer is trained here, so the converter cannot recognise its
-   pre-tokenizer by the hash of its ids; it is told "qwen2", Qwen3's own. The tests feed
-   token ids, so llama.cpp's tokenizer never decides anything they check.
+   pre-tokenizer by the hash of its ids; it is told "qwen2", Qwen3's own, and Gemma 2's
+   converter, which reads only SentencePiece vocabularies, is given the byte-level one as
+   Gemma 3's converter reads it without a tokenizer.model. The tests feed token ids, so
+   llama.cpp's tokenizer never decides anything they check.
 2. llama.cpp's quantizer (`llama_model_quantize`, what `llama-quantize` runs) makes the
    files MODELS names from it: engine/tests/fixtures/gguf/tiny-{model}-{quant}.gguf.
 3. For each, llama.cpp (through llama-cpp-python) continues PROMPTS fixed random prompts
@@ -50,6 +53,8 @@ MODELS = [
     ("mixtral", [Q4_1]),
     ("qwen2_moe", [Q8_0]),
     ("qwen2_yarn", [Q8_0]),
+    ("gemma2", [Q4_1]),
+    ("gemma3", [Q8_0]),
 ]
 # The config.json fields each model's folder is converted with, over its own.
 CONFIG_EDITS = {
@@ -66,6 +71,9 @@ def convert(llama_cpp: Path, model_dir: Path, out: Path) -> None:
     import conversion.base as base
 
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+    import conversion.gemma as gemma
+
+    gemma.Gemma2Model.set_vocab = base.TextModel._set_vocab_gpt2
     argv = sys.argv
     sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outfile", str(out), "--outtype", "f32"]
     try:

@@ -19,8 +19,9 @@ Loading must report no missing, unexpected or mismatched weights, so the variant
 weights the engine runs. `engine/tests/engine/rope.rs` reads the output.
 
 It also records `config_fields`: every field transformers writes into a config.json for the
-configuration classes of the architectures the engine runs (LlamaConfig, MistralConfig,
-MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig), so that a test can check the engine
+configuration classes of the architectures the engine runs (Gemma2Config, Gemma3TextConfig,
+LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+Qwen3MoeConfig), so that a test can check the engine
 knows what to do with each.
 """
 
@@ -33,6 +34,8 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
@@ -47,6 +50,8 @@ from oracle_common import dump, greedy_run, top5, versions
 
 NEW_TOKENS = 16
 CONFIG_CLASSES = (
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,

@@ -1,5 +1,6 @@
-//! The Llama, Mistral, Qwen2 and Qwen3 decoders, dense or mixtures of experts (Qwen3-MoE,
-//! Mixtral), as Hugging Face defines them, over caller-owned KV caches.
+//! The Llama, Mistral, Qwen2, Qwen3 and Gemma 2/3 decoders, dense or mixtures of experts
+//! (Qwen3-MoE, Qwen2-MoE, Mixtral), as Hugging Face defines them, over caller-owned KV
+//! caches.
 //!
 //! Weights are immutable and shared; every call names the sequences it advances and their
 //! caches. The dense layers see all the batch's tokens as one matrix; attention runs per
@@ -10,7 +11,7 @@ use std::sync::OnceLock;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use rayon::prelude::*;
 
-use crate::attention;
+use crate::attention::{self, Scores};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvLayout, SeqCache};
 use crate::weights::{Linear, Stacked};
@@ -29,8 +30,18 @@ struct Layer {
     /// Qwen3's RMSNorm of each head's query and key, before RoPE.
     qk_norm: Option<QkNorm>,
     o: Linear,
+    /// Gemma's norm of the attention's output, before the residual sum.
+    post_attn_norm: Option<Tensor>,
     mlp_norm: Tensor,
     ffn: Ffn,
+    /// Gemma's norm of the feed-forward's output, before the residual sum.
+    post_ffn_norm: Option<Tensor>,
+}
+
+/// The cos and sin of every position's rotary angles, `(positions, head_dim / 2)` each.
+struct RopeTables {
+    cos: Tensor,
+    sin: Tensor,
 }
 
 /// The weights of a per-head RMSNorm of queries and keys.
@@ -57,8 +68,12 @@ pub struct Model {
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Linear,
-    cos: Tensor,
-    sin: Tensor,
+    /// Whether `lm_head` multiplies by `embed` itself (a tied folder's), so that its bytes
+    /// are held once.
+    embed_is_head: bool,
+    rope: RopeTables,
+    /// The sliding-window layers' rotation where it is not `rope` (Gemma 3's).
+    sliding_rope: Option<RopeTables>,
 }
 
 /// One sequence's share of a forward pass: the new tokens and the cache they extend.
@@ -89,7 +104,12 @@ impl Model {
             .filter_map(|l| l.qk_norm.as_ref())
             .map(|n| 4 * (n.q.elem_count() + n.k.elem_count()))
             .sum();
-        self.weight_bytes(Ffn::resident_bytes) + qk_norms + 4 * self.embed.elem_count()
+        let embed = if self.embed_is_head {
+            0
+        } else {
+            4 * self.embed.elem_count()
+        };
+        self.weight_bytes(Ffn::resident_bytes) + qk_norms + embed
     }
 
     /// The bytes of every projection, norm and the head, each feed-forward's counted by
@@ -105,6 +125,11 @@ impl Model {
                     + ffn(&l.ffn)
                     + norm(&l.attn_norm)
                     + norm(&l.mlp_norm)
+                    + [&l.post_attn_norm, &l.post_ffn_norm]
+                        .into_iter()
+                        .flatten()
+                        .map(norm)
+                        .sum::<usize>()
             })
             .sum();
         layers + norm(&self.norm) + self.lm_head.weight_bytes()
@@ -198,20 +223,11 @@ impl Model {
             .collect();
         let ids = Tensor::new(all_tokens.as_slice(), &self.device)?;
         let mut xs = self.embed.index_select(&ids, 0)?;
-        let eps = self.cfg.rms_norm_eps as f32;
+        if self.cfg.gemma.is_some() {
+            xs = (xs * (self.cfg.hidden_size as f64).sqrt())?;
+        }
         for (li, layer) in self.layers.iter().enumerate() {
-            let h = candle_nn::ops::rms_norm(&xs, &layer.attn_norm, eps)?;
-            let mut qkv = layer.qkv.forward(&h)?;
-            if let Some(n) = &layer.qk_norm {
-                qkv[0] = QkNorm::apply(&qkv[0], &n.q, eps)?;
-                qkv[1] = QkNorm::apply(&qkv[1], &n.k, eps)?;
-            }
-            let (q, k, v) = (&qkv[0], &qkv[1], &qkv[2]);
-            let outs = self.attend_all(li, batch, &spans, q, k, v)?;
-            let attn = Tensor::cat(&outs, 0)?;
-            xs = (xs + layer.o.forward(&attn)?)?;
-            let h = candle_nn::ops::rms_norm(&xs, &layer.mlp_norm, eps)?;
-            xs = (xs + layer.ffn.forward(&h)?)?;
+            xs = self.layer_forward(li, layer, xs, batch, &spans)?;
             layer_done(li, batch)?;
         }
         let mut last_rows = Vec::with_capacity(batch.len());
@@ -228,13 +244,58 @@ impl Model {
                 if !every_row.get(i).copied().unwrap_or(false) {
                     return Ok(None);
                 }
-                let rows = candle_nn::ops::rms_norm(&xs.narrow(0, row, t)?, &self.norm, eps)?;
-                Ok(Some(self.lm_head.forward(&rows)?.to_dtype(DType::F32)?))
+                Ok(Some(self.logits(&xs.narrow(0, row, t)?)?))
             })
             .collect::<Result<Vec<_>>>()?;
         let last = xs.index_select(&Tensor::new(last_rows.as_slice(), &self.device)?, 0)?;
-        let last = candle_nn::ops::rms_norm(&last, &self.norm, eps)?;
-        Ok((self.lm_head.forward(&last)?.to_dtype(DType::F32)?, every))
+        Ok((self.logits(&last)?, every))
+    }
+
+    /// One layer over the batch's rows `xs`, its K/V appended to each sequence's cache.
+    fn layer_forward(
+        &self,
+        li: usize,
+        layer: &Layer,
+        xs: Tensor,
+        batch: &[SeqInput<'_>],
+        spans: &[(usize, usize)],
+    ) -> Result<Tensor> {
+        let eps = self.cfg.rms_norm_eps as f32;
+        let norm = |x: &Tensor, w: &Tensor| candle_nn::ops::rms_norm(x, w, eps);
+        let h = norm(&xs, &layer.attn_norm)?;
+        let mut qkv = layer.qkv.forward(&h)?;
+        if let Some(n) = &layer.qk_norm {
+            qkv[0] = QkNorm::apply(&qkv[0], &n.q, eps)?;
+            qkv[1] = QkNorm::apply(&qkv[1], &n.k, eps)?;
+        }
+        let (q, k, v) = (&qkv[0], &qkv[1], &qkv[2]);
+        let outs = self.attend_all(li, batch, spans, q, k, v)?;
+        let mut attn = layer.o.forward(&Tensor::cat(&outs, 0)?)?;
+        if let Some(w) = &layer.post_attn_norm {
+            attn = norm(&attn, w)?;
+        }
+        let xs = (xs + attn)?;
+        let mut ffn = layer.ffn.forward(&norm(&xs, &layer.mlp_norm)?)?;
+        if let Some(w) = &layer.post_ffn_norm {
+            ffn = norm(&ffn, w)?;
+        }
+        Ok((xs + ffn)?)
+    }
+
+    /// The f32 logits of final hidden rows: normed, through the head, and soft-capped
+    /// where the model caps them.
+    fn logits(&self, rows: &Tensor) -> Result<Tensor> {
+        let rows = candle_nn::ops::rms_norm(rows, &self.norm, self.cfg.rms_norm_eps as f32)?;
+        let logits = self.lm_head.forward(&rows)?.to_dtype(DType::F32)?;
+        match self
+            .cfg
+            .gemma
+            .as_ref()
+            .and_then(|g| g.final_logit_softcapping)
+        {
+            Some(cap) => Ok(((logits / cap)?.tanh()? * cap)?),
+            None => Ok(logits),
+        }
     }
 
     /// Each sequence's attention, in batch order. Sequences attend independently, so they
@@ -299,22 +360,29 @@ impl Model {
         let (t, hd) = (q.dim(0)?, cfg.head_dim);
         let (n_heads, n_kv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let pos = cache.len();
-        let q = self.rope(&q.reshape((t, n_heads, hd))?.transpose(0, 1)?, pos)?;
-        let k = self.rope(&k.reshape((t, n_kv, hd))?.transpose(0, 1)?, pos)?;
+        let how = self.scores(layer);
+        let tables = match (&self.sliding_rope, how.window) {
+            (Some(sliding), Some(_)) => sliding,
+            _ => &self.rope,
+        };
+        let q = self.rope(tables, &q.reshape((t, n_heads, hd))?.transpose(0, 1)?, pos)?;
+        let k = self.rope(tables, &k.reshape((t, n_kv, hd))?.transpose(0, 1)?, pos)?;
         let v = v.reshape((t, n_kv, hd))?.transpose(0, 1)?.contiguous()?;
         cache.write(layer, &k, &v)?;
         let (keys, values) = cache.view(layer, t)?;
         let group = cfg.group_size();
-        let scale = 1.0 / (hd as f64).sqrt();
-        let window = cfg.attention_windows[layer];
         if self.device.is_cpu() {
-            return attention::causal(&q, &keys, &values, scale, spread, window);
+            return attention::causal(&q, &keys, &values, how, spread);
         }
         // Off the CPU, where none of our kernels run: candle's ops, on the cache's f16
         // widened to f32.
         let (keys, values) = (keys.to_dtype(DType::F32)?, values.to_dtype(DType::F32)?);
         let q = q.reshape((n_kv, group * t, hd))?;
-        let mut scores = (q.matmul(&keys.t()?)? * scale)?;
+        let mut scores = (q.matmul(&keys.t()?)? * how.scale)?;
+        if let Some(cap) = how.softcap {
+            scores = ((scores / cap)?.tanh()? * cap)?;
+        }
+        let window = how.window;
         if t > 1 || window.is_some_and(|w| w <= pos) {
             let mask = causal_mask(group, t, pos, window, &self.device)?;
             scores = scores.broadcast_add(&mask)?;
@@ -327,11 +395,27 @@ impl Model {
             .reshape((t, n_heads * hd))?)
     }
 
-    /// Rotates `(heads, t, head_dim)` for positions `pos .. pos + t`.
-    fn rope(&self, x: &Tensor, pos: usize) -> Result<Tensor> {
+    /// How layer `layer` forms its attention scores: scaled by the head size's inverse
+    /// root (Gemma: `query_pre_attn_scalar`'s), soft-capped where Gemma 2 caps them,
+    /// over the layer's window.
+    fn scores(&self, layer: usize) -> Scores {
+        let gemma = self.cfg.gemma.as_ref();
+        let scale = match gemma {
+            Some(g) => g.query_pre_attn_scalar.powf(-0.5),
+            None => 1.0 / (self.cfg.head_dim as f64).sqrt(),
+        };
+        Scores {
+            scale,
+            softcap: gemma.and_then(|g| g.attn_logit_softcapping),
+            window: self.cfg.attention_windows[layer],
+        }
+    }
+
+    /// Rotates `(heads, t, head_dim)` for positions `pos .. pos + t` by `tables`.
+    fn rope(&self, tables: &RopeTables, x: &Tensor, pos: usize) -> Result<Tensor> {
         let t = x.dim(1)?;
-        let cos = self.cos.narrow(0, pos, t)?;
-        let sin = self.sin.narrow(0, pos, t)?;
+        let cos = tables.cos.narrow(0, pos, t)?;
+        let sin = tables.sin.narrow(0, pos, t)?;
         let x = x.unsqueeze(0)?.contiguous()?;
         let y = match self.cfg.rope_style {
             RopeStyle::Half => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,

@@ -18,8 +18,17 @@ impl Frequencies {
     /// The frequencies of `cfg`; `divisors` (a GGUF file's `rope_freqs`, one per pair)
     /// divide them, as llama.cpp divides its angles by them.
     pub(crate) fn of(cfg: &ModelConfig, divisors: Option<&[f32]>) -> Self {
-        let (base, dim) = (cfg.rope_theta, cfg.head_dim);
-        let mut f = match &cfg.rope_scaling {
+        Self::of_rope(cfg.rope_theta, &cfg.rope_scaling, cfg.head_dim, divisors)
+    }
+
+    /// The frequencies of a base and scaling for heads of `dim`, divided by `divisors`.
+    pub(crate) fn of_rope(
+        base: f64,
+        scaling: &RopeScaling,
+        dim: usize,
+        divisors: Option<&[f32]>,
+    ) -> Self {
+        let mut f = match scaling {
             RopeScaling::None => Self::plain(base, dim),
             RopeScaling::Linear { factor } => {
                 let mut f = Self::plain(base, dim);
@@ -182,27 +191,9 @@ fn yarn(base: f32, dim: usize, factor: f32, ramp: Ramp) -> Vec<f32> {
 mod tests {
     use super::*;
 
-    fn config(scaling: RopeScaling) -> ModelConfig {
-        ModelConfig {
-            architecture: "llama".into(),
-            vocab_size: 8,
-            hidden_size: 128,
-            intermediate_size: 8,
-            num_hidden_layers: 1,
-            num_attention_heads: 1,
-            num_key_value_heads: 1,
-            head_dim: 128,
-            rms_norm_eps: 1e-5,
-            rope_theta: 500_000.0,
-            rope_scaling: scaling,
-            max_position_embeddings: 8,
-            tie_word_embeddings: true,
-            rope_style: text::RopeStyle::Interleaved,
-            attention_windows: vec![None],
-            moe: None,
-            bos_token_id: None,
-            eos_token_ids: Vec::new(),
-        }
+    /// The frequencies of Llama 3's base for heads of 128 under `scaling`.
+    fn of(scaling: RopeScaling, divisors: Option<&[f32]>) -> Frequencies {
+        Frequencies::of_rope(500_000.0, &scaling, 128, divisors)
     }
 
     /// llama.cpp's converter writes Llama 3's scaling as one divisor per frequency
@@ -212,13 +203,13 @@ mod tests {
     #[test]
     fn llama_cpp_rope_freqs_are_the_llama3_scaling() {
         let (factor, low, high, original) = (8.0, 1.0, 4.0, 8192.0);
-        let llama3 = Frequencies::of(
-            &config(RopeScaling::Llama3 {
+        let llama3 = of(
+            RopeScaling::Llama3 {
                 factor,
                 low_freq_factor: low,
                 high_freq_factor: high,
                 original_max_position_embeddings: original,
-            }),
+            },
             None,
         );
         let divisors: Vec<f32> = plain(500_000.0, 128)
@@ -235,7 +226,7 @@ mod tests {
                 }
             })
             .collect();
-        let converted = Frequencies::of(&config(RopeScaling::None), Some(&divisors));
+        let converted = of(RopeScaling::None, Some(&divisors));
         let kinds = divisors
             .iter()
             .map(|d| d.to_bits())
@@ -251,20 +242,20 @@ mod tests {
 
     #[test]
     fn linear_scaling_divides_every_frequency_and_yarn_scales_cos_and_sin() {
-        let plain = Frequencies::of(&config(RopeScaling::None), None);
-        let linear = Frequencies::of(&config(RopeScaling::Linear { factor: 4.0 }), None);
+        let plain = of(RopeScaling::None, None);
+        let linear = of(RopeScaling::Linear { factor: 4.0 }, None);
         for (p, l) in plain.inv_freq.iter().zip(&linear.inv_freq) {
             assert_eq!(p / 4.0, *l);
         }
-        let yarn = Frequencies::of(
-            &config(RopeScaling::Yarn {
+        let yarn = of(
+            RopeScaling::Yarn {
                 factor: 4.0,
                 original_max_position_embeddings: 64.0,
                 attention_factor: 1.25,
                 beta_fast: 32.0,
                 beta_slow: 1.0,
                 truncate: true,
-            }),
+            },
             None,
         );
         // The fastest pairs keep their frequency, the slowest are interpolated.

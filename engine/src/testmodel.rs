@@ -21,7 +21,9 @@ use crate::error::{EngineError, Result};
 use text::tokenizer::QWEN2_SPLIT;
 use text::TextError;
 
+mod gemma;
 mod moe;
+pub use gemma::{into_gemma2, into_gemma3, GEMMA_WINDOW};
 pub use moe::{into_mixtral, into_qwen2_moe, into_qwen3_moe};
 
 /// Seed of the committed reference models.

@@ -8,11 +8,22 @@ use crate::error::{Result, TextError};
 use crate::rope::{Rope, RopeScaling};
 
 mod fields;
+mod gemma;
 mod gguf;
 mod moe;
 mod windows;
 pub use fields::{field_use, FieldUse};
+pub use gemma::Gemma;
 pub use moe::MoeConfig;
+
+/// The activation of a feed-forward's gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `x * sigmoid(x)`: Llama's, Qwen's, Mistral's.
+    Silu,
+    /// GeLU's tanh approximation (`gelu_pytorch_tanh`): Gemma's.
+    GeluTanh,
+}
 
 /// How rotary embeddings pair the dimensions of a head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +57,10 @@ pub struct ModelConfig {
     pub attention_windows: Vec<Option<usize>>,
     /// The mixture of experts of a sparse model; `None` for a dense one.
     pub moe: Option<MoeConfig>,
+    /// The feed-forward's gate activation.
+    pub hidden_act: Activation,
+    /// What a Gemma decoder adds to Llama's; `None` for the other architectures.
+    pub gemma: Option<Gemma>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
@@ -71,10 +86,8 @@ struct HfConfig {
     head_dim: Option<usize>,
     #[serde(default = "default_eps")]
     rms_norm_eps: f64,
-    #[serde(default = "default_max_pos")]
-    max_position_embeddings: usize,
-    #[serde(default)]
-    tie_word_embeddings: bool,
+    max_position_embeddings: Option<usize>,
+    tie_word_embeddings: Option<bool>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<OneOrMany>,
     hidden_act: Option<String>,
@@ -91,15 +104,57 @@ fn architecture_of(model_type: &str, class: &str) -> Option<&'static str> {
         ("qwen3_moe", _) | ("", "Qwen3MoeForCausalLM") => "qwen3_moe",
         ("qwen2_moe", _) | ("", "Qwen2MoeForCausalLM") => "qwen2_moe",
         ("mixtral", _) | ("", "MixtralForCausalLM") => "mixtral",
+        ("gemma2", _) | ("", "Gemma2ForCausalLM") => "gemma2",
+        ("gemma3_text", _) | ("", "Gemma3ForCausalLM") => "gemma3",
         _ => return None,
     })
+}
+
+/// The feed-forward's activation: Gemma's GeLU (its classes read `hidden_activation`,
+/// checked with Gemma's settings, and leave the `hidden_act` older configs also carry
+/// unread), else `hidden_act`, which must be silu.
+fn activation(gemma: bool, hidden_act: Option<&str>) -> std::result::Result<Activation, String> {
+    match (gemma, hidden_act) {
+        (true, _) => Ok(Activation::GeluTanh),
+        (false, None | Some("silu")) => Ok(Activation::Silu),
+        (false, Some(act)) => Err(format!(
+            "hidden_act {act:?} is not supported; expected silu"
+        )),
+    }
 }
 
 fn default_eps() -> f64 {
     1e-6
 }
-fn default_max_pos() -> usize {
-    4096
+
+/// Defaults of the configuration classes for fields a config may leave out, where
+/// Gemma's differ from the others'.
+struct ClassDefaults {
+    max_position_embeddings: usize,
+    tie_word_embeddings: bool,
+    head_dim: Option<usize>,
+}
+
+impl ClassDefaults {
+    fn of(architecture: &str) -> Self {
+        match architecture {
+            "gemma2" => Self {
+                max_position_embeddings: 8192,
+                tie_word_embeddings: true,
+                head_dim: Some(256),
+            },
+            "gemma3" => Self {
+                max_position_embeddings: 131_072,
+                tie_word_embeddings: true,
+                head_dim: Some(256),
+            },
+            _ => Self {
+                max_position_embeddings: 4096,
+                tie_word_embeddings: false,
+                head_dim: None,
+            },
+        }
+    }
 }
 
 impl ModelConfig {
@@ -118,13 +173,23 @@ impl ModelConfig {
                 path,
                 format!(
                     "unsupported architecture {arch:?} (model_type {model_type:?}); \
-                     expected llama, mistral, mixtral, qwen2, qwen2_moe, qwen3 or \
-                     qwen3_moe"
+                     expected gemma2, gemma3_text, llama, mistral, mixtral, qwen2, \
+                     qwen2_moe, qwen3 or qwen3_moe"
                 ),
             ));
         };
         fields::check(&raw).map_err(invalid)?;
-        let rope = Rope::from_hf(&raw, hf.max_position_embeddings).map_err(invalid)?;
+        let defaults = ClassDefaults::of(architecture);
+        let max_positions = hf
+            .max_position_embeddings
+            .unwrap_or(defaults.max_position_embeddings);
+        let rope = if architecture == "gemma3" {
+            Rope::by_layer_type(&raw, max_positions).map(|r| r.full)
+        } else {
+            Rope::from_hf(&raw, max_positions)
+        }
+        .map_err(invalid)?;
+        let gemma = gemma::from_hf(architecture, &raw, max_positions).map_err(invalid)?;
         let attention_windows =
             windows::attention_windows(architecture, &raw, hf.num_hidden_layers)
                 .map_err(invalid)?;
@@ -135,12 +200,7 @@ impl ModelConfig {
             hf.num_hidden_layers,
         )
         .map_err(invalid)?;
-        if let Some(act) = hf.hidden_act.as_deref().filter(|a| *a != "silu") {
-            return Err(TextError::invalid_model(
-                path,
-                format!("hidden_act {act:?} is not supported; expected silu"),
-            ));
-        }
+        let hidden_act = activation(gemma.is_some(), hf.hidden_act.as_deref()).map_err(invalid)?;
         let heads = hf.num_attention_heads;
         let cfg = Self {
             architecture: architecture.into(),
@@ -150,15 +210,22 @@ impl ModelConfig {
             num_hidden_layers: hf.num_hidden_layers,
             num_attention_heads: heads,
             num_key_value_heads: hf.num_key_value_heads.unwrap_or(heads),
-            head_dim: hf.head_dim.unwrap_or(hf.hidden_size / heads),
+            head_dim: hf
+                .head_dim
+                .or(defaults.head_dim)
+                .unwrap_or(hf.hidden_size / heads),
             rms_norm_eps: hf.rms_norm_eps,
             rope_theta: rope.theta,
             rope_scaling: rope.scaling,
-            max_position_embeddings: hf.max_position_embeddings,
-            tie_word_embeddings: hf.tie_word_embeddings,
+            max_position_embeddings: max_positions,
+            tie_word_embeddings: hf
+                .tie_word_embeddings
+                .unwrap_or(defaults.tie_word_embeddings),
             rope_style: RopeStyle::Half,
             attention_windows,
             moe,
+            hidden_act,
+            gemma,
             bos_token_id: hf.bos_token_id,
             eos_token_ids: match hf.eos_token_id {
                 None => vec![],
@@ -193,7 +260,7 @@ impl ModelConfig {
     pub fn has_qk_norm(&self) -> bool {
         matches!(
             self.architecture.as_str(),
-            "qwen3" | "qwen3_moe" | "qwen3moe"
+            "qwen3" | "qwen3_moe" | "qwen3moe" | "gemma3"
         )
     }
 
@@ -204,6 +271,16 @@ impl ModelConfig {
             "qwen2" | "qwen2_moe" | "qwen2moe" => true,
             "llama" => gguf,
             _ => false,
+        }
+    }
+
+    /// What the files' RMSNorm weights are offset by: Gemma's store `w - 1` (its norms
+    /// multiply by `1 + w`), except in GGUF files, where llama.cpp's converter added the 1.
+    pub fn norm_weight_offset(&self, gguf: bool) -> f64 {
+        if self.gemma.is_some() && !gguf {
+            1.0
+        } else {
+            0.0
         }
     }
 

@@ -132,6 +132,81 @@ impl Rope {
     }
 }
 
+/// The RoPEs of a model whose full-attention and sliding-window layers rotate apart
+/// (Gemma 3).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerRopes {
+    pub full: Rope,
+    pub sliding: Rope,
+}
+
+/// Gemma 3's bases when its config names none: of its full layers and its sliding ones.
+const FULL_THETA: f64 = 1_000_000.0;
+const SLIDING_THETA: f64 = 10_000.0;
+
+impl Rope {
+    /// The two RoPEs of a config, as transformers' `Gemma3TextConfig` reads them: from
+    /// transformers 5's `rope_parameters` keyed by `full_attention` and
+    /// `sliding_attention`, or from transformers 4's `rope_theta` and `rope_scaling` (the
+    /// full layers') and `rope_local_base_freq` (the sliding layers', never scaled).
+    pub fn by_layer_type(
+        config: &Map<String, Value>,
+        max_position_embeddings: usize,
+    ) -> Result<LayerRopes, String> {
+        let params = config
+            .get("rope_parameters")
+            .and_then(Value::as_object)
+            .filter(|m| !m.is_empty());
+        let (mut full, mut sliding) = match params {
+            Some(types)
+                if types.contains_key("full_attention")
+                    || types.contains_key("sliding_attention") =>
+            {
+                if let Some(other) = types
+                    .keys()
+                    .find(|k| !matches!(k.as_str(), "full_attention" | "sliding_attention"))
+                {
+                    return Err(format!(
+                        "rope_parameters.{other} is not supported: the parameters are keyed \
+                         by layer type, full_attention and sliding_attention"
+                    ));
+                }
+                let of = |key: &str| types.get(key).and_then(Value::as_object).cloned();
+                (of("full_attention"), of("sliding_attention"))
+            }
+            Some(_) => {
+                return Err(
+                    "rope_parameters must be keyed by layer type (full_attention and \
+                            sliding_attention)"
+                        .into(),
+                )
+            }
+            None => (Some(parameters(config).1), None),
+        };
+        let base =
+            |key: &str, default: f64| config.get(key).and_then(Value::as_f64).unwrap_or(default);
+        let full = full.get_or_insert_with(Map::new);
+        full.entry("rope_theta")
+            .or_insert(base("rope_theta", FULL_THETA).into());
+        let sliding = sliding.get_or_insert_with(Map::new);
+        sliding
+            .entry("rope_theta")
+            .or_insert(base("rope_local_base_freq", SLIDING_THETA).into());
+        let read = |params: &Map<String, Value>| {
+            let mut alone = Map::new();
+            alone.insert("rope_parameters".into(), Value::Object(params.clone()));
+            if let Some(p) = config.get("partial_rotary_factor") {
+                alone.insert("partial_rotary_factor".into(), p.clone());
+            }
+            Rope::from_hf(&alone, max_position_embeddings)
+        };
+        Ok(LayerRopes {
+            full: read(full)?,
+            sliding: read(sliding)?,
+        })
+    }
+}
+
 /// The field the RoPE parameters are read from and its contents: a non-empty
 /// `rope_scaling` over a non-empty `rope_parameters`, none as an empty `rope_parameters`.
 fn parameters(config: &Map<String, Value>) -> (&'static str, Map<String, Value>) {

@@ -13,7 +13,7 @@
 //! a layer with a sliding window of `w`), in this order:
 //! - each score `s <= j <= p`: eight chains of fused multiply-adds, lane `l` over the head
 //!   dimensions `l` modulo 8, the lanes then added in pairs, then times the scale
-//!   (`kernels::scores`);
+//!   (`kernels::scores`), and with a soft cap `c`, `c * tanh(score / c)`;
 //! - the softmax of those scores ([`softmax`]);
 //! - each output value: one fused multiply-add chain over keys `s ..= p` from zero
 //!   (`kernels::weighted_values`). A block of rows runs the chain from the block's
@@ -35,6 +35,17 @@ use crate::vexp::exp_minus;
 /// Query rows of one K/V head attended together: they share each pass over its keys.
 const ROWS: usize = 8;
 
+/// How one layer forms a row's attention scores.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Scores {
+    /// What the dot products are multiplied by.
+    pub(crate) scale: f64,
+    /// Gemma 2's `cap * tanh(score / cap)`, after the scale.
+    pub(crate) softcap: Option<f64>,
+    /// The keys a row sees: all up to its own, or only the last `window` of them.
+    pub(crate) window: Option<usize>,
+}
+
 /// Attention of the last `t` positions of a sequence: `q` is `(heads, t, head_dim)`,
 /// already rotated; `keys` and `values` are `(kv_heads, len, head_dim)` f16 views of the
 /// cache, rows contiguous, ending with the `t` new positions. Returns
@@ -49,9 +60,8 @@ pub(crate) fn causal(
     q: &Tensor,
     keys: &Tensor,
     values: &Tensor,
-    scale: f64,
+    scores: Scores,
     spread: bool,
-    window: Option<usize>,
 ) -> Result<Tensor> {
     let (heads, t, hd) = q.dims3()?;
     let (kv_heads, len, _) = keys.dims3()?;
@@ -71,15 +81,14 @@ pub(crate) fn causal(
     // A K/V head's query rows: those of its `group` query heads, each `t` rows.
     let per_head = heads / kv_heads * t;
     let blocks = per_head.div_ceil(ROWS);
-    let scale = scale as f32;
     let block = |item: usize| {
         let (h, first) = (item / blocks, item % blocks * ROWS);
         let rows = ROWS.min(per_head - first);
         let spans: Vec<Range<usize>> = (first..first + rows)
-            .map(|i| span(pos + i % t, window))
+            .map(|i| span(pos + i % t, scores.window))
             .collect();
         let q = &q[(h * per_head + first) * hd..][..rows * hd];
-        attend_block(q, &spans, k.head(h), v.head(h), hd, scale)
+        attend_block(q, &spans, k.head(h), v.head(h), hd, &scores)
     };
     let items = kv_heads * blocks;
     let outs: Vec<Vec<f32>> = if t > 1 {
@@ -124,7 +133,7 @@ fn attend_block(
     keys: &[f16],
     values: &[f16],
     head_dim: usize,
-    scale: f32,
+    how: &Scores,
 ) -> Vec<f32> {
     let from = spans.iter().map(|s| s.start).min().unwrap_or(0);
     let visible: Vec<usize> = spans.iter().map(|s| s.end - from).collect();
@@ -132,10 +141,15 @@ fn attend_block(
     let (keys, values) = (&keys[from * head_dim..], &values[from * head_dim..]);
     let mut probs = vec![0f32; visible.len() * seen];
     // Scores past a row's own position are computed with the others' and never read.
-    kernels::scores(true, q, keys, seen, head_dim, scale, &mut probs);
+    kernels::scores(true, q, keys, seen, head_dim, how.scale as f32, &mut probs);
     for (row, s) in probs.chunks_exact_mut(seen).zip(spans) {
         let (start, end) = (s.start - from, s.end - from);
         row[..start].fill(0.0);
+        if let Some(cap) = how.softcap.map(|c| c as f32) {
+            row[start..end]
+                .iter_mut()
+                .for_each(|x| *x = (*x / cap).tanh() * cap);
+        }
         softmax(&mut row[start..end]);
     }
     let mut out = vec![0f32; visible.len() * head_dim];
@@ -276,17 +290,32 @@ mod tests {
         pos: usize,
         rows: std::ops::Range<usize>,
         spread: bool,
-        window: Option<usize>,
+        (window, softcap): Case,
     ) -> Vec<f32> {
         let end = pos + rows.end;
         let q = q.narrow(1, rows.start, rows.len()).unwrap();
         let (k, v) = (k.narrow(1, 0, end).unwrap(), v.narrow(1, 0, end).unwrap());
-        let scale = 1.0 / (q.dim(2).unwrap() as f64).sqrt();
-        values(&causal(&q, &k, &v, scale, spread, window).unwrap())
+        let scores = Scores {
+            scale: 1.0 / (q.dim(2).unwrap() as f64).sqrt(),
+            softcap,
+            window,
+        };
+        values(&causal(&q, &k, &v, scores, spread).unwrap())
     }
 
-    /// No window, windows shorter than a block's spread of positions, and one past them.
-    const WINDOWS: [Option<usize>; 4] = [None, Some(1), Some(5), Some(64)];
+    /// A window and a soft cap.
+    type Case = (Option<usize>, Option<f64>);
+
+    /// No window, windows shorter than a block's spread of positions and one past them;
+    /// soft caps with and without a window.
+    const WINDOWS: [Case; 6] = [
+        (None, None),
+        (Some(1), None),
+        (Some(5), None),
+        (Some(64), None),
+        (None, Some(2.0)),
+        (Some(5), Some(2.0)),
+    ];
 
     #[test]
     fn a_row_gives_the_same_bits_however_the_rows_are_split() {
@@ -301,7 +330,7 @@ mod tests {
     fn split_anywhere(
         i: usize,
         (kv, group, hd, pos, t): (usize, usize, usize, usize, usize),
-        window: Option<usize>,
+        window: Case,
     ) {
         let [q, k, v] = inputs(i, kv, group, hd, pos + t, t);
         let whole = part(&q, &k, &v, pos, 0..t, false, window);
@@ -340,7 +369,7 @@ mod tests {
     fn agrees_with_candle(
         i: usize,
         (kv, group, hd, pos, t): (usize, usize, usize, usize, usize),
-        window: Option<usize>,
+        window: Case,
     ) {
         let dev = Device::Cpu;
         let [q, k, v] = inputs(i, kv, group, hd, pos + t, t);
@@ -351,8 +380,11 @@ mod tests {
         let scale = 1.0 / (hd as f64).sqrt();
         let heads = kv * group;
         let folded = q.reshape((kv, group * t, hd)).unwrap();
-        let scores = (folded.matmul(&k.t().unwrap()).unwrap() * scale).unwrap();
-        let mask = crate::model::causal_mask(group, t, pos, window, &dev).unwrap();
+        let mut scores = (folded.matmul(&k.t().unwrap()).unwrap() * scale).unwrap();
+        if let Some(cap) = window.1 {
+            scores = ((scores / cap).unwrap().tanh().unwrap() * cap).unwrap();
+        }
+        let mask = crate::model::causal_mask(group, t, pos, window.0, &dev).unwrap();
         let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask).unwrap());
         let theirs = probs.unwrap().matmul(&v.contiguous().unwrap()).unwrap();
         let theirs = theirs
@@ -411,6 +443,11 @@ mod tests {
     #[test]
     fn refuses_more_rows_than_keys() {
         let [q, k, v] = inputs(0, 3, 3, 64, 4, 5);
-        assert!(causal(&q, &k, &v, 0.125, false, None).is_err());
+        let scores = Scores {
+            scale: 0.125,
+            softcap: None,
+            window: None,
+        };
+        assert!(causal(&q, &k, &v, scores, false).is_err());
     }
 }

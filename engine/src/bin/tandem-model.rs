@@ -47,6 +47,10 @@ enum Family {
     Mixtral,
     /// Qwen2-MoE: q/k/v biases, 8 experts per layer, 2 per token, and a shared expert.
     Qwen2Moe,
+    /// Gemma 2: alternating windows of 16, soft caps, Gemma's norms and GeLU.
+    Gemma2,
+    /// Gemma 3: q/k norms, five sliding layers of six, a local and a global RoPE.
+    Gemma3,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -65,6 +69,8 @@ fn main() -> anyhow::Result<()> {
         Family::Qwen3Moe => engine::testmodel::into_qwen3_moe(&cfg.out, cfg.seed)?,
         Family::Mixtral => engine::testmodel::into_mixtral(&cfg.out, cfg.seed)?,
         Family::Qwen2Moe => engine::testmodel::into_qwen2_moe(&cfg.out, cfg.seed)?,
+        Family::Gemma2 => engine::testmodel::into_gemma2(&cfg.out, cfg.seed)?,
+        Family::Gemma3 => engine::testmodel::into_gemma3(&cfg.out, cfg.seed)?,
     }
     println!("{}", cfg.out.display());
     if let Some(quant) = cfg.gguf {

@@ -10,19 +10,25 @@ use candle_core::{DType, Tensor};
 use crate::error::Result;
 use crate::swiglu;
 use crate::weights::{Linear, Stacked};
+use text::config::Activation;
 
-/// `down(silu(gate(x)) * up(x))`.
+/// `down(act(gate(x)) * up(x))`.
 pub(super) struct Mlp {
     /// gate and up.
     pub(super) gate_up: Stacked,
     pub(super) down: Linear,
+    pub(super) act: Activation,
 }
 
 impl Mlp {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let gate_up = self.gate_up.forward(xs)?;
-        self.down
-            .forward(&swiglu::silu_mul(&gate_up[0], &gate_up[1])?)
+        let (gate, up) = (&gate_up[0], &gate_up[1]);
+        let gated = match self.act {
+            Activation::Silu => swiglu::silu_mul(gate, up)?,
+            Activation::GeluTanh => (gate.gelu()? * up)?,
+        };
+        self.down.forward(&gated)
     }
 
     fn weight_bytes(&self) -> usize {

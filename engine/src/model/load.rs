@@ -6,11 +6,13 @@ use std::path::Path;
 use candle_core::Device;
 
 use super::ffn::{Ffn, Mlp};
-use super::{Layer, Model, QkNorm};
+use super::{Layer, Model, QkNorm, RopeTables};
 use crate::error::{EngineError, Result};
 use crate::progress::LoadStep;
 use crate::rope::Frequencies;
-use crate::weights::WeightSource;
+use crate::weights::{Linear, WeightSource};
+use candle_core::Tensor;
+use text::config::Activation;
 use text::ModelConfig;
 
 mod experts;
@@ -45,6 +47,18 @@ const HF_NAMES: Names = Names {
     },
 };
 
+/// Gemma's folders: its `post_attention_layernorm` norms the attention's output, and
+/// the feed-forward's input and output have norms of their own.
+const GEMMA_HF_NAMES: Names = Names {
+    layer: |i, part| match part {
+        "post_attn_norm" => format!("model.layers.{i}.post_attention_layernorm"),
+        "mlp_norm" => format!("model.layers.{i}.pre_feedforward_layernorm"),
+        "post_ffn_norm" => format!("model.layers.{i}.post_feedforward_layernorm"),
+        _ => (HF_NAMES.layer)(i, part),
+    },
+    ..HF_NAMES
+};
+
 const GGUF_NAMES: Names = Names {
     embed: "token_embd.weight",
     norm: "output_norm.weight",
@@ -53,6 +67,8 @@ const GGUF_NAMES: Names = Names {
         let g = match part {
             "attn_norm" => "attn_norm",
             "mlp_norm" => "ffn_norm",
+            "post_attn_norm" => "post_attention_norm",
+            "post_ffn_norm" => "post_ffw_norm",
             "q" => "attn_q",
             "k" => "attn_k",
             "v" => "attn_v",
@@ -131,7 +147,12 @@ impl Model {
     ) -> Result<Self> {
         let (mut src, names) = if path.is_dir() {
             let src = WeightSource::open_hf_folder(path, device, report)?;
-            (src, &HF_NAMES)
+            let names = if cfg.gemma.is_some() {
+                &GEMMA_HF_NAMES
+            } else {
+                &HF_NAMES
+            };
+            (src, names)
         } else {
             (WeightSource::open_gguf(path)?, &GGUF_NAMES)
         };
@@ -158,17 +179,24 @@ impl Model {
                 Ok(built)
             })
             .collect::<Result<Vec<_>>>()?;
-        let norm = src.dense_shaped(names.norm, &[h], device)?;
+        let norm = norm_weight(&cfg, src, names.norm, h, device)?;
         let head_name = if !cfg.tie_word_embeddings && src.contains(names.lm_head) {
             names.lm_head
         } else {
             names.embed
         };
-        let lm_head = src.linear(head_name, None, (cfg.vocab_size, h), device)?;
+        // A folder's tied head multiplies by the embedding table itself: reading it again
+        // would hold a second f32 copy of a bf16 table.
+        let embed_is_head =
+            head_name == names.embed && matches!(src, WeightSource::SafeTensors { .. });
+        let lm_head = if embed_is_head {
+            Linear::dense(embed.clone())
+        } else {
+            src.linear(head_name, None, (cfg.vocab_size, h), device)?
+        };
         let divisors = rope_divisors(&cfg, src, device)?;
         refuse_unread(&cfg, src, names)?;
-        let frequencies = Frequencies::of(&cfg, divisors.as_deref());
-        let (cos, sin) = frequencies.tables(cfg.max_position_embeddings, device)?;
+        let (rope, sliding_rope) = rope_tables(&cfg, divisors.as_deref(), device)?;
         Ok(Self {
             cfg,
             device: device.clone(),
@@ -176,8 +204,9 @@ impl Model {
             layers,
             norm,
             lm_head,
-            cos,
-            sin,
+            embed_is_head,
+            rope,
+            sliding_rope,
         })
     }
 }
@@ -201,8 +230,28 @@ fn layer(
     // refused unless false), so a folder that holds them is refused as unread.
     let biases = cfg.reads_qkv_biases(matches!(src, WeightSource::Gguf { .. }));
     let b = |part: &str| biases.then(|| format!("{}.bias", n(part)));
+    let gemma = cfg.gemma.is_some();
+    let mut norm = |part: &str, dim: usize| norm_weight(cfg, src, &w(part), dim, device);
+    let attn_norm = norm("attn_norm", h)?;
+    let qk_norm = if cfg.has_qk_norm() {
+        Some(QkNorm {
+            q: norm("q_norm", hd)?,
+            k: norm("k_norm", hd)?,
+        })
+    } else {
+        None
+    };
+    let mlp_norm = norm("mlp_norm", h)?;
+    let (post_attn_norm, post_ffn_norm) = if gemma {
+        (
+            Some(norm("post_attn_norm", h)?),
+            Some(norm("post_ffn_norm", h)?),
+        )
+    } else {
+        (None, None)
+    };
     Ok(Layer {
-        attn_norm: src.dense_shaped(&w("attn_norm"), &[h], device)?,
+        attn_norm,
         qkv: src.stacked(
             &[
                 (&w("q"), b("q").as_deref(), q_out),
@@ -212,22 +261,17 @@ fn layer(
             h,
             device,
         )?,
-        qk_norm: if cfg.has_qk_norm() {
-            Some(QkNorm {
-                q: src.dense_shaped(&w("q_norm"), &[hd], device)?,
-                k: src.dense_shaped(&w("k_norm"), &[hd], device)?,
-            })
-        } else {
-            None
-        },
+        qk_norm,
         o: src.linear(&w("o"), None, (h, q_out), device)?,
-        mlp_norm: src.dense_shaped(&w("mlp_norm"), &[h], device)?,
+        post_attn_norm,
+        mlp_norm,
+        post_ffn_norm,
         ffn: match cfg.moe.as_ref().filter(|m| m.sparse_layers[i]) {
             None => Ffn::Dense(mlp(
                 src,
                 [&w("gate"), &w("up"), &w("down")],
-                inter,
-                h,
+                (inter, h),
+                cfg.hidden_act,
                 device,
             )?),
             Some(moe) => Ffn::Mixture(experts::mixture(cfg, moe, src, i, device)?),
@@ -235,17 +279,60 @@ fn layer(
     })
 }
 
+/// An RMSNorm weight of `dim`, with the offset the files store it by
+/// ([`ModelConfig::norm_weight_offset`]) added back.
+fn norm_weight(
+    cfg: &ModelConfig,
+    src: &mut WeightSource,
+    name: &str,
+    dim: usize,
+    device: &Device,
+) -> Result<Tensor> {
+    let w = src.dense_shaped(name, &[dim], device)?;
+    let offset = cfg.norm_weight_offset(matches!(src, WeightSource::Gguf { .. }));
+    if offset == 0.0 {
+        return Ok(w);
+    }
+    Ok((w + offset)?)
+}
+
+/// The rotary tables of every layer, and of the sliding-window layers where they rotate
+/// by a RoPE of their own.
+fn rope_tables(
+    cfg: &ModelConfig,
+    divisors: Option<&[f32]>,
+    device: &Device,
+) -> Result<(RopeTables, Option<RopeTables>)> {
+    let positions = cfg.max_position_embeddings;
+    let tables = |f: Frequencies| -> Result<RopeTables> {
+        let (cos, sin) = f.tables(positions, device)?;
+        Ok(RopeTables { cos, sin })
+    };
+    let sliding = cfg.gemma.as_ref().and_then(|g| g.sliding_rope.as_ref());
+    let sliding = match sliding {
+        Some(r) => Some(tables(Frequencies::of_rope(
+            r.theta,
+            &r.scaling,
+            cfg.head_dim,
+            None,
+        ))?),
+        None => None,
+    };
+    Ok((tables(Frequencies::of(cfg, divisors))?, sliding))
+}
+
 /// A gated MLP from its gate, up and down weights, `inter` wide over `h` inputs.
 pub(super) fn mlp(
     src: &mut WeightSource,
     [gate, up, down]: [&str; 3],
-    inter: usize,
-    h: usize,
+    (inter, h): (usize, usize),
+    act: Activation,
     device: &Device,
 ) -> Result<Mlp> {
     Ok(Mlp {
         gate_up: src.stacked(&[(gate, None, inter), (up, None, inter)], h, device)?,
         down: src.linear(down, None, (h, inter), device)?,
+        act,
     })
 }
 

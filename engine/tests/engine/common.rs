@@ -91,6 +91,30 @@ pub fn tiny_qwen2_moe_dir() -> PathBuf {
     .clone()
 }
 
+/// The generated tiny model turned Gemma 2 (alternating windows, soft caps), written once
+/// per test binary.
+pub fn tiny_gemma2_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        turned("gemma2", |dir| {
+            engine::testmodel::into_gemma2(dir, engine::testmodel::DEFAULT_SEED)
+        })
+    })
+    .clone()
+}
+
+/// The generated tiny model turned Gemma 3 (q/k norms, five sliding layers of six, a
+/// local and a global RoPE), written once per test binary.
+pub fn tiny_gemma3_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        turned("gemma3", |dir| {
+            engine::testmodel::into_gemma3(dir, engine::testmodel::DEFAULT_SEED)
+        })
+    })
+    .clone()
+}
+
 /// The tiny model written into the target folder and turned into `family` by `turn`.
 fn turned(family: &str, turn: fn(&std::path::Path) -> engine::Result<()>) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))

@@ -4,8 +4,8 @@
 //! of each, and at each position its five best next tokens with their log-probabilities.
 //! `llama_cpp_smollm2.json` (`scripts/oracle_llama_cpp.py`) is for the real SmolLM2 file;
 //! `llama_cpp_tiny_{model}_*.json` (`scripts/oracle_gguf.py`) for the generated tiny
-//! Qwen3, Llama 3.1, Qwen3-MoE, Mixtral, Qwen2-MoE and Qwen2 with YaRN as llama.cpp's own
-//! converter and quantizer write them (`fixtures/gguf/`).
+//! Qwen3, Llama 3.1, Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen2 with YaRN, Gemma 2 and Gemma 3
+//! as llama.cpp's own converter and quantizer write them (`fixtures/gguf/`).
 
 use std::path::Path;
 
@@ -104,6 +104,58 @@ fn tiny_mixtral_from_llama_cpps_converter_agrees_with_llama_cpp() {
     assert_agrees(&gguf, "llama_cpp_tiny_mixtral_q4_1.json");
 }
 
+/// The tiny Gemma 2 in Q4_1: a sliding layer then a global one, both soft caps, and the
+/// norms llama.cpp's converter stored with Gemma's 1 added.
+#[test]
+fn tiny_gemma2_from_llama_cpps_converter_agrees_with_llama_cpp() {
+    let gguf = common::fixture("gguf/tiny-gemma2-q4_1.gguf");
+    assert_agrees(&gguf, "llama_cpp_tiny_gemma2_q4_1.json");
+}
+
+/// The tiny Gemma 3: five sliding layers of six, rotated by `rope.freq_base_swa`, and
+/// the global one by the file's base with its linear scaling.
+#[test]
+fn tiny_gemma3_from_llama_cpps_converter_agrees_with_llama_cpp() {
+    let gguf = common::fixture("gguf/tiny-gemma3-q8_0.gguf");
+    assert_agrees(&gguf, "llama_cpp_tiny_gemma3_q8_0.json");
+}
+
+/// llama.cpp's conversion of the tiny Gemma 3 reads as its folder but for what llama.cpp
+/// does not take from a config: a file holds no `query_pre_attn_scalar` (llama.cpp scales
+/// queries by the head size), and its norms hold Gemma's offsets with the 1 added.
+#[test]
+fn llama_cpps_conversion_of_tiny_gemma3_is_its_folder_with_norms_offset() {
+    let dir = common::tiny_gemma3_dir();
+    let mut hf = text::ModelConfig::from_hf_file(&dir.join("config.json")).unwrap();
+    let gemma = hf.gemma.as_mut().unwrap();
+    assert_eq!(gemma.query_pre_attn_scalar, 24.0);
+    gemma.query_pre_attn_scalar = hf.head_dim as f64;
+    assert_conversion_is_folder_config(hf, "gguf/tiny-gemma3-q8_0.gguf", "gemma3");
+    let path = common::fixture("gguf/tiny-gemma3-q8_0.gguf");
+    let mut file = std::fs::File::open(&path).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let st = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    for (g, h) in [
+        (
+            "blk.5.post_ffw_norm.weight",
+            "model.layers.5.post_feedforward_layernorm.weight",
+        ),
+        (
+            "blk.0.attn_q_norm.weight",
+            "model.layers.0.self_attn.q_norm.weight",
+        ),
+    ] {
+        let stored = content.tensor(&mut file, g, &Device::Cpu).unwrap();
+        let stored = stored.dequantize(&Device::Cpu).unwrap();
+        let offset = (&st[h] + 1.0).unwrap();
+        assert_eq!(
+            stored.to_vec1::<f32>().unwrap(),
+            offset.to_vec1::<f32>().unwrap(),
+            "{g}"
+        );
+    }
+}
+
 /// llama.cpp's conversion of the tiny Qwen3 reads as the hyper-parameters of its folder,
 /// and holds its weights: the committed files are the model the tests generate.
 #[test]
@@ -171,19 +223,8 @@ fn llama_cpps_conversion_of_tiny_qwen2_moe_is_its_folder() {
 /// stay f32 through quantization, bit for bit.
 fn assert_conversion_is_folder(dir: &Path, fixture: &str, arch: &str, same: &[(&str, &str)]) {
     let hf = text::ModelConfig::from_hf_file(&dir.join("config.json")).unwrap();
+    assert_conversion_is_folder_config(hf, fixture, arch);
     let path = common::fixture(fixture);
-    let gguf =
-        text::ModelConfig::from_gguf(&text::gguf::Metadata::open(&path).unwrap(), &path).unwrap();
-    // The converter writes the first of the config's EOS ids only, and the norm epsilon
-    // as an f32.
-    assert_eq!(gguf.eos_token_ids, hf.eos_token_ids[..1]);
-    let hf = text::ModelConfig {
-        architecture: arch.into(),
-        eos_token_ids: gguf.eos_token_ids.clone(),
-        rms_norm_eps: hf.rms_norm_eps as f32 as f64,
-        ..hf
-    };
-    assert_eq!(gguf, hf);
     let mut file = std::fs::File::open(&path).unwrap();
     let content = gguf_file::Content::read(&mut file).unwrap();
     let st = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
@@ -200,6 +241,24 @@ fn assert_conversion_is_folder(dir: &Path, fixture: &str, arch: &str, same: &[(&
         let theirs = st[*h].flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(ours, theirs, "{g}");
     }
+}
+
+/// The GGUF `fixture` reads as the hyper-parameters `hf` under the GGUF architecture name
+/// `arch`.
+fn assert_conversion_is_folder_config(hf: text::ModelConfig, fixture: &str, arch: &str) {
+    let path = common::fixture(fixture);
+    let gguf =
+        text::ModelConfig::from_gguf(&text::gguf::Metadata::open(&path).unwrap(), &path).unwrap();
+    // The converter writes the first of the config's EOS ids only, and the norm epsilon
+    // as an f32.
+    assert_eq!(gguf.eos_token_ids, hf.eos_token_ids[..1]);
+    let hf = text::ModelConfig {
+        architecture: arch.into(),
+        eos_token_ids: gguf.eos_token_ids.clone(),
+        rms_norm_eps: hf.rms_norm_eps as f32 as f64,
+        ..hf
+    };
+    assert_eq!(gguf, hf);
 }
 
 /// Our best next tokens against the llama.cpp reference `fixture` for the file `gguf`.

@@ -223,7 +223,8 @@ fn biases_a_mistral_does_not_have_are_refused() {
 
 /// What the footprint check predicts from the headers is what the loader holds: for GGUF
 /// files of every quantization the tests have (tied and untied heads, our kernels and
-/// candle's), and for folders in f32 (held as read) and bf16 (read, then converted).
+/// candle's), and for folders in f32 (held as read) and bf16 (read, then converted), with
+/// heads of their own and tied to the embeddings.
 #[test]
 fn the_predicted_weight_memory_is_what_the_loader_holds() {
     use engine::footprint::{peak_weight_bytes, read_headers};
@@ -234,6 +235,8 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
         "tiny-qwen3_moe-q8_0",
         "tiny-mixtral-q4_1",
         "tiny-qwen2_moe-q8_0",
+        "tiny-gemma2-q4_1",
+        "tiny-gemma3-q8_0",
     ]
     .iter()
     .map(|n| common::fixture(&format!("gguf/{n}.gguf")))
@@ -253,6 +256,8 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
         common::tiny_qwen3_dir(),
         common::tiny_mixtral_dir(),
         common::tiny_qwen2_moe_dir(),
+        common::tiny_gemma2_dir(),
+        common::tiny_gemma3_dir(),
     ] {
         let model = Model::load(&f32_dir, &Device::Cpu).unwrap();
         let headers = read_headers(&f32_dir).unwrap();
@@ -261,21 +266,24 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
             model.resident_bytes() as u64
         );
     }
-    let bf16_dir = scratch("bf16-footprint");
-    engine::testmodel::write_model(
-        &bf16_dir,
-        engine::testmodel::ModelSize::Tiny,
-        DType::BF16,
-        engine::testmodel::DEFAULT_SEED,
-    )
-    .unwrap();
-    let model = Model::load(&bf16_dir, &Device::Cpu).unwrap();
-    let headers = read_headers(&bf16_dir).unwrap();
-    let stored: u64 = headers.iter().map(|t| t.stored).sum();
-    assert_eq!(
-        peak_weight_bytes(&headers, false),
-        stored + model.resident_bytes() as u64
-    );
+    // Untied, and tied (Gemma 2's head is its embedding table, converted once).
+    for tied in [false, true] {
+        let bf16_dir = scratch(&format!("bf16-footprint-{tied}"));
+        let seed = engine::testmodel::DEFAULT_SEED;
+        let tiny = engine::testmodel::ModelSize::Tiny;
+        engine::testmodel::write_model(&bf16_dir, tiny, DType::BF16, seed).unwrap();
+        if tied {
+            engine::testmodel::into_gemma2(&bf16_dir, seed).unwrap();
+        }
+        let model = Model::load(&bf16_dir, &Device::Cpu).unwrap();
+        let headers = read_headers(&bf16_dir).unwrap();
+        let stored: u64 = headers.iter().map(|t| t.stored).sum();
+        assert_eq!(
+            peak_weight_bytes(&headers, false),
+            stored + model.resident_bytes() as u64,
+            "tied: {tied}"
+        );
+    }
 }
 
 /// A node whose KV reserve and weights exceed the machine is refused before any weight is

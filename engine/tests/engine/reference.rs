@@ -64,6 +64,23 @@ fn tiny_qwen2_moe_matches_transformers_token_for_token() {
     );
 }
 
+/// The tiny model turned Gemma 2 against transformers' Gemma2ForCausalLM,
+/// `tiny_gemma2_reference.json`: scaled embeddings, Gemma's four norms a layer (weights
+/// offset from 1), GeLU, a sliding layer then a global one, `query_pre_attn_scalar`,
+/// attention scores and logits soft-capped.
+#[test]
+fn tiny_gemma2_matches_transformers_token_for_token() {
+    matches_reference(&common::tiny_gemma2_dir(), "tiny_gemma2_reference.json");
+}
+
+/// The tiny model turned Gemma 3 against transformers' Gemma3ForCausalLM,
+/// `tiny_gemma3_reference.json`: Gemma 2's layers without the attention cap, q/k norms,
+/// five sliding layers rotated by a base of 1e4 to a global one by 1e6 scaled by 8.
+#[test]
+fn tiny_gemma3_matches_transformers_token_for_token() {
+    matches_reference(&common::tiny_gemma3_dir(), "tiny_gemma3_reference.json");
+}
+
 fn matches_reference(dir: &std::path::Path, fixture: &str) {
     let fx: Value =
         serde_json::from_str(&std::fs::read_to_string(common::fixture(fixture)).unwrap()).unwrap();

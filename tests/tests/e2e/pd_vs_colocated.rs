@@ -119,22 +119,31 @@ async fn pd_equals_colocated_equals_one_process() {
     }
 }
 
-/// Qwen3 (per-head q/k norms, wide heads), Mistral (a sliding window of 16 positions) and
+/// Qwen3 (per-head q/k norms, wide heads), Mistral (a sliding window of 16 positions),
 /// the mixtures Qwen3-MoE, Mixtral and Qwen2-MoE (8 experts, 2 per token; Qwen2-MoE's
-/// shared expert), with a prompt past the
-/// window computed in chunks of 4 on the prefill node: PD, colocated and one process give
-/// the same tokens, greedy and sampled.
+/// shared expert), and Gemma 2 and 3 (windows of 16 in some layers, soft caps, a RoPE per
+/// layer type), with a prompt past the window computed in chunks of 4 on the prefill
+/// node: PD, colocated and one process give the same tokens, greedy and sampled.
 #[tokio::test]
 async fn pd_equals_colocated_equals_one_process_for_each_family() {
     let prompt = "Every request ends with tokens, an error, or a clean finish reason, \
                   whichever node computed its prompt.";
-    for family in ["qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe"] {
+    let families = [
+        "qwen3",
+        "mistral",
+        "qwen3_moe",
+        "mixtral",
+        "qwen2_moe",
+        "gemma2",
+        "gemma3",
+    ];
+    for family in families {
         let model = tiny_model_turned(family);
         let chunked = ["--chunk-tokens", "4", "--step-tokens", "6"];
         let pd = Cluster::start_with(Mode::Pd, &model, &[], &chunked).await;
         let colo = Cluster::start(Mode::Colocated, &model, &[]).await;
         let loaded = engine::load(&model, &Device::Cpu).expect("loading the model");
-        let window = engine::testmodel::MISTRAL_WINDOW;
+        let window = engine::testmodel::MISTRAL_WINDOW.max(engine::testmodel::GEMMA_WINDOW);
         assert!(loaded.tokenizer.encode(prompt).unwrap().len() > 2 * window);
         for (sampling, params) in [
             (json!({"temperature": 0}), engine::SamplingParams::default()),

@@ -57,6 +57,10 @@ const IGNORED: &[(&str, &str)] = &[
     ("initializer_range", "it initializes weights for training"),
     ("use_cache", "a switch of transformers' own generation loop"),
     (
+        "cache_implementation",
+        "a switch of transformers' own generation loop",
+    ),
+    (
         "pad_token_id",
         "padding is not part of what the model computes",
     ),
@@ -91,6 +95,10 @@ const IGNORED: &[(&str, &str)] = &[
         "nanotron's note; transformers does not read it",
     ),
     ("transformers.js_config", "settings of transformers.js"),
+    (
+        "_sliding_window_pattern",
+        "Gemma 3's note of its pattern; transformers reads layer_types",
+    ),
     ("router_aux_loss_coef", "a training loss of the router"),
     (
         "output_router_logits",
@@ -105,7 +113,10 @@ const IGNORED: &[(&str, &str)] = &[
 /// What the engine does with field `key` of a config.json, `None` for a field it does not
 /// know.
 pub fn field_use(key: &str) -> Option<FieldUse> {
-    if USED.contains(&key) || super::moe::MOE_FIELDS.contains(&key) {
+    if USED.contains(&key)
+        || super::moe::MOE_FIELDS.contains(&key)
+        || super::gemma::GEMMA_FIELDS.contains(&key)
+    {
         return Some(FieldUse::Used);
     }
     if let Some((_, why)) = IGNORED.iter().find(|(k, _)| *k == key) {

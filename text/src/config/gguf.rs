@@ -5,17 +5,20 @@
 
 use std::path::Path;
 
-use super::{ModelConfig, RopeStyle};
+use super::gemma::{self, GgufShape};
+use super::{Activation, ModelConfig, RopeStyle};
 use crate::error::{Result, TextError};
 use crate::gguf::{Metadata, Value};
 
 mod rope;
 
 /// The GGUF architectures the engine runs.
-const ARCHITECTURES: [&str; 5] = ["llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe"];
+const ARCHITECTURES: [&str; 7] = [
+    "gemma2", "gemma3", "llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
+];
 
-/// The `{arch}.*` keys the engine reads, beside `rope.scaling.*` ([`rope::scaling`])
-/// and the experts' ([`super::moe::GGUF_KEYS`]).
+/// The `{arch}.*` keys the engine reads, beside `rope.scaling.*` ([`rope::scaling`]),
+/// the experts' ([`super::moe::GGUF_KEYS`]) and Gemma's ([`gemma::GGUF_KEYS`]).
 const READ_KEYS: [&str; 13] = [
     "block_count",
     "context_length",
@@ -63,6 +66,26 @@ impl ModelConfig {
         let layers = num("block_count")?;
         let moe = super::moe::from_gguf(meta, &arch, feed_forward, layers).map_err(bad)?;
         let token_id = |key: &str| md(key).and_then(Value::to_u64).map(|v| v as u32);
+        let rope = crate::rope::Rope {
+            theta: float("rope.freq_base", 10_000.0),
+            scaling: rope::scaling(meta, &arch, context_length).map_err(bad)?,
+        };
+        // The other architectures read here attend to the whole context in llama.cpp; a
+        // window key would have been refused with the other unknown keys.
+        let (gemma, attention_windows) = if gemma::is_gemma(&arch) {
+            let shape = GgufShape {
+                arch: &arch,
+                layers,
+                hidden,
+                heads,
+                head_dim,
+                rope: &rope,
+            };
+            let (g, windows) = gemma::from_gguf(meta, &shape).map_err(bad)?;
+            (Some(g), windows)
+        } else {
+            (None, vec![None; layers])
+        };
         let cfg = Self {
             architecture: arch.clone(),
             vocab_size: vocab,
@@ -73,8 +96,8 @@ impl ModelConfig {
             num_key_value_heads: num("attention.head_count_kv").unwrap_or(heads),
             head_dim,
             rms_norm_eps: float("attention.layer_norm_rms_epsilon", 1e-6),
-            rope_theta: float("rope.freq_base", 10_000.0),
-            rope_scaling: rope::scaling(meta, &arch, context_length).map_err(bad)?,
+            rope_theta: rope.theta,
+            rope_scaling: rope.scaling,
             max_position_embeddings: context_length,
             tie_word_embeddings: tied,
             // llama.cpp's converter permutes a llama file's q/k rows so that its graph
@@ -84,10 +107,14 @@ impl ModelConfig {
             } else {
                 RopeStyle::Half
             },
-            // The architectures read here attend to the whole context in llama.cpp; a
-            // window key would have been refused with the other unknown keys.
-            attention_windows: vec![None; layers],
+            attention_windows,
             moe,
+            hidden_act: if gemma.is_some() {
+                Activation::GeluTanh
+            } else {
+                Activation::Silu
+            },
+            gemma,
             bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
             eos_token_ids: token_id("tokenizer.ggml.eos_token_id")
                 .into_iter()
@@ -153,7 +180,9 @@ fn keys_under<'a>(meta: &'a Metadata, prefix: &str) -> Vec<(&'a str, &'a str)> {
 fn refuse_unknown_keys(meta: &Metadata, arch: &str) -> std::result::Result<(), String> {
     let prefix = format!("{arch}.");
     for (key, name) in keys_under(meta, &prefix) {
-        let read = READ_KEYS.contains(&name) || super::moe::GGUF_KEYS.contains(&name);
+        let read = READ_KEYS.contains(&name)
+            || super::moe::GGUF_KEYS.contains(&name)
+            || (gemma::is_gemma(arch) && gemma::GGUF_KEYS.contains(&name));
         if !read && !name.starts_with("rope.scaling.") {
             return Err(format!(
                 "{key} is not supported: the engine does not compute what it sets"
@@ -164,11 +193,11 @@ fn refuse_unknown_keys(meta: &Metadata, arch: &str) -> std::result::Result<(), S
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// Metadata of `values` and no tensors.
-    pub(super) fn meta(values: &[(&str, Value)]) -> Metadata {
+    pub(crate) fn meta(values: &[(&str, Value)]) -> Metadata {
         Metadata {
             values: values
                 .iter()

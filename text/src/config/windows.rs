@@ -17,6 +17,9 @@ const DEFAULT_MAX_WINDOW_LAYERS: u64 = 28;
 ///   `layer_types` names `sliding_attention`, by default those from `max_window_layers` on.
 /// - Qwen2-MoE: no window; `use_sliding_window` is refused (its layer pattern is not
 ///   run), as are `layer_types` that name a sliding layer.
+/// - Gemma 2 and Gemma 3: `sliding_window` (4096 when absent) in the layers `layer_types`
+///   names `sliding_attention`, by default all but every second (Gemma 2) or every
+///   `sliding_window_pattern`-th (Gemma 3, 6 when absent) layer.
 /// - Llama has no window; a config that asks for one is refused rather than run whole.
 pub(super) fn attention_windows(
     arch: &str,
@@ -24,6 +27,7 @@ pub(super) fn attention_windows(
     layers: usize,
 ) -> Result<Vec<Option<usize>>, String> {
     let window = match arch {
+        "gemma2" | "gemma3" => return gemma_windows(arch, raw, layers),
         "mistral" | "mixtral" | "qwen3_moe" => {
             if raw.contains_key("layer_types") {
                 return Err(format!(
@@ -65,6 +69,32 @@ pub(super) fn attention_windows(
     }
     if arch == "llama" && flag(raw, "use_sliding_window")? {
         return Err("use_sliding_window true is not supported: Llama has no window".into());
+    }
+    Ok(sliding.into_iter().map(|s| window.filter(|_| s)).collect())
+}
+
+/// Gemma's windows, as [`attention_windows`] says.
+fn gemma_windows(
+    arch: &str,
+    raw: &Map<String, Value>,
+    layers: usize,
+) -> Result<Vec<Option<usize>>, String> {
+    let window = window_field(raw)?;
+    let sliding = match raw.get("layer_types").filter(|v| !v.is_null()) {
+        Some(types) => layer_types(types, layers)?,
+        None => {
+            let period = match raw.get("sliding_window_pattern") {
+                _ if arch == "gemma2" => 2,
+                None | Some(Value::Null) => 6,
+                Some(v) => v.as_u64().filter(|p| *p > 0).ok_or_else(|| {
+                    format!("sliding_window_pattern must be a count of 1 or more, got {v}")
+                })?,
+            };
+            (0..layers as u64).map(|i| (i + 1) % period != 0).collect()
+        }
+    };
+    if window.is_none() && sliding.contains(&true) {
+        return Err("sliding_window is null but some layers slide".into());
     }
     Ok(sliding.into_iter().map(|s| window.filter(|_| s)).collect())
 }
@@ -170,6 +200,27 @@ mod tests {
         );
         let on = json!({"use_sliding_window": true, "sliding_window": 8});
         assert!(windows("qwen2_moe", on, 2).is_err());
+    }
+
+    #[test]
+    fn gemma_slides_all_but_every_periodth_layer_unless_layer_types_say() {
+        let w = json!({"sliding_window": 8});
+        assert_eq!(
+            windows("gemma2", w.clone(), 3),
+            Ok(vec![Some(8), None, Some(8)])
+        );
+        let mut gemma3 = windows("gemma3", w, 7).unwrap();
+        assert_eq!(
+            gemma3.drain(4..).collect::<Vec<_>>(),
+            [Some(8), None, Some(8)]
+        );
+        let period = json!({"sliding_window_pattern": 2});
+        assert_eq!(windows("gemma3", period, 2), Ok(vec![Some(4096), None]));
+        let listed = json!({"sliding_window": 8,
+            "layer_types": ["full_attention", "sliding_attention"]});
+        assert_eq!(windows("gemma3", listed, 2), Ok(vec![None, Some(8)]));
+        assert!(windows("gemma2", json!({"sliding_window": null}), 1).is_err());
+        assert!(windows("gemma3", json!({"sliding_window_pattern": 0}), 1).is_err());
     }
 
     #[test]

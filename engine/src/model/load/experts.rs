@@ -26,12 +26,12 @@ pub(super) fn mixture(
     };
     let router = src.linear(&router, None, (moe.experts, h), device)?;
     let experts = if gguf {
-        gguf_experts(moe.experts, src, i, (inter, h), device)?
+        gguf_experts(cfg, moe.experts, src, i, (inter, h), device)?
     } else {
         (0..moe.experts)
             .map(|e| {
                 let [gate, up, down] = hf_expert(cfg, i, e);
-                mlp(src, [&gate, &up, &down], inter, h, device)
+                mlp(src, [&gate, &up, &down], (inter, h), cfg.hidden_act, device)
             })
             .collect::<Result<_>>()?
     };
@@ -72,7 +72,7 @@ fn shared_expert(
     let [g, u, d] = &names;
     Ok(SharedExpert {
         gate,
-        mlp: mlp(src, [g, u, d], width, h, device)?,
+        mlp: mlp(src, [g, u, d], (width, h), cfg.hidden_act, device)?,
     })
 }
 
@@ -98,6 +98,7 @@ fn hf_expert(cfg: &ModelConfig, i: usize, e: usize) -> [String; 3] {
 /// The experts of layer `i` of a GGUF file, where each of gate, up and down is one
 /// tensor of all experts.
 fn gguf_experts(
+    cfg: &ModelConfig,
     experts: usize,
     src: &mut WeightSource,
     i: usize,
@@ -122,6 +123,7 @@ fn gguf_experts(
                     device,
                 )?,
                 down: quantized_linear(down, (h, inter), device)?,
+                act: cfg.hidden_act,
             })
         })
         .collect()
