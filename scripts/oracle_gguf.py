@@ -2,10 +2,10 @@
 
 Usage (from the scripts/ directory):
   LLAMA_CPP=DIR python3 oracle_gguf.py TINY_QWEN3 TINY_LLAMA3 TINY_QWEN3_MOE TINY_MIXTRAL \
-      TINY_QWEN2_MOE TINY_QWEN2 TINY_GEMMA2 TINY_GEMMA3
+      TINY_QWEN2_MOE TINY_QWEN2 TINY_GEMMA2 TINY_GEMMA3 TINY_PHI3
 
 Each folder is `tandem-model --family
-qwen3|llama3|qwen3-moe|mixtral|qwen2-moe|qwen2|gemma2|gemma3`'s. The
+qwen3|llama3|qwen3-moe|mixtral|qwen2-moe|qwen2|gemma2|gemma3|phi3`'s. The
 plain Qwen2 one is converted with Qwen2.5's long-context setting added to a copy of its
 config.json (YaRN, factor 4, past an original context of 64: YARN), as `qwen2_yarn`. DIR is a llama.cpp source tree at the
 version llama-cpp-python vendors (its sdist's vendor/llama.cpp), for its converter
@@ -13,9 +13,9 @@ version llama-cpp-python vendors (its sdist's vendor/llama.cpp), for its convert
 
 1. convert_hf_to_gguf.py writes the folder as an f32 GGUF (its sha256 is recorded). The
    tiny model's tokenizer is trained here, so the converter cannot recognise its
-   pre-tokenizer by the hash of its ids; it is told "qwen2", Qwen3's own, and Gemma 2's
-   converter, which reads only SentencePiece vocabularies, is given the byte-level one as
-   Gemma 3's converter reads it without a tokenizer.model. The tests feed token ids, so
+   pre-tokenizer by the hash of its ids; it is told "qwen2", Qwen3's own, and the Gemma 2
+   and Phi-3 converters, which read SentencePiece vocabularies, are given the byte-level
+   one as Gemma 3's converter reads it without a tokenizer.model. The tests feed token ids, so
    llama.cpp's tokenizer never decides anything they check.
 2. llama.cpp's quantizer (`llama_model_quantize`, what `llama-quantize` runs) makes the
    files MODELS names from it: engine/tests/fixtures/gguf/tiny-{model}-{quant}.gguf.
@@ -55,6 +55,7 @@ MODELS = [
     ("qwen2_yarn", [Q8_0]),
     ("gemma2", [Q4_1]),
     ("gemma3", [Q8_0]),
+    ("phi3", [Q8_0]),
 ]
 # The config.json fields each model's folder is converted with, over its own.
 CONFIG_EDITS = {
@@ -64,7 +65,13 @@ CONFIG_EDITS = {
 }
 
 
-def convert(llama_cpp: Path, model_dir: Path, out: Path) -> None:
+# Names the converter writes as general.name where the folder's own would not do:
+# llama.cpp's vocabulary loader looks up "</s>" for a model named like Phi-3, which the
+# tiny tokenizer does not have.
+MODEL_NAMES = {"phi3": "tiny"}
+
+
+def convert(llama_cpp: Path, model_dir: Path, out: Path, name: str | None) -> None:
     """Runs llama.cpp's converter on `model_dir`, writing an f32 GGUF to `out`."""
     if str(llama_cpp) not in sys.path:
         sys.path[:0] = [str(llama_cpp / "gguf-py"), str(llama_cpp)]
@@ -73,9 +80,14 @@ def convert(llama_cpp: Path, model_dir: Path, out: Path) -> None:
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
     import conversion.gemma as gemma
 
+    import conversion.phi as phi
+
     gemma.Gemma2Model.set_vocab = base.TextModel._set_vocab_gpt2
+    phi.Phi3MiniModel.set_vocab = base.TextModel._set_vocab_gpt2
     argv = sys.argv
     sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outfile", str(out), "--outtype", "f32"]
+    if name is not None:
+        sys.argv += ["--model-name", name]
     try:
         runpy.run_path(str(llama_cpp / "convert_hf_to_gguf.py"), run_name="__main__")
     finally:
@@ -106,7 +118,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             f32 = Path(tmp) / f"tiny-{model}-f32.gguf"
             source = edited(Path(model_dir), Path(tmp) / model, CONFIG_EDITS.get(model))
-            convert(llama_cpp_dir, source, f32)
+            convert(llama_cpp_dir, source, f32, MODEL_NAMES.get(model))
             for quant in quants:
                 record(model, f32, quant)
 

@@ -20,8 +20,8 @@ weights the engine runs. `engine/tests/engine/rope.rs` reads the output.
 
 It also records `config_fields`: every field transformers writes into a config.json for the
 configuration classes of the architectures the engine runs (Gemma2Config, Gemma3TextConfig,
-LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-Qwen3MoeConfig), so that a test can check the engine
+LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+Qwen3Config, Qwen3MoeConfig), so that a test can check the engine
 knows what to do with each.
 """
 
@@ -40,6 +40,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -55,6 +56,7 @@ CONFIG_CLASSES = (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,

@@ -77,7 +77,10 @@ pub fn peak_weight_bytes(tensors: &[TensorHeader], gguf: bool) -> u64 {
             match (t.dims, t.name.as_str()) {
                 (_, "token_embd.weight") => 4 * t.elements + if tied { matrix(t) } else { 0 },
                 // Read into the rotation tables and dropped.
-                (_, "rope_freqs.weight") => 0,
+                (
+                    _,
+                    "rope_freqs.weight" | "rope_factors_long.weight" | "rope_factors_short.weight",
+                ) => 0,
                 (1, _) => 4 * t.elements,
                 _ => matrix(t),
             }

@@ -411,15 +411,23 @@ impl Model {
         }
     }
 
-    /// Rotates `(heads, t, head_dim)` for positions `pos .. pos + t` by `tables`.
+    /// Rotates `(heads, t, head_dim)` for positions `pos .. pos + t` by `tables`: the
+    /// leading `rotary_dim` dimensions of each head, the others passed through.
     fn rope(&self, tables: &RopeTables, x: &Tensor, pos: usize) -> Result<Tensor> {
         let t = x.dim(1)?;
         let cos = tables.cos.narrow(0, pos, t)?;
         let sin = tables.sin.narrow(0, pos, t)?;
-        let x = x.unsqueeze(0)?.contiguous()?;
+        let (rotary, head_dim) = (self.cfg.rotary_dim, self.cfg.head_dim);
+        let x = x.unsqueeze(0)?;
+        let rotating = x.narrow(3, 0, rotary)?.contiguous()?;
         let y = match self.cfg.rope_style {
-            RopeStyle::Half => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
-            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
+            RopeStyle::Half => candle_nn::rotary_emb::rope(&rotating, &cos, &sin)?,
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&rotating, &cos, &sin)?,
+        };
+        let y = if rotary < head_dim {
+            Tensor::cat(&[y, x.narrow(3, rotary, head_dim - rotary)?], 3)?
+        } else {
+            y
         };
         Ok(y.squeeze(0)?)
     }

@@ -18,7 +18,7 @@ impl Frequencies {
     /// The frequencies of `cfg`; `divisors` (a GGUF file's `rope_freqs`, one per pair)
     /// divide them, as llama.cpp divides its angles by them.
     pub(crate) fn of(cfg: &ModelConfig, divisors: Option<&[f32]>) -> Self {
-        Self::of_rope(cfg.rope_theta, &cfg.rope_scaling, cfg.head_dim, divisors)
+        Self::of_rope(cfg.rope_theta, &cfg.rope_scaling, cfg.rotary_dim, divisors)
     }
 
     /// The frequencies of a base and scaling for heads of `dim`, divided by `divisors`.
@@ -30,6 +30,14 @@ impl Frequencies {
     ) -> Self {
         let mut f = match scaling {
             RopeScaling::None => Self::plain(base, dim),
+            RopeScaling::LongRope {
+                factors,
+                attention_factor,
+                ..
+            } => Self {
+                inv_freq: longrope(base as f32, dim, factors),
+                attention_factor: *attention_factor as f32,
+            },
             RopeScaling::Linear { factor } => {
                 let mut f = Self::plain(base, dim);
                 f.inv_freq.iter_mut().for_each(|x| *x /= *factor as f32);
@@ -109,6 +117,19 @@ fn plain(base: f32, dim: usize) -> Vec<f32> {
     (0..dim)
         .step_by(2)
         .map(|i| 1.0 / base.powf(i as f32 / dim as f32))
+        .collect()
+}
+
+/// LongRoPE's: `1 / (factor_i * base^(2i / dim))`, in transformers' order of operations;
+/// plain where the factors are a GGUF file's (empty here, divided by at load).
+fn longrope(base: f32, dim: usize, factors: &[f64]) -> Vec<f32> {
+    if factors.is_empty() {
+        return plain(base, dim);
+    }
+    (0..dim)
+        .step_by(2)
+        .zip(factors)
+        .map(|(i, &f)| 1.0 / (f as f32 * base.powf(i as f32 / dim as f32)))
         .collect()
 }
 

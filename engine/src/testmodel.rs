@@ -23,8 +23,10 @@ use text::TextError;
 
 mod gemma;
 mod moe;
+mod phi;
 pub use gemma::{into_gemma2, into_gemma3, GEMMA_WINDOW};
 pub use moe::{into_mixtral, into_qwen2_moe, into_qwen3_moe};
+pub use phi::{into_phi3, PHI3_ORIGINAL_CONTEXT};
 
 /// Seed of the committed reference models.
 pub const DEFAULT_SEED: u64 = 20_261_122;

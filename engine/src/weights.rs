@@ -333,6 +333,23 @@ impl WeightSource {
         stack_quantized(qs, biases, widths, cols, device)
     }
 
+    /// Projections of one input stored as one matrix (Phi-3's `qkv_proj` and
+    /// `gate_up_proj`): its rows are the parts' outputs one after another, `widths` each.
+    pub fn fused(
+        &mut self,
+        name: &str,
+        widths: &[usize],
+        cols: usize,
+        device: &Device,
+    ) -> Result<Stacked> {
+        let rows = widths.iter().sum();
+        Ok(Stacked {
+            joined: Some(self.linear(name, None, (rows, cols), device)?),
+            parts: Vec::new(),
+            widths: widths.to_vec(),
+        })
+    }
+
     /// The `experts` matrices `[out, in]` of a GGUF tensor `[experts, out, in]`, as
     /// llama.cpp's converter stacks a mixture's experts, each sliced out of the file's
     /// blocks as they are.

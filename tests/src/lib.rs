@@ -112,8 +112,8 @@ pub fn tiny_model() -> PathBuf {
 }
 
 /// The generated tiny model turned `qwen3`, `mistral` (with its sliding window),
-/// `qwen3_moe`, `mixtral`, `qwen2_moe`, `gemma2` or `gemma3`, written once per test
-/// binary.
+/// `qwen3_moe`, `mixtral`, `qwen2_moe`, `gemma2`, `gemma3` or `phi3`, written once per
+/// test binary.
 pub fn tiny_model_turned(family: &str) -> PathBuf {
     static DIRS: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
     let mut dirs = DIRS.lock().expect("no test panics while holding the list");
@@ -137,6 +137,7 @@ pub fn tiny_model_turned(family: &str) -> PathBuf {
         "qwen2_moe" => engine::testmodel::into_qwen2_moe(&dir, seed),
         "gemma2" => engine::testmodel::into_gemma2(&dir, seed),
         "gemma3" => engine::testmodel::into_gemma3(&dir, seed),
+        "phi3" => engine::testmodel::into_phi3(&dir),
         other => panic!("no generated {other} model"),
     }
     .expect("turning the tiny model");

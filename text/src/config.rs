@@ -45,6 +45,9 @@ pub struct ModelConfig {
     pub num_attention_heads: usize,
     pub num_key_value_heads: usize,
     pub head_dim: usize,
+    /// The leading dimensions of each head that rotate (Phi-3's partial rotary); the
+    /// others pass through. `head_dim` for the other architectures.
+    pub rotary_dim: usize,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     /// How rotary angles are stretched past the trained context.
@@ -70,6 +73,15 @@ pub struct ModelConfig {
 enum OneOrMany {
     One(u32),
     Many(Vec<u32>),
+}
+
+impl OneOrMany {
+    fn into_vec(self) -> Vec<u32> {
+        match self {
+            Self::One(id) => vec![id],
+            Self::Many(ids) => ids,
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -106,6 +118,7 @@ fn architecture_of(model_type: &str, class: &str) -> Option<&'static str> {
         ("mixtral", _) | ("", "MixtralForCausalLM") => "mixtral",
         ("gemma2", _) | ("", "Gemma2ForCausalLM") => "gemma2",
         ("gemma3_text", _) | ("", "Gemma3ForCausalLM") => "gemma3",
+        ("phi3", _) | ("", "Phi3ForCausalLM") => "phi3",
         _ => return None,
     })
 }
@@ -121,6 +134,41 @@ fn activation(gemma: bool, hidden_act: Option<&str>) -> std::result::Result<Acti
             "hidden_act {act:?} is not supported; expected silu"
         )),
     }
+}
+
+/// The dimensions of a head that rotate: `partial_rotary_factor` of them for Phi-3 (as
+/// transformers rounds it down), all of them elsewhere (a partial factor is refused);
+/// LongRoPE's factors must be one per rotating pair.
+fn rotary_dim(
+    arch: &str,
+    raw: &serde_json::Map<String, serde_json::Value>,
+    head_dim: usize,
+    scaling: &crate::rope::RopeScaling,
+) -> std::result::Result<usize, String> {
+    let partial = crate::rope::partial_rotary_factor(raw)?;
+    if arch != "phi3" && partial != 1.0 {
+        return Err(format!(
+            "partial_rotary_factor {partial} is not supported for {arch}: every dimension of \
+             a head rotates"
+        ));
+    }
+    let dim = (head_dim as f64 * partial) as usize;
+    if dim == 0 || dim > head_dim || !dim.is_multiple_of(2) {
+        return Err(format!(
+            "partial_rotary_factor {partial} rotates {dim} of {head_dim} dimensions; an even \
+             number from 2 to all of them is supported"
+        ));
+    }
+    if let crate::rope::RopeScaling::LongRope { factors, .. } = scaling {
+        if factors.len() != dim / 2 {
+            return Err(format!(
+                "the LongRoPE factors number {}, not one per rotating pair ({})",
+                factors.len(),
+                dim / 2
+            ));
+        }
+    }
+    Ok(dim)
 }
 
 fn default_eps() -> f64 {
@@ -168,40 +216,42 @@ impl ModelConfig {
             .map_err(|e| invalid(e.to_string()))?;
         let model_type = hf.model_type.clone().unwrap_or_default();
         let arch = hf.architectures.first().cloned().unwrap_or_default();
-        let Some(architecture) = architecture_of(&model_type, &arch) else {
-            return Err(TextError::invalid_model(
+        let architecture = architecture_of(&model_type, &arch).ok_or_else(|| {
+            TextError::invalid_model(
                 path,
                 format!(
                     "unsupported architecture {arch:?} (model_type {model_type:?}); \
-                     expected gemma2, gemma3_text, llama, mistral, mixtral, qwen2, \
+                     expected gemma2, gemma3_text, llama, mistral, mixtral, phi3, qwen2, \
                      qwen2_moe, qwen3 or qwen3_moe"
                 ),
-            ));
-        };
+            )
+        })?;
         fields::check(&raw).map_err(invalid)?;
         let defaults = ClassDefaults::of(architecture);
         let max_positions = hf
             .max_position_embeddings
             .unwrap_or(defaults.max_position_embeddings);
-        let rope = if architecture == "gemma3" {
-            Rope::by_layer_type(&raw, max_positions).map(|r| r.full)
-        } else {
-            Rope::from_hf(&raw, max_positions)
-        }
-        .map_err(invalid)?;
+        // Gemma 3's full-attention layers rotate by the model's RoPE; its sliding ones are
+        // read with Gemma's settings.
+        let rope = match architecture {
+            "gemma3" => Rope::by_layer_type(&raw, max_positions).map(|r| r.full),
+            _ => Rope::from_hf(&raw, max_positions),
+        };
+        let rope = rope.map_err(invalid)?;
         let gemma = gemma::from_hf(architecture, &raw, max_positions).map_err(invalid)?;
         let attention_windows =
             windows::attention_windows(architecture, &raw, hf.num_hidden_layers)
                 .map_err(invalid)?;
-        let moe = moe::from_hf(
-            architecture,
-            &raw,
-            hf.intermediate_size,
-            hf.num_hidden_layers,
-        )
-        .map_err(invalid)?;
+        let (inter, layers) = (hf.intermediate_size, hf.num_hidden_layers);
+        let moe = moe::from_hf(architecture, &raw, inter, layers).map_err(invalid)?;
         let hidden_act = activation(gemma.is_some(), hf.hidden_act.as_deref()).map_err(invalid)?;
         let heads = hf.num_attention_heads;
+        let head_dim = hf
+            .head_dim
+            .or(defaults.head_dim)
+            .unwrap_or(hf.hidden_size / heads);
+        let rotary_dim =
+            rotary_dim(architecture, &raw, head_dim, &rope.scaling).map_err(invalid)?;
         let cfg = Self {
             architecture: architecture.into(),
             vocab_size: hf.vocab_size,
@@ -210,10 +260,8 @@ impl ModelConfig {
             num_hidden_layers: hf.num_hidden_layers,
             num_attention_heads: heads,
             num_key_value_heads: hf.num_key_value_heads.unwrap_or(heads),
-            head_dim: hf
-                .head_dim
-                .or(defaults.head_dim)
-                .unwrap_or(hf.hidden_size / heads),
+            head_dim,
+            rotary_dim,
             rms_norm_eps: hf.rms_norm_eps,
             rope_theta: rope.theta,
             rope_scaling: rope.scaling,
@@ -227,11 +275,7 @@ impl ModelConfig {
             hidden_act,
             gemma,
             bos_token_id: hf.bos_token_id,
-            eos_token_ids: match hf.eos_token_id {
-                None => vec![],
-                Some(OneOrMany::One(id)) => vec![id],
-                Some(OneOrMany::Many(ids)) => ids,
-            },
+            eos_token_ids: hf.eos_token_id.map_or_else(Vec::new, OneOrMany::into_vec),
         };
         cfg.validate(path)?;
         Ok(cfg)
@@ -287,5 +331,35 @@ impl ModelConfig {
     /// Heads that share one K/V head.
     pub fn group_size(&self) -> usize {
         self.num_attention_heads / self.num_key_value_heads
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::rope::RopeScaling;
+
+    fn dim(arch: &str, v: serde_json::Value, scaling: &RopeScaling) -> Result<usize, String> {
+        rotary_dim(arch, v.as_object().unwrap(), 16, scaling)
+    }
+
+    #[test]
+    fn only_phi3_rotates_part_of_a_head_and_longrope_has_a_factor_a_pair() {
+        let partial = json!({"partial_rotary_factor": 0.75});
+        assert_eq!(dim("phi3", partial.clone(), &RopeScaling::None), Ok(12));
+        assert_eq!(dim("llama", json!({}), &RopeScaling::None), Ok(16));
+        let refused = dim("llama", partial.clone(), &RopeScaling::None).unwrap_err();
+        assert!(refused.starts_with("partial_rotary_factor 0.75 is not supported for llama"));
+        let odd = json!({"partial_rotary_factor": 0.2});
+        assert!(dim("phi3", odd, &RopeScaling::None).is_err());
+        let longrope = |n: usize| RopeScaling::LongRope {
+            factors: vec![1.0; n],
+            original_max_position_embeddings: 64.0,
+            attention_factor: 1.0,
+        };
+        assert_eq!(dim("phi3", partial.clone(), &longrope(6)), Ok(12));
+        assert!(dim("phi3", partial, &longrope(8)).is_err());
     }
 }

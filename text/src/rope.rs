@@ -35,6 +35,17 @@ pub enum RopeScaling {
         /// Round the ramp's bounds to whole dimensions.
         truncate: bool,
     },
+    /// LongRoPE (Phi-3, Phi-4): each frequency divided by its own factor, and cos/sin
+    /// scaled by `attention_factor`. A model has short factors for contexts within its
+    /// original one and long factors past it; `factors` are those of the context the
+    /// engine serves, `max_position_embeddings` (as llama.cpp takes those of its context),
+    /// so that a position rotates alike however its sequence was computed. A GGUF file
+    /// keeps them in tensors, which the loader reads: `factors` is then empty.
+    LongRope {
+        factors: Vec<f64>,
+        original_max_position_embeddings: f64,
+        attention_factor: f64,
+    },
 }
 
 /// The RoPE settings of a config: its base and its scaling.
@@ -56,6 +67,13 @@ fn keys_of(rope_type: &str) -> Option<&'static [&'static str]> {
             "factor",
             "low_freq_factor",
             "high_freq_factor",
+            "original_max_position_embeddings",
+        ],
+        "longrope" | "su" => &[
+            "short_factor",
+            "long_factor",
+            "factor",
+            "attention_factor",
             "original_max_position_embeddings",
         ],
         "yarn" => &[
@@ -92,7 +110,6 @@ impl Rope {
                     .ok_or_else(|| format!("rope_theta must be a number, got {v}"))?,
             },
         };
-        refuse_partial_rotary(config, &params)?;
         let rope_type = params
             .get("rope_type")
             .or_else(|| params.get("type"))
@@ -126,6 +143,7 @@ impl Rope {
                 high_freq_factor: required("high_freq_factor")?,
                 original_max_position_embeddings: original()?,
             },
+            "longrope" | "su" => longrope(&params, field, max_position_embeddings, original()?)?,
             _ => yarn(&params, field, max_position_embeddings, original()?)?,
         };
         Ok(Self { theta, scaling })
@@ -195,8 +213,8 @@ impl Rope {
         let read = |params: &Map<String, Value>| {
             let mut alone = Map::new();
             alone.insert("rope_parameters".into(), Value::Object(params.clone()));
-            if let Some(p) = config.get("partial_rotary_factor") {
-                alone.insert("partial_rotary_factor".into(), p.clone());
+            if partial_rotary_factor(&alone)? != 1.0 {
+                return Err("partial_rotary_factor is not supported per layer type".into());
             }
             Rope::from_hf(&alone, max_position_embeddings)
         };
@@ -222,23 +240,19 @@ fn parameters(config: &Map<String, Value>) -> (&'static str, Map<String, Value>)
         .unwrap_or(("rope_parameters", Map::new()))
 }
 
-/// Refuses a rotary factor other than 1, in the parameters or at the top level: the engine
-/// rotates every dimension of a head.
-fn refuse_partial_rotary(
-    config: &Map<String, Value>,
-    params: &Map<String, Value>,
-) -> Result<(), String> {
-    for partial in [
-        params.get("partial_rotary_factor"),
-        config.get("partial_rotary_factor"),
-    ] {
-        if let Some(p) = partial.filter(|p| !p.is_null() && p.as_f64() != Some(1.0)) {
-            return Err(format!(
-                "partial_rotary_factor {p} is not supported: every dimension of a head rotates"
-            ));
-        }
+/// The fraction of each head's dimensions that rotate, from the RoPE parameters or the
+/// top level of a config (1 when neither has it), as transformers reads it.
+pub fn partial_rotary_factor(config: &Map<String, Value>) -> Result<f64, String> {
+    let (field, params) = parameters(config);
+    match number(&params, field, "partial_rotary_factor")? {
+        Some(p) => Ok(p),
+        None => match config.get("partial_rotary_factor") {
+            None | Some(Value::Null) => Ok(1.0),
+            Some(v) => v
+                .as_f64()
+                .ok_or_else(|| format!("partial_rotary_factor must be a number, got {v}")),
+        },
     }
-    Ok(())
 }
 
 /// Refuses a rope type the engine does not compute, and a key its type does not take.
@@ -269,7 +283,10 @@ fn refused_type(field: &str, rope_type: &str) -> String {
              node would not be the model colocated runs"
         )
     } else {
-        format!("{field} rope type {rope_type:?} is not supported (default, linear, llama3 and yarn are)")
+        format!(
+            "{field} rope type {rope_type:?} is not supported (default, linear, llama3, yarn \
+             and longrope are)"
+        )
     }
 }
 
@@ -291,6 +308,39 @@ pub(crate) fn mscale(scale: f64, m: f64) -> f64 {
     } else {
         0.1 * m * scale.ln() + 1.0
     }
+}
+
+/// LongRoPE's factors for a served context of `max_position_embeddings` (the long ones
+/// past `original`, else the short ones), and its attention factor as transformers takes
+/// it: given, or `sqrt(1 + ln(s) / ln(original))` for the stretch `s` (`factor`, else
+/// max over original) past 1.
+fn longrope(
+    params: &Map<String, Value>,
+    field: &str,
+    max_position_embeddings: usize,
+    original: f64,
+) -> Result<RopeScaling, String> {
+    let list = |key: &str| -> Result<Vec<f64>, String> {
+        params
+            .get(key)
+            .and_then(Value::as_array)
+            .and_then(|l| l.iter().map(Value::as_f64).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| format!("{field}.{key} must be a list of numbers"))
+    };
+    let long = max_position_embeddings as f64 > original;
+    let factors = list(if long { "long_factor" } else { "short_factor" })?;
+    let stretch =
+        number(params, field, "factor")?.unwrap_or(max_position_embeddings as f64 / original);
+    let attention_factor = match number(params, field, "attention_factor")? {
+        Some(a) => a,
+        None if stretch <= 1.0 => 1.0,
+        None => (1.0 + stretch.ln() / original.ln()).sqrt(),
+    };
+    Ok(RopeScaling::LongRope {
+        factors,
+        original_max_position_embeddings: original,
+        attention_factor,
+    })
 }
 
 /// YaRN's settings, with transformers' defaults: a factor of max / original positions when

@@ -51,6 +51,8 @@ enum Family {
     Gemma2,
     /// Gemma 3: q/k norms, five sliding layers of six, a local and a global RoPE.
     Gemma3,
+    /// Phi-3 (Phi-4-mini's shape): fused q/k/v and gate/up, partial rotary, LongRoPE.
+    Phi3,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -71,6 +73,7 @@ fn main() -> anyhow::Result<()> {
         Family::Qwen2Moe => engine::testmodel::into_qwen2_moe(&cfg.out, cfg.seed)?,
         Family::Gemma2 => engine::testmodel::into_gemma2(&cfg.out, cfg.seed)?,
         Family::Gemma3 => engine::testmodel::into_gemma3(&cfg.out, cfg.seed)?,
+        Family::Phi3 => engine::testmodel::into_phi3(&cfg.out)?,
     }
     println!("{}", cfg.out.display());
     if let Some(quant) = cfg.gguf {

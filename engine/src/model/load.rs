@@ -10,7 +10,7 @@ use super::{Layer, Model, QkNorm, RopeTables};
 use crate::error::{EngineError, Result};
 use crate::progress::LoadStep;
 use crate::rope::Frequencies;
-use crate::weights::{Linear, WeightSource};
+use crate::weights::{Linear, Stacked, WeightSource};
 use candle_core::Tensor;
 use text::config::Activation;
 use text::ModelConfig;
@@ -41,6 +41,8 @@ const HF_NAMES: Names = Names {
             "k_norm" => "self_attn.k_norm",
             "gate" => "mlp.gate_proj",
             "up" => "mlp.up_proj",
+            "qkv" => "self_attn.qkv_proj",
+            "gate_up" => "mlp.gate_up_proj",
             _ => "mlp.down_proj",
         };
         format!("model.layers.{i}.{hf}")
@@ -77,6 +79,9 @@ const GGUF_NAMES: Names = Names {
             "k_norm" => "attn_k_norm",
             "gate" => "ffn_gate",
             "up" => "ffn_up",
+            "qkv" => "attn_qkv",
+            // llama.cpp's converter writes Phi-3's fused gate and up as `ffn_up`.
+            "gate_up" => "ffn_up",
             _ => "ffn_down",
         };
         format!("blk.{i}.{g}")
@@ -220,17 +225,7 @@ fn layer(
     device: &Device,
 ) -> Result<Layer> {
     let (h, hd) = (cfg.hidden_size, cfg.head_dim);
-    let q_out = cfg.num_attention_heads * hd;
-    let kv_out = cfg.num_key_value_heads * hd;
-    let inter = cfg.intermediate_size;
-    let n = |part: &str| (names.layer)(i, part);
-    let w = |part: &str| format!("{}.weight", n(part));
-    // Qwen2 adds biases to q, k and v, and llama.cpp's llama graph adds them where a GGUF
-    // file has them; transformers' other models here have none (`attention_bias` is
-    // refused unless false), so a folder that holds them is refused as unread.
-    let biases = cfg.reads_qkv_biases(matches!(src, WeightSource::Gguf { .. }));
-    let b = |part: &str| biases.then(|| format!("{}.bias", n(part)));
-    let gemma = cfg.gemma.is_some();
+    let w = |part: &str| format!("{}.weight", (names.layer)(i, part));
     let mut norm = |part: &str, dim: usize| norm_weight(cfg, src, &w(part), dim, device);
     let attn_norm = norm("attn_norm", h)?;
     let qk_norm = if cfg.has_qk_norm() {
@@ -242,7 +237,7 @@ fn layer(
         None
     };
     let mlp_norm = norm("mlp_norm", h)?;
-    let (post_attn_norm, post_ffn_norm) = if gemma {
+    let (post_attn_norm, post_ffn_norm) = if cfg.gemma.is_some() {
         (
             Some(norm("post_attn_norm", h)?),
             Some(norm("post_ffn_norm", h)?),
@@ -250,33 +245,79 @@ fn layer(
     } else {
         (None, None)
     };
+    let q_out = cfg.num_attention_heads * hd;
     Ok(Layer {
         attn_norm,
-        qkv: src.stacked(
-            &[
-                (&w("q"), b("q").as_deref(), q_out),
-                (&w("k"), b("k").as_deref(), kv_out),
-                (&w("v"), b("v").as_deref(), kv_out),
-            ],
-            h,
-            device,
-        )?,
+        qkv: qkv(cfg, src, names, i, device)?,
         qk_norm,
         o: src.linear(&w("o"), None, (h, q_out), device)?,
         post_attn_norm,
         mlp_norm,
         post_ffn_norm,
-        ffn: match cfg.moe.as_ref().filter(|m| m.sparse_layers[i]) {
-            None => Ffn::Dense(mlp(
-                src,
-                [&w("gate"), &w("up"), &w("down")],
-                (inter, h),
-                cfg.hidden_act,
-                device,
-            )?),
-            Some(moe) => Ffn::Mixture(experts::mixture(cfg, moe, src, i, device)?),
-        },
+        ffn: feed_forward(cfg, src, names, i, device)?,
     })
+}
+
+/// Layer `i`'s q, k and v projections: one matrix for Phi-3, which stores them so.
+fn qkv(
+    cfg: &ModelConfig,
+    src: &mut WeightSource,
+    names: &Names,
+    i: usize,
+    device: &Device,
+) -> Result<Stacked> {
+    let h = cfg.hidden_size;
+    let q_out = cfg.num_attention_heads * cfg.head_dim;
+    let kv_out = cfg.num_key_value_heads * cfg.head_dim;
+    let n = |part: &str| (names.layer)(i, part);
+    let w = |part: &str| format!("{}.weight", n(part));
+    if cfg.architecture == "phi3" {
+        return src.fused(&w("qkv"), &[q_out, kv_out, kv_out], h, device);
+    }
+    // Qwen2 adds biases to q, k and v, and llama.cpp's llama graph adds them where a GGUF
+    // file has them; transformers' other models here have none (`attention_bias` is
+    // refused unless false), so a folder that holds them is refused as unread.
+    let biases = cfg.reads_qkv_biases(matches!(src, WeightSource::Gguf { .. }));
+    let b = |part: &str| biases.then(|| format!("{}.bias", n(part)));
+    src.stacked(
+        &[
+            (&w("q"), b("q").as_deref(), q_out),
+            (&w("k"), b("k").as_deref(), kv_out),
+            (&w("v"), b("v").as_deref(), kv_out),
+        ],
+        h,
+        device,
+    )
+}
+
+/// Layer `i`'s feed-forward: the mixture where the model has one in this layer, else the
+/// gated MLP (its gate and up one matrix for Phi-3).
+fn feed_forward(
+    cfg: &ModelConfig,
+    src: &mut WeightSource,
+    names: &Names,
+    i: usize,
+    device: &Device,
+) -> Result<Ffn> {
+    let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
+    let w = |part: &str| format!("{}.weight", (names.layer)(i, part));
+    if let Some(moe) = cfg.moe.as_ref().filter(|m| m.sparse_layers[i]) {
+        return Ok(Ffn::Mixture(experts::mixture(cfg, moe, src, i, device)?));
+    }
+    if cfg.architecture == "phi3" {
+        return Ok(Ffn::Dense(Mlp {
+            gate_up: src.fused(&w("gate_up"), &[inter, inter], h, device)?,
+            down: src.linear(&w("down"), None, (h, inter), device)?,
+            act: cfg.hidden_act,
+        }));
+    }
+    Ok(Ffn::Dense(mlp(
+        src,
+        [&w("gate"), &w("up"), &w("down")],
+        (inter, h),
+        cfg.hidden_act,
+        device,
+    )?))
 }
 
 /// An RMSNorm weight of `dim`, with the offset the files store it by
@@ -313,7 +354,7 @@ fn rope_tables(
         Some(r) => Some(tables(Frequencies::of_rope(
             r.theta,
             &r.scaling,
-            cfg.head_dim,
+            cfg.rotary_dim,
             None,
         ))?),
         None => None,
@@ -366,27 +407,51 @@ fn refuse_unread(cfg: &ModelConfig, src: &WeightSource, names: &Names) -> Result
     ))
 }
 
-/// The per-frequency divisors of a GGUF llama file's `rope_freqs` tensor: how llama.cpp's
-/// converter writes Llama 3's RoPE scaling. Only llama.cpp's llama graph applies them, so
-/// another architecture carrying one is refused rather than run without it.
+/// The per-frequency divisors of a GGUF file's RoPE tensors: a llama file's `rope_freqs`
+/// (how llama.cpp's converter writes Llama 3's scaling), or a Phi-3 file's LongRoPE
+/// factors, the long ones when the served context is past the original one (as llama.cpp
+/// takes them for its context). Only those graphs of llama.cpp apply them, so another
+/// architecture carrying one is refused rather than run without it.
 fn rope_divisors(
     cfg: &ModelConfig,
     src: &mut WeightSource,
     device: &Device,
 ) -> Result<Option<Vec<f32>>> {
-    const NAME: &str = "rope_freqs.weight";
-    if !src.contains(NAME) {
-        return Ok(None);
-    }
-    if cfg.architecture != "llama" {
-        return Err(EngineError::invalid_model(
+    const FREQS: &str = "rope_freqs.weight";
+    const LONG: &str = "rope_factors_long.weight";
+    const SHORT: &str = "rope_factors_short.weight";
+    let pairs = [cfg.rotary_dim / 2];
+    let refused = |src: &WeightSource, name: &str| {
+        EngineError::invalid_model(
             src.path(),
             format!(
-                "{NAME} is not supported for architecture {:?}",
+                "{name} is not supported for architecture {:?}",
                 cfg.architecture
             ),
-        ));
+        )
+    };
+    if src.contains(FREQS) {
+        if cfg.architecture != "llama" {
+            return Err(refused(src, FREQS));
+        }
+        return Ok(Some(src.dense_shaped(FREQS, &pairs, device)?.to_vec1()?));
     }
-    let divisors = src.dense_shaped(NAME, &[cfg.head_dim / 2], device)?;
-    Ok(Some(divisors.to_vec1()?))
+    if !src.contains(LONG) && !src.contains(SHORT) {
+        return Ok(None);
+    }
+    let text::RopeScaling::LongRope {
+        original_max_position_embeddings: original,
+        ..
+    } = cfg.rope_scaling
+    else {
+        return Err(refused(src, LONG));
+    };
+    let long = src.dense_shaped(LONG, &pairs, device)?;
+    let short = src.dense_shaped(SHORT, &pairs, device)?;
+    let chosen = if cfg.max_position_embeddings as f64 > original {
+        long
+    } else {
+        short
+    };
+    Ok(Some(chosen.to_vec1()?))
 }

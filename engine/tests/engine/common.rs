@@ -115,6 +115,14 @@ pub fn tiny_gemma3_dir() -> PathBuf {
     .clone()
 }
 
+/// The generated tiny model turned Phi-3 (fused projections, partial rotary, LongRoPE),
+/// written once per test binary.
+pub fn tiny_phi3_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| turned("phi3", engine::testmodel::into_phi3))
+        .clone()
+}
+
 /// The tiny model written into the target folder and turned into `family` by `turn`.
 fn turned(family: &str, turn: fn(&std::path::Path) -> engine::Result<()>) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))

@@ -4,8 +4,8 @@
 //! of each, and at each position its five best next tokens with their log-probabilities.
 //! `llama_cpp_smollm2.json` (`scripts/oracle_llama_cpp.py`) is for the real SmolLM2 file;
 //! `llama_cpp_tiny_{model}_*.json` (`scripts/oracle_gguf.py`) for the generated tiny
-//! Qwen3, Llama 3.1, Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen2 with YaRN, Gemma 2 and Gemma 3
-//! as llama.cpp's own converter and quantizer write them (`fixtures/gguf/`).
+//! Qwen3, Llama 3.1, Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen2 with YaRN, Gemma 2, Gemma 3 and
+//! Phi-3 as llama.cpp's own converter and quantizer write them (`fixtures/gguf/`).
 
 use std::path::Path;
 
@@ -118,6 +118,36 @@ fn tiny_gemma2_from_llama_cpps_converter_agrees_with_llama_cpp() {
 fn tiny_gemma3_from_llama_cpps_converter_agrees_with_llama_cpp() {
     let gguf = common::fixture("gguf/tiny-gemma3-q8_0.gguf");
     assert_agrees(&gguf, "llama_cpp_tiny_gemma3_q8_0.json");
+}
+
+/// The tiny Phi-3: fused q/k/v (`attn_qkv`) and gate/up (`ffn_up`), twelve of sixteen
+/// dimensions rotated (`rope.dimension_count`), LongRoPE's factors as tensors.
+#[test]
+fn tiny_phi3_from_llama_cpps_converter_agrees_with_llama_cpp() {
+    let gguf = common::fixture("gguf/tiny-phi3-q8_0.gguf");
+    assert_agrees(&gguf, "llama_cpp_tiny_phi3_q8_0.json");
+}
+
+/// llama.cpp's conversion of the tiny Phi-3 reads as its folder: the rotating
+/// dimensions, the original context and LongRoPE's attention factor (stored as an f32)
+/// from its keys; the factors themselves are tensors, read at load.
+#[test]
+fn llama_cpps_conversion_of_tiny_phi3_is_its_folder() {
+    let mut hf =
+        text::ModelConfig::from_hf_file(&common::tiny_phi3_dir().join("config.json")).unwrap();
+    assert_eq!((hf.rotary_dim, hf.head_dim), (12, 16));
+    let text::RopeScaling::LongRope {
+        factors,
+        attention_factor,
+        ..
+    } = &mut hf.rope_scaling
+    else {
+        panic!("LongRoPE from the folder")
+    };
+    assert_eq!(factors.len(), 6);
+    factors.clear();
+    *attention_factor = *attention_factor as f32 as f64;
+    assert_conversion_is_folder_config(hf, "gguf/tiny-phi3-q8_0.gguf", "phi3");
 }
 
 /// llama.cpp's conversion of the tiny Gemma 3 reads as its folder but for what llama.cpp

@@ -237,6 +237,7 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
         "tiny-qwen2_moe-q8_0",
         "tiny-gemma2-q4_1",
         "tiny-gemma3-q8_0",
+        "tiny-phi3-q8_0",
     ]
     .iter()
     .map(|n| common::fixture(&format!("gguf/{n}.gguf")))
@@ -258,6 +259,7 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
         common::tiny_qwen2_moe_dir(),
         common::tiny_gemma2_dir(),
         common::tiny_gemma3_dir(),
+        common::tiny_phi3_dir(),
     ] {
         let model = Model::load(&f32_dir, &Device::Cpu).unwrap();
         let headers = read_headers(&f32_dir).unwrap();

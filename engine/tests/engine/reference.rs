@@ -81,6 +81,14 @@ fn tiny_gemma3_matches_transformers_token_for_token() {
     matches_reference(&common::tiny_gemma3_dir(), "tiny_gemma3_reference.json");
 }
 
+/// The tiny model turned Phi-3 against transformers' Phi3ForCausalLM,
+/// `tiny_phi3_reference.json`: q/k/v and gate/up each one matrix, three quarters of each
+/// head rotated, LongRoPE's long factors (every prompt is past its original context).
+#[test]
+fn tiny_phi3_matches_transformers_token_for_token() {
+    matches_reference(&common::tiny_phi3_dir(), "tiny_phi3_reference.json");
+}
+
 fn matches_reference(dir: &std::path::Path, fixture: &str) {
     let fx: Value =
         serde_json::from_str(&std::fs::read_to_string(common::fixture(fixture)).unwrap()).unwrap();

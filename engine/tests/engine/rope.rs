@@ -61,9 +61,9 @@ fn every_field_of_the_supported_config_classes_is_known() {
     let classes = fx["config_fields"].as_object().unwrap();
     assert_eq!(
         classes.len(),
-        9,
+        10,
         "Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, \
-         Qwen2Config, Qwen2MoeConfig, Qwen3Config and Qwen3MoeConfig"
+         Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config and Qwen3MoeConfig"
     );
     for (class, fields) in classes {
         for field in fields.as_array().unwrap() {

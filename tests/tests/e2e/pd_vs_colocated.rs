@@ -121,9 +121,10 @@ async fn pd_equals_colocated_equals_one_process() {
 
 /// Qwen3 (per-head q/k norms, wide heads), Mistral (a sliding window of 16 positions),
 /// the mixtures Qwen3-MoE, Mixtral and Qwen2-MoE (8 experts, 2 per token; Qwen2-MoE's
-/// shared expert), and Gemma 2 and 3 (windows of 16 in some layers, soft caps, a RoPE per
-/// layer type), with a prompt past the window computed in chunks of 4 on the prefill
-/// node: PD, colocated and one process give the same tokens, greedy and sampled.
+/// shared expert), Gemma 2 and 3 (windows of 16 in some layers, soft caps, a RoPE per
+/// layer type) and Phi-3 (fused projections, partial rotary, LongRoPE), with a prompt past
+/// the window computed in chunks of 4 on the prefill node: PD, colocated and one process
+/// give the same tokens, greedy and sampled.
 #[tokio::test]
 async fn pd_equals_colocated_equals_one_process_for_each_family() {
     let prompt = "Every request ends with tokens, an error, or a clean finish reason, \
@@ -136,6 +137,7 @@ async fn pd_equals_colocated_equals_one_process_for_each_family() {
         "qwen2_moe",
         "gemma2",
         "gemma3",
+        "phi3",
     ];
     for family in families {
         let model = tiny_model_turned(family);

@@ -54,6 +54,8 @@ const USED: &[&str] = &[
 
 const IGNORED: &[(&str, &str)] = &[
     ("attention_dropout", "dropout is off at inference"),
+    ("embd_pdrop", "dropout is off at inference"),
+    ("resid_pdrop", "dropout is off at inference"),
     ("initializer_range", "it initializes weights for training"),
     ("use_cache", "a switch of transformers' own generation loop"),
     (
@@ -96,6 +98,10 @@ const IGNORED: &[(&str, &str)] = &[
     ),
     ("transformers.js_config", "settings of transformers.js"),
     (
+        "auto_map",
+        "classes of remote code; transformers' own class runs the model",
+    ),
+    (
         "_sliding_window_pattern",
         "Gemma 3's note of its pattern; transformers reads layer_types",
     ),
@@ -128,6 +134,11 @@ pub fn field_use(key: &str) -> Option<FieldUse> {
         }),
         "attention_bias" => FieldUse::Only("false (Llama's projections without biases)", is_false),
         "mlp_bias" => FieldUse::Only("false", is_false),
+        // Phi-4-mini's notes for its remote code, at the values that leave the model
+        // transformers' own Phi3 runs.
+        "lm_head_bias" => FieldUse::Only("false", is_false),
+        "interpolate_factor" => FieldUse::Only("1", |v| v.as_f64() == Some(1.0)),
+        "full_attn_mod" => FieldUse::Only("1", |v| v.as_f64() == Some(1.0)),
         "is_encoder_decoder" => FieldUse::Only("false", is_false),
         "quantization_config" => FieldUse::Only(
             "absent: pre-quantized safetensors (GPTQ, AWQ, FP8) are not read; use a GGUF file",

@@ -13,8 +13,8 @@ use crate::gguf::{Metadata, Value};
 mod rope;
 
 /// The GGUF architectures the engine runs.
-const ARCHITECTURES: [&str; 7] = [
-    "gemma2", "gemma3", "llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
+const ARCHITECTURES: [&str; 8] = [
+    "gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
 ];
 
 /// The `{arch}.*` keys the engine reads, beside `rope.scaling.*` ([`rope::scaling`]),
@@ -59,7 +59,7 @@ impl ModelConfig {
             Some(tokens) => tokens.len(),
             None => num("vocab_size")?,
         };
-        let head_dim = head_dim(&num, hidden / heads).map_err(bad)?;
+        let (head_dim, rotary_dim) = head_dim(&num, hidden / heads, &arch).map_err(bad)?;
         let tied = !meta.tensors.contains("output.weight");
         let context_length = num("context_length").unwrap_or(4096);
         let feed_forward = num("feed_forward_length")?;
@@ -95,6 +95,7 @@ impl ModelConfig {
             num_attention_heads: heads,
             num_key_value_heads: num("attention.head_count_kv").unwrap_or(heads),
             head_dim,
+            rotary_dim,
             rms_norm_eps: float("attention.layer_norm_rms_epsilon", 1e-6),
             rope_theta: rope.theta,
             rope_scaling: rope.scaling,
@@ -142,27 +143,32 @@ fn architecture(meta: &Metadata) -> std::result::Result<String, String> {
     Ok(arch.to_string())
 }
 
-/// The head size as llama.cpp takes it: `attention.key_length`, else the embedding width
-/// over the heads (`plain`). Values as wide as keys and every dimension rotated are the
-/// only shapes the engine runs, so a different `value_length` or `rope.dimension_count`
-/// is refused.
+/// The head size as llama.cpp takes it, `attention.key_length`, else the embedding width
+/// over the heads (`plain`), and the dimensions that rotate, `rope.dimension_count`.
+/// Values as wide as keys are the only shapes the engine runs, so a different
+/// `value_length` is refused, as is a partial rotation outside Phi-3.
 fn head_dim(
     num: &dyn Fn(&str) -> Result<usize>,
     plain: usize,
-) -> std::result::Result<usize, String> {
+    arch: &str,
+) -> std::result::Result<(usize, usize), String> {
     let key = num("attention.key_length").unwrap_or(plain);
-    for (name, default) in [
-        ("attention.value_length", key),
-        ("rope.dimension_count", key),
-    ] {
-        let value = num(name).unwrap_or(default);
-        if value != key {
-            return Err(format!(
-                "{name} {value} differs from the head size {key}, which the engine does not run"
-            ));
-        }
+    let value = num("attention.value_length").unwrap_or(key);
+    if value != key {
+        return Err(format!(
+            "attention.value_length {value} differs from the head size {key}, which the \
+             engine does not run"
+        ));
     }
-    Ok(key)
+    let rotary = num("rope.dimension_count").unwrap_or(key);
+    let partial_ok = arch == "phi3" && rotary <= key && rotary >= 2 && rotary.is_multiple_of(2);
+    if rotary != key && !partial_ok {
+        return Err(format!(
+            "rope.dimension_count {rotary} differs from the head size {key}, which the engine \
+             does not run"
+        ));
+    }
+    Ok((key, rotary))
 }
 
 /// The metadata keys starting with `prefix`, in order, each with the rest of its name.
@@ -180,7 +186,10 @@ fn keys_under<'a>(meta: &'a Metadata, prefix: &str) -> Vec<(&'a str, &'a str)> {
 fn refuse_unknown_keys(meta: &Metadata, arch: &str) -> std::result::Result<(), String> {
     let prefix = format!("{arch}.");
     for (key, name) in keys_under(meta, &prefix) {
+        // llama.cpp's phi3 reads its window and attends to the whole context.
+        let phi3_window = arch == "phi3" && name == "attention.sliding_window";
         let read = READ_KEYS.contains(&name)
+            || phi3_window
             || super::moe::GGUF_KEYS.contains(&name)
             || (gemma::is_gemma(arch) && gemma::GGUF_KEYS.contains(&name));
         if !read && !name.starts_with("rope.scaling.") {
@@ -239,15 +248,15 @@ pub(super) mod tests {
                     .ok_or_else(|| TextError::invalid_model(Path::new("x"), key.to_string()))
             }
         };
-        assert_eq!(head_dim(&of(&[]), 64), Ok(64));
+        assert_eq!(head_dim(&of(&[]), 64, "qwen3"), Ok((64, 64)));
         let qwen3 = of(&[
             ("attention.key_length", 128),
             ("attention.value_length", 128),
         ]);
-        assert_eq!(head_dim(&qwen3, 64), Ok(128));
+        assert_eq!(head_dim(&qwen3, 64, "qwen3"), Ok((128, 128)));
         let partial = of(&[("rope.dimension_count", 32)]);
         assert_eq!(
-            head_dim(&partial, 64),
+            head_dim(&partial, 64, "qwen3"),
             Err(
                 "rope.dimension_count 32 differs from the head size 64, which the engine does \
                  not run"
@@ -258,6 +267,7 @@ pub(super) mod tests {
             ("attention.key_length", 128),
             ("attention.value_length", 64),
         ]);
-        assert!(head_dim(&narrow_values, 64).is_err());
+        assert!(head_dim(&narrow_values, 64, "qwen3").is_err());
+        assert_eq!(head_dim(&partial, 64, "phi3"), Ok((64, 32)));
     }
 }

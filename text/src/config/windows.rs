@@ -20,6 +20,7 @@ const DEFAULT_MAX_WINDOW_LAYERS: u64 = 28;
 /// - Gemma 2 and Gemma 3: `sliding_window` (4096 when absent) in the layers `layer_types`
 ///   names `sliding_attention`, by default all but every second (Gemma 2) or every
 ///   `sliding_window_pattern`-th (Gemma 3, 6 when absent) layer.
+/// - Phi-3: every layer, `sliding_window` (none when absent or null).
 /// - Llama has no window; a config that asks for one is refused rather than run whole.
 pub(super) fn attention_windows(
     arch: &str,
@@ -28,6 +29,16 @@ pub(super) fn attention_windows(
 ) -> Result<Vec<Option<usize>>, String> {
     let window = match arch {
         "gemma2" | "gemma3" => return gemma_windows(arch, raw, layers),
+        "phi3" => {
+            if raw.contains_key("layer_types") {
+                return Err("layer_types is not read by transformers' phi3".into());
+            }
+            let window = match raw.get("sliding_window") {
+                None => None,
+                Some(_) => window_field(raw)?,
+            };
+            return Ok(vec![window; layers]);
+        }
         "mistral" | "mixtral" | "qwen3_moe" => {
             if raw.contains_key("layer_types") {
                 return Err(format!(
@@ -221,6 +232,16 @@ mod tests {
         assert_eq!(windows("gemma3", listed, 2), Ok(vec![None, Some(8)]));
         assert!(windows("gemma2", json!({"sliding_window": null}), 1).is_err());
         assert!(windows("gemma3", json!({"sliding_window_pattern": 0}), 1).is_err());
+    }
+
+    #[test]
+    fn phi3_slides_every_layer_only_with_a_window() {
+        assert_eq!(windows("phi3", json!({}), 2), Ok(vec![None; 2]));
+        assert_eq!(
+            windows("phi3", json!({"sliding_window": 8}), 2),
+            Ok(vec![Some(8); 2])
+        );
+        assert!(windows("phi3", json!({"layer_types": ["full_attention"]}), 1).is_err());
     }
 
     #[test]

@@ -91,11 +91,13 @@ fn what_the_engine_does_not_compute_is_refused_by_name() {
         dynamic.contains("\"dynamic\" is not supported"),
         "{dynamic}"
     );
-    let longrope =
-        refused(json!({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}}));
-    assert!(
-        longrope.contains("\"longrope\" is not supported"),
-        "{longrope}"
+    let unknown = refused(json!({"rope_scaling": {"rope_type": "mrope"}}));
+    assert!(unknown.contains("\"mrope\" is not supported"), "{unknown}");
+    let long = json!({"original_max_position_embeddings": 64,
+        "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}});
+    assert_eq!(
+        refused(long),
+        "rope_scaling.long_factor must be a list of numbers"
     );
     assert_eq!(
         refused(json!({"rope_scaling": {"type": "linear", "factor": 2.0, "low_freq_factor": 1.0}})),
@@ -105,14 +107,43 @@ fn what_the_engine_does_not_compute_is_refused_by_name() {
         refused(json!({"rope_parameters": {"rope_type": "default", "factor": 2.0}})),
         "rope_parameters.factor is not supported for rope type \"default\""
     );
-    let partial = refused(json!({"partial_rotary_factor": 0.5}));
-    assert!(
-        partial.starts_with("partial_rotary_factor 0.5"),
-        "{partial}"
-    );
-    assert!(read(json!({"partial_rotary_factor": 1.0})).is_ok());
+    let partial = |v: serde_json::Value| partial_rotary_factor(v.as_object().unwrap());
+    assert_eq!(partial(json!({"partial_rotary_factor": 0.75})), Ok(0.75));
+    let inside = json!({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}});
+    assert_eq!(partial(inside), Ok(0.5));
+    assert_eq!(partial(json!({})), Ok(1.0));
     assert_eq!(
         refused(json!({"rope_scaling": {"type": "linear", "factor": "2"}})),
         "rope_scaling.factor must be a number, got \"2\""
+    );
+}
+
+/// LongRoPE takes the long factors for a context past the original one, the short ones
+/// within it, and transformers' attention factor from the stretch.
+#[test]
+fn longrope_takes_the_factors_of_the_served_context() {
+    let config = json!({"original_max_position_embeddings": 64, "rope_scaling": {
+        "type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0]}});
+    let of = |max: usize| {
+        Rope::from_hf(config.as_object().unwrap(), max)
+            .unwrap()
+            .scaling
+    };
+    let stretch: f64 = 4096.0 / 64.0;
+    assert_eq!(
+        of(4096),
+        RopeScaling::LongRope {
+            factors: vec![3.0, 4.0],
+            original_max_position_embeddings: 64.0,
+            attention_factor: (1.0 + stretch.ln() / 64f64.ln()).sqrt(),
+        }
+    );
+    assert_eq!(
+        of(64),
+        RopeScaling::LongRope {
+            factors: vec![1.0, 2.0],
+            original_max_position_embeddings: 64.0,
+            attention_factor: 1.0,
+        }
     );
 }

@@ -36,6 +36,9 @@ pub(super) fn scaling(
         .and_then(Value::as_str)
         .unwrap_or("linear");
     let yarn = kind == "yarn";
+    // llama.cpp's converter writes Phi-3's LongRoPE as its factors' tensors, an
+    // attention factor and the original context.
+    let longrope = arch == "phi3" && meta.tensors.contains("rope_factors_long.weight");
     if !matches!(kind, "none" | "linear" | "yarn") {
         return Err(format!(
             "{prefix}type {kind:?} is not supported (none, linear and yarn are)"
@@ -45,7 +48,7 @@ pub(super) fn scaling(
         let value = meta.get(key).and_then(Value::to_f64);
         let allowed = match name {
             "type" | "factor" | "original_context_length" | "finetuned" => true,
-            "attn_factor" => yarn || value == Some(1.0),
+            "attn_factor" => yarn || longrope || value == Some(1.0),
             _ => DEFAULT_ONLY
                 .iter()
                 .any(|&(n, default)| n == name && value == Some(default)),
@@ -60,14 +63,21 @@ pub(super) fn scaling(
         .or_else(|| number("factor"))
         .filter(|&f| f != 0.0)
         .unwrap_or(1.0);
+    let original = meta
+        .get(&format!("{prefix}original_context_length"))
+        .and_then(Value::to_u64)
+        .unwrap_or(context_length as u64) as f64;
+    if longrope {
+        return Ok(RopeScaling::LongRope {
+            factors: Vec::new(),
+            original_max_position_embeddings: original,
+            attention_factor: number("attn_factor").unwrap_or(1.0),
+        });
+    }
     Ok(match kind {
         "yarn" => RopeScaling::Yarn {
             factor,
-            original_max_position_embeddings: meta
-                .get(&format!("{prefix}original_context_length"))
-                .and_then(Value::to_u64)
-                .unwrap_or(context_length as u64)
-                as f64,
+            original_max_position_embeddings: original,
             attention_factor: mscale(factor, 1.0) * number("attn_factor").unwrap_or(1.0),
             beta_fast: 32.0,
             beta_slow: 1.0,
