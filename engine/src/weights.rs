@@ -313,7 +313,7 @@ impl WeightSource {
         device: &Device,
     ) -> Result<Stacked> {
         let widths: Vec<usize> = parts.iter().map(|p| p.2).collect();
-        if matches!(self, Self::SafeTensors { .. }) {
+        if !self.is_gguf() {
             let parts = parts
                 .iter()
                 .map(|&(name, bias, rows)| self.linear(name, bias, (rows, cols), device))
@@ -331,6 +331,11 @@ impl WeightSource {
             biases.push(self.bias(bias, rows, device)?);
         }
         stack_quantized(qs, biases, widths, cols, device)
+    }
+
+    /// Whether the weights come from a GGUF file (else from a Hugging Face folder).
+    pub fn is_gguf(&self) -> bool {
+        matches!(self, Self::Gguf { .. })
     }
 
     /// Projections of one input stored as one matrix (Phi-3's `qkv_proj` and

@@ -192,8 +192,7 @@ impl Model {
         };
         // A folder's tied head multiplies by the embedding table itself: reading it again
         // would hold a second f32 copy of a bf16 table.
-        let embed_is_head =
-            head_name == names.embed && matches!(src, WeightSource::SafeTensors { .. });
+        let embed_is_head = head_name == names.embed && !src.is_gguf();
         let lm_head = if embed_is_head {
             Linear::dense(embed.clone())
         } else {
@@ -277,7 +276,7 @@ fn qkv(
     // Qwen2 adds biases to q, k and v, and llama.cpp's llama graph adds them where a GGUF
     // file has them; transformers' other models here have none (`attention_bias` is
     // refused unless false), so a folder that holds them is refused as unread.
-    let biases = cfg.reads_qkv_biases(matches!(src, WeightSource::Gguf { .. }));
+    let biases = cfg.reads_qkv_biases(src.is_gguf());
     let b = |part: &str| biases.then(|| format!("{}.bias", n(part)));
     src.stacked(
         &[
@@ -330,7 +329,7 @@ fn norm_weight(
     device: &Device,
 ) -> Result<Tensor> {
     let w = src.dense_shaped(name, &[dim], device)?;
-    let offset = cfg.norm_weight_offset(matches!(src, WeightSource::Gguf { .. }));
+    let offset = cfg.norm_weight_offset(src.is_gguf());
     if offset == 0.0 {
         return Ok(w);
     }

@@ -18,7 +18,7 @@ pub(super) fn mixture(
     device: &Device,
 ) -> Result<Mixture> {
     let (h, inter) = (cfg.hidden_size, moe.expert_intermediate_size);
-    let gguf = matches!(src, WeightSource::Gguf { .. });
+    let gguf = src.is_gguf();
     let router = if gguf {
         format!("blk.{i}.ffn_gate_inp.weight")
     } else {
@@ -58,7 +58,7 @@ fn shared_expert(
     device: &Device,
 ) -> Result<SharedExpert> {
     let h = cfg.hidden_size;
-    let (names, gate) = if matches!(src, WeightSource::Gguf { .. }) {
+    let (names, gate) = if src.is_gguf() {
         let names = ["gate", "up", "down"].map(|p| format!("blk.{i}.ffn_{p}_shexp.weight"));
         let gate = src.dense_shaped(&format!("blk.{i}.ffn_gate_inp_shexp.weight"), &[h], device)?;
         (names, Linear::dense(gate.reshape((1, h))?))
