@@ -1,6 +1,6 @@
-//! The Llama, Mistral, Qwen2, Qwen3 and Gemma 2/3 decoders, dense or mixtures of experts
-//! (Qwen3-MoE, Qwen2-MoE, Mixtral), as Hugging Face defines them, over caller-owned KV
-//! caches.
+//! The Llama, Mistral, Qwen2, Qwen3, Gemma 2/3 and Phi-3 decoders, dense or mixtures of
+//! experts (Qwen3-MoE, Qwen2-MoE, Mixtral), as Hugging Face defines them, over
+//! caller-owned KV caches.
 //!
 //! Weights are immutable and shared; every call names the sequences it advances and their
 //! caches. The dense layers see all the batch's tokens as one matrix; attention runs per
@@ -27,7 +27,7 @@ struct Layer {
     attn_norm: Tensor,
     /// q, k and v.
     qkv: Stacked,
-    /// Qwen3's RMSNorm of each head's query and key, before RoPE.
+    /// Qwen3's and Gemma 3's RMSNorm of each head's query and key, before RoPE.
     qk_norm: Option<QkNorm>,
     o: Linear,
     /// Gemma's norm of the attention's output, before the residual sum.
@@ -38,7 +38,7 @@ struct Layer {
     post_ffn_norm: Option<Tensor>,
 }
 
-/// The cos and sin of every position's rotary angles, `(positions, head_dim / 2)` each.
+/// The cos and sin of every position's rotary angles, `(positions, rotary_dim / 2)` each.
 struct RopeTables {
     cos: Tensor,
     sin: Tensor,

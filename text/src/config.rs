@@ -300,7 +300,8 @@ impl ModelConfig {
         }
     }
 
-    /// Whether each head's queries and keys are RMS-normalized before RoPE (Qwen3's).
+    /// Whether each head's queries and keys are RMS-normalized before RoPE (Qwen3's and
+    /// Gemma 3's).
     pub fn has_qk_norm(&self) -> bool {
         matches!(
             self.architecture.as_str(),
