@@ -4,7 +4,6 @@
 //! it to the tools' schemas, and a parser splits reasoning and calls out of the output.
 
 use text::structured::{prompt_opens_reasoning, Parser};
-use text::tools::ToolFormat;
 
 use crate::error::RouterError;
 use crate::params::{self, Chat, Common, ToolChoice};
@@ -63,6 +62,18 @@ pub(crate) fn render(state: &AppState, input: &text::ChatInput) -> Result<String
         }
         None => input,
     };
+    let renumbered;
+    let input = match state.tool_format {
+        // Mistral's templates refuse call ids that are not nine letters and digits.
+        Some(f) if f.nine_char_ids() => {
+            renumbered = text::ChatInput {
+                messages: text::tools::mistral_ids(&input.messages),
+                ..input.clone()
+            };
+            &renumbered
+        }
+        _ => input,
+    };
     let rendered = if state.tools_in_prompt {
         template.render(&text::tools::prompted(input))
     } else {
@@ -90,8 +101,9 @@ pub(crate) fn shown(state: &AppState, prompt: &str) -> String {
 }
 
 /// The grammar that holds a forced tool call (`tool_choice` required or named) to the
-/// tools' schemas: in the Hermes format, whose call is one JSON object after the prompt's
-/// opening. DeepSeek's calls, in its own markup, are forced by the prompt alone.
+/// tools' schemas: in the formats whose call is JSON after the prompt's opening (Hermes,
+/// Llama 3, Mistral's list). DeepSeek's calls and Mistral's `[ARGS]`, in their own markup,
+/// are forced by the prompt alone.
 fn forced_call_grammar(state: &AppState, chat: &Chat) -> Option<params::Constrained> {
     let name = match &chat.tool_choice {
         ToolChoice::Required => None,
@@ -99,7 +111,8 @@ fn forced_call_grammar(state: &AppState, chat: &Chat) -> Option<params::Constrai
         ToolChoice::None | ToolChoice::Auto => return None,
     };
     let tools = chat.input.tools.as_ref()?.as_array()?;
-    (state.tool_format == Some(ToolFormat::Hermes)).then(|| params::forced_call(tools, name))
+    let shape = state.tool_format?.call_json()?;
+    Some(params::forced_call(tools, name, shape))
 }
 
 /// The parser for a chat's output, if it needs one, with the prompt extended by what
@@ -126,7 +139,7 @@ fn parser(
     let forced = match (choice, tools) {
         (ToolChoice::Required, Some(f)) => Some(f.forced(None)),
         // The grammar names the function where there is one (`forced_call_grammar`).
-        (ToolChoice::Named(_), Some(f @ ToolFormat::Hermes)) => Some(f.forced(None)),
+        (ToolChoice::Named(_), Some(f)) if f.call_json().is_some() => Some(f.forced(None)),
         (ToolChoice::Named(name), Some(f)) => Some(f.forced(Some(name))),
         _ => None,
     };

@@ -20,8 +20,8 @@ pub enum Mode {
 /// Which tool-call markup chat output is parsed for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ToolCallParser {
-    /// The markup the model's chat template teaches (Hermes or DeepSeek), or `generic` for
-    /// a template that teaches none.
+    /// The markup the model's chat template teaches (Hermes, DeepSeek, Llama 3's JSON or
+    /// Mistral's), or `generic` for a template that teaches none.
     Auto,
     /// None: requests with tools are refused, since their calls could not be returned.
     None,
@@ -32,6 +32,12 @@ pub enum ToolCallParser {
     Hermes,
     /// DeepSeek-V3 and R1.
     Deepseek,
+    /// Llama 3.1 to 3.3: a reply that is `{"name": ..., "parameters": {...}}`.
+    Llama3Json,
+    /// Mistral (v3 tokenizers: Mistral-7B-v0.3, Nemo): `[TOOL_CALLS][{...}]`.
+    Mistral,
+    /// Mistral (v11 and later tokenizers: Small 3.2, Devstral): `[TOOL_CALLS]name[ARGS]{...}`.
+    MistralArgs,
 }
 
 /// Whether chat output is split into `reasoning_content` and `content`.

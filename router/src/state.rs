@@ -43,6 +43,8 @@ pub struct AppState {
     pub started: Instant,
     /// The tool-call markup chat output is parsed for; `None` refuses tools.
     pub tool_format: Option<ToolFormat>,
+    /// The ids of `tool_format`'s markers in the vocabulary (`ToolFormat::markers`).
+    pub tool_markers: Vec<u32>,
     /// Whether the router writes the tools and tool turns into the messages (the generic
     /// format), because the chat template teaches no tool format.
     pub tools_in_prompt: bool,
@@ -172,7 +174,17 @@ impl AppState {
             ToolCallParser::None => (None, false),
             ToolCallParser::Hermes => (Some(ToolFormat::Hermes), false),
             ToolCallParser::Deepseek => (Some(ToolFormat::DeepSeek), false),
+            ToolCallParser::Llama3Json => (Some(ToolFormat::Llama3Json), false),
+            ToolCallParser::Mistral => (Some(ToolFormat::Mistral), false),
+            ToolCallParser::MistralArgs => (Some(ToolFormat::MistralArgs), false),
         };
+        // The format's markers are special tokens, which the output must show its parser.
+        let tool_markers = tool_format
+            .map(ToolFormat::markers)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|m| text.tokenizer.token_id(m))
+            .collect();
         let think = match cfg.reasoning_parser {
             ReasoningParser::Auto => template_src.contains("</think>"),
             ReasoningParser::None => false,
@@ -212,6 +224,7 @@ impl AppState {
         };
         Ok(Self {
             tool_format,
+            tool_markers,
             tools_in_prompt,
             think,
             specials,

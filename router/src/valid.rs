@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
+use text::structured::Parser;
 use tokio::sync::watch;
 
 use crate::api;
@@ -277,6 +278,10 @@ fn validated(
             n: width.n,
             sequences: width.reported(),
             skip_special_tokens: common.skip_special_tokens,
+            kept_specials: match given.parser.as_ref().and_then(Parser::format) {
+                Some(_) => state.tool_markers.clone(),
+                None => Vec::new(),
+            },
             parser: given.parser,
             include_usage: common.include_usage,
             echo,

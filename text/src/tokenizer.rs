@@ -294,6 +294,9 @@ pub struct IncrementalDecoder {
     prefix_offset: usize,
     read_offset: usize,
     skip_special: bool,
+    /// Special tokens shown even when `skip_special`: the markers of a tool-call format,
+    /// which the output's parser must see.
+    kept: Vec<u32>,
 }
 
 impl IncrementalDecoder {
@@ -303,6 +306,12 @@ impl IncrementalDecoder {
             skip_special,
             ..Default::default()
         }
+    }
+
+    /// Shows the special tokens `ids` even when special tokens are skipped.
+    pub fn keeping(mut self, ids: Vec<u32>) -> Self {
+        self.kept = ids;
+        self
     }
 
     /// The text already emitted from the window, and the window's text with the new ids.
@@ -317,6 +326,12 @@ impl IncrementalDecoder {
 
     /// Adds one id; returns the text it completes, if any.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
+        if self.skip_special && self.kept.contains(&id) {
+            // A special token decodes on its own: the text held before it is complete.
+            let mut text = self.flush(tok)?.unwrap_or_default();
+            text.push_str(&tok.decode(&[id], false)?);
+            return Ok(Some(text));
+        }
         self.ids.push(id);
         let (prefix, text) = self.window(tok)?;
         if text.len() > prefix.len() && !text.ends_with('\u{FFFD}') && text.starts_with(&prefix) {

@@ -1,16 +1,23 @@
-//! Tool calls: the markup each chat template teaches (Hermes', DeepSeek's), the calls
-//! parsed out of it, and rendering a chat whose assistant turns hold calls, which templates
-//! disagree on; and the generic format, for templates that teach none.
+//! Tool calls: the markup each chat template teaches (Hermes', DeepSeek's, Llama 3's JSON,
+//! Mistral's `[TOOL_CALLS]`), the calls parsed out of it, and rendering a chat whose
+//! assistant turns hold calls, which templates disagree on; and the generic format, for
+//! templates that teach none.
 
 use serde_json::Value;
 
+mod calls;
+mod ids;
 mod prompted;
+pub use ids::{base62_id, mistral_ids, nine_char_id};
 pub use prompted::prompted;
 
 pub(crate) const DS_CALL_OPEN: &str = "<｜tool▁call▁begin｜>";
 pub(crate) const DS_CALL_CLOSE: &str = "<｜tool▁call▁end｜>";
 pub(crate) const DS_SEP: &str = "<｜tool▁sep｜>";
-
+pub(crate) const PYTHON_TAG: &str = "<|python_tag|>";
+pub(crate) const TOOL_CALLS: &str = "[TOOL_CALLS]";
+pub(crate) const ARGS: &str = "[ARGS]";
+pub(crate) const CALL_ID: &str = "[CALL_ID]";
 /// The tool-call markup a model writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ToolFormat {
@@ -20,6 +27,33 @@ pub enum ToolFormat {
     /// `function<｜tool▁sep｜>name` and its arguments in a json fence (V3.1 writes
     /// `name<｜tool▁sep｜>{…}`; both parse).
     DeepSeek,
+    /// Llama 3.1 to 3.3: the whole reply is `{"name": …, "parameters": {…}}` (after
+    /// `<|python_tag|>` where the model writes one), several calls joined by `;`.
+    Llama3Json,
+    /// Mistral with v3 tokenizers (Mistral-7B-v0.3, Nemo, Mixtral-8x22B):
+    /// `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]` to the end of the reply.
+    Mistral,
+    /// Mistral with v11 and later tokenizers (Mistral Small 3.2, Devstral, Ministral 3):
+    /// `[TOOL_CALLS]name[ARGS]{…}` per call. Both Mistral forms parse in either variant;
+    /// they differ in how a forced call is opened.
+    MistralArgs,
+}
+
+/// Where a call starts in the output: `tag`, which is part of the call's text when
+/// `in_block` (Llama 3's `{`, Mistral's `[TOOL_CALLS]`, which the calls after it repeat).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Opener {
+    pub(crate) tag: &'static str,
+    pub(crate) in_block: bool,
+}
+
+/// The JSON a forced call is written as after the prompt's opening, which a grammar can
+/// hold to the tools' schemas: the key the arguments go under, and whether the calls are a
+/// list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallJson {
+    pub arguments_key: &'static str,
+    pub list: bool,
 }
 
 impl ToolFormat {
@@ -29,100 +63,120 @@ impl ToolFormat {
             Some(Self::Hermes)
         } else if template.contains("tool▁calls▁begin") {
             Some(Self::DeepSeek)
+        } else if template.contains(TOOL_CALLS) {
+            Some(if template.contains(ARGS) {
+                Self::MistralArgs
+            } else {
+                Self::Mistral
+            })
+        } else if template.contains("\"parameters\": dictionary of argument name") {
+            Some(Self::Llama3Json)
         } else {
             None
         }
     }
 
-    pub(crate) fn open(self) -> &'static str {
+    /// The markup that opens calls; Llama 3's bare `{` only where the reply starts.
+    pub(crate) fn openers(self, at_start: bool) -> Vec<Opener> {
+        let tag = |tag, in_block| Opener { tag, in_block };
         match self {
-            Self::Hermes => "<tool_call>",
-            Self::DeepSeek => "<｜tool▁calls▁begin｜>",
+            Self::Hermes => vec![tag("<tool_call>", false)],
+            Self::DeepSeek => vec![tag("<｜tool▁calls▁begin｜>", false)],
+            Self::Llama3Json if at_start => vec![tag(PYTHON_TAG, false), tag("{", true)],
+            Self::Llama3Json => vec![tag(PYTHON_TAG, false)],
+            Self::Mistral | Self::MistralArgs => vec![tag(TOOL_CALLS, true)],
         }
     }
 
-    pub(crate) fn close(self) -> &'static str {
+    /// The markup that closes calls; `None` where they run to the end of the reply.
+    pub(crate) fn close(self) -> Option<&'static str> {
         match self {
-            Self::Hermes => "</tool_call>",
-            Self::DeepSeek => "<｜tool▁calls▁end｜>",
+            Self::Hermes => Some("</tool_call>"),
+            Self::DeepSeek => Some("<｜tool▁calls▁end｜>"),
+            Self::Llama3Json | Self::Mistral | Self::MistralArgs => None,
         }
+    }
+
+    /// The special tokens the format marks calls with. Decoding drops special tokens
+    /// (`skip_special_tokens`), so these must be kept in the text the parser reads.
+    pub fn markers(self) -> &'static [&'static str] {
+        match self {
+            Self::Hermes | Self::DeepSeek => &[],
+            Self::Llama3Json => &[PYTHON_TAG],
+            Self::Mistral | Self::MistralArgs => &[TOOL_CALLS, ARGS, CALL_ID],
+        }
+    }
+
+    /// The JSON a forced call is written as, where a grammar holds it (`None` where the
+    /// call is in markup a JSON grammar cannot write, and the prompt alone forces it).
+    pub fn call_json(self) -> Option<CallJson> {
+        let json = |arguments_key, list| {
+            Some(CallJson {
+                arguments_key,
+                list,
+            })
+        };
+        match self {
+            Self::Hermes => json("arguments", false),
+            Self::Llama3Json => json("parameters", false),
+            Self::Mistral => json("arguments", true),
+            Self::DeepSeek | Self::MistralArgs => None,
+        }
+    }
+
+    /// Whether the model's template asks for call ids of nine letters and digits.
+    pub fn nine_char_ids(self) -> bool {
+        matches!(self, Self::Mistral | Self::MistralArgs)
     }
 
     /// What forces a tool call when the request requires one (`name` for a named
-    /// function): the text appended to the prompt, and the part of it after the opening
-    /// tag, which the parser reads as the start of the call.
+    /// function): the text appended to the prompt, and the part of it the parser reads as
+    /// the start of the call.
     pub fn forced(self, name: Option<&str>) -> (String, String) {
-        let body = match (self, name) {
-            (Self::Hermes, None) => "\n".to_string(),
-            (Self::Hermes, Some(n)) => format!(
-                "\n{{\"name\": {}, \"arguments\": ",
-                crate::py_json(&Value::from(n))
-            ),
-            (Self::DeepSeek, None) => DS_CALL_OPEN.to_string(),
-            (Self::DeepSeek, Some(n)) => format!("{DS_CALL_OPEN}function{DS_SEP}{n}\n```json\n"),
-        };
-        (format!("{}{body}", self.open()), body)
+        let quoted = |n: &str| crate::py_json(&Value::from(n));
+        match (self, name) {
+            (Self::Hermes, None) => ("<tool_call>\n".into(), "\n".into()),
+            (Self::Hermes, Some(n)) => {
+                let body = format!("\n{{\"name\": {}, \"arguments\": ", quoted(n));
+                (format!("<tool_call>{body}"), body)
+            }
+            (Self::DeepSeek, None) => {
+                let open = "<｜tool▁calls▁begin｜>";
+                (format!("{open}{DS_CALL_OPEN}"), DS_CALL_OPEN.to_string())
+            }
+            (Self::DeepSeek, Some(n)) => {
+                let body = format!("{DS_CALL_OPEN}function{DS_SEP}{n}\n```json\n");
+                (format!("<｜tool▁calls▁begin｜>{body}"), body)
+            }
+            (Self::Llama3Json, None) => (String::new(), String::new()),
+            (Self::Llama3Json, Some(n)) => {
+                both(format!("{{\"name\": {}, \"parameters\": ", quoted(n)))
+            }
+            (Self::Mistral | Self::MistralArgs, None) => both(TOOL_CALLS.to_string()),
+            (Self::Mistral, Some(n)) => both(format!(
+                "{TOOL_CALLS}[{{\"name\": {}, \"arguments\": ",
+                quoted(n)
+            )),
+            (Self::MistralArgs, Some(n)) => both(format!("{TOOL_CALLS}{n}{ARGS}")),
+        }
     }
 
-    /// The calls in the text between an opening and a closing tag (`closed` false when the
-    /// output ended first), or `None` when it does not parse.
+    /// The calls in a block of output (from its opening, kept where it is part of the
+    /// block, to the closing tag or the end: `closed` false when the output ended before a
+    /// closing tag), or `None` when it does not parse.
     pub(crate) fn parse(self, block: &str, closed: bool) -> Option<Vec<ToolCall>> {
         match self {
-            Self::Hermes => hermes_call(block).map(|c| vec![c]),
-            Self::DeepSeek => {
-                let mut calls = Vec::new();
-                let mut rest = block;
-                while let Some(start) = rest.find(DS_CALL_OPEN) {
-                    let after = &rest[start + DS_CALL_OPEN.len()..];
-                    let Some(end) = after.find(DS_CALL_CLOSE) else {
-                        // An unfinished call inside an unclosed block is dropped only
-                        // when complete ones came before it.
-                        if closed || calls.is_empty() {
-                            return None;
-                        }
-                        break;
-                    };
-                    calls.push(deepseek_call(&after[..end])?);
-                    rest = &after[end + DS_CALL_CLOSE.len()..];
-                }
-                (!calls.is_empty()).then_some(calls)
-            }
+            Self::Hermes => calls::hermes(block).map(|c| vec![c]),
+            Self::DeepSeek => calls::deepseek(block, closed),
+            Self::Llama3Json => calls::llama3(block),
+            Self::Mistral | Self::MistralArgs => calls::mistral(block),
         }
     }
 }
 
-/// `{"name": …, "arguments": {…}}`; arguments come out as Python's `json.dumps` writes
-/// them, as vLLM's parser gives them.
-fn hermes_call(block: &str) -> Option<ToolCall> {
-    let v: Value = serde_json::from_str(block.trim()).ok()?;
-    let name = v.get("name")?.as_str().filter(|n| !n.is_empty())?;
-    let args = v.get("arguments").or_else(|| v.get("parameters"));
-    Some(ToolCall {
-        name: name.to_string(),
-        arguments: args.map_or_else(|| "{}".to_string(), crate::py_json),
-    })
-}
-
-/// One DeepSeek call: `function<｜tool▁sep｜>name\n```json\n{…}\n```` (V3, R1) or
-/// `name<｜tool▁sep｜>{…}` (V3.1); arguments are kept as the model wrote them.
-fn deepseek_call(call: &str) -> Option<ToolCall> {
-    let (left, right) = call.split_once(DS_SEP)?;
-    let (name, args) = match right.split_once("```") {
-        Some((name, fenced)) => {
-            let body = fenced.strip_prefix("json").unwrap_or(fenced);
-            let body = body.rsplit_once("```").map_or(body, |(b, _)| b);
-            (name.trim(), body.trim())
-        }
-        None => (left.trim(), right.trim()),
-    };
-    if name.is_empty() {
-        return None;
-    }
-    serde_json::from_str::<Value>(args).ok()?;
-    Some(ToolCall {
-        name: name.to_string(),
-        arguments: args.to_string(),
-    })
+/// A forced opening that the prompt ends with and the parser starts from alike.
+fn both(body: String) -> (String, String) {
+    (body.clone(), body)
 }
 
 /// A function call the model made.
@@ -179,19 +233,4 @@ pub fn render(template: &crate::ChatTemplate, input: &crate::ChatInput) -> crate
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn detects_the_format_a_template_teaches() {
-        assert_eq!(
-            ToolFormat::detect(crate::CHATML_TEMPLATE),
-            Some(ToolFormat::Hermes)
-        );
-        assert_eq!(
-            ToolFormat::detect("{{'<｜tool▁calls▁begin｜>'}}"),
-            Some(ToolFormat::DeepSeek)
-        );
-        assert_eq!(ToolFormat::detect("{{ messages }}"), None);
-    }
-}
+mod tests;

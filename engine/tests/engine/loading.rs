@@ -346,6 +346,18 @@ fn incremental_decoding_never_splits_characters() {
             "expected a piece per word or so, got {pieces:?}"
         );
     }
+    // A kept special token shows while the others are skipped: a tool format's marker
+    // reaches the output's parser.
+    let text = "<|im_start|>assistant\n中文<|im_end|>ok";
+    let ids = tok.encode(text).unwrap();
+    let end = tok.token_id("<|im_end|>").unwrap();
+    let mut dec = IncrementalDecoder::new(true).keeping(vec![end]);
+    let mut shown: String = ids
+        .iter()
+        .filter_map(|&id| dec.push(&tok, id).unwrap())
+        .collect();
+    shown.extend(dec.flush(&tok).unwrap());
+    assert_eq!(shown, "assistant\n中文<|im_end|>ok");
     // A character cut off at the end of a stream is still reported, as a full decode shows it.
     let tok = Tokenizer::from_file(&common::tiny_model_dir().join("tokenizer.json")).unwrap();
     let ids = tok.encode("🦀").unwrap();

@@ -6,6 +6,7 @@ use crate::common;
 use std::path::Path;
 
 use serde_json::Value;
+use text::tools::ToolFormat;
 use text::{ChatInput, ChatTemplate, Tokenizer};
 
 fn read_json(path: &Path) -> Value {
@@ -55,5 +56,57 @@ fn qwen3_and_deepseek_v3_templates_and_tokenizers_match_transformers() {
         check_cases(name, &template, &fixture);
         let tok = Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
         check_ids(name, &tok, &fixture["token_ids"]);
+    }
+}
+
+/// Today's date as a template's `strftime_now` writes it.
+fn today() -> String {
+    let t = ChatTemplate::new("{{ strftime_now('%Y-%m-%d') }}", "", "").unwrap();
+    t.render(&ChatInput::default()).unwrap()
+}
+
+/// Llama 3.1/3.2/3.3, Mistral Nemo and Small 3.2, Gemma 2 and 3 and Phi-3.5-mini: the
+/// models' own templates render every case as transformers does (through the path the
+/// router takes for a template that teaches tools, `text::tools::render`), and each
+/// teaches the tool format the router reads its calls in. The fixture's day, where a
+/// template writes the date, stands for today's.
+#[test]
+fn family_templates_render_as_transformers_does() {
+    let families = [
+        "llama3_1",
+        "llama3_2",
+        "llama3_3",
+        "mistral_nemo",
+        "mistral_small_3_2",
+        "gemma2",
+        "gemma3",
+        "phi3_5",
+    ];
+    for name in families {
+        let fixture = read_json(&common::fixture(&format!("templates/{name}.json")));
+        let token = |k: &str| fixture[k].as_str().unwrap().to_string();
+        let template = ChatTemplate::new(
+            fixture["template"].as_str().unwrap(),
+            &token("bos_token"),
+            &token("eos_token"),
+        )
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let format = ToolFormat::detect(template.source()).map(|f| format!("{f:?}"));
+        assert_eq!(format.as_deref(), fixture["format"].as_str(), "{name}");
+        for (i, case) in fixture["cases"].as_array().unwrap().iter().enumerate() {
+            let (before, got, after) = (
+                today(),
+                text::tools::render(&template, &input(case)),
+                today(),
+            );
+            let got = got.unwrap_or_else(|e| panic!("{name} case {i}: {e}"));
+            let want = case["rendered"].as_str().unwrap();
+            let on = |day: &str| want.replace(fixture["day"].as_str().unwrap(), day);
+            assert!(
+                got == on(&before) || got == on(&after),
+                "{name} case {i}:\n{got}\n---\n{}",
+                on(&before)
+            );
+        }
     }
 }

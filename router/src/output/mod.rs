@@ -16,7 +16,7 @@ use std::time::Instant;
 use proto::v1::FinishReason;
 use runtime::prom::Observe;
 use text::structured::Parser;
-use text::tools::ToolCall;
+use text::tools::{ToolCall, ToolFormat};
 use tokio::sync::watch;
 
 use crate::api::StopReason;
@@ -202,8 +202,9 @@ impl ChoiceOut {
         self.content.push_str(&d.content);
         self.reasoning.push_str(&d.reasoning);
         let first = self.calls.len();
+        let format = parser.format();
         self.calls
-            .extend(d.calls.into_iter().map(|c| (call_id(), c)));
+            .extend(d.calls.into_iter().map(|c| (call_id(format), c)));
         Released {
             content: d.content,
             reasoning: d.reasoning,
@@ -212,8 +213,12 @@ impl ChoiceOut {
     }
 }
 
-/// A tool call id as OpenAI writes them.
-pub(crate) fn call_id() -> String {
+/// A tool call id as OpenAI writes them, or as the model's template takes them back
+/// (nine letters and digits for Mistral's).
+pub(crate) fn call_id(format: Option<ToolFormat>) -> String {
+    if format.is_some_and(ToolFormat::nine_char_ids) {
+        return text::tools::base62_id(params::random_u64());
+    }
     format!(
         "call_{:016x}{:08x}",
         params::random_u64(),
@@ -247,6 +252,9 @@ pub(crate) struct OutputSpec {
     /// Sequences the workers report, one `ChoiceOut` each.
     pub(crate) sequences: usize,
     pub(crate) skip_special_tokens: bool,
+    /// Special tokens shown even with `skip_special_tokens`: the markers of the parser's
+    /// tool-call format.
+    pub(crate) kept_specials: Vec<u32>,
     /// The chat parser each choice's text goes through, if the request needs one.
     pub(crate) parser: Option<Parser>,
     /// `stream_options.include_usage`: the stream ends with a usage chunk.
@@ -308,6 +316,7 @@ impl Output {
         (0..spec.sequences)
             .map(|_| {
                 let mut c = ChoiceOut::new(spec.skip_special_tokens, spec.parser.clone());
+                c.decoder = c.decoder.keeping(spec.kept_specials.clone());
                 if let Some(e) = &spec.echo {
                     c.content.clone_from(&e.text);
                 }

@@ -9,6 +9,7 @@ use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use text::grammar::{Grammar, Vocab};
+use text::tools::CallJson;
 
 use crate::api::json::JsonBudget;
 use crate::api::{Param, Sampling};
@@ -139,11 +140,12 @@ fn schema_grammar(
 }
 
 /// The grammar of a tool call that the request forces (`tool_choice` required, or `name`
-/// for a named function) in the Hermes format: `{"name": …, "arguments": {…}}` for one of
-/// `tools` (the chat's `tools` list), written after the prompt's `<tool_call>\n`. A tool
+/// for a named function), written after the prompt's opening in the format's JSON
+/// (`shape`): `{"name": …, "arguments": {…}}` for one of `tools` (the chat's `tools` list),
+/// the arguments under Llama 3's `parameters`, or a list of one such call for Mistral. A tool
 /// without `parameters` takes any object. Its errors name `tools`: a parameters schema that
 /// does not compile.
-pub fn forced_call(tools: &[Value], name: Option<&str>) -> Constrained {
+pub fn forced_call(tools: &[Value], name: Option<&str>, shape: CallJson) -> Constrained {
     let calls: Vec<Value> = tools
         .iter()
         .filter_map(|t| {
@@ -156,17 +158,25 @@ pub fn forced_call(tools: &[Value], name: Option<&str>) -> Constrained {
                 .get("parameters")
                 .cloned()
                 .unwrap_or_else(|| json!({"type": "object"}));
+            let key = shape.arguments_key;
             Some(json!({
                 "type": "object",
-                "properties": {"name": {"const": n}, "arguments": arguments},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": n}, key: arguments},
+                "required": ["name", key],
                 "additionalProperties": false
             }))
         })
         .collect();
+    let call = json!({"anyOf": calls});
+    let schema = if shape.list {
+        // One call, as in the other formats.
+        json!({"type": "array", "items": call, "minItems": 1, "maxItems": 1})
+    } else {
+        call
+    };
     Constrained {
         grammar: Grammar::JsonSchema {
-            schema: json!({"anyOf": calls}),
+            schema,
             strict: false,
         },
         param: "tools",

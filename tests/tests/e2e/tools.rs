@@ -237,3 +237,75 @@ async fn forced_calls_at_temperature_1_always_fit_a_tool_s_schema() {
     assert_eq!(status, 400, "{v}");
     assert_eq!(v["error"]["param"], "tool_choice", "{v}");
 }
+
+/// The generated tiny model with the chat template of a fixture in
+/// `engine/tests/fixtures/templates/` (a real model's), written once per call.
+fn tiny_model_with_template(name: &str) -> std::path::PathBuf {
+    let root = e2e::root();
+    let fixture = root.join(format!("engine/tests/fixtures/templates/{name}.json"));
+    let fixture: Value = serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+    let dir = e2e::scratch().join(format!("tiny-template-{name}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(tiny_model()).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let _ = std::fs::remove_file(dir.join("chat_template.jinja"));
+    let config_path = dir.join("tokenizer_config.json");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["chat_template"] = fixture["template"].clone();
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    dir
+}
+
+/// Llama 3.2's and Mistral Nemo's templates teach their own formats: a forced call comes
+/// back as `tool_calls` (the grammar writes Llama's `parameters` and Mistral's list, the
+/// parser reads them), with ids Mistral's template takes back (nine letters and digits),
+/// and a next turn whose history holds OpenAI-style ids renders, which Mistral's template
+/// alone would refuse.
+#[tokio::test]
+async fn llama3_and_mistral_templates_force_and_take_back_calls_in_their_formats() {
+    for (name, id_len) in [("llama3_2", 29), ("mistral_nemo", 9)] {
+        let c = Cluster::start(Mode::Pd, &tiny_model_with_template(name), &[]).await;
+        let named = json!({"type": "function", "function": {"name": "get_weather"}});
+        for choice in [json!("required"), named] {
+            // The random model's strings run on: a city from a list keeps the call short.
+            let tools = json!([{"type": "function", "function": {"name": "get_weather",
+                "parameters": {"type": "object", "properties": {"location":
+                    {"enum": ["Paris", "Nice"]}}, "required": ["location"]}}}]);
+            let body = json!({"model": "test", "temperature": 0, "max_tokens": 40,
+                "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                "tools": tools, "tool_choice": choice});
+            let (status, v) = c.post("/v1/chat/completions", &body).await;
+            assert_eq!(status, 200, "{name}: {v}");
+            let call = &v["choices"][0]["message"]["tool_calls"][0];
+            assert_eq!(
+                v["choices"][0]["finish_reason"], "tool_calls",
+                "{name}: {v}"
+            );
+            assert_eq!(call["function"]["name"], "get_weather", "{name}: {v}");
+            let args: Value =
+                serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+            assert!(
+                ["Paris", "Nice"].contains(&args["location"].as_str().unwrap()),
+                "{v}"
+            );
+            assert_eq!(call["id"].as_str().unwrap().len(), id_len, "{name}: {v}");
+
+            let mut next = body.clone();
+            let openai_call = json!({"id": "call_0123456789abcdef01234567", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"location\": \"Nice\"}"}});
+            for given in [call.clone(), openai_call] {
+                next["messages"] = json!([
+                    {"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": null, "tool_calls": [given]},
+                    {"role": "tool", "tool_call_id": given["id"], "content": "22 C"},
+                ]);
+                next["tool_choice"] = json!("auto");
+                let (status, v) = c.post("/v1/chat/completions", &next).await;
+                assert_eq!(status, 200, "{name}: {v}");
+            }
+        }
+    }
+}
