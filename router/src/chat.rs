@@ -75,7 +75,7 @@ pub(crate) fn render(state: &AppState, input: &text::ChatInput) -> Result<String
         _ => input,
     };
     let rendered = if state.tools_in_prompt {
-        template.render(&text::tools::prompted(input))
+        text::tools::render_prompted(template, input)
     } else {
         text::tools::render(template, input)
     };

@@ -9,7 +9,7 @@ mod calls;
 mod ids;
 mod prompted;
 pub use ids::{base62_id, mistral_ids, nine_char_id};
-pub use prompted::prompted;
+pub use prompted::{prompted, render_prompted};
 
 pub(crate) const DS_CALL_OPEN: &str = "<｜tool▁call▁begin｜>";
 pub(crate) const DS_CALL_CLOSE: &str = "<｜tool▁call▁end｜>";

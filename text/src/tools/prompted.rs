@@ -7,7 +7,7 @@
 
 use serde_json::{json, Value};
 
-use crate::{py_json, ChatInput};
+use crate::{py_json, ChatInput, ChatTemplate};
 
 const TOOLS_OPEN: &str = "# Tools\n\nYou may call one or more functions to assist with the \
     user query.\n\nYou are provided with function signatures within <tools></tools> XML \
@@ -77,6 +77,45 @@ pub fn prompted(input: &ChatInput) -> ChatInput {
         add_generation_prompt: input.add_generation_prompt,
         kwargs: input.kwargs.clone(),
     }
+}
+
+/// Renders `input` in the generic format. A template that refuses a system turn (Gemma
+/// 2's: "System role not supported") gets the system text at the head of the first user
+/// turn, separated by a blank line, which is where Gemma 3's template puts it: the tools
+/// must reach the prompt, and a request's own system text should too.
+pub fn render_prompted(template: &ChatTemplate, input: &ChatInput) -> crate::Result<String> {
+    let prompted = prompted(input);
+    let refused = match template.render(&prompted) {
+        Ok(text) => return Ok(text),
+        Err(e) => e,
+    };
+    match system_in_first_user(&prompted) {
+        Some(merged) => template.render(&merged).map_err(|_| refused),
+        None => Err(refused),
+    }
+}
+
+/// `input` with a leading system turn joined to the user turn after it, if there are both.
+fn system_in_first_user(input: &ChatInput) -> Option<ChatInput> {
+    let messages = input.messages.as_array()?;
+    let (system, rest) = messages.split_first()?;
+    let (user, rest) = rest.split_first()?;
+    if system["role"] != "system" || user["role"] != "user" {
+        return None;
+    }
+    let mut joined = user.clone();
+    joined["content"] = Value::String(format!(
+        "{}\n\n{}",
+        text(&system["content"]),
+        text(&user["content"])
+    ));
+    let messages = std::iter::once(joined)
+        .chain(rest.iter().cloned())
+        .collect();
+    Some(ChatInput {
+        messages: Value::Array(messages),
+        ..input.clone()
+    })
 }
 
 /// An assistant turn's text followed by its calls, each on its own line.
@@ -183,5 +222,48 @@ mod tests {
             "<|im_start|>user\n<tool_response>\n22 C\n</tool_response>\n<tool_response>\n25 C\n\
              </tool_response><|im_end|>"
         ));
+    }
+
+    fn fixture_template(name: &str) -> ChatTemplate {
+        let path = format!(
+            "{}/../engine/tests/fixtures/templates/{name}.json",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let v: Value = serde_json::from_str(&text).unwrap();
+        let token = |k: &str| v[k].as_str().unwrap_or("").to_string();
+        ChatTemplate::new(
+            v["template"].as_str().unwrap(),
+            &token("bos_token"),
+            &token("eos_token"),
+        )
+        .unwrap()
+    }
+
+    /// Gemma 2's template refuses a system turn, so the tools go at the head of the first
+    /// user turn: the prompt Gemma 3's template, the same but for taking a system turn
+    /// there, renders.
+    #[test]
+    fn a_template_without_a_system_turn_gets_the_tools_in_the_first_user_turn() {
+        let gemma2 = fixture_template("gemma2");
+        let gemma3 = fixture_template("gemma3");
+        for (system, tools) in [(true, true), (false, true), (true, false)] {
+            let mut input = chat(system, tools);
+            // Gemma's roles alternate: the last tool result gets its answer.
+            let messages = input.messages.as_array_mut().unwrap();
+            let at = messages.len() - 1;
+            messages.insert(at, json!({"role": "assistant", "content": "19 C in Lyon."}));
+            assert!(
+                gemma2.render(&prompted(&input)).is_err(),
+                "Gemma 2 refuses it"
+            );
+            let got = render_prompted(&gemma2, &input).unwrap();
+            assert_eq!(got, gemma3.render(&prompted(&input)).unwrap());
+            assert_eq!(got.contains("# Tools"), tools);
+        }
+        // A chat the template refuses for another reason is still refused.
+        let mut twice = chat(false, true);
+        twice.messages[0]["role"] = json!("assistant");
+        assert!(render_prompted(&gemma2, &twice).is_err());
     }
 }
