@@ -21,7 +21,7 @@ pub use chat_template::{py_json, ChatInput, ChatTemplate};
 pub use config::{Activation, Gemma, ModelConfig, MoeConfig, RopeStyle};
 pub use error::{Result, TextError};
 pub use load::{load, TextModel};
-pub use rope::{LayerRopes, Rope, RopeScaling};
+pub use rope::{longrope_uses_long_factors, LayerRopes, Rope, RopeScaling};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 
 /// The ChatML template, with tools and thinking, that the generated test models carry.

@@ -310,6 +310,15 @@ pub(crate) fn mscale(scale: f64, m: f64) -> f64 {
     }
 }
 
+/// Whether LongRoPE rotates by its long factors: when the served context
+/// (`max_position_embeddings`) is past the `original` one, as llama.cpp decides it once for
+/// the model (transformers switches per sequence length, which would make a sequence's
+/// early keys disagree with its later ones in a KV cache). GGUF files hold both lists, so
+/// the engine's loader decides again with this function.
+pub fn longrope_uses_long_factors(max_position_embeddings: usize, original: f64) -> bool {
+    max_position_embeddings as f64 > original
+}
+
 /// LongRoPE's factors for a served context of `max_position_embeddings` (the long ones
 /// past `original`, else the short ones), and its attention factor as transformers takes
 /// it: given, or `sqrt(1 + ln(s) / ln(original))` for the stretch `s` (`factor`, else
@@ -327,7 +336,7 @@ fn longrope(
             .and_then(|l| l.iter().map(Value::as_f64).collect::<Option<Vec<_>>>())
             .ok_or_else(|| format!("{field}.{key} must be a list of numbers"))
     };
-    let long = max_position_embeddings as f64 > original;
+    let long = longrope_uses_long_factors(max_position_embeddings, original);
     let factors = list(if long { "long_factor" } else { "short_factor" })?;
     let stretch =
         number(params, field, "factor")?.unwrap_or(max_position_embeddings as f64 / original);

@@ -447,7 +447,7 @@ fn rope_divisors(
     };
     let long = src.dense_shaped(LONG, &pairs, device)?;
     let short = src.dense_shaped(SHORT, &pairs, device)?;
-    let chosen = if cfg.max_position_embeddings as f64 > original {
+    let chosen = if text::longrope_uses_long_factors(cfg.max_position_embeddings, original) {
         long
     } else {
         short
