@@ -18,7 +18,7 @@ refuse() {  # refuse CRATE PATTERN WHY
 
 refuse router 'engine|candle-.*|prefill-node|decode-node|kvwire' "the router links no candle and speaks to workers only through the contracts"
 refuse proto 'engine|candle-.*' "contracts compile without the model"
-for c in runtime tls discovery; do
+for c in runtime tls discovery hub; do
     refuse "$c" 'engine|candle-.*' "plumbing loads no model"
 done
 refuse text 'engine|candle-.*' "the text layer links no candle"

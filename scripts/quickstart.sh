@@ -3,9 +3,11 @@
 # node, each its own process, serving SmolLM2-135M-Instruct (fetched if missing). Ctrl-C
 # stops all three.
 #
-#   bash scripts/quickstart.sh
+#   bash scripts/quickstart.sh [MODEL]
 #
-# Environment (all optional): TANDEM_MODEL (another model folder or GGUF file),
+# MODEL (or TANDEM_MODEL): another model folder or GGUF file, or a Hugging Face Hub name
+# (Qwen/Qwen3-0.6B, org/name@rev, org/name:Q4_K_M), fetched into HF_HOME's cache.
+# Environment (all optional):
 # ROUTER_LISTEN, ROUTER_METRICS_LISTEN (the router's /metrics and /health/ready),
 # PREFILL_LISTEN, DECODE_LISTEN, TANDEM_BIN_DIR (prebuilt binaries: skips the build), and
 # every other env twin of the three binaries' flags (see their --help).
@@ -13,7 +15,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-if [ -z "${TANDEM_MODEL:-}" ]; then
+TANDEM_MODEL="${1:-${TANDEM_MODEL:-}}"
+if [ -z "$TANDEM_MODEL" ]; then
   TANDEM_MODEL="$(bash scripts/fetch-smollm2.sh)"
   export ROUTER_MODEL_NAME="${ROUTER_MODEL_NAME:-smollm2}"
 fi

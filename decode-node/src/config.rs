@@ -13,7 +13,8 @@ pub struct Config {
     /// Address the gRPC service listens on.
     #[arg(long, env = "DECODE_LISTEN", default_value = "127.0.0.1:50052")]
     pub listen: SocketAddr,
-    /// Hugging Face model folder or GGUF file.
+    /// Hugging Face model folder or GGUF file, or a Hub name (`org/name[@rev][:QUANT]`)
+    /// fetched into the Hugging Face cache first.
     #[arg(long, env = "TANDEM_MODEL")]
     pub model: PathBuf,
     /// Most sequences decoded in one step; a request with more (n, best_of, a beam's

@@ -9,8 +9,9 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run() -> anyhow::Result<()> {
-    let cfg = Config::parse();
+    let mut cfg = Config::parse();
     runtime::init_tracing(&cfg.log);
+    cfg.model = runtime::resolve_model(&cfg.model).await?.path;
     let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
     decode_node::serve(listener, &cfg, runtime::shutdown_signal()).await?;
     Ok(())

@@ -10,7 +10,8 @@ pub struct Config {
     /// Address the gRPC service listens on.
     #[arg(long, env = "PREFILL_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
-    /// Hugging Face model folder or GGUF file.
+    /// Hugging Face model folder or GGUF file, or a Hub name (`org/name[@rev][:QUANT]`)
+    /// fetched into the Hugging Face cache first.
     #[arg(long, env = "TANDEM_MODEL")]
     pub model: PathBuf,
     /// Prompts that may wait for the compute thread; more are refused as resource exhausted.

@@ -92,11 +92,13 @@ pub struct Config {
     /// no client reads the cluster's map or its breakers from it.
     #[arg(long, env = "ROUTER_METRICS_LISTEN", default_value = "127.0.0.1:9464")]
     pub metrics_listen: SocketAddr,
-    /// Hugging Face model folder or GGUF file; the router reads its tokenizer, chat
-    /// template and config, never its weights.
+    /// Hugging Face model folder or GGUF file, or a Hub name (`org/name[@rev][:QUANT]`)
+    /// fetched into the Hugging Face cache first; the router reads the model's tokenizer,
+    /// chat template and config, never its weights.
     #[arg(long, env = "TANDEM_MODEL")]
     pub model: PathBuf,
-    /// The name requests must give as `model` (default: the model folder or file name).
+    /// The name requests must give as `model` (default: the Hub name as given, else the
+    /// model folder or file name).
     #[arg(long, visible_alias = "modelName", env = "ROUTER_MODEL_NAME")]
     pub model_name: Option<String>,
     /// `pd` (prefill and decode nodes) or `colocated` (decode nodes serve whole requests).

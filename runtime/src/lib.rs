@@ -132,6 +132,16 @@ pub fn init_tracing(args: &LogArgs) {
     }
 }
 
+/// The `--model` argument made into a path on this machine: a Hub name is found in the
+/// Hugging Face cache or fetched into it first (the `HF_*` environment says where and
+/// how), off the async threads.
+pub async fn resolve_model(model: &std::path::Path) -> Result<hub::Resolved, hub::HubError> {
+    let model = model.to_path_buf();
+    tokio::task::spawn_blocking(move || hub::resolve(&model, &hub::Options::from_env()))
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+}
+
 /// Sizes the compute thread pools (candle's and rayon's) to [`usable_cpus`], unless
 /// `RAYON_NUM_THREADS` or `CANDLE_NUM_THREADS` is set. candle counts the machine's physical
 /// cores instead, so a worker pinned to one core (or given one CPU by Kubernetes) ran two

@@ -65,16 +65,40 @@ impl Cluster {
         decode_args: &[&str],
         https_ca: Option<&Path>,
     ) -> Self {
+        let flags = [router_args, prefill_args, decode_args];
+        Self::spawn_all(mode, model, flags, https_ca, &[]).await
+    }
+
+    /// `start`, with `env` set for every process.
+    pub async fn launch_env(
+        mode: Mode,
+        model: &Path,
+        router_args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
+        Self::spawn_all(mode, model, [router_args, &[], &[]], None, env).await
+    }
+
+    /// Starts the processes with `flags` for the router, prefill and decode node.
+    async fn spawn_all(
+        mode: Mode,
+        model: &Path,
+        flags: [&[&str]; 3],
+        https_ca: Option<&Path>,
+        env: &[(&str, &str)],
+    ) -> Self {
+        let [router_args, prefill_args, decode_args] = flags;
         let tag = format!("{:?}-{}", mode, free_port()).to_lowercase();
         let model_arg = model.display().to_string();
         let mut procs = Vec::new();
         let decode = format!("127.0.0.1:{}", free_port());
         let mut d_args = args(&["--model", &model_arg, "--listen", &decode]);
         d_args.extend(args(decode_args));
-        procs.push(Proc::spawn(
+        procs.push(Proc::spawn_env(
             &bin("tandem-decode"),
             &d_args,
             &format!("{tag}-decode"),
+            env,
         ));
         let mut prefill_addr = None;
         let mut router = args(&["--model", &model_arg, "--decode-nodes", &decode]);
@@ -89,10 +113,11 @@ impl Cluster {
                 &decode,
             ]);
             p_args.extend(args(prefill_args));
-            procs.push(Proc::spawn(
+            procs.push(Proc::spawn_env(
                 &bin("tandem-prefill"),
                 &p_args,
                 &format!("{tag}-prefill"),
+                env,
             ));
             router.extend(args(&["--prefill-nodes", &prefill]));
             prefill_addr = Some(prefill);
@@ -110,10 +135,11 @@ impl Cluster {
             "test",
         ]));
         router.extend(args(router_args));
-        procs.push(Proc::spawn(
+        procs.push(Proc::spawn_env(
             &bin("tandem-router"),
             &router,
             &format!("{tag}-router"),
+            env,
         ));
         let (scheme, client) = match https_ca {
             Some(ca) => ("https", pki::https_client(ca)),

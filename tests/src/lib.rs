@@ -8,6 +8,7 @@ mod cluster;
 mod etcd;
 mod fleet;
 mod http;
+pub mod hub;
 pub mod kv;
 pub mod pki;
 
@@ -188,10 +189,16 @@ pub struct Proc {
 impl Proc {
     /// Starts `bin` with `args`, logging to `<scratch>/<tag>.log`.
     pub fn spawn(bin: &Path, args: &[String], tag: &str) -> Self {
+        Self::spawn_env(bin, args, tag, &[])
+    }
+
+    /// `spawn`, with `env` added to the environment.
+    pub fn spawn_env(bin: &Path, args: &[String], tag: &str, env: &[(&str, &str)]) -> Self {
         let mut cmd = Command::new(bin);
         // Refused TLS handshakes are logged one by one at debug (a warning a minute sums
         // them up): the tests read each one's reason.
         cmd.args(args).env("RUST_LOG", "info,tls=debug");
+        cmd.envs(env.iter().copied());
         Self::start(cmd, tag)
     }
 

@@ -12,6 +12,7 @@ mod errors;
 mod failures;
 mod fuzz;
 mod http_bounds;
+mod hub;
 mod kv_budget;
 mod kv_garbage;
 mod kv_hostile;
