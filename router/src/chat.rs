@@ -17,8 +17,9 @@ pub(crate) fn prompt(
     common: &mut Common,
 ) -> Result<(String, Option<Parser>), RouterError> {
     let mut text = render(state, &chat.input)?;
-    let parser = parser(state, &chat.tool_choice, &mut text)?;
-    if let Some(g) = forced_call_grammar(state, chat) {
+    let grammar = forced_call_grammar(state, chat);
+    let parser = parser(state, &chat.tool_choice, grammar.is_some(), &mut text)?;
+    if let Some(g) = grammar {
         if let Some(other) = &common.grammar {
             return Err(RouterError::param(
                 "tool_choice",
@@ -116,10 +117,12 @@ fn forced_call_grammar(state: &AppState, chat: &Chat) -> Option<params::Constrai
 }
 
 /// The parser for a chat's output, if it needs one, with the prompt extended by what
-/// forces a required or named tool call.
+/// forces a required or named tool call (`by_grammar`: a grammar holds the call, and names
+/// the function where there is one).
 fn parser(
     state: &AppState,
     choice: &ToolChoice,
+    by_grammar: bool,
     prompt: &mut String,
 ) -> Result<Option<Parser>, RouterError> {
     let tools = match (choice, state.tool_format) {
@@ -138,8 +141,7 @@ fn parser(
     let parser = Parser::new(state.think, tools, prompt_opens_reasoning(prompt));
     let forced = match (choice, tools) {
         (ToolChoice::Required, Some(f)) => Some(f.forced(None)),
-        // The grammar names the function where there is one (`forced_call_grammar`).
-        (ToolChoice::Named(_), Some(f)) if f.call_json().is_some() => Some(f.forced(None)),
+        (ToolChoice::Named(_), Some(f)) if by_grammar => Some(f.forced(None)),
         (ToolChoice::Named(name), Some(f)) => Some(f.forced(Some(name))),
         _ => None,
     };

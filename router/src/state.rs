@@ -44,7 +44,7 @@ pub struct AppState {
     /// The tool-call markup chat output is parsed for; `None` refuses tools.
     pub tool_format: Option<ToolFormat>,
     /// The ids of `tool_format`'s markers in the vocabulary (`ToolFormat::markers`).
-    pub tool_markers: Vec<u32>,
+    pub tool_markers: Arc<[u32]>,
     /// Whether the router writes the tools and tool turns into the messages (the generic
     /// format), because the chat template teaches no tool format.
     pub tools_in_prompt: bool,

@@ -280,7 +280,7 @@ fn validated(
             skip_special_tokens: common.skip_special_tokens,
             kept_specials: match given.parser.as_ref().and_then(Parser::format) {
                 Some(_) => state.tool_markers.clone(),
-                None => Vec::new(),
+                None => Default::default(),
             },
             parser: given.parser,
             include_usage: common.include_usage,

@@ -296,7 +296,7 @@ pub struct IncrementalDecoder {
     skip_special: bool,
     /// Special tokens shown even when `skip_special`: the markers of a tool-call format,
     /// which the output's parser must see.
-    kept: Vec<u32>,
+    kept: std::sync::Arc<[u32]>,
 }
 
 impl IncrementalDecoder {
@@ -308,8 +308,9 @@ impl IncrementalDecoder {
         }
     }
 
-    /// Shows the special tokens `ids` even when special tokens are skipped.
-    pub fn keeping(mut self, ids: Vec<u32>) -> Self {
+    /// Shows the special tokens `ids` even when special tokens are skipped (shared: every
+    /// request of a server keeps the same few).
+    pub fn keeping(mut self, ids: std::sync::Arc<[u32]>) -> Self {
         self.kept = ids;
         self
     }

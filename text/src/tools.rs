@@ -11,6 +11,7 @@ mod prompted;
 pub use ids::{base62_id, mistral_ids, nine_char_id};
 pub use prompted::{prompted, render_prompted};
 
+pub(crate) const DS_CALLS_OPEN: &str = "<｜tool▁calls▁begin｜>";
 pub(crate) const DS_CALL_OPEN: &str = "<｜tool▁call▁begin｜>";
 pub(crate) const DS_CALL_CLOSE: &str = "<｜tool▁call▁end｜>";
 pub(crate) const DS_SEP: &str = "<｜tool▁sep｜>";
@@ -81,7 +82,7 @@ impl ToolFormat {
         let tag = |tag, in_block| Opener { tag, in_block };
         match self {
             Self::Hermes => vec![tag("<tool_call>", false)],
-            Self::DeepSeek => vec![tag("<｜tool▁calls▁begin｜>", false)],
+            Self::DeepSeek => vec![tag(DS_CALLS_OPEN, false)],
             Self::Llama3Json if at_start => vec![tag(PYTHON_TAG, false), tag("{", true)],
             Self::Llama3Json => vec![tag(PYTHON_TAG, false)],
             Self::Mistral | Self::MistralArgs => vec![tag(TOOL_CALLS, true)],
@@ -140,13 +141,13 @@ impl ToolFormat {
                 let body = format!("\n{{\"name\": {}, \"arguments\": ", quoted(n));
                 (format!("<tool_call>{body}"), body)
             }
-            (Self::DeepSeek, None) => {
-                let open = "<｜tool▁calls▁begin｜>";
-                (format!("{open}{DS_CALL_OPEN}"), DS_CALL_OPEN.to_string())
-            }
+            (Self::DeepSeek, None) => (
+                format!("{DS_CALLS_OPEN}{DS_CALL_OPEN}"),
+                DS_CALL_OPEN.to_string(),
+            ),
             (Self::DeepSeek, Some(n)) => {
                 let body = format!("{DS_CALL_OPEN}function{DS_SEP}{n}\n```json\n");
-                (format!("<｜tool▁calls▁begin｜>{body}"), body)
+                (format!("{DS_CALLS_OPEN}{body}"), body)
             }
             (Self::Llama3Json, None) => (String::new(), String::new()),
             (Self::Llama3Json, Some(n)) => {

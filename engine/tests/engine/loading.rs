@@ -351,7 +351,7 @@ fn incremental_decoding_never_splits_characters() {
     let text = "<|im_start|>assistant\n中文<|im_end|>ok";
     let ids = tok.encode(text).unwrap();
     let end = tok.token_id("<|im_end|>").unwrap();
-    let mut dec = IncrementalDecoder::new(true).keeping(vec![end]);
+    let mut dec = IncrementalDecoder::new(true).keeping([end].into());
     let mut shown: String = ids
         .iter()
         .filter_map(|&id| dec.push(&tok, id).unwrap())

@@ -254,7 +254,7 @@ pub(crate) struct OutputSpec {
     pub(crate) skip_special_tokens: bool,
     /// Special tokens shown even with `skip_special_tokens`: the markers of the parser's
     /// tool-call format.
-    pub(crate) kept_specials: Vec<u32>,
+    pub(crate) kept_specials: Arc<[u32]>,
     /// The chat parser each choice's text goes through, if the request needs one.
     pub(crate) parser: Option<Parser>,
     /// `stream_options.include_usage`: the stream ends with a usage chunk.

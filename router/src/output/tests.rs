@@ -39,7 +39,7 @@ fn spec(kind: Kind) -> OutputSpec {
         n: 1,
         sequences: 1,
         skip_special_tokens: true,
-        kept_specials: Vec::new(),
+        kept_specials: Default::default(),
         parser: None,
         include_usage: false,
         echo: None,

@@ -224,29 +224,13 @@ mod tests {
         ));
     }
 
-    fn fixture_template(name: &str) -> ChatTemplate {
-        let path = format!(
-            "{}/../engine/tests/fixtures/templates/{name}.json",
-            env!("CARGO_MANIFEST_DIR")
-        );
-        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-        let v: Value = serde_json::from_str(&text).unwrap();
-        let token = |k: &str| v[k].as_str().unwrap_or("").to_string();
-        ChatTemplate::new(
-            v["template"].as_str().unwrap(),
-            &token("bos_token"),
-            &token("eos_token"),
-        )
-        .unwrap()
-    }
-
     /// Gemma 2's template refuses a system turn, so the tools go at the head of the first
     /// user turn: the prompt Gemma 3's template, the same but for taking a system turn
     /// there, renders.
     #[test]
     fn a_template_without_a_system_turn_gets_the_tools_in_the_first_user_turn() {
-        let gemma2 = fixture_template("gemma2");
-        let gemma3 = fixture_template("gemma3");
+        let gemma2 = super::super::tests::fixture_template("gemma2");
+        let gemma3 = super::super::tests::fixture_template("gemma3");
         for (system, tools) in [(true, true), (false, true), (true, false)] {
             let mut input = chat(system, tools);
             // Gemma's roles alternate: the last tool result gets its answer.

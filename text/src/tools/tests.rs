@@ -121,9 +121,15 @@ fn markers_are_the_special_tokens_each_format_opens_calls_with() {
     }
 }
 
-/// A real template's fixture: (template, bos, eos).
-fn real_template(json_text: &str) -> crate::ChatTemplate {
-    let v: Value = serde_json::from_str(json_text).unwrap();
+/// The real template of a fixture under `engine/tests/fixtures/templates/`, with its
+/// BOS and EOS.
+pub(super) fn fixture_template(name: &str) -> crate::ChatTemplate {
+    let path = format!(
+        "{}/../engine/tests/fixtures/templates/{name}.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let v: Value = serde_json::from_str(&text).unwrap();
     crate::ChatTemplate::new(
         v["template"].as_str().unwrap(),
         v["bos_token"].as_str().unwrap_or(""),
@@ -137,13 +143,6 @@ fn real_template(json_text: &str) -> crate::ChatTemplate {
 /// Llama 3's templates take one call a turn; Mistral's take ids of nine characters.
 #[test]
 fn calls_rendered_by_the_real_templates_parse_back() {
-    let fixture = |name: &str| {
-        let path = format!(
-            "{}/../engine/tests/fixtures/templates/{name}.json",
-            env!("CARGO_MANIFEST_DIR")
-        );
-        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
-    };
     let header = "<|start_header_id|>assistant<|end_header_id|>\n\n";
     let cases = [
         (
@@ -174,7 +173,7 @@ fn calls_rendered_by_the_real_templates_parse_back() {
     ];
     let cities = ["Paris", "Nice"];
     for (name, format, calls, open, close) in cases {
-        let t = real_template(&fixture(name));
+        let t = fixture_template(name);
         assert_eq!(ToolFormat::detect(t.source()), Some(format), "{name}");
         let think = t.source().contains("</think>");
         let call = |city: &str| {
