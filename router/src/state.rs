@@ -177,6 +177,7 @@ impl AppState {
             ToolCallParser::Llama3Json => (Some(ToolFormat::Llama3Json), false),
             ToolCallParser::Mistral => (Some(ToolFormat::Mistral), false),
             ToolCallParser::MistralArgs => (Some(ToolFormat::MistralArgs), false),
+            ToolCallParser::Phi4Mini => (Some(ToolFormat::Phi4Mini), false),
         };
         // The format's markers are special tokens, which the output must show its parser.
         let tool_markers = tool_format

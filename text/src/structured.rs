@@ -435,6 +435,10 @@ pub(crate) mod tests {
             (ToolFormat::Llama3Json, "{\"location\": \"Paris\"}}"),
             (ToolFormat::Mistral, "{\"location\": \"Paris\"}}]"),
             (ToolFormat::MistralArgs, "{\"location\": \"Paris\"}"),
+            (
+                ToolFormat::Phi4Mini,
+                "{\"location\": \"Paris\"}}]<|/tool_call|>",
+            ),
         ];
         for (format, rest) in cases {
             let (suffix, body) = format.forced(Some("get_weather"));

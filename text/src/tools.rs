@@ -1,5 +1,5 @@
 //! Tool calls: the markup each chat template teaches (Hermes', DeepSeek's, Llama 3's JSON,
-//! Mistral's `[TOOL_CALLS]`), the calls parsed out of it, and rendering a chat whose
+//! Mistral's `[TOOL_CALLS]`, Phi-4-mini's `<|tool_call|>`), the calls parsed out of it, and rendering a chat whose
 //! assistant turns hold calls, which templates disagree on; and the generic format, for
 //! templates that teach none.
 
@@ -7,8 +7,10 @@ use serde_json::Value;
 
 mod calls;
 mod ids;
+mod phi4;
 mod prompted;
 pub use ids::{base62_id, mistral_ids, nine_char_id};
+pub use phi4::phi4_mini_messages;
 pub use prompted::{prompted, render_prompted};
 
 pub(crate) const DS_CALLS_OPEN: &str = "<｜tool▁calls▁begin｜>";
@@ -19,6 +21,8 @@ pub(crate) const PYTHON_TAG: &str = "<|python_tag|>";
 pub(crate) const TOOL_CALLS: &str = "[TOOL_CALLS]";
 pub(crate) const ARGS: &str = "[ARGS]";
 pub(crate) const CALL_ID: &str = "[CALL_ID]";
+pub(crate) const PHI_CALL_OPEN: &str = "<|tool_call|>";
+pub(crate) const PHI_CALL_CLOSE: &str = "<|/tool_call|>";
 /// The tool-call markup a model writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ToolFormat {
@@ -38,6 +42,10 @@ pub enum ToolFormat {
     /// `[TOOL_CALLS]name[ARGS]{…}` per call. Both Mistral forms parse in either variant;
     /// they differ in how a forced call is opened.
     MistralArgs,
+    /// Phi-4-mini: `<|tool_call|>[{"name": …, "arguments": {…}}, …]<|/tool_call|>`, the
+    /// closing often left out. Its template renders tools only from the system message's
+    /// `tools` text ([`phi4_mini_messages`] puts them there).
+    Phi4Mini,
 }
 
 /// Where a call starts in the output: `tag`, which is part of the call's text when
@@ -72,6 +80,8 @@ impl ToolFormat {
             })
         } else if template.contains("\"parameters\": dictionary of argument name") {
             Some(Self::Llama3Json)
+        } else if template.contains("<|tool|>") && template.contains("message['tools']") {
+            Some(Self::Phi4Mini)
         } else {
             None
         }
@@ -86,6 +96,7 @@ impl ToolFormat {
             Self::Llama3Json if at_start => vec![tag(PYTHON_TAG, false), tag("{", true)],
             Self::Llama3Json => vec![tag(PYTHON_TAG, false)],
             Self::Mistral | Self::MistralArgs => vec![tag(TOOL_CALLS, true)],
+            Self::Phi4Mini => vec![tag(PHI_CALL_OPEN, false)],
         }
     }
 
@@ -94,6 +105,7 @@ impl ToolFormat {
         match self {
             Self::Hermes => Some("</tool_call>"),
             Self::DeepSeek => Some("<｜tool▁calls▁end｜>"),
+            Self::Phi4Mini => Some(PHI_CALL_CLOSE),
             Self::Llama3Json | Self::Mistral | Self::MistralArgs => None,
         }
     }
@@ -105,6 +117,7 @@ impl ToolFormat {
             Self::Hermes | Self::DeepSeek => &[],
             Self::Llama3Json => &[PYTHON_TAG],
             Self::Mistral | Self::MistralArgs => &[TOOL_CALLS, ARGS, CALL_ID],
+            Self::Phi4Mini => &[PHI_CALL_OPEN, PHI_CALL_CLOSE],
         }
     }
 
@@ -120,8 +133,22 @@ impl ToolFormat {
         match self {
             Self::Hermes => json("arguments", false),
             Self::Llama3Json => json("parameters", false),
-            Self::Mistral => json("arguments", true),
+            Self::Mistral | Self::Phi4Mini => json("arguments", true),
             Self::DeepSeek | Self::MistralArgs => None,
+        }
+    }
+
+    /// The chat as this format's template takes it, where that differs from the request:
+    /// Mistral's templates refuse call ids that are not nine letters and digits, and
+    /// Phi-4-mini's renders tools and tool turns only in places of its own.
+    pub fn adapt(self, input: &crate::ChatInput) -> Option<crate::ChatInput> {
+        match self {
+            Self::Mistral | Self::MistralArgs => Some(crate::ChatInput {
+                messages: mistral_ids(&input.messages),
+                ..input.clone()
+            }),
+            Self::Phi4Mini => Some(phi4_mini_messages(input)),
+            Self::Hermes | Self::DeepSeek | Self::Llama3Json => None,
         }
     }
 
@@ -159,6 +186,11 @@ impl ToolFormat {
                 quoted(n)
             )),
             (Self::MistralArgs, Some(n)) => both(format!("{TOOL_CALLS}{n}{ARGS}")),
+            (Self::Phi4Mini, None) => (PHI_CALL_OPEN.into(), String::new()),
+            (Self::Phi4Mini, Some(n)) => {
+                let body = format!("[{{\"name\": {}, \"arguments\": ", quoted(n));
+                (format!("{PHI_CALL_OPEN}{body}"), body)
+            }
         }
     }
 
@@ -171,6 +203,7 @@ impl ToolFormat {
             Self::DeepSeek => calls::deepseek(block, closed),
             Self::Llama3Json => calls::llama3(block),
             Self::Mistral | Self::MistralArgs => calls::mistral(block),
+            Self::Phi4Mini => calls::phi4_mini(block),
         }
     }
 }

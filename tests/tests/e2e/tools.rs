@@ -265,9 +265,18 @@ fn tiny_model_with_template(name: &str) -> std::path::PathBuf {
 /// and a next turn whose history holds OpenAI-style ids renders, which Mistral's template
 /// alone would refuse.
 #[tokio::test]
-async fn llama3_and_mistral_templates_force_and_take_back_calls_in_their_formats() {
-    for (name, id_len) in [("llama3_2", 29), ("mistral_nemo", 9)] {
+async fn llama3_mistral_and_phi4_templates_force_and_take_back_calls_in_their_formats() {
+    let cases = [
+        ("llama3_2", 29, "Llama3Json"),
+        ("mistral_nemo", 9, "Mistral"),
+        ("phi4_mini", 29, "Phi4Mini"),
+    ];
+    for (name, id_len, format) in cases {
         let c = Cluster::start(Mode::Pd, &tiny_model_with_template(name), &[]).await;
+        // The router found the template's own format (not the generic one, which would
+        // force and parse calls too).
+        let found = format!("Some({format})");
+        assert!(c.logs().contains(&found), "{name}: {}", c.logs());
         let named = json!({"type": "function", "function": {"name": "get_weather"}});
         for choice in [json!("required"), named] {
             // The random model's strings run on: a city from a list keeps the call short.

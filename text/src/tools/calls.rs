@@ -131,3 +131,22 @@ pub(super) fn mistral(block: &str) -> Option<Vec<ToolCall>> {
     }
     (!calls.is_empty()).then_some(calls)
 }
+
+/// Phi-4-mini's block: a JSON list of calls, or the calls' objects joined by commas
+/// without the list (which the model also writes).
+pub(super) fn phi4_mini(block: &str) -> Option<Vec<ToolCall>> {
+    let t = block.trim();
+    let listed = if t.starts_with('[') {
+        t.to_string()
+    } else {
+        format!("[{t}]")
+    };
+    let Value::Array(list) = serde_json::from_str::<Value>(&listed).ok()? else {
+        return None;
+    };
+    let calls = list
+        .iter()
+        .map(|v| json_call(v, "arguments"))
+        .collect::<Option<Vec<_>>>()?;
+    (!calls.is_empty()).then_some(calls)
+}

@@ -38,6 +38,11 @@ fn detects_the_format_a_template_teaches() {
              argument name and its value}.",
             Some(ToolFormat::Llama3Json),
         ),
+        (
+            "{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + \
+             message['tools'] + '<|/tool|>' }}",
+            Some(ToolFormat::Phi4Mini),
+        ),
         ("{{ messages }}", None),
     ];
     for (template, format) in cases {
@@ -101,6 +106,30 @@ fn mistral_calls_in_the_list_and_args_forms() {
 }
 
 #[test]
+fn phi4_mini_calls_closed_or_not_listed_or_not() {
+    let want = vec![
+        call("get_weather", "{\"location\": \"Paris\"}"),
+        call("get_time", "{}"),
+    ];
+    for text in [
+        "<|tool_call|>[{\"name\": \"get_weather\", \"arguments\": {\"location\": \"Paris\"}}, \
+         {\"name\": \"get_time\", \"arguments\": {}}]<|/tool_call|>",
+        "<|tool_call|>[{\"name\": \"get_weather\", \"arguments\": {\"location\": \"Paris\"}}, \
+         {\"name\": \"get_time\", \"arguments\": {}}]",
+        "<|tool_call|>{\"name\": \"get_weather\", \"arguments\": {\"location\": \"Paris\"}}, \
+         {\"name\": \"get_time\", \"parameters\": {}}<|/tool_call|>",
+    ] {
+        let d = parse_all(ToolFormat::Phi4Mini, text);
+        assert_eq!((&d.calls, d.content.as_str()), (&want, ""), "{text}");
+    }
+    let d = parse_all(ToolFormat::Phi4Mini, "No call: {\"name\": 1}");
+    assert_eq!(
+        (d.content.as_str(), d.calls.len()),
+        ("No call: {\"name\": 1}", 0)
+    );
+}
+
+#[test]
 fn markers_are_the_special_tokens_each_format_opens_calls_with() {
     for format in [
         ToolFormat::Hermes,
@@ -108,10 +137,13 @@ fn markers_are_the_special_tokens_each_format_opens_calls_with() {
         ToolFormat::Llama3Json,
         ToolFormat::Mistral,
         ToolFormat::MistralArgs,
+        ToolFormat::Phi4Mini,
     ] {
         let openers: Vec<&str> = format.openers(true).iter().map(|o| o.tag).collect();
         for marker in format.markers() {
-            let in_markup = openers.contains(marker) || *marker == ARGS || *marker == CALL_ID;
+            let in_markup = openers.contains(marker)
+                || [ARGS, CALL_ID].contains(marker)
+                || format.close() == Some(*marker);
             assert!(in_markup, "{format:?}: {marker}");
         }
         assert_eq!(
