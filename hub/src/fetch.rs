@@ -255,6 +255,12 @@ fn api_error(e: ApiError, file: &str, model: &ModelRef, opts: &Options) -> HubEr
     match e {
         ApiError::RequestError(e) => http_error(*e, &url, model, opts),
         ApiError::TooManyRetries(e) => api_error(*e, file, model, opts),
+        // Our repository lock keeps this process's peers off the blob; another program
+        // (huggingface-cli) fetching the same file holds its lock.
+        ApiError::LockAcquisition(path) => HubError::Io {
+            path,
+            source: std::io::Error::other("another program is fetching this file"),
+        },
         ApiError::IoError(e) => HubError::Interrupted {
             file: file.into(),
             reason: e.to_string(),

@@ -40,11 +40,12 @@ pub struct Options {
 impl Options {
     /// From this process's environment.
     pub fn from_env() -> Self {
-        let mut opts = Self::from_vars(|k| std::env::var(k).ok());
+        let var = |k: &str| std::env::var(k).ok();
+        let mut opts = Self::from_vars(var);
         if opts.token.is_none() {
             let file = std::env::var_os("HF_TOKEN_PATH")
                 .map(PathBuf::from)
-                .unwrap_or_else(|| opts.cache.parent().unwrap_or(&opts.cache).join("token"));
+                .unwrap_or_else(|| hf_home(var).join("token"));
             opts.token = std::fs::read_to_string(file)
                 .ok()
                 .map(|t| t.trim().to_string())
@@ -56,12 +57,7 @@ impl Options {
     /// From variables as `var` gives them (no token file read).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
         let set = |k: &str| var(k).filter(|v| !v.is_empty());
-        let home = set("HF_HOME").map(PathBuf::from).unwrap_or_else(|| {
-            let cache = set("XDG_CACHE_HOME")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from(set("HOME").unwrap_or_default()).join(".cache"));
-            cache.join("huggingface")
-        });
+        let home = hf_home(&var);
         let truthy =
             |v: String| ["1", "on", "yes", "true"].contains(&v.to_ascii_lowercase().as_str());
         Self {
@@ -76,6 +72,18 @@ impl Options {
             retries: limits::DOWNLOAD_RETRIES,
         }
     }
+}
+
+/// `HF_HOME`, else `$XDG_CACHE_HOME/huggingface`, else `~/.cache/huggingface`: the
+/// cache's parent, and where `huggingface-cli login` writes the token.
+fn hf_home(var: impl Fn(&str) -> Option<String>) -> PathBuf {
+    let set = |k: &str| var(k).filter(|v| !v.is_empty());
+    set("HF_HOME").map(PathBuf::from).unwrap_or_else(|| {
+        let cache = set("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(set("HOME").unwrap_or_default()).join(".cache"));
+        cache.join("huggingface")
+    })
 }
 
 /// A model argument made into what the engine opens.
