@@ -45,7 +45,38 @@ pub struct TensorHeader {
     pub f32: bool,
 }
 
-/// The most memory loading a model's weights takes at once, from its tensors' headers, as
+/// The most memory loading a model's weights takes at once: what the loader holds once it
+/// is done ([`held_weight_bytes`]) and, for a GGUF mixture of experts, what it holds only
+/// while it splits the experts ([`expert_transient_bytes`]).
+pub fn peak_weight_bytes(tensors: &[TensorHeader], gguf: bool) -> u64 {
+    let transient = if gguf {
+        expert_transient_bytes(tensors)
+    } else {
+        0
+    };
+    held_weight_bytes(tensors, gguf) + transient
+}
+
+/// A GGUF mixture's experts are one tensor `[experts, out, in]` each for gate, up and down
+/// of a layer: each is read whole, then split into one matrix per expert (a copy), and where
+/// our kernels take the type (Q4_1, Q8_0) each expert is converted once more from its
+/// slice. So while a layer loads, beside what is held, there are at most its split slices
+/// of our kernels' types and one whole tensor being split.
+pub fn expert_transient_bytes(tensors: &[TensorHeader]) -> u64 {
+    let experts = || tensors.iter().filter(|t| t.dims == 3);
+    let whole = experts().map(|t| t.stored).max().unwrap_or(0);
+    let mut by_layer: std::collections::HashMap<&str, u64> = Default::default();
+    for t in experts().filter(|t| matches!(t.ggml, Some(GgmlDType::Q4_1 | GgmlDType::Q8_0))) {
+        let layer = t
+            .name
+            .split_once(".ffn_")
+            .map_or(t.name.as_str(), |(l, _)| l);
+        *by_layer.entry(layer).or_default() += t.stored;
+    }
+    whole + by_layer.into_values().max().unwrap_or(0)
+}
+
+/// The memory a model's weights take once loaded, from its tensors' headers, as
 /// `crate::weights` holds them:
 /// - a Hugging Face folder is read whole, then every tensor converted to f32 beside it (an
 ///   f32 tensor is kept as read), the files' copies dropped once the model is built;
@@ -55,7 +86,7 @@ pub struct TensorHeader {
 ///   stored; with no `output.weight`, the head is the embedding table again, as stored.
 ///
 /// The rotation tables and the activations of a step come on top, small beside these.
-pub fn peak_weight_bytes(tensors: &[TensorHeader], gguf: bool) -> u64 {
+pub fn held_weight_bytes(tensors: &[TensorHeader], gguf: bool) -> u64 {
     if !gguf {
         let stored: u64 = tensors.iter().map(|t| t.stored).sum();
         let converted: u64 = tensors

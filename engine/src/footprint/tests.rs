@@ -41,6 +41,34 @@ fn a_gguf_holds_vectors_and_the_embedding_as_f32_and_q4_1_in_our_form() {
 }
 
 #[test]
+fn a_gguf_mixture_peaks_with_a_layers_split_experts_and_one_whole_tensor() {
+    let q41 = Some(GgmlDType::Q4_1);
+    let q4k = Some(GgmlDType::Q4K);
+    let ours = [
+        header("blk.0.ffn_gate_exps.weight", 1024, 640, 3, q41),
+        header("blk.0.ffn_up_exps.weight", 1024, 640, 3, q41),
+        header("blk.0.ffn_down_exps.weight", 2048, 1280, 3, q41),
+        header("blk.1.ffn_gate_exps.weight", 1024, 640, 3, q41),
+        header("blk.0.attn_q.weight", 64, 40, 2, q41),
+    ];
+    // Layer 0's slices (2560) beside the largest tensor read whole (1280).
+    assert_eq!(expert_transient_bytes(&ours), 2560 + 1280);
+    let held = held_weight_bytes(&ours, true);
+    assert_eq!(peak_weight_bytes(&ours, true), held + 3840);
+    // candle's types keep the slices as the held matrices: only the whole tensor is extra.
+    let candles = [
+        header("blk.0.ffn_gate_exps.weight", 1024, 576, 3, q4k),
+        header("blk.0.ffn_down_exps.weight", 2048, 1152, 3, q4k),
+    ];
+    assert_eq!(expert_transient_bytes(&candles), 1152);
+    let dense = [header("blk.0.attn_q.weight", 64, 40, 2, q41)];
+    assert_eq!(
+        peak_weight_bytes(&dense, true),
+        held_weight_bytes(&dense, true)
+    );
+}
+
+#[test]
 fn limits_read_from_cgroups_and_meminfo() {
     assert_eq!(cgroup_limit("8589934592\n"), Some(8 << 30));
     assert_eq!(cgroup_limit("max\n"), None);
