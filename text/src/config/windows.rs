@@ -29,27 +29,7 @@ pub(super) fn attention_windows(
 ) -> Result<Vec<Option<usize>>, String> {
     let window = match arch {
         "gemma2" | "gemma3" => return gemma_windows(arch, raw, layers),
-        "phi3" => {
-            if raw.contains_key("layer_types") {
-                return Err("layer_types is not read by transformers' phi3".into());
-            }
-            let window = match raw.get("sliding_window") {
-                None => None,
-                Some(_) => window_field(raw)?,
-            };
-            return Ok(vec![window; layers]);
-        }
-        "mistral" | "mixtral" | "qwen3_moe" => {
-            if raw.contains_key("layer_types") {
-                return Err(format!(
-                    "layer_types is not read by transformers' {arch}, so a config that sets \
-                     it is not one it runs"
-                ));
-            }
-            let slides = arch != "qwen3_moe" || flag(raw, "use_sliding_window")?;
-            let window = if slides { window_field(raw)? } else { None };
-            return Ok(vec![window; layers]);
-        }
+        "phi3" | "mistral" | "mixtral" | "qwen3_moe" => return every_layer(arch, raw, layers),
         "qwen2" | "qwen3" if flag(raw, "use_sliding_window")? => window_field(raw)?,
         "qwen2_moe" if flag(raw, "use_sliding_window")? => {
             return Err("use_sliding_window true is not supported for qwen2_moe".into())
@@ -70,16 +50,50 @@ pub(super) fn attention_windows(
                 .collect()
         }
     };
-    if window.is_none() && sliding.contains(&true) {
-        return Err(if arch == "llama" {
+    if arch == "llama" && flag(raw, "use_sliding_window")? {
+        return Err("use_sliding_window true is not supported: Llama has no window".into());
+    }
+    per_layer(window, sliding, || {
+        if arch == "llama" {
             "layer_types names sliding_attention layers, which Llama does not have".into()
         } else {
             "layer_types names sliding_attention layers but use_sliding_window sets no window"
                 .into()
-        });
+        }
+    })
+}
+
+/// The architectures whose every layer has the one window (or none): Phi-3's when
+/// `sliding_window` is given, Qwen3-MoE's with `use_sliding_window`, Mistral's and
+/// Mixtral's always. None of their transformers classes reads `layer_types`.
+fn every_layer(
+    arch: &str,
+    raw: &Map<String, Value>,
+    layers: usize,
+) -> Result<Vec<Option<usize>>, String> {
+    if raw.contains_key("layer_types") {
+        return Err(format!(
+            "layer_types is not read by transformers' {arch}, so a config that sets it is \
+             not one it runs"
+        ));
     }
-    if arch == "llama" && flag(raw, "use_sliding_window")? {
-        return Err("use_sliding_window true is not supported: Llama has no window".into());
+    let window = match arch {
+        "phi3" if !raw.contains_key("sliding_window") => None,
+        "qwen3_moe" if !flag(raw, "use_sliding_window")? => None,
+        _ => window_field(raw)?,
+    };
+    Ok(vec![window; layers])
+}
+
+/// Each layer's window from whether it slides; a sliding layer without a window is
+/// refused with `why`.
+fn per_layer(
+    window: Option<usize>,
+    sliding: Vec<bool>,
+    why: impl FnOnce() -> String,
+) -> Result<Vec<Option<usize>>, String> {
+    if window.is_none() && sliding.contains(&true) {
+        return Err(why());
     }
     Ok(sliding.into_iter().map(|s| window.filter(|_| s)).collect())
 }
@@ -104,10 +118,9 @@ fn gemma_windows(
             (0..layers as u64).map(|i| (i + 1) % period != 0).collect()
         }
     };
-    if window.is_none() && sliding.contains(&true) {
-        return Err("sliding_window is null but some layers slide".into());
-    }
-    Ok(sliding.into_iter().map(|s| window.filter(|_| s)).collect())
+    per_layer(window, sliding, || {
+        "sliding_window is null but some layers slide".into()
+    })
 }
 
 /// `sliding_window`: the default when absent, none when null, else a count of at least 1.
