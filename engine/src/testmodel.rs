@@ -28,6 +28,66 @@ pub use gemma::{into_gemma2, into_gemma3, GEMMA_WINDOW};
 pub use moe::{into_mixtral, into_qwen2_moe, into_qwen3_moe};
 pub use phi::{into_phi3, PHI3_ORIGINAL_CONTEXT};
 
+/// An architecture the generated tiny model is turned into (`into_*`): one list for every
+/// test that runs each family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Family {
+    Qwen3,
+    Mistral,
+    Llama3,
+    Qwen3Moe,
+    Mixtral,
+    Qwen2Moe,
+    Gemma2,
+    Gemma3,
+    Phi3,
+}
+
+impl Family {
+    /// The families beside the generated model's own (Qwen2) that the serving tests run:
+    /// every distinctive layout (Llama 3 differs from Qwen2 in its RoPE table alone).
+    pub const SERVED: [Family; 8] = [
+        Family::Qwen3,
+        Family::Mistral,
+        Family::Qwen3Moe,
+        Family::Mixtral,
+        Family::Qwen2Moe,
+        Family::Gemma2,
+        Family::Gemma3,
+        Family::Phi3,
+    ];
+
+    /// The family's `model_type`, which also names its folders.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Qwen3 => "qwen3",
+            Family::Mistral => "mistral",
+            Family::Llama3 => "llama3",
+            Family::Qwen3Moe => "qwen3_moe",
+            Family::Mixtral => "mixtral",
+            Family::Qwen2Moe => "qwen2_moe",
+            Family::Gemma2 => "gemma2",
+            Family::Gemma3 => "gemma3",
+            Family::Phi3 => "phi3",
+        }
+    }
+
+    /// Turns the generated model in `dir` (written with `seed`) into this family.
+    pub fn turn(self, dir: &Path, seed: u64) -> Result<()> {
+        match self {
+            Family::Qwen3 => into_qwen3(dir, seed),
+            Family::Mistral => into_mistral(dir),
+            Family::Llama3 => into_llama3(dir),
+            Family::Qwen3Moe => into_qwen3_moe(dir, seed),
+            Family::Mixtral => into_mixtral(dir, seed),
+            Family::Qwen2Moe => into_qwen2_moe(dir, seed),
+            Family::Gemma2 => into_gemma2(dir, seed),
+            Family::Gemma3 => into_gemma3(dir, seed),
+            Family::Phi3 => into_phi3(dir),
+        }
+    }
+}
+
 /// Seed of the committed reference models.
 pub const DEFAULT_SEED: u64 = 20_261_122;
 

@@ -112,16 +112,15 @@ pub fn tiny_model() -> PathBuf {
     .clone()
 }
 
-/// The generated tiny model turned `qwen3`, `mistral` (with its sliding window),
-/// `qwen3_moe`, `mixtral`, `qwen2_moe`, `gemma2`, `gemma3` or `phi3`, written once per
-/// test binary.
-pub fn tiny_model_turned(family: &str) -> PathBuf {
-    static DIRS: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
+/// The generated tiny model turned `family`, written once per test binary.
+pub fn tiny_model_turned(family: engine::testmodel::Family) -> PathBuf {
+    type Dirs = Vec<(engine::testmodel::Family, PathBuf)>;
+    static DIRS: std::sync::Mutex<Dirs> = std::sync::Mutex::new(Vec::new());
     let mut dirs = DIRS.lock().expect("no test panics while holding the list");
-    if let Some((_, dir)) = dirs.iter().find(|(f, _)| f == family) {
+    if let Some((_, dir)) = dirs.iter().find(|(f, _)| *f == family) {
         return dir.clone();
     }
-    let dir = scratch().join(format!("tiny-{family}"));
+    let dir = scratch().join(format!("tiny-{}", family.name()));
     let seed = engine::testmodel::DEFAULT_SEED;
     engine::testmodel::write_model(
         &dir,
@@ -130,19 +129,8 @@ pub fn tiny_model_turned(family: &str) -> PathBuf {
         seed,
     )
     .expect("writing the tiny model");
-    match family {
-        "qwen3" => engine::testmodel::into_qwen3(&dir, seed),
-        "mistral" => engine::testmodel::into_mistral(&dir),
-        "qwen3_moe" => engine::testmodel::into_qwen3_moe(&dir, seed),
-        "mixtral" => engine::testmodel::into_mixtral(&dir, seed),
-        "qwen2_moe" => engine::testmodel::into_qwen2_moe(&dir, seed),
-        "gemma2" => engine::testmodel::into_gemma2(&dir, seed),
-        "gemma3" => engine::testmodel::into_gemma3(&dir, seed),
-        "phi3" => engine::testmodel::into_phi3(&dir),
-        other => panic!("no generated {other} model"),
-    }
-    .expect("turning the tiny model");
-    dirs.push((family.to_string(), dir.clone()));
+    family.turn(&dir, seed).expect("turning the tiny model");
+    dirs.push((family, dir.clone()));
     dir
 }
 

@@ -1,10 +1,10 @@
 //! Shared helpers for the engine's integration tests.
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use candle_core::{DType, Device};
-use engine::testmodel::{write_model, ModelSize};
+use engine::testmodel::{write_model, Family, ModelSize};
 
 /// The generated tiny model, written once per test binary into the target folder.
 pub fn tiny_model_dir() -> PathBuf {
@@ -27,109 +27,73 @@ pub fn tiny_model_dir() -> PathBuf {
 /// The generated tiny model turned Qwen3 (q/k norms, no q/k/v biases), written once per
 /// test binary into the target folder.
 pub fn tiny_qwen3_dir() -> PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("tiny-qwen3-{}", std::process::id()));
-        let seed = engine::testmodel::DEFAULT_SEED;
-        write_model(&dir, ModelSize::Tiny, DType::F32, seed).expect("writing the tiny model");
-        engine::testmodel::into_qwen3(&dir, seed).expect("turning it Qwen3");
-        dir
-    })
-    .clone()
+    turned(Family::Qwen3)
 }
 
 /// The generated tiny model turned Mistral (no biases, a sliding window of
 /// `engine::testmodel::MISTRAL_WINDOW` positions), written once per test binary.
 pub fn tiny_mistral_dir() -> PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| turned("mistral", engine::testmodel::into_mistral))
-        .clone()
+    turned(Family::Mistral)
 }
 
 /// The generated tiny model turned Llama 3.1 (no biases, Llama 3's RoPE scaling), written
 /// once per test binary.
 pub fn tiny_llama3_dir() -> PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| turned("llama3", engine::testmodel::into_llama3))
-        .clone()
+    turned(Family::Llama3)
 }
 
 /// The generated tiny model turned Qwen3-MoE (8 experts per layer, 2 per token), written
 /// once per test binary.
 pub fn tiny_qwen3_moe_dir() -> PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        turned("qwen3-moe", |dir| {
-            engine::testmodel::into_qwen3_moe(dir, engine::testmodel::DEFAULT_SEED)
-        })
-    })
-    .clone()
+    turned(Family::Qwen3Moe)
 }
 
 /// The generated tiny model turned Mixtral (no biases, 8 experts per layer, 2 per token),
 /// written once per test binary.
 pub fn tiny_mixtral_dir() -> PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        turned("mixtral", |dir| {
-            engine::testmodel::into_mixtral(dir, engine::testmodel::DEFAULT_SEED)
-        })
-    })
-    .clone()
+    turned(Family::Mixtral)
 }
 
 /// The generated tiny model turned Qwen2-MoE (8 experts per layer, 2 per token, and a
 /// shared expert), written once per test binary.
 pub fn tiny_qwen2_moe_dir() -> PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        turned("qwen2-moe", |dir| {
-            engine::testmodel::into_qwen2_moe(dir, engine::testmodel::DEFAULT_SEED)
-        })
-    })
-    .clone()
+    turned(Family::Qwen2Moe)
 }
 
 /// The generated tiny model turned Gemma 2 (alternating windows, soft caps), written once
 /// per test binary.
 pub fn tiny_gemma2_dir() -> PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        turned("gemma2", |dir| {
-            engine::testmodel::into_gemma2(dir, engine::testmodel::DEFAULT_SEED)
-        })
-    })
-    .clone()
+    turned(Family::Gemma2)
 }
 
 /// The generated tiny model turned Gemma 3 (q/k norms, five sliding layers of six, a
 /// local and a global RoPE), written once per test binary.
 pub fn tiny_gemma3_dir() -> PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        turned("gemma3", |dir| {
-            engine::testmodel::into_gemma3(dir, engine::testmodel::DEFAULT_SEED)
-        })
-    })
-    .clone()
+    turned(Family::Gemma3)
 }
 
 /// The generated tiny model turned Phi-3 (fused projections, partial rotary, LongRoPE),
 /// written once per test binary.
 pub fn tiny_phi3_dir() -> PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| turned("phi3", engine::testmodel::into_phi3))
-        .clone()
+    turned(Family::Phi3)
 }
 
-/// The tiny model written into the target folder and turned into `family` by `turn`.
-fn turned(family: &str, turn: fn(&std::path::Path) -> engine::Result<()>) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tiny-{family}-{}", std::process::id()));
+/// The generated tiny model turned `family`, written once per test binary.
+fn turned(family: Family) -> PathBuf {
+    static DIRS: Mutex<Vec<(Family, PathBuf)>> = Mutex::new(Vec::new());
+    let mut dirs = DIRS.lock().expect("no test panics while holding the list");
+    if let Some((_, dir)) = dirs.iter().find(|(f, _)| *f == family) {
+        return dir.clone();
+    }
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "tiny-{}-{}",
+        family.name(),
+        std::process::id()
+    ));
     let seed = engine::testmodel::DEFAULT_SEED;
     write_model(&dir, ModelSize::Tiny, DType::F32, seed).expect("writing the tiny model");
-    turn(&dir).expect("turning the tiny model");
+    family.turn(&dir, seed).expect("turning the tiny model");
+    dirs.push((family, dir.clone()));
     dir
 }
 

@@ -129,17 +129,7 @@ async fn pd_equals_colocated_equals_one_process() {
 async fn pd_equals_colocated_equals_one_process_for_each_family() {
     let prompt = "Every request ends with tokens, an error, or a clean finish reason, \
                   whichever node computed its prompt.";
-    let families = [
-        "qwen3",
-        "mistral",
-        "qwen3_moe",
-        "mixtral",
-        "qwen2_moe",
-        "gemma2",
-        "gemma3",
-        "phi3",
-    ];
-    for family in families {
+    for family in engine::testmodel::Family::SERVED {
         let model = tiny_model_turned(family);
         let chunked = ["--chunk-tokens", "4", "--step-tokens", "6"];
         let pd = Cluster::start_with(Mode::Pd, &model, &[], &chunked).await;
@@ -168,8 +158,8 @@ async fn pd_equals_colocated_equals_one_process_for_each_family() {
             assert_eq!((s1, s2), (200, 200), "{a}\n{b}");
             let expected = one_process_tokens(&loaded, prompt, &params, 24, &[]);
             let expected = loaded.tokenizer.decode(&expected, true).unwrap();
-            assert_eq!(text_of(&a), expected, "{family} PD, {sampling}");
-            assert_eq!(text_of(&b), expected, "{family} colocated, {sampling}");
+            assert_eq!(text_of(&a), expected, "{family:?} PD, {sampling}");
+            assert_eq!(text_of(&b), expected, "{family:?} colocated, {sampling}");
         }
     }
 }
