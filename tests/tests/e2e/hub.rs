@@ -218,9 +218,14 @@ async fn gated_missing_and_unknown_names_say_what_to_do() {
 async fn a_cluster_started_with_a_hub_name_fetches_it_once_and_serves() {
     let (hub, repo) = serving_tiny(HubState::default()).await;
     let opts = options(&hub, "cluster");
+    // Whatever the machine's own Hugging Face settings, these processes fetch from the
+    // stand-in into a fresh cache.
     let env = [
         ("HF_ENDPOINT", hub.url.as_str()),
         ("HF_HUB_CACHE", opts.cache.to_str().unwrap()),
+        ("HF_HUB_OFFLINE", "0"),
+        ("HF_TOKEN", ""),
+        ("HF_TOKEN_PATH", "/nonexistent"),
     ];
     let cluster = Cluster::launch_env(Mode::Pd, Path::new(REPO), &[], &env).await;
     cluster.assert_serving("a model named on the Hub").await;
