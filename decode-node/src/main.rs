@@ -5,13 +5,13 @@ fn main() -> anyhow::Result<()> {
     runtime::cpu::require_cpu_features();
     decode_node::hold_freed_memory();
     runtime::fit_compute_threads();
-    tokio::runtime::Runtime::new()?.block_on(run())
-}
-
-async fn run() -> anyhow::Result<()> {
     let mut cfg = Config::parse();
     runtime::init_tracing(&cfg.log);
-    cfg.model = runtime::resolve_model(&cfg.model).await?.path;
+    cfg.model = runtime::resolve_model(&cfg.model)?.path;
+    tokio::runtime::Runtime::new()?.block_on(run(cfg))
+}
+
+async fn run(cfg: Config) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
     decode_node::serve(listener, &cfg, runtime::shutdown_signal()).await?;
     Ok(())

@@ -10,11 +10,11 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn main() -> anyhow::Result<()> {
     runtime::cpu::require_cpu_features();
     let mut cfg = Config::parse();
+    runtime::init_tracing(&cfg.log);
+    let model = runtime::resolve_model(&cfg.model)?;
+    cfg.model = model.path;
+    cfg.model_name = cfg.model_name.or(model.served_name);
     runtime::io_runtime(cfg.threads.map(usize::from))?.block_on(async move {
-        runtime::init_tracing(&cfg.log);
-        let model = runtime::resolve_model(&cfg.model).await?;
-        cfg.model = model.path;
-        cfg.model_name = cfg.model_name.or(model.served_name);
         let listeners = router::Listeners {
             api: tokio::net::TcpListener::bind(cfg.listen).await?,
             ops: tokio::net::TcpListener::bind(cfg.metrics_listen).await?,

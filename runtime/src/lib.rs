@@ -134,12 +134,10 @@ pub fn init_tracing(args: &LogArgs) {
 
 /// The `--model` argument made into a path on this machine: a Hub name is found in the
 /// Hugging Face cache or fetched into it first (the `HF_*` environment says where and
-/// how), off the async threads.
-pub async fn resolve_model(model: &std::path::Path) -> Result<hub::Resolved, hub::HubError> {
-    let model = model.to_path_buf();
-    tokio::task::spawn_blocking(move || hub::resolve(&model, &hub::Options::from_env()))
-        .await
-        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+/// how). It blocks: the binaries call it before they start their runtime, so that a
+/// fetch leaves no thread behind (the router's `--threads 1` is one thread).
+pub fn resolve_model(model: &std::path::Path) -> Result<hub::Resolved, hub::HubError> {
+    hub::resolve(model, &hub::Options::from_env())
 }
 
 /// Sizes the compute thread pools (candle's and rayon's) to [`usable_cpus`], unless
