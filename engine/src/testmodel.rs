@@ -28,18 +28,29 @@ pub use gemma::{into_gemma2, into_gemma3, GEMMA_WINDOW};
 pub use moe::{into_mixtral, into_qwen2_moe, into_qwen3_moe};
 pub use phi::{into_phi3, PHI3_ORIGINAL_CONTEXT};
 
-/// An architecture the generated tiny model is turned into (`into_*`): one list for every
-/// test that runs each family.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// An architecture the generated tiny model takes: Qwen2 as written, every other by its
+/// `into_*`. One list for every test that runs each family and for `tandem-model --family`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
 pub enum Family {
+    /// Qwen2: q/k/v biases (the model as written).
+    Qwen2,
+    /// Qwen3: per-head q/k norms, no q/k/v biases, heads twice the plain width.
     Qwen3,
+    /// Mistral: no biases, a sliding window of 16 positions in every layer.
     Mistral,
+    /// Llama 3.1: no biases, Llama 3's RoPE scaling past a context of 64.
     Llama3,
+    /// Qwen3-MoE: Qwen3's attention, 8 experts per layer, 2 per token, normalized.
     Qwen3Moe,
+    /// Mixtral: no biases, 8 experts per layer, 2 per token.
     Mixtral,
+    /// Qwen2-MoE: q/k/v biases, 8 experts per layer, 2 per token, and a shared expert.
     Qwen2Moe,
+    /// Gemma 2: alternating windows of 16, soft caps, Gemma's norms and GeLU.
     Gemma2,
+    /// Gemma 3: q/k norms, five sliding layers of six, a local and a global RoPE.
     Gemma3,
+    /// Phi-3 (Phi-4-mini's shape): fused q/k/v and gate/up, partial rotary, LongRoPE.
     Phi3,
 }
 
@@ -60,6 +71,7 @@ impl Family {
     /// The family's `model_type`, which also names its folders.
     pub fn name(self) -> &'static str {
         match self {
+            Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
             Family::Mistral => "mistral",
             Family::Llama3 => "llama3",
@@ -75,6 +87,7 @@ impl Family {
     /// Turns the generated model in `dir` (written with `seed`) into this family.
     pub fn turn(self, dir: &Path, seed: u64) -> Result<()> {
         match self {
+            Family::Qwen2 => Ok(()),
             Family::Qwen3 => into_qwen3(dir, seed),
             Family::Mistral => into_mistral(dir),
             Family::Llama3 => into_llama3(dir),

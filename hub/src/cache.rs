@@ -40,6 +40,7 @@ pub(crate) fn find(model: &ModelRef, opts: &Options) -> Result<PathBuf, HubError
     let snapshot = dir.join("snapshots").join(&commit);
     let mut names = Vec::new();
     list(&snapshot, "", &mut names);
+    names.sort();
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let choice = select::choose(&model.repo, &refs, model.quant.as_deref())?;
     if let Some(gone) = first_missing(&snapshot, &choice.entry) {
@@ -83,7 +84,6 @@ fn list(dir: &Path, prefix: &str, out: &mut Vec<String>) {
             out.push(name);
         }
     }
-    out.sort();
 }
 
 /// One process at a time fetches a repository on this host: the others wait, then find

@@ -77,10 +77,9 @@ pub(crate) fn fetch(model: &ModelRef, opts: &Options) -> Result<PathBuf, HubErro
         .map(|s| s.rfilename.as_str())
         .collect();
     let choice = select::choose(&model.repo, &names, model.quant.as_deref())?;
-    let snapshot = repo_dir(&opts.cache, &model.repo)
-        .join("snapshots")
-        .join(&listing.sha);
-    let _lock = RepoLock::take(&repo_dir(&opts.cache, &model.repo), &model.repo)?;
+    let dir = repo_dir(&opts.cache, &model.repo);
+    let snapshot = dir.join("snapshots").join(&listing.sha);
+    let _lock = RepoLock::take(&dir, &model.repo)?;
     for name in &choice.files {
         let Some(sib) = listing.siblings.iter().find(|s| &s.rfilename == name) else {
             continue;
