@@ -7,7 +7,8 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
     name = "tandem-decode",
-    about = "Tandem decode node (and colocated worker)"
+    about = "Tandem decode node (and colocated worker)",
+    after_help = runtime::HUB_ENV_HELP
 )]
 pub struct Config {
     /// Address the gRPC service listens on.

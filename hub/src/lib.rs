@@ -22,6 +22,17 @@ pub use error::HubError;
 pub use name::ModelRef;
 pub use select::{choose, Choice, Entry};
 
+/// What `--help` of every binary that takes a Hub name says of the environment it reads
+/// ([`Options::from_env`]); the deploy checks take the names from there.
+pub const ENV_HELP: &str = "\
+Environment (Hub names, as huggingface_hub reads it):
+  HF_HOME         the cache's parent and the login token's folder [default: ~/.cache/huggingface]
+  HF_HUB_CACHE    the cache itself [default: $HF_HOME/hub]
+  HF_ENDPOINT     the Hub's address, or a mirror's [default: https://huggingface.co]
+  HF_TOKEN        the token for gated and private repositories [default: $HF_HOME/token]
+  HF_TOKEN_PATH   the token file to read when HF_TOKEN is unset
+  HF_HUB_OFFLINE  1: use the cache only, never the network";
+
 /// Where and how to fetch: `huggingface_hub`'s environment variables.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Options {

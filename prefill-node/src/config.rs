@@ -5,7 +5,11 @@ use std::path::PathBuf;
 
 /// Configuration of `tandem-prefill`.
 #[derive(Debug, Clone, clap::Parser)]
-#[command(name = "tandem-prefill", about = "Tandem prefill node")]
+#[command(
+    name = "tandem-prefill",
+    about = "Tandem prefill node",
+    after_help = runtime::HUB_ENV_HELP
+)]
 pub struct Config {
     /// Address the gRPC service listens on.
     #[arg(long, env = "PREFILL_LISTEN", default_value = "127.0.0.1:50051")]

@@ -83,7 +83,8 @@ impl std::fmt::Debug for ApiKey {
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
     name = "tandem-router",
-    about = "Tandem router: the OpenAI-style HTTP API"
+    about = "Tandem router: the OpenAI-style HTTP API",
+    after_help = runtime::HUB_ENV_HELP
 )]
 pub struct Config {
     /// Address the HTTP API listens on.

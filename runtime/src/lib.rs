@@ -132,6 +132,9 @@ pub fn init_tracing(args: &LogArgs) {
     }
 }
 
+/// What each binary's `--help` says of the Hugging Face environment `--model` reads.
+pub const HUB_ENV_HELP: &str = hub::ENV_HELP;
+
 /// The `--model` argument made into a path on this machine: a Hub name is found in the
 /// Hugging Face cache or fetched into it first (the `HF_*` environment says where and
 /// how). It blocks: the binaries call it before they start their runtime, so that a

@@ -50,7 +50,7 @@ fi
 echo "== image $IMAGE (deploy/Containerfile, target prebuilt, binaries from $BIN_DIR)"
 t1=$SECONDS
 mkdir -p "$tmp/ctx/bin"
-for b in tandem-router tandem-prefill tandem-decode; do
+for b in tandem-router tandem-prefill tandem-decode tandem-fetch; do
   strip --strip-debug -o "$tmp/ctx/bin/$b" "$BIN_DIR/$b"
 done
 podman rmi -f "$IMAGE" >/dev/null 2>&1 || true
@@ -65,7 +65,7 @@ bad() { failed=$((failed + 1)); echo "FAIL $*"; }
   && ok "label io.tandem.cpu-baseline=x86-64-v3" || bad "no cpu-baseline label"
 user="$(podman run --rm "$IMAGE" id -u 2>&1)"
 [ "$user" = 10001 ] && ok "runs as uid 10001" || bad "runs as $user"
-for b in tandem-router tandem-prefill tandem-decode; do
+for b in tandem-router tandem-prefill tandem-decode tandem-fetch; do
   podman run --rm "$IMAGE" "$b" --help >/dev/null 2>&1 && ok "$b --help in the image" \
     || bad "$b --help in the image"
 done

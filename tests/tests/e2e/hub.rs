@@ -242,3 +242,47 @@ async fn a_cluster_started_with_a_hub_name_fetches_it_once_and_serves() {
         &tiny_model().join("model.safetensors")
     ));
 }
+
+/// What the Helm chart runs: `tandem-fetch` (an init container) fills the cache, then the
+/// serving binaries find the name there offline and ask the Hub for nothing.
+#[tokio::test]
+async fn tandem_fetch_fills_the_cache_that_an_offline_cluster_serves_from() {
+    let (hub, repo) = serving_tiny(HubState::default()).await;
+    let opts = options(&hub, "init");
+    let cache = opts.cache.to_str().unwrap();
+    let fetch = |model: &str| {
+        tokio::process::Command::new(e2e::bin("tandem-fetch"))
+            .args(["--model", model])
+            .env("HF_ENDPOINT", &hub.url)
+            .env("HF_HUB_CACHE", cache)
+            .env("HF_HUB_OFFLINE", "0")
+            .env("HF_TOKEN", "")
+            .env("HF_TOKEN_PATH", "/nonexistent")
+            .output()
+    };
+    let out = fetch(&format!("hf://{REPO}")).await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        snapshot(&opts, &repo).to_str().unwrap()
+    );
+    let out = fetch("tandem-test/absent").await.unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("tandem-test/absent"), "{stderr}");
+
+    let asked = hub.seen().len();
+    let env = [
+        ("HF_ENDPOINT", hub.url.as_str()),
+        ("HF_HUB_CACHE", cache),
+        ("HF_HUB_OFFLINE", "1"),
+        ("HF_TOKEN", ""),
+        ("HF_TOKEN_PATH", "/nonexistent"),
+    ];
+    let cluster = Cluster::launch_env(Mode::Pd, Path::new(REPO), &[], &env).await;
+    cluster
+        .assert_serving("a Hub model fetched by tandem-fetch")
+        .await;
+    assert_eq!(hub.seen().len(), asked, "{}", cluster.logs());
+}
