@@ -4,6 +4,7 @@ like a kustomize target (schemas, the binaries' flags, the manifests' own consis
 monitoring)."""
 
 import os
+import re
 import subprocess
 
 import yaml
@@ -31,3 +32,14 @@ def render(values, chart=CHART):
     if r.returncode != 0:
         raise RuntimeError(r.stderr.strip() or r.stdout.strip())
     return [o for o in yaml.safe_load_all(r.stdout) if o]
+
+
+def validated_on(values, versions):
+    """The Kubernetes versions of `versions` a value set is checked against: all, unless its
+    first line says `# k8s >= X.Y` (a field that older servers lack)."""
+    with open(values) as f:
+        m = re.match(r"# k8s >= (\d+)\.(\d+)", f.readline())
+    if not m:
+        return versions
+    least = (int(m.group(1)), int(m.group(2)))
+    return [v for v in versions if tuple(int(x) for x in v.split(".")[:2]) >= least]

@@ -23,7 +23,7 @@ import fetch
 import helm
 import monitoring
 import network
-from objects import (K8S, Tally, binary_help, container_env, effective, env_dict, index,
+from objects import (FETCHER, K8S, Tally, binary_help, container_env, effective, env_dict, index,
                      mib, pod_specs, referenced_vars, render, split_args, tandem_binary,
                      targets, validate_object)
 from selftest import selftest
@@ -106,6 +106,8 @@ def check_target(t, label, objs, versions):
                         f"{binary} --help has no flag --{flag}"):
                     why = h.check_value(info, value)
                     t.ok(f"{c_label} --{flag}={value!r}", why is None, why or "")
+            if binary == FETCHER:
+                continue
             tandem.append((c_label, binary) + check_pod_consistency(
                 t, c_label, wl, spec, c, env, binary, mounts_by_volume, by_key))
 
@@ -163,10 +165,13 @@ def check_pod_consistency(t, c_label, wl, spec, c, env, binary, volumes, by_key)
         return next((m for m in mounts if path == m["mountPath"]
                      or path.startswith(m["mountPath"].rstrip("/") + "/")), None)
 
-    model = eff.get("model")
-    m = mounted(model or "")
-    t.ok(f"{c_label} the model {model} is on a read-only volume",
-         m is not None and m.get("readOnly") is True, "not under a readOnly volumeMount")
+    model = eff.get("model") or ""
+    if model.startswith("/"):
+        m = mounted(model)
+        t.ok(f"{c_label} the model {model} is on a read-only volume",
+             m is not None and m.get("readOnly") is True, "not under a readOnly volumeMount")
+    else:
+        check_hub_model(t, c_label, spec, model, env_dict(env), mounted, by_key)
 
     listen = eff.get("listen") or ""
     lport = int(listen.rsplit(":", 1)[1]) if ":" in listen else None
@@ -257,6 +262,39 @@ def check_pod_consistency(t, c_label, wl, spec, c, env, binary, volumes, by_key)
              f"{MEMORY_HEADROOM_MIB} MiB",
              limit is not None and mib(limit) >= cache_mib + MEMORY_HEADROOM_MIB)
     return eff, tls_secrets
+
+
+def hub_cache(env):
+    """The Hugging Face cache folder `env` gives (hub/src/lib.rs Options::from_vars)."""
+    if env.get("HF_HUB_CACHE"):
+        return env["HF_HUB_CACHE"]
+    return os.path.join(env["HF_HOME"], "hub") if env.get("HF_HOME") else None
+
+
+def check_hub_model(t, c_label, spec, model, env, mounted, by_key):
+    """A model named on the Hub: the binary finds it offline in a cache on a read-only
+    volume, which an init container running tandem-fetch filled with the same name."""
+    t.ok(f"{c_label} finds the Hub model {model} offline (HF_HUB_OFFLINE=1)",
+         env.get("HF_HUB_OFFLINE") == "1",
+         "a serving container fetching on its own writes to its model volume")
+    cache = hub_cache(env)
+    m = mounted(cache) if cache else None
+    t.ok(f"{c_label} the Hub cache {cache} is on a read-only volume",
+         m is not None and m.get("readOnly") is True, "not under a readOnly volumeMount")
+    fetchers = [c for c in spec.get("initContainers") or [] if tandem_binary(c) == FETCHER]
+    ok = False
+    for f in fetchers:
+        f_env = env_dict(container_env(f, by_key))
+        f_cache = hub_cache(f_env)
+        fm = next((x for x in f.get("volumeMounts") or [] if f_cache and (
+            f_cache == x["mountPath"] or f_cache.startswith(x["mountPath"].rstrip("/") + "/"))),
+            None)
+        ok = ok or (f_env.get("TANDEM_MODEL") == model and f_env.get("HF_HUB_OFFLINE") != "1"
+                    and fm is not None and m is not None and fm["name"] == m["name"]
+                    and os.path.relpath(f_cache, fm["mountPath"])
+                    == os.path.relpath(cache, m["mountPath"]) and not fm.get("readOnly"))
+    t.ok(f"{c_label} an init container fetches {model} into the same cache", ok,
+         f"no {FETCHER} init container writes {model} to the volume at {cache}")
 
 
 def probe_target(probe, named_ports):
@@ -403,10 +441,10 @@ def check_tls(t, label, objs, by_key, tandem):
 
 def check_tree(t, k8s, versions, only=None, chart=helm.CHART):
     with tempfile.TemporaryDirectory() as tmp:
-        kustomized = [(label, path, render) for label, path in targets(tmp, k8s)]
-        charted = [(label, values, lambda v: helm.render(v, chart))
-                   for label, values in helm.targets()]
-        for label, path, render_with in kustomized + charted:
+        kustomized = [(label, path, render, versions) for label, path in targets(tmp, k8s)]
+        charted = [(label, values, lambda v: helm.render(v, chart),
+                    helm.validated_on(values, versions)) for label, values in helm.targets()]
+        for label, path, render_with, on in kustomized + charted:
             if only and label not in only:
                 continue
             try:
@@ -418,7 +456,7 @@ def check_tree(t, k8s, versions, only=None, chart=helm.CHART):
             if not t.quiet:
                 print(f"rendered {label}: {len(objs)} objects", flush=True)
             try:
-                check_target(t, label, objs, versions)
+                check_target(t, label, objs, on)
             except Exception as e:  # a broken manifest must fail the run, not crash it
                 t.ok(f"check {label}", False, f"{type(e).__name__}: {e}")
 

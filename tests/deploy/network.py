@@ -8,7 +8,7 @@ and an etcd outside the namespace (for renderings that do not run their own)."""
 
 import ipaddress
 
-from objects import pod_specs
+from objects import FETCHER, pod_specs, tandem_binary
 
 NAMESPACE = "tandem"
 SCRAPERS = "monitoring"
@@ -131,7 +131,8 @@ def endpoints(objs):
                 else labels.get("app.kubernetes.io/component"))
         if part in parts:
             parts[part].append(p)
-        if any(e.get("name") == "MODEL_DEST" for c in containers for e in c.get("env") or []):
+        if any(e.get("name") == "MODEL_DEST" for c in containers for e in c.get("env") or []) \
+                or any(tandem_binary(c) == FETCHER for c in containers):
             parts["fetchers"].append(p)
     return parts
 

@@ -13,7 +13,9 @@ import yaml
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 K8S = os.environ.get("DEPLOY_K8S") or os.path.join(ROOT, "deploy", "k8s")
-BINARIES = ("tandem-router", "tandem-prefill", "tandem-decode")
+BINARIES = ("tandem-router", "tandem-prefill", "tandem-decode", "tandem-fetch")
+# The init container's binary that fetches a Hub model for the others (hub/src/bin).
+FETCHER = "tandem-fetch"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
 # Schemas of the custom resources the manifests use (kubernetes-validate knows built-in kinds).
 CRD_SCHEMAS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crd-schemas.yaml")
@@ -103,7 +105,18 @@ class Help:
         self.env = {}  # env name -> info
         block = None
         blocks = []
+        environment = False
         for line in text.splitlines():
+            # The section the Hub's variables are listed in (hub::ENV_HELP): `  NAME  what`.
+            if line.startswith("Environment"):
+                environment, block = True, None
+                continue
+            if environment:
+                v = re.match(r"^\s+([A-Z][A-Z0-9_]+)\s", line)
+                if v:
+                    self.env[v.group(1)] = {"flag": None, "takes_value": True, "env": v.group(1),
+                                            "default": None, "values": []}
+                continue
             m = self.OPTION.match(line)
             if m:
                 block = {"flag": m.group(1), "takes_value": m.group(2) is not None, "text": [line]}
@@ -287,6 +300,10 @@ def container_env(container, objs_by_key, field_values=None):
                 kind = "ConfigMap" if "configMapKeyRef" in vf else "Secret"
                 ref = vf.get("configMapKeyRef") or vf.get("secretKeyRef")
                 obj = objs_by_key.get((kind, ref["name"]))
+                if obj is None and kind == "Secret":
+                    # Made outside the manifests (a token the operator holds).
+                    out.append((e["name"], f"<Secret {ref['name']}>", f"Secret {ref['name']}"))
+                    continue
                 if obj is None or ref["key"] not in (obj.get("data") or {}):
                     raise KeyError(f"{kind} {ref['name']} has no key {ref['key']}")
                 out.append((e["name"], obj["data"][ref["key"]], f"{kind} {ref['name']}"))
@@ -321,7 +338,7 @@ def effective(container, env, binary):
     out = {}
     for name, value, _ in env:
         info = h.env.get(name)
-        if info:
+        if info and info["flag"]:
             out[info["flag"]] = value
     for flag, value in split_args(container):
         if flag and flag in h.options:

