@@ -9,7 +9,8 @@
 # Secrets cert-manager would make come from a CA made here (openssl), and Secret files live in
 # a temporary folder.
 # Then: the router's /health/ready, both workers registered in etcd, a /v1/completions request
-# with the Secret's key answers 200 (and 401 without it), and a SIGTERM to each worker
+# with the Secret's key answers 200 (and 401 without it), the Helm chart's `helm test` script
+# passes against this router, and a SIGTERM to each worker
 # deregisters it and exits 0 within its terminationGracePeriodSeconds; then the router too.
 #
 #   TANDEM_MODEL=models/smollm2-135m-instruct-q4_1.gguf bash tests/deploy/entrypoints.sh
@@ -31,7 +32,8 @@ MODEL="${TANDEM_MODEL:-models/smollm2-135m-instruct-q4_1.gguf}"
 MODEL="$(cd "$(dirname "$MODEL")" && pwd)/$(basename "$MODEL")"
 [ -f "$MODEL" ] || { echo "no model at $MODEL (bash scripts/fetch-smollm2.sh)" >&2; exit 1; }
 KUBECTL="$(PYTHON="$PY" bash tests/deploy/get-kubectl.sh)"
-export KUBECTL BIN_DIR
+HELM="$(PYTHON="$PY" bash tests/deploy/get-kubectl.sh helm)"
+export KUBECTL HELM BIN_DIR
 case "$RUNNER" in
   process) mode=process ;;
   podman)
@@ -173,6 +175,16 @@ if [ "$code" = 200 ]; then
   ok "/v1/completions with the Secret's key: 200: $(head -c 300 "$work/completion.json")"
 else
   bad "/v1/completions: $code $(head -c 300 "$work/completion.json")"; logs
+fi
+
+# The chart's `helm test` pod script (deploy/helm/tandem/templates/tests.yaml) against this
+# router: only its address and its key file differ from the pod's.
+printf '%s\n' "$API_KEY" >"$work/helm-test-keys"
+if script="$(HELM="$HELM" "$PY" tests/deploy/helm.py test-script "$router" "$work/helm-test-keys")" \
+    && sh -c "$script" >"$work/helm-test.log" 2>&1; then
+  ok "the chart's helm test passes: $(tr '\n' ' ' <"$work/helm-test.log")"
+else
+  bad "the chart's helm test: $(cat "$work/helm-test.log" 2>/dev/null)"
 fi
 curl -s "$ops/metrics" | grep -E '^router_workers' | sed 's/^/     /' || true
 

@@ -6,6 +6,8 @@ monitoring)."""
 import os
 import re
 import subprocess
+import sys
+import tempfile
 
 import yaml
 
@@ -43,3 +45,27 @@ def validated_on(values, versions):
         return versions
     least = (int(m.group(1)), int(m.group(2)))
     return [v for v in versions if tuple(int(x) for x in v.split(".")[:2]) >= least]
+
+
+def test_script(router, key_file):
+    """The shell script of the chart's `helm test` pod (templates/tests.yaml, with an API key
+    set), pointed at `router` (http://host:port) and reading its key from `key_file`."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as values:
+        values.write("apiKeys:\n  keys: [\"sk-any\"]\n")
+        values.flush()
+        objs = render(values.name)
+    (pod,) = [o for o in objs if o["kind"] == "Pod"
+              and o["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
+    script = pod["spec"]["containers"][0]["args"][0]
+    base = re.search(r"^base=(http://\S+)$", script, re.M)
+    if base is None or "/etc/tandem/api-keys/api-keys" not in script:
+        raise RuntimeError(f"the test pod's script has no plain base URL or key file:\n{script}")
+    return script.replace(base.group(1), router).replace("/etc/tandem/api-keys/api-keys",
+                                                         key_file)
+
+
+if __name__ == "__main__":
+    # helm.py test-script ROUTER KEY_FILE: prints the script (tests/deploy/entrypoints.sh).
+    if len(sys.argv) != 4 or sys.argv[1] != "test-script":
+        sys.exit("usage: helm.py test-script ROUTER KEY_FILE")
+    print(test_script(sys.argv[2], sys.argv[3]))

@@ -144,6 +144,9 @@ HELM_MUTATIONS = [
      "MODEL_DEST is TANDEM_MODEL"),
     ("chart: the fetchers without egress", "templates/networkpolicy.yaml",
      "        - port: 443", "        - port: 80", "reaches PyPI:443/TCP"),
+    ("chart: a misspelt value passes unseen", "values.yaml",
+     "podDisruptionBudget:\n  enabled: true", "podDisruptionBudgets:\n  enabled: true",
+     "Additional property podDisruptionBudgets is not allowed"),
 ]
 
 

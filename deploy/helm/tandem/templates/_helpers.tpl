@@ -34,6 +34,39 @@ securityContext:
     drop: [ALL]
 {{- end }}
 
+{{/*
+  Where a component's pods run: its values' priorityClassName, nodeSelector, tolerations,
+  topologySpreadConstraints and affinity (by default, spread over nodes), and the chart's
+  imagePullSecrets. Called with root, v (the component's values) and sel.
+*/}}
+{{- define "tandem.scheduling" -}}
+{{- with .v.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- if .v.affinity }}
+affinity:
+  {{- toYaml .v.affinity | nindent 2 }}
+{{- else }}
+{{ include "tandem.antiAffinity" .sel }}
+{{- end }}
+{{- end }}
+
 {{/* Spread a component's pods over nodes. */}}
 {{- define "tandem.antiAffinity" -}}
 affinity:
