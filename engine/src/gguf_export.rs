@@ -11,6 +11,7 @@ use candle_core::Device;
 
 use crate::error::{EngineError, Result};
 use crate::model::gguf_name_of;
+use text::config::Architecture;
 use text::ModelConfig;
 
 fn read_json(path: &Path) -> Result<serde_json::Value> {
@@ -21,7 +22,7 @@ fn read_json(path: &Path) -> Result<serde_json::Value> {
 /// Writes `out` from the folder `dir`; 2-D weights become `quant`, vectors stay f32.
 pub fn export_gguf(dir: &Path, out: &Path, quant: GgmlDType) -> Result<()> {
     let cfg = ModelConfig::from_hf_file(&dir.join("config.json"))?;
-    if cfg.architecture != "qwen2" {
+    if cfg.architecture != Architecture::Qwen2 {
         return Err(EngineError::invalid_model(
             dir,
             "GGUF export handles qwen2 folders (llama would need llama.cpp's q/k permutation)",

@@ -7,11 +7,13 @@ use serde::Deserialize;
 use crate::error::{Result, TextError};
 use crate::rope::{Rope, RopeScaling};
 
+mod architecture;
 mod fields;
 mod gemma;
 mod gguf;
 mod moe;
 mod windows;
+pub use architecture::Architecture;
 pub use fields::{field_use, FieldUse};
 pub use gemma::Gemma;
 pub use moe::MoeConfig;
@@ -37,7 +39,7 @@ pub enum RopeStyle {
 /// The hyper-parameters the forward pass needs; identical for HF and GGUF sources.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
-    pub architecture: String,
+    pub architecture: Architecture,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub intermediate_size: usize,
@@ -105,24 +107,6 @@ struct HfConfig {
     hidden_act: Option<String>,
 }
 
-/// The engine's name for a config's architecture, from its `model_type` or, without one,
-/// its first `architectures` class; `None` for one it does not run.
-fn architecture_of(model_type: &str, class: &str) -> Option<&'static str> {
-    Some(match (model_type, class) {
-        ("llama", _) | ("", "LlamaForCausalLM") => "llama",
-        ("qwen2", _) | ("", "Qwen2ForCausalLM") => "qwen2",
-        ("qwen3", _) | ("", "Qwen3ForCausalLM") => "qwen3",
-        ("mistral", _) | ("", "MistralForCausalLM") => "mistral",
-        ("qwen3_moe", _) | ("", "Qwen3MoeForCausalLM") => "qwen3_moe",
-        ("qwen2_moe", _) | ("", "Qwen2MoeForCausalLM") => "qwen2_moe",
-        ("mixtral", _) | ("", "MixtralForCausalLM") => "mixtral",
-        ("gemma2", _) | ("", "Gemma2ForCausalLM") => "gemma2",
-        ("gemma3_text", _) | ("", "Gemma3ForCausalLM") => "gemma3",
-        ("phi3", _) | ("", "Phi3ForCausalLM") => "phi3",
-        _ => return None,
-    })
-}
-
 /// The feed-forward's activation: Gemma's GeLU (its classes read `hidden_activation`,
 /// checked with Gemma's settings, and leave the `hidden_act` older configs also carry
 /// unread), else `hidden_act`, which must be silu.
@@ -140,13 +124,13 @@ fn activation(gemma: bool, hidden_act: Option<&str>) -> std::result::Result<Acti
 /// transformers rounds it down), all of them elsewhere (a partial factor is refused);
 /// LongRoPE's factors must be one per rotating pair.
 fn rotary_dim(
-    arch: &str,
+    arch: Architecture,
     raw: &serde_json::Map<String, serde_json::Value>,
     head_dim: usize,
     scaling: &crate::rope::RopeScaling,
 ) -> std::result::Result<usize, String> {
     let partial = crate::rope::partial_rotary_factor(raw)?;
-    if arch != "phi3" && partial != 1.0 {
+    if arch != Architecture::Phi3 && partial != 1.0 {
         return Err(format!(
             "partial_rotary_factor {partial} is not supported for {arch}: every dimension of \
              a head rotates"
@@ -184,14 +168,14 @@ struct ClassDefaults {
 }
 
 impl ClassDefaults {
-    fn of(architecture: &str) -> Self {
+    fn of(architecture: Architecture) -> Self {
         match architecture {
-            "gemma2" => Self {
+            Architecture::Gemma2 => Self {
                 max_position_embeddings: 8192,
                 tie_word_embeddings: true,
                 head_dim: Some(256),
             },
-            "gemma3" => Self {
+            Architecture::Gemma3 => Self {
                 max_position_embeddings: 131_072,
                 tie_word_embeddings: true,
                 head_dim: Some(256),
@@ -216,13 +200,14 @@ impl ModelConfig {
             .map_err(|e| invalid(e.to_string()))?;
         let model_type = hf.model_type.clone().unwrap_or_default();
         let arch = hf.architectures.first().cloned().unwrap_or_default();
-        let architecture = architecture_of(&model_type, &arch).ok_or_else(|| {
+        let architecture = Architecture::from_hf(&model_type, &arch).ok_or_else(|| {
+            let known: Vec<&str> = Architecture::ALL.map(Architecture::model_type).to_vec();
             TextError::invalid_model(
                 path,
                 format!(
                     "unsupported architecture {arch:?} (model_type {model_type:?}); \
-                     expected gemma2, gemma3_text, llama, mistral, mixtral, phi3, qwen2, \
-                     qwen2_moe, qwen3 or qwen3_moe"
+                     expected one of {}",
+                    known.join(", ")
                 ),
             )
         })?;
@@ -234,7 +219,7 @@ impl ModelConfig {
         // Gemma 3's full-attention layers rotate by the model's RoPE; its sliding ones are
         // read with Gemma's settings.
         let rope = match architecture {
-            "gemma3" => Rope::by_layer_type(&raw, max_positions).map(|r| r.full),
+            Architecture::Gemma3 => Rope::by_layer_type(&raw, max_positions).map(|r| r.full),
             _ => Rope::from_hf(&raw, max_positions),
         };
         let rope = rope.map_err(invalid)?;
@@ -253,7 +238,7 @@ impl ModelConfig {
         let rotary_dim =
             rotary_dim(architecture, &raw, head_dim, &rope.scaling).map_err(invalid)?;
         let cfg = Self {
-            architecture: architecture.into(),
+            architecture,
             vocab_size: hf.vocab_size,
             hidden_size: hf.hidden_size,
             intermediate_size: hf.intermediate_size,
@@ -304,17 +289,17 @@ impl ModelConfig {
     /// Gemma 3's).
     pub fn has_qk_norm(&self) -> bool {
         matches!(
-            self.architecture.as_str(),
-            "qwen3" | "qwen3_moe" | "qwen3moe" | "gemma3"
+            self.architecture,
+            Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Gemma3
         )
     }
 
     /// Whether q, k and v carry biases where the weights hold them: Qwen2's and
     /// Qwen2-MoE's, and any llama GGUF file's, as llama.cpp's llama graph adds them.
     pub fn reads_qkv_biases(&self, gguf: bool) -> bool {
-        match self.architecture.as_str() {
-            "qwen2" | "qwen2_moe" | "qwen2moe" => true,
-            "llama" => gguf,
+        match self.architecture {
+            Architecture::Qwen2 | Architecture::Qwen2Moe => true,
+            Architecture::Llama => gguf,
             _ => false,
         }
     }
@@ -342,25 +327,38 @@ mod tests {
     use super::*;
     use crate::rope::RopeScaling;
 
-    fn dim(arch: &str, v: serde_json::Value, scaling: &RopeScaling) -> Result<usize, String> {
+    fn dim(
+        arch: Architecture,
+        v: serde_json::Value,
+        scaling: &RopeScaling,
+    ) -> Result<usize, String> {
         rotary_dim(arch, v.as_object().unwrap(), 16, scaling)
     }
 
     #[test]
     fn only_phi3_rotates_part_of_a_head_and_longrope_has_a_factor_a_pair() {
         let partial = json!({"partial_rotary_factor": 0.75});
-        assert_eq!(dim("phi3", partial.clone(), &RopeScaling::None), Ok(12));
-        assert_eq!(dim("llama", json!({}), &RopeScaling::None), Ok(16));
-        let refused = dim("llama", partial.clone(), &RopeScaling::None).unwrap_err();
+        assert_eq!(
+            dim(Architecture::Phi3, partial.clone(), &RopeScaling::None),
+            Ok(12)
+        );
+        assert_eq!(
+            dim(Architecture::Llama, json!({}), &RopeScaling::None),
+            Ok(16)
+        );
+        let refused = dim(Architecture::Llama, partial.clone(), &RopeScaling::None).unwrap_err();
         assert!(refused.starts_with("partial_rotary_factor 0.75 is not supported for llama"));
         let odd = json!({"partial_rotary_factor": 0.2});
-        assert!(dim("phi3", odd, &RopeScaling::None).is_err());
+        assert!(dim(Architecture::Phi3, odd, &RopeScaling::None).is_err());
         let longrope = |n: usize| RopeScaling::LongRope {
             factors: vec![1.0; n],
             original_max_position_embeddings: 64.0,
             attention_factor: 1.0,
         };
-        assert_eq!(dim("phi3", partial.clone(), &longrope(6)), Ok(12));
-        assert!(dim("phi3", partial, &longrope(8)).is_err());
+        assert_eq!(
+            dim(Architecture::Phi3, partial.clone(), &longrope(6)),
+            Ok(12)
+        );
+        assert!(dim(Architecture::Phi3, partial, &longrope(8)).is_err());
     }
 }

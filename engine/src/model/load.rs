@@ -12,7 +12,7 @@ use crate::progress::LoadStep;
 use crate::rope::Frequencies;
 use crate::weights::{Linear, Stacked, WeightSource};
 use candle_core::Tensor;
-use text::config::Activation;
+use text::config::{Activation, Architecture};
 use text::ModelConfig;
 
 mod experts;
@@ -270,7 +270,7 @@ fn qkv(
     let kv_out = cfg.num_key_value_heads * cfg.head_dim;
     let n = |part: &str| (names.layer)(i, part);
     let w = |part: &str| format!("{}.weight", n(part));
-    if cfg.architecture == "phi3" {
+    if cfg.architecture == Architecture::Phi3 {
         return src.fused(&w("qkv"), &[q_out, kv_out, kv_out], h, device);
     }
     // Qwen2 adds biases to q, k and v, and llama.cpp's llama graph adds them where a GGUF
@@ -303,7 +303,7 @@ fn feed_forward(
     if let Some(moe) = cfg.moe.as_ref().filter(|m| m.sparse_layers[i]) {
         return Ok(Ffn::Mixture(experts::mixture(cfg, moe, src, i, device)?));
     }
-    if cfg.architecture == "phi3" {
+    if cfg.architecture == Architecture::Phi3 {
         return Ok(Ffn::Dense(Mlp {
             gate_up: src.fused(&w("gate_up"), &[inter, inter], h, device)?,
             down: src.linear(&w("down"), None, (h, inter), device)?,
@@ -424,13 +424,13 @@ fn rope_divisors(
         EngineError::invalid_model(
             src.path(),
             format!(
-                "{name} is not supported for architecture {:?}",
+                "{name} is not supported for architecture {}",
                 cfg.architecture
             ),
         )
     };
     if src.contains(FREQS) {
-        if cfg.architecture != "llama" {
+        if cfg.architecture != Architecture::Llama {
             return Err(refused(src, FREQS));
         }
         return Ok(Some(src.dense_shaped(FREQS, &pairs, device)?.to_vec1()?));

@@ -283,7 +283,7 @@ fn assert_conversion_is_folder_config(hf: text::ModelConfig, fixture: &str, arch
     // as an f32.
     assert_eq!(gguf.eos_token_ids, hf.eos_token_ids[..1]);
     let hf = text::ModelConfig {
-        architecture: arch.into(),
+        architecture: text::config::Architecture::from_gguf(arch).unwrap(),
         eos_token_ids: gguf.eos_token_ids.clone(),
         rms_norm_eps: hf.rms_norm_eps as f32 as f64,
         ..hf

@@ -9,6 +9,7 @@
 
 use serde_json::{Map, Value};
 
+use super::Architecture;
 use crate::gguf::{Metadata, Value as GgufValue};
 use crate::rope::Rope;
 
@@ -42,14 +43,14 @@ pub(super) const GEMMA_FIELDS: [&str; 8] = [
 ];
 
 /// The fields of [`GEMMA_FIELDS`] `arch`'s configuration class reads.
-fn read_by(arch: &str) -> Vec<&'static str> {
+fn read_by(arch: Architecture) -> Vec<&'static str> {
     match arch {
-        "gemma2" => GEMMA_FIELDS
+        Architecture::Gemma2 => GEMMA_FIELDS
             .iter()
             .copied()
             .filter(|k| !matches!(*k, "rope_local_base_freq" | "sliding_window_pattern"))
             .collect(),
-        "gemma3" => GEMMA_FIELDS[..7].to_vec(),
+        Architecture::Gemma3 => GEMMA_FIELDS[..7].to_vec(),
         _ => Vec::new(),
     }
 }
@@ -62,16 +63,11 @@ const DEFAULT_QUERY_PRE_ATTN_SCALAR: f64 = 256.0;
 const GEMMA2_ATTN_SOFTCAP: f64 = 50.0;
 const GEMMA2_FINAL_SOFTCAP: f64 = 30.0;
 
-/// Whether `arch` is one of Gemma's.
-pub(super) fn is_gemma(arch: &str) -> bool {
-    matches!(arch, "gemma2" | "gemma3")
-}
-
 /// Gemma's settings of `arch`'s config, `None` for another architecture (which is refused
 /// if it carries one of [`GEMMA_FIELDS`]). `max_positions` bounds the context, for Gemma
 /// 3's RoPE of its global layers.
 pub(super) fn from_hf(
-    arch: &str,
+    arch: Architecture,
     raw: &Map<String, Value>,
     max_positions: usize,
 ) -> Result<Option<Gemma>, String> {
@@ -85,7 +81,7 @@ pub(super) fn from_hf(
              it runs"
         ));
     }
-    if !is_gemma(arch) {
+    if !arch.is_gemma() {
         return Ok(None);
     }
     if let Some(act) = raw
@@ -103,7 +99,7 @@ pub(super) fn from_hf(
                 .into(),
         );
     }
-    let gemma2 = arch == "gemma2";
+    let gemma2 = arch == Architecture::Gemma2;
     let cap = |key: &str, gemma2_default: f64| -> Result<Option<f64>, String> {
         match raw.get(key) {
             None if gemma2 => Ok(Some(gemma2_default)),
@@ -144,7 +140,7 @@ pub(super) const GGUF_KEYS: [&str; 5] = [
 
 /// The shape of a Gemma GGUF model that [`from_gguf`] reads beside Gemma's settings.
 pub(super) struct GgufShape<'a> {
-    pub arch: &'a str,
+    pub arch: Architecture,
     pub layers: usize,
     pub hidden: usize,
     pub heads: usize,
@@ -170,10 +166,10 @@ pub(super) fn from_gguf(
     meta: &Metadata,
     shape: &GgufShape<'_>,
 ) -> Result<(Gemma, Vec<Option<usize>>), String> {
-    let arch = shape.arch;
+    let arch = shape.arch.gguf_name();
     let key = |name: &str| meta.get(&format!("{arch}.{name}"));
     let float = |name: &str| key(name).and_then(GgufValue::to_f64);
-    let gemma2 = arch == "gemma2";
+    let gemma2 = shape.arch == Architecture::Gemma2;
     let window = match key("attention.sliding_window").and_then(GgufValue::to_u64) {
         Some(w) if w > 0 => Some(w as usize),
         Some(_) => None,

@@ -6,16 +6,11 @@
 use std::path::Path;
 
 use super::gemma::{self, GgufShape};
-use super::{Activation, ModelConfig, RopeStyle};
+use super::{Activation, Architecture, ModelConfig, RopeStyle};
 use crate::error::{Result, TextError};
 use crate::gguf::{Metadata, Value};
 
 mod rope;
-
-/// The GGUF architectures the engine runs.
-const ARCHITECTURES: [&str; 8] = [
-    "gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
-];
 
 /// The `{arch}.*` keys the engine reads, beside `rope.scaling.*` ([`rope::scaling`]),
 /// the experts' ([`super::moe::GGUF_KEYS`]) and Gemma's ([`gemma::GGUF_KEYS`]).
@@ -36,20 +31,21 @@ const READ_KEYS: [&str; 13] = [
 ];
 
 impl ModelConfig {
-    /// Reads the keys of a GGUF file's metadata for one of [`ARCHITECTURES`].
+    /// Reads the keys of a GGUF file's metadata for one of the [`Architecture`]s.
     pub fn from_gguf(meta: &Metadata, path: &Path) -> Result<Self> {
         let md = |key: &str| meta.get(key);
         let bad = |reason: String| TextError::invalid_model(path, reason);
         let arch = architecture(meta).map_err(bad)?;
+        let name = arch.gguf_name();
         let num = |key: &str| -> Result<usize> {
-            let full = format!("{arch}.{key}");
+            let full = format!("{name}.{key}");
             md(&full)
                 .and_then(Value::to_u64)
                 .map(|v| v as usize)
                 .ok_or_else(|| bad(format!("missing {full}")))
         };
         let float = |key: &str, default: f64| -> f64 {
-            md(&format!("{arch}.{key}"))
+            md(&format!("{name}.{key}"))
                 .and_then(Value::to_f64)
                 .unwrap_or(default)
         };
@@ -59,22 +55,22 @@ impl ModelConfig {
             Some(tokens) => tokens.len(),
             None => num("vocab_size")?,
         };
-        let (head_dim, rotary_dim) = head_dim(&num, hidden / heads, &arch).map_err(bad)?;
+        let (head_dim, rotary_dim) = head_dim(&num, hidden / heads, arch).map_err(bad)?;
         let tied = !meta.tensors.contains("output.weight");
         let context_length = num("context_length").unwrap_or(4096);
         let feed_forward = num("feed_forward_length")?;
         let layers = num("block_count")?;
-        let moe = super::moe::from_gguf(meta, &arch, feed_forward, layers).map_err(bad)?;
+        let moe = super::moe::from_gguf(meta, arch, feed_forward, layers).map_err(bad)?;
         let token_id = |key: &str| md(key).and_then(Value::to_u64).map(|v| v as u32);
         let rope = crate::rope::Rope {
             theta: float("rope.freq_base", 10_000.0),
-            scaling: rope::scaling(meta, &arch, context_length).map_err(bad)?,
+            scaling: rope::scaling(meta, arch, context_length).map_err(bad)?,
         };
         // The other architectures read here attend to the whole context in llama.cpp; a
         // window key would have been refused with the other unknown keys.
-        let (gemma, attention_windows) = if gemma::is_gemma(&arch) {
+        let (gemma, attention_windows) = if arch.is_gemma() {
             let shape = GgufShape {
-                arch: &arch,
+                arch,
                 layers,
                 hidden,
                 heads,
@@ -87,7 +83,7 @@ impl ModelConfig {
             (None, vec![None; layers])
         };
         let cfg = Self {
-            architecture: arch.clone(),
+            architecture: arch,
             vocab_size: vocab,
             hidden_size: hidden,
             intermediate_size: feed_forward,
@@ -103,7 +99,7 @@ impl ModelConfig {
             tie_word_embeddings: tied,
             // llama.cpp's converter permutes a llama file's q/k rows so that its graph
             // rotates adjacent pairs; Qwen's keep Hugging Face's halves (NEOX in llama.cpp).
-            rope_style: if arch == "llama" {
+            rope_style: if arch == Architecture::Llama {
                 RopeStyle::Interleaved
             } else {
                 RopeStyle::Half
@@ -128,19 +124,22 @@ impl ModelConfig {
 
 /// The file's `general.architecture`, one the engine runs, whose every `{arch}.*` key the
 /// engine reads.
-fn architecture(meta: &Metadata) -> std::result::Result<String, String> {
-    let arch = meta
+fn architecture(meta: &Metadata) -> std::result::Result<Architecture, String> {
+    let name = meta
         .get("general.architecture")
         .and_then(Value::as_str)
         .ok_or("no general.architecture")?;
-    if !ARCHITECTURES.contains(&arch) {
-        return Err(format!(
-            "unsupported GGUF architecture {arch:?} ({} are supported)",
-            ARCHITECTURES.join(", ")
-        ));
-    }
+    let arch = Architecture::from_gguf(name).ok_or_else(|| {
+        let mut known: Vec<&str> = Architecture::ALL.map(Architecture::gguf_name).to_vec();
+        known.sort_unstable();
+        known.dedup();
+        format!(
+            "unsupported GGUF architecture {name:?} ({} are supported)",
+            known.join(", ")
+        )
+    })?;
     refuse_unknown_keys(meta, arch)?;
-    Ok(arch.to_string())
+    Ok(arch)
 }
 
 /// The head size as llama.cpp takes it, `attention.key_length`, else the embedding width
@@ -150,7 +149,7 @@ fn architecture(meta: &Metadata) -> std::result::Result<String, String> {
 fn head_dim(
     num: &dyn Fn(&str) -> Result<usize>,
     plain: usize,
-    arch: &str,
+    arch: Architecture,
 ) -> std::result::Result<(usize, usize), String> {
     let key = num("attention.key_length").unwrap_or(plain);
     let value = num("attention.value_length").unwrap_or(key);
@@ -161,7 +160,8 @@ fn head_dim(
         ));
     }
     let rotary = num("rope.dimension_count").unwrap_or(key);
-    let partial_ok = arch == "phi3" && rotary <= key && rotary >= 2 && rotary.is_multiple_of(2);
+    let partial_ok =
+        arch == Architecture::Phi3 && rotary <= key && rotary >= 2 && rotary.is_multiple_of(2);
     if rotary != key && !partial_ok {
         return Err(format!(
             "rope.dimension_count {rotary} differs from the head size {key}, which the engine \
@@ -183,15 +183,15 @@ fn keys_under<'a>(meta: &'a Metadata, prefix: &str) -> Vec<(&'a str, &'a str)> {
 }
 
 /// Refuses an `{arch}.*` key the engine neither reads nor knows to be neutral.
-fn refuse_unknown_keys(meta: &Metadata, arch: &str) -> std::result::Result<(), String> {
-    let prefix = format!("{arch}.");
+fn refuse_unknown_keys(meta: &Metadata, arch: Architecture) -> std::result::Result<(), String> {
+    let prefix = format!("{}.", arch.gguf_name());
     for (key, name) in keys_under(meta, &prefix) {
         // llama.cpp's phi3 reads its window and attends to the whole context.
-        let phi3_window = arch == "phi3" && name == "attention.sliding_window";
+        let phi3_window = arch == Architecture::Phi3 && name == "attention.sliding_window";
         let read = READ_KEYS.contains(&name)
             || phi3_window
             || super::moe::GGUF_KEYS.contains(&name)
-            || (gemma::is_gemma(arch) && gemma::GGUF_KEYS.contains(&name));
+            || (arch.is_gemma() && gemma::GGUF_KEYS.contains(&name));
         if !read && !name.starts_with("rope.scaling.") {
             return Err(format!(
                 "{key} is not supported: the engine does not compute what it sets"
@@ -223,10 +223,10 @@ pub(super) mod tests {
             ("qwen3.rope.scaling.type", Value::String("none".into())),
             ("general.name", Value::String("tiny".into())),
         ]);
-        assert_eq!(refuse_unknown_keys(&read, "qwen3"), Ok(()));
+        assert_eq!(refuse_unknown_keys(&read, Architecture::Qwen3), Ok(()));
         let gating = meta(&[("qwen3moe.expert_gating_func", Value::U32(2))]);
         assert_eq!(
-            refuse_unknown_keys(&gating, "qwen3moe"),
+            refuse_unknown_keys(&gating, Architecture::Qwen3Moe),
             Err(
                 "qwen3moe.expert_gating_func is not supported: the engine does not compute what \
                  it sets"
@@ -234,7 +234,7 @@ pub(super) mod tests {
             )
         );
         let window = meta(&[("llama.attention.sliding_window", Value::U32(4096))]);
-        assert!(refuse_unknown_keys(&window, "llama").is_err());
+        assert!(refuse_unknown_keys(&window, Architecture::Llama).is_err());
     }
 
     #[test]
@@ -248,15 +248,15 @@ pub(super) mod tests {
                     .ok_or_else(|| TextError::invalid_model(Path::new("x"), key.to_string()))
             }
         };
-        assert_eq!(head_dim(&of(&[]), 64, "qwen3"), Ok((64, 64)));
+        assert_eq!(head_dim(&of(&[]), 64, Architecture::Qwen3), Ok((64, 64)));
         let qwen3 = of(&[
             ("attention.key_length", 128),
             ("attention.value_length", 128),
         ]);
-        assert_eq!(head_dim(&qwen3, 64, "qwen3"), Ok((128, 128)));
+        assert_eq!(head_dim(&qwen3, 64, Architecture::Qwen3), Ok((128, 128)));
         let partial = of(&[("rope.dimension_count", 32)]);
         assert_eq!(
-            head_dim(&partial, 64, "qwen3"),
+            head_dim(&partial, 64, Architecture::Qwen3),
             Err(
                 "rope.dimension_count 32 differs from the head size 64, which the engine does \
                  not run"
@@ -267,7 +267,7 @@ pub(super) mod tests {
             ("attention.key_length", 128),
             ("attention.value_length", 64),
         ]);
-        assert!(head_dim(&narrow_values, 64, "qwen3").is_err());
-        assert_eq!(head_dim(&partial, 64, "phi3"), Ok((64, 32)));
+        assert!(head_dim(&narrow_values, 64, Architecture::Qwen3).is_err());
+        assert_eq!(head_dim(&partial, 64, Architecture::Phi3), Ok((64, 32)));
     }
 }

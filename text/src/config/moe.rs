@@ -4,6 +4,7 @@
 use serde_json::{Map, Value};
 
 use super::windows::flag;
+use super::Architecture;
 
 use crate::gguf::{Metadata, Value as GgufValue};
 
@@ -50,7 +51,7 @@ pub(super) const MOE_FIELDS: [&str; 8] = [
 /// - Mixtral: `num_local_experts`, top `num_experts_per_tok`, experts
 ///   `intermediate_size` wide, always normalized, every layer sparse.
 pub(super) fn from_hf(
-    arch: &str,
+    arch: Architecture,
     raw: &Map<String, Value>,
     intermediate_size: usize,
     layers: usize,
@@ -65,8 +66,8 @@ pub(super) fn from_hf(
         }
     };
     let moe = match arch {
-        "qwen3_moe" | "qwen2_moe" => {
-            let qwen2 = arch == "qwen2_moe";
+        Architecture::Qwen3Moe | Architecture::Qwen2Moe => {
+            let qwen2 = arch == Architecture::Qwen2Moe;
             let read = if qwen2 {
                 &MOE_FIELDS[..]
             } else {
@@ -90,7 +91,7 @@ pub(super) fn from_hf(
                     .transpose()?,
             }
         }
-        "mixtral" => {
+        Architecture::Mixtral => {
             refuse_fields_but(arch, raw, &["num_local_experts", "num_experts_per_tok"])?;
             MoeConfig {
                 experts: count(&["num_local_experts"], 8)?,
@@ -110,7 +111,11 @@ pub(super) fn from_hf(
 }
 
 /// Refuses a mixture-of-experts field other than those `arch` reads.
-fn refuse_fields_but(arch: &str, raw: &Map<String, Value>, read: &[&str]) -> Result<(), String> {
+fn refuse_fields_but(
+    arch: Architecture,
+    raw: &Map<String, Value>,
+    read: &[&str],
+) -> Result<(), String> {
     match MOE_FIELDS
         .iter()
         .find(|k| !read.contains(k) && raw.contains_key(**k))
@@ -129,33 +134,34 @@ fn refuse_fields_but(arch: &str, raw: &Map<String, Value>, read: &[&str]) -> Res
 /// never, and runs its shared expert `expert_shared_feed_forward_length` wide.
 pub(super) fn from_gguf(
     meta: &Metadata,
-    arch: &str,
+    arch: Architecture,
     feed_forward: usize,
     layers: usize,
 ) -> Result<Option<MoeConfig>, String> {
+    let name = arch.gguf_name();
     let num = |key: &str| {
-        meta.get(&format!("{arch}.{key}"))
+        meta.get(&format!("{name}.{key}"))
             .and_then(GgufValue::to_u64)
             .map(|v| v as usize)
     };
     let Some(experts) = num("expert_count").filter(|&n| n > 0) else {
         return Ok(None);
     };
-    let required = |key: &str| num(key).ok_or_else(|| format!("missing {arch}.{key}"));
+    let required = |key: &str| num(key).ok_or_else(|| format!("missing {name}.{key}"));
     let (width, shared) = match arch {
-        "qwen3moe" => (required("expert_feed_forward_length")?, None),
-        "qwen2moe" => (
+        Architecture::Qwen3Moe => (required("expert_feed_forward_length")?, None),
+        Architecture::Qwen2Moe => (
             required("expert_feed_forward_length")?,
             Some(required("expert_shared_feed_forward_length")?),
         ),
-        "llama" => (feed_forward, None),
-        _ => return Err(format!("{arch}.expert_count: {arch} has no experts")),
+        Architecture::Llama => (feed_forward, None),
+        _ => return Err(format!("{name}.expert_count: {name} has no experts")),
     };
     let moe = MoeConfig {
         experts,
         experts_per_token: required("expert_used_count")?,
         expert_intermediate_size: width,
-        normalize_top_k: arch != "qwen2moe",
+        normalize_top_k: arch != Architecture::Qwen2Moe,
         sparse_layers: vec![true; layers],
         shared_expert_intermediate_size: shared,
     };
@@ -223,31 +229,37 @@ mod tests {
             ("qwen3moe.expert_used_count", 2),
             ("qwen3moe.expert_feed_forward_length", 16),
         ]);
-        let moe = from_gguf(&qwen, "qwen3moe", 48, 2).unwrap().unwrap();
+        let moe = from_gguf(&qwen, Architecture::Qwen3Moe, 48, 2)
+            .unwrap()
+            .unwrap();
         assert_eq!((moe.experts, moe.experts_per_token), (8, 2));
         assert_eq!(moe.expert_intermediate_size, 16);
         assert!(moe.normalize_top_k);
         assert_eq!(moe.sparse_layers, [true, true]);
         let mixtral = gguf(&[("llama.expert_count", 4), ("llama.expert_used_count", 2)]);
-        let moe = from_gguf(&mixtral, "llama", 48, 1).unwrap().unwrap();
+        let moe = from_gguf(&mixtral, Architecture::Llama, 48, 1)
+            .unwrap()
+            .unwrap();
         assert_eq!(moe.expert_intermediate_size, 48);
-        assert_eq!(from_gguf(&gguf(&[]), "llama", 48, 1), Ok(None));
+        assert_eq!(from_gguf(&gguf(&[]), Architecture::Llama, 48, 1), Ok(None));
         let shared = gguf(&[
             ("qwen2moe.expert_count", 8),
             ("qwen2moe.expert_used_count", 2),
             ("qwen2moe.expert_feed_forward_length", 16),
             ("qwen2moe.expert_shared_feed_forward_length", 32),
         ]);
-        let moe = from_gguf(&shared, "qwen2moe", 48, 1).unwrap().unwrap();
+        let moe = from_gguf(&shared, Architecture::Qwen2Moe, 48, 1)
+            .unwrap()
+            .unwrap();
         assert_eq!(moe.shared_expert_intermediate_size, Some(32));
         assert!(!moe.normalize_top_k);
         let dense = gguf(&[("qwen3.expert_count", 8), ("qwen3.expert_used_count", 2)]);
-        assert!(from_gguf(&dense, "qwen3", 48, 1).is_err());
+        assert!(from_gguf(&dense, Architecture::Qwen3, 48, 1).is_err());
         let unused = gguf(&[("llama.expert_count", 4)]);
-        assert!(from_gguf(&unused, "llama", 48, 1).is_err());
+        assert!(from_gguf(&unused, Architecture::Llama, 48, 1).is_err());
     }
 
-    fn hf(arch: &str, v: Value, layers: usize) -> Result<Option<MoeConfig>, String> {
+    fn hf(arch: Architecture, v: Value, layers: usize) -> Result<Option<MoeConfig>, String> {
         from_hf(arch, v.as_object().unwrap(), 48, layers)
     }
 
@@ -256,20 +268,20 @@ mod tests {
         let cfg = json!({"num_experts": 8, "num_experts_per_tok": 2,
             "moe_intermediate_size": 16, "norm_topk_prob": true,
             "decoder_sparse_step": 2, "mlp_only_layers": [3]});
-        let moe = hf("qwen3_moe", cfg, 5).unwrap().unwrap();
+        let moe = hf(Architecture::Qwen3Moe, cfg, 5).unwrap().unwrap();
         assert_eq!(moe.sparse_layers, [false, true, false, false, false]);
         assert_eq!((moe.experts, moe.experts_per_token), (8, 2));
         assert_eq!(moe.expert_intermediate_size, 16);
         assert!(moe.normalize_top_k);
         let v5 = json!({"num_local_experts": 4, "num_experts_per_tok": 2});
-        let v5 = hf("qwen3_moe", v5, 1).unwrap();
+        let v5 = hf(Architecture::Qwen3Moe, v5, 1).unwrap();
         assert_eq!(v5.unwrap().experts, 4);
     }
 
     #[test]
     fn qwen2_moe_has_a_shared_expert_and_its_own_defaults() {
         let moe = hf(
-            "qwen2_moe",
+            Architecture::Qwen2Moe,
             json!({"shared_expert_intermediate_size": 96}),
             1,
         );
@@ -277,33 +289,33 @@ mod tests {
         assert_eq!((moe.experts, moe.experts_per_token), (60, 4));
         assert_eq!(moe.shared_expert_intermediate_size, Some(96));
         assert!(!moe.normalize_top_k);
-        let qwen3 = hf("qwen3_moe", json!({"num_experts_per_tok": 2}), 1).unwrap();
+        let qwen3 = hf(Architecture::Qwen3Moe, json!({"num_experts_per_tok": 2}), 1).unwrap();
         assert_eq!(qwen3.unwrap().shared_expert_intermediate_size, None);
         let shared = json!({"shared_expert_intermediate_size": 8});
-        assert!(hf("qwen3_moe", shared, 1).is_err());
+        assert!(hf(Architecture::Qwen3Moe, shared, 1).is_err());
     }
 
     #[test]
     fn mixtral_normalizes_and_reads_its_experts_at_intermediate_size() {
-        let moe = hf("mixtral", json!({"num_local_experts": 4}), 2).unwrap();
+        let moe = hf(Architecture::Mixtral, json!({"num_local_experts": 4}), 2).unwrap();
         let moe = moe.unwrap();
         assert_eq!((moe.experts, moe.experts_per_token), (4, 2));
         assert_eq!(moe.expert_intermediate_size, 48);
         assert!(moe.normalize_top_k);
         assert_eq!(moe.sparse_layers, [true, true]);
-        assert!(hf("mixtral", json!({"norm_topk_prob": false}), 1).is_err());
+        assert!(hf(Architecture::Mixtral, json!({"norm_topk_prob": false}), 1).is_err());
     }
 
     #[test]
     fn expert_fields_on_a_dense_model_or_impossible_counts_are_refused() {
-        assert_eq!(hf("llama", json!({}), 1), Ok(None));
-        let err = hf("llama", json!({"num_experts": 8}), 1).unwrap_err();
+        assert_eq!(hf(Architecture::Llama, json!({}), 1), Ok(None));
+        let err = hf(Architecture::Llama, json!({"num_experts": 8}), 1).unwrap_err();
         assert!(
             err.starts_with("num_experts is a mixture-of-experts field"),
             "{err}"
         );
-        assert!(hf("mixtral", json!({"num_experts": 8}), 1).is_err());
+        assert!(hf(Architecture::Mixtral, json!({"num_experts": 8}), 1).is_err());
         let cfg = json!({"num_experts": 2, "num_experts_per_tok": 3});
-        assert!(hf("qwen3_moe", cfg, 1).is_err());
+        assert!(hf(Architecture::Qwen3Moe, cfg, 1).is_err());
     }
 }

@@ -3,6 +3,8 @@
 
 use serde_json::{Map, Value};
 
+use super::Architecture;
+
 /// `MistralConfig`'s, `Qwen2Config`'s and `Qwen3Config`'s window when the field is absent.
 const DEFAULT_WINDOW: u64 = 4096;
 /// `Qwen2Config`'s and `Qwen3Config`'s first sliding layer when the field is absent.
@@ -23,15 +25,20 @@ const DEFAULT_MAX_WINDOW_LAYERS: u64 = 28;
 /// - Phi-3: every layer, `sliding_window` (none when absent or null).
 /// - Llama has no window; a config that asks for one is refused rather than run whole.
 pub(super) fn attention_windows(
-    arch: &str,
+    arch: Architecture,
     raw: &Map<String, Value>,
     layers: usize,
 ) -> Result<Vec<Option<usize>>, String> {
     let window = match arch {
-        "gemma2" | "gemma3" => return gemma_windows(arch, raw, layers),
-        "phi3" | "mistral" | "mixtral" | "qwen3_moe" => return every_layer(arch, raw, layers),
-        "qwen2" | "qwen3" if flag(raw, "use_sliding_window")? => window_field(raw)?,
-        "qwen2_moe" if flag(raw, "use_sliding_window")? => {
+        Architecture::Gemma2 | Architecture::Gemma3 => return gemma_windows(arch, raw, layers),
+        Architecture::Phi3
+        | Architecture::Mistral
+        | Architecture::Mixtral
+        | Architecture::Qwen3Moe => return every_layer(arch, raw, layers),
+        Architecture::Qwen2 | Architecture::Qwen3 if flag(raw, "use_sliding_window")? => {
+            window_field(raw)?
+        }
+        Architecture::Qwen2Moe if flag(raw, "use_sliding_window")? => {
             return Err("use_sliding_window true is not supported for qwen2_moe".into())
         }
         _ => None,
@@ -50,11 +57,11 @@ pub(super) fn attention_windows(
                 .collect()
         }
     };
-    if arch == "llama" && flag(raw, "use_sliding_window")? {
+    if arch == Architecture::Llama && flag(raw, "use_sliding_window")? {
         return Err("use_sliding_window true is not supported: Llama has no window".into());
     }
     per_layer(window, sliding, || {
-        if arch == "llama" {
+        if arch == Architecture::Llama {
             "layer_types names sliding_attention layers, which Llama does not have".into()
         } else {
             "layer_types names sliding_attention layers but use_sliding_window sets no window"
@@ -67,7 +74,7 @@ pub(super) fn attention_windows(
 /// `sliding_window` is given, Qwen3-MoE's with `use_sliding_window`, Mistral's and
 /// Mixtral's always. None of their transformers classes reads `layer_types`.
 fn every_layer(
-    arch: &str,
+    arch: Architecture,
     raw: &Map<String, Value>,
     layers: usize,
 ) -> Result<Vec<Option<usize>>, String> {
@@ -78,8 +85,8 @@ fn every_layer(
         ));
     }
     let window = match arch {
-        "phi3" if !raw.contains_key("sliding_window") => None,
-        "qwen3_moe" if !flag(raw, "use_sliding_window")? => None,
+        Architecture::Phi3 if !raw.contains_key("sliding_window") => None,
+        Architecture::Qwen3Moe if !flag(raw, "use_sliding_window")? => None,
         _ => window_field(raw)?,
     };
     Ok(vec![window; layers])
@@ -100,7 +107,7 @@ fn per_layer(
 
 /// Gemma's windows, as [`attention_windows`] says.
 fn gemma_windows(
-    arch: &str,
+    arch: Architecture,
     raw: &Map<String, Value>,
     layers: usize,
 ) -> Result<Vec<Option<usize>>, String> {
@@ -109,7 +116,7 @@ fn gemma_windows(
         Some(types) => layer_types(types, layers)?,
         None => {
             let period = match raw.get("sliding_window_pattern") {
-                _ if arch == "gemma2" => 2,
+                _ if arch == Architecture::Gemma2 => 2,
                 None | Some(Value::Null) => 6,
                 Some(v) => v.as_u64().filter(|p| *p > 0).ok_or_else(|| {
                     format!("sliding_window_pattern must be a count of 1 or more, got {v}")
@@ -171,99 +178,137 @@ mod tests {
 
     use super::*;
 
-    fn windows(arch: &str, v: Value, layers: usize) -> Result<Vec<Option<usize>>, String> {
+    fn windows(arch: Architecture, v: Value, layers: usize) -> Result<Vec<Option<usize>>, String> {
         attention_windows(arch, v.as_object().unwrap(), layers)
     }
 
     #[test]
     fn mistral_slides_every_layer_by_its_window_or_the_default() {
         assert_eq!(
-            windows("mistral", json!({"sliding_window": 8}), 2),
+            windows(Architecture::Mistral, json!({"sliding_window": 8}), 2),
             Ok(vec![Some(8); 2])
         );
-        assert_eq!(windows("mistral", json!({}), 1), Ok(vec![Some(4096)]));
         assert_eq!(
-            windows("mistral", json!({"sliding_window": null}), 1),
+            windows(Architecture::Mistral, json!({}), 1),
+            Ok(vec![Some(4096)])
+        );
+        assert_eq!(
+            windows(Architecture::Mistral, json!({"sliding_window": null}), 1),
             Ok(vec![None])
         );
-        assert!(windows("mistral", json!({"layer_types": ["full_attention"]}), 1).is_err());
-        assert!(windows("mistral", json!({"sliding_window": 0}), 1).is_err());
-        assert_eq!(windows("mixtral", json!({}), 1), Ok(vec![Some(4096)]));
+        assert!(windows(
+            Architecture::Mistral,
+            json!({"layer_types": ["full_attention"]}),
+            1
+        )
+        .is_err());
+        assert!(windows(Architecture::Mistral, json!({"sliding_window": 0}), 1).is_err());
+        assert_eq!(
+            windows(Architecture::Mixtral, json!({}), 1),
+            Ok(vec![Some(4096)])
+        );
     }
 
     #[test]
     fn qwen3_moe_slides_every_layer_only_with_use_sliding_window() {
         let off = json!({"sliding_window": 8, "max_window_layers": 1});
-        assert_eq!(windows("qwen3_moe", off, 2), Ok(vec![None; 2]));
+        assert_eq!(windows(Architecture::Qwen3Moe, off, 2), Ok(vec![None; 2]));
         let on = json!({"use_sliding_window": true, "sliding_window": 8, "max_window_layers": 1});
-        assert_eq!(windows("qwen3_moe", on, 2), Ok(vec![Some(8); 2]));
+        assert_eq!(windows(Architecture::Qwen3Moe, on, 2), Ok(vec![Some(8); 2]));
         let listed = json!({"layer_types": ["full_attention", "full_attention"]});
-        assert!(windows("qwen3_moe", listed, 2).is_err());
+        assert!(windows(Architecture::Qwen3Moe, listed, 2).is_err());
     }
 
     #[test]
     fn qwen_slides_only_with_use_sliding_window_from_max_window_layers() {
         let off = json!({"sliding_window": 8, "max_window_layers": 1});
-        assert_eq!(windows("qwen2", off, 3), Ok(vec![None; 3]));
+        assert_eq!(windows(Architecture::Qwen2, off, 3), Ok(vec![None; 3]));
         let on = json!({"use_sliding_window": true, "sliding_window": 8, "max_window_layers": 1});
-        assert_eq!(windows("qwen3", on, 3), Ok(vec![None, Some(8), Some(8)]));
+        assert_eq!(
+            windows(Architecture::Qwen3, on, 3),
+            Ok(vec![None, Some(8), Some(8)])
+        );
         let listed = json!({"use_sliding_window": true, "sliding_window": 8,
             "layer_types": ["sliding_attention", "full_attention"]});
-        assert_eq!(windows("qwen2", listed, 2), Ok(vec![Some(8), None]));
+        assert_eq!(
+            windows(Architecture::Qwen2, listed, 2),
+            Ok(vec![Some(8), None])
+        );
         let windowless = json!({"layer_types": ["sliding_attention"]});
-        assert!(windows("qwen2", windowless, 1).is_err());
+        assert!(windows(Architecture::Qwen2, windowless, 1).is_err());
         let short = json!({"use_sliding_window": true, "layer_types": ["full_attention"]});
-        assert!(windows("qwen2", short, 2).is_err());
+        assert!(windows(Architecture::Qwen2, short, 2).is_err());
     }
 
     #[test]
     fn qwen2_moe_refuses_its_window() {
         assert_eq!(
-            windows("qwen2_moe", json!({"sliding_window": 8}), 2),
+            windows(Architecture::Qwen2Moe, json!({"sliding_window": 8}), 2),
             Ok(vec![None; 2])
         );
         let on = json!({"use_sliding_window": true, "sliding_window": 8});
-        assert!(windows("qwen2_moe", on, 2).is_err());
+        assert!(windows(Architecture::Qwen2Moe, on, 2).is_err());
     }
 
     #[test]
     fn gemma_slides_all_but_every_periodth_layer_unless_layer_types_say() {
         let w = json!({"sliding_window": 8});
         assert_eq!(
-            windows("gemma2", w.clone(), 3),
+            windows(Architecture::Gemma2, w.clone(), 3),
             Ok(vec![Some(8), None, Some(8)])
         );
-        let mut gemma3 = windows("gemma3", w, 7).unwrap();
+        let mut gemma3 = windows(Architecture::Gemma3, w, 7).unwrap();
         assert_eq!(
             gemma3.drain(4..).collect::<Vec<_>>(),
             [Some(8), None, Some(8)]
         );
         let period = json!({"sliding_window_pattern": 2});
-        assert_eq!(windows("gemma3", period, 2), Ok(vec![Some(4096), None]));
+        assert_eq!(
+            windows(Architecture::Gemma3, period, 2),
+            Ok(vec![Some(4096), None])
+        );
         let listed = json!({"sliding_window": 8,
             "layer_types": ["full_attention", "sliding_attention"]});
-        assert_eq!(windows("gemma3", listed, 2), Ok(vec![None, Some(8)]));
-        assert!(windows("gemma2", json!({"sliding_window": null}), 1).is_err());
-        assert!(windows("gemma3", json!({"sliding_window_pattern": 0}), 1).is_err());
+        assert_eq!(
+            windows(Architecture::Gemma3, listed, 2),
+            Ok(vec![None, Some(8)])
+        );
+        assert!(windows(Architecture::Gemma2, json!({"sliding_window": null}), 1).is_err());
+        assert!(windows(
+            Architecture::Gemma3,
+            json!({"sliding_window_pattern": 0}),
+            1
+        )
+        .is_err());
     }
 
     #[test]
     fn phi3_slides_every_layer_only_with_a_window() {
-        assert_eq!(windows("phi3", json!({}), 2), Ok(vec![None; 2]));
+        assert_eq!(windows(Architecture::Phi3, json!({}), 2), Ok(vec![None; 2]));
         assert_eq!(
-            windows("phi3", json!({"sliding_window": 8}), 2),
+            windows(Architecture::Phi3, json!({"sliding_window": 8}), 2),
             Ok(vec![Some(8); 2])
         );
-        assert!(windows("phi3", json!({"layer_types": ["full_attention"]}), 1).is_err());
+        assert!(windows(
+            Architecture::Phi3,
+            json!({"layer_types": ["full_attention"]}),
+            1
+        )
+        .is_err());
     }
 
     #[test]
     fn llama_refuses_a_window() {
         assert_eq!(
-            windows("llama", json!({"sliding_window": 8}), 1),
+            windows(Architecture::Llama, json!({"sliding_window": 8}), 1),
             Ok(vec![None])
         );
-        assert!(windows("llama", json!({"use_sliding_window": true}), 1).is_err());
-        assert!(windows("llama", json!({"layer_types": ["sliding_attention"]}), 1).is_err());
+        assert!(windows(Architecture::Llama, json!({"use_sliding_window": true}), 1).is_err());
+        assert!(windows(
+            Architecture::Llama,
+            json!({"layer_types": ["sliding_attention"]}),
+            1
+        )
+        .is_err());
     }
 }

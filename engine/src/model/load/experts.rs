@@ -7,6 +7,7 @@ use super::mlp;
 use crate::error::Result;
 use crate::model::ffn::{Mixture, Mlp, SharedExpert};
 use crate::weights::{quantized_linear, stack_quantized, Linear, WeightSource};
+use text::config::Architecture;
 use text::{ModelConfig, MoeConfig};
 
 /// Layer `i`'s mixture of experts.
@@ -78,8 +79,8 @@ fn shared_expert(
 
 /// The module of layer `i` that holds the router and the experts in a Hugging Face file.
 fn hf_block(cfg: &ModelConfig, i: usize) -> String {
-    match cfg.architecture.as_str() {
-        "mixtral" => format!("model.layers.{i}.block_sparse_moe"),
+    match cfg.architecture {
+        Architecture::Mixtral => format!("model.layers.{i}.block_sparse_moe"),
         _ => format!("model.layers.{i}.mlp"),
     }
 }
@@ -88,8 +89,8 @@ fn hf_block(cfg: &ModelConfig, i: usize) -> String {
 /// and `w2`, Qwen's `*_proj`.
 fn hf_expert(cfg: &ModelConfig, i: usize, e: usize) -> [String; 3] {
     let block = hf_block(cfg, i);
-    let parts = match cfg.architecture.as_str() {
-        "mixtral" => ["w1", "w3", "w2"],
+    let parts = match cfg.architecture {
+        Architecture::Mixtral => ["w1", "w3", "w2"],
         _ => ["gate_proj", "up_proj", "down_proj"],
     };
     parts.map(|p| format!("{block}.experts.{e}.{p}.weight"))

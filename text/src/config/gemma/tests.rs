@@ -3,26 +3,26 @@ use serde_json::json;
 use super::*;
 use crate::rope::RopeScaling;
 
-fn hf(arch: &str, v: serde_json::Value) -> Result<Option<Gemma>, String> {
+fn hf(arch: Architecture, v: serde_json::Value) -> Result<Option<Gemma>, String> {
     from_hf(arch, v.as_object().unwrap(), 1024)
 }
 
 #[test]
 fn gemma2_caps_by_default_and_a_null_turns_a_cap_off() {
-    let g = hf("gemma2", json!({})).unwrap().unwrap();
+    let g = hf(Architecture::Gemma2, json!({})).unwrap().unwrap();
     assert_eq!(g.attn_logit_softcapping, Some(50.0));
     assert_eq!(g.final_logit_softcapping, Some(30.0));
     assert_eq!(g.query_pre_attn_scalar, 256.0);
     assert_eq!(g.sliding_rope, None);
     let off = json!({"attn_logit_softcapping": null, "final_logit_softcapping": 5.0,
         "query_pre_attn_scalar": 24});
-    let g = hf("gemma2", off).unwrap().unwrap();
+    let g = hf(Architecture::Gemma2, off).unwrap().unwrap();
     assert_eq!(
         (g.attn_logit_softcapping, g.final_logit_softcapping),
         (None, Some(5.0))
     );
     assert_eq!(g.query_pre_attn_scalar, 24.0);
-    let g3 = hf("gemma3", json!({})).unwrap().unwrap();
+    let g3 = hf(Architecture::Gemma3, json!({})).unwrap().unwrap();
     assert_eq!(
         (g3.attn_logit_softcapping, g3.final_logit_softcapping),
         (None, None)
@@ -31,19 +31,29 @@ fn gemma2_caps_by_default_and_a_null_turns_a_cap_off() {
 
 #[test]
 fn what_gemma_does_not_run_and_what_others_do_not_read_is_refused_by_name() {
-    let gelu = hf("gemma2", json!({"hidden_activation": "gelu"})).unwrap_err();
+    let gelu = hf(Architecture::Gemma2, json!({"hidden_activation": "gelu"})).unwrap_err();
     assert!(gelu.starts_with("hidden_activation \"gelu\""), "{gelu}");
-    let both_ways = hf("gemma3", json!({"use_bidirectional_attention": true}));
+    let both_ways = hf(
+        Architecture::Gemma3,
+        json!({"use_bidirectional_attention": true}),
+    );
     assert!(both_ways.unwrap_err().contains("causal"));
-    let local = hf("gemma2", json!({"rope_local_base_freq": 10000.0})).unwrap_err();
+    let local = hf(
+        Architecture::Gemma2,
+        json!({"rope_local_base_freq": 10000.0}),
+    )
+    .unwrap_err();
     assert!(local.starts_with("rope_local_base_freq is not read by transformers' gemma2"));
-    let llama = hf("llama", json!({"query_pre_attn_scalar": 64})).unwrap_err();
+    let llama = hf(Architecture::Llama, json!({"query_pre_attn_scalar": 64})).unwrap_err();
     assert!(
         llama.starts_with("query_pre_attn_scalar is not read"),
         "{llama}"
     );
     assert_eq!(
-        hf("llama", json!({"final_logit_softcapping": null})),
+        hf(
+            Architecture::Llama,
+            json!({"final_logit_softcapping": null})
+        ),
         Ok(None)
     );
 }
@@ -72,14 +82,14 @@ fn gemma3_rotates_sliding_layers_by_the_local_base_in_either_layout() {
     let defaults = Rope::by_layer_type(json!({}).as_object().unwrap(), 1024).unwrap();
     assert_eq!((defaults.full.theta, defaults.sliding.theta), (1e6, 1e4));
     assert_eq!(
-        hf("gemma3", v4).unwrap().unwrap().sliding_rope,
+        hf(Architecture::Gemma3, v4).unwrap().unwrap().sliding_rope,
         Some(ropes.sliding)
     );
     let flat = json!({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}});
     assert!(Rope::by_layer_type(flat.as_object().unwrap(), 1024).is_err());
 }
 
-fn shape<'a>(arch: &'a str, layers: usize, rope: &'a Rope) -> GgufShape<'a> {
+fn shape<'a>(arch: Architecture, layers: usize, rope: &'a Rope) -> GgufShape<'a> {
     GgufShape {
         arch,
         layers,
@@ -101,7 +111,7 @@ fn gguf_gemma_reads_windows_caps_and_bases_as_llama_cpp_does() {
         ("gemma3.attention.sliding_window", GgufValue::U32(8)),
         ("gemma3.final_logit_softcapping", GgufValue::F32(5.0)),
     ]);
-    let (g, windows) = from_gguf(&g3, &shape("gemma3", 7, &rope)).unwrap();
+    let (g, windows) = from_gguf(&g3, &shape(Architecture::Gemma3, 7, &rope)).unwrap();
     assert_eq!(windows[4..], [Some(8), None, Some(8)]);
     assert_eq!(g.query_pre_attn_scalar, 32.0);
     assert_eq!(
@@ -115,9 +125,9 @@ fn gguf_gemma_reads_windows_caps_and_bases_as_llama_cpp_does() {
             scaling: RopeScaling::None
         })
     );
-    let (_, whole) = from_gguf(&meta(&[]), &shape("gemma3", 2, &rope)).unwrap();
+    let (_, whole) = from_gguf(&meta(&[]), &shape(Architecture::Gemma3, 2, &rope)).unwrap();
     assert_eq!(whole, [None, None]);
-    let (g2, windows) = from_gguf(&meta(&[]), &shape("gemma2", 46, &rope)).unwrap();
+    let (g2, windows) = from_gguf(&meta(&[]), &shape(Architecture::Gemma2, 46, &rope)).unwrap();
     assert_eq!(windows[..2], [Some(4096), None]);
     assert_eq!(g2.query_pre_attn_scalar, 16.0, "27B: hidden / heads");
     let flags = meta(&[
@@ -127,6 +137,6 @@ fn gguf_gemma_reads_windows_caps_and_bases_as_llama_cpp_does() {
             GgufValue::Array(vec![GgufValue::Bool(false), GgufValue::Bool(true)]),
         ),
     ]);
-    let (_, windows) = from_gguf(&flags, &shape("gemma2", 2, &rope)).unwrap();
+    let (_, windows) = from_gguf(&flags, &shape(Architecture::Gemma2, 2, &rope)).unwrap();
     assert_eq!(windows, [None, Some(8)]);
 }

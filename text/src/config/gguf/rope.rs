@@ -1,6 +1,7 @@
 //! A GGUF file's RoPE scaling, read as llama.cpp reads it.
 
 use super::keys_under;
+use crate::config::Architecture;
 use crate::gguf::{Metadata, Value};
 use crate::rope::{mscale, RopeScaling};
 
@@ -26,10 +27,11 @@ const DEFAULT_ONLY: [(&str, f64); 4] = [
 /// - an `attn_factor` other than 1 outside YaRN, and any other key, are refused.
 pub(super) fn scaling(
     meta: &Metadata,
-    arch: &str,
+    arch: Architecture,
     context_length: usize,
 ) -> Result<RopeScaling, String> {
-    let prefix = format!("{arch}.rope.scaling.");
+    let name = arch.gguf_name();
+    let prefix = format!("{name}.rope.scaling.");
     let number = |name: &str| meta.get(&format!("{prefix}{name}")).and_then(Value::to_f64);
     let kind = meta
         .get(&format!("{prefix}type"))
@@ -38,7 +40,7 @@ pub(super) fn scaling(
     let yarn = kind == "yarn";
     // llama.cpp's converter writes Phi-3's LongRoPE as its factors' tensors, an
     // attention factor and the original context.
-    let longrope = arch == "phi3" && meta.tensors.contains("rope_factors_long.weight");
+    let longrope = arch == Architecture::Phi3 && meta.tensors.contains("rope_factors_long.weight");
     if !matches!(kind, "none" | "linear" | "yarn") {
         return Err(format!(
             "{prefix}type {kind:?} is not supported (none, linear and yarn are)"
@@ -58,7 +60,7 @@ pub(super) fn scaling(
         }
     }
     let factor = meta
-        .get(&format!("{arch}.rope.scale_linear"))
+        .get(&format!("{name}.rope.scale_linear"))
         .and_then(Value::to_f64)
         .or_else(|| number("factor"))
         .filter(|&f| f != 0.0)
@@ -100,15 +102,18 @@ mod tests {
     #[test]
     fn a_gguf_factor_scales_linearly_as_llama_cpp_reads_it() {
         let linear = RopeScaling::Linear { factor: 4.0 };
-        assert_eq!(scaling(&meta(&[]), "llama", 64), Ok(RopeScaling::None));
+        assert_eq!(
+            scaling(&meta(&[]), Architecture::Llama, 64),
+            Ok(RopeScaling::None)
+        );
         let typed = meta(&[
             ("llama.rope.scaling.type", kind("linear")),
             ("llama.rope.scaling.factor", Value::F32(4.0)),
         ]);
-        assert_eq!(scaling(&typed, "llama", 64), Ok(linear.clone()));
+        assert_eq!(scaling(&typed, Architecture::Llama, 64), Ok(linear.clone()));
         // Without a type llama.cpp takes linear, and reads the old key first.
         let untyped = meta(&[("qwen2.rope.scale_linear", Value::F32(4.0))]);
-        assert_eq!(scaling(&untyped, "qwen2", 64), Ok(linear));
+        assert_eq!(scaling(&untyped, Architecture::Qwen2, 64), Ok(linear));
         let none = meta(&[
             ("llama.rope.scaling.type", kind("none")),
             ("llama.rope.scaling.factor", Value::F32(4.0)),
@@ -118,7 +123,10 @@ mod tests {
                 Value::U32(8192),
             ),
         ]);
-        assert_eq!(scaling(&none, "llama", 64), Ok(RopeScaling::None));
+        assert_eq!(
+            scaling(&none, Architecture::Llama, 64),
+            Ok(RopeScaling::None)
+        );
     }
 
     #[test]
@@ -136,7 +144,7 @@ mod tests {
             beta_slow: 1.0,
             truncate: true,
         };
-        assert_eq!(scaling(&yarn, "qwen2", 2048), Ok(expected));
+        assert_eq!(scaling(&yarn, Architecture::Qwen2, 2048), Ok(expected));
         let scaled = meta(&[
             ("qwen2.rope.scaling.type", kind("yarn")),
             ("qwen2.rope.scaling.factor", Value::F32(4.0)),
@@ -147,7 +155,7 @@ mod tests {
             original_max_position_embeddings,
             attention_factor,
             ..
-        }) = scaling(&scaled, "qwen2", 2048)
+        }) = scaling(&scaled, Architecture::Qwen2, 2048)
         else {
             panic!("yarn");
         };
@@ -159,7 +167,7 @@ mod tests {
     fn gguf_scaling_the_engine_does_not_compute_is_refused_by_key() {
         let longrope = meta(&[("phi3.rope.scaling.type", kind("longrope"))]);
         assert_eq!(
-            scaling(&longrope, "phi3", 64),
+            scaling(&longrope, Architecture::Phi3, 64),
             Err(
                 "phi3.rope.scaling.type \"longrope\" is not supported (none, linear and yarn are)"
                     .into()
@@ -167,15 +175,15 @@ mod tests {
         );
         let attn = meta(&[("llama.rope.scaling.attn_factor", Value::F32(0.8))]);
         assert_eq!(
-            scaling(&attn, "llama", 64),
+            scaling(&attn, Architecture::Llama, 64),
             Err("llama.rope.scaling.attn_factor is not supported".into())
         );
         let beta = meta(&[
             ("qwen2.rope.scaling.type", kind("yarn")),
             ("qwen2.rope.scaling.yarn_beta_fast", Value::F32(16.0)),
         ]);
-        assert!(scaling(&beta, "qwen2", 64).is_err());
+        assert!(scaling(&beta, Architecture::Qwen2, 64).is_err());
         let other = meta(&[("llama.rope.scaling.yarn_log_multiplier", Value::F32(0.1))]);
-        assert!(scaling(&other, "llama", 64).is_err());
+        assert!(scaling(&other, Architecture::Llama, 64).is_err());
     }
 }
