@@ -127,7 +127,12 @@ pub fn read_headers(path: &Path) -> Result<Vec<TensorHeader>> {
     let mut file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
     let content = gguf_file::Content::read(&mut file)
         .map_err(|e| EngineError::invalid_model(path, e.to_string()))?;
-    Ok(content
+    Ok(gguf_headers(&content))
+}
+
+/// The tensors of a GGUF file whose header is read.
+pub fn gguf_headers(content: &gguf_file::Content) -> Vec<TensorHeader> {
+    content
         .tensor_infos
         .iter()
         .map(|(name, info)| {
@@ -142,7 +147,7 @@ pub fn read_headers(path: &Path) -> Result<Vec<TensorHeader>> {
                 f32: dtype == GgmlDType::F32,
             }
         })
-        .collect())
+        .collect()
 }
 
 /// One entry of a safetensors header.
@@ -274,11 +279,20 @@ pub fn size(bytes: u64) -> String {
 /// Whether `cfg`'s reserve and the weights at `path` fit this machine; the check
 /// [`crate::load_within`] runs before it reads any weight.
 pub fn check_model(path: &Path, cfg: &ModelConfig, reserve: KvReserve) -> Result<()> {
+    check_headers(path, &read_headers(path)?, cfg, reserve)
+}
+
+/// [`check_model`] for the tensors `headers` of the model at `path`, already read.
+pub fn check_headers(
+    path: &Path,
+    headers: &[TensorHeader],
+    cfg: &ModelConfig,
+    reserve: KvReserve,
+) -> Result<()> {
     let Some(machine) = machine_memory() else {
         return Ok(());
     };
-    let gguf = !path.is_dir();
-    let weights = peak_weight_bytes(&read_headers(path)?, gguf);
+    let weights = peak_weight_bytes(headers, !path.is_dir());
     let kv = reserve.bytes_for(&KvLayout::for_model(cfg));
     check_fits(path, weights, kv, &machine)
 }

@@ -9,6 +9,7 @@ use crate::error::Result;
 use crate::footprint::{self, KvReserve};
 use crate::model::Model;
 use crate::progress::LoadStep;
+use crate::weights::WeightSource;
 
 /// A model with the tokenizer and chat template that came with it.
 pub struct Loaded {
@@ -37,9 +38,18 @@ pub fn load_reporting(
     report: &mut dyn FnMut(LoadStep),
 ) -> Result<Loaded> {
     let text = text::load(path)?;
-    footprint::check_model(path, &text.config, reserve)?;
+    let model = if path.is_dir() {
+        // The safetensors headers alone: opening the folder reads its weights.
+        footprint::check_model(path, &text.config, reserve)?;
+        Model::load_reporting(path, text.config, device, report)?
+    } else {
+        // One read of the GGUF header serves the check and the weights.
+        let mut gguf = WeightSource::open_gguf_listed(path)?;
+        footprint::check_headers(path, &gguf.tensors, &text.config, reserve)?;
+        Model::load_source(text.config, &mut gguf.source, device, report)?
+    };
     Ok(Loaded {
-        model: Model::load_reporting(path, text.config, device, report)?,
+        model,
         tokenizer: text.tokenizer,
         template: text.template,
     })

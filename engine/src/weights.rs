@@ -132,6 +132,13 @@ pub enum WeightSource {
     },
 }
 
+/// A GGUF file opened for its weights, and its tensors as the header lists them (what
+/// the memory check reads before any weight).
+pub struct ListedGguf {
+    pub source: WeightSource,
+    pub tensors: Vec<crate::footprint::TensorHeader>,
+}
+
 #[derive(Deserialize)]
 struct ShardIndex {
     weight_map: HashMap<String, String>,
@@ -188,16 +195,23 @@ impl WeightSource {
 
     /// Opens a GGUF file; tensors are read lazily by name.
     pub fn open_gguf(path: &Path) -> Result<Self> {
+        Ok(Self::open_gguf_listed(path)?.source)
+    }
+
+    /// [`WeightSource::open_gguf`], with the file's tensors as its header lists them.
+    pub fn open_gguf_listed(path: &Path) -> Result<ListedGguf> {
         let file = File::open(path).map_err(|e| EngineError::io(path, e))?;
         let mut reader = BufReader::new(file);
         let content = gguf_file::Content::read(&mut reader)
             .map_err(|e| EngineError::invalid_model(path, e.to_string()))?;
-        Ok(Self::Gguf {
+        let tensors = crate::footprint::gguf_headers(&content);
+        let source = Self::Gguf {
             path: path.to_path_buf(),
             content,
             reader,
             read: HashSet::new(),
-        })
+        };
+        Ok(ListedGguf { source, tensors })
     }
 
     /// The folder or file the weights come from.

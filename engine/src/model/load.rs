@@ -150,18 +150,27 @@ impl Model {
         device: &Device,
         report: &mut dyn FnMut(LoadStep),
     ) -> Result<Self> {
-        let (mut src, names) = if path.is_dir() {
-            let src = WeightSource::open_hf_folder(path, device, report)?;
-            let names = if cfg.gemma.is_some() {
-                &GEMMA_HF_NAMES
-            } else {
-                &HF_NAMES
-            };
-            (src, names)
+        let mut src = if path.is_dir() {
+            WeightSource::open_hf_folder(path, device, report)?
         } else {
-            (WeightSource::open_gguf(path)?, &GGUF_NAMES)
+            WeightSource::open_gguf(path)?
         };
-        Self::from_source(cfg, &mut src, names, device, report)
+        Self::load_source(cfg, &mut src, device, report)
+    }
+
+    /// The model whose weights `src` holds (opened from a folder or a GGUF file).
+    pub(crate) fn load_source(
+        cfg: ModelConfig,
+        src: &mut WeightSource,
+        device: &Device,
+        report: &mut dyn FnMut(LoadStep),
+    ) -> Result<Self> {
+        let names = match src {
+            WeightSource::Gguf { .. } => &GGUF_NAMES,
+            WeightSource::SafeTensors { .. } if cfg.gemma.is_some() => &GEMMA_HF_NAMES,
+            WeightSource::SafeTensors { .. } => &HF_NAMES,
+        };
+        Self::from_source(cfg, src, names, device, report)
     }
 
     fn from_source(

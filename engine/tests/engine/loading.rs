@@ -290,33 +290,38 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
 }
 
 /// A node whose KV reserve and weights exceed the machine is refused before any weight is
-/// read, with both numbers; this machine's own limit is the bound.
+/// read, with both numbers; this machine's own limit is the bound. For a folder and for
+/// a GGUF file (whose header the check and the weights share).
 #[test]
 fn a_model_and_reserve_past_the_machines_memory_are_refused_at_load() {
     let machine = engine::footprint::machine_memory().expect("a Linux machine's MemTotal");
     let dir = common::tiny_model_dir();
-    let fits = engine::KvReserve {
-        bytes: 1 << 20,
-        positions: 1024,
-    };
-    assert!(engine::load_within(&dir, &Device::Cpu, fits).is_ok());
-    let past = engine::KvReserve {
-        bytes: machine.bytes,
-        positions: 0,
-    };
-    let err = engine::load_within(&dir, &Device::Cpu, past)
-        .err()
-        .expect("a reserve of the whole machine plus weights must be refused");
-    let text = err.to_string();
-    assert!(
-        matches!(err, engine::EngineError::OutOfMemory { .. }),
-        "{text}"
-    );
-    assert!(
-        text.contains(&engine::footprint::size(machine.bytes)),
-        "{text}"
-    );
-    assert!(text.contains("does not fit"), "{text}");
+    let gguf = scratch("footprint").join("model-q8_0.gguf");
+    engine::gguf_export::export_gguf(&dir, &gguf, GgmlDType::Q8_0).unwrap();
+    for path in [dir, gguf] {
+        let fits = engine::KvReserve {
+            bytes: 1 << 20,
+            positions: 1024,
+        };
+        assert!(engine::load_within(&path, &Device::Cpu, fits).is_ok());
+        let past = engine::KvReserve {
+            bytes: machine.bytes,
+            positions: 0,
+        };
+        let err = engine::load_within(&path, &Device::Cpu, past)
+            .err()
+            .expect("a reserve of the whole machine plus weights must be refused");
+        let text = err.to_string();
+        assert!(
+            matches!(err, engine::EngineError::OutOfMemory { .. }),
+            "{text}"
+        );
+        assert!(
+            text.contains(&engine::footprint::size(machine.bytes)),
+            "{text}"
+        );
+        assert!(text.contains("does not fit"), "{text}");
+    }
 }
 
 /// Streaming pieces are whole characters and add up to the full decode.
