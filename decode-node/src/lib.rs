@@ -112,6 +112,8 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let advertise = cfg.cluster.advertise(listener.local_addr()?)?;
+    // Up before the model loads: probes see a node that loads, not a dead one.
+    let ops = runtime::ops::Ops::start(cfg.cluster.metrics_listen).await?;
     let path = cfg.model.clone();
     let reserve = match cfg.kv_blocks {
         Some(blocks) => engine::KvReserve {
@@ -203,6 +205,7 @@ pub async fn serve(
             }),
         },
         gate,
+        ops,
         compute,
         until_stopped: Some(Box::new(stop_kv)),
     };

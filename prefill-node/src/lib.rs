@@ -75,6 +75,8 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let advertise = cfg.cluster.advertise(listener.local_addr()?)?;
+    // Up before the model loads: probes see a node that loads, not a dead one.
+    let ops = runtime::ops::Ops::start(cfg.cluster.metrics_listen).await?;
     let path = cfg.model.clone();
     // The prompts started at once each hold a cache of their length, beside the prefix
     // cache: the KV memory the node may take.
@@ -142,6 +144,7 @@ pub async fn serve(
             side: None,
         },
         gate,
+        ops,
         // The server drops the service and with it the job sender (the metrics closure's
         // clone too): the thread ends.
         compute,

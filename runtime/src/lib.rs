@@ -3,6 +3,7 @@
 
 pub mod channel;
 pub mod cpu;
+pub mod ops;
 pub mod process;
 pub mod prom;
 pub mod sniff;

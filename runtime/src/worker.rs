@@ -101,6 +101,11 @@ pub struct ClusterArgs {
     /// it.)
     #[arg(long, env = "TANDEM_GRPC_MAX_MESSAGE_BYTES", default_value_t = crate::DEFAULT_MAX_MESSAGE)]
     pub grpc_max_message_bytes: usize,
+    /// Address of the operations listener: plain HTTP `/health`, `/health/ready` and
+    /// `/metrics`, apart from the gRPC port and its TLS, for probes and Prometheus
+    /// (default: none; the gRPC port answers `GET /metrics` as well).
+    #[arg(long, env = "TANDEM_METRICS_LISTEN")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     #[command(flatten)]
     pub tls: tls::TlsArgs,
     #[command(flatten)]
@@ -149,6 +154,11 @@ impl Drop for Pass {
 }
 
 impl Gate {
+    /// From now on, refuse new work.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
     /// True once the worker has been told to stop.
     pub fn draining(&self) -> bool {
         self.draining.load(Ordering::Acquire)
@@ -234,10 +244,16 @@ async fn serve_worker<R: Fn() -> String + Clone + Send + Sync + 'static>(
         ))
     };
     let grace = Duration::from_secs(args.drain_grace_s);
+    // grpc.health.v1 on the gRPC port: SERVING from the start (the model is loaded),
+    // NOT_SERVING from the drain on.
+    let (health, health_service) = tonic_health::server::health_reporter();
     let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
     let drain = async move {
         shutdown.await;
-        gate.draining.store(true, Ordering::Release);
+        gate.start_draining();
+        health
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
         tracing::info!(in_flight = gate.in_flight(), "draining: no new work");
         if let Some(r) = registration {
             r.deregister().await;
@@ -262,7 +278,10 @@ async fn serve_worker<R: Fn() -> String + Clone + Send + Sync + 'static>(
         served.side,
         // The workers' request services are the router's to call (the KV plane, which
         // prefill nodes use, checks its own callers).
-        (served.routes, &[tls::Role::Router]),
+        (
+            served.routes.add_service(health_service),
+            &[tls::Role::Router],
+        ),
         served.render,
         drain,
     );
@@ -294,6 +313,8 @@ pub struct Node<R> {
     pub capacity: discovery::Capacity,
     pub served: Served<R>,
     pub gate: Gate,
+    /// Its operations listener, told here that the node serves.
+    pub ops: crate::ops::Ops,
     /// The compute thread: it ends once the server has dropped the node's services.
     pub compute: std::thread::JoinHandle<()>,
     /// Held while the server runs and dropped once it has stopped, before the compute
@@ -319,7 +340,11 @@ pub async fn serve_node<R: Fn() -> String + Clone + Send + Sync + 'static>(
         node.layout,
         node.capacity,
     );
-    serve_worker(listener, node.served, shutdown, args, info, node.gate).await?;
+    node.ops
+        .serving(node.gate.clone(), node.served.render.clone());
+    let served = serve_worker(listener, node.served, shutdown, args, info, node.gate).await;
+    node.ops.stopped();
+    served?;
     drop(node.until_stopped);
     let compute = node.compute;
     let _ = tokio::task::spawn_blocking(move || compute.join()).await;

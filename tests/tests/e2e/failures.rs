@@ -15,7 +15,7 @@ use serde_json::json;
 use super::cluster::*;
 
 /// A prompt of at least `tokens` tokens of the tiny model, counted with its tokenizer.
-fn long_prompt(tokens: usize) -> String {
+pub(crate) fn long_prompt(tokens: usize) -> String {
     let tk = text::Tokenizer::from_file(&tiny_model().join("tokenizer.json"))
         .expect("the tiny model's tokenizer");
     let mut prompt = String::new();

@@ -11,6 +11,7 @@ mod echo;
 mod errors;
 mod failures;
 mod fuzz;
+mod health;
 mod http_bounds;
 mod hub;
 mod kv_budget;
