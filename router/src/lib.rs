@@ -8,7 +8,6 @@ mod chat;
 pub mod config;
 pub mod dispatch;
 pub mod error;
-pub mod http;
 mod intake;
 pub mod keys;
 pub mod metrics;
@@ -178,7 +177,7 @@ pub async fn serve(
         ),
         _ => None,
     };
-    let limits = http::Limits {
+    let limits = runtime::http::Limits {
         max_header_bytes: usize::try_from(cfg.max_header_bytes).unwrap_or(usize::MAX),
         header_timeout: std::time::Duration::from_millis(cfg.header_timeout_ms),
         write_stall: std::time::Duration::from_millis(cfg.client_stall_timeout_ms),
@@ -200,19 +199,20 @@ pub async fn serve(
             let _ = stopping.wait_for(|s| *s).await;
         }
     };
-    let ops = http::serve(
+    let stalls = Arc::clone(&state.metrics);
+    let on_stall: runtime::http::OnStall = Arc::new(move || stalls.client_stalled());
+    let ops = runtime::http::serve(
         tls::accept(listeners.ops, https.clone(), OPS_CONNECTIONS)?,
         ops_app(Arc::clone(&state)),
         limits,
-        Arc::clone(&state.metrics),
+        Arc::clone(&on_stall),
         stopped(),
     );
-    let metrics = Arc::clone(&state.metrics);
-    let api = http::serve(
+    let api = runtime::http::serve(
         tls::accept(listeners.api, https, max_connections)?,
         app(state),
         limits,
-        metrics,
+        on_stall,
         stopped(),
     );
     tokio::join!(api, ops);

@@ -3,6 +3,7 @@
 
 pub mod channel;
 pub mod cpu;
+pub mod http;
 pub mod ops;
 pub mod process;
 pub mod prom;
@@ -42,6 +43,12 @@ pub const MAX_FRAME: u32 = 1 << 20;
 /// KV connections each) and Prometheus: far fewer, so only a peer that opens sockets
 /// without end meets it.
 pub const MAX_PEER_CONNECTIONS: usize = 4096;
+/// A worker's operations listener: connections open at once (probes and scrapers need a
+/// few), the largest request head, and how long a head may take to arrive or a response
+/// wait on a reader, so that nothing that reaches the port holds it.
+pub const OPS_MAX_CONNECTIONS: usize = 64;
+pub const OPS_MAX_HEADER_BYTES: usize = 16 << 10;
+pub const OPS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Largest gRPC message on any hop unless configured otherwise (see
 /// `--grpc-max-message-bytes`).

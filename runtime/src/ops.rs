@@ -49,12 +49,21 @@ impl Ops {
             .await
             .map_err(ServeError::Listen)?;
         tracing::info!(addr = %listener.local_addr().map_err(ServeError::Listen)?, "operations listener");
-        let app = ops.app();
-        tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                tracing::warn!(error = %e, "the operations listener stopped");
-            }
-        });
+        let incoming =
+            tls::accept(listener, None, crate::OPS_MAX_CONNECTIONS).map_err(ServeError::Listen)?;
+        let limits = crate::http::Limits {
+            max_header_bytes: crate::OPS_MAX_HEADER_BYTES,
+            header_timeout: crate::OPS_TIMEOUT,
+            write_stall: crate::OPS_TIMEOUT,
+        };
+        // Served until the process ends: probes must see the drain.
+        tokio::spawn(crate::http::serve(
+            incoming,
+            ops.app(),
+            limits,
+            Arc::new(|| {}),
+            std::future::pending(),
+        ));
         Ok(ops)
     }
 

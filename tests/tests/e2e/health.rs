@@ -2,7 +2,7 @@
 //! plain HTTP `/health`, `/health/ready`, `/metrics`) and `grpc.health.v1` on the gRPC
 //! port, while it serves and once it drains with a prompt in flight.
 
-use e2e::{free_port, metric, poll_until, try_get};
+use e2e::{free_port, metric, poll_until, tiny_model, try_get, Fleet};
 use serde_json::json;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -95,4 +95,38 @@ async fn a_worker_is_ready_while_it_serves_and_not_once_it_drains() {
         "{exit:?}; logs:\n{}",
         f.logs()
     );
+}
+
+/// A peer that opens the operations listener and drips half a request head is cut off
+/// once the head has taken `runtime::OPS_TIMEOUT`: it cannot hold the probes' port.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_half_sent_head_on_the_operations_listener_is_cut_off() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let ops = format!("127.0.0.1:{}", free_port());
+    let mut f = Fleet::start(&tiny_model(), ROUTER).await;
+    f.add_decode(&with(WORKER, &["--metrics-listen", &ops]));
+    poll_until(SEE, || async {
+        (try_get(&format!("http://{ops}/health")).await?.0 == 200).then_some(())
+    })
+    .await
+    .unwrap_or_else(|| {
+        panic!(
+            "the operations listener never answered; logs:\n{}",
+            f.logs()
+        )
+    });
+    let mut sock = tokio::net::TcpStream::connect(&ops).await.unwrap();
+    sock.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 512];
+    let limit = runtime::OPS_TIMEOUT + std::time::Duration::from_secs(5);
+    let read = tokio::time::timeout(limit, sock.read(&mut buf)).await;
+    assert!(
+        matches!(read, Ok(Ok(_)) | Ok(Err(_))),
+        "still open {limit:?} after half a head; logs:\n{}",
+        f.logs()
+    );
+    let answer = try_get(&format!("http://{ops}/health")).await;
+    assert_eq!(answer.map(|r| r.0), Some(200));
 }
