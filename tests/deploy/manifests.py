@@ -162,8 +162,7 @@ def check_pod_consistency(t, c_label, wl, spec, c, env, binary, volumes, by_key)
     mounts = c.get("volumeMounts") or []
 
     def mounted(path):
-        return next((m for m in mounts if path == m["mountPath"]
-                     or path.startswith(m["mountPath"].rstrip("/") + "/")), None)
+        return mount_of(mounts, path)
 
     model = eff.get("model") or ""
     if model.startswith("/"):
@@ -264,6 +263,12 @@ def check_pod_consistency(t, c_label, wl, spec, c, env, binary, volumes, by_key)
     return eff, tls_secrets
 
 
+def mount_of(mounts, path):
+    """The volumeMount of `mounts` that `path` lies under (or is), else None."""
+    return next((m for m in mounts if path == m["mountPath"]
+                 or path.startswith(m["mountPath"].rstrip("/") + "/")), None)
+
+
 def hub_cache(env):
     """The Hugging Face cache folder `env` gives (hub/src/lib.rs Options::from_vars)."""
     if env.get("HF_HUB_CACHE"):
@@ -286,9 +291,7 @@ def check_hub_model(t, c_label, spec, model, env, mounted, by_key):
     for f in fetchers:
         f_env = env_dict(container_env(f, by_key))
         f_cache = hub_cache(f_env)
-        fm = next((x for x in f.get("volumeMounts") or [] if f_cache and (
-            f_cache == x["mountPath"] or f_cache.startswith(x["mountPath"].rstrip("/") + "/"))),
-            None)
+        fm = mount_of(f.get("volumeMounts") or [], f_cache) if f_cache else None
         ok = ok or (f_env.get("TANDEM_MODEL") == model and f_env.get("HF_HUB_OFFLINE") != "1"
                     and fm is not None and m is not None and fm["name"] == m["name"]
                     and os.path.relpath(f_cache, fm["mountPath"])
@@ -316,8 +319,7 @@ def secret_file(path, mounts, volumes, by_key):
     """(Secret name, None) when `path` is a key of a Secret volume mounted read-only and whole,
     else (name or None, why not). A Secret not among the rendered objects (made by
     cert-manager or kubectl) is taken to hold TLS_SECRET_KEYS."""
-    m = next((m for m in mounts if path == m["mountPath"]
-              or path.startswith(m["mountPath"].rstrip("/") + "/")), None)
+    m = mount_of(mounts, path)
     vol = volumes.get(m["name"]) if m else None
     if not vol or "secret" not in vol:
         return None, "not under a Secret volume"
