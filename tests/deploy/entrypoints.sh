@@ -159,6 +159,15 @@ for _ in $(seq 600); do
   sleep 0.2
 done
 if [ -n "$ready" ]; then ok "router /health/ready"; else bad "router /health/ready"; logs; fi
+# What the workers' readiness probes ask: their operations port, apart from gRPC.
+for c in prefill decode; do
+  port_ref="PORT_${c}_metrics"
+  if curl -sf "http://127.0.0.1:${!port_ref}/health/ready" >/dev/null 2>&1; then
+    ok "$c /health/ready on its operations port"
+  else
+    bad "$c /health/ready on its operations port"
+  fi
+done
 
 if command -v etcdctl >/dev/null; then
   keys="$(etcdctl_ get --prefix "$prefix" --keys-only | grep -c . || true)"
@@ -216,7 +225,7 @@ curl -s -o "$work/long.json" -w '%{http_code}' "$router/v1/completions" \
   >"$work/long.code" &
 long_pid=$!
 for _ in $(seq 200); do
-  curl -s "http://127.0.0.1:$PORT_decode/metrics" | grep -Eq '^decode_running_sequences 1' && break
+  curl -s "http://127.0.0.1:$PORT_decode_metrics/metrics" | grep -Eq '^decode_running_sequences 1' && break
   sleep 0.05
 done
 term prefill

@@ -24,8 +24,8 @@ import helm
 import monitoring
 import network
 from objects import (FETCHER, K8S, Tally, binary_help, container_env, effective, env_dict, index,
-                     mib, pod_specs, referenced_vars, render, split_args, tandem_binary,
-                     targets, validate_object)
+                     mib, pod_specs, port_of, port_security, referenced_vars, render,
+                     split_args, tandem_binary, targets, validate_object)
 from selftest import selftest
 
 # What a worker takes after its drain to close connections (runtime/src/worker.rs CLOSE_GRACE).
@@ -173,46 +173,40 @@ def check_pod_consistency(t, c_label, wl, spec, c, env, binary, volumes, by_key)
         check_hub_model(t, c_label, spec, model, env_dict(env), mounted, by_key)
 
     listen = eff.get("listen") or ""
-    lport = int(listen.rsplit(":", 1)[1]) if ":" in listen else None
+    lport = port_of(listen)
     t.ok(f"{c_label} listens on all addresses ({listen})", listen.startswith("0.0.0.0:"))
     t.ok(f"{c_label} listen port {lport} is a containerPort", lport in ports)
-    # TLS on the listen port: the router's API with --https-cert (server TLS only), a worker's
-    # gRPC port with --tls-cert (mutual: every client must present a certificate of the CA).
-    tls_port = eff.get("https-cert" if binary == "tandem-router" else "tls-cert")
-    mutual = binary != "tandem-router" and tls_port
+    security = port_security(eff, binary)
     named = {pp.get("name"): pp["containerPort"] for pp in c.get("ports") or []}
-    # A router answers probes (and Prometheus) on its operations listener, never on the
-    # API's port; a worker on its listen port.
-    probe_flag = "metrics-listen" if binary == "tandem-router" else "listen"
-    probe_at = eff.get(probe_flag) or ""
-    pport = int(probe_at.rsplit(":", 1)[1]) if ":" in probe_at else None
-    if binary == "tandem-router":
-        t.ok(f"{c_label} metrics-listen port {pport} is a containerPort apart from the API's",
-             pport in ports and pport != lport)
+    # Probes and Prometheus ask the operations listener, never the API's port (whose clients
+    # must not read the cluster's state) nor a worker's gRPC port (whose mutual TLS the
+    # kubelet cannot pass: it holds no client certificate).
+    pport = port_of(eff.get("metrics-listen"))
+    t.ok(f"{c_label} metrics-listen port {pport} is a containerPort apart from the listen port",
+         pport in ports and pport != lport)
     annotations = (wl["spec"]["template"].get("metadata") or {}).get("annotations") or {}
     if annotations.get("prometheus.io/scrape") == "true":
-        t.ok(f"{c_label} prometheus.io/port is the {probe_flag} port ({pport})",
+        t.ok(f"{c_label} prometheus.io/port is the metrics-listen port ({pport})",
              str(annotations.get("prometheus.io/port")) == str(pport))
-    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        want = "https" if security.get(pport) == "server" else "http"
+        t.ok(f"{c_label} prometheus.io/scheme is {want}",
+             annotations.get("prometheus.io/scheme", "http") == want)
+    for probe, paths in PROBE_PATHS.items():
         p = c.get(probe)
         if not t.ok(f"{c_label} has a {probe}", p is not None):
             continue
         kind, port = probe_target(p, named)
-        t.ok(f"{c_label} {probe} ({kind}) port {port} is the {probe_flag} port", port == pport)
-        if kind == "httpGet":
-            scheme = p["httpGet"].get("scheme", "HTTP")
-            want = "HTTPS" if tls_port else "HTTP"
-            t.ok(f"{c_label} {probe} scheme {scheme} is the listen port's ({want})",
-                 scheme == want)
-        if mutual:
-            t.ok(f"{c_label} {probe} ({kind}) can pass the mutual-TLS port",
-                 kind not in ("httpGet", "grpc"),
-                 "an httpGet or grpc probe is refused in the handshake: the kubelet presents "
-                 "no client certificate")
-    if annotations.get("prometheus.io/scrape") == "true":
-        want = "https" if tls_port else "http"
-        t.ok(f"{c_label} prometheus.io/scheme is {want}",
-             annotations.get("prometheus.io/scheme", "http") == want)
+        t.ok(f"{c_label} {probe} ({kind}) port {port} is the metrics-listen port",
+             port == pport)
+        if not t.ok(f"{c_label} {probe} is an httpGet", kind == "httpGet", f"a {kind} probe"):
+            continue
+        path = p["httpGet"].get("path")
+        t.ok(f"{c_label} {probe} asks {path}, one of {', '.join(paths)}", path in paths,
+             "/health/ready is the one that turns 503 while loading and draining")
+        scheme = p["httpGet"].get("scheme", "HTTP")
+        want = "HTTPS" if security.get(port) == "server" else "HTTP"
+        t.ok(f"{c_label} {probe} scheme {scheme} is the probed port's ({want})",
+             scheme == want)
 
     # TLS files come from Secret volumes mounted whole (a subPath mount never sees a renewal).
     tls_secrets = {}
@@ -298,6 +292,16 @@ def check_hub_model(t, c_label, spec, model, env, mounted, by_key):
                     == os.path.relpath(cache, m["mountPath"]) and not fm.get("readOnly"))
     t.ok(f"{c_label} an init container fetches {model} into the same cache", ok,
          f"no {FETCHER} init container writes {model} to the volume at {cache}")
+
+
+# What each probe may ask the operations listener: readiness is /health/ready (503 while the
+# model loads and once the drain starts), liveness /health (the process answers); a startup
+# probe either (a worker's waits for the model, a router's only for the process).
+PROBE_PATHS = {
+    "livenessProbe": ("/health",),
+    "readinessProbe": ("/health/ready",),
+    "startupProbe": ("/health", "/health/ready"),
+}
 
 
 def probe_target(probe, named_ports):

@@ -9,6 +9,8 @@ import re
 
 import yaml
 
+from objects import FETCHER, container_env, effective, index, port_security, tandem_binary
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SOURCES = ("router/src", "prefill-node/src", "decode-node/src", "runtime/src")
 METRIC = re.compile(r"\b((?:router|prefill|decode)_[a-z_]+)\b")
@@ -89,36 +91,57 @@ def check(t, label, objs, pod_specs):
         what = f"{label} {m['kind']}/{m['metadata']['name']}"
         if m["kind"] == "ServiceMonitor":
             hits = [s for s in services if matches(sel, s["metadata"].get("labels") or {})]
-            ports = {p.get("name") for s in hits for p in s["spec"]["ports"]}
+            ports = {p.get("name"): None for s in hits for p in s["spec"]["ports"]}
             endpoints = m["spec"]["endpoints"]
         else:
             hits = [w for w, _ in pod_specs
                     if matches(sel, w["spec"]["template"]["metadata"]["labels"])]
-            ports = {p.get("name") for w in hits
-                     for c in w["spec"]["template"]["spec"]["containers"]
-                     for p in c.get("ports") or []}
+            ports = pod_ports(objs, hits)
             endpoints = m["spec"]["podMetricsEndpoints"]
         t.ok(f"{what} selects something", bool(hits), f"selector {sel} matches nothing")
         for e in endpoints:
-            t.ok(f"{what} port {e.get('port')} exists", e.get("port") in ports,
-                 f"no port named {e.get('port')!r} among {sorted(p for p in ports if p)}")
-            if serves_tls(objs):
-                tls = e.get("tlsConfig") or {}
-                t.ok(f"{what} port {e.get('port')} scrapes over TLS with a client certificate",
-                     e.get("scheme") == "https" and "cert" in tls and "keySecret" in tls,
-                     "the pods serve /metrics only over mutual TLS")
+            port = e.get("port")
+            if not t.ok(f"{what} port {port} exists", port in ports,
+                        f"no port named {port!r} among {sorted(p for p in ports if p)}"):
+                continue
+            check_scheme(t, f"{what} port {port}", e, ports[port])
 
 
-def serves_tls(objs):
-    """Whether the pods serve TLS: a ConfigMap or a container sets TANDEM_TLS_CERT."""
-    for o in objs:
-        if o["kind"] == "ConfigMap" and "TANDEM_TLS_CERT" in (o.get("data") or {}):
-            return True
-        spec = ((o.get("spec") or {}).get("template") or {}).get("spec") or {}
-        for c in spec.get("containers") or []:
-            if any(e.get("name") == "TANDEM_TLS_CERT" for e in c.get("env") or []):
-                return True
-    return False
+def pod_ports(objs, workloads):
+    """{port name: "mutual", "server", "plain" or None (not a Tandem listener)} of the
+    containers of `workloads`; a name that speaks differently in two pods is the stricter."""
+    by_key = index(objs)
+    order = [None, "plain", "server", "mutual"]
+    out = {}
+    for w in workloads:
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            binary = tandem_binary(c)
+            security = (port_security(effective(c, container_env(c, by_key), binary), binary)
+                        if binary and binary != FETCHER else {})
+            for p in c.get("ports") or []:
+                name = p.get("name")
+                if name:
+                    s = security.get(p["containerPort"])
+                    out[name] = max(out.get(name), s, key=order.index)
+    return out
+
+
+def check_scheme(t, what, endpoint, security):
+    """A scrape speaks what its port does: TLS checked against a CA, with a client
+    certificate where the port asks every caller for one; plain HTTP otherwise."""
+    if security is None:
+        return
+    tls = endpoint.get("tlsConfig") or {}
+    if security == "plain":
+        t.ok(f"{what} scrapes over plain HTTP", endpoint.get("scheme", "http") == "http",
+             "the operations listener of a worker speaks no TLS")
+        return
+    t.ok(f"{what} scrapes over TLS checked against a CA",
+         endpoint.get("scheme") == "https" and "ca" in tls,
+         f"the port speaks TLS; scheme {endpoint.get('scheme')!r}, tlsConfig {sorted(tls)}")
+    if security == "mutual":
+        t.ok(f"{what} presents a client certificate", "cert" in tls and "keySecret" in tls,
+             "the port asks every caller for a certificate of the CA")
 
 
 def matches(selector, labels):

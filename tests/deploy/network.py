@@ -12,6 +12,8 @@ from objects import FETCHER, pod_specs, tandem_binary
 
 NAMESPACE = "tandem"
 SCRAPERS = "monitoring"
+# Every Tandem pod's operations listener (--metrics-listen): probes and Prometheus.
+OPS_PORT = 9464
 
 
 def pod(ns, labels, ports=None, name=None):
@@ -151,16 +153,20 @@ def flows(parts):
         out.append((p, CLIENT, 22, "TCP", False))
     for r in parts["router"]:
         out += [(CLIENT, r, 8080, "TCP", True), (STRANGER, r, 8080, "TCP", True),
-                (SCRAPER, r, 9464, "TCP", True), (STRANGER, r, 9464, "TCP", False)]
+                (SCRAPER, r, OPS_PORT, "TCP", True), (STRANGER, r, OPS_PORT, "TCP", False)]
         out += [(r, w, 50051, "TCP", True) for w in parts["prefill"]]
         out += [(r, w, 50052, "TCP", True) for w in parts["decode"]]
+    for w in parts["prefill"] + parts["decode"]:
+        # The operations listener: the scrapers only; they have no business on gRPC.
+        out += [(SCRAPER, w, OPS_PORT, "TCP", True), (STRANGER, w, OPS_PORT, "TCP", False),
+                (CLIENT, w, OPS_PORT, "TCP", False)]
     for w in parts["prefill"]:
-        out += [(SCRAPER, w, 50051, "TCP", True), (STRANGER, w, 50051, "TCP", False),
+        out += [(SCRAPER, w, 50051, "TCP", False), (STRANGER, w, 50051, "TCP", False),
                 (CLIENT, w, 50051, "TCP", False)]
         out += [(w, d, 50052, "TCP", True) for d in parts["decode"]]
         out += [(d, w, 50051, "TCP", False) for d in parts["decode"]]
     for d in parts["decode"]:
-        out += [(SCRAPER, d, 50052, "TCP", True), (STRANGER, d, 50052, "TCP", False),
+        out += [(SCRAPER, d, 50052, "TCP", False), (STRANGER, d, 50052, "TCP", False),
                 (CLIENT, d, 50052, "TCP", False)]
         out += [(d, r, 8080, "TCP", False) for r in parts["router"]]
     for e in parts["etcd"]:

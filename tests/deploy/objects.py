@@ -346,6 +346,28 @@ def effective(container, env, binary):
     return out
 
 
+def port_of(addr):
+    """The port of a HOST:PORT flag value, or None."""
+    return int(addr.rsplit(":", 1)[1]) if addr and ":" in addr else None
+
+
+def port_security(eff, binary):
+    """{port: "mutual", "server" or "plain"} of a Tandem binary's listeners, from its
+    effective flags: a worker's gRPC port with --tls-cert asks every caller for a certificate
+    of the CA (mutual); the router's API and operations ports with --https-cert are TLS that
+    asks for none (server); a worker's operations listener is always plain HTTP."""
+    out = {}
+    if binary == "tandem-router":
+        tls = "server" if eff.get("https-cert") else "plain"
+        for flag in ("listen", "metrics-listen"):
+            out[port_of(eff.get(flag))] = tls
+    else:
+        out[port_of(eff.get("listen"))] = "mutual" if eff.get("tls-cert") else "plain"
+        out[port_of(eff.get("metrics-listen"))] = "plain"
+    out.pop(None, None)
+    return out
+
+
 def mib(quantity):
     """A memory quantity in MiB."""
     units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 ** 2,

@@ -245,26 +245,6 @@ resources:
     defaultMode: 0440
 {{- end }}
 
-{{/*
-  A worker's probe. Plain: GET /metrics on the gRPC port. With mutual TLS the kubelet has no
-  client certificate, so the probe writes one byte that is not TLS and expects the TLS alert
-  (record type 0x15) the worker sends once it serves (the kustomize mtls component's probe,
-  which says why).
-*/}}
-{{- define "tandem.workerProbe" -}}
-{{- if .root.Values.tls.enabled -}}
-exec:
-  command:
-    - bash
-    - -c
-    - exec 3<>/dev/tcp/127.0.0.1/{{ .port }} && printf '\0' >&3 && timeout 2 head -c 1 <&3 | od -An -tx1 | grep -qw 15
-{{- else -}}
-httpGet:
-  path: /metrics
-  port: grpc
-{{- end }}
-{{- end }}
-
 {{- define "tandem.modelMounts" -}}
 - name: models
   mountPath: /models
