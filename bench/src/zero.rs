@@ -25,10 +25,11 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tonic::Status;
 
-/// What the zero-compute nodes need from the model: its KV layout (routers check it) and
-/// an ordinary token to emit, so that detokenizing stays part of the router's cost.
+/// What the zero-compute nodes need from the model: its name and KV layout (routers check
+/// both) and an ordinary token to emit, so that detokenizing stays part of the router's cost.
 #[derive(Debug, Clone)]
 pub struct ZeroModel {
+    name: String,
     layout: proto::v1::KvLayout,
     token: u32,
 }
@@ -44,6 +45,7 @@ impl ZeroModel {
             .copied()
             .unwrap_or(0);
         Ok(Self {
+            name: discovery::model_identity(path),
             layout: kvwire::convert::layout_to_proto(&engine::KvLayout::for_model(&text.config)),
             token,
         })
@@ -52,6 +54,8 @@ impl ZeroModel {
     fn health(&self, role: &str) -> HealthReply {
         HealthReply {
             role: role.into(),
+            model: self.name.clone(),
+            engine_version: runtime::VERSION.into(),
             layout: Some(self.layout.clone()),
             draining: false,
             load: Some(WorkerLoad {

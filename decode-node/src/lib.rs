@@ -154,6 +154,7 @@ pub async fn serve(
         Arc::clone(&tickets),
         Arc::clone(&budget),
         service::Shape {
+            model: discovery::model_identity(&cfg.model),
             layout: layout.clone(),
             intake,
             max_batch: cfg.max_batch_size.max(1),

@@ -24,6 +24,8 @@ use crate::store::{Reserved, Tickets};
 /// What requests are checked against: the model's cache layout, its bounds and grammars,
 /// and the batch.
 pub struct Shape {
+    /// The model's name as routers know it ([`discovery::model_identity`]).
+    pub model: String,
     pub layout: KvLayout,
     /// What requests are checked against, and what their grammars compile with.
     pub intake: intake::Intake,
@@ -320,6 +322,8 @@ impl proto::v1::decode_server::Decode for DecodeService {
         let capacity = self.budget.capacity() as u64;
         Ok(Response::new(HealthReply {
             role: "decode".into(),
+            model: self.shape.model.clone(),
+            engine_version: runtime::VERSION.into(),
             layout: Some(kvwire::convert::layout_to_proto(&self.shape.layout)),
             draining: self.gate.draining(),
             load: Some(proto::v1::WorkerLoad {

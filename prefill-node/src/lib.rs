@@ -114,6 +114,7 @@ pub async fn serve(
         );
     }
     let setup = service::Setup {
+        model: discovery::model_identity(&cfg.model),
         layout,
         intake,
         kv: kv_client(cfg)?,

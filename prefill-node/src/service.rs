@@ -28,11 +28,15 @@ pub struct PrefillService {
     kv: Arc<kvwire::Client>,
     targets: DecodeTargets,
     gate: runtime::Gate,
+    /// The model's name as routers know it (its folder or file name).
+    model: String,
 }
 
 /// What a prefill node is given beside its queue: its model's shape, and where it may send
 /// KV caches.
 pub struct Setup {
+    /// The model's name as routers know it ([`discovery::model_identity`]).
+    pub model: String,
     pub layout: KvLayout,
     /// What requests are checked against, and what their grammars compile with.
     pub intake: intake::Intake,
@@ -57,6 +61,7 @@ impl PrefillService {
             intake: setup.intake,
             kv: Arc::new(setup.kv),
             targets: setup.targets,
+            model: setup.model,
             gate,
         }
     }
@@ -235,6 +240,8 @@ impl proto::v1::prefill_server::Prefill for PrefillService {
         let m = &self.metrics;
         Ok(Response::new(HealthReply {
             role: "prefill".into(),
+            model: self.model.clone(),
+            engine_version: runtime::VERSION.into(),
             layout: Some(kvwire::convert::layout_to_proto(&self.layout)),
             draining: self.gate.draining(),
             load: Some(proto::v1::WorkerLoad {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use discovery::Role;
 use proto::v1::decode_client::DecodeClient;
 use proto::v1::prefill_client::PrefillClient;
-use proto::v1::{HealthRequest, WorkerLoad};
+use proto::v1::{HealthReply, HealthRequest, WorkerLoad};
 use runtime::Channel;
 
 use crate::error::RouterError;
@@ -116,6 +116,38 @@ struct Breaker {
     failures: u32,
     open_until: Option<Instant>,
     cooldown: Duration,
+}
+
+/// Why a worker that answered `reply` cannot be paired by a router that expects `expected`
+/// of a `role` worker, or None when it can. Whichever way the worker was found, its own
+/// health reply is what is checked.
+fn incompatibility(reply: &HealthReply, role: Role, expected: &Expected) -> Option<String> {
+    let layout = reply.layout.as_ref().map(|l| discovery::Layout {
+        n_layers: l.n_layers,
+        n_kv_heads: l.n_kv_heads,
+        head_dim: l.head_dim,
+        dtype: l.dtype.clone(),
+    });
+    if reply.role != role.as_str() {
+        Some(format!("role {:?} (want {})", reply.role, role.as_str()))
+    } else if reply.model != expected.model {
+        Some(format!(
+            "model {:?} (router: {})",
+            reply.model, expected.model
+        ))
+    } else if reply.engine_version != expected.engine_version {
+        Some(format!(
+            "engine {:?} (router: {})",
+            reply.engine_version, expected.engine_version
+        ))
+    } else if layout.as_ref() != Some(&expected.layout) {
+        Some(format!(
+            "KV layout {layout:?} (router: {:?})",
+            expected.layout
+        ))
+    } else {
+        None
+    }
 }
 
 impl Worker {
@@ -251,21 +283,15 @@ impl Worker {
         match reply {
             Ok(Ok(r)) => {
                 let r = r.into_inner();
-                let layout = r.layout.as_ref().map(|l| discovery::Layout {
-                    n_layers: l.n_layers,
-                    n_kv_heads: l.n_kv_heads,
-                    head_dim: l.head_dim,
-                    dtype: l.dtype.clone(),
-                });
-                p.incompatible =
-                    r.role != role.as_str() || layout.as_ref() != Some(&expected.layout);
+                let why = incompatibility(&r, role, expected);
+                if why.is_some() && !p.incompatible {
+                    tracing::warn!(worker = %self.addr, why = why.as_deref().unwrap_or_default(),
+                        "worker does not match this router's model; not routed to");
+                }
+                p.incompatible = why.is_some();
                 p.ok = true;
                 p.draining = r.draining;
                 p.load = r.load.unwrap_or_default();
-                if p.incompatible {
-                    tracing::warn!(worker = %self.addr, role = %r.role, ?layout,
-                        "worker does not match this router's model; not routed to");
-                }
             }
             Ok(Err(status)) => {
                 p.ok = false;
@@ -417,6 +443,49 @@ mod tests {
             w.succeeded(&s);
         }
         assert_eq!(w.state(), State::Ready);
+    }
+
+    #[test]
+    fn a_health_reply_is_checked_against_what_the_router_serves() {
+        let expected = Expected {
+            model: "m".into(),
+            layout: discovery::Layout {
+                n_layers: 2,
+                n_kv_heads: 2,
+                head_dim: 8,
+                dtype: "f32".into(),
+            },
+            engine_version: "1".into(),
+        };
+        let good = HealthReply {
+            role: "decode".into(),
+            model: "m".into(),
+            engine_version: "1".into(),
+            layout: Some(proto::v1::KvLayout {
+                n_layers: 2,
+                n_kv_heads: 2,
+                head_dim: 8,
+                dtype: "f32".into(),
+            }),
+            ..HealthReply::default()
+        };
+        assert_eq!(incompatibility(&good, Role::Decode, &expected), None);
+        let why = |f: fn(&mut HealthReply)| {
+            let mut r = good.clone();
+            f(&mut r);
+            incompatibility(&r, Role::Decode, &expected).unwrap_or_default()
+        };
+        assert!(why(|r| r.role = "prefill".into()).starts_with("role"));
+        assert!(why(|r| r.model = "other".into()).starts_with("model"));
+        // A worker too old to say which model or engine it runs is not paired.
+        assert!(why(|r| r.model.clear()).starts_with("model"));
+        assert!(why(|r| r.engine_version = "2".into()).starts_with("engine"));
+        assert!(why(|r| r.layout.as_mut().unwrap().n_layers = 3).starts_with("KV layout"));
+        assert!(why(|r| r.layout = None).starts_with("KV layout"));
+        assert_eq!(
+            incompatibility(&good, Role::Prefill, &expected).map(|w| w.starts_with("role")),
+            Some(true)
+        );
     }
 
     #[tokio::test]
