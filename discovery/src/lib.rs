@@ -1,9 +1,12 @@
-//! Worker discovery through etcd: each worker registers what it serves under a key tied to
-//! a lease it keeps alive, and the router watches the prefix to follow the worker set.
-//!
-//! The calls go through `etcd-client` (whose build runs protoc: Debian's `protobuf-compiler`).
+//! Worker discovery, two ways:
+//! - etcd: each worker registers what it serves under a key tied to a lease it keeps
+//!   alive, and the router watches the prefix to follow the worker set (`etcd-client`,
+//!   whose build runs protoc);
+//! - Kubernetes: the EndpointSlices of the workers' Services, with the pods' readiness
+//!   ([`kube`], through kube-rs).
 
 mod etcd;
+pub mod kube;
 mod register;
 mod watch;
 
@@ -83,6 +86,30 @@ pub struct WorkerInfo {
     pub engine_version: String,
     #[serde(default)]
     pub capacity: Capacity,
+}
+
+/// One worker as discovery sees it: where it serves, and what it registered, if anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    pub role: Role,
+    /// The gRPC address (host:port) routers and prefill nodes dial.
+    pub addr: String,
+    /// What routers call it in their metrics: its pod's name, or its registration's.
+    pub name: String,
+    /// What it registered about itself (etcd). None where discovery sees only its address
+    /// (Kubernetes): routers check what it serves in its health replies either way.
+    pub registration: Option<WorkerInfo>,
+}
+
+impl From<WorkerInfo> for Member {
+    fn from(info: WorkerInfo) -> Self {
+        Self {
+            role: info.role,
+            addr: info.addr.clone(),
+            name: info.name.clone(),
+            registration: Some(info),
+        }
+    }
 }
 
 impl WorkerInfo {

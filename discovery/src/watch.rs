@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::etcd::{EtcdClient, EtcdError};
-use crate::WorkerInfo;
+use crate::{Member, WorkerInfo};
 use etcd_client::EventType;
 
 /// How long the watcher first waits before trying etcd again after a failure or a
@@ -52,13 +52,15 @@ enum Ended {
     Cancelled,
 }
 
-/// The registered workers as last seen, by key.
+/// The discovered workers as last seen, by key (the etcd key, or the Kubernetes
+/// endpoint's).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct WorkerSet {
-    pub workers: BTreeMap<String, WorkerInfo>,
-    /// True while etcd cannot be reached: `workers` is the last set seen.
+    pub workers: BTreeMap<String, Member>,
+    /// True while the source (etcd, the Kubernetes API) cannot be reached: `workers` is the
+    /// last set seen.
     pub degraded: bool,
-    /// True once etcd has been listed at least once.
+    /// True once the source has been listed at least once.
     pub synced: bool,
 }
 
@@ -109,7 +111,7 @@ async fn follow(
     let mut workers = BTreeMap::new();
     for (key, value) in kvs {
         if let Some((key, info)) = parse(&key, &value) {
-            workers.insert(key, info);
+            workers.insert(key, Member::from(info));
         }
     }
     tx.send_if_modified(|set| {
@@ -152,7 +154,7 @@ async fn follow(
                         tracing::info!(%key, "worker left");
                     }
                 } else if let Some((key, info)) = parse(kv.key(), kv.value()) {
-                    if set.workers.insert(key.clone(), info).is_none() {
+                    if set.workers.insert(key.clone(), info.into()).is_none() {
                         tracing::info!(%key, "worker joined");
                     }
                 } else {

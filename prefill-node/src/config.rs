@@ -52,6 +52,9 @@ pub struct Config {
     pub connect_timeout_ms: u64,
     #[command(flatten)]
     pub cluster: runtime::ClusterArgs,
+    /// How the decode nodes are found in Kubernetes, instead of etcd.
+    #[command(flatten)]
+    pub kube: runtime::KubeArgs,
     #[command(flatten)]
     pub log: runtime::LogArgs,
 }

@@ -24,17 +24,17 @@ pub use runtime::ServeError;
 /// How often the view of etcd's decode workers is listed again whole.
 const RELIST: Duration = Duration::from_secs(30);
 
-/// The decode workers registered in etcd, followed for as long as the node runs; `None`
-/// without etcd.
-fn registered_decoders(
+/// The decode workers registered in etcd or found in Kubernetes, followed for as long as
+/// the node runs; `None` with neither.
+async fn registered_decoders(
     cfg: &Config,
 ) -> Result<Option<tokio::sync::watch::Receiver<discovery::WorkerSet>>, ServeError> {
     let c = &cfg.cluster;
+    let (tx, rx) = tokio::sync::watch::channel(discovery::WorkerSet::default());
     if c.etcd_endpoints.is_empty() {
-        return Ok(None);
+        return Ok(cfg.kube.follow(RELIST, tx).await?.then_some(rx));
     }
     let client = Arc::new(c.etcd.client(&c.etcd_endpoints)?);
-    let (tx, rx) = tokio::sync::watch::channel(discovery::WorkerSet::default());
     tokio::spawn(discovery::watch_workers(
         client,
         c.etcd_prefix.clone(),
@@ -107,10 +107,10 @@ pub async fn serve(
         max_queue: max_queue as u64,
         ..Default::default()
     };
-    let targets = targets::DecodeTargets::new(&cfg.decode_nodes, registered_decoders(cfg)?);
+    let targets = targets::DecodeTargets::new(&cfg.decode_nodes, registered_decoders(cfg).await?);
     if targets.is_unconfigured() {
         tracing::warn!(
-            "no --decode-nodes and no etcd: every request will be refused, for want of a decode node to send to"
+            "no --decode-nodes, etcd or Kubernetes discovery: every request will be refused, for want of a decode node to send to"
         );
     }
     let setup = service::Setup {

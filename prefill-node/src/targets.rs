@@ -126,28 +126,20 @@ mod tests {
     use super::*;
     use std::collections::BTreeMap;
 
-    fn worker(role: Role, addr: &str) -> discovery::WorkerInfo {
-        discovery::WorkerInfo {
+    fn worker(role: Role, addr: &str) -> discovery::Member {
+        discovery::Member {
             role,
             addr: addr.into(),
             name: String::new(),
-            model: "m".into(),
-            layout: discovery::Layout {
-                n_layers: 1,
-                n_kv_heads: 1,
-                head_dim: 1,
-                dtype: "f32".into(),
-            },
-            engine_version: "0".into(),
-            capacity: Default::default(),
+            registration: None,
         }
     }
 
-    fn set(workers: &[discovery::WorkerInfo]) -> WorkerSet {
+    fn set(workers: &[discovery::Member]) -> WorkerSet {
         WorkerSet {
             workers: workers
                 .iter()
-                .map(|w| (w.key("/p/"), w.clone()))
+                .map(|w| (format!("/p/{}/{}", w.role.as_str(), w.addr), w.clone()))
                 .collect::<BTreeMap<_, _>>(),
             degraded: false,
             synced: true,

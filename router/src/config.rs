@@ -294,6 +294,9 @@ pub struct Config {
     pub tls: tls::TlsArgs,
     #[command(flatten)]
     pub etcd: runtime::EtcdArgs,
+    /// How the workers are found in Kubernetes, instead of etcd.
+    #[command(flatten)]
+    pub kube: runtime::KubeArgs,
     #[command(flatten)]
     pub log: runtime::LogArgs,
 }

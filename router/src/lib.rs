@@ -184,7 +184,7 @@ pub async fn serve(
     };
     let max_connections = cfg.max_connections;
     let state = Arc::new(AppState::new(cfg)?);
-    state.spawn_background()?;
+    state.spawn_background().await?;
     tracing::info!(addr = %listeners.api.local_addr()?, ops = %listeners.ops.local_addr()?,
         model = %state.model_name, mode = ?state.cfg.mode, https = https.is_some(),
         "router serving");

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use discovery::{Role, WorkerInfo};
+use discovery::{Member, Role, WorkerInfo};
 use runtime::prom::Registry;
 
 use crate::error::RouterError;
@@ -55,16 +55,16 @@ impl Pool {
         })
     }
 
-    /// Makes the discovered workers those registered in `set` (for this pool's role);
-    /// static ones stay. A worker that left keeps serving the calls it has.
-    pub fn sync(&self, set: &BTreeMap<String, WorkerInfo>) {
+    /// Makes the discovered workers those in `set` (for this pool's role); static ones
+    /// stay. A worker that left keeps serving the calls it has.
+    pub fn sync(&self, set: &BTreeMap<String, Member>) {
         let mut workers = self.workers.write().expect("pool lock");
         workers.retain(|key, _| key.starts_with("static/") || set.contains_key(key));
         for (key, info) in set {
             if info.role != self.role || workers.contains_key(key) {
                 continue;
             }
-            let mismatch = self.mismatch(info);
+            let mismatch = info.registration.as_ref().and_then(|r| self.mismatch(r));
             if let Some(why) = &mismatch {
                 tracing::warn!(%key, %why, "registered worker is incompatible; not routed to");
             }
@@ -212,7 +212,7 @@ impl Pool {
 
 /// The name a registered worker is labelled by: its registration's (at most 63 characters),
 /// else its role and a digest of its key, which is stable and names no address.
-fn label(info: &WorkerInfo, key: &str) -> String {
+fn label(info: &Member, key: &str) -> String {
     if !info.name.is_empty() {
         return info.name.chars().take(63).collect();
     }
@@ -243,7 +243,7 @@ mod tests {
         }
     }
 
-    fn info(role: Role, addr: &str, model: &str, layers: u32, version: &str) -> WorkerInfo {
+    fn info(role: Role, addr: &str, model: &str, layers: u32, version: &str) -> Member {
         WorkerInfo {
             role,
             addr: addr.into(),
@@ -253,6 +253,7 @@ mod tests {
             engine_version: version.into(),
             capacity: Default::default(),
         }
+        .into()
     }
 
     #[tokio::test]
@@ -293,13 +294,24 @@ mod tests {
             "k/p".into(),
             info(Role::Prefill, "127.0.0.1:14", "m", 2, "1"),
         );
+        // Found in Kubernetes: an address and a name, no registration; unhealthy (never
+        // routed to) until its health reply says what it serves.
+        set.insert(
+            "k/e".into(),
+            Member {
+                role: Role::Decode,
+                addr: "127.0.0.1:15".into(),
+                name: "decode-e".into(),
+                registration: None,
+            },
+        );
         pool.sync(&set);
-        // The static worker and four decode registrations (not the prefill one); three of
-        // them serve something else.
-        assert_eq!(pool.states(), [0, 2, 0, 3, 0]);
+        // The static worker and five decode workers (not the prefill one); three of them
+        // registered something else.
+        assert_eq!(pool.states(), [0, 3, 0, 3, 0]);
         set.remove("k/a");
         pool.sync(&set);
-        assert_eq!(pool.states(), [0, 1, 0, 3, 0], "a worker that left is gone");
+        assert_eq!(pool.states(), [0, 2, 0, 3, 0], "a worker that left is gone");
         pool.sync(&BTreeMap::new());
         assert_eq!(pool.states(), [0, 1, 0, 0, 0], "static workers stay");
     }

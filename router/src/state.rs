@@ -251,7 +251,7 @@ impl AppState {
 
     /// Where the worker set comes from, and whether that source answers.
     pub fn discovery(&self) -> Discovery {
-        if self.cfg.etcd_endpoints.is_empty() {
+        if self.cfg.etcd_endpoints.is_empty() && self.cfg.kube.kube_selector.is_none() {
             Discovery::Static
         } else if self.degraded.load(Ordering::Relaxed) {
             Discovery::Degraded
@@ -260,9 +260,10 @@ impl AppState {
         }
     }
 
-    /// Keeps the pools in step with etcd and the workers' health until the process ends:
-    /// a watch of the registrations (when etcd is configured) and periodic health probes.
-    pub fn spawn_background(self: &Arc<Self>) -> Result<(), RouterError> {
+    /// Keeps the pools in step with discovery and the workers' health until the process
+    /// ends: a watch of etcd's registrations or of Kubernetes' EndpointSlices (when either
+    /// is configured) and periodic health probes.
+    pub async fn spawn_background(self: &Arc<Self>) -> Result<(), RouterError> {
         self.metrics.spawn_upkeep();
         let interval = Duration::from_millis(self.cfg.health_interval_ms.max(10));
         // A probe may take as long as the interval, but no longer than a paused worker
@@ -281,21 +282,26 @@ impl AppState {
                 );
             }
         });
-        if self.cfg.etcd_endpoints.is_empty() {
-            return Ok(());
-        }
-        let client = self
-            .cfg
-            .etcd
-            .client(&self.cfg.etcd_endpoints)
-            .map_err(|e| RouterError::Internal(format!("etcd: {e}")))?;
+        let relist = Duration::from_millis(self.cfg.relist_interval_ms.max(100));
         let (tx, mut rx) = tokio::sync::watch::channel(discovery::WorkerSet::default());
-        tokio::spawn(discovery::watch_workers(
-            Arc::new(client),
-            self.cfg.etcd_prefix.clone(),
-            Duration::from_millis(self.cfg.relist_interval_ms.max(100)),
-            tx,
-        ));
+        if self.cfg.etcd_endpoints.is_empty() {
+            let found = self.cfg.kube.follow(relist, tx).await;
+            if !found.map_err(|e| RouterError::Internal(e.to_string()))? {
+                return Ok(());
+            }
+        } else {
+            let client = self
+                .cfg
+                .etcd
+                .client(&self.cfg.etcd_endpoints)
+                .map_err(|e| RouterError::Internal(format!("etcd: {e}")))?;
+            tokio::spawn(discovery::watch_workers(
+                Arc::new(client),
+                self.cfg.etcd_prefix.clone(),
+                relist,
+                tx,
+            ));
+        }
         let weak = Arc::downgrade(self);
         tokio::spawn(async move {
             while rx.changed().await.is_ok() {

@@ -14,7 +14,7 @@ pub mod worker;
 pub use channel::{Channel, ChannelError};
 pub use sniff::{SideProtocol, Sniffed};
 pub use turns::{TurnError, Turns};
-pub use worker::{serve_node, ClusterArgs, EtcdArgs, Gate, Node, Pass, Served, Tracked};
+pub use worker::{serve_node, ClusterArgs, EtcdArgs, Gate, KubeArgs, Node, Pass, Served, Tracked};
 
 use std::future::Future;
 
@@ -258,6 +258,8 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
     #[error("etcd: {0}")]
     Discovery(#[from] discovery::EtcdError),
+    #[error("Kubernetes: {0}")]
+    Kube(#[from] discovery::kube::KubeError),
     #[error("configuration: {0}")]
     Config(String),
     #[error("TLS: {0}")]

@@ -71,6 +71,48 @@ impl EtcdArgs {
     }
 }
 
+/// Kubernetes discovery; shared by the router and the prefill nodes (which find the decode
+/// nodes they may send KV caches to).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct KubeArgs {
+    /// Label selector of the EndpointSlices of the workers' Services, e.g.
+    /// `app.kubernetes.io/instance=tandem`: with it the workers are found through the
+    /// Kubernetes API, not etcd. Each slice's `app.kubernetes.io/component` label names its
+    /// pool (prefill or decode), its port named `grpc` is dialed, and only endpoints whose
+    /// pod is ready are used. Needs list and watch on EndpointSlices in the namespace.
+    #[arg(long, env = "TANDEM_KUBE_SELECTOR", conflicts_with = "etcd_endpoints")]
+    pub kube_selector: Option<String>,
+    /// Namespace of those EndpointSlices; default: the pod's own (its service account's),
+    /// else the kubeconfig context's.
+    #[arg(long, env = "TANDEM_KUBE_NAMESPACE", requires = "kube_selector")]
+    pub kube_namespace: Option<String>,
+}
+
+impl KubeArgs {
+    /// Follows the workers the selector finds, publishing them on `tx` from a task of its
+    /// own, listed again whole every `relist`; false (and nothing started) without
+    /// `--kube-selector`.
+    pub async fn follow(
+        &self,
+        relist: Duration,
+        tx: tokio::sync::watch::Sender<discovery::WorkerSet>,
+    ) -> Result<bool, ServeError> {
+        let Some(selector) = self.kube_selector.clone() else {
+            return Ok(false);
+        };
+        let client = discovery::kube::client().await?;
+        let namespace = self
+            .kube_namespace
+            .clone()
+            .unwrap_or_else(|| client.default_namespace().to_string());
+        tracing::info!(%namespace, %selector, "following workers through Kubernetes EndpointSlices");
+        tokio::spawn(discovery::kube::watch_endpoints(
+            client, namespace, selector, relist, tx,
+        ));
+        Ok(true)
+    }
+}
+
 /// Flags for discovery and draining, shared by the prefill and decode nodes.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ClusterArgs {
