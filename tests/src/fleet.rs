@@ -33,7 +33,7 @@ impl Role {
         }
     }
 
-    fn binary(self) -> &'static str {
+    pub fn binary(self) -> &'static str {
         match self {
             Role::Prefill => "tandem-prefill",
             Role::Decode => "tandem-decode",

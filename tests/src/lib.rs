@@ -9,6 +9,7 @@ mod etcd;
 mod fleet;
 mod http;
 pub mod hub;
+pub mod kube;
 pub mod kv;
 pub mod pki;
 

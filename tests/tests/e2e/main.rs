@@ -14,6 +14,7 @@ mod fuzz;
 mod health;
 mod http_bounds;
 mod hub;
+mod kube;
 mod kv_budget;
 mod kv_garbage;
 mod kv_hostile;
