@@ -19,6 +19,7 @@ import re
 import sys
 import tempfile
 
+import discovery
 import fetch
 import helm
 import monitoring
@@ -123,6 +124,7 @@ def check_target(t, label, objs, versions):
                  f"MODEL_DEST {dest} but TANDEM_MODEL {model}")
 
     check_tls(t, label, objs, by_key, tandem)
+    discovery.check(t, label, objs, by_key)
 
     # 3. HPAs and PDBs point at something.
     for o in objs:
@@ -247,7 +249,12 @@ def check_pod_consistency(t, c_label, wl, spec, c, env, binary, volumes, by_key)
              adv == f"$(POD_IP):{lport}" and any(
                  e.get("name") == "POD_IP" and e.get("valueFrom", {}).get("fieldRef", {}).get(
                      "fieldPath") == "status.podIP" for e in c.get("env") or []))
-        t.ok(f"{c_label} registers in etcd", bool(eff.get("etcd-endpoints")))
+        # Found by the routers: registered in etcd, or its pool's EndpointSlices followed
+        # (discovery.py checks the Services and the permissions).
+        followed = any("TANDEM_KUBE_SELECTOR" in (o.get("data") or {})
+                       for (kind, _), o in by_key.items() if kind == "ConfigMap")
+        t.ok(f"{c_label} registers in etcd or is followed through EndpointSlices",
+             bool(eff.get("etcd-endpoints")) or followed)
         cache = {"tandem-decode": "kv-cache-mb", "tandem-prefill": "prefix-cache-mb"}[binary]
         cache_mib = int(eff.get(cache) or binary_help(binary).options[cache]["default"])
         limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")

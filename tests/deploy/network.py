@@ -8,7 +8,7 @@ and an etcd outside the namespace (for renderings that do not run their own)."""
 
 import ipaddress
 
-from objects import FETCHER, pod_specs, tandem_binary
+from objects import FETCHER, container_env, effective, index, pod_specs, tandem_binary
 
 NAMESPACE = "tandem"
 SCRAPERS = "monitoring"
@@ -30,6 +30,7 @@ SCRAPER = pod(SCRAPERS, {"app.kubernetes.io/name": "prometheus"}, name="Promethe
 DNS = pod("kube-system", {"k8s-app": "kube-dns"}, {"dns": 53}, name="kube-dns")
 PYPI = ip("151.101.0.223", "PyPI")
 OUTSIDE_ETCD = ip("10.0.0.9", "an etcd outside the namespace")
+API_SERVER = ip("10.0.0.1", "the API server")
 
 
 def selects(selector, labels):
@@ -122,6 +123,7 @@ def endpoints(objs):
     """The rendering's pods by part: router, prefill, decode, etcd, and fetchers (pods with a
     container that fetches the model)."""
     parts = {"router": [], "prefill": [], "decode": [], "etcd": [], "fetchers": []}
+    by_key = index(objs)
     for wl, spec in pod_specs(objs):
         labels = wl["spec"]["template"]["metadata"].get("labels") or {}
         containers = spec.get("containers", []) + spec.get("initContainers", [])
@@ -129,6 +131,14 @@ def endpoints(objs):
                  if "name" in p}
         p = pod(wl["metadata"].get("namespace", NAMESPACE), labels, ports,
                 f"{wl['kind']}/{wl['metadata']['name']}")
+        # Which discovery its binaries use: etcd endpoints, or a Kubernetes selector.
+        flags = {}
+        for c in spec.get("containers", []):
+            binary = tandem_binary(c)
+            if binary and binary != FETCHER:
+                flags.update(effective(c, container_env(c, by_key), binary))
+        p["etcd"] = bool(flags.get("etcd-endpoints"))
+        p["kube"] = bool(flags.get("kube-selector"))
         part = ("etcd" if labels.get("app.kubernetes.io/name") == "etcd"
                 else labels.get("app.kubernetes.io/component"))
         if part in parts:
@@ -148,8 +158,13 @@ def flows(parts):
     for p in tandem + parts["etcd"]:
         out.append((p, DNS, 53, "UDP", True))
     for p in tandem:
-        out += [(p, e, 2379, "TCP", True) for e in etcd]
-        out.append((p, PYPI, 443, "TCP", p in parts["fetchers"]))
+        # A pod reaches etcd, or the API server, only if it uses it (a fetcher's HTTPS to
+        # any address may reach the API server's port 443 too).
+        out += [(p, e, 2379, "TCP", p["etcd"]) for e in etcd]
+        fetches = p in parts["fetchers"]
+        out.append((p, API_SERVER, 443, "TCP", p["kube"] or fetches))
+        out.append((p, API_SERVER, 6443, "TCP", p["kube"]))
+        out.append((p, PYPI, 443, "TCP", fetches))
         out.append((p, CLIENT, 22, "TCP", False))
     for r in parts["router"]:
         out += [(CLIENT, r, 8080, "TCP", True), (STRANGER, r, 8080, "TCP", True),

@@ -12,10 +12,18 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
-{{/* The pod settings all three binaries share: non-root, read-only, no service links. */}}
+{{/*
+  The pod settings all three binaries share: non-root, read-only, no service links, and no
+  API token but for the pods that follow the workers through Kubernetes (`discovers`).
+*/}}
 {{- define "tandem.podSecurity" -}}
-serviceAccountName: {{ .Release.Name }}
+{{- if and .discovers (eq .root.Values.discovery.mode "kubernetes") }}
+serviceAccountName: {{ .root.Release.Name }}-discovery
+automountServiceAccountToken: true
+{{- else }}
+serviceAccountName: {{ .root.Release.Name }}
 automountServiceAccountToken: false
+{{- end }}
 enableServiceLinks: false
 securityContext:
   runAsNonRoot: true
@@ -259,5 +267,16 @@ resources:
 {{ .Values.apiKeys.existingSecret }}
 {{- else if .Values.apiKeys.keys -}}
 {{ .Release.Name }}-api-keys
+{{- end -}}
+{{- end }}
+
+{{/*
+  What the routers and prefill nodes follow in Kubernetes discovery: the release's
+  EndpointSlices (the pools' Services'; the component label names the pool), in their own
+  namespace.
+*/}}
+{{- define "tandem.kubeDiscovery" -}}
+{{- if eq .Values.discovery.mode "kubernetes" -}}
+TANDEM_KUBE_SELECTOR: {{ printf "app.kubernetes.io/name=tandem,app.kubernetes.io/instance=%s" .Release.Name | quote }}
 {{- end -}}
 {{- end }}
