@@ -155,32 +155,13 @@ async fn follow(api: &Api<EndpointSlice>, selector: &str, tx: &watch::Sender<Wor
 
 /// Publishes the workers `slices` describe, logging who joined and who left.
 fn publish(tx: &watch::Sender<WorkerSet>, slices: &BTreeMap<String, EndpointSlice>) {
-    let workers = members(slices.values());
-    tx.send_if_modified(|set| {
-        let next = WorkerSet {
-            workers,
-            degraded: false,
-            synced: true,
-        };
-        if *set == next {
-            return false;
-        }
-        for key in next
-            .workers
-            .keys()
-            .filter(|k| !set.workers.contains_key(*k))
-        {
+    crate::watch::resync(tx, members(slices.values()), |was, now| {
+        for key in now.workers.keys().filter(|k| !was.workers.contains_key(*k)) {
             tracing::info!(%key, "worker ready");
         }
-        for key in set
-            .workers
-            .keys()
-            .filter(|k| !next.workers.contains_key(*k))
-        {
+        for key in was.workers.keys().filter(|k| !now.workers.contains_key(*k)) {
             tracing::info!(%key, "worker left or not ready");
         }
-        *set = next;
-        true
     });
 }
 

@@ -114,20 +114,10 @@ async fn follow(
             workers.insert(key, Member::from(info));
         }
     }
-    tx.send_if_modified(|set| {
-        let next = WorkerSet {
-            workers,
-            degraded: false,
-            synced: true,
-        };
-        if *set == next {
-            return false;
-        }
-        if set.degraded {
+    resync(tx, workers, |was, _| {
+        if was.degraded {
             tracing::info!("etcd reachable again; worker set resynced");
         }
-        *set = next;
-        true
     });
     let mut stream = client.watch_prefix(prefix, revision + 1).await?;
     let deadline = tokio::time::Instant::now() + relist;
@@ -163,6 +153,28 @@ async fn follow(
             }
         });
     }
+}
+
+/// Makes `workers`, a whole listing, the set on `tx` (synced, not degraded), calling
+/// `changed` with the set before and after when it differs.
+pub(crate) fn resync(
+    tx: &watch::Sender<WorkerSet>,
+    workers: BTreeMap<String, Member>,
+    changed: impl FnOnce(&WorkerSet, &WorkerSet),
+) {
+    tx.send_if_modified(|set| {
+        let next = WorkerSet {
+            workers,
+            degraded: false,
+            synced: true,
+        };
+        if *set == next {
+            return false;
+        }
+        changed(set, &next);
+        *set = next;
+        true
+    });
 }
 
 /// A registration, or None (logged) when the value is not one.

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use discovery::{Member, Role, WorkerInfo};
+use discovery::{Member, Role};
 use runtime::prom::Registry;
 
 use crate::error::RouterError;
@@ -64,7 +64,10 @@ impl Pool {
             if info.role != self.role || workers.contains_key(key) {
                 continue;
             }
-            let mismatch = info.registration.as_ref().and_then(|r| self.mismatch(r));
+            let mismatch = info.registration.as_ref().and_then(|r| {
+                self.expected
+                    .mismatch(&r.model, &r.engine_version, Some(&r.layout))
+            });
             if let Some(why) = &mismatch {
                 tracing::warn!(%key, %why, "registered worker is incompatible; not routed to");
             }
@@ -74,25 +77,6 @@ impl Pool {
                 }
                 Err(e) => tracing::warn!(%key, error = %e, "ignoring a registration"),
             }
-        }
-    }
-
-    fn mismatch(&self, info: &WorkerInfo) -> Option<String> {
-        let e = &self.expected;
-        if info.model != e.model {
-            Some(format!("model {} (router: {})", info.model, e.model))
-        } else if info.layout != e.layout {
-            Some(format!(
-                "KV layout {:?} (router: {:?})",
-                info.layout, e.layout
-            ))
-        } else if info.engine_version != e.engine_version {
-            Some(format!(
-                "engine {} (router: {})",
-                info.engine_version, e.engine_version
-            ))
-        } else {
-            None
         }
     }
 
@@ -233,6 +217,7 @@ pub fn publish(pools: &[(&str, &Pool)], r: &Registry) {
 mod tests {
     use super::*;
     use crate::worker::test_settings;
+    use discovery::WorkerInfo;
 
     fn layout(n: u32) -> discovery::Layout {
         discovery::Layout {

@@ -59,6 +59,30 @@ pub struct Expected {
     pub engine_version: String,
 }
 
+impl Expected {
+    /// Why a worker that serves `model` on engine `engine_version` with KV caches of
+    /// `layout` (none: it did not say) cannot be paired, or None when it can.
+    pub fn mismatch(
+        &self,
+        model: &str,
+        engine_version: &str,
+        layout: Option<&discovery::Layout>,
+    ) -> Option<String> {
+        if model != self.model {
+            Some(format!("model {model:?} (router: {})", self.model))
+        } else if engine_version != self.engine_version {
+            Some(format!(
+                "engine {engine_version:?} (router: {})",
+                self.engine_version
+            ))
+        } else if layout != Some(&self.layout) {
+            Some(format!("KV layout {layout:?} (router: {:?})", self.layout))
+        } else {
+            None
+        }
+    }
+}
+
 /// How workers are reached and when they are taken out of rotation.
 #[derive(Debug, Clone)]
 pub struct PoolSettings {
@@ -129,25 +153,9 @@ fn incompatibility(reply: &HealthReply, role: Role, expected: &Expected) -> Opti
         dtype: l.dtype.clone(),
     });
     if reply.role != role.as_str() {
-        Some(format!("role {:?} (want {})", reply.role, role.as_str()))
-    } else if reply.model != expected.model {
-        Some(format!(
-            "model {:?} (router: {})",
-            reply.model, expected.model
-        ))
-    } else if reply.engine_version != expected.engine_version {
-        Some(format!(
-            "engine {:?} (router: {})",
-            reply.engine_version, expected.engine_version
-        ))
-    } else if layout.as_ref() != Some(&expected.layout) {
-        Some(format!(
-            "KV layout {layout:?} (router: {:?})",
-            expected.layout
-        ))
-    } else {
-        None
+        return Some(format!("role {:?} (want {})", reply.role, role.as_str()));
     }
+    expected.mismatch(&reply.model, &reply.engine_version, layout.as_ref())
 }
 
 impl Worker {
