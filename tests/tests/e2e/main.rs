@@ -5,6 +5,7 @@ mod api;
 mod auth;
 mod beam;
 mod bounds;
+mod chart;
 mod cluster;
 mod conformance;
 mod echo;
