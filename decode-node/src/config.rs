@@ -6,6 +6,7 @@ use std::path::PathBuf;
 /// Configuration of `tandem-decode`.
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
+    version,
     name = "tandem-decode",
     about = "Tandem decode node (and colocated worker)",
     after_help = runtime::HUB_ENV_HELP

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 /// Configuration of `tandem-prefill`.
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
+    version,
     name = "tandem-prefill",
     about = "Tandem prefill node",
     after_help = runtime::HUB_ENV_HELP

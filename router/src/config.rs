@@ -82,6 +82,7 @@ impl std::fmt::Debug for ApiKey {
 /// Configuration of `tandem-router`.
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
+    version,
     name = "tandem-router",
     about = "Tandem router: the OpenAI-style HTTP API",
     after_help = runtime::HUB_ENV_HELP

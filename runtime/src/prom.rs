@@ -154,6 +154,12 @@ impl Registry {
     }
 
     fn process_figures(&self) {
+        self.gauge_with(
+            "tandem_build_info",
+            "The build this process runs: always 1, its labels name it.",
+            &[("version", crate::VERSION)],
+        )
+        .set(1.0);
         match crate::process::read() {
             Ok(s) => {
                 for (name, help, value) in [
@@ -237,6 +243,13 @@ mod tests {
         assert!(!pa.contains("x_used"), "{pa}");
         assert_eq!(line(&pb, "x_used "), "x_used 3");
         assert!(!pb.contains("x_total"), "{pb}");
+    }
+
+    #[test]
+    fn every_page_names_the_build() {
+        let page = Registry::with_scrape_gauges(&[]).render();
+        let want = format!("tandem_build_info{{version=\"{}\"}} 1", crate::VERSION);
+        assert_eq!(line(&page, "tandem_build_info{"), want);
     }
 
     #[test]

@@ -8,7 +8,10 @@ use engine::gguf_export::export_gguf;
 use engine::testmodel::{write_model, Family, ModelSize};
 
 #[derive(Debug, Parser)]
-#[command(about = "Write a deterministic test model as a Hugging Face folder")]
+#[command(
+    version,
+    about = "Write a deterministic test model as a Hugging Face folder"
+)]
 struct Config {
     /// Folder to write (created if missing).
     #[arg(long, env = "TANDEM_MODEL_OUT")]

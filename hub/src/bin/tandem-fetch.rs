@@ -10,6 +10,7 @@ use clap::Parser;
 /// Configuration of `tandem-fetch`.
 #[derive(Debug, clap::Parser)]
 #[command(
+    version,
     name = "tandem-fetch",
     about = "Fetch a model named on the Hugging Face Hub into its cache; print its local path",
     after_help = hub::ENV_HELP

@@ -130,3 +130,21 @@ async fn a_half_sent_head_on_the_operations_listener_is_cut_off() {
     let answer = try_get(&format!("http://{ops}/health")).await;
     assert_eq!(answer.map(|r| r.0), Some(200));
 }
+
+#[test]
+fn every_binary_names_its_version() {
+    for name in [
+        "tandem-router",
+        "tandem-prefill",
+        "tandem-decode",
+        "tandem-fetch",
+    ] {
+        let out = std::process::Command::new(e2e::bin(name))
+            .arg("--version")
+            .output()
+            .expect("running the binary");
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{name} --version: {out:?}");
+        assert_eq!(said.trim(), format!("{name} {}", env!("CARGO_PKG_VERSION")));
+    }
+}
