@@ -85,6 +85,15 @@ impl Key {
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 
+    /// What the access log calls the key: the first bytes of its partition, in hex, which
+    /// name it among the keys without giving it away.
+    pub fn id(&self) -> String {
+        self.partition[..4]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
     /// The prefix-cache partition of this key's prompts.
     pub fn cache_partition(&self) -> &[u8] {
         &self.partition

@@ -2,6 +2,7 @@
 //! tokenizes and templates each request once, picks a prefill and a decode worker and
 //! streams the tokens back.
 
+pub mod access;
 pub mod api;
 pub mod budget;
 mod chat;

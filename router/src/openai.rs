@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
+use crate::access::Access;
 use crate::api;
 use crate::dispatch::{self, GenRequest, Generation, Piece};
 use crate::error::{ErrorFormat, RouterError};
@@ -133,8 +134,11 @@ async fn handle(
         params::random_u64()
     );
     let log_id = client_request_id(&body.0).unwrap_or_else(|| id.clone());
+    // The dispatcher records where the request runs (crate::dispatch::placed).
     let span = tracing::info_span!("request", req_id = %log_id, endpoint = kind.endpoint(),
-        prompt_tokens = tracing::field::Empty);
+        prompt_tokens = tracing::field::Empty, placement = tracing::field::Empty,
+        prefill = tracing::field::Empty, decode = tracing::field::Empty);
+    let access = Access::start(key.as_ref().map(|k| k.id()));
     let admitted = state.metrics.start(
         state.cfg.max_in_flight,
         key.clone(),
@@ -147,8 +151,8 @@ async fn handle(
     };
     let result = match admitted {
         Ok(in_flight) => {
-            run(&state, stamp, log_id.clone(), key, body, in_flight)
-                .instrument(span)
+            run(&state, stamp, log_id.clone(), key, body, in_flight, &access)
+                .instrument(span.clone())
                 .await
         }
         Err(e) => Err(e),
@@ -160,9 +164,11 @@ async fn handle(
     if let Ok(v) = HeaderValue::from_str(&log_id) {
         response.headers_mut().insert(REQUEST_ID_HEADER, v);
     }
-    state
-        .metrics
-        .finished(kind.endpoint(), response.status().as_u16());
+    let status = response.status().as_u16();
+    state.metrics.finished(kind.endpoint(), status);
+    access.update(|f| f.status = status);
+    // The line is the request span's event (a stream's task may write it instead).
+    span.in_scope(|| drop(access));
     response
 }
 
@@ -173,6 +179,7 @@ async fn run(
     key: Option<Arc<Key>>,
     body: (HeaderMap, Body),
     mut in_flight: InFlight,
+    access: &Access,
 ) -> Result<Response, RouterError> {
     let arrived = Instant::now();
     let body = read_body(state, body).await?;
@@ -204,8 +211,11 @@ async fn run(
     // start over (same seed, same tokens) where a stream has to end with an error.
     let restart = (!streamed).then(|| request.clone());
     let generation = dispatch::start(state, request).await?;
-    let out = Output::new(output, state.render.clone(), hold);
+    let mut out = Output::new(output, state.render.clone(), hold);
     state.metrics.ttft.observe(Instant::now() - arrived);
+    access.first_token();
+    access.update(|f| f.streamed = streamed);
+    out.access = Some(access.clone());
     let format = state.cfg.error_format;
     Ok(match restart {
         None if beam => stream_whole(out, generation, in_flight, format),
@@ -315,6 +325,9 @@ fn stream(
             let _in_flight = in_flight;
             let ended = pump(&mut out, generation, &tx).await;
             if let Err(e) = ended {
+                if let Some(a) = &out.access {
+                    a.update(|f| f.stream_error = Some(e.http_status().as_u16()));
+                }
                 tracing::warn!(error = %e, "stream failed after its first token");
                 if format == ErrorFormat::Provider {
                     // The provider's clients read a cut stream the seeds' way: each open

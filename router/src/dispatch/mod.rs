@@ -316,6 +316,7 @@ async fn attempt_pd(
         .pick_prefill(&avoid, &req.prompt)
         .map_err(no_worker)?;
     state.metrics.placed(placed);
+    placed_on(placed, Some(&p), &d);
     tracing::debug!(prefill = %p.addr, decode = %d.addr, "picked");
     let pair = Pair {
         prefill: &p,
@@ -378,11 +379,21 @@ async fn attempt_colocated(
     local_attempt(state, &at, &w).await
 }
 
+/// Records in the request's span where its latest attempt runs, by the workers' names
+/// (never their addresses), for the access log (crate::access).
+fn placed_on(placed: Placement, prefill: Option<&Worker>, decode: &Worker) {
+    let span = tracing::Span::current();
+    span.record("placement", placed.as_str());
+    span.record("prefill", prefill.map_or("none", |p| p.name.as_str()));
+    span.record("decode", decode.name.as_str());
+}
+
 /// An attempt on worker `w`, which computes the prompt itself (`at.placed` says why), with
 /// its outcome counted.
 async fn local_attempt(state: &AppState, at: &Attempt<'_>, w: &Arc<Worker>) -> Result<(), Failed> {
     let placed = at.placed;
     state.metrics.placed(placed);
+    placed_on(placed, None, w);
     let result = local::local_on(at, w).await;
     match &result {
         Ok(()) => w.succeeded(&state.decode.settings),

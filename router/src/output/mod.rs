@@ -19,6 +19,7 @@ use text::structured::Parser;
 use text::tools::{ToolCall, ToolFormat};
 use tokio::sync::watch;
 
+use crate::access::Access;
 use crate::api::StopReason;
 use crate::dispatch::{EndedChoices, Piece, TokenStat};
 use crate::error::RouterError;
@@ -286,6 +287,8 @@ pub(crate) struct Output {
     first_at: Instant,
     /// What the request holds of its API key's quota, charged for the tokens it used.
     hold: Option<QuotaHold>,
+    /// The request's access-log line, told the tokens it used.
+    pub(crate) access: Option<Access>,
 }
 
 impl Drop for Output {
@@ -294,6 +297,12 @@ impl Drop for Output {
     fn drop(&mut self) {
         if let Some(hold) = &mut self.hold {
             hold.used((self.spec.prompt_tokens + self.tally.completion_tokens) as u64);
+        }
+        if let Some(a) = &self.access {
+            a.update(|f| {
+                f.prompt_tokens = self.spec.prompt_tokens;
+                f.completion_tokens = self.tally.completion_tokens;
+            });
         }
     }
 }
@@ -309,6 +318,7 @@ impl Output {
             tally: Tally::default(),
             first_at: Instant::now(),
             hold,
+            access: None,
         }
     }
 
