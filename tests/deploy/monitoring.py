@@ -64,8 +64,36 @@ def queries(objs):
     return out
 
 
+def runbooks():
+    """The alerts deploy/README.md has a runbook for: its `#### <alert>` headings."""
+    with open(os.path.join(ROOT, "deploy", "README.md")) as f:
+        return set(re.findall(r"^#### (Tandem\w+)$", f.read(), re.M))
+
+
+def check_runbooks(t, label, objs):
+    """Each alert has a runbook in deploy/README.md; where the rule links them, each link
+    ends with its heading's anchor."""
+    written = runbooks()
+    for o in objs:
+        if o["kind"] != "PrometheusRule":
+            continue
+        rules = [r for g in o["spec"]["groups"] for r in g["rules"] if r.get("alert")]
+        links = [r for r in rules if "runbook_url" in (r.get("annotations") or {})]
+        t.ok(f"{label} alerts link their runbooks all or none", len(links) in (0, len(rules)),
+             f"{len(links)} of {len(rules)}")
+        for r in rules:
+            alert = r["alert"]
+            t.ok(f"{label} {alert} has a runbook", alert in written,
+                 "no `#### " + alert + "` in deploy/README.md")
+            url = (r.get("annotations") or {}).get("runbook_url")
+            if url is not None:
+                t.ok(f"{label} {alert} links its runbook", url.endswith("#" + alert.lower()),
+                     url)
+
+
 def check(t, label, objs, pod_specs):
     """The monitoring objects of one rendered target, if it has any."""
+    check_runbooks(t, label, objs)
     monitors = [o for o in objs if o["kind"] in ("ServiceMonitor", "PodMonitor")]
     served = set()
     for where, expr in queries(objs):
