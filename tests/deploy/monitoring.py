@@ -91,9 +91,54 @@ def check_runbooks(t, label, objs):
                      url)
 
 
+SELECTOR = re.compile(r"\b((?:router|prefill|decode)_[a-z_]+)\b(\{[^}]*\})?")
+
+
+def check_scopes(t, label, objs):
+    """Each series an alert reads is selected by the job of one of the target's own monitors
+    (`<namespace>/<name>`, the Prometheus Operator's job label), so that the rules of two
+    deployments never read each other's pods."""
+    jobs = {f"{o['metadata'].get('namespace')}/{o['metadata']['name']}"
+            for o in objs if o["kind"] in ("ServiceMonitor", "PodMonitor")}
+    for o in objs:
+        if o["kind"] != "PrometheusRule":
+            continue
+        for g in o["spec"]["groups"]:
+            for r in g["rules"]:
+                for name, matchers in SELECTOR.findall(r["expr"]):
+                    job = re.search(r'\bjob="([^"]*)"', matchers or "")
+                    t.ok(f"{label} {r.get('alert')}: {name} is scoped to a monitor's job",
+                         job is not None and job.group(1) in jobs,
+                         f"{name}{matchers} (the monitors' jobs: {sorted(jobs)})")
+    check_dashboard_scopes(t, label, objs)
+
+
+def check_dashboard_scopes(t, label, objs):
+    """The dashboard picks one deployment with its `namespace` and `deployment` variables,
+    and every series a panel reads is selected by that deployment's router or workers job."""
+    for o in objs:
+        if o["kind"] != "ConfigMap":
+            continue
+        for key, text in (o.get("data") or {}).items():
+            if not key.endswith(".json"):
+                continue
+            board = json.loads(text)
+            names = {v.get("name") for v in board.get("templating", {}).get("list", [])}
+            t.ok(f"{label} dashboard has the namespace and deployment variables",
+                 {"namespace", "deployment"} <= names, sorted(names))
+            for p in board.get("panels", []):
+                for tgt in p.get("targets", []):
+                    for name, matchers in SELECTOR.findall(tgt["expr"]):
+                        monitor = "router" if name.startswith("router_") else "workers"
+                        want = f'job="$namespace/$deployment-{monitor}"'
+                        t.ok(f"{label} panel {p.get('title')!r}: {name} is scoped",
+                             want in (matchers or ""), f"{name}{matchers}: wants {want}")
+
+
 def check(t, label, objs, pod_specs):
     """The monitoring objects of one rendered target, if it has any."""
     check_runbooks(t, label, objs)
+    check_scopes(t, label, objs)
     monitors = [o for o in objs if o["kind"] in ("ServiceMonitor", "PodMonitor")]
     served = set()
     for where, expr in queries(objs):
