@@ -211,22 +211,30 @@ impl KubeApi {
         (status, r.json().await.unwrap_or(Value::Null))
     }
 
+    /// Sends `method` to `path` as the admin, with `body` as JSON, and asserts that the
+    /// answer has status `want`; the answer.
+    pub async fn expect(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&Value>,
+        want: u16,
+    ) -> Value {
+        let (status, answer) = self.call(method.clone(), path, body, None).await;
+        assert_eq!(status, want, "{method} {path}: {answer}");
+        answer
+    }
+
     /// Creates the object `body` at the collection `path`, as the admin.
     pub async fn create(&self, path: &str, body: &Value) -> Value {
-        let (status, answer) = self
-            .call(reqwest::Method::POST, path, Some(body), None)
-            .await;
-        assert_eq!(status, 201, "POST {path}: {answer}");
-        answer
+        self.expect(reqwest::Method::POST, path, Some(body), 201)
+            .await
     }
 
     /// Replaces the object at `path` with `body`, as the admin.
     pub async fn replace(&self, path: &str, body: &Value) -> Value {
-        let (status, answer) = self
-            .call(reqwest::Method::PUT, path, Some(body), None)
-            .await;
-        assert_eq!(status, 200, "PUT {path}: {answer}");
-        answer
+        self.expect(reqwest::Method::PUT, path, Some(body), 200)
+            .await
     }
 
     /// Merges `body` into the object at `path` (a JSON merge patch), as the admin.
@@ -248,8 +256,7 @@ impl KubeApi {
 
     /// Deletes the object at `path`, as the admin.
     pub async fn delete(&self, path: &str) {
-        let (status, answer) = self.call(reqwest::Method::DELETE, path, None, None).await;
-        assert_eq!(status, 200, "DELETE {path}: {answer}");
+        self.expect(reqwest::Method::DELETE, path, None, 200).await;
     }
 
     /// Both processes' logs, for failure messages.

@@ -31,6 +31,18 @@ fn yaml_files(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
+/// What `program` with `args` writes: a rendering.
+fn rendered(program: &Path, args: &[&str]) -> String {
+    let out = run(program, args, "");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{} {args:?}: {stderr}",
+        program.display()
+    );
+    String::from_utf8(out.stdout).expect("renderings are UTF-8")
+}
+
 /// The chart with each values example, in namespace `helm-<example>`.
 fn charted(helm: &Path) -> Vec<Rendering> {
     let chart = root().join("deploy/helm/tandem").display().to_string();
@@ -41,13 +53,8 @@ fn charted(helm: &Path) -> Vec<Rendering> {
             let name = format!("helm-{stem}");
             let values = values.display().to_string();
             let args = ["template", "t", &chart, "--namespace", &name, "-f", &values];
-            let out = run(helm, &args, "");
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            assert!(out.status.success(), "helm template -f {values}: {stderr}");
-            Rendering {
-                name,
-                yaml: String::from_utf8(out.stdout).expect("helm writes UTF-8"),
-            }
+            let yaml = rendered(helm, &args);
+            Rendering { name, yaml }
         })
         .collect()
 }
@@ -103,13 +110,8 @@ fn kustomized(kubectl: &Path) -> Vec<Rendering> {
             // JSON is YAML: kustomize reads it as written.
             std::fs::write(wrap.join("kustomization.yaml"), kustomization.to_string())
                 .expect("writing a kustomization");
-            let out = run(kubectl, &["kustomize", &wrap.display().to_string()], "");
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            assert!(out.status.success(), "kubectl kustomize {target}: {stderr}");
-            Rendering {
-                name,
-                yaml: String::from_utf8(out.stdout).expect("kustomize writes UTF-8"),
-            }
+            let yaml = rendered(kubectl, &["kustomize", &wrap.display().to_string()]);
+            Rendering { name, yaml }
         })
         .collect()
 }
