@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 pub const TARGET: &str = "tandem::access";
 
 /// What the line says of a request, filled in as the request goes.
-#[derive(Debug, Default, Clone, PartialEq)]
+#[derive(Debug, Default)]
 pub struct Fields {
     /// The answer's HTTP status (for a stream, the status it started with).
     pub status: u16,

@@ -134,7 +134,7 @@ async fn handle(
         params::random_u64()
     );
     let log_id = client_request_id(&body.0).unwrap_or_else(|| id.clone());
-    // The dispatcher records where the request runs (crate::dispatch::placed).
+    // The dispatcher records where the request runs (crate::dispatch::placed_on).
     let span = tracing::info_span!("request", req_id = %log_id, endpoint = kind.endpoint(),
         prompt_tokens = tracing::field::Empty, placement = tracing::field::Empty,
         prefill = tracing::field::Empty, decode = tracing::field::Empty);
