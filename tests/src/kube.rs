@@ -47,13 +47,15 @@ fn binaries() -> PathBuf {
     if let Some(dir) = std::env::var_os("TANDEM_KUBE_BIN") {
         return PathBuf::from(dir);
     }
-    let out = Command::new("bash")
-        .arg(root().join("tests/kube/get-apiserver.sh"))
-        .output()
-        .expect("running tests/kube/get-apiserver.sh");
+    printed_path(Command::new("bash").arg(root().join("tests/kube/get-apiserver.sh")))
+}
+
+/// The path a script run by `cmd` prints, when it succeeds.
+fn printed_path(cmd: &mut Command) -> PathBuf {
+    let out = cmd.output().expect("running a test tool's script");
     assert!(
         out.status.success(),
-        "tests/kube/get-apiserver.sh failed:\n{}",
+        "{cmd:?} failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
@@ -280,13 +282,7 @@ pub fn tool(name: &str) -> PathBuf {
     if std::env::var_os("PYTHON").is_none() && venv.exists() {
         cmd.env("PYTHON", venv);
     }
-    let out = cmd.output().expect("running tests/deploy/get-kubectl.sh");
-    assert!(
-        out.status.success(),
-        "tests/deploy/get-kubectl.sh {name} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    printed_path(&mut cmd)
 }
 
 /// Runs `program` with `args`, writing `input` to its stdin; its output, whatever its exit.
