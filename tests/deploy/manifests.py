@@ -149,12 +149,56 @@ def check_target(t, label, objs, versions):
             t.ok(f"{label} Deployment/{o['metadata']['name']} rolls with maxUnavailable 0",
                  str(ru.get("maxUnavailable")) == "0")
 
+    check_scalers(t, label, objs, by_key)
+    check_routes(t, label, objs, by_key)
+
     # 4. Monitors select what serves /metrics; alerts, dashboard and adapter rules name
     #    metrics the binaries export.
     monitoring.check(t, label, objs, list(pod_specs(objs)))
 
     # 5. The NetworkPolicies allow what the processes do and nothing else.
     network.check(t, label, objs)
+
+
+def check_scalers(t, label, objs, by_key):
+    """Each KEDA ScaledObject scales a rendered Deployment that leaves its replicas to it and
+    that no HPA scales as well (KEDA makes its own)."""
+    hpas = {o["spec"]["scaleTargetRef"]["name"] for o in objs
+            if o["kind"] == "HorizontalPodAutoscaler"}
+    for o in objs:
+        if o["kind"] != "ScaledObject":
+            continue
+        spec, name = o["spec"], o["metadata"]["name"]
+        ref = spec["scaleTargetRef"]
+        kind = ref.get("kind", "Deployment")
+        target = by_key.get((kind, ref["name"]))
+        t.ok(f"{label} ScaledObject {name} targets {kind}/{ref['name']}", target is not None)
+        t.ok(f"{label} ScaledObject {name}: {ref['name']} leaves replicas to it",
+             target is None or "replicas" not in target["spec"],
+             "spec.replicas would reset KEDA's count on every apply")
+        t.ok(f"{label} ScaledObject {name}: no HPA scales {ref['name']} too",
+             ref["name"] not in hpas, "two autoscalers fight over one count")
+        t.ok(f"{label} ScaledObject {name} min <= max",
+             spec.get("minReplicaCount", 0) <= spec.get("maxReplicaCount", 100))
+
+
+def check_routes(t, label, objs, by_key):
+    """Each Ingress and HTTPRoute sends its traffic to a port of a rendered Service."""
+    backends = []  # (what, Service name, port number)
+    for o in objs:
+        what = f"{label} {o['kind']}/{o['metadata']['name']}"
+        if o["kind"] == "Ingress":
+            backends += [(what, p["backend"]["service"]["name"],
+                          p["backend"]["service"]["port"].get("number"))
+                         for r in o["spec"]["rules"] for p in r["http"]["paths"]]
+        elif o["kind"] == "HTTPRoute":
+            backends += [(what, b["name"], b.get("port")) for r in o["spec"]["rules"]
+                         for b in r.get("backendRefs") or []]
+    for what, service, port in backends:
+        svc = by_key.get(("Service", service))
+        ports = [p["port"] for p in (svc or {}).get("spec", {}).get("ports", [])]
+        t.ok(f"{what} sends to Service {service} port {port}", port in ports,
+             f"Service {service} {'has ports ' + str(ports) if svc else 'is not rendered'}")
 
 
 def check_pod_consistency(t, c_label, wl, spec, c, env, binary, volumes, by_key):
@@ -379,7 +423,8 @@ def check_tls(t, label, objs, by_key, tandem):
             t.ok(f"{what}: Certificate/{cname} carries the role URI {u}",
                  u in (cert["spec"].get("uris") or []), f"uris {cert['spec'].get('uris')}")
 
-    etcd = by_key.get(("StatefulSet", "etcd"))
+    etcd = next((o for o in objs if o["kind"] == "StatefulSet" and o["spec"]["template"][
+        "metadata"]["labels"].get("app.kubernetes.io/name") == "etcd"), None)
     if etcd:
         espec = etcd["spec"]["template"]["spec"]
         ec = next(c for c in espec["containers"] if c["name"] == "etcd")

@@ -52,6 +52,10 @@ def queries(objs):
             for g in o["spec"]["groups"]:
                 for r in g["rules"]:
                     out.append((f"{name} {r.get('alert') or r.get('record')}", r["expr"]))
+        elif o["kind"] == "ScaledObject":
+            for trig in o["spec"]["triggers"]:
+                if trig["type"] == "prometheus":
+                    out.append((f"{name} trigger", trig["metadata"]["query"]))
         elif o["kind"] == "ConfigMap":
             for key, text in (o.get("data") or {}).items():
                 if key.endswith(".json"):
@@ -95,21 +99,32 @@ SELECTOR = re.compile(r"\b((?:router|prefill|decode)_[a-z_]+)\b(\{[^}]*\})?")
 
 
 def check_scopes(t, label, objs):
-    """Each series an alert reads is selected by the job of one of the target's own monitors
-    (`<namespace>/<name>`, the Prometheus Operator's job label), so that the rules of two
-    deployments never read each other's pods."""
+    """Each series an alert or a KEDA trigger reads is selected by the job of one of the
+    target's own monitors (`<namespace>/<name>`, the Prometheus Operator's job label), so
+    that two deployments never read each other's pods; and a trigger reads its own pool."""
     jobs = {f"{o['metadata'].get('namespace')}/{o['metadata']['name']}"
             for o in objs if o["kind"] in ("ServiceMonitor", "PodMonitor")}
+    workloads = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Deployment"}
+    reads = []  # (what, expr, the pool it must read or None)
     for o in objs:
-        if o["kind"] != "PrometheusRule":
-            continue
-        for g in o["spec"]["groups"]:
-            for r in g["rules"]:
-                for name, matchers in SELECTOR.findall(r["expr"]):
-                    job = re.search(r'\bjob="([^"]*)"', matchers or "")
-                    t.ok(f"{label} {r.get('alert')}: {name} is scoped to a monitor's job",
-                         job is not None and job.group(1) in jobs,
-                         f"{name}{matchers} (the monitors' jobs: {sorted(jobs)})")
+        if o["kind"] == "PrometheusRule":
+            reads += [(r.get("alert"), r["expr"], None) for g in o["spec"]["groups"]
+                      for r in g["rules"]]
+        elif o["kind"] == "ScaledObject":
+            target = workloads.get(o["spec"]["scaleTargetRef"]["name"]) or {}
+            pool = target.get("metadata", {}).get("labels", {}).get(
+                "app.kubernetes.io/component")
+            reads += [(f"ScaledObject/{o['metadata']['name']}", trig["metadata"]["query"], pool)
+                      for trig in o["spec"]["triggers"] if trig["type"] == "prometheus"]
+    for what, expr, pool in reads:
+        for name, matchers in SELECTOR.findall(expr):
+            job = re.search(r'\bjob="([^"]*)"', matchers or "")
+            t.ok(f"{label} {what}: {name} is scoped to a monitor's job",
+                 job is not None and job.group(1) in jobs,
+                 f"{name}{matchers} (the monitors' jobs: {sorted(jobs)})")
+            if pool is not None:
+                t.ok(f"{label} {what} reads its own pool's {name}",
+                     name.startswith(f"{pool}_"), f"{name}, but it scales the {pool} pool")
     check_dashboard_scopes(t, label, objs)
 
 

@@ -120,7 +120,7 @@ MUTATIONS = [
 
 
 # The same for the Helm chart: each breaks a copy of deploy/helm/tandem, and every value set
-# is rendered from the copy.
+# (or those named last) is rendered from the copy.
 HELM_MUTATIONS = [
     ("chart: grace shorter than the drain", "templates/workers.yaml",
      "add $.Values.workers.drainGraceS 15", "add $.Values.workers.drainGraceS 1",
@@ -177,6 +177,31 @@ HELM_MUTATIONS = [
     ("chart: decode pods with an API token", "templates/workers.yaml",
      '"discovers" (eq $role "prefill")', '"discovers" true',
      "tandem-decode mounts no API token"),
+    ("chart: etcd in plain text, the binaries over TLS", "templates/etcd.yaml",
+     '$scheme := ternary "https" "http" .Values.tls.enabled', '$scheme := "http"',
+     "dials etcd over TLS exactly when etcd serves TLS", {"helm etcd-deployed-mtls"}),
+    ("chart: etcd open to other namespaces", "templates/networkpolicy.yaml",
+     "              app.kubernetes.io/instance: {{ .Release.Name }}\n      ports:\n"
+     "        - port: 2379",
+     "              app.kubernetes.io/instance: {{ .Release.Name }}\n"
+     "        - namespaceSelector: {}\n      ports:\n        - port: 2379",
+     "a pod of another namespace cannot reach StatefulSet/tandem-etcd:2379/TCP",
+     {"helm etcd-deployed"}),
+    ("chart: an etcd member missing from its certificate", "templates/certificates.yaml",
+     "{{- range $i := until (int .Values.etcd.replicas) }}\n{{- $member",
+     "{{- range $i := until 1 }}\n{{- $member", "carries the name tandem-etcd-2.tandem-etcd",
+     {"helm cert-manager"}),
+    ("chart: a worker certificate without client auth", "templates/certificates.yaml",
+     '"uri" "prefill" "client" true', '"uri" "prefill" "client" false',
+     "tandem-prefill-tls has usages server auth, client auth", {"helm cert-manager"}),
+    ("chart: a KEDA trigger reading the other pool", "templates/autoscaling.yaml",
+     '"series" "prefill_queue_depth"', '"series" "decode_kv_blocks_used"',
+     "reads its own pool's", {"helm keda"}),
+    ("chart: a KEDA trigger reading every deployment", "templates/autoscaling.yaml",
+     'printf "sum(%s{job=\\"%s/%s-workers\\"})"', 'printf "sum(%s)%.0s%.0s"',
+     "is scoped to a monitor's job", {"helm keda"}),
+    ("chart: an HTTPRoute to a port the Service lacks", "templates/ingress.yaml",
+     "          port: {{ $port }}", "          port: 8080", "port 8080", {"helm http-route"}),
     ("chart: a misspelt value passes unseen", "values.yaml",
      "podDisruptionBudget:\n  enabled: true", "podDisruptionBudgets:\n  enabled: true",
      "Additional property podDisruptionBudgets is not allowed"),
@@ -211,7 +236,8 @@ def selftest(t, versions, check_tree):
                          lambda tree, inner, only=only: check_tree(
                              inner, tree, versions[:1], only=only))
     charts = {label for label, _ in helm.targets()}
-    for name, rel, old, new, expect in HELM_MUTATIONS:
+    for name, rel, old, new, expect, *only in HELM_MUTATIONS:
+        only = only[0] if only else charts
         mutate_and_check(t, name, helm.CHART, rel, old, new, expect,
-                         lambda chart, inner: check_tree(
-                             inner, K8S, versions[:1], only=charts, chart=chart))
+                         lambda chart, inner, only=only: check_tree(
+                             inner, K8S, versions[:1], only=only, chart=chart))

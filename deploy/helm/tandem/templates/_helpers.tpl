@@ -7,7 +7,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end }}
 
 {{- define "tandem.selector" -}}
-app.kubernetes.io/name: tandem
+app.kubernetes.io/name: {{ ternary "etcd" "tandem" (eq .component "etcd") }}
 app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
@@ -278,5 +278,36 @@ resources:
 {{- define "tandem.kubeDiscovery" -}}
 {{- if eq .Values.discovery.mode "kubernetes" -}}
 TANDEM_KUBE_SELECTOR: {{ printf "app.kubernetes.io/name=tandem,app.kubernetes.io/instance=%s" .Release.Name | quote }}
+{{- end -}}
+{{- end }}
+
+{{/* Whether the chart runs the etcd the workers register in (discovery.mode etcd). */}}
+{{- define "tandem.etcdDeployed" -}}
+{{- if and (eq .Values.discovery.mode "etcd") .Values.etcd.deploy -}}
+true
+{{- end -}}
+{{- end }}
+
+{{- define "tandem.etcdLabels" -}}
+app.kubernetes.io/name: etcd
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: etcd
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end }}
+
+{{/*
+  The etcd client endpoints, comma separated: the chart's members by their headless Service's
+  names (short names resolve in the namespace), else etcd.endpoints.
+*/}}
+{{- define "tandem.etcdEndpoints" -}}
+{{- if include "tandem.etcdDeployed" . -}}
+{{- $members := list -}}
+{{- range $i := until (int .Values.etcd.replicas) -}}
+{{- $members = append $members (printf "%s-etcd-%d.%s-etcd:2379" $.Release.Name $i $.Release.Name) -}}
+{{- end -}}
+{{ join "," $members }}
+{{- else -}}
+{{ required "etcd.endpoints: with etcd.deploy false, where the etcd the workers register in runs" (join "," .Values.etcd.endpoints) }}
 {{- end -}}
 {{- end }}
