@@ -134,7 +134,6 @@ impl KvPlane {
         // transfers the first byte may take the idle limit.
         let (mut wait, mut whole) = (limits.header, limits.header);
         loop {
-            let span = tracing::info_span!("kv_transfer", req_id = tracing::field::Empty);
             // A chunk's payload is not read before a header: its fields are enough to
             // refuse it.
             let header_only = kvwire::Limits {
@@ -160,12 +159,13 @@ impl KvPlane {
             };
             reader.shrink();
             let header_failed = header.is_err();
-            let outcome = match header {
+            let (span, outcome) = match header {
                 Ok(h) => {
-                    span.record("req_id", h.request_id.as_str());
-                    self.transfer(h, &mut reader).instrument(span.clone()).await
+                    let span = transfer_span(&h);
+                    let outcome = self.transfer(h, &mut reader).instrument(span.clone()).await;
+                    (span, outcome)
                 }
-                Err(e) => Err(e),
+                Err(e) => (tracing::Span::none(), Err(e)),
             };
             match outcome {
                 Ok(ack) => {
@@ -339,4 +339,13 @@ impl KvPlane {
             }
         }
     }
+}
+
+/// The span of one transfer, from its header on: a child of the sender's span when the
+/// header names one.
+fn transfer_span(header: &KvHeader) -> tracing::Span {
+    let span = tracing::info_span!("kv_transfer", req_id = %header.request_id,
+        tokens = runtime::otel::count(header.tokens.len()));
+    runtime::otel::follow(&span, &header.traceparent);
+    span
 }

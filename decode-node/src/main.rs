@@ -6,7 +6,7 @@ fn main() -> anyhow::Result<()> {
     decode_node::hold_freed_memory();
     runtime::fit_compute_threads();
     let mut cfg = Config::parse();
-    runtime::init_tracing(&cfg.log);
+    let _traces = runtime::init_tracing(&cfg.log, "tandem-decode")?;
     cfg.model = runtime::resolve_model(&cfg.model)?.path;
     tokio::runtime::Runtime::new()?.block_on(run(cfg))
 }

@@ -283,9 +283,11 @@ impl proto::v1::decode_server::Decode for DecodeService {
         // Logged as the id the router names the request by (the client's, when it gave
         // one); the transfer is matched by the message's own id, unique per attempt.
         let logged = runtime::request_id(&req, &req.get_ref().request_id);
-        let req = req.into_inner();
+        let (metadata, _, req) = req.into_parts();
         let span = tracing::info_span!("generate", req_id = %logged, kv_id = %req.request_id,
-            prefill_here = req.prefill_here);
+            prefill_here = req.prefill_here, prompt_tokens = runtime::otel::count(req.prompt.len()),
+            completion_tokens = tracing::field::Empty);
+        runtime::otel::follow_metadata(&span, &metadata);
         let (events, rx) = mpsc::unbounded_channel();
         let call = self.call(req, span.clone(), events).await?;
         // In a task of its own, so that the call returns at once and its events stream

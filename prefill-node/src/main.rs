@@ -5,7 +5,7 @@ fn main() -> anyhow::Result<()> {
     runtime::cpu::require_cpu_features();
     runtime::fit_compute_threads();
     let mut cfg = Config::parse();
-    runtime::init_tracing(&cfg.log);
+    let _traces = runtime::init_tracing(&cfg.log, "tandem-prefill")?;
     cfg.model = runtime::resolve_model(&cfg.model)?.path;
     tokio::runtime::Runtime::new()?.block_on(run(cfg))
 }

@@ -140,6 +140,7 @@ impl PrefillService {
             tokens: req.prompt.clone(),
             max_tokens: req.max_tokens,
             ticket: req.kv_ticket.clone(),
+            traceparent: runtime::otel::traceparent(&tracing::Span::current()),
         };
         let (kv, addr) = (Arc::clone(&self.kv), req.decode_addr.clone());
         let call = tokio::spawn(
@@ -212,16 +213,19 @@ impl proto::v1::prefill_server::Prefill for PrefillService {
     ) -> Result<Response<PrefillResponse>, Status> {
         let _pass = self.gate.admit()?;
         let id = runtime::request_id(&req, &req.get_ref().request_id);
-        let req = req.into_inner();
+        let (metadata, _, req) = req.into_parts();
         let span = tracing::info_span!("prefill", req_id = %id, kv_id = %req.request_id,
-            prompt_tokens = req.prompt.len());
+            prompt_tokens = runtime::otel::count(req.prompt.len()),
+            cached_tokens = tracing::field::Empty);
+        runtime::otel::follow_metadata(&span, &metadata);
         let m = &self.metrics;
         let outcome = Outcome {
             metrics: m,
             settled: false,
         };
-        match self.run(req).instrument(span).await {
+        match self.run(req).instrument(span.clone()).await {
             Ok(resp) => {
+                span.record("cached_tokens", runtime::otel::count(resp.cached_tokens));
                 outcome.settle(&m.completed);
                 m.transfer_bytes.increment(resp.transfer_bytes);
                 Ok(Response::new(resp))

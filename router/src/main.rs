@@ -10,7 +10,7 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn main() -> anyhow::Result<()> {
     runtime::cpu::require_cpu_features();
     let mut cfg = Config::parse();
-    runtime::init_tracing(&cfg.log);
+    let _traces = runtime::init_tracing(&cfg.log, "tandem-router")?;
     let model = runtime::resolve_model(&cfg.model)?;
     cfg.model = model.path;
     cfg.model_name = cfg.model_name.or(model.served_name);

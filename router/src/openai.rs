@@ -138,6 +138,8 @@ async fn handle(
     let span = tracing::info_span!("request", req_id = %log_id, endpoint = kind.endpoint(),
         prompt_tokens = tracing::field::Empty, placement = tracing::field::Empty,
         prefill = tracing::field::Empty, decode = tracing::field::Empty);
+    // In the trace the client names, if it names one (the W3C `traceparent` header).
+    runtime::otel::follow_headers(&span, &body.0);
     let access = Access::start(key.as_ref().map(|k| k.id()));
     let admitted = state.metrics.start(
         state.cfg.max_in_flight,

@@ -221,7 +221,7 @@ fn tokenized(state: &AppState, kind: Kind, given: &mut Given) -> Result<Vec<u32>
             .encode(text)
             .map_err(|e| RouterError::param(param, e.to_string()))?,
     };
-    tracing::Span::current().record("prompt_tokens", prompt.len());
+    tracing::Span::current().record("prompt_tokens", runtime::otel::count(prompt.len()));
     if prompt.len() > state.max_prompt_tokens {
         return Err(RouterError::PromptTooLong {
             param,

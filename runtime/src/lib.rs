@@ -1,10 +1,12 @@
-//! Process plumbing shared by the router and the nodes: tracing setup, the shutdown signal,
-//! the request id carried in gRPC metadata, and why a node could not serve.
+//! Process plumbing shared by the router and the nodes: logging and trace export, the
+//! shutdown signal, the request id and trace context carried in gRPC metadata, and why a
+//! node could not serve.
 
 pub mod channel;
 pub mod cpu;
 pub mod http;
 pub mod ops;
+pub mod otel;
 pub mod process;
 pub mod prom;
 pub mod sniff;
@@ -116,28 +118,53 @@ pub enum LogFormat {
     Json,
 }
 
-/// The logging flag all three binaries take.
+/// The logging and tracing flags all three binaries take.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct LogArgs {
     /// `text` or `json` (one object per line, with the request's id, for log pipelines).
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Send every request's spans to this OpenTelemetry collector (OTLP over gRPC, e.g.
+    /// `http://otel-collector:4317`), in the trace a client's `traceparent` header names.
+    /// Unset: no traces.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
 }
 
-/// Logs to stderr in `args`' format, filtered by `RUST_LOG` (default `info`).
-pub fn init_tracing(args: &LogArgs) {
+/// Logs in `args`' format, filtered by `RUST_LOG` (default `info`), and with
+/// `--otlp-endpoint` exports the same spans as `service`; the exporter, which sends what it
+/// still holds when dropped: keep it until the process ends.
+pub fn init_tracing(
+    args: &LogArgs,
+    service: &'static str,
+) -> Result<Option<otel::Exporter>, otel::OtelError> {
+    use tracing_subscriber::layer::{Layer, SubscriberExt};
+    use tracing_subscriber::util::SubscriberInitExt;
+
     let filter =
         tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let fmt = tracing_subscriber::fmt().with_env_filter(filter);
-    match args.log_format {
-        LogFormat::Text => fmt.init(),
-        LogFormat::Json => fmt
+    let exporter = match &args.otlp_endpoint {
+        Some(endpoint) => Some(otel::Exporter::start(endpoint, service)?),
+        None => None,
+    };
+    let traces = exporter
+        .as_ref()
+        .map(|e| tracing_opentelemetry::layer().with_tracer(e.tracer(service)));
+    let logs = match args.log_format {
+        LogFormat::Text => tracing_subscriber::fmt::layer().boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer()
             .json()
             .flatten_event(true)
             .with_current_span(true)
             .with_span_list(true)
-            .init(),
-    }
+            .boxed(),
+    };
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(logs)
+        .with(traces)
+        .init();
+    Ok(exporter)
 }
 
 /// What each binary's `--help` says of the Hugging Face environment `--model` reads.
@@ -220,9 +247,11 @@ pub fn request_id<T>(req: &tonic::Request<T>, fallback: &str) -> String {
         .to_string()
 }
 
-/// `msg` as a request that carries `id` as metadata.
+/// `msg` as a request that carries `id`, and the current span's trace context, as
+/// metadata.
 pub fn with_request_id<T>(id: &str, msg: T) -> tonic::Request<T> {
     let mut r = tonic::Request::new(msg);
+    otel::inject_current(r.metadata_mut());
     if let Ok(mut v) = id.parse::<tonic::metadata::MetadataValue<_>>() {
         // Marked sensitive so HPACK sends it as a literal: every id is new, and entering
         // each in the connection's header table would evict the headers that repeat.

@@ -4,9 +4,11 @@ processes make is allowed, and nothing else reaches the workers or etcd, or leav
 
 The peers that are not in the rendering stand for what a cluster has around it: a client on
 the internet, a pod of another namespace, Prometheus in `monitoring`, the cluster DNS, PyPI,
-and an etcd outside the namespace (for renderings that do not run their own)."""
+an etcd outside the namespace (for renderings that do not run their own), and a trace
+collector."""
 
 import ipaddress
+import re
 
 from objects import FETCHER, container_env, effective, index, pod_specs, tandem_binary
 
@@ -31,6 +33,9 @@ DNS = pod("kube-system", {"k8s-app": "kube-dns"}, {"dns": 53}, name="kube-dns")
 PYPI = ip("151.101.0.223", "PyPI")
 OUTSIDE_ETCD = ip("10.0.0.9", "an etcd outside the namespace")
 API_SERVER = ip("10.0.0.1", "the API server")
+COLLECTOR = ip("10.1.2.3", "the trace collector")
+# The port of an OTLP/gRPC collector that names none.
+OTLP_PORT = 4317
 
 
 def selects(selector, labels):
@@ -139,6 +144,7 @@ def endpoints(objs):
                 flags.update(effective(c, container_env(c, by_key), binary))
         p["etcd"] = bool(flags.get("etcd-endpoints"))
         p["kube"] = bool(flags.get("kube-selector"))
+        p["otlp"] = flags.get("otlp-endpoint")
         part = ("etcd" if labels.get("app.kubernetes.io/name") == "etcd"
                 else labels.get("app.kubernetes.io/component"))
         if part in parts:
@@ -165,6 +171,10 @@ def flows(parts):
         out.append((p, API_SERVER, 443, "TCP", p["kube"] or fetches))
         out.append((p, API_SERVER, 6443, "TCP", p["kube"]))
         out.append((p, PYPI, 443, "TCP", fetches))
+        # The trace collector, on its port, only for a binary that sends it spans.
+        port = re.search(r":(\d+)$", (p["otlp"] or "").rstrip("/"))
+        out.append((p, COLLECTOR, int(port.group(1)) if port else OTLP_PORT, "TCP",
+                    bool(p["otlp"])))
         out.append((p, CLIENT, 22, "TCP", False))
     for r in parts["router"]:
         out += [(CLIENT, r, 8080, "TCP", True), (STRANGER, r, 8080, "TCP", True),

@@ -11,6 +11,7 @@ mod http;
 pub mod hub;
 pub mod kube;
 pub mod kv;
+pub mod otlp;
 pub mod pki;
 
 use cluster::args;

@@ -321,6 +321,9 @@ impl Scheduler {
         match self.finish_of(&seq) {
             Some(reason) => {
                 tracing::info!(parent: &seq.span, ?reason, tokens = seq.output.len(), "finished");
+                // For the trace (with n > 1, the last choice to finish; each has its event).
+                seq.span
+                    .record("completion_tokens", runtime::otel::count(seq.output.len()));
                 self.metrics.finished_sequences.increment(1);
                 let _ = seq.events.send(Ok(finish_event(reason, seq.choice)));
             }

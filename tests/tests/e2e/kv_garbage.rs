@@ -33,6 +33,7 @@ fn header(id: &str, ticket: &[u8], layout: &KvLayout, tokens: Vec<u32>) -> Item 
         tokens,
         max_tokens: 1,
         ticket: ticket.to_vec(),
+        ..KvHeader::default()
     })
 }
 

@@ -47,6 +47,7 @@ impl Node {
             tokens: PROMPT.to_vec(),
             max_tokens: 3,
             ticket: ticket.to_vec(),
+            ..KvHeader::default()
         })];
         for layer in 0..self.layout.n_layers {
             items.push(Item::Chunk(engine::KvChunk {

@@ -33,5 +33,6 @@ mod streaming;
 mod structured;
 mod tokenize;
 mod tools;
+mod traces;
 mod transport;
 mod usage;
