@@ -302,12 +302,25 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 */}}
 {{- define "tandem.etcdEndpoints" -}}
 {{- if include "tandem.etcdDeployed" . -}}
-{{- $members := list -}}
-{{- range $i := until (int .Values.etcd.replicas) -}}
-{{- $members = append $members (printf "%s-etcd-%d.%s-etcd:2379" $.Release.Name $i $.Release.Name) -}}
+{{- $endpoints := list -}}
+{{- range $member := splitList "," (include "tandem.etcdMembers" .) -}}
+{{- $endpoints = append $endpoints (printf "%s:2379" $member) -}}
 {{- end -}}
-{{ join "," $members }}
+{{ join "," $endpoints }}
 {{- else -}}
 {{ required "etcd.endpoints: with etcd.deploy false, where the etcd the workers register in runs" (join "," .Values.etcd.endpoints) }}
 {{- end -}}
+{{- end }}
+
+{{/*
+  The chart etcd's members by the names clients and peers dial (<pod>.<headless Service>,
+  which resolve in the namespace), comma separated: the one place that names them, for the
+  endpoints, --initial-cluster and the certificate.
+*/}}
+{{- define "tandem.etcdMembers" -}}
+{{- $members := list -}}
+{{- range $i := until (int .Values.etcd.replicas) -}}
+{{- $members = append $members (printf "%s-etcd-%d.%s-etcd" $.Release.Name $i $.Release.Name) -}}
+{{- end -}}
+{{ join "," $members }}
 {{- end }}
