@@ -178,7 +178,8 @@ HELM_MUTATIONS = [
      '"discovers" (eq $role "prefill")', '"discovers" true',
      "tandem-decode mounts no API token"),
     ("chart: etcd in plain text, the binaries over TLS", "templates/etcd.yaml",
-     '$scheme := ternary "https" "http" .Values.tls.enabled', '$scheme := "http"',
+     '$scheme := ternary "https" "http" (eq (include "tandem.etcdTLS" .) "true")',
+     '$scheme := "http"',
      "dials etcd over TLS exactly when etcd serves TLS", {"helm etcd-deployed-mtls"}),
     ("chart: etcd open to other namespaces", "templates/networkpolicy.yaml",
      "              app.kubernetes.io/instance: {{ .Release.Name }}\n      ports:\n"

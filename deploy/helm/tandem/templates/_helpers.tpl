@@ -288,6 +288,23 @@ true
 {{- end -}}
 {{- end }}
 
+{{/*
+  Whether the chart's etcd serves TLS and takes only certificates of the cluster CA, which each
+  binary presents from its role's Secret: with tls.enabled, or etcd.tls alone (plain gRPC).
+*/}}
+{{- define "tandem.etcdTLS" -}}
+{{- if and (include "tandem.etcdDeployed" .) (or .Values.tls.enabled .Values.etcd.tls) -}}
+true
+{{- end -}}
+{{- end }}
+
+{{/* Whether the pods mount their role's certificate: for mutual TLS, or for etcd's. */}}
+{{- define "tandem.roleTLS" -}}
+{{- if or .Values.tls.enabled (include "tandem.etcdTLS" .) -}}
+true
+{{- end -}}
+{{- end }}
+
 {{- define "tandem.etcdLabels" -}}
 app.kubernetes.io/name: etcd
 app.kubernetes.io/instance: {{ .Release.Name }}
