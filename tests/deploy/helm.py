@@ -1,7 +1,7 @@
 """The Helm chart (deploy/helm/tandem), for tests/deploy/manifests.py: rendered with
 `helm template` for each value set in tests/deploy/helm-values/, and each rendering checked
 like a kustomize target (schemas, the binaries' flags, the manifests' own consistency,
-monitoring)."""
+monitoring); and the kustomize base's part that the chart renders, checked to be current."""
 
 import os
 import re
@@ -13,6 +13,7 @@ import yaml
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CHART = os.path.join(ROOT, "deploy", "helm", "tandem")
+RENDER_BASE = os.path.join(ROOT, "scripts", "render-k8s-base.py")
 VALUES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helm-values")
 
 
@@ -34,6 +35,17 @@ def render(values, chart=CHART):
     if r.returncode != 0:
         raise RuntimeError(r.stderr.strip() or r.stdout.strip())
     return [o for o in yaml.safe_load_all(r.stdout) if o]
+
+
+def check_base(t, k8s, chart=CHART):
+    """The kustomize base's chart/ is `chart`'s current rendering (scripts/render-k8s-base.py):
+    Helm and kustomize deploy one design."""
+    base = os.path.join(k8s, "base")
+    r = subprocess.run([sys.executable, RENDER_BASE, "--check", "--chart", chart,
+                        "--values", os.path.join(base, "values.yaml"),
+                        "--out", os.path.join(base, "chart")], capture_output=True, text=True)
+    t.ok("deploy/k8s/base/chart is the chart's rendering with base/values.yaml",
+         r.returncode == 0, " ".join(r.stderr.split()))
 
 
 def validated_on(values, versions):

@@ -24,9 +24,10 @@ import fetch
 import helm
 import monitoring
 import network
-from objects import (FETCHER, K8S, Tally, binary_help, container_env, effective, env_dict, index,
-                     mib, pod_specs, port_of, port_security, referenced_vars, render,
-                     split_args, tandem_binary, targets, validate_object)
+from objects import (FETCHER, K8S, Tally, binary_help, container_env, effective, env_dict,
+                     etcd_statefulset, index, mib, pod_specs, port_of, port_security,
+                     referenced_vars, render, split_args, tandem_binary, targets,
+                     validate_object)
 from selftest import selftest
 
 # What a worker takes after its drain to close connections (runtime/src/worker.rs CLOSE_GRACE).
@@ -423,8 +424,7 @@ def check_tls(t, label, objs, by_key, tandem):
             t.ok(f"{what}: Certificate/{cname} carries the role URI {u}",
                  u in (cert["spec"].get("uris") or []), f"uris {cert['spec'].get('uris')}")
 
-    etcd = next((o for o in objs if o["kind"] == "StatefulSet" and o["spec"]["template"][
-        "metadata"]["labels"].get("app.kubernetes.io/name") == "etcd"), None)
+    etcd = etcd_statefulset(objs)
     if etcd:
         espec = etcd["spec"]["template"]["spec"]
         ec = next(c for c in espec["containers"] if c["name"] == "etcd")
@@ -498,6 +498,8 @@ def check_tls(t, label, objs, by_key, tandem):
 
 
 def check_tree(t, k8s, versions, only=None, chart=helm.CHART):
+    if not only or "base" in only:
+        helm.check_base(t, k8s, chart)
     with tempfile.TemporaryDirectory() as tmp:
         kustomized = [(label, path, render, versions) for label, path in targets(tmp, k8s)]
         charted = [(label, values, lambda v: helm.render(v, chart),

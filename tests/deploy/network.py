@@ -176,6 +176,10 @@ def flows(parts):
         out.append((p, COLLECTOR, int(port.group(1)) if port else OTLP_PORT, "TCP",
                     bool(p["otlp"])))
         out.append((p, CLIENT, 22, "TCP", False))
+    for p in [f for f in parts["fetchers"] if f not in tandem]:
+        # A pod of its own that fetches the model (a Job): PyPI and the DNS, nothing else.
+        out += [(p, DNS, 53, "UDP", True), (p, PYPI, 443, "TCP", True),
+                (p, CLIENT, 22, "TCP", False)]
     for r in parts["router"]:
         out += [(CLIENT, r, 8080, "TCP", True), (STRANGER, r, 8080, "TCP", True),
                 (SCRAPER, r, OPS_PORT, "TCP", True), (STRANGER, r, OPS_PORT, "TCP", False)]

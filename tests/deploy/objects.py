@@ -237,6 +237,13 @@ def validate_object(o, version):
 # Reading pods out of the rendered objects
 
 
+def etcd_statefulset(objs):
+    """The StatefulSet that runs etcd, found by its app.kubernetes.io/name label (the chart
+    names it after the release), or None."""
+    return next((o for o in objs if o["kind"] == "StatefulSet" and o["spec"]["template"][
+        "metadata"]["labels"].get("app.kubernetes.io/name") == "etcd"), None)
+
+
 def index(objs):
     return {(o["kind"], o["metadata"]["name"]): o for o in objs}
 

