@@ -24,6 +24,7 @@ import fetch
 import helm
 import monitoring
 import network
+import twins
 from objects import (FETCHER, K8S, Tally, binary_help, container_env, effective, env_dict,
                      etcd_statefulset, index, mib, pod_specs, port_of, port_security,
                      referenced_vars, render, split_args, tandem_binary, targets,
@@ -504,6 +505,7 @@ def check_tree(t, k8s, versions, only=None, chart=helm.CHART):
         kustomized = [(label, path, render, versions) for label, path in targets(tmp, k8s)]
         charted = [(label, values, lambda v: helm.render(v, chart),
                     helm.validated_on(values, versions)) for label, values in helm.targets()]
+        rendered = {}
         for label, path, render_with, on in kustomized + charted:
             if only and label not in only:
                 continue
@@ -512,6 +514,7 @@ def check_tree(t, k8s, versions, only=None, chart=helm.CHART):
             except RuntimeError as e:
                 t.ok(f"render {label}", False, str(e))
                 continue
+            rendered[label] = objs
             t.ok(f"render {label} ({len(objs)} objects)", bool(objs))
             if not t.quiet:
                 print(f"rendered {label}: {len(objs)} objects", flush=True)
@@ -519,6 +522,7 @@ def check_tree(t, k8s, versions, only=None, chart=helm.CHART):
                 check_target(t, label, objs, on)
             except Exception as e:  # a broken manifest must fail the run, not crash it
                 t.ok(f"check {label}", False, f"{type(e).__name__}: {e}")
+        twins.check(t, k8s, rendered, chart, only)
 
 
 def cmd_check():

@@ -60,7 +60,7 @@ MUTATIONS = [
     ("replicas under an HPA", "base/chart/resources.yaml", "  revisionHistoryLimit: 5",
      "  replicas: 2\n  revisionHistoryLimit: 5", "leaves replicas to its HPA"),
     ("fetch target differs from TANDEM_MODEL", "components/model-fetch-init/init-container.yaml",
-     "value: /models/smollm2-135m-instruct-q4_1.gguf", "value: /models/other.gguf",
+     "value: /models/SmolLM2-135M-Instruct.Q4_1.gguf", "value: /models/other.gguf",
      "MODEL_DEST is TANDEM_MODEL"),
     ("object without a namespace", "components/model-fill-job/job.yaml",
      "  namespace: tandem\n", "", "has a namespace", {"base+components/model-fill-job"}),
@@ -147,6 +147,11 @@ MUTATIONS = [
     ("the model Job without DNS", "components/model-fill-job/networkpolicy.yaml",
      "k8s-app: kube-dns", "k8s-app: coredns", "Job/tandem-fill-models reaches kube-dns",
      {"base+components/model-fill-job"}),
+    # Helm and kustomize agree (tests/deploy/twins.py).
+    ("a component drifted from the chart", "components/monitoring/monitors.yaml",
+     "      interval: 15s\n---", "      interval: 30s\n---",
+     "twin of base+components/monitoring: PodMonitor/tandem-router is the chart's",
+     {"base+components/monitoring"}),
 ]
 
 
@@ -240,6 +245,10 @@ HELM_MUTATIONS = [
      "reaches the trace collector:4317/TCP", {"helm traces"}),
     ("chart: the kustomize base left behind", "values.yaml", "    ROUTER_POLICY: least-load\n",
      "    ROUTER_POLICY: round-robin\n", "differs from the chart's rendering", {"base"}),
+    ("chart: a twin of a component drifted", "values.yaml",
+     'fetchCIDRs: ["0.0.0.0/0", "::/0"]', 'fetchCIDRs: ["10.0.0.0/8", "::/0"]',
+     "twin of base+components/model-fetch-init: NetworkPolicy/tandem-model-fetch",
+     {"base+components/model-fetch-init"}),
     ("chart: a misspelt value passes unseen", "values.yaml",
      "podDisruptionBudget:\n  enabled: true", "podDisruptionBudgets:\n  enabled: true",
      "Additional property podDisruptionBudgets is not allowed"),

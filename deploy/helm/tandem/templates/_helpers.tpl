@@ -289,11 +289,12 @@ true
 {{- end }}
 
 {{/*
-  Whether the chart's etcd serves TLS and takes only certificates of the cluster CA, which each
-  binary presents from its role's Secret: with tls.enabled, or etcd.tls alone (plain gRPC).
+  Whether the binaries dial etcd over TLS, each presenting its role's certificate: to the
+  chart's etcd (which then serves TLS and takes only certificates of the cluster CA) with
+  tls.enabled or etcd.tls alone (plain gRPC), to an etcd of yours with etcd.tls.
 */}}
 {{- define "tandem.etcdTLS" -}}
-{{- if and (include "tandem.etcdDeployed" .) (or .Values.tls.enabled .Values.etcd.tls) -}}
+{{- if and (eq .Values.discovery.mode "etcd") (or .Values.etcd.tls (and (include "tandem.etcdDeployed" .) .Values.tls.enabled)) -}}
 true
 {{- end -}}
 {{- end }}
