@@ -50,6 +50,16 @@ fn binaries() -> PathBuf {
     printed_path(Command::new("bash").arg(root().join("tests/kube/get-apiserver.sh")))
 }
 
+/// One YAML file of the upstream CustomResourceDefinitions of the custom kinds the manifests
+/// use, from their projects' modules (`tests/kube/get-crds.sh`, cached outside the
+/// checkout; `$TANDEM_KUBE_CRDS` names one already made).
+pub fn upstream_crds() -> PathBuf {
+    if let Some(file) = std::env::var_os("TANDEM_KUBE_CRDS") {
+        return PathBuf::from(file);
+    }
+    printed_path(Command::new("bash").arg(root().join("tests/kube/get-crds.sh")))
+}
+
 /// The path a script run by `cmd` prints, when it succeeds.
 fn printed_path(cmd: &mut Command) -> PathBuf {
     let out = cmd.output().expect("running a test tool's script");

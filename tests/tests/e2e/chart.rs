@@ -3,14 +3,15 @@
 //! strict field validation: the server must accept each object as written, with no field it
 //! does not know. The renderings: `helm template` of the chart with each values example in
 //! tests/deploy/helm-values, and `kubectl kustomize` of the base, each overlay, and the base
-//! with each component. The custom kinds come from tests/kube/crds.yaml, whose schemas keep
-//! every field: the deploy checks check those fields against tests/deploy/crd-schemas.yaml.
+//! with each component. The custom kinds are registered with their projects' own
+//! CustomResourceDefinitions (tests/kube/get-crds.sh: cert-manager, the Prometheus Operator,
+//! KEDA, Gateway API), so the server holds each custom resource to the real schema too.
 //! No controllers run, so nothing these objects ask for happens here (tests/tests/e2e/kube.rs
 //! runs what the pods would).
 
 use std::path::{Path, PathBuf};
 
-use e2e::kube::{run, tool, KubeApi};
+use e2e::kube::{run, tool, upstream_crds, KubeApi};
 use e2e::{root, scratch};
 use serde_json::json;
 
@@ -158,8 +159,8 @@ async fn a_real_api_server_accepts_every_rendering_strictly() {
     let api = KubeApi::start(&[]).await;
     let (helm, kubectl) = (tool("helm"), tool("kubectl"));
     let config = api.admin_kubeconfig("default");
-    let crds = root().join("tests/kube/crds.yaml");
-    let crds = std::fs::read_to_string(&crds).expect("tests/kube/crds.yaml");
+    let crds = upstream_crds();
+    let crds = std::fs::read_to_string(&crds).expect("the upstream CRDs");
     let kinds = Rendering {
         name: "default".into(),
         yaml: crds,
@@ -221,4 +222,29 @@ async fn a_real_api_server_accepts_every_rendering_strictly() {
     .await;
     let (ok, said) = apply(&kubectl, &config, &broken);
     assert!(!ok && said.contains("restartPolicies"), "{said}");
+
+    // And so is a field a custom kind's upstream schema does not have.
+    let certificates = renderings
+        .iter()
+        .find(|r| r.name == "helm-cert-manager")
+        .expect("the cert-manager values' rendering");
+    let ca = "  isCA: true\n";
+    assert_eq!(
+        certificates.yaml.matches(ca).count(),
+        1,
+        "the CA Certificate"
+    );
+    let broken = Rendering {
+        name: "broken-custom".into(),
+        yaml: certificates
+            .yaml
+            .replace(ca, "  isCA: true\n  isRootCA: true\n")
+            .replace(
+                "namespace: helm-cert-manager\n",
+                "namespace: broken-custom\n",
+            ),
+    };
+    namespace(&api, &broken.name).await;
+    let (ok, said) = apply(&kubectl, &config, &broken);
+    assert!(!ok && said.contains("isRootCA"), "{said}");
 }
