@@ -2,10 +2,12 @@
 
 Usage (from the scripts/ directory):
   LLAMA_CPP=DIR python3 oracle_gguf.py TINY_QWEN3 TINY_LLAMA3 TINY_QWEN3_MOE TINY_MIXTRAL \
-      TINY_QWEN2_MOE TINY_QWEN2 TINY_GEMMA2 TINY_GEMMA3 TINY_PHI3
+      TINY_QWEN2_MOE TINY_QWEN2 TINY_GEMMA2 TINY_GEMMA3 TINY_PHI3 WIDE_QWEN3
 
 Each folder is `tandem-model --family
-qwen3|llama3|qwen3-moe|mixtral|qwen2-moe|qwen2|gemma2|gemma3|phi3`'s. The
+qwen3|llama3|qwen3-moe|mixtral|qwen2-moe|qwen2|gemma2|gemma3|phi3`'s, and WIDE_QWEN3
+`tandem-model --family qwen3 --size wide`'s (every matrix 256 wide, so that Q4_K_M's
+K-quants apply: a narrower one falls back to other types). The
 plain Qwen2 one is converted with Qwen2.5's long-context setting added to a copy of its
 config.json (YaRN, factor 4, past an original context of 64: YARN), as `qwen2_yarn`. DIR is a llama.cpp source tree at the
 version llama-cpp-python vendors (its sdist's vendor/llama.cpp), for its converter
@@ -43,8 +45,8 @@ PROMPTS = 16
 CONTINUATION = 32
 TOP = 5
 SEED = 20261128
-# (name, llama_ftype): LLAMA_FTYPE_MOSTLY_Q8_0 and LLAMA_FTYPE_MOSTLY_Q4_1.
-Q8_0, Q4_1 = ("q8_0", 7), ("q4_1", 3)
+# (name, llama_ftype): LLAMA_FTYPE_MOSTLY_Q8_0, _Q4_1 and _Q4_K_M.
+Q8_0, Q4_1, Q4_K_M = ("q8_0", 7), ("q4_1", 3), ("q4_k_m", 15)
 # (model, quantizations), in the order of the command's folders.
 MODELS = [
     ("qwen3", [Q8_0, Q4_1]),
@@ -56,6 +58,7 @@ MODELS = [
     ("gemma2", [Q4_1]),
     ("gemma3", [Q8_0]),
     ("phi3", [Q8_0]),
+    ("qwen3_wide", [Q8_0, Q4_K_M]),
 ]
 # The config.json fields each model's folder is converted with, over its own.
 CONFIG_EDITS = {

@@ -59,14 +59,20 @@ pub fn peak_weight_bytes(tensors: &[TensorHeader], gguf: bool) -> u64 {
 
 /// A GGUF mixture's experts are one tensor `[experts, out, in]` each for gate, up and down
 /// of a layer: each is read whole, then split into one matrix per expert (a copy), and where
-/// our kernels take the type (Q4_1, Q8_0) each expert is converted once more from its
+/// our kernels take the type (Q4_1, Q4_K, Q8_0) each expert is converted once more from its
 /// slice. So while a layer loads, beside what is held, there are at most its split slices
 /// of our kernels' types and one whole tensor being split.
 pub fn expert_transient_bytes(tensors: &[TensorHeader]) -> u64 {
     let experts = || tensors.iter().filter(|t| t.dims == 3);
     let whole = experts().map(|t| t.stored).max().unwrap_or(0);
     let mut by_layer: std::collections::HashMap<&str, u64> = Default::default();
-    for t in experts().filter(|t| matches!(t.ggml, Some(GgmlDType::Q4_1 | GgmlDType::Q8_0))) {
+    let ours = |t: &&TensorHeader| {
+        matches!(
+            t.ggml,
+            Some(GgmlDType::Q4_1 | GgmlDType::Q4K | GgmlDType::Q8_0)
+        )
+    };
+    for t in experts().filter(ours) {
         let layer = t
             .name
             .split_once(".ffn_")
@@ -81,9 +87,9 @@ pub fn expert_transient_bytes(tensors: &[TensorHeader]) -> u64 {
 /// - a Hugging Face folder is read whole, then every tensor converted to f32 beside it (an
 ///   f32 tensor is kept as read), the files' copies dropped once the model is built;
 /// - a GGUF file is read a tensor at a time: vectors and the embedding table dequantized to
-///   f32, Q4_1 matrices in our kernel's form (f32 scales and minimums, 24 bytes a block of
-///   32 against the file's 20), F32 and F16 matrices as f32 (candle's), other types as
-///   stored; with no `output.weight`, the head is the embedding table again, as stored.
+///   f32, Q4_1 and Q4_K matrices in our Q4_1 kernel's form (f32 scales and minimums, 24
+///   bytes a block of 32 against the file's 20 and 18), F32 and F16 matrices as f32
+///   (candle's), other types as stored; with no `output.weight`, the head is the embedding table again, as stored.
 ///
 /// The rotation tables and the activations of a step come on top, small beside these.
 pub fn held_weight_bytes(tensors: &[TensorHeader], gguf: bool) -> u64 {
@@ -101,7 +107,7 @@ pub fn held_weight_bytes(tensors: &[TensorHeader], gguf: bool) -> u64 {
         .iter()
         .map(|t| {
             let matrix = |t: &TensorHeader| match t.ggml {
-                Some(GgmlDType::Q4_1) => t.elements / 2 + t.elements / 32 * 8,
+                Some(GgmlDType::Q4_1 | GgmlDType::Q4K) => t.elements / 2 + t.elements / 32 * 8,
                 Some(GgmlDType::F32 | GgmlDType::F16) => 4 * t.elements,
                 _ => t.stored,
             };

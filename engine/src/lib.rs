@@ -16,6 +16,7 @@ mod logprobs;
 pub mod model;
 pub mod progress;
 pub mod q4;
+pub mod q4k;
 pub mod q8;
 mod rope;
 pub mod sampling;

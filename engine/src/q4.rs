@@ -40,6 +40,24 @@ pub struct Q41Matrix {
     d: Vec<f32>,
     m: Vec<f32>,
     qs: Vec<u8>,
+    activations: Activations,
+}
+
+/// How a product quantizes its activation rows: as llama.cpp does for the weights' type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Activations {
+    /// Q8_1: a scale per 32 values (Q4_1's).
+    Q8_1,
+    /// Q8_K: a scale per 256 values (the K-quants'), `crate::q4k::quantize_q8k`.
+    Q8K,
+}
+
+/// One block of 32 weights, each `d * q + m` for its nibble `q`: nibble `i` of the 32 is
+/// the low half of `qs[i]` for `i < 16`, else the high half of `qs[i - 16]` (GGML's Q4_1).
+pub(crate) struct Block {
+    pub(crate) d: f32,
+    pub(crate) m: f32,
+    pub(crate) qs: [u8; QK / 2],
 }
 
 /// One weight row: its blocks' scales, minimums and nibbles.
@@ -82,6 +100,26 @@ impl Q81Row {
         }
         row
     }
+
+    /// llama.cpp's Q8_K quantization as blocks of 32: every block of a 256 takes its scale,
+    /// and each block's sum is its integers' times that scale.
+    fn quantize_q8k(xs: &[f32]) -> Self {
+        let mut row = Q81Row {
+            d: Vec::with_capacity(xs.len() / QK),
+            s: Vec::with_capacity(xs.len() / QK),
+            qs: vec![0; xs.len()],
+        };
+        let whole = crate::q4k::QK_K;
+        for (xs, qs) in xs.chunks_exact(whole).zip(row.qs.chunks_exact_mut(whole)) {
+            let d = crate::q4k::quantize_q8k(xs, qs);
+            for block in qs.chunks_exact(QK) {
+                row.d.push(d);
+                row.s
+                    .push(d * block.iter().map(|&q| i32::from(q)).sum::<i32>() as f32);
+            }
+        }
+        row
+    }
 }
 
 /// A weight row copied out of its group, in the plain layout.
@@ -110,38 +148,52 @@ impl Q41Matrix {
                 bytes.len()
             )));
         }
+        let blocks = bytes.chunks_exact(Q41_BYTES).map(|blk| Block {
+            d: f16::from_le_bytes([blk[0], blk[1]]).to_f32(),
+            m: f16::from_le_bytes([blk[2], blk[3]]).to_f32(),
+            qs: blk[4..].try_into().expect("16 bytes of nibbles"),
+        });
+        Ok(Self::from_blocks(rows, cols, blocks, Activations::Q8_1))
+    }
+
+    /// The matrix of `rows * cols / 32` blocks, row by row. The caller checks the count.
+    pub(crate) fn from_blocks(
+        rows: usize,
+        cols: usize,
+        blocks: impl Iterator<Item = Block>,
+        activations: Activations,
+    ) -> Self {
         let nb = cols / QK;
         let grouped = rows / GROUP * GROUP;
         let n = rows * nb;
         let mut d = vec![0f32; n];
         let mut m = vec![0f32; n];
         let mut qs = vec![0u8; n * QK / 2];
-        for (i, blk) in bytes.chunks_exact(Q41_BYTES).enumerate() {
+        for (i, blk) in blocks.enumerate() {
             let (r, b) = (i / nb, i % nb);
-            let (at, nibbles) = if r < grouped {
+            let at = if r < grouped {
                 let (g, lane) = (r / GROUP, r % GROUP);
                 let at = (g * nb + b) * GROUP + lane;
                 for k in 0..4 {
                     let to = at / GROUP * GROUP * QK / 2 + k * 4 * GROUP + lane * 4;
-                    qs[to..to + 4].copy_from_slice(&blk[4 + 4 * k..8 + 4 * k]);
+                    qs[to..to + 4].copy_from_slice(&blk.qs[4 * k..4 * k + 4]);
                 }
-                (at, None)
+                at
             } else {
-                (i, Some(i * QK / 2))
+                qs[i * QK / 2..(i + 1) * QK / 2].copy_from_slice(&blk.qs);
+                i
             };
-            d[at] = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-            m[at] = f16::from_le_bytes([blk[2], blk[3]]).to_f32();
-            if let Some(to) = nibbles {
-                qs[to..to + QK / 2].copy_from_slice(&blk[4..]);
-            }
+            d[at] = blk.d;
+            m[at] = blk.m;
         }
-        Ok(Self {
+        Self {
             rows,
             cols,
             d,
             m,
             qs,
-        })
+            activations,
+        }
     }
 
     /// Bytes of weight data read per product.
@@ -172,9 +224,33 @@ impl Q41Matrix {
         }
     }
 
+    /// Row `r`'s weights, `d * q + m` each.
+    #[cfg(test)]
+    pub(crate) fn dequantized_row(&self, r: usize) -> Vec<f32> {
+        let owned;
+        let w = if r < self.rows / GROUP * GROUP {
+            owned = group_row(self.group(r / GROUP), r % GROUP);
+            owned.view()
+        } else {
+            self.loose_row(r)
+        };
+        let nibble = |b: usize, i: usize| {
+            let byte = w.qs[b * QK / 2 + i % (QK / 2)];
+            f32::from(if i < QK / 2 { byte & 0x0F } else { byte >> 4 })
+        };
+        (0..self.cols)
+            .map(|c| (c / QK, c % QK))
+            .map(|(b, i)| w.d[b] * nibble(b, i) + w.m[b])
+            .collect()
+    }
+
     /// `x Wᵀ` for `x` of `[n, cols]` (row-major): `[n, rows]`.
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
-        let q: Vec<Q81Row> = x.chunks_exact(self.cols).map(Q81Row::quantize).collect();
+        let quantize = match self.activations {
+            Activations::Q8_1 => Q81Row::quantize,
+            Activations::Q8K => Q81Row::quantize_q8k,
+        };
+        let q: Vec<Q81Row> = x.chunks_exact(self.cols).map(quantize).collect();
         split::by_groups(
             self.rows,
             n,
@@ -460,116 +536,4 @@ mod avx2 {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::act_quant::testing::{candle_product, data};
-    use candle_core::quantized::{GgmlDType, QTensor};
-    use candle_core::{Device, Tensor};
-
-    /// The largest error candle's or our sum can have: a few roundings per block, each
-    /// relative to the size of the terms so far.
-    fn rounding_bound(w: WRow<'_>, y: &Q81Row) -> f32 {
-        let size: f32 = (0..w.d.len())
-            .map(|b| (block_sumi(w, y, b) as f32 * w.d[b] * y.d[b]).abs() + (w.m[b] * y.s[b]).abs())
-            .sum();
-        size * 1e-5
-    }
-
-    #[test]
-    fn within_rounding_of_candle_and_the_same_bits_on_every_path_and_batch() {
-        // 11 blocks a row (eight, then three single ones on the plain path); four groups
-        // of eight rows and three loose rows.
-        let (rows, cols) = (35, 352);
-        let w = Tensor::from_vec(data(rows * cols, 1), (rows, cols), &Device::Cpu).unwrap();
-        let q = QTensor::quantize(&w, GgmlDType::Q4_1).unwrap();
-        let ours = Q41Matrix::from_ggml(q.data().unwrap().to_vec(), rows, cols).unwrap();
-        let reference = candle_core::quantized::QMatMul::from_qtensor(q).unwrap();
-        // Each weight row in the plain layout, for the rounding bound.
-        let wrows: Vec<OwnedRow> = (0..rows)
-            .map(|r| {
-                if r < rows / GROUP * GROUP {
-                    group_row(ours.group(r / GROUP), r % GROUP)
-                } else {
-                    let w = ours.loose_row(r);
-                    OwnedRow {
-                        d: w.d.to_vec(),
-                        m: w.m.to_vec(),
-                        qs: w.qs.to_vec(),
-                    }
-                }
-            })
-            .collect();
-        let alone = |x: &[f32]| ours.matmul(x, 1);
-        // Every mix of tiles of four and single rows.
-        for n in [1, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 32, 33] {
-            let x = data(n * cols, 7 + n as u32);
-            let want = candle_product(&reference, &x, n, cols);
-            let got = ours.matmul(&x, n);
-            let q: Vec<Q81Row> = x.chunks_exact(cols).map(Q81Row::quantize).collect();
-            let mut differ = 0;
-            for (y, row) in q.iter().enumerate() {
-                for r in 0..rows {
-                    let (g, c) = (got[y * rows + r], want[y * rows + r]);
-                    assert!(
-                        (g - c).abs() <= rounding_bound(wrows[r].view(), row),
-                        "row {y}, output {r}: {g} against candle's {c}"
-                    );
-                    differ += usize::from(g != c);
-                }
-            }
-            assert!(
-                differ > 0 || n < 4,
-                "no value differs from candle's: is this the new sum?"
-            );
-            // A row's outputs do not depend on the rows beside it.
-            for (y, xs) in x.chunks_exact(cols).enumerate() {
-                assert_eq!(alone(xs)[..], got[y * rows..][..rows], "row {y} of {n}");
-            }
-            // Every group kernel this CPU runs gives the same values: the dispatch above
-            // takes only the best one. Likewise the loose rows' AVX2 and scalar paths.
-            for (name, kernel) in group_kernels() {
-                let mut each = vec![0f32; n * rows];
-                for g in 0..(rows / GROUP) {
-                    kernel(ours.group(g), &q, &mut |y, vals| {
-                        each[y * rows + g * GROUP..][..GROUP].copy_from_slice(&vals)
-                    });
-                }
-                for r in (rows / GROUP) * GROUP..rows {
-                    for (y, row) in q.iter().enumerate() {
-                        each[y * rows + r] = scalar_dot_one(ours.loose_row(r), row);
-                    }
-                }
-                assert_eq!(each, got, "the {name} path agrees, {n} rows");
-            }
-        }
-    }
-
-    type Emit<'a> = &'a mut dyn FnMut(usize, [f32; GROUP]);
-    /// A group kernel, by name.
-    type Kernel = (&'static str, fn(WGroup<'_>, &[Q81Row], Emit<'_>));
-
-    /// The group kernels this CPU can run.
-    fn group_kernels() -> Vec<Kernel> {
-        let mut kernels: Vec<Kernel> = vec![("scalar", |w, q, emit| scalar_dot_group(w, q, emit))];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                // SAFETY: AVX2 and FMA are present, checked just above.
-                kernels.push(("AVX2", |w, q, emit| unsafe { avx2::dot_group(w, q, emit) }));
-            }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && has_vnni() {
-                // SAFETY: AVX2, FMA and AVX-512 VNNI/VL are present, checked just above.
-                kernels.push(("VNNI", |w, q, emit| unsafe {
-                    avx2::dot_group_vnni(w, q, emit)
-                }));
-            }
-        }
-        kernels
-    }
-
-    #[test]
-    fn refuses_data_of_the_wrong_size() {
-        assert!(Q41Matrix::from_ggml(vec![0; 19], 1, 32).is_err());
-        assert!(Q41Matrix::from_ggml(vec![0; 20], 1, 31).is_err());
-    }
-}
+mod tests;

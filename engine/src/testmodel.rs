@@ -119,6 +119,9 @@ pub enum ModelSize {
     Tiny,
     /// About 25 million parameters: for benchmarks.
     Small,
+    /// About a million parameters, every matrix 256 or more wide: for tests of the
+    /// K-quants, whose blocks are 256 weights.
+    Wide,
 }
 
 struct Dims {
@@ -161,6 +164,16 @@ impl ModelSize {
                 intermediate: 1536,
                 max_positions: 4096,
                 tied: true,
+            },
+            Self::Wide => Dims {
+                vocab_target: 512,
+                hidden: 256,
+                layers: 2,
+                heads: 4,
+                kv_heads: 2,
+                intermediate: 256,
+                max_positions: 2048,
+                tied: false,
             },
         }
     }

@@ -490,6 +490,7 @@ type OurKernel = fn(Vec<u8>, usize, usize) -> Result<Weight>;
 
 /// Our kernel for GGML data of `dtype` on `device`, where there is one: candle multiplies
 /// Q4_1 with scalar code and Q8_0 one output at a time; ours give the same values faster.
+/// Q4_K runs on the Q4_1 kernel, converted exactly ([`crate::q4k`]).
 fn our_kernel(dtype: GgmlDType, device: &Device) -> Option<OurKernel> {
     if !device.is_cpu() {
         return None;
@@ -498,6 +499,11 @@ fn our_kernel(dtype: GgmlDType, device: &Device) -> Option<OurKernel> {
         GgmlDType::Q4_1 => Some(|bytes, rows, cols| {
             Ok(Weight::Q41(Arc::new(Q41Matrix::from_ggml(
                 bytes, rows, cols,
+            )?)))
+        }),
+        GgmlDType::Q4K => Some(|bytes, rows, cols| {
+            Ok(Weight::Q41(Arc::new(crate::q4k::from_ggml(
+                &bytes, rows, cols,
             )?)))
         }),
         GgmlDType::Q8_0 if Q80Matrix::supported() => Some(|bytes, rows, cols| {

@@ -26,7 +26,7 @@ fn a_folder_peaks_with_its_files_and_their_f32_copies() {
 }
 
 #[test]
-fn a_gguf_holds_vectors_and_the_embedding_as_f32_and_q4_1_in_our_form() {
+fn a_gguf_holds_vectors_and_the_embedding_as_f32_and_q4_1_and_q4_k_in_our_form() {
     let q41 = Some(GgmlDType::Q4_1);
     let untied = [
         header("token_embd.weight", 64, 40, 2, q41),
@@ -38,12 +38,21 @@ fn a_gguf_holds_vectors_and_the_embedding_as_f32_and_q4_1_in_our_form() {
     assert_eq!(peak_weight_bytes(&untied, true), 256 + 40 + 48 + 32);
     let tied = [header("token_embd.weight", 64, 40, 2, q41)];
     assert_eq!(peak_weight_bytes(&tied, true), 256 + 48);
+    // Q4_K goes to the same form: 128 bytes of nibbles and 8 blocks of 8 against 144.
+    let q4k = [header(
+        "blk.0.attn_q.weight",
+        256,
+        144,
+        2,
+        Some(GgmlDType::Q4K),
+    )];
+    assert_eq!(peak_weight_bytes(&q4k, true), 128 + 64);
 }
 
 #[test]
 fn a_gguf_mixture_peaks_with_a_layers_split_experts_and_one_whole_tensor() {
     let q41 = Some(GgmlDType::Q4_1);
-    let q4k = Some(GgmlDType::Q4K);
+    let q5k = Some(GgmlDType::Q5K);
     let ours = [
         header("blk.0.ffn_gate_exps.weight", 1024, 640, 3, q41),
         header("blk.0.ffn_up_exps.weight", 1024, 640, 3, q41),
@@ -57,10 +66,10 @@ fn a_gguf_mixture_peaks_with_a_layers_split_experts_and_one_whole_tensor() {
     assert_eq!(peak_weight_bytes(&ours, true), held + 3840);
     // candle's types keep the slices as the held matrices: only the whole tensor is extra.
     let candles = [
-        header("blk.0.ffn_gate_exps.weight", 1024, 576, 3, q4k),
-        header("blk.0.ffn_down_exps.weight", 2048, 1152, 3, q4k),
+        header("blk.0.ffn_gate_exps.weight", 1024, 704, 3, q5k),
+        header("blk.0.ffn_down_exps.weight", 2048, 1408, 3, q5k),
     ];
-    assert_eq!(expert_transient_bytes(&candles), 1152);
+    assert_eq!(expert_transient_bytes(&candles), 1408);
     let dense = [header("blk.0.attn_q.weight", 64, 40, 2, q41)];
     assert_eq!(
         peak_weight_bytes(&dense, true),
