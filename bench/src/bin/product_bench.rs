@@ -1,5 +1,6 @@
-//! `product-bench`: the quantized products alone, at SmolLM2-135M's shapes, on every core:
-//! microseconds and GMAC/s per product for each batch size. A kernel change is measured
+//! `product-bench`: the quantized products alone, at SmolLM2-135M's shapes (and, for Q4_K,
+//! whose blocks are 256 wide, a 1.5B Qwen2's), on every core: microseconds and GMAC/s per
+//! product for each batch size; Q4_K on our kernel and on candle's, side by side. A kernel change is measured
 //! here first, alternated against the build before it, since a decode step's other work
 //! and these machines' noise hide a change of a few percent in `engine-bench`. The
 //! weights are made up: the kernels do the same work for any values. The last row is the
@@ -7,6 +8,8 @@
 
 use std::time::Instant;
 
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::{Device, Module, Tensor};
 use clap::Parser;
 use engine::q4::Q41Matrix;
 use engine::q8::Q80Matrix;
@@ -47,9 +50,10 @@ fn noise(n: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
-/// GGML blocks of `block` bytes: f16 scales (and Q4_1's minimum) then made-up values.
-fn blocks(rows: usize, cols: usize, block: usize, halves: &[f32]) -> Vec<u8> {
-    let values = noise(rows * cols / 32 * block, (rows * cols) as u64);
+/// GGML blocks of `block` bytes for every `per` weights: f16 scales (and a minimum) then
+/// made-up values.
+fn blocks(rows: usize, cols: usize, per: usize, block: usize, halves: &[f32]) -> Vec<u8> {
+    let values = noise(rows * cols / per * block, (rows * cols) as u64);
     let mut out = Vec::with_capacity(values.len());
     for chunk in values.chunks_exact(block) {
         for &h in halves {
@@ -69,7 +73,7 @@ fn products() -> anyhow::Result<Vec<Product>> {
         ("q4_1 gate+up", 3072, 576),
         ("q4_1 down", 576, 1536),
     ] {
-        let w = Q41Matrix::from_ggml(blocks(rows, cols, 20, &[0.01, -0.05]), rows, cols)?;
+        let w = Q41Matrix::from_ggml(blocks(rows, cols, 32, 20, &[0.01, -0.05]), rows, cols)?;
         all.push(Product {
             name,
             rows,
@@ -79,12 +83,45 @@ fn products() -> anyhow::Result<Vec<Product>> {
     }
     if Q80Matrix::supported() {
         let (rows, cols) = (49152, 576);
-        let w = Q80Matrix::from_ggml(&blocks(rows, cols, 34, &[0.01]), rows, cols)?;
+        let w = Q80Matrix::from_ggml(&blocks(rows, cols, 32, 34, &[0.01]), rows, cols)?;
         all.push(Product {
             name: "q8_0 head",
             rows,
             cols,
             matmul: Box::new(move |x, n| w.matmul(x, n)),
+        });
+    }
+    all.extend(q4k_products()?);
+    Ok(all)
+}
+
+/// A 1.5B Qwen2 layer's Q4_K products (the bulk of a Q4_K_M file), each on our Q4_1 kernel
+/// (converted at load) and on candle's Q4_K one.
+fn q4k_products() -> anyhow::Result<Vec<Product>> {
+    let mut all = Vec::new();
+    for (ours_name, candle_name, rows, cols) in [
+        ("q4_k qkv (ours)", "q4_k qkv (candle)", 2048, 1536),
+        ("q4_k gate+up (ours)", "q4_k gate+up (candle)", 17920, 1536),
+    ] {
+        let bytes = blocks(rows, cols, 256, 144, &[0.01, 0.002]);
+        let ours = engine::q4k::from_ggml(&bytes, rows, cols)?;
+        let storage = QStorage::from_data(bytes.into(), &Device::Cpu, GgmlDType::Q4K)?;
+        let candle = QMatMul::from_qtensor(QTensor::new(storage, (rows, cols))?)?;
+        all.push(Product {
+            name: ours_name,
+            rows,
+            cols,
+            matmul: Box::new(move |x, n| ours.matmul(x, n)),
+        });
+        all.push(Product {
+            name: candle_name,
+            rows,
+            cols,
+            matmul: Box::new(move |x, n| {
+                let x = Tensor::from_slice(x, (n, cols), &Device::Cpu).expect("activations");
+                let y = candle.forward(&x).expect("candle's product");
+                y.flatten_all().and_then(|y| y.to_vec1()).expect("outputs")
+            }),
         });
     }
     Ok(all)
