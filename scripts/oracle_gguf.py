@@ -3,6 +3,7 @@
 Usage (from the scripts/ directory):
   LLAMA_CPP=DIR python3 oracle_gguf.py TINY_QWEN3 TINY_LLAMA3 TINY_QWEN3_MOE TINY_MIXTRAL \
       TINY_QWEN2_MOE TINY_QWEN2 TINY_GEMMA2 TINY_GEMMA3 TINY_PHI3 WIDE_QWEN3
+  LLAMA_CPP=DIR python3 oracle_gguf.py --only MODEL:QUANT FOLDER   # one file, as qwen3_wide:q5_k_m
 
 Each folder is `tandem-model --family
 qwen3|llama3|qwen3-moe|mixtral|qwen2-moe|qwen2|gemma2|gemma3|phi3`'s, and WIDE_QWEN3
@@ -45,8 +46,8 @@ PROMPTS = 16
 CONTINUATION = 32
 TOP = 5
 SEED = 20261128
-# (name, llama_ftype): LLAMA_FTYPE_MOSTLY_Q8_0, _Q4_1 and _Q4_K_M.
-Q8_0, Q4_1, Q4_K_M = ("q8_0", 7), ("q4_1", 3), ("q4_k_m", 15)
+# (name, llama_ftype): LLAMA_FTYPE_MOSTLY_Q8_0, _Q4_1, _Q4_K_M and _Q5_K_M.
+Q8_0, Q4_1, Q4_K_M, Q5_K_M = ("q8_0", 7), ("q4_1", 3), ("q4_k_m", 15), ("q5_k_m", 17)
 # (model, quantizations), in the order of the command's folders.
 MODELS = [
     ("qwen3", [Q8_0, Q4_1]),
@@ -58,7 +59,7 @@ MODELS = [
     ("gemma2", [Q4_1]),
     ("gemma3", [Q8_0]),
     ("phi3", [Q8_0]),
-    ("qwen3_wide", [Q8_0, Q4_K_M]),
+    ("qwen3_wide", [Q8_0, Q4_K_M, Q5_K_M]),
 ]
 # The config.json fields each model's folder is converted with, over its own.
 CONFIG_EDITS = {
@@ -117,13 +118,23 @@ def prompts() -> list:
 
 def main() -> None:
     llama_cpp_dir = Path(os.environ["LLAMA_CPP"])
-    for (model, quants), model_dir in zip(MODELS, sys.argv[1:], strict=True):
+    jobs = list(zip(MODELS, sys.argv[1:], strict=True)) if sys.argv[1] != "--only" else only()
+    for (model, quants), model_dir in jobs:
         with tempfile.TemporaryDirectory() as tmp:
             f32 = Path(tmp) / f"tiny-{model}-f32.gguf"
             source = edited(Path(model_dir), Path(tmp) / model, CONFIG_EDITS.get(model))
             convert(llama_cpp_dir, source, f32, MODEL_NAMES.get(model))
             for quant in quants:
                 record(model, f32, quant)
+
+
+def only() -> list:
+    """The one file `--only MODEL:QUANT FOLDER` names, so that adding a file leaves the
+    others as they are."""
+    _, spec, folder = sys.argv[1:]
+    model, name = spec.split(":")
+    quants = dict(MODELS)[model]
+    return [((model, [q for q in quants if q[0] == name]), folder)]
 
 
 def edited(model_dir: Path, copy: Path, edit: dict | None) -> Path:

@@ -4,7 +4,7 @@
 //! of each, and at each position its five best next tokens with their log-probabilities.
 //! `llama_cpp_smollm2.json` (`scripts/oracle_llama_cpp.py`) is for the real SmolLM2 file;
 //! `llama_cpp_tiny_{model}_*.json` (`scripts/oracle_gguf.py`) for the generated tiny
-//! Qwen3 (and a wide one in Q4_K_M), Llama 3.1, Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen2 with
+//! Qwen3 (and a wide one in Q4_K_M and Q5_K_M), Llama 3.1, Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen2 with
 //! YaRN, Gemma 2, Gemma 3 and Phi-3 as llama.cpp's own converter and quantizer write them
 //! (`fixtures/gguf/`).
 
@@ -162,6 +162,36 @@ fn wide_qwen3_in_q4_k_m_agrees_with_llama_cpp() {
         "llama_cpp_tiny_qwen3_wide_q4_k_m.json",
         K_QUANT_NEAR_TIE_NATS,
     );
+}
+
+/// The same wide Qwen3 in Q5_K_M: its Q5_K and Q6_K matrices.
+#[test]
+fn wide_qwen3_in_q5_k_m_agrees_with_llama_cpp() {
+    let gguf = common::fixture("gguf/tiny-qwen3_wide-q5_k_m.gguf");
+    use candle_core::quantized::GgmlDType;
+    assert_types(&gguf, &[(GgmlDType::Q5K, 8), (GgmlDType::Q6K, 2)]);
+    assert_agrees_within(
+        &gguf,
+        "llama_cpp_tiny_qwen3_wide_q5_k_m.json",
+        K_QUANT_NEAR_TIE_NATS,
+    );
+}
+
+/// The file holds at least `count` matrices of each `(type, count)`: it exercises those
+/// kernels.
+fn assert_types(gguf: &Path, want: &[(candle_core::quantized::GgmlDType, usize)]) {
+    let file = gguf_file::Content::read(&mut std::fs::File::open(gguf).unwrap()).unwrap();
+    for &(dtype, count) in want {
+        let n = file
+            .tensor_infos
+            .values()
+            .filter(|t| t.ggml_dtype == dtype && t.shape.rank() == 2)
+            .count();
+        assert!(
+            n >= count,
+            "{n} {dtype:?} matrices: the file must exercise the kernel"
+        );
+    }
 }
 
 /// llama.cpp's conversion of the tiny Phi-3 reads as its folder: the rotating
