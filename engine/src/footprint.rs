@@ -11,6 +11,8 @@ use candle_core::quantized::{gguf_file, GgmlDType};
 use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
+use crate::kquant::format::QK_K;
+use crate::kquant::KFormat;
 use crate::kv_cache::KvLayout;
 use text::ModelConfig;
 
@@ -59,7 +61,7 @@ pub fn peak_weight_bytes(tensors: &[TensorHeader], gguf: bool) -> u64 {
 
 /// A GGUF mixture's experts are one tensor `[experts, out, in]` each for gate, up and down
 /// of a layer: each is read whole, then split into one matrix per expert (a copy), and where
-/// our kernels take the type (Q4_1, Q4_K, Q8_0) each expert is converted once more from its
+/// our kernels take the type (Q4_1, Q8_0, the K-quants) each expert is converted once more from its
 /// slice. So while a layer loads, beside what is held, there are at most its split slices
 /// of our kernels' types and one whole tensor being split.
 pub fn expert_transient_bytes(tensors: &[TensorHeader]) -> u64 {
@@ -67,10 +69,9 @@ pub fn expert_transient_bytes(tensors: &[TensorHeader]) -> u64 {
     let whole = experts().map(|t| t.stored).max().unwrap_or(0);
     let mut by_layer: std::collections::HashMap<&str, u64> = Default::default();
     let ours = |t: &&TensorHeader| {
-        matches!(
-            t.ggml,
-            Some(GgmlDType::Q4_1 | GgmlDType::Q4K | GgmlDType::Q8_0)
-        )
+        t.ggml.is_some_and(|d| {
+            matches!(d, GgmlDType::Q4_1 | GgmlDType::Q8_0) || KFormat::of(d).is_some()
+        })
     };
     for t in experts().filter(ours) {
         let layer = t
@@ -87,8 +88,10 @@ pub fn expert_transient_bytes(tensors: &[TensorHeader]) -> u64 {
 /// - a Hugging Face folder is read whole, then every tensor converted to f32 beside it (an
 ///   f32 tensor is kept as read), the files' copies dropped once the model is built;
 /// - a GGUF file is read a tensor at a time: vectors and the embedding table dequantized to
-///   f32, Q4_1 and Q4_K matrices in our Q4_1 kernel's form (f32 scales and minimums, 24
-///   bytes a block of 32 against the file's 20 and 18), F32 and F16 matrices as f32
+///   f32, Q4_1 matrices in our kernel's form (f32 scales and minimums, 24 bytes a block of
+///   32 against the file's 20), K-quant matrices in theirs (Q4_K and Q5_K 4 bytes more per
+///   256 weights than the file, Q6_K as stored; a matrix's last rows are padded to a
+///   group of eight, at most seven rows more, which is not counted), F32 and F16 matrices as f32
 ///   (candle's), other types as stored; with no `output.weight`, the head is the embedding table again, as stored.
 ///
 /// The rotation tables and the activations of a step come on top, small beside these.
@@ -107,7 +110,11 @@ pub fn held_weight_bytes(tensors: &[TensorHeader], gguf: bool) -> u64 {
         .iter()
         .map(|t| {
             let matrix = |t: &TensorHeader| match t.ggml {
-                Some(GgmlDType::Q4_1 | GgmlDType::Q4K) => t.elements / 2 + t.elements / 32 * 8,
+                Some(GgmlDType::Q4_1) => t.elements / 2 + t.elements / 32 * 8,
+                Some(d) if KFormat::of(d).is_some() => {
+                    let format = KFormat::of(d).expect("a K-quant type");
+                    t.elements / QK_K as u64 * format.held_bytes() as u64
+                }
                 Some(GgmlDType::F32 | GgmlDType::F16) => 4 * t.elements,
                 _ => t.stored,
             };

@@ -40,24 +40,14 @@ pub struct Q41Matrix {
     d: Vec<f32>,
     m: Vec<f32>,
     qs: Vec<u8>,
-    activations: Activations,
-}
-
-/// How a product quantizes its activation rows: as llama.cpp does for the weights' type.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Activations {
-    /// Q8_1: a scale per 32 values (Q4_1's).
-    Q8_1,
-    /// Q8_K: a scale per 256 values (the K-quants'), `crate::q4k::quantize_q8k`.
-    Q8K,
 }
 
 /// One block of 32 weights, each `d * q + m` for its nibble `q`: nibble `i` of the 32 is
 /// the low half of `qs[i]` for `i < 16`, else the high half of `qs[i - 16]` (GGML's Q4_1).
-pub(crate) struct Block {
-    pub(crate) d: f32,
-    pub(crate) m: f32,
-    pub(crate) qs: [u8; QK / 2],
+struct Block {
+    d: f32,
+    m: f32,
+    qs: [u8; QK / 2],
 }
 
 /// One weight row: its blocks' scales, minimums and nibbles.
@@ -100,26 +90,6 @@ impl Q81Row {
         }
         row
     }
-
-    /// llama.cpp's Q8_K quantization as blocks of 32: every block of a 256 takes its scale,
-    /// and each block's sum is its integers' times that scale.
-    fn quantize_q8k(xs: &[f32]) -> Self {
-        let mut row = Q81Row {
-            d: Vec::with_capacity(xs.len() / QK),
-            s: Vec::with_capacity(xs.len() / QK),
-            qs: vec![0; xs.len()],
-        };
-        let whole = crate::q4k::QK_K;
-        for (xs, qs) in xs.chunks_exact(whole).zip(row.qs.chunks_exact_mut(whole)) {
-            let d = crate::q4k::quantize_q8k(xs, qs);
-            for block in qs.chunks_exact(QK) {
-                row.d.push(d);
-                row.s
-                    .push(d * block.iter().map(|&q| i32::from(q)).sum::<i32>() as f32);
-            }
-        }
-        row
-    }
 }
 
 /// A weight row copied out of its group, in the plain layout.
@@ -153,16 +123,11 @@ impl Q41Matrix {
             m: f16::from_le_bytes([blk[2], blk[3]]).to_f32(),
             qs: blk[4..].try_into().expect("16 bytes of nibbles"),
         });
-        Ok(Self::from_blocks(rows, cols, blocks, Activations::Q8_1))
+        Ok(Self::from_blocks(rows, cols, blocks))
     }
 
     /// The matrix of `rows * cols / 32` blocks, row by row. The caller checks the count.
-    pub(crate) fn from_blocks(
-        rows: usize,
-        cols: usize,
-        blocks: impl Iterator<Item = Block>,
-        activations: Activations,
-    ) -> Self {
+    fn from_blocks(rows: usize, cols: usize, blocks: impl Iterator<Item = Block>) -> Self {
         let nb = cols / QK;
         let grouped = rows / GROUP * GROUP;
         let n = rows * nb;
@@ -192,7 +157,6 @@ impl Q41Matrix {
             d,
             m,
             qs,
-            activations,
         }
     }
 
@@ -224,33 +188,9 @@ impl Q41Matrix {
         }
     }
 
-    /// Row `r`'s weights, `d * q + m` each.
-    #[cfg(test)]
-    pub(crate) fn dequantized_row(&self, r: usize) -> Vec<f32> {
-        let owned;
-        let w = if r < self.rows / GROUP * GROUP {
-            owned = group_row(self.group(r / GROUP), r % GROUP);
-            owned.view()
-        } else {
-            self.loose_row(r)
-        };
-        let nibble = |b: usize, i: usize| {
-            let byte = w.qs[b * QK / 2 + i % (QK / 2)];
-            f32::from(if i < QK / 2 { byte & 0x0F } else { byte >> 4 })
-        };
-        (0..self.cols)
-            .map(|c| (c / QK, c % QK))
-            .map(|(b, i)| w.d[b] * nibble(b, i) + w.m[b])
-            .collect()
-    }
-
     /// `x Wᵀ` for `x` of `[n, cols]` (row-major): `[n, rows]`.
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
-        let quantize = match self.activations {
-            Activations::Q8_1 => Q81Row::quantize,
-            Activations::Q8K => Q81Row::quantize_q8k,
-        };
-        let q: Vec<Q81Row> = x.chunks_exact(self.cols).map(quantize).collect();
+        let q: Vec<Q81Row> = x.chunks_exact(self.cols).map(Q81Row::quantize).collect();
         split::by_groups(
             self.rows,
             n,

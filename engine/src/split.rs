@@ -4,18 +4,19 @@
 use std::marker::PhantomData;
 
 /// An output buffer shared by pool workers that each write their own disjoint part of it.
-pub(crate) struct SharedOut<'a> {
-    ptr: *mut f32,
+pub(crate) struct SharedOut<'a, T = f32> {
+    ptr: *mut T,
     len: usize,
-    buf: PhantomData<&'a mut [f32]>,
+    buf: PhantomData<&'a mut [T]>,
 }
 
-// SAFETY: workers write disjoint ranges (callers promise it at `slice`).
-unsafe impl Sync for SharedOut<'_> {}
+// SAFETY: workers write disjoint ranges (callers promise it at `slice`), of values that may
+// be sent between threads.
+unsafe impl<T: Send> Sync for SharedOut<'_, T> {}
 
-impl<'a> SharedOut<'a> {
+impl<'a, T> SharedOut<'a, T> {
     /// Shares `buf`, which stays borrowed while this lives.
-    pub(crate) fn new(buf: &'a mut [f32]) -> Self {
+    pub(crate) fn new(buf: &'a mut [T]) -> Self {
         Self {
             ptr: buf.as_mut_ptr(),
             len: buf.len(),
@@ -28,7 +29,7 @@ impl<'a> SharedOut<'a> {
     /// # Safety
     /// No other slice handed out overlaps this one while it lives.
     #[allow(clippy::mut_from_ref)]
-    pub(crate) unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
+    pub(crate) unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
         assert!(start + len <= self.len, "outside the shared buffer");
         std::slice::from_raw_parts_mut(self.ptr.add(start), len)
     }
@@ -53,6 +54,13 @@ impl Columns<'_> {
         // SAFETY: these columns belong to the one worker that got this group or row.
         let o = unsafe { self.out.slice(y * self.rows + self.col, vals.len()) };
         o.copy_from_slice(vals);
+    }
+
+    /// Activation row `y`'s outputs from a whole group's: as many as these columns hold
+    /// (fewer than eight only in a matrix's last, padded group).
+    #[inline]
+    pub(crate) fn put_group(&self, y: usize, vals: &[f32; GROUP]) {
+        self.put(y, &vals[..self.width]);
     }
 }
 
@@ -84,6 +92,42 @@ pub(crate) fn by_groups(
                 let r = groups * GROUP + item - groups;
                 loose(r, &columns(r, 1));
             }
+        }
+    });
+    out
+}
+
+/// Where one padded group's outputs go among a product's columns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GroupSpan {
+    /// Its first output column.
+    pub(crate) col: usize,
+    /// Its real rows: eight, or fewer in the last group of a matrix whose rows were padded.
+    pub(crate) width: usize,
+}
+
+/// [`by_groups`] for kernels that pad each matrix's last rows into a group of their own:
+/// `group(g, out)` computes group `g` into the columns `spans[g]` names, of a `[n, rows]`
+/// product.
+pub(crate) fn by_padded_groups(
+    rows: usize,
+    n: usize,
+    spans: &[GroupSpan],
+    group: impl Fn(usize, &Columns<'_>) + Sync,
+) -> Vec<f32> {
+    let mut out = vec![0f32; n * rows];
+    let shared = SharedOut::new(&mut out);
+    candle_core::utils::barrier_pool().execute_chunked(spans.len(), |range| {
+        for g in range {
+            let span = spans[g];
+            assert!(span.width <= GROUP && span.col + span.width <= rows);
+            let columns = Columns {
+                out: &shared,
+                rows,
+                col: span.col,
+                width: span.width,
+            };
+            group(g, &columns);
         }
     });
     out

@@ -15,6 +15,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
+use crate::kquant::{KFormat, KMatrix, KPart};
 use crate::progress::LoadStep;
 use crate::q4::Q41Matrix;
 use crate::q8::Q80Matrix;
@@ -25,6 +26,7 @@ enum Weight {
     Candle(QMatMul),
     Q41(Arc<Q41Matrix>),
     Q80(Arc<Q80Matrix>),
+    K(Arc<KMatrix>),
 }
 
 /// A `y = x Wᵀ + b` projection, dense or quantized.
@@ -41,6 +43,7 @@ impl Linear {
             Weight::Candle(w) => w.forward(xs)?,
             Weight::Q41(w) => apply_ours(xs, |x, n| w.matmul(x, n))?,
             Weight::Q80(w) => apply_ours(xs, |x, n| w.matmul(x, n))?,
+            Weight::K(w) => apply_ours(xs, |x, n| w.matmul(x, n))?,
         };
         Ok(match &self.bias {
             Some(b) => ys.broadcast_add(b)?,
@@ -64,6 +67,7 @@ impl Linear {
             Weight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => dense(t),
             Weight::Q41(q) => q.bytes(),
             Weight::Q80(q) => q.bytes(),
+            Weight::K(q) => q.bytes(),
         };
         w + self.bias.as_ref().map_or(0, dense)
     }
@@ -407,17 +411,13 @@ pub fn stack_quantized(
     cols: usize,
     device: &Device,
 ) -> Result<Stacked> {
-    let dtype = qs[0].dtype();
     let all_biased = biases.iter().all(Option::is_some);
     // A zero bias for the parts without one would turn -0.0 into 0.0: keep them apart.
-    let joinable =
-        qs.iter().all(|q| q.dtype() == dtype) && (all_biased || biases.iter().all(Option::is_none));
-    if let Some(build) = our_kernel(dtype, device).filter(|_| joinable) {
-        let mut bytes = Vec::new();
-        for q in &qs {
-            bytes.extend_from_slice(&q.data()?);
-        }
-        let weight = build(bytes, widths.iter().sum(), cols)?;
+    let kernel = our_kernel(qs[0].dtype(), device)
+        .filter(|&k| qs.iter().all(|q| our_kernel(q.dtype(), device) == Some(k)))
+        .filter(|_| all_biased || biases.iter().all(Option::is_none));
+    if let Some(kernel) = kernel {
+        let weight = kernel.build(&qs, cols)?;
         let bias = if all_biased {
             Some(Tensor::cat(
                 &biases.into_iter().flatten().collect::<Vec<_>>(),
@@ -485,40 +485,61 @@ impl WeightSource {
     }
 }
 
-/// Builds one of our kernels' weights from GGML data of `[rows, cols]`.
-type OurKernel = fn(Vec<u8>, usize, usize) -> Result<Weight>;
+/// Which of our kernels multiplies a GGML type: candle multiplies Q4_1 with scalar code,
+/// Q8_0 one output at a time, and the K-quants one output at a time with the activations
+/// quantized again for each projection; ours give llama.cpp's values faster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OurKernel {
+    Q41,
+    Q80,
+    /// Q4_K, Q5_K and Q6_K, which may be stacked together.
+    K,
+}
 
-/// Our kernel for GGML data of `dtype` on `device`, where there is one: candle multiplies
-/// Q4_1 with scalar code and Q8_0 one output at a time; ours give the same values faster.
-/// Q4_K runs on the Q4_1 kernel, converted exactly ([`crate::q4k`]).
+/// Our kernel for GGML data of `dtype` on `device`, where there is one.
 fn our_kernel(dtype: GgmlDType, device: &Device) -> Option<OurKernel> {
     if !device.is_cpu() {
         return None;
     }
     match dtype {
-        GgmlDType::Q4_1 => Some(|bytes, rows, cols| {
-            Ok(Weight::Q41(Arc::new(Q41Matrix::from_ggml(
-                bytes, rows, cols,
-            )?)))
-        }),
-        GgmlDType::Q4K => Some(|bytes, rows, cols| {
-            Ok(Weight::Q41(Arc::new(crate::q4k::from_ggml(
-                &bytes, rows, cols,
-            )?)))
-        }),
-        GgmlDType::Q8_0 if Q80Matrix::supported() => Some(|bytes, rows, cols| {
-            Ok(Weight::Q80(Arc::new(Q80Matrix::from_ggml(
-                &bytes, rows, cols,
-            )?)))
-        }),
-        _ => None,
+        GgmlDType::Q4_1 => Some(OurKernel::Q41),
+        GgmlDType::Q8_0 if Q80Matrix::supported() => Some(OurKernel::Q80),
+        _ => KFormat::of(dtype).map(|_| OurKernel::K),
+    }
+}
+
+impl OurKernel {
+    /// The matrices `qs`, each `[rows, cols]` of a type this kernel takes, one under the
+    /// other as one weight.
+    fn build(self, qs: &[QTensor], cols: usize) -> Result<Weight> {
+        let data = qs
+            .iter()
+            .map(QTensor::data)
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let rows: usize = qs.iter().map(|q| q.shape().dims()[0]).sum();
+        Ok(match self {
+            Self::Q41 => Weight::Q41(Arc::new(Q41Matrix::from_ggml(data.concat(), rows, cols)?)),
+            Self::Q80 => Weight::Q80(Arc::new(Q80Matrix::from_ggml(&data.concat(), rows, cols)?)),
+            Self::K => {
+                let parts: Vec<KPart<'_>> = qs
+                    .iter()
+                    .zip(&data)
+                    .map(|(q, bytes)| KPart {
+                        format: KFormat::of(q.dtype()).expect("a K-quant type"),
+                        bytes,
+                        rows: q.shape().dims()[0],
+                    })
+                    .collect();
+                Weight::K(Arc::new(KMatrix::stack(&parts, cols)?))
+            }
+        })
     }
 }
 
 /// A block-quantized weight: ours where we have a kernel for its type, else candle's.
 fn quantized_weight(q: QTensor, out_in: (usize, usize), device: &Device) -> Result<Weight> {
     match our_kernel(q.dtype(), device) {
-        Some(build) => build(q.data()?.into_owned(), out_in.0, out_in.1),
+        Some(kernel) => kernel.build(&[q], out_in.1),
         None => Ok(Weight::Candle(QMatMul::from_arc(Arc::new(q))?)),
     }
 }

@@ -1,6 +1,7 @@
-//! `product-bench`: the quantized products alone, at SmolLM2-135M's shapes (and, for Q4_K,
-//! whose blocks are 256 wide, a 1.5B Qwen2's), on every core: microseconds and GMAC/s per
-//! product for each batch size; Q4_K on our kernel and on candle's, side by side. A kernel change is measured
+//! `product-bench`: the quantized products alone, at SmolLM2-135M's shapes (and, for the
+//! K-quants, whose blocks are 256 wide, a 1.5B Qwen2's), on every core: microseconds and
+//! GMAC/s per product for each batch size; the K-quants on our kernels and on candle's,
+//! side by side. A kernel change is measured
 //! here first, alternated against the build before it, since a decode step's other work
 //! and these machines' noise hide a change of a few percent in `engine-bench`. The
 //! weights are made up: the kernels do the same work for any values. The last row is the
@@ -11,6 +12,7 @@ use std::time::Instant;
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 use clap::Parser;
+use engine::kquant::{KFormat, KMatrix};
 use engine::q4::Q41Matrix;
 use engine::q8::Q80Matrix;
 use half::f16;
@@ -31,7 +33,7 @@ type Matmul = Box<dyn Fn(&[f32], usize) -> Vec<f32>>;
 
 /// A weight matrix under test: its name, shape and product.
 struct Product {
-    name: &'static str,
+    name: String,
     rows: usize,
     cols: usize,
     matmul: Matmul,
@@ -75,7 +77,7 @@ fn products() -> anyhow::Result<Vec<Product>> {
     ] {
         let w = Q41Matrix::from_ggml(blocks(rows, cols, 32, 20, &[0.01, -0.05]), rows, cols)?;
         all.push(Product {
-            name,
+            name: name.to_string(),
             rows,
             cols,
             matmul: Box::new(move |x, n| w.matmul(x, n)),
@@ -85,36 +87,38 @@ fn products() -> anyhow::Result<Vec<Product>> {
         let (rows, cols) = (49152, 576);
         let w = Q80Matrix::from_ggml(&blocks(rows, cols, 32, 34, &[0.01]), rows, cols)?;
         all.push(Product {
-            name: "q8_0 head",
+            name: "q8_0 head".to_string(),
             rows,
             cols,
             matmul: Box::new(move |x, n| w.matmul(x, n)),
         });
     }
-    all.extend(q4k_products()?);
+    all.extend(k_products()?);
     Ok(all)
 }
 
-/// A 1.5B Qwen2 layer's Q4_K products (the bulk of a Q4_K_M file), each on our Q4_1 kernel
-/// (converted at load) and on candle's Q4_K one.
-fn q4k_products() -> anyhow::Result<Vec<Product>> {
+/// A 1.5B Qwen2 layer's K-quant products, as a Q4_K_M file (or, for Q5_K, a Q5_K_M one)
+/// types them, each on our kernel and on candle's.
+fn k_products() -> anyhow::Result<Vec<Product>> {
     let mut all = Vec::new();
-    for (ours_name, candle_name, rows, cols) in [
-        ("q4_k qkv (ours)", "q4_k qkv (candle)", 2048, 1536),
-        ("q4_k gate+up (ours)", "q4_k gate+up (candle)", 17920, 1536),
+    for (name, format, dtype, rows, cols) in [
+        ("q4_k qkv", KFormat::Q4K, GgmlDType::Q4K, 2048, 1536),
+        ("q4_k gate+up", KFormat::Q4K, GgmlDType::Q4K, 17920, 1536),
+        ("q5_k gate+up", KFormat::Q5K, GgmlDType::Q5K, 17920, 1536),
+        ("q6_k down", KFormat::Q6K, GgmlDType::Q6K, 1536, 8960),
     ] {
-        let bytes = blocks(rows, cols, 256, 144, &[0.01, 0.002]);
-        let ours = engine::q4k::from_ggml(&bytes, rows, cols)?;
-        let storage = QStorage::from_data(bytes.into(), &Device::Cpu, GgmlDType::Q4K)?;
+        let bytes = k_blocks(dtype, rows, cols);
+        let ours = KMatrix::from_ggml(format, &bytes, rows, cols)?;
+        let storage = QStorage::from_data(bytes.into(), &Device::Cpu, dtype)?;
         let candle = QMatMul::from_qtensor(QTensor::new(storage, (rows, cols))?)?;
         all.push(Product {
-            name: ours_name,
+            name: format!("{name} (ours)"),
             rows,
             cols,
             matmul: Box::new(move |x, n| ours.matmul(x, n)),
         });
         all.push(Product {
-            name: candle_name,
+            name: format!("{name} (candle)"),
             rows,
             cols,
             matmul: Box::new(move |x, n| {
@@ -125,6 +129,23 @@ fn q4k_products() -> anyhow::Result<Vec<Product>> {
         });
     }
     Ok(all)
+}
+
+/// GGML super-blocks of a K-quant `dtype`: made-up values, with small f16 scales where
+/// the type keeps them (first for Q4_K and Q5_K, last for Q6_K).
+fn k_blocks(dtype: GgmlDType, rows: usize, cols: usize) -> Vec<u8> {
+    let size = dtype.type_size();
+    let mut bytes = noise(rows * cols / 256 * size, (rows * cols) as u64);
+    let halves: &[(usize, f32)] = match dtype {
+        GgmlDType::Q6K => &[(208, 0.01)],
+        _ => &[(0, 0.01), (2, 0.002)],
+    };
+    for block in bytes.chunks_exact_mut(size) {
+        for &(at, v) in halves {
+            block[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+        }
+    }
+    bytes
 }
 
 fn main() -> anyhow::Result<()> {

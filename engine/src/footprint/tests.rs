@@ -26,7 +26,7 @@ fn a_folder_peaks_with_its_files_and_their_f32_copies() {
 }
 
 #[test]
-fn a_gguf_holds_vectors_and_the_embedding_as_f32_and_q4_1_and_q4_k_in_our_form() {
+fn a_gguf_holds_vectors_and_the_embedding_as_f32_and_quantized_matrices_in_our_form() {
     let q41 = Some(GgmlDType::Q4_1);
     let untied = [
         header("token_embd.weight", 64, 40, 2, q41),
@@ -38,21 +38,18 @@ fn a_gguf_holds_vectors_and_the_embedding_as_f32_and_q4_1_and_q4_k_in_our_form()
     assert_eq!(peak_weight_bytes(&untied, true), 256 + 40 + 48 + 32);
     let tied = [header("token_embd.weight", 64, 40, 2, q41)];
     assert_eq!(peak_weight_bytes(&tied, true), 256 + 48);
-    // Q4_K goes to the same form: 128 bytes of nibbles and 8 blocks of 8 against 144.
-    let q4k = [header(
-        "blk.0.attn_q.weight",
-        256,
-        144,
-        2,
-        Some(GgmlDType::Q4K),
-    )];
-    assert_eq!(peak_weight_bytes(&q4k, true), 128 + 64);
+    // The K-quants' super-blocks with their scales unpacked to a byte each: Q4_K 144 + 4,
+    // Q5_K 176 + 4; Q6_K's are its own 210.
+    let k = |dtype, stored| [header("blk.0.attn_q.weight", 512, stored, 2, Some(dtype))];
+    assert_eq!(peak_weight_bytes(&k(GgmlDType::Q4K, 288), true), 2 * 148);
+    assert_eq!(peak_weight_bytes(&k(GgmlDType::Q5K, 352), true), 2 * 180);
+    assert_eq!(peak_weight_bytes(&k(GgmlDType::Q6K, 420), true), 2 * 210);
 }
 
 #[test]
 fn a_gguf_mixture_peaks_with_a_layers_split_experts_and_one_whole_tensor() {
     let q41 = Some(GgmlDType::Q4_1);
-    let q5k = Some(GgmlDType::Q5K);
+    let q3k = Some(GgmlDType::Q3K);
     let ours = [
         header("blk.0.ffn_gate_exps.weight", 1024, 640, 3, q41),
         header("blk.0.ffn_up_exps.weight", 1024, 640, 3, q41),
@@ -66,10 +63,10 @@ fn a_gguf_mixture_peaks_with_a_layers_split_experts_and_one_whole_tensor() {
     assert_eq!(peak_weight_bytes(&ours, true), held + 3840);
     // candle's types keep the slices as the held matrices: only the whole tensor is extra.
     let candles = [
-        header("blk.0.ffn_gate_exps.weight", 1024, 704, 3, q5k),
-        header("blk.0.ffn_down_exps.weight", 2048, 1408, 3, q5k),
+        header("blk.0.ffn_gate_exps.weight", 1024, 440, 3, q3k),
+        header("blk.0.ffn_down_exps.weight", 2048, 880, 3, q3k),
     ];
-    assert_eq!(expert_transient_bytes(&candles), 1408);
+    assert_eq!(expert_transient_bytes(&candles), 880);
     let dense = [header("blk.0.attn_q.weight", 64, 40, 2, q41)];
     assert_eq!(
         peak_weight_bytes(&dense, true),

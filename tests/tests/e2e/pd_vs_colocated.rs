@@ -164,6 +164,46 @@ async fn pd_equals_colocated_equals_one_process_for_each_family() {
     }
 }
 
+/// The K-quant kernels under PD: llama.cpp's Q4_K_M and Q5_K_M of the wide Qwen3, whose
+/// every matrix runs on our Q4_K, Q5_K or Q6_K kernel, the prompt computed in chunks of 4
+/// on the prefill node: PD, colocated and one process give the same tokens, greedy and
+/// sampled.
+#[tokio::test]
+async fn pd_equals_colocated_equals_one_process_on_k_quants() {
+    let prompt = "A row's outputs never depend on the rows batched beside it.";
+    for file in ["tiny-qwen3_wide-q4_k_m.gguf", "tiny-qwen3_wide-q5_k_m.gguf"] {
+        let model = e2e::root().join("engine/tests/fixtures/gguf").join(file);
+        let chunked = ["--chunk-tokens", "4", "--step-tokens", "6"];
+        let pd = Cluster::start_with(Mode::Pd, &model, &[], &chunked).await;
+        let colo = Cluster::start(Mode::Colocated, &model, &[]).await;
+        let loaded = engine::load(&model, &Device::Cpu).expect("loading the model");
+        for (sampling, params) in [
+            (json!({"temperature": 0}), engine::SamplingParams::default()),
+            (
+                json!({"temperature": 0.9, "seed": 11}),
+                engine::SamplingParams {
+                    temperature: 0.9,
+                    seed: 11,
+                    ..Default::default()
+                },
+            ),
+        ] {
+            let mut body =
+                json!({"model": "test", "prompt": prompt, "max_tokens": 24, "ignore_eos": true});
+            body.as_object_mut()
+                .unwrap()
+                .extend(sampling.as_object().unwrap().clone());
+            let (s1, a) = pd.post("/v1/completions", &body).await;
+            let (s2, b) = colo.post("/v1/completions", &body).await;
+            assert_eq!((s1, s2), (200, 200), "{a}\n{b}");
+            let expected = one_process_tokens(&loaded, prompt, &params, 24, &[]);
+            let expected = loaded.tokenizer.decode(&expected, true).unwrap();
+            assert_eq!(text_of(&a), expected, "{file} PD, {sampling}");
+            assert_eq!(text_of(&b), expected, "{file} colocated, {sampling}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn pd_equals_colocated_on_smollm2_chat() {
     let model = smollm2();

@@ -1,0 +1,191 @@
+//! K-quant weights (Q4_K, Q5_K, Q6_K: the types of a Q4_K_M or Q5_K_M file) times f32
+//! activations on the CPU, with llama.cpp's arithmetic: activations quantized as Q8_K,
+//! each super-block's sum exact in integers, then its scales in floats
+//! ([`avx2`] says how). The weights keep their own bits: eight rows' super-blocks are
+//! interleaved into one group block ([`format`]), which for Q6_K is exactly the file's
+//! bytes and for Q4_K and Q5_K 2-3% more (the six-bit scales unpacked). Each path (scalar,
+//! AVX2, VNNI) gives the same bits, and a row's outputs never depend on the rows batched
+//! beside it: PD gives colocated's tokens.
+//!
+//! Projections of one input may be stacked into one matrix whatever their K-quant types
+//! (a Q4_K_M file's v is often Q6_K beside a Q4_K q and k): the input is quantized once,
+//! and each part keeps its own type.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+pub mod format;
+pub(crate) mod q8k;
+mod scalar;
+#[cfg(test)]
+mod tests;
+
+use crate::error::{EngineError, Result};
+use crate::split::{self, GroupSpan, GROUP};
+pub use format::KFormat;
+use format::{SuperBlock, QK_K};
+use q8k::Q8KRows;
+
+/// One matrix of GGML K-quant data to stack: its type, bytes and rows.
+pub struct KPart<'a> {
+    pub format: KFormat,
+    pub bytes: &'a [u8],
+    pub rows: usize,
+}
+
+/// A `[rows, cols]` matrix of K-quant weights, in groups of eight rows: each part's last
+/// group padded with zero rows, whose outputs are never written out.
+#[derive(Debug)]
+pub struct KMatrix {
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+    groups: Vec<Group>,
+    spans: Vec<GroupSpan>,
+}
+
+/// Where a group's blocks are, and their type.
+#[derive(Debug, Clone, Copy)]
+struct Group {
+    format: KFormat,
+    at: usize,
+}
+
+/// How this CPU runs the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    Scalar,
+    Avx2,
+    Vnni,
+}
+
+impl Path {
+    fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
+            if avx2 && crate::act_quant::has_vnni() {
+                return Self::Vnni;
+            }
+            if avx2 {
+                return Self::Avx2;
+            }
+        }
+        Self::Scalar
+    }
+}
+
+impl KMatrix {
+    /// Takes GGML data of `format` for a `[rows, cols]` tensor.
+    pub fn from_ggml(format: KFormat, bytes: &[u8], rows: usize, cols: usize) -> Result<Self> {
+        Self::stack(
+            &[KPart {
+                format,
+                bytes,
+                rows,
+            }],
+            cols,
+        )
+    }
+
+    /// The matrices `parts`, each of `cols` columns, one under the other.
+    pub fn stack(parts: &[KPart<'_>], cols: usize) -> Result<Self> {
+        let nb = cols / QK_K;
+        let mut m = Self {
+            rows: 0,
+            cols,
+            data: Vec::new(),
+            groups: Vec::new(),
+            spans: Vec::new(),
+        };
+        for part in parts {
+            let format = part.format;
+            if !cols.is_multiple_of(QK_K)
+                || part.bytes.len() != part.rows * nb * format.ggml_bytes()
+            {
+                return Err(EngineError::InvalidInput(format!(
+                    "{format:?} data of {} bytes does not make a [{}, {cols}] matrix",
+                    part.bytes.len(),
+                    part.rows
+                )));
+            }
+            let row_bytes = nb * format.ggml_bytes();
+            for (g, rows) in part.bytes.chunks(GROUP * row_bytes).enumerate() {
+                let at = m.data.len();
+                m.data.resize(at + nb * format.group_bytes(), 0);
+                let blocks = &mut m.data[at..];
+                for (lane, row) in rows.chunks_exact(row_bytes).enumerate() {
+                    for (b, sb) in row.chunks_exact(format.ggml_bytes()).enumerate() {
+                        let block = &mut blocks[b * format.group_bytes()..];
+                        SuperBlock::from_ggml(format, sb).put(format, block, lane);
+                    }
+                }
+                m.groups.push(Group { format, at });
+                m.spans.push(GroupSpan {
+                    col: m.rows + g * GROUP,
+                    width: rows.len() / row_bytes,
+                });
+            }
+            m.rows += part.rows;
+        }
+        Ok(m)
+    }
+
+    /// Bytes of weight data read per product.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    fn blocks(&self, g: usize) -> &[u8] {
+        let group = self.groups[g];
+        let len = self.cols / QK_K * group.format.group_bytes();
+        &self.data[group.at..group.at + len]
+    }
+
+    /// Row `r`'s weights, as GGML dequantizes them.
+    #[cfg(test)]
+    pub(crate) fn dequantized_row(&self, r: usize) -> Vec<f32> {
+        let g = self
+            .spans
+            .iter()
+            .rposition(|s| s.col <= r)
+            .expect("a group");
+        let (format, lane) = (self.groups[g].format, r - self.spans[g].col);
+        self.blocks(g)
+            .chunks_exact(format.group_bytes())
+            .flat_map(|blk| {
+                let sb = SuperBlock::get(format, blk, lane);
+                (0..QK_K).map(move |i| sb.weight(format, i))
+            })
+            .collect()
+    }
+
+    /// `x Wᵀ` for `x` of `[n, cols]` (row-major): `[n, rows]`.
+    pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
+        assert_eq!(x.len(), n * self.cols, "activations of {n} rows");
+        self.matmul_on(Path::detect(), x, n)
+    }
+
+    fn matmul_on(&self, path: Path, x: &[f32], n: usize) -> Vec<f32> {
+        let quantized = Q8KRows::quantize(x, self.cols);
+        let q: Vec<_> = (0..n).map(|y| quantized.row(y)).collect();
+        split::by_padded_groups(self.rows, n, &self.spans, |g, out| {
+            let (format, blocks) = (self.groups[g].format, self.blocks(g));
+            let mut emit = |y: usize, vals: [f32; GROUP]| out.put_group(y, &vals);
+            match path {
+                Path::Scalar => scalar::group(format, blocks, &q, &mut emit),
+                #[cfg(target_arch = "x86_64")]
+                Path::Avx2 | Path::Vnni => {
+                    let kernel = avx2::kernel(format, path == Path::Vnni);
+                    // SAFETY: `Path::detect` found AVX2, FMA and F16C (and VNNI for its
+                    // kernel) on this CPU; `blocks` is the group's whole blocks, one for
+                    // each super-block of a row of `q`.
+                    unsafe { kernel(blocks, &q, &mut emit) }
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                Path::Avx2 | Path::Vnni => unreachable!("only x86-64 detects AVX2"),
+            }
+        })
+    }
+}
