@@ -60,7 +60,14 @@ impl Columns<'_> {
     /// (fewer than eight only in a matrix's last, padded group).
     #[inline]
     pub(crate) fn put_group(&self, y: usize, vals: &[f32; GROUP]) {
-        self.put(y, &vals[..self.width]);
+        if self.width < GROUP {
+            return self.put(y, &vals[..self.width]);
+        }
+        // SAFETY: these columns belong to the one worker that got this group.
+        let o = unsafe { self.out.slice(y * self.rows + self.col, GROUP) };
+        // A copy of a known length, which needs no call to `memmove`.
+        let o: &mut [f32; GROUP] = o.try_into().expect("a group's columns");
+        *o = *vals;
     }
 }
 
