@@ -312,91 +312,21 @@ trait Kind {
     ) -> __m256;
 }
 
-/// The scales of chunk `c` for Q4_K and Q5_K, whose sub-blocks are chunks.
-///
-/// # Safety
-/// The CPU has AVX2; `blk` starts a group block of `format`.
-#[inline(always)]
-unsafe fn chunk_scale(format: KFormat, blk: *const u8, c: usize) -> Scale {
-    let p = pairs(blk.add(format.scales_at() + c / 2 * 16));
-    Scale::of(if c.is_multiple_of(2) {
-        spread::<false>(p)
-    } else {
-        spread::<true>(p)
-    })
-}
-
-/// Q4_K's and Q5_K's super-block terms: `d * dy * sumi - dmin * dy * Σ min · sums32`.
-///
-/// # Safety
-/// As for [`Kind::finish`], `format` having minimums.
-#[inline(always)]
-unsafe fn finish_with_mins(
-    format: KFormat,
-    blk: *const u8,
-    row: &Q8KRow<'_>,
-    sb: usize,
-    sumi: __m256i,
-    acc: __m256,
-) -> __m256 {
-    let sums = row.sums32.as_ptr().add(sb * 8) as *const i32;
-    let mut summ = _mm256_setzero_si256();
-    for p in 0..4 {
-        let mins = pairs(blk.add(format.mins_at() + 16 * p));
-        let ys = _mm256_set1_epi32(sums.add(p).read_unaligned());
-        summ = _mm256_add_epi32(summ, _mm256_madd_epi16(mins, ys));
-    }
-    let dy = _mm256_set1_ps(*row.d.get_unchecked(sb));
-    let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(format.d_at()) as *const __m128i));
-    let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(format.dmin_at()) as *const __m128i));
-    let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(d, dy), acc);
-    _mm256_fnmadd_ps(_mm256_cvtepi32_ps(summ), _mm256_mul_ps(dmin, dy), acc)
-}
-
-struct Q4K;
-struct Q5K;
+/// Q4_K (`FIVE` false) and Q5_K, whose sub-blocks are chunks with a minimum each.
+struct WithMins<const FIVE: bool>;
+type Q4K = WithMins<false>;
+type Q5K = WithMins<true>;
 struct Q6K;
 
-impl Kind for Q4K {
-    const FORMAT: KFormat = KFormat::Q4K;
-    type Scales = Scale;
-
-    #[inline(always)]
-    unsafe fn add_high_bits(_: *const u8, _: usize, _: &mut [__m256i; 8]) {}
-
-    #[inline(always)]
-    unsafe fn scales(blk: *const u8, c: usize) -> Scale {
-        chunk_scale(Self::FORMAT, blk, c)
-    }
-
-    #[inline(always)]
-    unsafe fn dot<const VNNI: bool>(wv: &[__m256i; 8], ys: *const i8, s: Scale) -> __m256i {
-        if VNNI {
-            s.times32(sum32(wv, ys, 0..8))
-        } else {
-            // Eight registers of products of at most 2 * 15 * 127: 30480, inside i16.
-            s.times16(sum16(wv, ys, 0..8))
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn finish(
-        blk: *const u8,
-        row: &Q8KRow<'_>,
-        sb: usize,
-        sumi: __m256i,
-        acc: __m256,
-    ) -> __m256 {
-        finish_with_mins(Self::FORMAT, blk, row, sb, sumi, acc)
-    }
-}
-
-impl Kind for Q5K {
-    const FORMAT: KFormat = KFormat::Q5K;
+impl<const FIVE: bool> Kind for WithMins<FIVE> {
+    const FORMAT: KFormat = if FIVE { KFormat::Q5K } else { KFormat::Q4K };
     type Scales = Scale;
 
     #[inline(always)]
     unsafe fn add_high_bits(blk: *const u8, c: usize, wv: &mut [__m256i; 8]) {
+        if !FIVE {
+            return;
+        }
         let h = _mm256_loadu_si256(blk.add(Self::FORMAT.high_at() + 32 * c) as *const __m256i);
         for (t, w) in wv.iter_mut().enumerate() {
             *w = _mm256_or_si256(*w, bits_to_high_nibble(h, t as i32, 1));
@@ -405,20 +335,29 @@ impl Kind for Q5K {
 
     #[inline(always)]
     unsafe fn scales(blk: *const u8, c: usize) -> Scale {
-        chunk_scale(Self::FORMAT, blk, c)
+        let p = pairs(blk.add(Self::FORMAT.scales_at() + c / 2 * 16));
+        Scale::of(if c.is_multiple_of(2) {
+            spread::<false>(p)
+        } else {
+            spread::<true>(p)
+        })
     }
 
     #[inline(always)]
     unsafe fn dot<const VNNI: bool>(wv: &[__m256i; 8], ys: *const i8, s: Scale) -> __m256i {
         if VNNI {
             s.times32(sum32(wv, ys, 0..8))
-        } else {
+        } else if FIVE {
             // Four registers of products of at most 2 * 31 * 127: 31496, inside i16.
             let a = s.times16(sum16(wv, ys, 0..4));
             _mm256_add_epi32(a, s.times16(sum16(wv, ys, 4..8)))
+        } else {
+            // Eight registers of products of at most 2 * 15 * 127: 30480, inside i16.
+            s.times16(sum16(wv, ys, 0..8))
         }
     }
 
+    /// `d * dy * sumi - dmin * dy * Σ min · sums32`.
     #[inline(always)]
     unsafe fn finish(
         blk: *const u8,
@@ -427,7 +366,19 @@ impl Kind for Q5K {
         sumi: __m256i,
         acc: __m256,
     ) -> __m256 {
-        finish_with_mins(Self::FORMAT, blk, row, sb, sumi, acc)
+        let format = Self::FORMAT;
+        let sums = row.sums32.as_ptr().add(sb * 8) as *const i32;
+        let mut summ = _mm256_setzero_si256();
+        for p in 0..4 {
+            let mins = pairs(blk.add(format.mins_at() + 16 * p));
+            let ys = _mm256_set1_epi32(sums.add(p).read_unaligned());
+            summ = _mm256_add_epi32(summ, _mm256_madd_epi16(mins, ys));
+        }
+        let dy = _mm256_set1_ps(*row.d.get_unchecked(sb));
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(format.d_at()) as *const __m128i));
+        let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(format.dmin_at()) as *const __m128i));
+        let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(d, dy), acc);
+        _mm256_fnmadd_ps(_mm256_cvtepi32_ps(summ), _mm256_mul_ps(dmin, dy), acc)
     }
 }
 

@@ -131,36 +131,10 @@ async fn pd_equals_colocated_equals_one_process_for_each_family() {
                   whichever node computed its prompt.";
     for family in engine::testmodel::Family::SERVED {
         let model = tiny_model_turned(family);
-        let chunked = ["--chunk-tokens", "4", "--step-tokens", "6"];
-        let pd = Cluster::start_with(Mode::Pd, &model, &[], &chunked).await;
-        let colo = Cluster::start(Mode::Colocated, &model, &[]).await;
         let loaded = engine::load(&model, &Device::Cpu).expect("loading the model");
         let window = engine::testmodel::MISTRAL_WINDOW.max(engine::testmodel::GEMMA_WINDOW);
         assert!(loaded.tokenizer.encode(prompt).unwrap().len() > 2 * window);
-        for (sampling, params) in [
-            (json!({"temperature": 0}), engine::SamplingParams::default()),
-            (
-                json!({"temperature": 0.9, "seed": 7}),
-                engine::SamplingParams {
-                    temperature: 0.9,
-                    seed: 7,
-                    ..Default::default()
-                },
-            ),
-        ] {
-            let mut body =
-                json!({"model": "test", "prompt": prompt, "max_tokens": 24, "ignore_eos": true});
-            body.as_object_mut()
-                .unwrap()
-                .extend(sampling.as_object().unwrap().clone());
-            let (s1, a) = pd.post("/v1/completions", &body).await;
-            let (s2, b) = colo.post("/v1/completions", &body).await;
-            assert_eq!((s1, s2), (200, 200), "{a}\n{b}");
-            let expected = one_process_tokens(&loaded, prompt, &params, 24, &[]);
-            let expected = loaded.tokenizer.decode(&expected, true).unwrap();
-            assert_eq!(text_of(&a), expected, "{family:?} PD, {sampling}");
-            assert_eq!(text_of(&b), expected, "{family:?} colocated, {sampling}");
-        }
+        same_tokens_three_ways(&model, &loaded, prompt, 7, &format!("{family:?}")).await;
     }
 }
 
@@ -173,34 +147,46 @@ async fn pd_equals_colocated_equals_one_process_on_k_quants() {
     let prompt = "A row's outputs never depend on the rows batched beside it.";
     for file in ["tiny-qwen3_wide-q4_k_m.gguf", "tiny-qwen3_wide-q5_k_m.gguf"] {
         let model = e2e::root().join("engine/tests/fixtures/gguf").join(file);
-        let chunked = ["--chunk-tokens", "4", "--step-tokens", "6"];
-        let pd = Cluster::start_with(Mode::Pd, &model, &[], &chunked).await;
-        let colo = Cluster::start(Mode::Colocated, &model, &[]).await;
         let loaded = engine::load(&model, &Device::Cpu).expect("loading the model");
-        for (sampling, params) in [
-            (json!({"temperature": 0}), engine::SamplingParams::default()),
-            (
-                json!({"temperature": 0.9, "seed": 11}),
-                engine::SamplingParams {
-                    temperature: 0.9,
-                    seed: 11,
-                    ..Default::default()
-                },
-            ),
-        ] {
-            let mut body =
-                json!({"model": "test", "prompt": prompt, "max_tokens": 24, "ignore_eos": true});
-            body.as_object_mut()
-                .unwrap()
-                .extend(sampling.as_object().unwrap().clone());
-            let (s1, a) = pd.post("/v1/completions", &body).await;
-            let (s2, b) = colo.post("/v1/completions", &body).await;
-            assert_eq!((s1, s2), (200, 200), "{a}\n{b}");
-            let expected = one_process_tokens(&loaded, prompt, &params, 24, &[]);
-            let expected = loaded.tokenizer.decode(&expected, true).unwrap();
-            assert_eq!(text_of(&a), expected, "{file} PD, {sampling}");
-            assert_eq!(text_of(&b), expected, "{file} colocated, {sampling}");
-        }
+        same_tokens_three_ways(&model, &loaded, prompt, 11, file).await;
+    }
+}
+
+/// A PD cluster, its prompts in chunks of 4 on the prefill node, a colocated one and one
+/// process continue `prompt` with the same 24 tokens, greedy and sampled with `seed`.
+async fn same_tokens_three_ways(
+    model: &std::path::Path,
+    loaded: &engine::Loaded,
+    prompt: &str,
+    seed: u64,
+    what: &str,
+) {
+    let chunked = ["--chunk-tokens", "4", "--step-tokens", "6"];
+    let pd = Cluster::start_with(Mode::Pd, model, &[], &chunked).await;
+    let colo = Cluster::start(Mode::Colocated, model, &[]).await;
+    for (sampling, params) in [
+        (json!({"temperature": 0}), engine::SamplingParams::default()),
+        (
+            json!({"temperature": 0.9, "seed": seed}),
+            engine::SamplingParams {
+                temperature: 0.9,
+                seed,
+                ..Default::default()
+            },
+        ),
+    ] {
+        let mut body =
+            json!({"model": "test", "prompt": prompt, "max_tokens": 24, "ignore_eos": true});
+        body.as_object_mut()
+            .unwrap()
+            .extend(sampling.as_object().unwrap().clone());
+        let (s1, a) = pd.post("/v1/completions", &body).await;
+        let (s2, b) = colo.post("/v1/completions", &body).await;
+        assert_eq!((s1, s2), (200, 200), "{a}\n{b}");
+        let expected = one_process_tokens(loaded, prompt, &params, 24, &[]);
+        let expected = loaded.tokenizer.decode(&expected, true).unwrap();
+        assert_eq!(text_of(&a), expected, "{what} PD, {sampling}");
+        assert_eq!(text_of(&b), expected, "{what} colocated, {sampling}");
     }
 }
 
