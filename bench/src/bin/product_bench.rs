@@ -21,7 +21,7 @@ use half::f16;
 #[command(about = "Quantized product throughput at SmolLM2's shapes")]
 struct Config {
     /// Activation rows per product (the decode batch).
-    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     rows: Vec<usize>,
     /// Timed runs per product and batch; the fastest counts.
     #[arg(long, default_value_t = 5)]
@@ -187,14 +187,22 @@ fn main() -> anyhow::Result<()> {
             .map(|_| ceiling::gmacs(threads))
             .fold(0f64, f64::max);
         println!("| ceiling: `vpmaddubsw` + `vpaddw` alone | | | | {best:.1} |");
+        // The kernels' VNNI paths sum with `vpdpbusd` where the CPU has it: their ceiling.
+        if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+            let best = (0..cfg.runs)
+                .map(|_| ceiling::gmacs_vnni(threads))
+                .fold(0f64, f64::max);
+            println!("| ceiling: `vpdpbusd` alone | | | | {best:.1} |");
+        }
     }
     Ok(())
 }
 
 /// The most u8 x i8 multiply-adds these cores do with AVX2's integer product, the one the
-/// Q4_1 kernel is built on: eight independent sums, each step one `vpmaddubsw` (32
-/// products added in pairs) and one `vpaddw`, with no loads, unpacking or scales. A
-/// kernel's GMAC/s against this says how much room its other instructions leave.
+/// kernels' AVX2 paths are built on: eight independent sums, each step one `vpmaddubsw` (32
+/// products added in pairs) and one `vpaddw`, with no loads, unpacking or scales; and with
+/// VNNI's `vpdpbusd` (32 products summed into eight i32 lanes), which their VNNI paths take.
+/// A kernel's GMAC/s against its path's says how much room its other instructions leave.
 #[cfg(target_arch = "x86_64")]
 mod ceiling {
     use std::arch::x86_64::*;
@@ -203,15 +211,25 @@ mod ceiling {
     /// Rounds of eight pairs per thread, about 0.2 s here.
     const ROUNDS: usize = 80_000_000;
 
-    /// GMAC/s over `threads` threads running the loop at once.
+    /// GMAC/s over `threads` threads running the `vpmaddubsw` loop at once.
     pub fn gmacs(threads: usize) -> f64 {
+        // SAFETY: the caller checked for AVX2.
+        on_threads(threads, |seed| unsafe { run(ROUNDS, seed) })
+    }
+
+    /// The same for the `vpdpbusd` loop.
+    pub fn gmacs_vnni(threads: usize) -> f64 {
+        // SAFETY: the caller checked for AVX-512 VNNI and VL.
+        on_threads(threads, |seed| unsafe { run_vnni(ROUNDS, seed) })
+    }
+
+    /// GMAC/s of `threads` threads each running `rounds` of eight 32-product steps at once.
+    fn on_threads(threads: usize, run: impl Fn(i8) -> i32 + Sync) -> f64 {
         let t = Instant::now();
         std::thread::scope(|s| {
             for i in 0..threads {
-                s.spawn(move || {
-                    // SAFETY: the caller checked for AVX2.
-                    std::hint::black_box(unsafe { run(ROUNDS, i as i8) })
-                });
+                let run = &run;
+                s.spawn(move || std::hint::black_box(run(i as i8)));
             }
         });
         (threads * ROUNDS * 8 * 32) as f64 / t.elapsed().as_secs_f64() / 1e9
@@ -220,7 +238,7 @@ mod ceiling {
     /// # Safety
     /// The CPU has AVX2.
     #[target_feature(enable = "avx2")]
-    unsafe fn run(rounds: usize, seed: i8) -> i16 {
+    unsafe fn run(rounds: usize, seed: i8) -> i32 {
         let step = _mm256_set1_epi8(1);
         let mut a = _mm256_set1_epi8(seed);
         let b: [__m256i; 8] = std::array::from_fn(|k| _mm256_set1_epi8(k as i8 + 1));
@@ -240,6 +258,31 @@ mod ceiling {
         let all = sums
             .iter()
             .fold(_mm256_setzero_si256(), |x, &y| _mm256_xor_si256(x, y));
-        _mm256_extract_epi16::<0>(all) as i16
+        i32::from(_mm256_extract_epi16::<0>(all) as i16)
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512 VNNI and VL.
+    #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+    unsafe fn run_vnni(rounds: usize, seed: i8) -> i32 {
+        let step = _mm256_set1_epi8(1);
+        let mut a = _mm256_set1_epi8(seed);
+        let b: [__m256i; 8] = std::array::from_fn(|k| _mm256_set1_epi8(k as i8 + 1));
+        let mut sums = [_mm256_setzero_si256(); 8];
+        for _ in 0..rounds {
+            // As in `run`: a new operand each round the compiler cannot see through.
+            a = _mm256_add_epi8(a, step);
+            // SAFETY: an empty instruction that only claims to change `a`.
+            unsafe {
+                std::arch::asm!("/* {0} */", inout(ymm_reg) a, options(pure, nomem, nostack))
+            };
+            for (sum, &bk) in sums.iter_mut().zip(&b) {
+                *sum = _mm256_dpbusd_epi32(*sum, a, bk);
+            }
+        }
+        let all = sums
+            .iter()
+            .fold(_mm256_setzero_si256(), |x, &y| _mm256_xor_si256(x, y));
+        _mm256_extract_epi32::<0>(all)
     }
 }
