@@ -123,7 +123,7 @@ unsafe fn tile<K: Kind, const T: usize, const VNNI: bool>(
         let blk = blocks.as_ptr().add(sb * bytes);
         let mut sumi = [_mm256_setzero_si256(); T];
         for c in 0..QK_K / CHUNK {
-            let mut wv = nibbles(blk, c);
+            let mut wv = nibbles(K::FORMAT, blk, c);
             K::add_high_bits(blk, c, &mut wv);
             let scales = K::scales(blk, c);
             for (row, sumi) in rows.iter().zip(sumi.iter_mut()) {
@@ -141,11 +141,11 @@ unsafe fn tile<K: Kind, const T: usize, const VNNI: bool>(
 /// Chunk `c`'s low nibbles, as eight registers of eight rows' four weights a lane.
 ///
 /// # Safety
-/// The CPU has AVX2; `blk` starts a group block.
+/// The CPU has AVX2; `blk` starts a group block of `format`.
 #[inline(always)]
-unsafe fn nibbles(blk: *const u8, c: usize) -> [__m256i; 8] {
+unsafe fn nibbles(format: KFormat, blk: *const u8, c: usize) -> [__m256i; 8] {
     let mask = _mm256_set1_epi8(0x0F);
-    let at = blk.add(c * 128);
+    let at = blk.add(format.chunk_at(c));
     let mut wv = [_mm256_setzero_si256(); 8];
     for k in 0..4 {
         let v = _mm256_loadu_si256(at.add(32 * k) as *const __m256i);
@@ -327,7 +327,7 @@ impl<const FIVE: bool> Kind for WithMins<FIVE> {
         if !FIVE {
             return;
         }
-        let h = _mm256_loadu_si256(blk.add(Self::FORMAT.high_at() + 32 * c) as *const __m256i);
+        let h = _mm256_loadu_si256(blk.add(Self::FORMAT.high_at(c)) as *const __m256i);
         for (t, w) in wv.iter_mut().enumerate() {
             *w = _mm256_or_si256(*w, bits_to_high_nibble(h, t as i32, 1));
         }
@@ -389,7 +389,7 @@ impl Kind for Q6K {
 
     #[inline(always)]
     unsafe fn add_high_bits(blk: *const u8, c: usize, wv: &mut [__m256i; 8]) {
-        let at = blk.add(Self::FORMAT.high_at() + 64 * c);
+        let at = blk.add(Self::FORMAT.high_at(c));
         for (half, wv) in wv.chunks_exact_mut(4).enumerate() {
             let h = _mm256_loadu_si256(at.add(32 * half) as *const __m256i);
             for (t, w) in wv.iter_mut().enumerate() {

@@ -1,21 +1,22 @@
 //! The K-quant types as GGML stores them, one row's super-block decoded, and the layout
 //! our kernels keep them in: eight rows' super-blocks interleaved into one group block.
 //!
-//! A group block holds, for super-block `b` of eight rows:
-//! - the low four bits of every weight: for each 32 weights (a chunk), four runs of 32
-//!   bytes, run `k` holding bytes `4k .. 4k + 4` of each row's 16 in row order, byte `i` of
-//!   a row's 16 being weight `i` (low nibble) and weight `i + 16` (high nibble), as in
-//!   Q4_1. So the low nibbles of run `k` are weights `4k .. 4k + 4` of every row, four to
-//!   a 32-bit lane, and the high ones weights `16 + 4k ..`: eight registers a chunk, `t`
-//!   for `t < 4` the low nibbles of run `t`, else the high ones of run `t - 4`;
-//! - Q5_K: the fifth bit of every weight, a chunk's in 32 bytes, byte `p` holding in bit
-//!   `t` the bit of the weight at byte `p` of register `t`;
-//! - Q6_K: the fifth and sixth bits, a chunk's in 64 bytes: byte `p` of the first 32
-//!   holds those of registers 0-3 in bits `2t, 2t + 1`, of the second registers 4-7;
-//! - the sub-blocks' scales in pairs: for pair `p`, 16 bytes, row `r`'s at `2r` (sub-block
-//!   `2p`) and `2r + 1` (sub-block `2p + 1`), signed bytes; Q4_K's and Q5_K's minimums
-//!   likewise;
-//! - each row's `d`, then (Q4_K, Q5_K) each row's `dmin`, f16.
+//! A group block holds, for super-block `b` of eight rows, a header, then each chunk of 32
+//! weights, so that a kernel reads it front to back (with the header after the chunks and
+//! the planes apart, Q6_K streamed from memory at 13 GB/s where Q4_K took 30):
+//! - the header: the sub-blocks' scales in pairs (for pair `p`, 16 bytes, row `r`'s at `2r`
+//!   for sub-block `2p` and `2r + 1` for `2p + 1`, signed bytes), Q4_K's and Q5_K's minimums
+//!   likewise, each row's `d`, then (Q4_K, Q5_K) each row's `dmin`, f16;
+//! - each chunk's low four bits: four runs of 32 bytes, run `k` holding bytes `4k .. 4k + 4`
+//!   of each row's 16 in row order, byte `i` of a row's 16 being weight `i` (low nibble) and
+//!   weight `i + 16` (high nibble), as in Q4_1. So the low nibbles of run `k` are weights
+//!   `4k .. 4k + 4` of every row, four to a 32-bit lane, and the high ones weights
+//!   `16 + 4k ..`: eight registers a chunk, `t` for `t < 4` the low nibbles of run `t`, else
+//!   the high ones of run `t - 4`;
+//! - then, Q5_K: the chunk's fifth bits in 32 bytes, byte `p` holding in bit `t` the bit of
+//!   the weight at byte `p` of register `t`; Q6_K: its fifth and sixth bits in 64 bytes,
+//!   byte `p` of the first 32 holding those of registers 0-3 in bits `2t, 2t + 1`, of the
+//!   second registers 4-7.
 //!
 //! Q6_K's group block is its eight super-blocks' bytes exactly; Q4_K's and Q5_K's are 32
 //! bytes more (the scales unpacked from six bits to eight).
@@ -29,8 +30,8 @@ use crate::split::GROUP;
 pub(crate) const QK_K: usize = 256;
 /// Weights in a chunk: one register of each of the eight rows per bit plane read.
 pub(crate) const CHUNK: usize = 32;
-/// Bytes of a group block's low nibbles.
-const NIBBLE_BYTES: usize = GROUP * QK_K / 2;
+/// Bytes of a chunk's low nibbles.
+const NIBBLE_BYTES: usize = GROUP * CHUNK / 2;
 
 /// A K-quant type that our kernels multiply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,33 +86,39 @@ impl KFormat {
         !matches!(self, Self::Q6K)
     }
 
-    /// Where a group block's high bits start.
-    pub(crate) const fn high_at(self) -> usize {
-        NIBBLE_BYTES
-    }
-
-    /// Where its scales start.
+    /// Where a group block's scales start: first, in its header.
     pub(crate) const fn scales_at(self) -> usize {
-        NIBBLE_BYTES + GROUP * QK_K * self.high_bits() / 8
+        0
     }
 
     /// Where its minimums start (Q4_K, Q5_K).
     pub(crate) const fn mins_at(self) -> usize {
-        self.scales_at() + GROUP * self.sub_blocks()
+        GROUP * self.sub_blocks()
     }
 
     /// Where its `d` start.
     pub(crate) const fn d_at(self) -> usize {
-        if self.has_mins() {
-            self.mins_at() + GROUP * self.sub_blocks()
-        } else {
-            self.scales_at() + GROUP * self.sub_blocks()
-        }
+        GROUP * self.sub_blocks() * if self.has_mins() { 2 } else { 1 }
     }
 
     /// Where its `dmin` start (Q4_K, Q5_K).
     pub(crate) const fn dmin_at(self) -> usize {
         self.d_at() + 2 * GROUP
+    }
+
+    /// Where chunk `c` starts: its low nibbles, then its high bits.
+    pub(crate) const fn chunk_at(self, c: usize) -> usize {
+        self.d_at() + 2 * GROUP * if self.has_mins() { 2 } else { 1 } + c * self.chunk_bytes()
+    }
+
+    /// Where chunk `c`'s high bits start.
+    pub(crate) const fn high_at(self, c: usize) -> usize {
+        self.chunk_at(c) + NIBBLE_BYTES
+    }
+
+    /// Bytes of one chunk: eight rows' 32 weights.
+    const fn chunk_bytes(self) -> usize {
+        NIBBLE_BYTES + GROUP * CHUNK * self.high_bits() / 8
     }
 
     /// Bytes our layout takes for each super-block of a row: an eighth of a group block.
@@ -121,7 +128,7 @@ impl KFormat {
 
     /// Bytes of one group block.
     pub(crate) const fn group_bytes(self) -> usize {
-        self.d_at() + 2 * GROUP * if self.has_mins() { 2 } else { 1 }
+        self.chunk_at(QK_K / CHUNK)
     }
 }
 
@@ -214,7 +221,7 @@ impl SuperBlock {
     /// Writes this super-block as row `lane` of a group block of `format`.
     pub(crate) fn put(&self, format: KFormat, block: &mut [u8], lane: usize) {
         for (i, &q) in self.q.iter().enumerate() {
-            let at = Place::of(i, lane);
+            let at = Place::of(format, i, lane);
             let nibble = &mut block[at.nibble];
             if at.high_nibble {
                 *nibble = (*nibble & 0x0F) | ((q & 0x0F) << 4);
@@ -225,10 +232,10 @@ impl SuperBlock {
             match format {
                 KFormat::Q4K => {}
                 KFormat::Q5K => {
-                    block[format.high_at() + chunk * 32 + p] |= (q >> 4) << t;
+                    block[format.high_at(chunk) + p] |= (q >> 4) << t;
                 }
                 KFormat::Q6K => {
-                    let at = format.high_at() + chunk * 64 + t / 4 * 32 + p;
+                    let at = format.high_at(chunk) + t / 4 * 32 + p;
                     block[at] |= (q >> 4) << (2 * (t % 4));
                 }
             }
@@ -260,7 +267,7 @@ impl SuperBlock {
             },
         };
         for (i, q) in s.q.iter_mut().enumerate() {
-            let at = Place::of(i, lane);
+            let at = Place::of(format, i, lane);
             let byte = block[at.nibble];
             let low = if at.high_nibble {
                 byte >> 4
@@ -270,9 +277,9 @@ impl SuperBlock {
             let (chunk, t, p) = (i / CHUNK, at.register, at.byte);
             let high = match format {
                 KFormat::Q4K => 0,
-                KFormat::Q5K => (block[format.high_at() + chunk * 32 + p] >> t) & 1,
+                KFormat::Q5K => (block[format.high_at(chunk) + p] >> t) & 1,
                 KFormat::Q6K => {
-                    let at = format.high_at() + chunk * 64 + t / 4 * 32 + p;
+                    let at = format.high_at(chunk) + t / 4 * 32 + p;
                     (block[at] >> (2 * (t % 4))) & 3
                 }
             };
@@ -299,14 +306,14 @@ struct Place {
 }
 
 impl Place {
-    /// Weight `i` of row `lane`'s super-block.
-    fn of(i: usize, lane: usize) -> Self {
+    /// Weight `i` of row `lane`'s super-block in a group block of `format`.
+    fn of(format: KFormat, i: usize, lane: usize) -> Self {
         let (chunk, w) = (i / CHUNK, i % CHUNK);
         let (b, high_nibble) = (w % 16, w >= 16);
         let (run, j) = (b / 4, b % 4);
         let byte = lane * 4 + j;
         Self {
-            nibble: chunk * 128 + run * 32 + byte,
+            nibble: format.chunk_at(chunk) + run * 32 + byte,
             high_nibble,
             register: run + if high_nibble { 4 } else { 0 },
             byte,
