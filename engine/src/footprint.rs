@@ -87,12 +87,14 @@ pub fn expert_transient_bytes(tensors: &[TensorHeader]) -> u64 {
 /// `crate::weights` holds them:
 /// - a Hugging Face folder is read whole, then every tensor converted to f32 beside it (an
 ///   f32 tensor is kept as read), the files' copies dropped once the model is built;
-/// - a GGUF file is read a tensor at a time: vectors and the embedding table dequantized to
-///   f32, Q4_1 matrices in our kernel's form (f32 scales and minimums, 24 bytes a block of
-///   32 against the file's 20), K-quant matrices in theirs (Q4_K and Q5_K 4 bytes more per
-///   256 weights than the file, Q6_K as stored; a matrix's last rows are padded to a
-///   group of eight, at most seven rows more, which is not counted), F32 and F16 matrices as f32
-///   (candle's), other types as stored; with no `output.weight`, the head is the embedding table again, as stored.
+/// - a GGUF file is read a tensor at a time: vectors dequantized to f32; the embedding
+///   table as stored (a step dequantizes the rows it gathers); Q4_1 matrices in our
+///   kernel's form (f32 scales and minimums, 24 bytes a block of 32 against the file's 20);
+///   K-quant matrices in theirs (Q4_K and Q5_K 4 bytes more per 256 weights than the file,
+///   Q6_K as stored; a matrix's last rows are padded to a group of eight, at most seven
+///   rows more, which is not counted); F32 and F16 matrices as f32 (candle's); other
+///   types as stored.
+///   With no `output.weight`, the head is the embedding table again, in its matrix form.
 ///
 /// The rotation tables and the activations of a step come on top, small beside these.
 pub fn held_weight_bytes(tensors: &[TensorHeader], gguf: bool) -> u64 {
@@ -119,7 +121,7 @@ pub fn held_weight_bytes(tensors: &[TensorHeader], gguf: bool) -> u64 {
                 _ => t.stored,
             };
             match (t.dims, t.name.as_str()) {
-                (_, "token_embd.weight") => 4 * t.elements + if tied { matrix(t) } else { 0 },
+                (_, "token_embd.weight") => t.stored + if tied { matrix(t) } else { 0 },
                 // Read into the rotation tables and dropped.
                 (
                     _,

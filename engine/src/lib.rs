@@ -5,6 +5,7 @@
 mod act_quant;
 mod attention;
 pub mod beam;
+pub mod embedding;
 pub mod error;
 pub mod footprint;
 pub mod fuzz;

@@ -12,6 +12,7 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use rayon::prelude::*;
 
 use crate::attention::{self, Scores};
+use crate::embedding::Embedding;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvLayout, SeqCache};
 use crate::weights::{Linear, Stacked};
@@ -64,7 +65,7 @@ impl QkNorm {
 pub struct Model {
     cfg: ModelConfig,
     device: Device,
-    embed: Tensor,
+    embed: Embedding,
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Linear,
@@ -107,7 +108,7 @@ impl Model {
         let embed = if self.embed_is_head {
             0
         } else {
-            4 * self.embed.elem_count()
+            self.embed.resident_bytes()
         };
         self.weight_bytes(Ffn::resident_bytes) + qk_norms + embed
     }
@@ -221,8 +222,7 @@ impl Model {
                 Some(span)
             })
             .collect();
-        let ids = Tensor::new(all_tokens.as_slice(), &self.device)?;
-        let mut xs = self.embed.index_select(&ids, 0)?;
+        let mut xs = self.embed.lookup(&all_tokens, &self.device)?;
         if self.cfg.gemma.is_some() {
             xs = (xs * (self.cfg.hidden_size as f64).sqrt())?;
         }

@@ -14,6 +14,7 @@ use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use serde::Deserialize;
 
+use crate::embedding::Embedding;
 use crate::error::{EngineError, Result};
 use crate::kquant::{KFormat, KMatrix, KPart};
 use crate::progress::LoadStep;
@@ -309,6 +310,22 @@ impl WeightSource {
             ));
         }
         Ok(t)
+    }
+
+    /// The `[vocab, hidden]` token embedding table: a folder's in f32, a GGUF file's as
+    /// stored ([`Embedding`]).
+    pub fn embedding(
+        &mut self,
+        name: &str,
+        vocab_hidden: (usize, usize),
+        device: &Device,
+    ) -> Result<Embedding> {
+        if self.is_gguf() {
+            Embedding::from_qtensor(&self.qtensor_shaped(name, vocab_hidden, device)?)
+        } else {
+            let shape = [vocab_hidden.0, vocab_hidden.1];
+            Ok(Embedding::Dense(self.dense_shaped(name, &shape, device)?))
+        }
     }
 
     /// A projection `[out, in]`, with its bias when `bias` names one that exists.

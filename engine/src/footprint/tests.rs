@@ -26,7 +26,7 @@ fn a_folder_peaks_with_its_files_and_their_f32_copies() {
 }
 
 #[test]
-fn a_gguf_holds_vectors_and_the_embedding_as_f32_and_quantized_matrices_in_our_form() {
+fn a_gguf_holds_vectors_as_f32_the_embedding_as_stored_and_matrices_in_our_form() {
     let q41 = Some(GgmlDType::Q4_1);
     let untied = [
         header("token_embd.weight", 64, 40, 2, q41),
@@ -34,10 +34,11 @@ fn a_gguf_holds_vectors_and_the_embedding_as_f32_and_quantized_matrices_in_our_f
         header("blk.0.attn_q.weight", 64, 40, 2, q41),
         header("blk.0.attn_norm.weight", 8, 32, 1, Some(GgmlDType::F32)),
     ];
-    // embedding 256 as f32; head 40 as stored; Q4_1 32 + 2 blocks of 8; norm 32.
-    assert_eq!(peak_weight_bytes(&untied, true), 256 + 40 + 48 + 32);
+    // embedding 40 as stored; head 40 as stored; Q4_1 32 + 2 blocks of 8; norm 32.
+    assert_eq!(peak_weight_bytes(&untied, true), 40 + 40 + 48 + 32);
+    // Tied: the table as stored, and the head in our kernel's form.
     let tied = [header("token_embd.weight", 64, 40, 2, q41)];
-    assert_eq!(peak_weight_bytes(&tied, true), 256 + 48);
+    assert_eq!(peak_weight_bytes(&tied, true), 40 + 48);
     // The K-quants' super-blocks with their scales unpacked to a byte each: Q4_K 144 + 4,
     // Q5_K 176 + 4; Q6_K's are its own 210.
     let k = |dtype, stored| [header("blk.0.attn_q.weight", 512, stored, 2, Some(dtype))];

@@ -7,6 +7,7 @@ use candle_core::Device;
 
 use super::ffn::{Ffn, Mlp};
 use super::{Layer, Model, QkNorm, RopeTables};
+use crate::embedding::Embedding;
 use crate::error::{EngineError, Result};
 use crate::progress::LoadStep;
 use crate::rope::Frequencies;
@@ -181,7 +182,7 @@ impl Model {
         report: &mut dyn FnMut(LoadStep),
     ) -> Result<Self> {
         let h = cfg.hidden_size;
-        let embed = src.dense_shaped(names.embed, &[cfg.vocab_size, h], device)?;
+        let embed = src.embedding(names.embed, (cfg.vocab_size, h), device)?;
         let count = cfg.num_hidden_layers;
         let layers = (0..count)
             .map(|i| {
@@ -201,11 +202,14 @@ impl Model {
         };
         // A folder's tied head multiplies by the embedding table itself: reading it again
         // would hold a second f32 copy of a bf16 table.
-        let embed_is_head = head_name == names.embed && !src.is_gguf();
-        let lm_head = if embed_is_head {
-            Linear::dense(embed.clone())
-        } else {
-            src.linear(head_name, None, (cfg.vocab_size, h), device)?
+        let (lm_head, embed_is_head) = match &embed {
+            Embedding::Dense(table) if head_name == names.embed => {
+                (Linear::dense(table.clone()), true)
+            }
+            _ => (
+                src.linear(head_name, None, (cfg.vocab_size, h), device)?,
+                false,
+            ),
         };
         let divisors = rope_divisors(&cfg, src, device)?;
         refuse_unread(&cfg, src, names)?;
