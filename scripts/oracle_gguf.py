@@ -46,8 +46,9 @@ PROMPTS = 16
 CONTINUATION = 32
 TOP = 5
 SEED = 20261128
-# (name, llama_ftype): LLAMA_FTYPE_MOSTLY_Q8_0, _Q4_1, _Q4_K_M and _Q5_K_M.
-Q8_0, Q4_1, Q4_K_M, Q5_K_M = ("q8_0", 7), ("q4_1", 3), ("q4_k_m", 15), ("q5_k_m", 17)
+# (name, llama_ftype): LLAMA_FTYPE_MOSTLY_Q8_0, _Q4_1, _Q5_0, _Q4_K_M and _Q5_K_M.
+Q8_0, Q4_1, Q5_0 = ("q8_0", 7), ("q4_1", 3), ("q5_0", 8)
+Q4_K_M, Q5_K_M = ("q4_k_m", 15), ("q5_k_m", 17)
 # (model, quantizations), in the order of the command's folders.
 MODELS = [
     ("qwen3", [Q8_0, Q4_1]),
@@ -59,7 +60,7 @@ MODELS = [
     ("gemma2", [Q4_1]),
     ("gemma3", [Q8_0]),
     ("phi3", [Q8_0]),
-    ("qwen3_wide", [Q8_0, Q4_K_M, Q5_K_M]),
+    ("qwen3_wide", [Q8_0, Q4_K_M, Q5_K_M, Q5_0]),
 ]
 # The config.json fields each model's folder is converted with, over its own.
 CONFIG_EDITS = {

@@ -14,6 +14,7 @@ use crate::error::{EngineError, Result};
 use crate::kquant::format::QK_K;
 use crate::kquant::KFormat;
 use crate::kv_cache::KvLayout;
+use crate::q8::Q80Matrix;
 use text::ModelConfig;
 
 /// The KV memory a node reserves beside the weights: a fixed amount and a number of
@@ -92,8 +93,8 @@ pub fn expert_transient_bytes(tensors: &[TensorHeader]) -> u64 {
 ///   kernel's form (f32 scales and minimums, 24 bytes a block of 32 against the file's 20);
 ///   K-quant matrices in theirs (Q4_K and Q5_K 4 bytes more per 256 weights than the file,
 ///   Q6_K as stored; a matrix's last rows are padded to a group of eight, at most seven
-///   rows more, which is not counted); F32 and F16 matrices as f32 (candle's); other
-///   types as stored.
+///   rows more, which is not counted); Q5_0 as Q8_0 (34 bytes a block against 22) where
+///   our Q8_0 kernel runs; F32 and F16 matrices as f32 (candle's); other types as stored.
 ///   With no `output.weight`, the head is the embedding table again, in its matrix form.
 ///
 /// The rotation tables and the activations of a step come on top, small beside these.
@@ -117,6 +118,7 @@ pub fn held_weight_bytes(tensors: &[TensorHeader], gguf: bool) -> u64 {
                     let format = KFormat::of(d).expect("a K-quant type");
                     t.elements / QK_K as u64 * format.held_bytes() as u64
                 }
+                Some(GgmlDType::Q5_0) if Q80Matrix::supported() => t.elements / 32 * 34,
                 Some(GgmlDType::F32 | GgmlDType::F16) => 4 * t.elements,
                 _ => t.stored,
             };

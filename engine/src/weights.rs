@@ -3,6 +3,7 @@
 //! Both sources hand out `Linear` layers: dense f32 for safetensors, and GGML block-quantized
 //! for GGUF, so that Q4/Q8 weights stay quantized in memory.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::BufReader;
@@ -19,7 +20,7 @@ use crate::error::{EngineError, Result};
 use crate::kquant::{KFormat, KMatrix, KPart};
 use crate::progress::LoadStep;
 use crate::q4::Q41Matrix;
-use crate::q8::Q80Matrix;
+use crate::q8::{q5_0_as_q8_0, Q80Matrix};
 
 /// A projection's weight: candle's (dense or block-quantized), or one of our kernels.
 #[derive(Debug, Clone)]
@@ -515,11 +516,13 @@ impl WeightSource {
 }
 
 /// Which of our kernels multiplies a GGML type: candle multiplies Q4_1 with scalar code,
-/// Q8_0 one output at a time, and the K-quants one output at a time with the activations
-/// quantized again for each projection; ours give llama.cpp's values faster.
+/// Q8_0 one output at a time, Q5_0 with no vector code, and the K-quants one output at a
+/// time with the activations quantized again for each projection; ours give llama.cpp's
+/// values faster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum OurKernel {
     Q41,
+    /// Q8_0, and Q5_0 converted to it exactly at load.
     Q80,
     /// Q4_K, Q5_K and Q6_K, which may be stacked together.
     K,
@@ -532,7 +535,7 @@ fn our_kernel(dtype: GgmlDType, device: &Device) -> Option<OurKernel> {
     }
     match dtype {
         GgmlDType::Q4_1 => Some(OurKernel::Q41),
-        GgmlDType::Q8_0 if Q80Matrix::supported() => Some(OurKernel::Q80),
+        GgmlDType::Q8_0 | GgmlDType::Q5_0 if Q80Matrix::supported() => Some(OurKernel::Q80),
         _ => KFormat::of(dtype).map(|_| OurKernel::K),
     }
 }
@@ -548,7 +551,17 @@ impl OurKernel {
         let rows: usize = qs.iter().map(|q| q.shape().dims()[0]).sum();
         Ok(match self {
             Self::Q41 => Weight::Q41(Arc::new(Q41Matrix::from_ggml(data.concat(), rows, cols)?)),
-            Self::Q80 => Weight::Q80(Arc::new(Q80Matrix::from_ggml(&data.concat(), rows, cols)?)),
+            Self::Q80 => {
+                let q8: Vec<Cow<'_, [u8]>> = qs
+                    .iter()
+                    .zip(data)
+                    .map(|(q, bytes)| match q.dtype() {
+                        GgmlDType::Q5_0 => Cow::Owned(q5_0_as_q8_0(&bytes)),
+                        _ => bytes,
+                    })
+                    .collect();
+                Weight::Q80(Arc::new(Q80Matrix::from_ggml(&q8.concat(), rows, cols)?))
+            }
             Self::K => {
                 let parts: Vec<KPart<'_>> = qs
                     .iter()

@@ -22,7 +22,7 @@ struct Config {
     /// Store weights as bf16 instead of f32.
     #[arg(long)]
     bf16: bool,
-    /// Also write `model-<QUANT>.gguf` into the folder (f32, f16, q8_0, q4_0, q4_1; q4_k
+    /// Also write `model-<QUANT>.gguf` into the folder (f32, f16, q8_0, q5_0, q4_0, q4_1; q4_k
     /// for the small and wide sizes, whose matrices are multiples of 256 wide).
     #[arg(long, value_parser = parse_quant)]
     gguf: Option<GgmlDType>,
@@ -59,6 +59,7 @@ fn parse_quant(s: &str) -> Result<GgmlDType, String> {
         "q8_0" => GgmlDType::Q8_0,
         "q4_0" => GgmlDType::Q4_0,
         "q4_1" => GgmlDType::Q4_1,
+        "q5_0" => GgmlDType::Q5_0,
         "q4_k" => GgmlDType::Q4K,
         other => return Err(format!("unknown quantization {other:?}")),
     })

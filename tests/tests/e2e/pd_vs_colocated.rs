@@ -138,14 +138,19 @@ async fn pd_equals_colocated_equals_one_process_for_each_family() {
     }
 }
 
-/// The K-quant kernels under PD: llama.cpp's Q4_K_M and Q5_K_M of the wide Qwen3, whose
-/// every matrix runs on our Q4_K, Q5_K or Q6_K kernel, the prompt computed in chunks of 4
+/// The K-quant kernels under PD: llama.cpp's Q4_K_M, Q5_K_M and Q5_0 of the wide Qwen3,
+/// whose every matrix runs on our Q4_K, Q5_K or Q6_K kernel or (Q5_0's) on our Q8_0 one,
+/// the prompt computed in chunks of 4
 /// on the prefill node: PD, colocated and one process give the same tokens, greedy and
 /// sampled.
 #[tokio::test]
 async fn pd_equals_colocated_equals_one_process_on_k_quants() {
     let prompt = "A row's outputs never depend on the rows batched beside it.";
-    for file in ["tiny-qwen3_wide-q4_k_m.gguf", "tiny-qwen3_wide-q5_k_m.gguf"] {
+    for file in [
+        "tiny-qwen3_wide-q4_k_m.gguf",
+        "tiny-qwen3_wide-q5_k_m.gguf",
+        "tiny-qwen3_wide-q5_0.gguf",
+    ] {
         let model = e2e::root().join("engine/tests/fixtures/gguf").join(file);
         let loaded = engine::load(&model, &Device::Cpu).expect("loading the model");
         same_tokens_three_ways(&model, &loaded, prompt, 11, file).await;
