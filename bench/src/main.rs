@@ -40,8 +40,13 @@ fn main() -> anyhow::Result<()> {
     runtime::fit_compute_threads();
     let cfg = Config::parse();
     let device = candle_core::Device::Cpu;
+    let started = std::time::Instant::now();
     let model = engine::Model::load(&cfg.model, &device)
         .with_context(|| format!("loading {}", cfg.model.display()))?;
+    let load_s = started.elapsed().as_secs_f64();
+    // Before any step: the weights as loaded, against the bytes on disk.
+    let resident = runtime::process::read()?.resident_memory_bytes;
+    let file_bytes = model_file_bytes(&cfg.model)?;
     let bandwidth = memory_read_bandwidth(1 << 30, cfg.threads, 5);
     let prefill = prefill_tokens_per_s(&model, cfg.prefill_tokens, 3)?;
     println!("model: {}", cfg.model.display());
@@ -50,6 +55,11 @@ fn main() -> anyhow::Result<()> {
         model.weight_bytes_per_step() as f64 / 1e6,
         bandwidth / 1e9,
         cfg.threads
+    );
+    println!(
+        "loaded in {load_s:.1} s; resident after load {:.2} GB for {:.2} GB of files",
+        resident as f64 / 1e9,
+        file_bytes as f64 / 1e9
     );
     println!(
         "prefill of {} tokens: {prefill:.0} tokens/s",
@@ -85,8 +95,22 @@ fn main() -> anyhow::Result<()> {
     if let Some(path) = cfg.json {
         let doc = json!({"model": cfg.model, "bandwidth_bytes_per_s": bandwidth,
                          "prefill_tokens": cfg.prefill_tokens, "prefill_tokens_per_s": prefill,
-                         "context": cfg.context, "steps": cfg.steps, "decode": rows});
+                         "context": cfg.context, "steps": cfg.steps, "decode": rows,
+                         "load_s": load_s, "resident_after_load_bytes": resident,
+                         "file_bytes": file_bytes});
         std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
     }
     Ok(())
+}
+
+/// The bytes of a GGUF file, or of every file in a model folder.
+fn model_file_bytes(path: &std::path::Path) -> anyhow::Result<u64> {
+    if !path.is_dir() {
+        return Ok(std::fs::metadata(path)?.len());
+    }
+    let mut total = 0;
+    for entry in std::fs::read_dir(path)? {
+        total += entry?.metadata()?.len();
+    }
+    Ok(total)
 }
