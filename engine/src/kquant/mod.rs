@@ -19,6 +19,8 @@ mod scalar;
 #[cfg(test)]
 mod tests;
 
+use rayon::prelude::*;
+
 use crate::error::{EngineError, Result};
 use crate::split::{self, GroupSpan, GROUP};
 pub use format::KFormat;
@@ -101,7 +103,8 @@ impl KMatrix {
         };
         for part in parts {
             let format = part.format;
-            if !cols.is_multiple_of(QK_K)
+            if cols == 0
+                || !cols.is_multiple_of(QK_K)
                 || part.bytes.len() != part.rows * nb * format.ggml_bytes()
             {
                 return Err(EngineError::InvalidInput(format!(
@@ -111,20 +114,31 @@ impl KMatrix {
                 )));
             }
             let row_bytes = nb * format.ggml_bytes();
-            for (g, rows) in part.bytes.chunks(GROUP * row_bytes).enumerate() {
-                let at = m.data.len();
-                m.data.resize(at + nb * format.group_bytes(), 0);
-                let blocks = &mut m.data[at..];
-                for (lane, row) in rows.chunks_exact(row_bytes).enumerate() {
-                    for (b, sb) in row.chunks_exact(format.ggml_bytes()).enumerate() {
-                        let block = &mut blocks[b * format.group_bytes()..];
-                        SuperBlock::from_ggml(format, sb).put(format, block, lane);
+            let group_len = nb * format.group_bytes();
+            let start = m.data.len();
+            let groups = part.rows.div_ceil(GROUP);
+            m.data.resize(start + groups * group_len, 0);
+            // Each group's bytes are its own: repacked on every core, as a 7B's weights
+            // took seconds on one.
+            m.data[start..]
+                .par_chunks_mut(group_len)
+                .zip(part.bytes.par_chunks(GROUP * row_bytes))
+                .for_each(|(blocks, rows)| {
+                    for (lane, row) in rows.chunks_exact(row_bytes).enumerate() {
+                        for (b, sb) in row.chunks_exact(format.ggml_bytes()).enumerate() {
+                            let block = &mut blocks[b * format.group_bytes()..];
+                            SuperBlock::from_ggml(format, sb).put(format, block, lane);
+                        }
                     }
-                }
-                m.groups.push(Group { format, at });
+                });
+            for g in 0..groups {
+                m.groups.push(Group {
+                    format,
+                    at: start + g * group_len,
+                });
                 m.spans.push(GroupSpan {
                     col: m.rows + g * GROUP,
-                    width: rows.len() / row_bytes,
+                    width: GROUP.min(part.rows - g * GROUP),
                 });
             }
             m.rows += part.rows;

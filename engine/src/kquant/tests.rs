@@ -241,6 +241,8 @@ fn refuses_data_of_the_wrong_size() {
         assert!(KMatrix::from_ggml(format, &vec![0; b - 1], 1, 256).is_err());
         assert!(KMatrix::from_ggml(format, &vec![0; b], 1, 255).is_err());
         assert!(KMatrix::from_ggml(format, &vec![0; b], 1, 256).is_ok());
+        // A tensor no column wide (a hostile file's) is refused, not divided into.
+        assert!(KMatrix::from_ggml(format, &[], 1, 0).is_err());
     }
 }
 
