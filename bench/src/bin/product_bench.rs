@@ -239,25 +239,12 @@ mod ceiling {
     /// The CPU has AVX2.
     #[target_feature(enable = "avx2")]
     unsafe fn run(rounds: usize, seed: i8) -> i32 {
-        let step = _mm256_set1_epi8(1);
-        let mut a = _mm256_set1_epi8(seed);
-        let b: [__m256i; 8] = std::array::from_fn(|k| _mm256_set1_epi8(k as i8 + 1));
-        let mut sums = [_mm256_setzero_si256(); 8];
-        for _ in 0..rounds {
-            // A new operand each round, which the compiler cannot see through, so that
-            // the products are computed every round rather than hoisted out of the loop.
-            a = _mm256_add_epi8(a, step);
-            // SAFETY: an empty instruction that only claims to change `a`.
-            unsafe {
-                std::arch::asm!("/* {0} */", inout(ymm_reg) a, options(pure, nomem, nostack))
-            };
-            for (sum, &bk) in sums.iter_mut().zip(&b) {
-                *sum = _mm256_add_epi16(*sum, _mm256_maddubs_epi16(a, bk));
-            }
-        }
-        let all = sums
-            .iter()
-            .fold(_mm256_setzero_si256(), |x, &y| _mm256_xor_si256(x, y));
+        // SAFETY: AVX2, as this function's caller holds.
+        let all = unsafe {
+            eight_sums(rounds, seed, |sum, a, b| {
+                _mm256_add_epi16(sum, _mm256_maddubs_epi16(a, b))
+            })
+        };
         i32::from(_mm256_extract_epi16::<0>(all) as i16)
     }
 
@@ -265,24 +252,40 @@ mod ceiling {
     /// The CPU has AVX-512 VNNI and VL.
     #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
     unsafe fn run_vnni(rounds: usize, seed: i8) -> i32 {
-        let step = _mm256_set1_epi8(1);
+        // SAFETY: AVX2, which VNNI's caller also holds.
+        let all = unsafe { eight_sums(rounds, seed, |sum, a, b| _mm256_dpbusd_epi32(sum, a, b)) };
+        _mm256_extract_epi32::<0>(all)
+    }
+
+    /// `rounds` of eight independent `sum = step(sum, a, b)` on one operand `a`, the sums
+    /// folded into one by xor. Inlined into each caller, so that `step` is compiled with
+    /// the caller's target features.
+    ///
+    /// # Safety
+    /// The CPU has AVX2.
+    #[inline(always)]
+    unsafe fn eight_sums(
+        rounds: usize,
+        seed: i8,
+        step: impl Fn(__m256i, __m256i, __m256i) -> __m256i,
+    ) -> __m256i {
+        let one = _mm256_set1_epi8(1);
         let mut a = _mm256_set1_epi8(seed);
         let b: [__m256i; 8] = std::array::from_fn(|k| _mm256_set1_epi8(k as i8 + 1));
         let mut sums = [_mm256_setzero_si256(); 8];
         for _ in 0..rounds {
-            // As in `run`: a new operand each round the compiler cannot see through.
-            a = _mm256_add_epi8(a, step);
+            // A new operand each round, which the compiler cannot see through, so that
+            // the products are computed every round rather than hoisted out of the loop.
+            a = _mm256_add_epi8(a, one);
             // SAFETY: an empty instruction that only claims to change `a`.
             unsafe {
                 std::arch::asm!("/* {0} */", inout(ymm_reg) a, options(pure, nomem, nostack))
             };
             for (sum, &bk) in sums.iter_mut().zip(&b) {
-                *sum = _mm256_dpbusd_epi32(*sum, a, bk);
+                *sum = step(*sum, a, bk);
             }
         }
-        let all = sums
-            .iter()
-            .fold(_mm256_setzero_si256(), |x, &y| _mm256_xor_si256(x, y));
-        _mm256_extract_epi32::<0>(all)
+        sums.iter()
+            .fold(_mm256_setzero_si256(), |x, &y| _mm256_xor_si256(x, y))
     }
 }
