@@ -22,7 +22,6 @@ The folder and the f16 file are deleted after; a size whose file exists is skipp
 
 import json
 import os
-import runpy
 import shutil
 import sys
 from pathlib import Path
@@ -31,6 +30,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+from oracle_common import quantize, run_converter  # noqa: E402
 # (hidden, layers, heads, kv heads, intermediate, tied head): Qwen2.5's config.json.
 SIZES = {
     "0.5b": (896, 24, 14, 2, 4864, True),
@@ -127,26 +128,6 @@ def write_folder(size: str, folder: Path) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps(index) + "\n")
 
 
-def convert(llama_cpp: Path, folder: Path, out: Path) -> None:
-    sys.path[:0] = [str(llama_cpp / "gguf-py"), str(llama_cpp)]
-    argv = sys.argv
-    sys.argv = ["convert_hf_to_gguf.py", str(folder), "--outfile", str(out), "--outtype", "f16"]
-    try:
-        runpy.run_path(str(llama_cpp / "convert_hf_to_gguf.py"), run_name="__main__")
-    finally:
-        sys.argv = argv
-
-
-def quantize(src: Path, out: Path) -> None:
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = LLAMA_FTYPE_MOSTLY_Q4_K_M
-    params.nthread = 2
-    if llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params) != 0:
-        raise RuntimeError(f"llama_model_quantize failed for {out}")
-
-
 def main() -> None:
     llama_cpp = Path(os.environ["LLAMA_CPP"])
     out = Path(sys.argv[1])
@@ -159,9 +140,9 @@ def main() -> None:
         folder, f16 = out / f"qwen2.5-{size}", out / f"qwen2.5-{size}-f16.gguf"
         shutil.rmtree(folder, ignore_errors=True)
         write_folder(size, folder)
-        convert(llama_cpp, folder, f16)
+        run_converter(llama_cpp, [str(folder), "--outfile", str(f16), "--outtype", "f16"])
         shutil.rmtree(folder)
-        quantize(f16, target)
+        quantize(f16, target, LLAMA_FTYPE_MOSTLY_Q4_K_M)
         f16.unlink()
         print(f"wrote {target}")
 

@@ -6,6 +6,8 @@ Not a script by itself; imported by scripts/oracle_*.py.
 import json
 import os
 import re
+import runpy
+import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -131,3 +133,28 @@ def llama_cpp_case(llm, prompt: list, continuation: int, top: int) -> dict:
             {"top": [int(t) for t in best], "logprobs": [round(float(lp[t]), 5) for t in best]}
         )
     return {"prompt": prompt, "continuation": out, "positions": positions}
+
+
+def run_converter(llama_cpp: Path, args: list) -> None:
+    """Runs llama.cpp's convert_hf_to_gguf.py in this process with `args`, its gguf-py
+    first on the path."""
+    if str(llama_cpp) not in sys.path:
+        sys.path[:0] = [str(llama_cpp / "gguf-py"), str(llama_cpp)]
+    argv = sys.argv
+    sys.argv = ["convert_hf_to_gguf.py", *args]
+    try:
+        runpy.run_path(str(llama_cpp / "convert_hf_to_gguf.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+
+
+def quantize(src: Path, out: Path, ftype: int) -> None:
+    """llama.cpp's quantizer (`llama_model_quantize`, what `llama-quantize` runs) on two
+    threads, to the llama_ftype `ftype`."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 2
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params) != 0:
+        raise RuntimeError(f"llama_model_quantize failed for {out}")

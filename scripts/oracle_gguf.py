@@ -32,7 +32,6 @@ import hashlib
 import importlib.metadata as md
 import json
 import os
-import runpy
 import shutil
 import sys
 import tempfile
@@ -40,7 +39,14 @@ from pathlib import Path
 
 import numpy as np
 
-from oracle_common import FIXTURES, dump, llama_cpp_case, llama_cpp_model
+from oracle_common import (
+    FIXTURES,
+    dump,
+    llama_cpp_case,
+    llama_cpp_model,
+    quantize,
+    run_converter,
+)
 
 PROMPTS = 16
 CONTINUATION = 32
@@ -89,24 +95,10 @@ def convert(llama_cpp: Path, model_dir: Path, out: Path, name: str | None) -> No
 
     gemma.Gemma2Model.set_vocab = base.TextModel._set_vocab_gpt2
     phi.Phi3MiniModel.set_vocab = base.TextModel._set_vocab_gpt2
-    argv = sys.argv
-    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outfile", str(out), "--outtype", "f32"]
+    args = [str(model_dir), "--outfile", str(out), "--outtype", "f32"]
     if name is not None:
-        sys.argv += ["--model-name", name]
-    try:
-        runpy.run_path(str(llama_cpp / "convert_hf_to_gguf.py"), run_name="__main__")
-    finally:
-        sys.argv = argv
-
-
-def quantize(src: Path, out: Path, ftype: int) -> None:
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
-    params.nthread = 2
-    if llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params) != 0:
-        raise RuntimeError(f"llama_model_quantize failed for {out}")
+        args += ["--model-name", name]
+    run_converter(llama_cpp, args)
 
 
 def prompts() -> list:
