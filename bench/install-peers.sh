@@ -6,8 +6,9 @@
 #   bash bench/install-peers.sh [VENV]      # default VENV: ~/.cache/tandem-peers
 #
 # Afterwards: VENV/llama.cpp/build/bin/llama-server (llama.cpp's own server, from the source
-# llama-cpp-python vendors) and llama-bench beside it, VENV/llama.cpp itself (the converter
-# bench/make-models.py runs), VENV/bin/python -m llama_cpp (teacher-forced references:
+# llama-cpp-python vendors) and llama-bench and llama-quantize beside it, VENV/llama.cpp
+# itself (the converter bench/make-models.py runs, the gguf-py bench/make-moe-model.py writes
+# with), VENV/bin/python -m llama_cpp (teacher-forced references:
 # scripts/oracle_llama_cpp.py), VENV/bin/python -m sglang_router.launch_router,
 # VENV/bin/vllm-router, VENV/bin/aiperf.
 set -euo pipefail
@@ -30,7 +31,8 @@ mv "$src/llama_cpp_python-0.3.36/vendor/llama.cpp" "$venv/llama.cpp"
 "$venv/bin/cmake" -S "$venv/llama.cpp" -B "$venv/llama.cpp/build" -G Ninja \
   -DCMAKE_MAKE_PROGRAM="$venv/bin/ninja" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
-"$venv/bin/cmake" --build "$venv/llama.cpp/build" --target llama-server llama-bench llama-batched-bench >/dev/null
+"$venv/bin/cmake" --build "$venv/llama.cpp/build" --target llama-server llama-bench llama-batched-bench \
+  llama-quantize >/dev/null
 "$venv/bin/python" -c 'import llama_cpp, sglang_router; print("llama_cpp", llama_cpp.__version__)'
 "$venv/llama.cpp/build/bin/llama-server" --version
 "$venv/llama.cpp/build/bin/llama-bench" --help >/dev/null
