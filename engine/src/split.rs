@@ -113,29 +113,49 @@ pub(crate) struct GroupSpan {
     pub(crate) width: usize,
 }
 
-/// [`by_groups`] for kernels that pad each matrix's last rows into a group of their own:
-/// `group(g, out)` computes group `g` into the columns `spans[g]` names, of a `[n, rows]`
-/// product.
+/// One `[n, rows]` product of [`by_padded_groups`]: its groups' output columns.
+pub(crate) struct PaddedProduct<'a> {
+    pub(crate) rows: usize,
+    pub(crate) n: usize,
+    pub(crate) spans: &'a [GroupSpan],
+}
+
+/// [`by_groups`] for kernels that pad each matrix's last rows into a group of their own,
+/// for several products at once: their groups are shared out together, so small products
+/// (a mixture's experts) cost the pool one hand-off rather than one each.
+/// `group(p, g, out)` computes group `g` of product `p` into the columns its `spans[g]`
+/// names; each product's `[n, rows]` output comes back in order.
 pub(crate) fn by_padded_groups(
-    rows: usize,
-    n: usize,
-    spans: &[GroupSpan],
-    group: impl Fn(usize, &Columns<'_>) + Sync,
-) -> Vec<f32> {
-    let mut out = vec![0f32; n * rows];
-    let shared = SharedOut::new(&mut out);
-    candle_core::utils::barrier_pool().execute_chunked(spans.len(), |range| {
-        for g in range {
-            let span = spans[g];
-            assert!(span.width <= GROUP && span.col + span.width <= rows);
+    products: &[PaddedProduct<'_>],
+    group: impl Fn(usize, usize, &Columns<'_>) + Sync,
+) -> Vec<Vec<f32>> {
+    let mut outs: Vec<Vec<f32>> = products.iter().map(|p| vec![0f32; p.n * p.rows]).collect();
+    let shared: Vec<SharedOut<'_>> = outs.iter_mut().map(|o| SharedOut::new(o)).collect();
+    // Each product's first item.
+    let firsts: Vec<usize> = products
+        .iter()
+        .scan(0, |at, p| {
+            let first = *at;
+            *at += p.spans.len();
+            Some(first)
+        })
+        .collect();
+    let items: usize = products.iter().map(|p| p.spans.len()).sum();
+    candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+        for item in range {
+            let p = firsts.partition_point(|&f| f <= item) - 1;
+            let (product, g) = (&products[p], item - firsts[p]);
+            let span = product.spans[g];
+            assert!(span.width <= GROUP && span.col + span.width <= product.rows);
             let columns = Columns {
-                out: &shared,
-                rows,
+                out: &shared[p],
+                rows: product.rows,
                 col: span.col,
                 width: span.width,
             };
-            group(g, &columns);
+            group(p, g, &columns);
         }
     });
-    out
+    drop(shared);
+    outs
 }

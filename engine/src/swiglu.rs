@@ -66,7 +66,7 @@ pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 }
 
 /// `out[i] = g[i] / (1 + exp(-g[i])) * u[i]`.
-fn silu_mul_run(g: &[f32], u: &[f32], out: &mut [f32]) {
+pub(crate) fn silu_mul_run(g: &[f32], u: &[f32], out: &mut [f32]) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     {

@@ -53,6 +53,14 @@ impl Linear {
         })
     }
 
+    /// The K-quant matrix of a projection without a bias, where our kernel holds it.
+    pub(crate) fn k_matrix(&self) -> Option<&KMatrix> {
+        match (&self.weight, &self.bias) {
+            (Weight::K(m), None) => Some(m),
+            _ => None,
+        }
+    }
+
     /// A projection of a dense `[out, in]` weight, without a bias.
     pub fn dense(weight: Tensor) -> Self {
         Self {
@@ -101,6 +109,11 @@ impl Stacked {
                 Ok(ys.narrow(1, at - w, w)?)
             })
             .collect()
+    }
+
+    /// The one K-quant matrix all the projections were stacked into, where there is one.
+    pub(crate) fn k_matrix(&self) -> Option<&KMatrix> {
+        self.joined.as_ref().and_then(Linear::k_matrix)
     }
 
     /// Bytes a forward pass reads from the weights (and biases).

@@ -25,7 +25,7 @@ use crate::error::{EngineError, Result};
 use crate::split::{self, GroupSpan, GROUP};
 pub use format::KFormat;
 use format::{SuperBlock, QK_K};
-use q8k::Q8KRows;
+pub(crate) use q8k::{Q8KRow, Q8KRows};
 
 /// One matrix of GGML K-quant data to stack: its type, bytes and rows.
 pub struct KPart<'a> {
@@ -50,6 +50,12 @@ pub struct KMatrix {
 struct Group {
     format: KFormat,
     at: usize,
+}
+
+/// One product of [`KMatrix::products`]: a matrix and its activation rows, quantized.
+pub(crate) struct KProduct<'a> {
+    pub(crate) matrix: &'a KMatrix,
+    pub(crate) rows: Vec<Q8KRow<'a>>,
 }
 
 /// How this CPU runs the kernels.
@@ -184,22 +190,53 @@ impl KMatrix {
     fn matmul_on(&self, path: Path, x: &[f32], n: usize) -> Vec<f32> {
         let quantized = Q8KRows::quantize(x, self.cols);
         let q: Vec<_> = (0..n).map(|y| quantized.row(y)).collect();
-        split::by_padded_groups(self.rows, n, &self.spans, |g, out| {
-            let (format, blocks) = (self.groups[g].format, self.blocks(g));
+        let product = KProduct {
+            matrix: self,
+            rows: q,
+        };
+        Self::products_on(path, std::slice::from_ref(&product))
+            .pop()
+            .expect("one product")
+    }
+
+    /// Each of `products`, their groups shared out to the pool together: a mixture's
+    /// experts, a few rows each, cost one hand-off instead of one per expert. Every output
+    /// is the bits [`KMatrix::matmul`] gives for its rows.
+    pub(crate) fn products(products: &[KProduct<'_>]) -> Vec<Vec<f32>> {
+        Self::products_on(Path::detect(), products)
+    }
+
+    fn products_on(path: Path, products: &[KProduct<'_>]) -> Vec<Vec<f32>> {
+        let shapes: Vec<split::PaddedProduct<'_>> = products
+            .iter()
+            .map(|p| split::PaddedProduct {
+                rows: p.matrix.rows,
+                n: p.rows.len(),
+                spans: &p.matrix.spans,
+            })
+            .collect();
+        split::by_padded_groups(&shapes, |p, g, out| {
+            let (m, q) = (products[p].matrix, &products[p].rows);
+            let (format, blocks) = (m.groups[g].format, m.blocks(g));
             let mut emit = |y: usize, vals: [f32; GROUP]| out.put_group(y, &vals);
             match path {
-                Path::Scalar => scalar::group(format, blocks, &q, &mut emit),
+                Path::Scalar => scalar::group(format, blocks, q, &mut emit),
                 #[cfg(target_arch = "x86_64")]
                 Path::Avx2 | Path::Vnni => {
                     let kernel = avx2::kernel(format, path == Path::Vnni);
                     // SAFETY: `Path::detect` found AVX2, FMA and F16C (and VNNI for its
                     // kernel) on this CPU; `blocks` is the group's whole blocks, one for
                     // each super-block of a row of `q`.
-                    unsafe { kernel(blocks, &q, &mut emit) }
+                    unsafe { kernel(blocks, q, &mut emit) }
                 }
                 #[cfg(not(target_arch = "x86_64"))]
                 Path::Avx2 | Path::Vnni => unreachable!("only x86-64 detects AVX2"),
             }
         })
+    }
+
+    /// Values in a row of activations.
+    pub(crate) fn cols(&self) -> usize {
+        self.cols
     }
 }
