@@ -74,6 +74,9 @@ unsafe fn tiles<K: Kind, const VNNI: bool>(
         y = whole_tiles::<K, VNNI_TILE, VNNI>(blocks, q, y, emit);
     }
     y = whole_tiles::<K, TILE, VNNI>(blocks, q, y, emit);
+    // Tiles of two for the last rows: a mixture's experts multiply two or three rows
+    // each in a batch-16 step, and a tile of one unpacks the group's weights once a row.
+    y = whole_tiles::<K, 2, VNNI>(blocks, q, y, emit);
     whole_tiles::<K, 1, VNNI>(blocks, q, y, emit);
 }
 
