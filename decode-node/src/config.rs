@@ -19,6 +19,12 @@ pub struct Config {
     /// fetched into the Hugging Face cache first.
     #[arg(long, env = "TANDEM_MODEL")]
     pub model: PathBuf,
+    /// A folder for packs of a GGUF model's K-quant weights as the kernels lay them out:
+    /// the first load writes one, later loads map it instead of repacking, and every node
+    /// on the host that maps it shares one copy in the page cache (docs/engine.md, "Weight
+    /// packs"). Unset, each load repacks into its own memory.
+    #[arg(long, env = "TANDEM_WEIGHTS_CACHE")]
+    pub weights_cache: Option<PathBuf>,
     /// Most sequences decoded in one step; a request with more (n, best_of, a beam's
     /// width) is refused.
     #[arg(long, env = "DECODE_MAX_BATCH_SIZE", default_value_t = 32)]

@@ -125,9 +125,13 @@ pub async fn serve(
             positions: 0,
         },
     };
+    let options = engine::LoadOptions {
+        reserve,
+        pack_dir: cfg.weights_cache.clone(),
+    };
     let loaded = runtime::load_model(move || {
         let cpu = candle_core::Device::Cpu;
-        engine::load_reporting(&path, &cpu, reserve, &mut engine::progress::log)
+        engine::load_reporting(&path, &cpu, &options, &mut engine::progress::log)
     })
     .await?;
     let intake = intake::Intake::of(&loaded);

@@ -1,6 +1,6 @@
 //! One call that turns a path into everything a node needs: model, tokenizer, template.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::Device;
 use text::{ChatTemplate, Tokenizer};
@@ -9,7 +9,7 @@ use crate::error::Result;
 use crate::footprint::{self, KvReserve};
 use crate::model::Model;
 use crate::progress::LoadStep;
-use crate::weights::WeightSource;
+use crate::weights::{PackReport, WeightSource};
 
 /// A model with the tokenizer and chat template that came with it.
 pub struct Loaded {
@@ -17,6 +17,18 @@ pub struct Loaded {
     pub tokenizer: Tokenizer,
     /// `None` when the model ships no chat template.
     pub template: Option<ChatTemplate>,
+    /// What the load did with its pack of K-quant weights, where it used one.
+    pub pack: Option<PackReport>,
+}
+
+/// How a node loads its model.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// The KV memory the node reserves: with the weights, it must fit the machine.
+    pub reserve: KvReserve,
+    /// Where a GGUF model's K-quant matrices are mapped from, and kept for the next load
+    /// ([`crate::pack`]); every load repacks them into its own memory without one.
+    pub pack_dir: Option<PathBuf>,
 }
 
 /// Loads a Hugging Face folder or a GGUF file.
@@ -27,30 +39,45 @@ pub fn load(path: &Path, device: &Device) -> Result<Loaded> {
 /// [`load`], first refusing a model whose weights and the KV memory its node reserves
 /// (`reserve`) exceed the machine's memory (`footprint`), before any weight is read.
 pub fn load_within(path: &Path, device: &Device, reserve: KvReserve) -> Result<Loaded> {
-    load_reporting(path, device, reserve, &mut |_| {})
+    let options = LoadOptions {
+        reserve,
+        pack_dir: None,
+    };
+    load_reporting(path, device, &options, &mut |_| {})
 }
 
-/// [`load_within`], calling `report` after each step of reading the weights.
+/// [`load_within`] as `options` say, calling `report` after each step of reading the
+/// weights.
 pub fn load_reporting(
     path: &Path,
     device: &Device,
-    reserve: KvReserve,
+    options: &LoadOptions,
     report: &mut dyn FnMut(LoadStep),
 ) -> Result<Loaded> {
     let text = text::load(path)?;
-    let model = if path.is_dir() {
+    let (model, pack) = if path.is_dir() {
         // The safetensors headers alone: opening the folder reads its weights.
-        footprint::check_model(path, &text.config, reserve)?;
-        Model::load_reporting(path, text.config, device, report)?
+        footprint::check_model(path, &text.config, options.reserve)?;
+        let model = Model::load_reporting(path, text.config, device, report)?;
+        (model, None)
     } else {
         // One read of the GGUF header serves the check and the weights.
         let mut gguf = WeightSource::open_gguf_listed(path)?;
-        footprint::check_headers(path, &gguf.tensors, &text.config, reserve)?;
-        Model::load_source(text.config, &mut gguf.source, device, report)?
+        footprint::check_headers(path, &gguf.tensors, &text.config, options.reserve)?;
+        if let Some(dir) = &options.pack_dir {
+            gguf.source.use_pack(dir)?;
+        }
+        let model = Model::load_source(text.config, &mut gguf.source, device, report)?;
+        let pack = gguf.source.finish_pack();
+        if let Some(pack) = &pack {
+            pack.log();
+        }
+        (model, pack)
     };
     Ok(Loaded {
         model,
         tokenizer: text.tokenizer,
         template: text.template,
+        pack,
     })
 }

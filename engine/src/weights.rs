@@ -10,7 +10,6 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use serde::Deserialize;
@@ -21,6 +20,10 @@ use crate::kquant::{KFormat, KMatrix, KPart};
 use crate::progress::LoadStep;
 use crate::q4::Q41Matrix;
 use crate::q8::{q5_0_as_q8_0, Q80Matrix};
+
+mod packed;
+
+pub use packed::PackReport;
 
 /// A projection's weight: candle's (dense or block-quantized), or one of our kernels.
 #[derive(Debug, Clone)]
@@ -58,6 +61,14 @@ impl Linear {
         match (&self.weight, &self.bias) {
             (Weight::K(m), None) => Some(m),
             _ => None,
+        }
+    }
+
+    /// A projection of one of our K-quant matrices.
+    pub(crate) fn k(m: Arc<KMatrix>, bias: Option<Tensor>) -> Self {
+        Self {
+            weight: Weight::K(m),
+            bias,
         }
     }
 
@@ -111,6 +122,15 @@ impl Stacked {
             .collect()
     }
 
+    /// Projections stacked into `joined`, their outputs `widths` wide.
+    pub(crate) fn joined(joined: Linear, widths: Vec<usize>) -> Self {
+        Self {
+            joined: Some(joined),
+            parts: Vec::new(),
+            widths,
+        }
+    }
+
     /// The one K-quant matrix all the projections were stacked into, where there is one.
     pub(crate) fn k_matrix(&self) -> Option<&KMatrix> {
         self.joined.as_ref().and_then(Linear::k_matrix)
@@ -160,6 +180,8 @@ pub enum WeightSource {
         content: gguf_file::Content,
         reader: BufReader<File>,
         read: HashSet<String>,
+        /// The pack its K-quant matrices are mapped from and kept in, where the load uses one.
+        pack: Option<Box<packed::PackSession>>,
     },
 }
 
@@ -241,6 +263,7 @@ impl WeightSource {
             content,
             reader,
             read: HashSet::new(),
+            pack: None,
         };
         Ok(ListedGguf { source, tensors })
     }
@@ -286,6 +309,7 @@ impl WeightSource {
                 content,
                 reader,
                 read,
+                ..
             } => {
                 read.insert(name.to_string());
                 content
@@ -356,10 +380,15 @@ impl WeightSource {
                 &[out_in.0, out_in.1],
                 device,
             )?)),
-            Self::Gguf { .. } => {
-                let q = self.qtensor_shaped(name, out_in, device)?;
-                quantized_weight(q, out_in, device)?
-            }
+            Self::Gguf { .. } => match self.packed(name, &[name], out_in) {
+                Some(m) => Weight::K(m),
+                None => {
+                    let q = self.qtensor_shaped(name, out_in, device)?;
+                    let weight = quantized_weight(q, out_in, device)?;
+                    self.keep_packed(name.to_string(), &weight);
+                    weight
+                }
+            },
         };
         let bias = self.bias(bias, out_in.0, device)?;
         Ok(Linear { weight, bias })
@@ -385,13 +414,26 @@ impl WeightSource {
                 widths,
             });
         }
-        let mut qs = Vec::with_capacity(parts.len());
-        let mut biases = Vec::with_capacity(parts.len());
-        for &(name, bias, rows) in parts {
-            qs.push(self.qtensor_shaped(name, (rows, cols), device)?);
-            biases.push(self.bias(bias, rows, device)?);
+        let biases = parts
+            .iter()
+            .map(|&(_, bias, rows)| self.bias(bias, rows, device))
+            .collect::<Result<Vec<_>>>()?;
+        let names: Vec<&str> = parts.iter().map(|p| p.0).collect();
+        let key = names.join("+");
+        if let Some(bias) = joined_bias(&biases)? {
+            if let Some(m) = self.packed(&key, &names, (widths.iter().sum(), cols)) {
+                return Ok(Stacked::joined(Linear::k(m, bias), widths));
+            }
         }
-        stack_quantized(qs, biases, widths, cols, device)
+        let qs = parts
+            .iter()
+            .map(|&(name, _, rows)| self.qtensor_shaped(name, (rows, cols), device))
+            .collect::<Result<Vec<_>>>()?;
+        let stacked = stack_quantized(qs, biases, widths, cols, device)?;
+        if let Some(joined) = &stacked.joined {
+            self.keep_packed(key, &joined.weight);
+        }
+        Ok(stacked)
     }
 
     /// Whether the weights come from a GGUF file (else from a Hugging Face folder).
@@ -415,34 +457,6 @@ impl WeightSource {
             widths: widths.to_vec(),
         })
     }
-
-    /// The `experts` matrices `[out, in]` of a GGUF tensor `[experts, out, in]`, as
-    /// llama.cpp's converter stacks a mixture's experts, each sliced out of the file's
-    /// blocks as they are.
-    pub fn expert_slices(
-        &mut self,
-        name: &str,
-        experts: usize,
-        out_in: (usize, usize),
-        device: &Device,
-    ) -> Result<Vec<QTensor>> {
-        let q = self.qtensor(name, device)?;
-        let want = [experts, out_in.0, out_in.1];
-        if q.shape().dims() != want {
-            return Err(EngineError::invalid_model(
-                self.path(),
-                format!("{name} has shape {:?}, expected {want:?}", q.shape()),
-            ));
-        }
-        let data = q.data()?;
-        let per_expert = data.len() / experts;
-        data.chunks_exact(per_expert)
-            .map(|bytes| {
-                let dims = vec![out_in.0, out_in.1];
-                Ok(qtensor_from_ggml(q.dtype(), bytes, dims, device)?)
-            })
-            .collect()
-    }
 }
 
 /// Quantized projections of one input, with their biases and output widths, all with
@@ -454,26 +468,11 @@ pub fn stack_quantized(
     cols: usize,
     device: &Device,
 ) -> Result<Stacked> {
-    let all_biased = biases.iter().all(Option::is_some);
-    // A zero bias for the parts without one would turn -0.0 into 0.0: keep them apart.
     let kernel = our_kernel(qs[0].dtype(), device)
-        .filter(|&k| qs.iter().all(|q| our_kernel(q.dtype(), device) == Some(k)))
-        .filter(|_| all_biased || biases.iter().all(Option::is_none));
-    if let Some(kernel) = kernel {
+        .filter(|&k| qs.iter().all(|q| our_kernel(q.dtype(), device) == Some(k)));
+    if let (Some(kernel), Some(bias)) = (kernel, joined_bias(&biases)?) {
         let weight = kernel.build(&qs, cols)?;
-        let bias = if all_biased {
-            Some(Tensor::cat(
-                &biases.into_iter().flatten().collect::<Vec<_>>(),
-                0,
-            )?)
-        } else {
-            None
-        };
-        return Ok(Stacked {
-            joined: Some(Linear { weight, bias }),
-            parts: Vec::new(),
-            widths,
-        });
+        return Ok(Stacked::joined(Linear { weight, bias }, widths));
     }
     let parts = qs
         .into_iter()
@@ -490,6 +489,20 @@ pub fn stack_quantized(
         joined: None,
         parts,
         widths,
+    })
+}
+
+/// The bias of projections stacked into one matrix: theirs one after another, or none
+/// where none has one; `None` where only some have one, as a zero bias for the others
+/// would turn -0.0 into 0.0, so those are kept apart.
+fn joined_bias(biases: &[Option<Tensor>]) -> Result<Option<Option<Tensor>>> {
+    if biases.iter().all(Option::is_none) {
+        return Ok(Some(None));
+    }
+    let all: Option<Vec<Tensor>> = biases.iter().cloned().collect();
+    Ok(match all {
+        Some(all) => Some(Some(Tensor::cat(&all, 0)?)),
+        None => None,
     })
 }
 

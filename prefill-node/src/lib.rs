@@ -84,9 +84,13 @@ pub async fn serve(
         bytes: (cfg.prefix_cache_mb as u64) << 20,
         positions: cfg.max_active_tokens as u64,
     };
+    let options = engine::LoadOptions {
+        reserve,
+        pack_dir: cfg.weights_cache.clone(),
+    };
     let loaded = runtime::load_model(move || {
         let cpu = candle_core::Device::Cpu;
-        engine::load_reporting(&path, &cpu, reserve, &mut engine::progress::log)
+        engine::load_reporting(&path, &cpu, &options, &mut engine::progress::log)
     })
     .await?;
     let intake = intake::Intake::of(&loaded);

@@ -34,7 +34,7 @@ pub(crate) const CHUNK: usize = 32;
 const NIBBLE_BYTES: usize = GROUP * CHUNK / 2;
 
 /// A K-quant type that our kernels multiply.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum KFormat {
     /// 4-bit weights, a 6-bit scale and minimum per 32 (the bulk of a Q4_K_M file).
     Q4K,

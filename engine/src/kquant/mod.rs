@@ -19,7 +19,9 @@ mod scalar;
 #[cfg(test)]
 mod tests;
 
+use bytes::Bytes;
 use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
 use crate::split::{self, GroupSpan, GROUP};
@@ -35,14 +37,63 @@ pub struct KPart<'a> {
 }
 
 /// A `[rows, cols]` matrix of K-quant weights, in groups of eight rows: each part's last
-/// group padded with zero rows, whose outputs are never written out.
+/// group padded with zero rows, whose outputs are never written out. Its bytes are its own,
+/// or a region of a mapped pack file ([`crate::pack`]) that processes on one host share.
 #[derive(Debug)]
 pub struct KMatrix {
     rows: usize,
     cols: usize,
-    data: Vec<u8>,
+    shape: Vec<PartShape>,
+    data: Bytes,
     groups: Vec<Group>,
     spans: Vec<GroupSpan>,
+}
+
+/// One stacked part of a [`KMatrix`]: its type and rows. A matrix's parts decide where
+/// each of its groups lies, so they and its bytes are all a pack stores of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartShape {
+    pub format: KFormat,
+    pub rows: usize,
+}
+
+/// Where each group of a matrix's parts lies in its bytes, and which outputs it gives.
+struct Layout {
+    groups: Vec<Group>,
+    spans: Vec<GroupSpan>,
+    /// Where each part's first group starts.
+    part_starts: Vec<usize>,
+    bytes: usize,
+}
+
+impl Layout {
+    fn of(shape: &[PartShape], cols: usize) -> Self {
+        let nb = cols / QK_K;
+        let mut layout = Self {
+            groups: Vec::new(),
+            spans: Vec::new(),
+            part_starts: Vec::with_capacity(shape.len()),
+            bytes: 0,
+        };
+        let mut row = 0;
+        for part in shape {
+            let group_len = nb * part.format.group_bytes();
+            layout.part_starts.push(layout.bytes);
+            for g in 0..part.rows.div_ceil(GROUP) {
+                layout.groups.push(Group {
+                    format: part.format,
+                    at: layout.bytes + g * group_len,
+                });
+                layout.spans.push(GroupSpan {
+                    col: row + g * GROUP,
+                    width: GROUP.min(part.rows - g * GROUP),
+                });
+            }
+            layout.bytes += part.rows.div_ceil(GROUP) * group_len;
+            row += part.rows;
+        }
+        layout
+    }
 }
 
 /// Where a group's blocks are, and their type.
@@ -100,13 +151,6 @@ impl KMatrix {
     /// The matrices `parts`, each of `cols` columns, one under the other.
     pub fn stack(parts: &[KPart<'_>], cols: usize) -> Result<Self> {
         let nb = cols / QK_K;
-        let mut m = Self {
-            rows: 0,
-            cols,
-            data: Vec::new(),
-            groups: Vec::new(),
-            spans: Vec::new(),
-        };
         for part in parts {
             let format = part.format;
             if cols == 0
@@ -119,14 +163,24 @@ impl KMatrix {
                     part.rows
                 )));
             }
+        }
+        let shape: Vec<PartShape> = parts
+            .iter()
+            .map(|p| PartShape {
+                format: p.format,
+                rows: p.rows,
+            })
+            .collect();
+        let layout = Layout::of(&shape, cols);
+        let mut data = vec![0u8; layout.bytes];
+        for (part, &start) in parts.iter().zip(&layout.part_starts) {
+            let format = part.format;
             let row_bytes = nb * format.ggml_bytes();
             let group_len = nb * format.group_bytes();
-            let start = m.data.len();
-            let groups = part.rows.div_ceil(GROUP);
-            m.data.resize(start + groups * group_len, 0);
+            let len = part.rows.div_ceil(GROUP) * group_len;
             // Each group's bytes are its own: repacked on every core, as a 7B's weights
             // took seconds on one.
-            m.data[start..]
+            data[start..start + len]
                 .par_chunks_mut(group_len)
                 .zip(part.bytes.par_chunks(GROUP * row_bytes))
                 .for_each(|(blocks, rows)| {
@@ -137,19 +191,49 @@ impl KMatrix {
                         }
                     }
                 });
-            for g in 0..groups {
-                m.groups.push(Group {
-                    format,
-                    at: start + g * group_len,
-                });
-                m.spans.push(GroupSpan {
-                    col: m.rows + g * GROUP,
-                    width: GROUP.min(part.rows - g * GROUP),
-                });
-            }
-            m.rows += part.rows;
         }
-        Ok(m)
+        Ok(Self::laid_out(shape, cols, layout, Bytes::from(data)))
+    }
+
+    /// A matrix of parts `shape` whose group blocks are `data`, as [`KMatrix::data`] gave
+    /// them: refused unless `data` is exactly the bytes that layout takes.
+    pub(crate) fn from_packed(shape: Vec<PartShape>, cols: usize, data: Bytes) -> Result<Self> {
+        if cols == 0 || !cols.is_multiple_of(QK_K) || shape.is_empty() {
+            return Err(EngineError::InvalidInput(format!(
+                "a packed K-quant matrix of {} parts and {cols} columns",
+                shape.len()
+            )));
+        }
+        let layout = Layout::of(&shape, cols);
+        if data.len() != layout.bytes {
+            return Err(EngineError::InvalidInput(format!(
+                "a packed K-quant matrix of {} bytes where its parts take {}",
+                data.len(),
+                layout.bytes
+            )));
+        }
+        Ok(Self::laid_out(shape, cols, layout, data))
+    }
+
+    fn laid_out(shape: Vec<PartShape>, cols: usize, layout: Layout, data: Bytes) -> Self {
+        Self {
+            rows: shape.iter().map(|p| p.rows).sum(),
+            cols,
+            shape,
+            data,
+            groups: layout.groups,
+            spans: layout.spans,
+        }
+    }
+
+    /// Its parts, as [`KMatrix::from_packed`] takes them.
+    pub(crate) fn shape(&self) -> &[PartShape] {
+        &self.shape
+    }
+
+    /// Its group blocks, as [`KMatrix::from_packed`] takes them.
+    pub(crate) fn data(&self) -> &[u8] {
+        &self.data
     }
 
     /// Bytes of weight data read per product.
@@ -238,5 +322,10 @@ impl KMatrix {
     /// Values in a row of activations.
     pub(crate) fn cols(&self) -> usize {
         self.cols
+    }
+
+    /// Outputs of each activation row.
+    pub(crate) fn rows(&self) -> usize {
+        self.rows
     }
 }

@@ -573,8 +573,8 @@ fn loading_reports_each_file_and_layer_in_order() {
     use engine::LoadStep::{FileRead, LayerBuilt};
     let steps = |path: &std::path::Path| {
         let mut steps = Vec::new();
-        let reserve = engine::KvReserve::default();
-        engine::load_reporting(path, &Device::Cpu, reserve, &mut |s| steps.push(s)).unwrap();
+        let options = engine::LoadOptions::default();
+        engine::load_reporting(path, &Device::Cpu, &options, &mut |s| steps.push(s)).unwrap();
         steps
     };
     let layers = |n| (1..=n).map(move |done| LayerBuilt { done, layers: n });

@@ -4,6 +4,7 @@ mod common;
 mod kv_and_batching;
 mod llama_cpp;
 mod loading;
+mod packs;
 mod reference;
 mod rope;
 mod smollm2;

@@ -6,7 +6,7 @@ use candle_core::Device;
 use super::mlp;
 use crate::error::Result;
 use crate::model::ffn::{Mixture, Mlp, SharedExpert};
-use crate::weights::{quantized_linear, stack_quantized, Linear, WeightSource};
+use crate::weights::{Linear, WeightSource};
 use text::config::Architecture;
 use text::{ModelConfig, MoeConfig};
 
@@ -103,29 +103,17 @@ fn gguf_experts(
     experts: usize,
     src: &mut WeightSource,
     i: usize,
-    (inter, h): (usize, usize),
+    inter_h: (usize, usize),
     device: &Device,
 ) -> Result<Vec<Mlp>> {
-    let name = |part: &str| format!("blk.{i}.ffn_{part}_exps.weight");
-    let gates = src.expert_slices(&name("gate"), experts, (inter, h), device)?;
-    let ups = src.expert_slices(&name("up"), experts, (inter, h), device)?;
-    let downs = src.expert_slices(&name("down"), experts, (h, inter), device)?;
-    gates
+    let [gate, up, down] = ["gate", "up", "down"].map(|p| format!("blk.{i}.ffn_{p}_exps.weight"));
+    Ok(src
+        .gguf_experts([&gate, &up, &down], experts, inter_h, device)?
         .into_iter()
-        .zip(ups)
-        .zip(downs)
-        .map(|((gate, up), down)| {
-            Ok(Mlp {
-                gate_up: stack_quantized(
-                    vec![gate, up],
-                    vec![None, None],
-                    vec![inter, inter],
-                    h,
-                    device,
-                )?,
-                down: quantized_linear(down, (h, inter), device)?,
-                act: cfg.hidden_act,
-            })
+        .map(|w| Mlp {
+            gate_up: w.gate_up,
+            down: w.down,
+            act: cfg.hidden_act,
         })
-        .collect()
+        .collect())
 }

@@ -1,0 +1,258 @@
+//! Pack files: a GGUF model's K-quant matrices as our kernels lay them out
+//! ([`crate::kquant::format`]), written once beside nothing else and memory-mapped by
+//! every later load.
+//!
+//! The kernels read eight rows' super-blocks interleaved, not the file's rows, so the
+//! file's blocks cannot be used in place: every load repacked them into private memory
+//! (half of a 30B-A3B load's time), and a prefill and a decode node on one host each held
+//! their own copy. A pack holds the repacked bytes, so a load maps them instead: the
+//! matrices are page cache, shared by every process on the host that maps the same pack,
+//! and nothing is repacked.
+//!
+//! A pack names the model file it was made from (its length and modification time) and
+//! the layout version of its bytes; one that does not match, or does not parse, is
+//! rebuilt, never trusted. A pack is written under a temporary name and renamed into
+//! place, so a mapped pack is never written again.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::UNIX_EPOCH;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::kquant::{KMatrix, PartShape};
+
+/// The first bytes of every pack.
+const MAGIC: &[u8; 8] = b"TANDEMPK";
+/// The version of the group-block layout a pack's bytes are in: raise it with any change
+/// to [`crate::kquant::format`], so older packs are rebuilt rather than misread.
+pub const LAYOUT_VERSION: u32 = 1;
+/// Where the data starts, and each matrix within it, is a multiple of this.
+const ALIGN: u64 = 4096;
+/// Bytes before the header: the magic, the layout version and the header's length.
+const PREAMBLE: usize = 8 + 4 + 8;
+
+/// Why a pack was not used.
+#[derive(Debug, thiserror::Error)]
+pub enum PackError {
+    #[error("no pack yet")]
+    Missing,
+    #[error("cannot read or write the pack: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("not a pack file")]
+    NotAPack,
+    #[error("packed in layout {found}, this build reads {LAYOUT_VERSION}")]
+    Layout { found: u32 },
+    #[error("made from another version of the model file")]
+    Stale,
+    #[error("damaged: {0}")]
+    Damaged(String),
+}
+
+/// The model file a pack was made from, as far as its metadata tells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceId {
+    len: u64,
+    modified_secs: u64,
+    modified_nanos: u32,
+}
+
+impl SourceId {
+    /// The identity of the model file at `path`.
+    pub fn of(path: &Path) -> std::io::Result<Self> {
+        let meta = std::fs::metadata(path)?;
+        let modified = meta
+            .modified()?
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        Ok(Self {
+            len: meta.len(),
+            modified_secs: modified.as_secs(),
+            modified_nanos: modified.subsec_nanos(),
+        })
+    }
+}
+
+/// A pack's header: what it was made from and where each matrix lies after the header.
+#[derive(Debug, Serialize, Deserialize)]
+struct Header {
+    source: SourceId,
+    matrices: Vec<Entry>,
+}
+
+/// One matrix of a pack, under the key its loader gave it (the names of the tensors it
+/// was made from).
+#[derive(Debug, Serialize, Deserialize)]
+struct Entry {
+    key: String,
+    cols: usize,
+    parts: Vec<PartShape>,
+    /// From the start of the data.
+    offset: u64,
+    len: u64,
+}
+
+/// The pack file for the model at `model` in `dir`: named for the model file's name and
+/// its full path, so that two models of one name keep two packs.
+pub fn path_for(dir: &Path, model: &Path) -> PathBuf {
+    let full = std::fs::canonicalize(model).unwrap_or_else(|_| model.to_path_buf());
+    let digest = Sha256::digest(full.as_os_str().as_encoded_bytes());
+    let tag: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let name = model
+        .file_name()
+        .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
+    dir.join(format!("{name}.{tag}.tpack"))
+}
+
+/// A pack mapped into memory, its matrices by key.
+pub struct Mapped {
+    data: Bytes,
+    entries: HashMap<String, Entry>,
+}
+
+impl Mapped {
+    /// Maps the pack at `path`, made from the model file `source` is the identity of.
+    pub fn open(path: &Path, source: SourceId) -> Result<Self, PackError> {
+        let file = match File::open(path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(PackError::Missing),
+            Err(e) => return Err(e.into()),
+        };
+        // SAFETY: the mapping is undefined behaviour if the file changes while mapped. A
+        // pack is only ever written under a temporary name and renamed into place
+        // ([`write`]), so the file mapped here is never written again; `populate` reads
+        // every page in now, so the first request does not fault them in.
+        let map = unsafe { memmap2::MmapOptions::new().populate().map(&file)? };
+        let header = parse(&map, source)?;
+        let start = data_start(header_len(&map)).expect("parse checked the header's length");
+        let data = Bytes::from_owner(map).slice(start as usize..);
+        let mut entries = HashMap::with_capacity(header.matrices.len());
+        for entry in header.matrices {
+            let end = entry.offset.checked_add(entry.len);
+            if end.is_none_or(|end| end > data.len() as u64) {
+                return Err(PackError::Damaged(format!(
+                    "{} lies past the end",
+                    entry.key
+                )));
+            }
+            entries.insert(entry.key.clone(), entry);
+        }
+        Ok(Self { data, entries })
+    }
+
+    /// The `[rows, cols]` matrix under `key`, its bytes those of the mapping, where the
+    /// pack holds one of that shape whose parts make exactly its bytes.
+    pub fn matrix(&self, key: &str, (rows, cols): (usize, usize)) -> Option<Arc<KMatrix>> {
+        let entry = self.entries.get(key)?;
+        let at = entry.offset as usize;
+        let bytes = self.data.slice(at..at + entry.len as usize);
+        let m = KMatrix::from_packed(entry.parts.clone(), entry.cols, bytes).ok()?;
+        ((m.rows(), m.cols()) == (rows, cols)).then(|| Arc::new(m))
+    }
+}
+
+/// The header's length, from pack bytes `map` of at least [`PREAMBLE`] bytes.
+fn header_len(map: &[u8]) -> u64 {
+    u64::from_le_bytes(map[12..PREAMBLE].try_into().expect("eight bytes"))
+}
+
+/// Where the data of a pack whose header is `header_len` bytes starts; `None` for a
+/// length no file has.
+fn data_start(header_len: u64) -> Option<u64> {
+    (PREAMBLE as u64)
+        .checked_add(header_len)?
+        .checked_next_multiple_of(ALIGN)
+}
+
+/// The header of pack bytes `map`, refused unless it is a pack of this layout made from
+/// `source` whose data is all there.
+fn parse(map: &[u8], source: SourceId) -> Result<Header, PackError> {
+    if map.len() < PREAMBLE || &map[..8] != MAGIC {
+        return Err(PackError::NotAPack);
+    }
+    let found = u32::from_le_bytes(map[8..12].try_into().expect("four bytes"));
+    if found != LAYOUT_VERSION {
+        return Err(PackError::Layout { found });
+    }
+    let len = header_len(map);
+    if data_start(len).is_none_or(|start| start > map.len() as u64) {
+        return Err(PackError::Damaged("the header runs past the end".into()));
+    }
+    let header: Header = serde_json::from_slice(&map[PREAMBLE..PREAMBLE + len as usize])
+        .map_err(|e| PackError::Damaged(e.to_string()))?;
+    if header.source != source {
+        return Err(PackError::Stale);
+    }
+    Ok(header)
+}
+
+/// Writes `matrices` (each under its key) as the pack at `path` of the model file
+/// `source` is the identity of: under a temporary name first, then renamed over any pack
+/// there, so a process mapping the old one keeps reading the old file.
+pub fn write(
+    path: &Path,
+    source: SourceId,
+    matrices: &[(String, Arc<KMatrix>)],
+) -> Result<(), PackError> {
+    let mut offset = 0u64;
+    let entries: Vec<Entry> = matrices
+        .iter()
+        .map(|(key, m)| {
+            let entry = Entry {
+                key: key.clone(),
+                cols: m.cols(),
+                parts: m.shape().to_vec(),
+                offset,
+                len: m.data().len() as u64,
+            };
+            offset = (offset + entry.len).next_multiple_of(ALIGN);
+            entry
+        })
+        .collect();
+    let header = serde_json::to_vec(&Header {
+        source,
+        matrices: entries,
+    })
+    .map_err(|e| PackError::Damaged(e.to_string()))?;
+    let tmp = path.with_extension(format!("tpack.{}.tmp", std::process::id()));
+    let written = write_file(&tmp, &header, matrices);
+    match written.and_then(|()| Ok(std::fs::rename(&tmp, path)?)) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            // Best effort: the write already failed, and a stray temporary file is all
+            // there is to tidy.
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+fn write_file(
+    path: &Path,
+    header: &[u8],
+    matrices: &[(String, Arc<KMatrix>)],
+) -> Result<(), PackError> {
+    let mut out = BufWriter::new(File::create(path)?);
+    out.write_all(MAGIC)?;
+    out.write_all(&LAYOUT_VERSION.to_le_bytes())?;
+    out.write_all(&(header.len() as u64).to_le_bytes())?;
+    out.write_all(header)?;
+    let mut at = (PREAMBLE + header.len()) as u64;
+    for (_, m) in matrices {
+        let to = at.next_multiple_of(ALIGN);
+        out.write_all(&vec![0; (to - at) as usize])?;
+        out.write_all(m.data())?;
+        at = to + m.data().len() as u64;
+    }
+    let file = out.into_inner().map_err(|e| e.into_error())?;
+    file.sync_all()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;
