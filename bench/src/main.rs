@@ -32,6 +32,10 @@ struct Config {
     /// Where to write the JSON results.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Map the K-quant weights from a pack in this folder (written by the first run), as
+    /// the nodes' --weights-cache does.
+    #[arg(long)]
+    weights_cache: Option<PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -41,11 +45,18 @@ fn main() -> anyhow::Result<()> {
     let cfg = Config::parse();
     let device = candle_core::Device::Cpu;
     let started = std::time::Instant::now();
-    let model = engine::Model::load(&cfg.model, &device)
+    let options = engine::LoadOptions {
+        pack_dir: cfg.weights_cache.clone(),
+        ..Default::default()
+    };
+    let loaded = engine::load_reporting(&cfg.model, &device, &options, &mut |_| {})
         .with_context(|| format!("loading {}", cfg.model.display()))?;
     let load_s = started.elapsed().as_secs_f64();
-    // Before any step: the weights as loaded, against the bytes on disk.
+    let model = loaded.model;
+    // Before any step: the weights as loaded, against the bytes on disk; the part of it
+    // that is mapped files is shared with every process that maps them.
     let resident = runtime::process::read()?.resident_memory_bytes;
+    let split = runtime::process::resident_split()?;
     let file_bytes = model_file_bytes(&cfg.model)?;
     let bandwidth = memory_read_bandwidth(1 << 30, cfg.threads, 5);
     let prefill = prefill_tokens_per_s(&model, cfg.prefill_tokens, 3)?;
@@ -57,10 +68,21 @@ fn main() -> anyhow::Result<()> {
         cfg.threads
     );
     println!(
-        "loaded in {load_s:.1} s; resident after load {:.2} GB for {:.2} GB of files",
+        "loaded in {load_s:.1} s; resident after load {:.2} GB ({:.2} GB private, {:.2} GB \
+         mapped files) for {:.2} GB of files",
         resident as f64 / 1e9,
+        split.anon_bytes as f64 / 1e9,
+        split.file_bytes as f64 / 1e9,
         file_bytes as f64 / 1e9
     );
+    if let Some(pack) = &loaded.pack {
+        println!(
+            "weight pack {}: {} matrices mapped, {} built",
+            pack.path.display(),
+            pack.mapped,
+            pack.built
+        );
+    }
     println!(
         "prefill of {} tokens: {prefill:.0} tokens/s",
         cfg.prefill_tokens
@@ -97,6 +119,9 @@ fn main() -> anyhow::Result<()> {
                          "prefill_tokens": cfg.prefill_tokens, "prefill_tokens_per_s": prefill,
                          "context": cfg.context, "steps": cfg.steps, "decode": rows,
                          "load_s": load_s, "resident_after_load_bytes": resident,
+                         "private_after_load_bytes": split.anon_bytes,
+                         "mapped_after_load_bytes": split.file_bytes,
+                         "weights_cache": cfg.weights_cache,
                          "file_bytes": file_bytes});
         std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
     }

@@ -52,26 +52,56 @@ pub fn read() -> Result<ProcessStats, ProcessError> {
 /// The resident memory in bytes (`VmRSS`, which the kernel writes in kB) and the thread
 /// count (`Threads`) in the text of a `/proc/<pid>/status`.
 pub fn parse_status(text: &str) -> Result<(u64, u64), ProcessError> {
-    let field = |name: &'static str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
-            .map(str::trim)
-            .ok_or(ProcessError::Missing(name))
-    };
-    let malformed = |field: &'static str, line: &str| ProcessError::Malformed {
-        field,
-        line: line.to_string(),
-    };
-    let rss = field("VmRSS")?;
-    let kb = rss
-        .strip_suffix("kB")
-        .and_then(|n| n.trim().parse::<u64>().ok())
-        .ok_or_else(|| malformed("VmRSS", rss))?;
-    let threads = field("Threads")?;
+    let threads = field(text, "Threads")?;
     let threads = threads
         .parse::<u64>()
         .map_err(|_| malformed("Threads", threads))?;
-    Ok((kb * 1024, threads))
+    Ok((kb_field(text, "VmRSS")?, threads))
+}
+
+/// Resident memory by what backs it: private memory, and pages of mapped files, which
+/// every process that maps the same file shares (a node's weight pack).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResidentSplit {
+    pub anon_bytes: u64,
+    pub file_bytes: u64,
+}
+
+/// This process's [`ResidentSplit`], from `RssAnon` and `RssFile` in `/proc/self/status`.
+pub fn resident_split() -> Result<ResidentSplit, ProcessError> {
+    let status = std::fs::read_to_string(STATUS).map_err(|source| ProcessError::Io {
+        path: STATUS,
+        source,
+    })?;
+    Ok(ResidentSplit {
+        anon_bytes: kb_field(&status, "RssAnon")?,
+        file_bytes: kb_field(&status, "RssFile")?,
+    })
+}
+
+/// The value of the status line `name`.
+fn field<'t>(text: &'t str, name: &'static str) -> Result<&'t str, ProcessError> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .map(str::trim)
+        .ok_or(ProcessError::Missing(name))
+}
+
+/// The status line `name`, which the kernel writes in kB, in bytes.
+fn kb_field(text: &str, name: &'static str) -> Result<u64, ProcessError> {
+    let value = field(text, name)?;
+    value
+        .strip_suffix("kB")
+        .and_then(|n| n.trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .ok_or_else(|| malformed(name, value))
+}
+
+fn malformed(field: &'static str, line: &str) -> ProcessError {
+    ProcessError::Malformed {
+        field,
+        line: line.to_string(),
+    }
 }
 
 /// The number of entries in a folder.
