@@ -40,19 +40,10 @@ pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             rows(&g_store, g_layout, n, w),
             rows(&u_store, u_layout, n, w),
         ) {
-            let mut out = vec![0f32; n * w];
-            let shared = SharedOut::new(&mut out);
-            let per_row = w.div_ceil(UNIT);
-            candle_core::utils::barrier_pool().execute_chunked(n * per_row, |items| {
-                for item in items {
-                    let (r, c) = (item / per_row, item % per_row * UNIT);
-                    let len = UNIT.min(w - c);
-                    // SAFETY: each item owns its own `len` values of row `r`.
-                    let o = unsafe { shared.slice(r * w + c, len) };
-                    let g = &g.data[g.start + r * g.stride + c..][..len];
-                    let u = &u.data[u.start + r * u.stride + c..][..len];
-                    silu_mul_run(g, u, o);
-                }
+            let out = pooled(n, w, |r, c, o| {
+                let g = &g.data[g.start + r * g.stride + c..][..o.len()];
+                let u = &u.data[u.start + r * u.stride + c..][..o.len()];
+                silu_mul_run(g, u, o);
             });
             return Ok(Tensor::from_vec(out, (n, w), gate.device())?);
         }
@@ -65,8 +56,35 @@ pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     Ok((gate.silu()? * up)?)
 }
 
+/// `silu(gate) * up` of each of `rows`, each `width` gate values then `width` up values
+/// (a mixture's gate/up products, several experts' rows one after another), shared out
+/// over the pool as [`silu_mul`] is: `(rows, width)`, row-major.
+pub(crate) fn silu_mul_rows(rows: &[&[f32]], width: usize) -> Vec<f32> {
+    pooled(rows.len(), width, |r, c, o| {
+        let (gate, up) = rows[r].split_at(width);
+        silu_mul_run(&gate[c..][..o.len()], &up[c..][..o.len()], o);
+    })
+}
+
+/// A `(rows, width)` output, row-major, shared out over the pool in runs of at most
+/// [`UNIT`] values: `run(r, c, out)` writes values `c .. c + out.len()` of row `r`.
+fn pooled(rows: usize, width: usize, run: impl Fn(usize, usize, &mut [f32]) + Sync) -> Vec<f32> {
+    let mut out = vec![0f32; rows * width];
+    let shared = SharedOut::new(&mut out);
+    let per_row = width.div_ceil(UNIT);
+    candle_core::utils::barrier_pool().execute_chunked(rows * per_row, |items| {
+        for item in items {
+            let (r, c) = (item / per_row, item % per_row * UNIT);
+            let len = UNIT.min(width - c);
+            // SAFETY: each item owns its own `len` values of row `r`.
+            run(r, c, unsafe { shared.slice(r * width + c, len) });
+        }
+    });
+    out
+}
+
 /// `out[i] = g[i] / (1 + exp(-g[i])) * u[i]`.
-pub(crate) fn silu_mul_run(g: &[f32], u: &[f32], out: &mut [f32]) {
+fn silu_mul_run(g: &[f32], u: &[f32], out: &mut [f32]) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     {

@@ -57,7 +57,7 @@ impl Linear {
     }
 
     /// The K-quant matrix of a projection without a bias, where our kernel holds it.
-    pub(crate) fn k_matrix(&self) -> Option<&KMatrix> {
+    pub(crate) fn k_matrix(&self) -> Option<&Arc<KMatrix>> {
         match (&self.weight, &self.bias) {
             (Weight::K(m), None) => Some(m),
             _ => None,
@@ -132,7 +132,7 @@ impl Stacked {
     }
 
     /// The one K-quant matrix all the projections were stacked into, where there is one.
-    pub(crate) fn k_matrix(&self) -> Option<&KMatrix> {
+    pub(crate) fn k_matrix(&self) -> Option<&Arc<KMatrix>> {
         self.joined.as_ref().and_then(Linear::k_matrix)
     }
 
@@ -146,25 +146,29 @@ impl Stacked {
     }
 }
 
-/// One of our kernels applied to `(rows, in_features)` activations, read in place where
-/// they are contiguous f32 on the CPU (copying a 512-token prompt's rows out for each
-/// product was a tenth of its prefill).
+/// One of our kernels applied to `(rows, in_features)` activations: `[rows, out]`.
 fn apply_ours(xs: &Tensor, matmul: impl Fn(&[f32], usize) -> Vec<f32>) -> Result<Tensor> {
     let (n, _) = xs.dims2()?;
-    let out = {
-        let (storage, layout) = xs.storage_and_layout();
-        match (&*storage, layout.contiguous_offsets()) {
-            (candle_core::Storage::Cpu(cpu), Some((start, end))) if xs.dtype() == DType::F32 => {
-                matmul(&cpu.as_slice::<f32>()?[start..end], n)
-            }
-            _ => {
-                drop(storage);
-                matmul(&xs.flatten_all()?.to_vec1::<f32>()?, n)
-            }
-        }
-    };
+    let out = with_f32_rows(xs, |x| matmul(x, n))?;
     let cols = out.len() / n.max(1);
     Ok(Tensor::from_vec(out, (n, cols), xs.device())?)
+}
+
+/// `f` of `(rows, in_features)` activations as one row-major f32 slice, read in place
+/// where they are contiguous f32 on the CPU (copying a 512-token prompt's rows out for
+/// each product was a tenth of its prefill).
+pub(crate) fn with_f32_rows<T>(xs: &Tensor, f: impl FnOnce(&[f32]) -> T) -> Result<T> {
+    {
+        let (storage, layout) = xs.storage_and_layout();
+        if let (candle_core::Storage::Cpu(cpu), Some((start, end))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            if xs.dtype() == DType::F32 {
+                return Ok(f(&cpu.as_slice::<f32>()?[start..end]));
+            }
+        }
+    }
+    Ok(f(&xs.flatten_all()?.to_vec1::<f32>()?))
 }
 
 /// Tensors by name, from either file format, with the names read so far: a tensor the

@@ -11,7 +11,7 @@ mod grouped;
 
 use crate::error::Result;
 use crate::swiglu;
-use crate::weights::{Linear, Stacked};
+use crate::weights::{with_f32_rows, Linear, Stacked};
 use text::config::Activation;
 
 /// `down(act(gate(x)) * up(x))`.
@@ -46,6 +46,8 @@ pub(super) struct Mixture {
     /// Whether the chosen weights are divided by their sum.
     pub(super) normalize: bool,
     pub(super) shared: Option<SharedExpert>,
+    /// The experts' matrices, where all of them can be multiplied together.
+    grouped: Option<grouped::KExperts>,
 }
 
 /// An expert every token runs beside its chosen ones, its output scaled by
@@ -99,6 +101,23 @@ impl Ffn {
 }
 
 impl Mixture {
+    pub(super) fn new(
+        router: Linear,
+        experts: Vec<Mlp>,
+        top_k: usize,
+        normalize: bool,
+        shared: Option<SharedExpert>,
+    ) -> Self {
+        Self {
+            grouped: grouped::KExperts::of(&experts),
+            router,
+            experts,
+            top_k,
+            normalize,
+            shared,
+        }
+    }
+
     /// The router's and the shared expert's bytes, plus `experts` bytes of experts.
     fn bytes_with(&self, experts: usize) -> usize {
         self.router.weight_bytes()
@@ -117,8 +136,8 @@ impl Mixture {
         // Summed in place: `index_add` copied the whole `(rows, hidden)` sum once per
         // expert, 64 times a layer in a 512-token prefill of 64 experts.
         let mut sum = vec![0f32; n * hidden];
-        match grouped::KExperts::of(self) {
-            Some(experts) => experts.add(&xs.flatten_all()?.to_vec1()?, &batches, &mut sum),
+        match &self.grouped {
+            Some(experts) => with_f32_rows(xs, |x| experts.add(x, &batches, &mut sum))?,
             None => self.add_by_expert(xs, &batches, &mut sum)?,
         }
         let mut out = Tensor::from_vec(sum, (n, hidden), xs.device())?;

@@ -8,34 +8,36 @@
 //! and the kernel's outputs for it never depend on the rows beside it, and `silu * up` is
 //! the same function of each value, so PD and colocated still agree.
 
+use std::sync::Arc;
+
 use text::config::Activation;
 
-use super::{add_weighted, ExpertBatch, Mixture};
+use super::{add_weighted, ExpertBatch, Mlp};
 use crate::kquant::{KMatrix, KProduct, Q8KRows};
-use crate::swiglu::silu_mul_run;
+use crate::swiglu::silu_mul_rows;
 
 /// Each expert's stacked gate/up matrix and its down matrix.
-pub(super) struct KExperts<'a> {
-    gate_up: Vec<&'a KMatrix>,
-    down: Vec<&'a KMatrix>,
+pub(super) struct KExperts {
+    gate_up: Vec<Arc<KMatrix>>,
+    down: Vec<Arc<KMatrix>>,
 }
 
-impl<'a> KExperts<'a> {
-    /// The experts of `mixture`, where every one is a SiLU-gated MLP without biases on the
-    /// K-quant kernel.
-    pub(super) fn of(mixture: &'a Mixture) -> Option<Self> {
-        let mut experts = Self {
-            gate_up: Vec::with_capacity(mixture.experts.len()),
-            down: Vec::with_capacity(mixture.experts.len()),
+impl KExperts {
+    /// The matrices of `experts`, where every one is a SiLU-gated MLP without biases on
+    /// the K-quant kernel: a fact of the loaded model, decided once at load.
+    pub(super) fn of(experts: &[Mlp]) -> Option<Self> {
+        let mut k = Self {
+            gate_up: Vec::with_capacity(experts.len()),
+            down: Vec::with_capacity(experts.len()),
         };
-        for mlp in &mixture.experts {
+        for mlp in experts {
             if mlp.act != Activation::Silu {
                 return None;
             }
-            experts.gate_up.push(mlp.gate_up.k_matrix()?);
-            experts.down.push(mlp.down.k_matrix()?);
+            k.gate_up.push(Arc::clone(mlp.gate_up.k_matrix()?));
+            k.down.push(Arc::clone(mlp.down.k_matrix()?));
         }
-        Some(experts)
+        Some(k)
     }
 
     /// Adds to `sum` each expert's outputs for its rows of `x` (`(rows, hidden)`, row-major),
@@ -51,7 +53,7 @@ impl<'a> KExperts<'a> {
         let gate_up = KMatrix::products(
             &hit.iter()
                 .map(|&e| KProduct {
-                    matrix: self.gate_up[e],
+                    matrix: &self.gate_up[e],
                     rows: batches[e]
                         .rows
                         .iter()
@@ -61,7 +63,11 @@ impl<'a> KExperts<'a> {
                 .collect::<Vec<_>>(),
         );
         let inter = self.down[first].cols();
-        let gated = silu_times_up(&gate_up, inter);
+        let rows: Vec<&[f32]> = gate_up
+            .iter()
+            .flat_map(|ys| ys.chunks_exact(2 * inter))
+            .collect();
+        let gated = silu_mul_rows(&rows, inter);
         let quantized = Q8KRows::quantize(&gated, inter);
         let mut at = 0;
         let downs: Vec<KProduct<'_>> = hit
@@ -72,7 +78,7 @@ impl<'a> KExperts<'a> {
                     .collect();
                 at += batches[e].rows.len();
                 KProduct {
-                    matrix: self.down[e],
+                    matrix: &self.down[e],
                     rows,
                 }
             })
@@ -83,26 +89,13 @@ impl<'a> KExperts<'a> {
     }
 }
 
-/// `silu(gate) * up` of every row of every gate/up product (each row `inter` gate values,
-/// then `inter` up values), the rows one after another.
-fn silu_times_up(gate_up: &[Vec<f32>], inter: usize) -> Vec<f32> {
-    let rows: usize = gate_up.iter().map(|ys| ys.len() / (2 * inter)).sum();
-    let mut gated = vec![0f32; rows * inter];
-    let ys = gate_up.iter().flat_map(|ys| ys.chunks_exact(2 * inter));
-    for (out, row) in gated.chunks_exact_mut(inter).zip(ys) {
-        let (gate, up) = row.split_at(inter);
-        silu_mul_run(gate, up, out);
-    }
-    gated
-}
-
 #[cfg(test)]
 mod tests {
     use candle_core::quantized::{GgmlDType, QTensor};
     use candle_core::{DType, Device, Tensor};
 
     use super::*;
-    use crate::model::ffn::Mlp;
+    use crate::model::ffn::Mixture;
     use crate::weights::{quantized_linear, stack_quantized, Linear};
 
     const HIDDEN: usize = 256;
@@ -146,15 +139,13 @@ mod tests {
             GgmlDType::Q5K,
             GgmlDType::Q4K,
         ];
-        let mixture = Mixture {
-            router: Linear::dense(
-                Tensor::zeros((downs.len(), HIDDEN), DType::F32, &Device::Cpu).unwrap(),
-            ),
-            experts: downs.map(expert).into(),
-            top_k: 2,
-            normalize: true,
-            shared: None,
-        };
+        let mixture = Mixture::new(
+            Linear::dense(Tensor::zeros((downs.len(), HIDDEN), DType::F32, &Device::Cpu).unwrap()),
+            downs.map(expert).into(),
+            2,
+            true,
+            None,
+        );
         let n = 5;
         let xs = Tensor::randn(0f32, 1.0, (n, HIDDEN), &Device::Cpu).unwrap();
         let batch = |rows: &[u32], weights: &[f32]| ExpertBatch {
@@ -168,7 +159,10 @@ mod tests {
             batch(&[0, 1, 2, 3, 4], &[0.5, 0.75, 0.25, 1.0, 0.5]),
             batch(&[3, 1], &[0.125, 0.25]),
         ];
-        let experts = KExperts::of(&mixture).expect("every expert on the K-quant kernel");
+        let experts = mixture
+            .grouped
+            .as_ref()
+            .expect("every expert on the K-quant kernel");
         let mut grouped = vec![0f32; n * HIDDEN];
         experts.add(
             &xs.flatten_all().unwrap().to_vec1().unwrap(),
@@ -188,13 +182,8 @@ mod tests {
     fn experts_off_the_k_quant_kernel_are_not_grouped() {
         let mut mixture_expert = expert(GgmlDType::Q4K);
         mixture_expert.act = Activation::GeluTanh;
-        let mixture = Mixture {
-            router: Linear::dense(Tensor::zeros((1, HIDDEN), DType::F32, &Device::Cpu).unwrap()),
-            experts: vec![mixture_expert],
-            top_k: 1,
-            normalize: true,
-            shared: None,
-        };
-        assert!(KExperts::of(&mixture).is_none());
+        let router = Linear::dense(Tensor::zeros((1, HIDDEN), DType::F32, &Device::Cpu).unwrap());
+        let mixture = Mixture::new(router, vec![mixture_expert], 1, true, None);
+        assert!(mixture.grouped.is_none());
     }
 }

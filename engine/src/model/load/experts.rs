@@ -40,13 +40,13 @@ pub(super) fn mixture(
         Some(width) => Some(shared_expert(cfg, src, i, width, device)?),
         None => None,
     };
-    Ok(Mixture {
+    Ok(Mixture::new(
         router,
         experts,
-        top_k: moe.experts_per_token,
-        normalize: moe.normalize_top_k,
+        moe.experts_per_token,
+        moe.normalize_top_k,
         shared,
-    })
+    ))
 }
 
 /// Layer `i`'s shared expert, `width` wide, and its gate: `[1, hidden]` in a Hugging Face
