@@ -3,35 +3,58 @@
 //! widened to f32 whole it was the largest thing a model held (a 7B Qwen2.5's 152k × 3584
 //! table is 2.2 GB in f32 against 0.31 GB in Q4_K).
 
+use bytes::Bytes;
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 
 /// A `[vocab, hidden]` table.
 pub enum Embedding {
     /// A Hugging Face folder's, in f32.
     Dense(Tensor),
-    /// A GGUF file's, as stored: a row of `width` values in `row_bytes` bytes.
+    /// A GGUF file's, as stored: a row of `width` values in `row_bytes` bytes, read where
+    /// they lie in the mapped file.
     Blocks {
         dtype: GgmlDType,
         width: usize,
         row_bytes: usize,
-        bytes: Vec<u8>,
+        bytes: Bytes,
     },
 }
 
 impl Embedding {
     /// A GGUF tensor kept in its own type.
     pub fn from_qtensor(q: &QTensor) -> Result<Self> {
-        let (_, width) = q.shape().dims2()?;
-        let dtype = q.dtype();
+        let (vocab, width) = q.shape().dims2()?;
+        Self::from_blocks(
+            q.dtype(),
+            (vocab, width),
+            Bytes::from(q.data()?.into_owned()),
+        )
+    }
+
+    /// A `[vocab, width]` table of `dtype` blocks, `bytes` exactly: refused unless each row
+    /// is whole blocks, so that a row starts where its index says.
+    pub fn from_blocks(
+        dtype: GgmlDType,
+        (vocab, width): (usize, usize),
+        bytes: Bytes,
+    ) -> Result<Self> {
         let row_bytes = width / dtype.block_size() * dtype.type_size();
+        if !width.is_multiple_of(dtype.block_size())
+            || vocab.checked_mul(row_bytes) != Some(bytes.len())
+        {
+            return Err(EngineError::InvalidInput(format!(
+                "{} bytes of {dtype:?} are not a [{vocab}, {width}] table of whole-block rows",
+                bytes.len()
+            )));
+        }
         Ok(Self::Blocks {
             dtype,
             width,
             row_bytes,
-            bytes: q.data()?.into_owned(),
+            bytes,
         })
     }
 

@@ -10,6 +10,7 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use bytes::Bytes;
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use serde::Deserialize;
@@ -21,6 +22,7 @@ use crate::progress::LoadStep;
 use crate::q4::Q41Matrix;
 use crate::q8::{q5_0_as_q8_0, Q80Matrix};
 
+mod in_place;
 mod packed;
 
 pub use packed::PackReport;
@@ -183,6 +185,9 @@ pub enum WeightSource {
         path: PathBuf,
         content: gguf_file::Content,
         reader: BufReader<File>,
+        /// The whole file, mapped, for the blocks used where they lie (the embedding
+        /// table); the rest is read, so that its pages are not counted as this process's.
+        map: Bytes,
         read: HashSet<String>,
         /// The pack its K-quant matrices are mapped from and kept in, where the load uses one.
         pack: Option<Box<packed::PackSession>>,
@@ -258,6 +263,11 @@ impl WeightSource {
     /// [`WeightSource::open_gguf`], with the file's tensors as its header lists them.
     pub fn open_gguf_listed(path: &Path) -> Result<ListedGguf> {
         let file = File::open(path).map_err(|e| EngineError::io(path, e))?;
+        // SAFETY: the mapping is undefined behaviour if the file changes while mapped. A
+        // model file is not written while a node serves it (a file replaced by renaming
+        // another over it leaves this mapping as it was); a file cut short in place would
+        // fault the reads past its new end, as it would llama.cpp's mapping.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| EngineError::io(path, e))?;
         let mut reader = BufReader::new(file);
         let content = gguf_file::Content::read(&mut reader)
             .map_err(|e| EngineError::invalid_model(path, e.to_string()))?;
@@ -266,6 +276,7 @@ impl WeightSource {
             path: path.to_path_buf(),
             content,
             reader,
+            map: Bytes::from_owner(map),
             read: HashSet::new(),
             pack: None,
         };
@@ -363,7 +374,7 @@ impl WeightSource {
         device: &Device,
     ) -> Result<Embedding> {
         if self.is_gguf() {
-            Embedding::from_qtensor(&self.qtensor_shaped(name, vocab_hidden, device)?)
+            self.embedding_in_place(name, vocab_hidden)
         } else {
             let shape = [vocab_hidden.0, vocab_hidden.1];
             Ok(Embedding::Dense(self.dense_shaped(name, &shape, device)?))

@@ -1,0 +1,112 @@
+//! A GGUF file's blocks used where they lie in its mapping: the token embedding table,
+//! whose rows a step gathers and dequantizes as stored, is never copied out, so it is page
+//! cache that every process serving the file shares.
+
+use super::WeightSource;
+use crate::embedding::Embedding;
+use crate::error::{EngineError, Result};
+
+impl WeightSource {
+    /// The GGUF tensor `name`, which must be `[vocab, hidden]`, as the embedding table over
+    /// its bytes in the mapped file.
+    pub(super) fn embedding_in_place(
+        &mut self,
+        name: &str,
+        (vocab, hidden): (usize, usize),
+    ) -> Result<Embedding> {
+        let Self::Gguf {
+            path,
+            content,
+            map,
+            read,
+            ..
+        } = self
+        else {
+            unreachable!("embedding_in_place is only called for GGUF");
+        };
+        let bad = |reason: String| EngineError::invalid_model(path.as_path(), reason);
+        let info = content
+            .tensor_infos
+            .get(name)
+            .ok_or_else(|| bad(format!("missing tensor {name}")))?;
+        if info.shape.dims() != [vocab, hidden] {
+            let dims = info.shape.dims();
+            return Err(bad(format!(
+                "{name} has shape {dims:?}, expected [{vocab}, {hidden}]"
+            )));
+        }
+        let dtype = info.ggml_dtype;
+        let len = (vocab * hidden / dtype.block_size()) as u64 * dtype.type_size() as u64;
+        let file = &*map;
+        let start = content.tensor_data_offset.checked_add(info.offset);
+        let range = start.and_then(|s| Some(s..s.checked_add(len)?));
+        let range = range
+            .filter(|r| r.end <= file.len() as u64)
+            .ok_or_else(|| bad(format!("{name} lies past the end of the file")))?;
+        let bytes = file.slice(range.start as usize..range.end as usize);
+        let table = Embedding::from_blocks(dtype, (vocab, hidden), bytes)
+            .map_err(|e| bad(format!("{name}: {e}")))?;
+        read.insert(name.to_string());
+        Ok(table)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+
+    use super::*;
+
+    const VOCAB: usize = 8;
+    const HIDDEN: usize = 64;
+
+    fn write_gguf(path: &Path, table: &QTensor) {
+        let mut file = std::fs::File::create(path).unwrap();
+        gguf_file::write(&mut file, &[], &[("token_embd.weight", table)]).unwrap();
+    }
+
+    #[test]
+    fn the_table_in_the_mapped_file_gives_the_rows_a_copy_gives() {
+        let dir = std::env::temp_dir().join(format!("tandem-in-place-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("embd.gguf");
+        let dense = Tensor::randn(0f32, 1.0, (VOCAB, HIDDEN), &Device::Cpu).unwrap();
+        let table = QTensor::quantize(&dense, GgmlDType::Q8_0).unwrap();
+        write_gguf(&path, &table);
+        let mut src = WeightSource::open_gguf(&path).unwrap();
+        let mapped = src
+            .embedding_in_place("token_embd.weight", (VOCAB, HIDDEN))
+            .unwrap();
+        assert!(src.unread().is_empty());
+        let copied = Embedding::from_qtensor(&table).unwrap();
+        let ids = [7, 0, 3];
+        let rows = |e: &Embedding| {
+            let t = e.lookup(&ids, &Device::Cpu).unwrap();
+            t.to_vec2::<f32>().unwrap()
+        };
+        assert_eq!(rows(&mapped), rows(&copied));
+        let wrong = src.embedding_in_place("token_embd.weight", (VOCAB, 2 * HIDDEN));
+        assert!(matches!(wrong, Err(EngineError::InvalidModel { .. })));
+
+        // The file cut inside the table: refused by name, never read past its end.
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 10]).unwrap();
+        let mut src = WeightSource::open_gguf(&path).unwrap();
+        let cut = src.embedding_in_place("token_embd.weight", (VOCAB, HIDDEN));
+        assert!(
+            matches!(cut, Err(EngineError::InvalidModel { reason, .. }) if reason.contains("past the end"))
+        );
+    }
+
+    #[test]
+    fn a_table_whose_rows_are_not_whole_blocks_is_refused() {
+        let bytes = bytes::Bytes::from(vec![0u8; 34 * 3]);
+        // Three Q8_0 blocks of 32 values: not three rows of 48.
+        assert!(Embedding::from_blocks(GgmlDType::Q8_0, (2, 48), bytes.clone()).is_err());
+        assert!(Embedding::from_blocks(GgmlDType::Q8_0, (3, 32), bytes.clone()).is_ok());
+        assert!(Embedding::from_blocks(GgmlDType::Q8_0, (4, 32), bytes).is_err());
+    }
+}
