@@ -83,6 +83,9 @@ impl SourceId {
 struct Header {
     source: SourceId,
     matrices: Vec<Entry>,
+    /// Its own length in the file, as the preamble gives it (not stored in the JSON).
+    #[serde(skip)]
+    len: u64,
 }
 
 /// One matrix of a pack, under the key its loader gave it (the names of the tensors it
@@ -123,13 +126,22 @@ impl Mapped {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(PackError::Missing),
             Err(e) => return Err(e.into()),
         };
-        // SAFETY: the mapping is undefined behaviour if the file changes while mapped. A
-        // pack is only ever written under a temporary name and renamed into place
-        // ([`write`]), so the file mapped here is never written again; `populate` reads
-        // every page in now, so the first request does not fault them in.
+        // SAFETY: a mapping is undefined behaviour if the file changes while mapped. A
+        // pack is only ever written under a name of its own and renamed into place
+        // ([`write`]), so the file mapped here is never written again.
+        let peek = unsafe { memmap2::Mmap::map(&file)? };
+        let header = parse(&peek, source)?;
+        drop(peek);
+        // Mapped again to read every page in now, so that the first request does not
+        // fault them in, and only once the pack is known to fit: a stale one is not read.
+        // SAFETY: as above, the file is never written again.
         let map = unsafe { memmap2::MmapOptions::new().populate().map(&file)? };
-        let header = parse(&map, source)?;
-        let start = data_start(header_len(&map)).expect("parse checked the header's length");
+        if map.len() < PREAMBLE || header_len(&map) != header.len {
+            return Err(PackError::Damaged(
+                "the pack changed while it was opened".into(),
+            ));
+        }
+        let start = data_start(header.len).expect("parse checked the header's length");
         let data = Bytes::from_owner(map).slice(start as usize..);
         let mut entries = HashMap::with_capacity(header.matrices.len());
         for entry in header.matrices {
@@ -183,8 +195,9 @@ fn parse(map: &[u8], source: SourceId) -> Result<Header, PackError> {
     if data_start(len).is_none_or(|start| start > map.len() as u64) {
         return Err(PackError::Damaged("the header runs past the end".into()));
     }
-    let header: Header = serde_json::from_slice(&map[PREAMBLE..PREAMBLE + len as usize])
+    let mut header: Header = serde_json::from_slice(&map[PREAMBLE..PREAMBLE + len as usize])
         .map_err(|e| PackError::Damaged(e.to_string()))?;
+    header.len = len;
     if header.source != source {
         return Err(PackError::Stale);
     }
@@ -217,9 +230,15 @@ pub fn write(
     let header = serde_json::to_vec(&Header {
         source,
         matrices: entries,
+        len: 0,
     })
     .map_err(|e| PackError::Damaged(e.to_string()))?;
-    let tmp = path.with_extension(format!("tpack.{}.tmp", std::process::id()));
+    // A name no other writer has: workers in containers on one host often share a pid.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    let tmp = path.with_extension(format!("tpack.{}-{nanos}.tmp", std::process::id()));
     let written = write_file(&tmp, &header, matrices);
     match written.and_then(|()| Ok(std::fs::rename(&tmp, path)?)) {
         Ok(()) => Ok(()),
@@ -237,7 +256,8 @@ fn write_file(
     header: &[u8],
     matrices: &[(String, Arc<KMatrix>)],
 ) -> Result<(), PackError> {
-    let mut out = BufWriter::new(File::create(path)?);
+    // Never a file another writer has open: a name taken is an error, not shared.
+    let mut out = BufWriter::new(File::options().write(true).create_new(true).open(path)?);
     out.write_all(MAGIC)?;
     out.write_all(&LAYOUT_VERSION.to_le_bytes())?;
     out.write_all(&(header.len() as u64).to_le_bytes())?;
