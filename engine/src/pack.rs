@@ -1,8 +1,8 @@
-//! Pack files: a GGUF model's K-quant matrices as our kernels lay them out
-//! ([`crate::kquant::format`]), written once beside nothing else and memory-mapped by
-//! every later load.
+//! Pack files: a GGUF model's K-quant and Q8_0 matrices (Q5_0 ones as the Q8_0 they become
+//! at load) as our kernels lay them out ([`crate::kquant::format`], [`crate::q8`]),
+//! written once beside nothing else and memory-mapped by every later load.
 //!
-//! The kernels read eight rows' super-blocks interleaved, not the file's rows, so the
+//! The kernels read eight rows' blocks interleaved, not the file's rows, so the
 //! file's blocks cannot be used in place: every load repacked them into private memory
 //! (half of a 30B-A3B load's time), and a prefill and a decode node on one host each held
 //! their own copy. A pack holds the repacked bytes, so a load maps them instead: the
@@ -26,12 +26,14 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::kquant::{KMatrix, PartShape};
+use crate::q8::Q80Matrix;
 
 /// The first bytes of every pack.
 const MAGIC: &[u8; 8] = b"TANDEMPK";
-/// The version of the group-block layout a pack's bytes are in: raise it with any change
-/// to [`crate::kquant::format`], so older packs are rebuilt rather than misread.
-pub const LAYOUT_VERSION: u32 = 1;
+/// The version of the layouts a pack's bytes are in: raise it with any change to
+/// [`crate::kquant::format`] or [`Q80Matrix`]'s layout, so older packs are rebuilt rather
+/// than misread. 2: Q8_0 matrices.
+pub const LAYOUT_VERSION: u32 = 2;
 /// Where the data starts, and each matrix within it, is a multiple of this.
 const ALIGN: u64 = 4096;
 /// Bytes before the header: the magic, the layout version and the header's length.
@@ -93,11 +95,64 @@ struct Header {
 #[derive(Debug, Serialize, Deserialize)]
 struct Entry {
     key: String,
-    cols: usize,
-    parts: Vec<PartShape>,
+    shape: Shape,
     /// From the start of the data.
     offset: u64,
     len: u64,
+}
+
+/// What a matrix's bytes hold: what its kernel needs besides them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+enum Shape {
+    KQuant { cols: usize, parts: Vec<PartShape> },
+    Q8_0 { rows: usize, cols: usize },
+}
+
+/// A matrix a pack holds, in the layout its kernel reads.
+#[derive(Debug, Clone)]
+pub enum PackedMatrix {
+    K(Arc<KMatrix>),
+    Q80(Arc<Q80Matrix>),
+}
+
+impl PackedMatrix {
+    fn shape(&self) -> Shape {
+        match self {
+            Self::K(m) => Shape::KQuant {
+                cols: m.cols(),
+                parts: m.shape().to_vec(),
+            },
+            Self::Q80(m) => Shape::Q8_0 {
+                rows: m.rows(),
+                cols: m.cols(),
+            },
+        }
+    }
+
+    /// Its bytes, as a pack stores them.
+    pub fn data(&self) -> &[u8] {
+        match self {
+            Self::K(m) => m.data(),
+            Self::Q80(m) => m.data(),
+        }
+    }
+
+    /// Its outputs and inputs.
+    pub fn rows_cols(&self) -> (usize, usize) {
+        match self {
+            Self::K(m) => (m.rows(), m.cols()),
+            Self::Q80(m) => (m.rows(), m.cols()),
+        }
+    }
+
+    /// `x Wᵀ` for `x` of `[n, cols]` (row-major): `[n, rows]`.
+    pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
+        match self {
+            Self::K(m) => m.matmul(x, n),
+            Self::Q80(m) => m.matmul(x, n),
+        }
+    }
 }
 
 /// The pack file for the model at `model` in `dir`: named for the model file's name and
@@ -158,13 +213,20 @@ impl Mapped {
     }
 
     /// The `[rows, cols]` matrix under `key`, its bytes those of the mapping, where the
-    /// pack holds one of that shape whose parts make exactly its bytes.
-    pub fn matrix(&self, key: &str, (rows, cols): (usize, usize)) -> Option<Arc<KMatrix>> {
+    /// pack holds one of that shape whose shape makes exactly its bytes.
+    pub fn matrix(&self, key: &str, rows_cols: (usize, usize)) -> Option<PackedMatrix> {
         let entry = self.entries.get(key)?;
         let at = entry.offset as usize;
         let bytes = self.data.slice(at..at + entry.len as usize);
-        let m = KMatrix::from_packed(entry.parts.clone(), entry.cols, bytes).ok()?;
-        ((m.rows(), m.cols()) == (rows, cols)).then(|| Arc::new(m))
+        let m = match &entry.shape {
+            Shape::KQuant { cols, parts } => PackedMatrix::K(Arc::new(
+                KMatrix::from_packed(parts.clone(), *cols, bytes).ok()?,
+            )),
+            &Shape::Q8_0 { rows, cols } => {
+                PackedMatrix::Q80(Arc::new(Q80Matrix::from_packed(rows, cols, bytes).ok()?))
+            }
+        };
+        (m.rows_cols() == rows_cols).then_some(m)
     }
 }
 
@@ -210,7 +272,7 @@ fn parse(map: &[u8], source: SourceId) -> Result<Header, PackError> {
 pub fn write(
     path: &Path,
     source: SourceId,
-    matrices: &[(String, Arc<KMatrix>)],
+    matrices: &[(String, PackedMatrix)],
 ) -> Result<(), PackError> {
     let mut offset = 0u64;
     let entries: Vec<Entry> = matrices
@@ -218,8 +280,7 @@ pub fn write(
         .map(|(key, m)| {
             let entry = Entry {
                 key: key.clone(),
-                cols: m.cols(),
-                parts: m.shape().to_vec(),
+                shape: m.shape(),
                 offset,
                 len: m.data().len() as u64,
             };
@@ -254,7 +315,7 @@ pub fn write(
 fn write_file(
     path: &Path,
     header: &[u8],
-    matrices: &[(String, Arc<KMatrix>)],
+    matrices: &[(String, PackedMatrix)],
 ) -> Result<(), PackError> {
     // Never a file another writer has open: a name taken is an error, not shared.
     let mut out = BufWriter::new(File::options().write(true).create_new(true).open(path)?);

@@ -15,6 +15,7 @@
 //! batch-16 decode step. The model only uses this kernel where candle would take its AVX2
 //! path ([`Q80Matrix::supported`]).
 
+use bytes::Bytes;
 use half::f16;
 
 use crate::act_quant::{quantize_block, QK};
@@ -62,13 +63,22 @@ const TILE: usize = 4;
 /// each block, the eight rows' f16 scales (`d[(g * nb + b) * 8 + i]`), then eight runs of 32
 /// bytes, run `k` holding bytes `4k .. 4k + 4` of each row's block in row order. The rows
 /// after them are stored one after another. Both parts sit at the offsets the plain layout
-/// would give them.
+/// would give them. All the scales come first in its bytes, then all the values: its own
+/// bytes, or a region of a mapped pack file ([`crate::pack`]).
 #[derive(Debug)]
 pub struct Q80Matrix {
     rows: usize,
     cols: usize,
-    d: Vec<f16>,
-    qs: Vec<i8>,
+    data: Bytes,
+}
+
+/// A matrix's bytes built at load, held as f16 so that its scales are aligned.
+struct Scales16(Vec<f16>);
+
+impl AsRef<[u8]> for Scales16 {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
 }
 
 /// One activation row as Q8_0 blocks, the scales widened to f32.
@@ -118,8 +128,11 @@ impl Q80Matrix {
         }
         let nb = cols / QK;
         let grouped = rows / GROUP * GROUP;
-        let mut d = vec![f16::ZERO; rows * nb];
-        let mut qs = vec![0i8; rows * cols];
+        // Scales, then values: `rows * cols` values, a multiple of 32, take a whole number
+        // of f16s.
+        let mut buf = vec![f16::ZERO; rows * nb + rows * cols / 2];
+        let (d, qs) = buf.split_at_mut(rows * nb);
+        let qs: &mut [u8] = bytemuck::cast_slice_mut(qs);
         for (i, blk) in bytes.chunks_exact(Q80_BYTES).enumerate() {
             let r = i / nb;
             let at = if r < grouped {
@@ -129,25 +142,74 @@ impl Q80Matrix {
                 i
             };
             d[at] = f16::from_le_bytes([blk[0], blk[1]]);
-            let vals = blk[2..].iter().map(|&v| v as i8);
+            let vals = &blk[2..];
             if r < grouped {
                 let lane = at % GROUP;
                 let base = at / GROUP * GROUP * QK;
-                for (j, v) in vals.enumerate() {
+                for (j, &v) in vals.iter().enumerate() {
                     qs[base + j / 4 * 4 * GROUP + lane * 4 + j % 4] = v;
                 }
             } else {
-                for (q, v) in qs[i * QK..(i + 1) * QK].iter_mut().zip(vals) {
-                    *q = v;
-                }
+                qs[i * QK..(i + 1) * QK].copy_from_slice(vals);
             }
         }
-        Ok(Self { rows, cols, d, qs })
+        Ok(Self {
+            rows,
+            cols,
+            data: Bytes::from_owner(Scales16(buf)),
+        })
+    }
+
+    /// A `[rows, cols]` matrix whose bytes are `data`, as [`Q80Matrix::data`] gave them:
+    /// refused unless `data` is exactly that many bytes, its scales aligned.
+    pub(crate) fn from_packed(rows: usize, cols: usize, data: Bytes) -> Result<Self> {
+        let m = Self { rows, cols, data };
+        let whole = cols > 0 && cols.is_multiple_of(QK);
+        let len = rows.checked_mul(cols / QK * (QK + 2));
+        if !whole
+            || len != Some(m.data.len())
+            || bytemuck::try_cast_slice::<u8, f16>(m.scale_bytes()).is_err()
+        {
+            return Err(EngineError::InvalidInput(format!(
+                "a packed Q8_0 matrix of {} bytes for [{rows}, {cols}]",
+                m.data.len()
+            )));
+        }
+        Ok(m)
+    }
+
+    /// Its bytes, as [`Q80Matrix::from_packed`] takes them.
+    pub(crate) fn data(&self) -> &[u8] {
+        &self.data
+    }
+
+    fn scale_bytes(&self) -> &[u8] {
+        &self.data[..2 * self.rows * (self.cols / QK)]
+    }
+
+    /// Every block's scale, in the layout's order.
+    fn d(&self) -> &[f16] {
+        bytemuck::cast_slice(self.scale_bytes())
+    }
+
+    /// Every block's values, in the layout's order.
+    fn qs(&self) -> &[i8] {
+        bytemuck::cast_slice(&self.data[2 * self.rows * (self.cols / QK)..])
+    }
+
+    /// Rows of the matrix.
+    pub(crate) fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Values in a row of activations.
+    pub(crate) fn cols(&self) -> usize {
+        self.cols
     }
 
     /// Bytes of weight data read per product.
     pub fn bytes(&self) -> usize {
-        self.qs.len() + 2 * self.d.len()
+        self.data.len()
     }
 
     /// `x Wᵀ` for `x` of `[n, cols]` (row-major): `[n, rows]`.
@@ -158,23 +220,23 @@ impl Q80Matrix {
         );
         let q: Vec<Q80Row> = x.chunks_exact(self.cols).map(Q80Row::quantize).collect();
         let nb = self.cols / QK;
+        let (d, qs) = (self.d(), self.qs());
         let group = avx2::group_kernel();
         split::by_groups(
             self.rows,
             n,
             |g, out| {
                 let span = g * nb * GROUP..(g + 1) * nb * GROUP;
-                let (d, qs) = (
-                    &self.d[span.clone()],
-                    &self.qs[span.start * QK..span.end * QK],
-                );
+                let (d, qs) = (&d[span.clone()], &qs[span.start * QK..span.end * QK]);
                 // SAFETY: `group_kernel` picked a kernel this CPU runs (AVX2, FMA and F16C
                 // asserted above); the group has a block for each of the rows' blocks.
                 unsafe { group(d, qs, &q, &mut |y, vals| out.put(y, &vals)) };
             },
             |r, out| {
-                let d = &self.d[r * nb..(r + 1) * nb];
-                let qs = &self.qs[r * self.cols..(r + 1) * self.cols];
+                let (d, qs) = (
+                    &d[r * nb..(r + 1) * nb],
+                    &qs[r * self.cols..(r + 1) * self.cols],
+                );
                 for (y, row) in q.iter().enumerate() {
                     // SAFETY: as above.
                     out.put(y, &[unsafe { avx2::dot_one(d, qs, row) }]);
@@ -424,10 +486,10 @@ mod tests {
                         .map(|b| {
                             let dot: i32 = (0..QK)
                                 .map(|j| {
-                                    (w.qs[b * QK + j] as i32 * row.qs[b * QK + j] as i32).abs()
+                                    (w.qs()[b * QK + j] as i32 * row.qs[b * QK + j] as i32).abs()
                                 })
                                 .sum();
-                            dot as f32 * (w.d[b].to_f32() * row.d[b]).abs()
+                            dot as f32 * (w.d()[b].to_f32() * row.d[b]).abs()
                         })
                         .sum();
                     let c = want[y * rows + r];
@@ -447,8 +509,8 @@ mod tests {
                 for g in 0..rows / GROUP {
                     let span = g * nb * GROUP..(g + 1) * nb * GROUP;
                     let (d, qs) = (
-                        &ours.d[span.clone()],
-                        &ours.qs[span.start * QK..span.end * QK],
+                        &ours.d()[span.clone()],
+                        &ours.qs()[span.start * QK..span.end * QK],
                     );
                     let mut check = |y: usize, vals: [f32; GROUP]| {
                         assert_eq!(
@@ -499,5 +561,26 @@ mod tests {
     fn refuses_data_of_the_wrong_size() {
         assert!(Q80Matrix::from_ggml(&[0; 33], 1, 32).is_err());
         assert!(Q80Matrix::from_ggml(&[0; 34], 1, 31).is_err());
+    }
+
+    #[test]
+    fn a_packed_matrix_is_taken_only_for_its_own_bytes_with_its_scales_aligned() {
+        let (rows, cols) = (11, 64);
+        let w = Tensor::from_vec(data(rows * cols, 9), (rows, cols), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
+        let m = Q80Matrix::from_ggml(&q.data().unwrap(), rows, cols).unwrap();
+        let x = data(3 * cols, 4);
+        let again = Q80Matrix::from_packed(rows, cols, m.data.clone()).unwrap();
+        assert_eq!(again.matmul(&x, 3), m.matmul(&x, 3));
+        assert!(Q80Matrix::from_packed(rows + 1, cols, m.data.clone()).is_err());
+        assert!(Q80Matrix::from_packed(rows, cols - 32, m.data.clone()).is_err());
+        assert!(Q80Matrix::from_packed(0, 0, Bytes::new()).is_err());
+        // The same bytes one byte into an aligned buffer: scales that cannot be read as
+        // f16 in place.
+        let len = m.data().len();
+        let mut buf = vec![f16::ZERO; len / 2 + 1];
+        bytemuck::cast_slice_mut::<f16, u8>(&mut buf)[1..=len].copy_from_slice(m.data());
+        let shifted = Bytes::from_owner(Scales16(buf)).slice(1..=len);
+        assert!(Q80Matrix::from_packed(rows, cols, shifted).is_err());
     }
 }

@@ -18,6 +18,7 @@ use serde::Deserialize;
 use crate::embedding::Embedding;
 use crate::error::{EngineError, Result};
 use crate::kquant::{KFormat, KMatrix, KPart};
+use crate::pack::PackedMatrix;
 use crate::progress::LoadStep;
 use crate::q4::Q41Matrix;
 use crate::q8::{q5_0_as_q8_0, Q80Matrix};
@@ -34,6 +35,15 @@ enum Weight {
     Q41(Arc<Q41Matrix>),
     Q80(Arc<Q80Matrix>),
     K(Arc<KMatrix>),
+}
+
+impl From<PackedMatrix> for Weight {
+    fn from(m: PackedMatrix) -> Self {
+        match m {
+            PackedMatrix::K(m) => Self::K(m),
+            PackedMatrix::Q80(m) => Self::Q80(m),
+        }
+    }
 }
 
 /// A `y = x Wᵀ + b` projection, dense or quantized.
@@ -66,12 +76,9 @@ impl Linear {
         }
     }
 
-    /// A projection of one of our K-quant matrices.
-    pub(crate) fn k(m: Arc<KMatrix>, bias: Option<Tensor>) -> Self {
-        Self {
-            weight: Weight::K(m),
-            bias,
-        }
+    /// A projection of `weight` without a bias.
+    fn unbiased(weight: Weight) -> Self {
+        Self { weight, bias: None }
     }
 
     /// A projection of a dense `[out, in]` weight, without a bias.
@@ -396,7 +403,7 @@ impl WeightSource {
                 device,
             )?)),
             Self::Gguf { .. } => match self.packed(name, &[name], out_in) {
-                Some(m) => Weight::K(m),
+                Some(weight) => weight,
                 None => {
                     let q = self.qtensor_shaped(name, out_in, device)?;
                     let weight = quantized_weight(q, out_in, device)?;
@@ -436,8 +443,8 @@ impl WeightSource {
         let names: Vec<&str> = parts.iter().map(|p| p.0).collect();
         let key = names.join("+");
         if let Some(bias) = joined_bias(&biases)? {
-            if let Some(m) = self.packed(&key, &names, (widths.iter().sum(), cols)) {
-                return Ok(Stacked::joined(Linear::k(m, bias), widths));
+            if let Some(weight) = self.packed(&key, &names, (widths.iter().sum(), cols)) {
+                return Ok(Stacked::joined(Linear { weight, bias }, widths));
             }
         }
         let qs = parts

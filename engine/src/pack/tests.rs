@@ -5,6 +5,7 @@ use candle_core::{Device, Tensor};
 
 use super::*;
 use crate::kquant::{KFormat, KPart};
+use crate::q8::Q80Matrix;
 
 const COLS: usize = 512;
 
@@ -55,30 +56,38 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+/// `m` as a pack holds it.
+fn k(m: KMatrix) -> PackedMatrix {
+    PackedMatrix::K(Arc::new(m))
+}
+
 #[test]
 fn a_mapped_matrix_multiplies_as_the_repacked_one() {
     let dir = scratch("round-trip");
     let (model, id) = source(&dir);
-    let m = Arc::new(stacked());
-    let down =
-        Arc::new(KMatrix::from_ggml(KFormat::Q5K, &ggml(3, GgmlDType::Q5K), 3, COLS).unwrap());
+    let down = KMatrix::from_ggml(KFormat::Q5K, &ggml(3, GgmlDType::Q5K), 3, COLS).unwrap();
+    // Eleven rows: a group of eight and three loose rows after it.
+    let head = Q80Matrix::from_ggml(&ggml(11, GgmlDType::Q8_0), 11, COLS).unwrap();
     let path = path_for(&dir, &model);
     let matrices = [
-        ("q+v".to_string(), Arc::clone(&m)),
-        ("down".into(), Arc::clone(&down)),
+        ("q+v".to_string(), k(stacked())),
+        ("down".into(), k(down)),
+        ("head".into(), PackedMatrix::Q80(Arc::new(head))),
     ];
     write(&path, id, &matrices).unwrap();
     let mapped = Mapped::open(&path, id).unwrap();
     let x = Tensor::randn(0f32, 1.0, (5, COLS), &Device::Cpu).unwrap();
     let x: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
     for (key, want) in &matrices {
-        let got = mapped
-            .matrix(key, (want.rows(), COLS))
-            .expect("in the pack");
+        let got = mapped.matrix(key, want.rows_cols()).expect("in the pack");
         assert_eq!(got.shape(), want.shape());
         assert_eq!(got.data(), want.data());
         assert_eq!(bits(&got.matmul(&x, 5)), bits(&want.matmul(&x, 5)));
     }
+    assert!(
+        mapped.matrix("head", (12, COLS)).is_none(),
+        "a Q8_0 shape the loader does not expect"
+    );
     assert!(
         mapped.matrix("q+v", (20, COLS)).is_none(),
         "a shape the loader does not expect"
@@ -94,7 +103,7 @@ fn a_pack_of_another_model_file_or_layout_is_refused() {
     let dir = scratch("refused");
     let (model, id) = source(&dir);
     let path = path_for(&dir, &model);
-    write(&path, id, &[("q".into(), Arc::new(stacked()))]).unwrap();
+    write(&path, id, &[("q".into(), k(stacked()))]).unwrap();
     // The model file rewritten: another length, and so another identity.
     std::fs::write(&model, b"other weights").unwrap();
     let now = SourceId::of(&model).unwrap();
@@ -117,7 +126,7 @@ fn a_damaged_pack_is_refused_without_reading_past_its_end() {
     let dir = scratch("damaged");
     let (model, id) = source(&dir);
     let path = path_for(&dir, &model);
-    write(&path, id, &[("q".into(), Arc::new(stacked()))]).unwrap();
+    write(&path, id, &[("q".into(), k(stacked()))]).unwrap();
     let whole = std::fs::read(&path).unwrap();
     // Cut inside the matrix's bytes: the header says more than the file has.
     std::fs::write(&path, &whole[..whole.len() - 100]).unwrap();
@@ -168,7 +177,7 @@ fn a_matrix_whose_parts_do_not_make_its_bytes_is_not_taken() {
         Bytes::copy_from_slice(m.data()),
     );
     assert!(lying.is_err());
-    write(&path, id, &[("q".into(), Arc::new(m))]).unwrap();
+    write(&path, id, &[("q".into(), k(m))]).unwrap();
     let mut bytes = std::fs::read(&path).unwrap();
     let header =
         String::from_utf8(bytes[PREAMBLE..PREAMBLE + header_len(&bytes) as usize].to_vec())

@@ -1,4 +1,4 @@
-//! A GGUF load's K-quant matrices mapped from a pack ([`crate::pack`]) where it has them,
+//! A GGUF load's K-quant and Q8_0 matrices mapped from a pack ([`crate::pack`]) where it has them,
 //! and a pack written for the next load where it did not. Each matrix goes under the names
 //! of the tensors it was made from (`+` between stacked ones, `[e]` for expert `e` of a
 //! mixture's tensor), so a load that finds it there reads none of those tensors.
@@ -12,8 +12,7 @@ use candle_core::Device;
 
 use super::{quantized_linear, stack_quantized, Linear, Stacked, Weight, WeightSource};
 use crate::error::{EngineError, Result};
-use crate::kquant::KMatrix;
-use crate::pack::{self, Mapped, PackError, SourceId};
+use crate::pack::{self, Mapped, PackError, PackedMatrix, SourceId};
 
 /// What a load did with its pack.
 #[derive(Debug)]
@@ -47,13 +46,13 @@ impl PackReport {
 }
 
 /// A load's use of its pack: the pack mapped, where one matched the model file, and every
-/// K-quant matrix the load took from it or built.
+/// matrix of ours the load took from it or built.
 pub struct PackSession {
     path: PathBuf,
     source: SourceId,
     mapped: Option<Mapped>,
     refused: Option<PackError>,
-    matrices: Vec<(String, Arc<KMatrix>)>,
+    matrices: Vec<(String, PackedMatrix)>,
     built: usize,
 }
 
@@ -100,7 +99,7 @@ pub(crate) struct ExpertWeights {
 }
 
 impl WeightSource {
-    /// Maps the K-quant matrices of this GGUF file from its pack in `dir` where the pack
+    /// Maps the K-quant and Q8_0 matrices of this GGUF file from its pack in `dir` where the pack
     /// has them, and has [`WeightSource::finish_pack`] write one where it does not.
     pub fn use_pack(&mut self, dir: &Path) -> Result<()> {
         if let Self::Gguf { path, pack, .. } = self {
@@ -125,10 +124,10 @@ impl WeightSource {
         key: &str,
         names: &[&str],
         rows_cols: (usize, usize),
-    ) -> Option<Arc<KMatrix>> {
+    ) -> Option<Weight> {
         let m = self.mapped()?.matrix(key, rows_cols)?;
         self.took(vec![(key.to_string(), m.clone())], names);
-        Some(m)
+        Some(m.into())
     }
 
     fn mapped(&self) -> Option<&Mapped> {
@@ -139,7 +138,7 @@ impl WeightSource {
     }
 
     /// Records `matrices` as taken from the pack, and `names` as read.
-    fn took(&mut self, matrices: Vec<(String, Arc<KMatrix>)>, names: &[&str]) {
+    fn took(&mut self, matrices: Vec<(String, PackedMatrix)>, names: &[&str]) {
         if let Self::Gguf {
             pack: Some(s),
             read,
@@ -151,10 +150,16 @@ impl WeightSource {
         }
     }
 
-    /// Keeps `weight`, built from the tensors `key` names, for the pack, where it is one.
+    /// Keeps `weight`, built from the tensors `key` names, for the pack, where a pack
+    /// holds its kind.
     pub(super) fn keep_packed(&mut self, key: String, weight: &Weight) {
-        if let (Self::Gguf { pack: Some(s), .. }, Weight::K(m)) = (self, weight) {
-            s.matrices.push((key, Arc::clone(m)));
+        let matrix = match weight {
+            Weight::K(m) => PackedMatrix::K(Arc::clone(m)),
+            Weight::Q80(m) => PackedMatrix::Q80(Arc::clone(m)),
+            Weight::Candle(_) | Weight::Q41(_) => return,
+        };
+        if let Self::Gguf { pack: Some(s), .. } = self {
+            s.matrices.push((key, matrix));
             s.built += 1;
         }
     }
@@ -206,11 +211,15 @@ impl WeightSource {
             let (gate_up_key, down_key) = keys(e);
             let gate_up = mapped.matrix(&gate_up_key, (2 * inter, h))?;
             let down = mapped.matrix(&down_key, (h, inter))?;
-            taken.push((gate_up_key, Arc::clone(&gate_up)));
-            taken.push((down_key, Arc::clone(&down)));
+            taken.push((gate_up_key, gate_up.clone()));
+            taken.push((down_key, down.clone()));
+            let (gate_up, down) = (
+                Linear::unbiased(gate_up.into()),
+                Linear::unbiased(down.into()),
+            );
             all.push(ExpertWeights {
-                gate_up: Stacked::joined(Linear::k(gate_up, None), vec![inter, inter]),
-                down: Linear::k(down, None),
+                gate_up: Stacked::joined(gate_up, vec![inter, inter]),
+                down,
             });
         }
         self.took(taken, &names);

@@ -1,5 +1,6 @@
-//! A model whose K-quant matrices are mapped from a pack computes the bits of one repacked
-//! at load, and a pack that no longer matches its model file, or is damaged, is rebuilt.
+//! A model whose K-quant and Q8_0 matrices are mapped from a pack computes the bits of one
+//! repacked at load, and a pack that no longer matches its model file, or is damaged, is
+//! rebuilt.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
@@ -23,33 +24,61 @@ fn load(model: &Path, packs: Option<&Path>) -> (Vec<u32>, Option<engine::weights
     (logits.iter().map(|v| v.to_bits()).collect(), loaded.pack)
 }
 
-#[test]
-fn a_packed_model_computes_as_a_repacked_one_and_a_stale_or_damaged_pack_is_rebuilt() {
-    let dir =
-        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("packs-{}", std::process::id()));
+/// A copy of `fixture` in a scratch folder of `name`, loaded without a pack and then twice
+/// with one: the first load builds every matrix the pack holds, the second maps them all,
+/// and all three give the same logits. Returns the copy, its pack folder, the logits and
+/// how many matrices the pack holds.
+fn packed_twice(fixture: &str, name: &str) -> (PathBuf, PathBuf, Vec<u32>, usize) {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("packs-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let packs = dir.join("packs");
     std::fs::create_dir_all(&packs).unwrap();
     // A copy, so that its modification time can change.
-    let model = dir.join("wide-q4_k_m.gguf");
-    std::fs::copy(common::fixture("gguf/tiny-qwen3_wide-q4_k_m.gguf"), &model).unwrap();
+    let model = dir.join(Path::new(fixture).file_name().unwrap());
+    std::fs::copy(common::fixture(fixture), &model).unwrap();
 
     let (plain, none) = load(&model, None);
     assert!(none.is_none());
     let (first, report) = load(&model, Some(&packs));
     let report = report.unwrap();
-    assert!(report.built > 0 && report.mapped == 0, "{report:?}");
+    assert!(
+        report.built > 0 && report.mapped == 0,
+        "{fixture}: {report:?}"
+    );
     assert!(
         report.path.exists() && report.unwritten.is_none(),
-        "{report:?}"
+        "{fixture}: {report:?}"
     );
     let matrices = report.built;
     let (second, report) = load(&model, Some(&packs));
     let report = report.unwrap();
-    assert_eq!((report.mapped, report.built), (matrices, 0), "{report:?}");
+    assert_eq!(
+        (report.mapped, report.built),
+        (matrices, 0),
+        "{fixture}: {report:?}"
+    );
     assert!(report.refused.is_none());
-    assert_eq!(first, plain);
-    assert_eq!(second, plain);
+    assert_eq!(first, plain, "{fixture}");
+    assert_eq!(second, plain, "{fixture}");
+    (model, packs, plain, matrices)
+}
+
+#[test]
+fn q8_0_and_q5_0_matrices_and_q8_0_experts_come_from_the_pack_as_they_were_built() {
+    for (fixture, name) in [
+        ("gguf/tiny-qwen3_wide-q8_0.gguf", "q8_0"),
+        ("gguf/tiny-qwen3_wide-q5_0.gguf", "q5_0"),
+        ("gguf/tiny-qwen3_moe-q8_0.gguf", "moe-q8_0"),
+    ] {
+        packed_twice(fixture, name);
+    }
+}
+
+#[test]
+fn a_packed_model_computes_as_a_repacked_one_and_a_stale_or_damaged_pack_is_rebuilt() {
+    let (model, packs, plain, matrices) =
+        packed_twice("gguf/tiny-qwen3_wide-q4_k_m.gguf", "q4_k_m");
 
     // The model file replaced by a copy of itself: a new modification time.
     let later = SystemTime::now() + Duration::from_secs(60);
