@@ -10,7 +10,10 @@
 //! Weight rows are stored in groups of eight, interleaved, so that the same four bytes of
 //! eight rows sit in one register: one integer multiply serves eight rows, whose sums
 //! build up in the lanes of one register with no horizontal reduction, and a group's
-//! weights serve a tile of four activation rows. candle makes one dot product per output,
+//! weights serve a tile of four activation rows (eight with VNNI). AVX2 multiplies the
+//! weights' magnitudes by the activations given the weights' signs, one more operation per
+//! row; VNNI multiplies the weights plus 128, one operation per tile, and takes 128 times
+//! the activations' block sum off after. candle makes one dot product per output,
 //! with two scalar f16 conversions per block; that made its Q8_0 head a fifth of a
 //! batch-16 decode step. The model only uses this kernel where candle would take its AVX2
 //! path ([`Q80Matrix::supported`]).
@@ -56,8 +59,10 @@ pub(crate) fn q5_0_as_q8_0(bytes: &[u8]) -> Vec<u8> {
 /// `emit(y, outputs)` gets row `y`'s eight outputs.
 type GroupKernel = unsafe fn(&[f16], &[i8], &[Q80Row], &mut dyn FnMut(usize, [f32; GROUP]));
 
-/// Activation rows that share one load of a group's weights.
+/// Activation rows that share one load of a group's weights: eight where VNNI's
+/// registers (AVX-512 VL has 32) hold eight rows' sums beside the weights.
 const TILE: usize = 4;
+const VNNI_TILE: usize = 8;
 
 /// A `[rows, cols]` Q8_0 matrix. The first `rows / 8 * 8` rows are in groups of eight: for
 /// each block, the eight rows' f16 scales (`d[(g * nb + b) * 8 + i]`), then eight runs of 32
@@ -81,10 +86,12 @@ impl AsRef<[u8]> for Scales16 {
     }
 }
 
-/// One activation row as Q8_0 blocks, the scales widened to f32.
+/// One activation row as Q8_0 blocks, the scales widened to f32, with 128 times each
+/// block's sum of values (the VNNI kernel's offset: see `tile_outputs`).
 struct Q80Row {
     d: Vec<f32>,
     qs: Vec<i8>,
+    offsets: Vec<i32>,
 }
 
 impl Q80Row {
@@ -93,10 +100,12 @@ impl Q80Row {
         let mut row = Q80Row {
             d: Vec::with_capacity(xs.len() / QK),
             qs: vec![0; xs.len()],
+            offsets: Vec::with_capacity(xs.len() / QK),
         };
         for (block, qs) in xs.chunks_exact(QK).zip(row.qs.chunks_exact_mut(QK)) {
-            let (d, _) = quantize_block(block, qs);
+            let (d, sum) = quantize_block(block, qs);
             row.d.push(f16::from_f32(d).to_f32());
+            row.offsets.push(128 * sum);
         }
         row
     }
@@ -252,30 +261,20 @@ mod avx2 {
 
     use half::f16;
 
-    use super::{GroupKernel, Q80Row, GROUP, QK, TILE};
+    use super::{GroupKernel, Q80Row, GROUP, QK, TILE, VNNI_TILE};
     use crate::act_quant::has_vnni;
 
     /// The integer sums of bytes `4k .. 4k + 4` of `w` times `y`, eight lanes of i32 added
     /// into `acc`: |w| times y with w's sign, as candle's `mul_sum_i8_pairs_float` takes
-    /// them. Exact both ways (at most 2 * 128 * 127 in a pair of i16), with VNNI in one
-    /// instruction.
+    /// them. Exact (at most 2 * 128 * 127 in a pair of i16).
     ///
     /// # Safety
-    /// The CPU has AVX2 (and AVX-512 VNNI with VL when `VNNI`).
+    /// The CPU has AVX2.
     #[inline(always)]
-    unsafe fn add_products<const VNNI: bool>(
-        acc: __m256i,
-        abs: __m256i,
-        w: __m256i,
-        y: __m256i,
-    ) -> __m256i {
+    unsafe fn add_products(acc: __m256i, abs: __m256i, w: __m256i, y: __m256i) -> __m256i {
         let signed = _mm256_sign_epi8(y, w);
-        if VNNI {
-            _mm256_dpbusd_epi32(acc, abs, signed)
-        } else {
-            let pairs = _mm256_maddubs_epi16(abs, signed);
-            _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_set1_epi16(1), pairs))
-        }
+        let pairs = _mm256_maddubs_epi16(abs, signed);
+        _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_set1_epi16(1), pairs))
     }
 
     /// The fastest group kernel this CPU runs, given AVX2, FMA and F16C.
@@ -325,19 +324,37 @@ mod avx2 {
         rows: &[Q80Row],
         emit: &mut dyn FnMut(usize, [f32; GROUP]),
     ) {
-        let mut tiles = rows.chunks_exact(TILE);
         let mut y = 0;
-        for tile in tiles.by_ref() {
-            for out in tile_outputs::<TILE, VNNI>(d, qs, tile) {
-                emit(y, out);
-                y += 1;
+        if VNNI {
+            y = whole_tiles::<VNNI_TILE, VNNI>(d, qs, rows, y, emit);
+        }
+        y = whole_tiles::<TILE, VNNI>(d, qs, rows, y, emit);
+        whole_tiles::<1, VNNI>(d, qs, rows, y, emit);
+    }
+
+    /// The rows from `y` in tiles of `T`, as many as there are whole tiles: returns the
+    /// row after them.
+    ///
+    /// # Safety
+    /// As for [`tiles`].
+    #[inline(always)]
+    unsafe fn whole_tiles<const T: usize, const VNNI: bool>(
+        d: &[f16],
+        qs: &[i8],
+        rows: &[Q80Row],
+        mut y: usize,
+        emit: &mut dyn FnMut(usize, [f32; GROUP]),
+    ) -> usize {
+        while y + T <= rows.len() {
+            for (i, out) in tile_outputs::<T, VNNI>(d, qs, &rows[y..y + T])
+                .into_iter()
+                .enumerate()
+            {
+                emit(y + i, out);
             }
+            y += T;
         }
-        for row in tiles.remainder() {
-            let [out] = tile_outputs::<1, VNNI>(d, qs, std::slice::from_ref(row));
-            emit(y, out);
-            y += 1;
-        }
+        y
     }
 
     /// `T` activation rows against a group: per row, lane `i` is weight row `i`'s output,
@@ -357,11 +374,30 @@ mod avx2 {
             let mut sums = [_mm256_setzero_si256(); T];
             for k in 0..QK / 4 {
                 let wv = _mm256_loadu_si256(w.add(32 * k) as *const __m256i);
-                let abs = _mm256_sign_epi8(wv, wv);
-                for (row, sum) in rows.iter().zip(sums.iter_mut()) {
+                let act = |row: &Q80Row| {
                     let at = row.qs.as_ptr().add(b * QK + 4 * k) as *const i32;
-                    let yv = _mm256_set1_epi32(at.read_unaligned());
-                    *sum = add_products::<VNNI>(*sum, abs, wv, yv);
+                    _mm256_set1_epi32(at.read_unaligned())
+                };
+                if VNNI {
+                    // VNNI multiplies unsigned bytes by signed ones: the weights plus 128,
+                    // one operation for the whole tile, where moving the weights' signs
+                    // onto the activations took one per row. The 128 times the block's
+                    // values come off below: the same exact integers.
+                    let lifted = _mm256_xor_si256(wv, _mm256_set1_epi8(i8::MIN));
+                    for (row, sum) in rows.iter().zip(sums.iter_mut()) {
+                        *sum = _mm256_dpbusd_epi32(*sum, lifted, act(row));
+                    }
+                } else {
+                    let abs = _mm256_sign_epi8(wv, wv);
+                    for (row, sum) in rows.iter().zip(sums.iter_mut()) {
+                        *sum = add_products(*sum, abs, wv, act(row));
+                    }
+                }
+            }
+            if VNNI {
+                for (row, sum) in rows.iter().zip(sums.iter_mut()) {
+                    let offset = _mm256_set1_epi32(*row.offsets.get_unchecked(b));
+                    *sum = _mm256_sub_epi32(*sum, offset);
                 }
             }
             let wd = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().add(b * GROUP) as *const _));
@@ -389,8 +425,7 @@ mod avx2 {
         for (b, (&wd, &yd)) in d.iter().zip(&y.d).enumerate() {
             let wv = _mm256_loadu_si256(qs.as_ptr().add(b * QK) as *const __m256i);
             let yv = _mm256_loadu_si256(y.qs.as_ptr().add(b * QK) as *const __m256i);
-            let lanes =
-                add_products::<false>(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), wv, yv);
+            let lanes = add_products(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), wv, yv);
             let mut parts = [0i32; 8];
             _mm256_storeu_si256(parts.as_mut_ptr() as *mut __m256i, lanes);
             let sumi: i32 = parts.iter().sum();
