@@ -4,8 +4,11 @@
 //! side by side. A kernel change is measured
 //! here first, alternated against the build before it, since a decode step's other work
 //! and these machines' noise hide a change of a few percent in `engine-bench`. The
-//! weights are made up: the kernels do the same work for any values. The last row is the
-//! cores' ceiling for the integer product the Q4_1 kernel uses.
+//! weights are made up: the kernels do the same work for any values. Each product's runs
+//! alternate with runs of the cores' bare ceiling for the widest integer product they
+//! have (VNNI's on 512-bit registers where the CPU has it), and its row gives its share of
+//! the fastest of those: a noisy neighbour then slows both sides of the ratio alike. The
+//! last rows are each ceiling over the whole run.
 
 use std::time::Instant;
 
@@ -151,8 +154,8 @@ fn k_blocks(dtype: GgmlDType, rows: usize, cols: usize) -> Vec<u8> {
 fn main() -> anyhow::Result<()> {
     runtime::fit_compute_threads();
     let cfg = Config::parse();
-    println!("| product | shape | rows | µs | GMAC/s |");
-    println!("| --- | --- | ---: | ---: | ---: |");
+    println!("| product | shape | rows | µs | GMAC/s | of the ceiling beside it |");
+    println!("| --- | --- | ---: | ---: | ---: | ---: |");
     for p in products()? {
         for &n in &cfg.rows {
             let x: Vec<f32> = noise(n * p.cols, 7)
@@ -162,21 +165,27 @@ fn main() -> anyhow::Result<()> {
             let macs = (p.rows * p.cols * n) as f64;
             // About 50 ms a run.
             let iters = (5e9 / macs).clamp(3.0, 5000.0) as usize;
-            let mut best = f64::MAX;
+            let (mut best, mut ceiling) = (f64::MAX, 0f64);
             for _ in 0..cfg.runs {
                 let t = Instant::now();
                 for _ in 0..iters {
                     std::hint::black_box((p.matmul)(&x, n));
                 }
                 best = best.min(t.elapsed().as_secs_f64() / iters as f64);
+                ceiling = ceiling.max(beside());
             }
+            let gmacs = macs / best / 1e9;
+            let share = if ceiling > 0.0 {
+                format!("{:.0}%", 100.0 * gmacs / ceiling)
+            } else {
+                "-".into()
+            };
             println!(
-                "| {} | {}x{} | {n} | {:.1} | {:.1} |",
+                "| {} | {}x{} | {n} | {:.1} | {gmacs:.1} | {share} |",
                 p.name,
                 p.rows,
                 p.cols,
                 best * 1e6,
-                macs / best / 1e9
             );
         }
     }
@@ -186,16 +195,50 @@ fn main() -> anyhow::Result<()> {
         let best = (0..cfg.runs)
             .map(|_| ceiling::gmacs(threads))
             .fold(0f64, f64::max);
-        println!("| ceiling: `vpmaddubsw` + `vpaddw` alone | | | | {best:.1} |");
+        println!("| ceiling: `vpmaddubsw` + `vpaddw` alone | | | | {best:.1} | |");
         // The kernels' VNNI paths sum with `vpdpbusd` where the CPU has it: their ceiling.
         if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
             let best = (0..cfg.runs)
                 .map(|_| ceiling::gmacs_vnni(threads))
                 .fold(0f64, f64::max);
-            println!("| ceiling: `vpdpbusd` alone | | | | {best:.1} |");
+            println!("| ceiling: `vpdpbusd` alone | | | | {best:.1} | |");
+        }
+        if has_512() {
+            let best = (0..cfg.runs)
+                .map(|_| ceiling::gmacs_512(threads))
+                .fold(0f64, f64::max);
+            println!("| ceiling: `vpdpbusd` on 512-bit registers | | | | {best:.1} | |");
         }
     }
     Ok(())
+}
+
+/// A short run of the widest integer product this CPU has, in GMAC/s; 0 where there is
+/// none. Where 512-bit registers run at full width (Zen 5: twice the 256-bit rate), that is
+/// the cores' ceiling, though the kernels' VNNI paths use 256-bit registers.
+fn beside() -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let threads = runtime::usable_cpus();
+        if has_512() {
+            return ceiling::short_512(threads);
+        }
+        if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+            return ceiling::short_vnni(threads);
+        }
+        if is_x86_feature_detected!("avx2") {
+            return ceiling::short(threads);
+        }
+    }
+    0.0
+}
+
+/// Whether the CPU has `vpdpbusd` on 512-bit registers.
+#[cfg(target_arch = "x86_64")]
+fn has_512() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vnni")
 }
 
 /// The most u8 x i8 multiply-adds these cores do with AVX2's integer product, the one the
@@ -210,21 +253,53 @@ mod ceiling {
 
     /// Rounds of eight pairs per thread, about 0.2 s here.
     const ROUNDS: usize = 80_000_000;
+    /// Rounds of a run beside a product's, about 20 ms.
+    const SHORT_ROUNDS: usize = ROUNDS / 10;
 
     /// GMAC/s over `threads` threads running the `vpmaddubsw` loop at once.
     pub fn gmacs(threads: usize) -> f64 {
         // SAFETY: the caller checked for AVX2.
-        on_threads(threads, |seed| unsafe { run(ROUNDS, seed) })
+        on_threads(threads, ROUNDS, |seed| unsafe { run(ROUNDS, seed) })
     }
 
     /// The same for the `vpdpbusd` loop.
     pub fn gmacs_vnni(threads: usize) -> f64 {
         // SAFETY: the caller checked for AVX-512 VNNI and VL.
-        on_threads(threads, |seed| unsafe { run_vnni(ROUNDS, seed) })
+        on_threads(threads, ROUNDS, |seed| unsafe { run_vnni(ROUNDS, seed) })
+    }
+
+    /// The `vpdpbusd` loop on 512-bit registers, 64 products a step.
+    pub fn gmacs_512(threads: usize) -> f64 {
+        // SAFETY: the caller checked for AVX-512 F, BW and VNNI.
+        2.0 * on_threads(threads, ROUNDS, |seed| unsafe { run_512(ROUNDS, seed) })
+    }
+
+    /// [`gmacs_512`] over a tenth of the rounds.
+    pub fn short_512(threads: usize) -> f64 {
+        // SAFETY: the caller checked for AVX-512 F, BW and VNNI.
+        2.0 * on_threads(threads, SHORT_ROUNDS, |seed| unsafe {
+            run_512(SHORT_ROUNDS, seed)
+        })
+    }
+
+    /// [`gmacs`] over a tenth of the rounds.
+    pub fn short(threads: usize) -> f64 {
+        // SAFETY: the caller checked for AVX2.
+        on_threads(threads, SHORT_ROUNDS, |seed| unsafe {
+            run(SHORT_ROUNDS, seed)
+        })
+    }
+
+    /// [`gmacs_vnni`] over a tenth of the rounds.
+    pub fn short_vnni(threads: usize) -> f64 {
+        // SAFETY: the caller checked for AVX-512 VNNI and VL.
+        on_threads(threads, SHORT_ROUNDS, |seed| unsafe {
+            run_vnni(SHORT_ROUNDS, seed)
+        })
     }
 
     /// GMAC/s of `threads` threads each running `rounds` of eight 32-product steps at once.
-    fn on_threads(threads: usize, run: impl Fn(i8) -> i32 + Sync) -> f64 {
+    fn on_threads(threads: usize, rounds: usize, run: impl Fn(i8) -> i32 + Sync) -> f64 {
         let t = Instant::now();
         std::thread::scope(|s| {
             for i in 0..threads {
@@ -232,7 +307,7 @@ mod ceiling {
                 s.spawn(move || std::hint::black_box(run(i as i8)));
             }
         });
-        (threads * ROUNDS * 8 * 32) as f64 / t.elapsed().as_secs_f64() / 1e9
+        (threads * rounds * 8 * 32) as f64 / t.elapsed().as_secs_f64() / 1e9
     }
 
     /// # Safety
@@ -255,6 +330,31 @@ mod ceiling {
         // SAFETY: AVX2, which VNNI's caller also holds.
         let all = unsafe { eight_sums(rounds, seed, |sum, a, b| _mm256_dpbusd_epi32(sum, a, b)) };
         _mm256_extract_epi32::<0>(all)
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and VNNI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn run_512(rounds: usize, seed: i8) -> i32 {
+        let one = _mm512_set1_epi8(1);
+        let mut a = _mm512_set1_epi8(seed);
+        let b: [__m512i; 8] = std::array::from_fn(|k| _mm512_set1_epi8(k as i8 + 1));
+        let mut sums = [_mm512_setzero_si512(); 8];
+        for _ in 0..rounds {
+            // As in `eight_sums`: an operand the compiler cannot see through.
+            a = _mm512_add_epi8(a, one);
+            // SAFETY: an empty instruction that only claims to change `a`.
+            unsafe {
+                std::arch::asm!("/* {0} */", inout(zmm_reg) a, options(pure, nomem, nostack))
+            };
+            for (sum, &bk) in sums.iter_mut().zip(&b) {
+                *sum = _mm512_dpbusd_epi32(*sum, a, bk);
+            }
+        }
+        let all = sums
+            .iter()
+            .fold(_mm512_setzero_si512(), |x, &y| _mm512_xor_si512(x, y));
+        _mm512_reduce_add_epi32(all)
     }
 
     /// `rounds` of eight independent `sum = step(sum, a, b)` on one operand `a`, the sums
