@@ -230,16 +230,32 @@ impl Q80Matrix {
         let q: Vec<Q80Row> = x.chunks_exact(self.cols).map(Q80Row::quantize).collect();
         let nb = self.cols / QK;
         let (d, qs) = (self.d(), self.qs());
+        let group_at = |g: usize| {
+            let span = g * nb * GROUP..(g + 1) * nb * GROUP;
+            (&d[span.clone()], &qs[span.start * QK..span.end * QK])
+        };
         let group = avx2::group_kernel();
-        split::by_groups(
+        // One row reads the weights once, at the memory's speed, and went 10-15% slower
+        // on 512-bit registers (the 0.5B's batch-1 decode, and `product-bench`).
+        let pair = avx2::pair_kernel().filter(|_| n >= TILE);
+        split::by_runs_of_groups(
             self.rows,
             n,
-            |g, out| {
-                let span = g * nb * GROUP..(g + 1) * nb * GROUP;
-                let (d, qs) = (&d[span.clone()], &qs[span.start * QK..span.end * QK]);
-                // SAFETY: `group_kernel` picked a kernel this CPU runs (AVX2, FMA and F16C
-                // asserted above); the group has a block for each of the rows' blocks.
-                unsafe { group(d, qs, &q, &mut |y, vals| out.put(y, &vals)) };
+            if pair.is_some() { 2 } else { 1 },
+            |g, out| match pair {
+                Some(pair) if out.width() == 2 * GROUP => {
+                    let ((d0, q0), (d1, q1)) = (group_at(g), group_at(g + 1));
+                    // SAFETY: `pair_kernel` found AVX-512 F, BW, VL and VNNI beside AVX2,
+                    // FMA and F16C; both groups have a block for each of the rows' blocks.
+                    unsafe { pair([d0, d1], [q0, q1], &q, &mut |y, vals| out.put(y, &vals)) };
+                }
+                _ => {
+                    let (d, qs) = group_at(g);
+                    // SAFETY: `group_kernel` picked a kernel this CPU runs (AVX2, FMA and
+                    // F16C asserted above); the group has a block for each of the rows'
+                    // blocks.
+                    unsafe { group(d, qs, &q, &mut |y, vals| out.put(y, &vals)) };
+                }
             },
             |r, out| {
                 let (d, qs) = (
@@ -275,6 +291,112 @@ mod avx2 {
         let signed = _mm256_sign_epi8(y, w);
         let pairs = _mm256_maddubs_epi16(abs, signed);
         _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_set1_epi16(1), pairs))
+    }
+
+    /// Two groups against activation rows, on 512-bit registers: `emit(y, outputs)` gets
+    /// row `y`'s sixteen outputs, the first group's eight and then the second's.
+    pub(super) type PairKernel =
+        unsafe fn([&[f16]; 2], [&[i8]; 2], &[Q80Row], &mut dyn FnMut(usize, [f32; 2 * GROUP]));
+
+    /// The pair kernel where this CPU has VNNI on 512-bit registers. Where those run at
+    /// full width (Zen 5), they multiply twice what 256-bit ones do.
+    pub(super) fn pair_kernel() -> Option<PairKernel> {
+        let wide = is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni");
+        wide.then_some(dot_pair_512 as PairKernel)
+    }
+
+    /// Two groups of eight interleaved weight rows against activation rows: both groups'
+    /// runs of 32 bytes side by side in one register, with [`dot_group_vnni`]'s integers and
+    /// then its float operations lane for lane, so the same bits.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA, F16C and AVX-512 F, BW, VL and VNNI; each group's `d` holds
+    /// `GROUP` scales and its `qs` `GROUP * QK` bytes for each block of every row of `rows`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn dot_pair_512(
+        d: [&[f16]; 2],
+        qs: [&[i8]; 2],
+        rows: &[Q80Row],
+        emit: &mut dyn FnMut(usize, [f32; 2 * GROUP]),
+    ) {
+        let mut y = pair_tiles::<VNNI_TILE>(d, qs, rows, 0, emit);
+        y = pair_tiles::<TILE>(d, qs, rows, y, emit);
+        pair_tiles::<1>(d, qs, rows, y, emit);
+    }
+
+    /// The rows from `y` in tiles of `T`, as many as there are whole tiles: returns the
+    /// row after them.
+    ///
+    /// # Safety
+    /// As for [`dot_pair_512`].
+    #[inline(always)]
+    unsafe fn pair_tiles<const T: usize>(
+        d: [&[f16]; 2],
+        qs: [&[i8]; 2],
+        rows: &[Q80Row],
+        mut y: usize,
+        emit: &mut dyn FnMut(usize, [f32; 2 * GROUP]),
+    ) -> usize {
+        while y + T <= rows.len() {
+            for (i, out) in pair_outputs::<T>(d, qs, &rows[y..y + T])
+                .into_iter()
+                .enumerate()
+            {
+                emit(y + i, out);
+            }
+            y += T;
+        }
+        y
+    }
+
+    /// `T` activation rows against two groups: [`tile_outputs`] with VNNI, sixteen lanes
+    /// wide.
+    ///
+    /// # Safety
+    /// As for [`dot_pair_512`]; `rows` has `T` rows.
+    #[inline(always)]
+    unsafe fn pair_outputs<const T: usize>(
+        d: [&[f16]; 2],
+        qs: [&[i8]; 2],
+        rows: &[Q80Row],
+    ) -> [[f32; 2 * GROUP]; T] {
+        let mut acc = [_mm512_setzero_ps(); T];
+        let lift = _mm512_set1_epi8(i8::MIN);
+        for b in 0..rows[0].d.len() {
+            let (w0, w1) = (
+                qs[0].as_ptr().add(b * GROUP * QK),
+                qs[1].as_ptr().add(b * GROUP * QK),
+            );
+            let mut sums = [_mm512_setzero_si512(); T];
+            for k in 0..QK / 4 {
+                let lo = _mm256_loadu_si256(w0.add(32 * k) as *const __m256i);
+                let hi = _mm256_loadu_si256(w1.add(32 * k) as *const __m256i);
+                let wv = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                let lifted = _mm512_xor_si512(wv, lift);
+                for (row, sum) in rows.iter().zip(sums.iter_mut()) {
+                    let at = row.qs.as_ptr().add(b * QK + 4 * k) as *const i32;
+                    let act = _mm512_set1_epi32(at.read_unaligned());
+                    *sum = _mm512_dpbusd_epi32(*sum, lifted, act);
+                }
+            }
+            let scales = |g: usize| _mm_loadu_si128(d[g].as_ptr().add(b * GROUP) as *const _);
+            let d16 = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(scales(0)), scales(1));
+            let wd = _mm512_cvtph_ps(d16);
+            for ((row, sum), acc) in rows.iter().zip(sums).zip(acc.iter_mut()) {
+                let offset = _mm512_set1_epi32(*row.offsets.get_unchecked(b));
+                let sum = _mm512_sub_epi32(sum, offset);
+                let scale = _mm512_mul_ps(wd, _mm512_set1_ps(*row.d.get_unchecked(b)));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, *acc);
+            }
+        }
+        acc.map(|a| {
+            let mut out = [0f32; 2 * GROUP];
+            _mm512_storeu_ps(out.as_mut_ptr(), a);
+            out
+        })
     }
 
     /// The fastest group kernel this CPU runs, given AVX2, FMA and F16C.
@@ -466,8 +588,9 @@ mod tests {
             eprintln!("skipped: this CPU lacks AVX2, FMA or F16C, so the kernel is never used");
             return;
         }
-        // 11 blocks a row; four groups of eight rows and three loose rows.
-        let (rows, cols) = (35, 352);
+        // 11 blocks a row; five groups of eight rows (where 512-bit registers take two
+        // groups at once, two pairs and one alone) and three loose rows.
+        let (rows, cols) = (43, 352);
         let nb = cols / QK;
         let w = Tensor::from_vec(data(rows * cols, 1), (rows, cols), &Device::Cpu).unwrap();
         let mut bytes = QTensor::quantize(&w, GgmlDType::Q8_0)

@@ -47,6 +47,11 @@ pub(crate) struct Columns<'a> {
 }
 
 impl Columns<'_> {
+    /// How many columns these are.
+    pub(crate) fn width(&self) -> usize {
+        self.width
+    }
+
     /// Activation row `y`'s outputs for these columns.
     #[inline]
     pub(crate) fn put(&self, y: usize, vals: &[f32]) {
@@ -81,10 +86,23 @@ pub(crate) fn by_groups(
     group: impl Fn(usize, &Columns<'_>) + Sync,
     loose: impl Fn(usize, &Columns<'_>) + Sync,
 ) -> Vec<f32> {
+    by_runs_of_groups(rows, n, 1, group, loose)
+}
+
+/// [`by_groups`] handing out `per` groups at a time (fewer in the last run):
+/// `run(g, out)` computes groups `g ..` into the columns `out` names, eight a group.
+pub(crate) fn by_runs_of_groups(
+    rows: usize,
+    n: usize,
+    per: usize,
+    run: impl Fn(usize, &Columns<'_>) + Sync,
+    loose: impl Fn(usize, &Columns<'_>) + Sync,
+) -> Vec<f32> {
     let groups = rows / GROUP;
+    let runs = groups.div_ceil(per);
     let mut out = vec![0f32; n * rows];
     let shared = SharedOut::new(&mut out);
-    let items = groups + rows - groups * GROUP;
+    let items = runs + rows - groups * GROUP;
     candle_core::utils::barrier_pool().execute_chunked(items, |range| {
         for item in range {
             let columns = |col, width| Columns {
@@ -93,10 +111,12 @@ pub(crate) fn by_groups(
                 col,
                 width,
             };
-            if item < groups {
-                group(item, &columns(item * GROUP, GROUP));
+            if item < runs {
+                let first = item * per;
+                let width = per.min(groups - first) * GROUP;
+                run(first, &columns(first * GROUP, width));
             } else {
-                let r = groups * GROUP + item - groups;
+                let r = groups * GROUP + item - runs;
                 loose(r, &columns(r, 1));
             }
         }
