@@ -13,6 +13,14 @@ pub(crate) fn has_vnni() -> bool {
     is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
 }
 
+/// True where the CPU also has VNNI, and bytes, on 512-bit vectors: the kernels then take
+/// two groups of weight rows at once. Where those registers run at full width (Zen 5),
+/// they multiply twice what 256-bit ones do.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn has_vnni_512() -> bool {
+    has_vnni() && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
+}
+
 /// Quantizes one block of 32 values into `qs`: returns the scale `max |x| / 127`, before
 /// any rounding to f16, and the sum of the quantized values.
 pub(crate) fn quantize_block(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {

@@ -12,7 +12,9 @@
 //! of eight, interleaved, so that one AVX2 multiply takes four values of each of the eight
 //! rows against the same four activations: the eight rows' integer sums build up in the
 //! lanes of one register with no horizontal reduction. A group's unpacked block serves a
-//! tile of four activation rows. Work is split by groups across candle's worker threads.
+//! tile of four activation rows. Work is split by groups across candle's worker threads;
+//! where the CPU has VNNI on 512-bit registers, by pairs of groups side by side in one
+//! register (from four activation rows).
 
 use half::f16;
 
@@ -191,10 +193,22 @@ impl Q41Matrix {
     /// `x Wᵀ` for `x` of `[n, cols]` (row-major): `[n, rows]`.
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
         let q: Vec<Q81Row> = x.chunks_exact(self.cols).map(Q81Row::quantize).collect();
-        split::by_groups(
+        // From a tile's rows up: one row reads the weights at the memory's speed, where
+        // 512-bit registers bought nothing for Q8_0.
+        let pair = pair_kernel().filter(|_| n >= TILE);
+        split::by_runs_of_groups(
             self.rows,
             n,
-            |g, out| dot_group(self.group(g), &q, |y, vals| out.put(y, &vals)),
+            if pair.is_some() { 2 } else { 1 },
+            |g, out| match pair {
+                Some(pair) if out.width() == 2 * GROUP => {
+                    let groups = [self.group(g), self.group(g + 1)];
+                    // SAFETY: `pair_kernel` found AVX2, FMA and 512-bit VNNI; both groups
+                    // have as many blocks as the rows.
+                    unsafe { pair(groups, &q, &mut |y, vals| out.put(y, &vals)) };
+                }
+                _ => dot_group(self.group(g), &q, |y, vals| out.put(y, &vals)),
+            },
             |r, out| {
                 let w = self.loose_row(r);
                 for (y, row) in q.iter().enumerate() {
@@ -203,6 +217,22 @@ impl Q41Matrix {
             },
         )
     }
+}
+
+/// Two groups against activation rows: `emit(y, outputs)` gets row `y`'s sixteen outputs,
+/// the first group's eight and then the second's.
+type PairKernel = unsafe fn([WGroup<'_>; 2], &[Q81Row], &mut dyn FnMut(usize, [f32; 2 * GROUP]));
+
+/// The pair kernel on 512-bit registers, where the CPU has them with VNNI.
+fn pair_kernel() -> Option<PairKernel> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        if avx2 && crate::act_quant::has_vnni_512() {
+            return Some(avx2::dot_pair_512);
+        }
+    }
+    None
 }
 
 /// A group of eight weight rows against every activation row: `emit(y, outputs)` gets
@@ -413,6 +443,102 @@ mod avx2 {
                 let ysum = _mm256_set1_ps(*y.s.get_unchecked(b));
                 *acc = _mm256_fmadd_ps(sumi, _mm256_mul_ps(wd, yd), *acc);
                 *acc = _mm256_fmadd_ps(wm, ysum, *acc);
+            }
+        }
+        acc
+    }
+
+    /// Two groups against activation rows on 512-bit registers: both groups' runs side by
+    /// side in one register, with [`dot_group_vnni`]'s integers and then its float
+    /// operations lane for lane, so the same bits.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and AVX-512 F, BW, VL and VNNI; both groups have as many
+    /// blocks as every row of `rows`.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn dot_pair_512(
+        w: [WGroup<'_>; 2],
+        rows: &[Q81Row],
+        emit: &mut dyn FnMut(usize, [f32; 2 * GROUP]),
+    ) {
+        let mut y = pair_tiles::<8>(w, rows, 0, emit);
+        y = pair_tiles::<TILE>(w, rows, y, emit);
+        pair_tiles::<1>(w, rows, y, emit);
+    }
+
+    /// The rows from `y` in tiles of `T`, as many as there are whole tiles: returns the
+    /// row after them.
+    ///
+    /// # Safety
+    /// As for [`dot_pair_512`].
+    #[inline(always)]
+    unsafe fn pair_tiles<const T: usize>(
+        w: [WGroup<'_>; 2],
+        rows: &[Q81Row],
+        mut y: usize,
+        emit: &mut dyn FnMut(usize, [f32; 2 * GROUP]),
+    ) -> usize {
+        while y + T <= rows.len() {
+            for (i, acc) in pair_tile::<T>(w, &rows[y..y + T]).into_iter().enumerate() {
+                let mut out = [0f32; 2 * GROUP];
+                _mm512_storeu_ps(out.as_mut_ptr(), acc);
+                emit(y + i, out);
+            }
+            y += T;
+        }
+        y
+    }
+
+    /// Both groups' halves side by side: `at(g)` gives group `g`'s 256 bits.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F.
+    #[inline(always)]
+    unsafe fn joined(at: impl Fn(usize) -> __m256i) -> __m512i {
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(at(0)), at(1))
+    }
+
+    /// [`dot_tile`] with VNNI, sixteen lanes wide.
+    ///
+    /// # Safety
+    /// As for [`dot_pair_512`]; `rows` has `T` rows.
+    #[inline(always)]
+    unsafe fn pair_tile<const T: usize>(w: [WGroup<'_>; 2], rows: &[Q81Row]) -> [__m512; T] {
+        let mask = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); T];
+        for b in 0..w[0].d.len() / GROUP {
+            let mut wv = [_mm512_setzero_si512(); 8];
+            for k in 0..4 {
+                let v = joined(|g| {
+                    let at = w[g].qs.as_ptr().add(b * GROUP * QK / 2 + 32 * k);
+                    _mm256_loadu_si256(at as *const __m256i)
+                });
+                wv[k] = _mm512_and_si512(v, mask);
+                wv[4 + k] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask);
+            }
+            let floats = |v: &dyn Fn(usize) -> *const f32| {
+                let lanes = joined(|g| _mm256_castps_si256(_mm256_loadu_ps(v(g))));
+                _mm512_castsi512_ps(lanes)
+            };
+            let wd = floats(&|g| w[g].d.as_ptr().add(b * GROUP));
+            let wm = floats(&|g| w[g].m.as_ptr().add(b * GROUP));
+            for (y, acc) in rows.iter().zip(acc.iter_mut()) {
+                let ys = y.qs.as_ptr().add(b * QK);
+                let act = |j: usize| {
+                    let off = if j < 4 { 4 * j } else { 16 + 4 * (j - 4) };
+                    _mm512_set1_epi32((ys.add(off) as *const i32).read_unaligned())
+                };
+                // As `dot_tile`'s two chains: exact either way.
+                let (mut a, mut c) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                for j in (0..8).step_by(2) {
+                    a = _mm512_dpbusd_epi32(a, wv[j], act(j));
+                    c = _mm512_dpbusd_epi32(c, wv[j + 1], act(j + 1));
+                }
+                let sumi = _mm512_cvtepi32_ps(_mm512_add_epi32(a, c));
+                let yd = _mm512_set1_ps(*y.d.get_unchecked(b));
+                let ysum = _mm512_set1_ps(*y.s.get_unchecked(b));
+                *acc = _mm512_fmadd_ps(sumi, _mm512_mul_ps(wd, yd), *acc);
+                *acc = _mm512_fmadd_ps(wm, ysum, *acc);
             }
         }
         acc

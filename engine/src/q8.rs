@@ -298,14 +298,9 @@ mod avx2 {
     pub(super) type PairKernel =
         unsafe fn([&[f16]; 2], [&[i8]; 2], &[Q80Row], &mut dyn FnMut(usize, [f32; 2 * GROUP]));
 
-    /// The pair kernel where this CPU has VNNI on 512-bit registers. Where those run at
-    /// full width (Zen 5), they multiply twice what 256-bit ones do.
+    /// The pair kernel where this CPU has VNNI on 512-bit registers.
     pub(super) fn pair_kernel() -> Option<PairKernel> {
-        let wide = is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("avx512vnni");
-        wide.then_some(dot_pair_512 as PairKernel)
+        crate::act_quant::has_vnni_512().then_some(dot_pair_512 as PairKernel)
     }
 
     /// Two groups of eight interleaved weight rows against activation rows: both groups'

@@ -78,19 +78,9 @@ impl Columns<'_> {
 
 /// The `[n, rows]` product of `n` activation rows with a `rows`-row weight matrix, computed
 /// by candle's pool workers (a second pool would fight candle's for the cores), split by
-/// groups of eight weight rows and then the rows after them: `group(g, out)` computes
-/// group `g`, `loose(r, out)` weight row `r`, each writing its own columns.
-pub(crate) fn by_groups(
-    rows: usize,
-    n: usize,
-    group: impl Fn(usize, &Columns<'_>) + Sync,
-    loose: impl Fn(usize, &Columns<'_>) + Sync,
-) -> Vec<f32> {
-    by_runs_of_groups(rows, n, 1, group, loose)
-}
-
-/// [`by_groups`] handing out `per` groups at a time (fewer in the last run):
-/// `run(g, out)` computes groups `g ..` into the columns `out` names, eight a group.
+/// runs of `per` groups of eight weight rows (fewer in the last run) and then the rows
+/// after them: `run(g, out)` computes groups `g ..` into the columns `out` names, eight a
+/// group, `loose(r, out)` weight row `r`, each writing its own columns.
 pub(crate) fn by_runs_of_groups(
     rows: usize,
     n: usize,
@@ -140,7 +130,7 @@ pub(crate) struct PaddedProduct<'a> {
     pub(crate) spans: &'a [GroupSpan],
 }
 
-/// [`by_groups`] for kernels that pad each matrix's last rows into a group of their own,
+/// [`by_runs_of_groups`] for kernels that pad each matrix's last rows into a group of their own,
 /// for several products at once: their groups are shared out together, so small products
 /// (a mixture's experts) cost the pool one hand-off rather than one each.
 /// `group(p, g, out)` computes group `g` of product `p` into the columns its `spans[g]`
