@@ -28,6 +28,9 @@ use crate::split::{self, GROUP};
 const Q41_BYTES: usize = 20;
 /// Activation rows that share one unpacked weight block.
 const TILE: usize = 4;
+/// Activation rows that share a pair of unpacked blocks on 512-bit registers, whose 32
+/// registers hold the pair's eight weight registers beside eight rows' sums.
+const PAIR_TILE: usize = 8;
 
 /// A `[rows, cols]` Q4_1 matrix: each block's scale and minimum widened to f32 once at load
 /// (a few more bytes per block read, no f16 conversion per block and row), and its nibbles.
@@ -326,7 +329,7 @@ fn scalar_dot_one(w: WRow<'_>, y: &Q81Row) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{add_block, block_sumi, Q81Row, WGroup, WRow, GROUP, QK, TILE};
+    use super::{add_block, block_sumi, Q81Row, WGroup, WRow, GROUP, PAIR_TILE, QK, TILE};
 
     /// # Safety
     /// The CPU has AVX2 and FMA; every row of `rows` has as many blocks as the group `w`.
@@ -461,7 +464,7 @@ mod avx2 {
         rows: &[Q81Row],
         emit: &mut dyn FnMut(usize, [f32; 2 * GROUP]),
     ) {
-        let mut y = pair_tiles::<8>(w, rows, 0, emit);
+        let mut y = pair_tiles::<PAIR_TILE>(w, rows, 0, emit);
         y = pair_tiles::<TILE>(w, rows, y, emit);
         pair_tiles::<1>(w, rows, y, emit);
     }
