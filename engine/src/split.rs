@@ -114,12 +114,17 @@ pub(crate) fn by_runs_of_groups(
     out
 }
 
-/// Where one padded group's outputs go among a product's columns.
+/// Where the outputs of one padded group, or of a run of them, go among a product's columns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct GroupSpan {
+    /// Its (first) group.
+    pub(crate) group: usize,
+    /// How many groups it is, side by side: one, or two for a 512-bit kernel.
+    pub(crate) groups: usize,
     /// Its first output column.
     pub(crate) col: usize,
-    /// Its real rows: eight, or fewer in the last group of a matrix whose rows were padded.
+    /// Its real rows: eight a group, or fewer in the last group of a matrix whose rows were
+    /// padded.
     pub(crate) width: usize,
 }
 
@@ -133,11 +138,12 @@ pub(crate) struct PaddedProduct<'a> {
 /// [`by_runs_of_groups`] for kernels that pad each matrix's last rows into a group of their own,
 /// for several products at once: their groups are shared out together, so small products
 /// (a mixture's experts) cost the pool one hand-off rather than one each.
-/// `group(p, g, out)` computes group `g` of product `p` into the columns its `spans[g]`
-/// names; each product's `[n, rows]` output comes back in order.
+/// `item(p, span, out)` computes the groups `span` of product `p` names into the columns
+/// it names, one of its `spans` a worker; each product's `[n, rows]` output comes back in
+/// order.
 pub(crate) fn by_padded_groups(
     products: &[PaddedProduct<'_>],
-    group: impl Fn(usize, usize, &Columns<'_>) + Sync,
+    item: impl Fn(usize, &GroupSpan, &Columns<'_>) + Sync,
 ) -> Vec<Vec<f32>> {
     let mut outs: Vec<Vec<f32>> = products.iter().map(|p| vec![0f32; p.n * p.rows]).collect();
     let shared: Vec<SharedOut<'_>> = outs.iter_mut().map(|o| SharedOut::new(o)).collect();
@@ -152,18 +158,18 @@ pub(crate) fn by_padded_groups(
         .collect();
     let items: usize = products.iter().map(|p| p.spans.len()).sum();
     candle_core::utils::barrier_pool().execute_chunked(items, |range| {
-        for item in range {
-            let p = firsts.partition_point(|&f| f <= item) - 1;
-            let (product, g) = (&products[p], item - firsts[p]);
-            let span = product.spans[g];
-            assert!(span.width <= GROUP && span.col + span.width <= product.rows);
+        for i in range {
+            let p = firsts.partition_point(|&f| f <= i) - 1;
+            let product = &products[p];
+            let span = product.spans[i - firsts[p]];
+            assert!(span.width <= span.groups * GROUP && span.col + span.width <= product.rows);
             let columns = Columns {
                 out: &shared[p],
                 rows: product.rows,
                 col: span.col,
                 width: span.width,
             };
-            group(p, g, &columns);
+            item(p, &span, &columns);
         }
     });
     drop(shared);

@@ -1,23 +1,25 @@
 //! K-quant weights (Q4_K, Q5_K, Q6_K: the types of a Q4_K_M or Q5_K_M file) times f32
 //! activations on the CPU, with llama.cpp's arithmetic: activations quantized as Q8_K,
 //! each super-block's sum exact in integers, then its scales in floats
-//! ([`avx2`] says how). The weights keep their own bits: eight rows' super-blocks are
+//! ([`x86`] says how). The weights keep their own bits: eight rows' super-blocks are
 //! interleaved into one group block ([`format`]), which for Q6_K is exactly the file's
 //! bytes and for Q4_K and Q5_K 2-3% more (the six-bit scales unpacked). Each path (scalar,
-//! AVX2, VNNI) gives the same bits, and a row's outputs never depend on the rows batched
+//! AVX2, VNNI, two groups at once on 512-bit registers) gives the same bits, and a row's outputs never depend on the rows batched
 //! beside it: PD gives colocated's tokens.
 //!
 //! Projections of one input may be stacked into one matrix whatever their K-quant types
 //! (a Q4_K_M file's v is often Q6_K beside a Q4_K q and k): the input is quantized once,
 //! and each part keeps its own type.
 
-#[cfg(target_arch = "x86_64")]
-mod avx2;
 pub mod format;
 pub(crate) mod q8k;
 mod scalar;
 #[cfg(test)]
 mod tests;
+#[cfg(target_arch = "x86_64")]
+mod wide;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 use bytes::Bytes;
 use rayon::prelude::*;
@@ -47,6 +49,7 @@ pub struct KMatrix {
     data: Bytes,
     groups: Vec<Group>,
     spans: Vec<GroupSpan>,
+    pair_spans: Vec<GroupSpan>,
 }
 
 /// One stacked part of a [`KMatrix`]: its type and rows. A matrix's parts decide where
@@ -60,7 +63,11 @@ pub struct PartShape {
 /// Where each group of a matrix's parts lies in its bytes, and which outputs it gives.
 struct Layout {
     groups: Vec<Group>,
+    /// Each group's outputs.
     spans: Vec<GroupSpan>,
+    /// Each pair of groups' outputs, for 512-bit kernels: a part's groups two by two, and
+    /// the last alone where a part has an odd number.
+    pair_spans: Vec<GroupSpan>,
     /// Where each part's first group starts.
     part_starts: Vec<usize>,
     bytes: usize,
@@ -72,6 +79,7 @@ impl Layout {
         let mut layout = Self {
             groups: Vec::new(),
             spans: Vec::new(),
+            pair_spans: Vec::new(),
             part_starts: Vec::with_capacity(shape.len()),
             bytes: 0,
         };
@@ -79,15 +87,32 @@ impl Layout {
         for part in shape {
             let group_len = nb * part.format.group_bytes();
             layout.part_starts.push(layout.bytes);
-            for g in 0..part.rows.div_ceil(GROUP) {
+            let groups = part.rows.div_ceil(GROUP);
+            let first = layout.groups.len();
+            for g in 0..groups {
                 layout.groups.push(Group {
                     format: part.format,
                     at: layout.bytes + g * group_len,
                 });
                 layout.spans.push(GroupSpan {
+                    group: first + g,
+                    groups: 1,
                     col: row + g * GROUP,
                     width: GROUP.min(part.rows - g * GROUP),
                 });
+            }
+            for g in (0..groups).step_by(2) {
+                let span = layout.spans[first + g];
+                layout
+                    .pair_spans
+                    .push(match layout.spans.get(first + g + 1) {
+                        Some(next) if g + 1 < groups => GroupSpan {
+                            groups: 2,
+                            width: span.width + next.width,
+                            ..span
+                        },
+                        _ => span,
+                    });
             }
             layout.bytes += part.rows.div_ceil(GROUP) * group_len;
             row += part.rows;
@@ -115,15 +140,33 @@ enum Path {
     Scalar,
     Avx2,
     Vnni,
+    /// VNNI, with two groups at once on 512-bit registers for products of a whole tile of
+    /// activation rows or more.
+    Vnni512,
 }
 
 impl Path {
+    /// Whether a product of `n` activation rows takes its groups two at a time.
+    fn pairs(self, n: usize) -> bool {
+        // One row reads each weight once, from memory: the 1.5B's batch-1 decode ran at
+        // 16-23 tokens/s with pairs against 28-31 without (engine-bench, alternated),
+        // though `product-bench`, which repeats one product on one matrix, had pairs
+        // 1.1-1.3x faster at one row for Q4_K and Q6_K.
+        #[cfg(target_arch = "x86_64")]
+        return self == Self::Vnni512 && n >= x86::TILE;
+        #[cfg(not(target_arch = "x86_64"))]
+        return false;
+    }
+
     fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
             let avx2 = is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c");
+            if avx2 && crate::act_quant::has_vnni_512() {
+                return Self::Vnni512;
+            }
             if avx2 && crate::act_quant::has_vnni() {
                 return Self::Vnni;
             }
@@ -223,6 +266,7 @@ impl KMatrix {
             data,
             groups: layout.groups,
             spans: layout.spans,
+            pair_spans: layout.pair_spans,
         }
     }
 
@@ -296,25 +340,45 @@ impl KMatrix {
             .map(|p| split::PaddedProduct {
                 rows: p.matrix.rows,
                 n: p.rows.len(),
-                spans: &p.matrix.spans,
+                spans: if path.pairs(p.rows.len()) {
+                    &p.matrix.pair_spans
+                } else {
+                    &p.matrix.spans
+                },
             })
             .collect();
-        split::by_padded_groups(&shapes, |p, g, out| {
+        split::by_padded_groups(&shapes, |p, span, out| {
             let (m, q) = (products[p].matrix, &products[p].rows);
-            let (format, blocks) = (m.groups[g].format, m.blocks(g));
-            let mut emit = |y: usize, vals: [f32; GROUP]| out.put_group(y, &vals);
+            let (format, blocks) = (m.groups[span.group].format, m.blocks(span.group));
             match path {
-                Path::Scalar => scalar::group(format, blocks, q, &mut emit),
+                Path::Scalar => {
+                    scalar::group(format, blocks, q, &mut |y, vals| out.put_group(y, &vals))
+                }
                 #[cfg(target_arch = "x86_64")]
-                Path::Avx2 | Path::Vnni => {
-                    let kernel = avx2::kernel(format, path == Path::Vnni);
+                Path::Vnni512 if span.groups == 2 => {
+                    let pair = [blocks, m.blocks(span.group + 1)];
+                    // SAFETY: `Path::detect` found AVX2, FMA, F16C and AVX-512 F, BW, VL
+                    // and VNNI on this CPU; both groups are of one part (`Layout::of`
+                    // pairs no others), so of one format and length, whole blocks for
+                    // each super-block of a row of `q`.
+                    unsafe {
+                        x86::pair_kernel(format)(pair, q, &mut |y, vals| {
+                            out.put(y, &vals[..out.width()])
+                        })
+                    }
+                }
+                #[cfg(target_arch = "x86_64")]
+                Path::Avx2 | Path::Vnni | Path::Vnni512 => {
+                    let kernel = x86::kernel(format, path != Path::Avx2);
                     // SAFETY: `Path::detect` found AVX2, FMA and F16C (and VNNI for its
                     // kernel) on this CPU; `blocks` is the group's whole blocks, one for
                     // each super-block of a row of `q`.
-                    unsafe { kernel(blocks, q, &mut emit) }
+                    unsafe { kernel(blocks, q, &mut |y, vals| out.put_group(y, &vals)) }
                 }
                 #[cfg(not(target_arch = "x86_64"))]
-                Path::Avx2 | Path::Vnni => unreachable!("only x86-64 detects AVX2"),
+                Path::Avx2 | Path::Vnni | Path::Vnni512 => {
+                    unreachable!("only x86-64 detects AVX2")
+                }
             }
         })
     }
