@@ -268,7 +268,8 @@ fn parse(map: &[u8], source: SourceId) -> Result<Header, PackError> {
 
 /// Writes `matrices` (each under its key) as the pack at `path` of the model file
 /// `source` is the identity of: under a temporary name first, then renamed over any pack
-/// there, so a process mapping the old one keeps reading the old file.
+/// there, so a process mapping the old one keeps reading the old file. The folder is made
+/// if it is not there, as a cache's first use finds it.
 pub fn write(
     path: &Path,
     source: SourceId,
@@ -299,6 +300,9 @@ pub fn write(
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()
         .as_nanos();
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
     let tmp = path.with_extension(format!("tpack.{}-{nanos}.tmp", std::process::id()));
     let written = write_file(&tmp, &header, matrices);
     match written.and_then(|()| Ok(std::fs::rename(&tmp, path)?)) {

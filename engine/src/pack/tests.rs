@@ -204,3 +204,15 @@ fn packs_of_two_models_of_one_name_do_not_collide() {
         .to_string_lossy()
         .starts_with("model.gguf."));
 }
+
+#[test]
+fn a_pack_is_written_into_a_cache_folder_not_yet_made() {
+    let dir = scratch("new-folder");
+    let (model, id) = source(&dir);
+    let path = path_for(&dir.join("cache").join("packs"), &model);
+    write(&path, id, &[("q+v".to_string(), k(stacked()))]).unwrap();
+    assert!(Mapped::open(&path, id)
+        .unwrap()
+        .matrix("q+v", (21, COLS))
+        .is_some());
+}
