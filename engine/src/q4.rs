@@ -208,9 +208,9 @@ impl Q41Matrix {
                     let groups = [self.group(g), self.group(g + 1)];
                     // SAFETY: `pair_kernel` found AVX2, FMA and 512-bit VNNI; both groups
                     // have as many blocks as the rows.
-                    unsafe { pair(groups, &q, &mut |y, vals| out.put(y, &vals)) };
+                    unsafe { pair(groups, &q, &mut |y, vals| out.put_lanes(y, &vals)) };
                 }
-                _ => dot_group(self.group(g), &q, |y, vals| out.put(y, &vals)),
+                _ => dot_group(self.group(g), &q, |y, vals| out.put_lanes(y, &vals)),
             },
             |r, out| {
                 let w = self.loose_row(r);

@@ -247,14 +247,18 @@ impl Q80Matrix {
                     let ((d0, q0), (d1, q1)) = (group_at(g), group_at(g + 1));
                     // SAFETY: `pair_kernel` found AVX-512 F, BW, VL and VNNI beside AVX2,
                     // FMA and F16C; both groups have a block for each of the rows' blocks.
-                    unsafe { pair([d0, d1], [q0, q1], &q, &mut |y, vals| out.put(y, &vals)) };
+                    unsafe {
+                        pair([d0, d1], [q0, q1], &q, &mut |y, vals| {
+                            out.put_lanes(y, &vals)
+                        })
+                    };
                 }
                 _ => {
                     let (d, qs) = group_at(g);
                     // SAFETY: `group_kernel` picked a kernel this CPU runs (AVX2, FMA and
                     // F16C asserted above); the group has a block for each of the rows'
                     // blocks.
-                    unsafe { group(d, qs, &q, &mut |y, vals| out.put(y, &vals)) };
+                    unsafe { group(d, qs, &q, &mut |y, vals| out.put_lanes(y, &vals)) };
                 }
             },
             |r, out| {

@@ -61,17 +61,31 @@ impl Columns<'_> {
         o.copy_from_slice(vals);
     }
 
-    /// Activation row `y`'s outputs from a whole group's: as many as these columns hold
-    /// (fewer than eight only in a matrix's last, padded group).
+    /// Activation row `y`'s `n` columns from the first, where these columns are that many
+    /// or more: for a kernel to store its outputs in place.
+    ///
+    /// # Safety
+    /// No other reference to these columns of row `y` lives while this one does.
+    #[allow(clippy::mut_from_ref)]
     #[inline]
-    pub(crate) fn put_group(&self, y: usize, vals: &[f32; GROUP]) {
-        if self.width < GROUP {
+    pub(crate) unsafe fn whole_row(&self, y: usize, n: usize) -> Option<&mut [f32]> {
+        // SAFETY: these columns belong to the one worker that got them; the caller holds
+        // no other reference to them.
+        (self.width >= n).then(|| unsafe { self.out.slice(y * self.rows + self.col, n) })
+    }
+
+    /// Activation row `y`'s outputs from a whole group's (or pair's) lanes: as many as
+    /// these columns hold (fewer only in a matrix's last, padded group).
+    #[inline]
+    pub(crate) fn put_lanes<const N: usize>(&self, y: usize, vals: &[f32; N]) {
+        if self.width < N {
             return self.put(y, &vals[..self.width]);
         }
         // SAFETY: these columns belong to the one worker that got this group.
-        let o = unsafe { self.out.slice(y * self.rows + self.col, GROUP) };
-        // A copy of a known length, which needs no call to `memmove`.
-        let o: &mut [f32; GROUP] = o.try_into().expect("a group's columns");
+        let o = unsafe { self.out.slice(y * self.rows + self.col, N) };
+        // A copy of a known length, which needs no call to `memmove` (once a group and
+        // activation row, that call was 5-6% of a profile of the 1.5B's batch-16 step).
+        let o: &mut [f32; N] = o.try_into().expect("a group's columns");
         *o = *vals;
     }
 }

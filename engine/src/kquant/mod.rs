@@ -352,7 +352,7 @@ impl KMatrix {
             let (format, blocks) = (m.groups[span.group].format, m.blocks(span.group));
             match path {
                 Path::Scalar => {
-                    scalar::group(format, blocks, q, &mut |y, vals| out.put_group(y, &vals))
+                    scalar::group(format, blocks, q, &mut |y, vals| out.put_lanes(y, &vals))
                 }
                 #[cfg(target_arch = "x86_64")]
                 Path::Vnni512 if span.groups == 2 => {
@@ -360,20 +360,16 @@ impl KMatrix {
                     // SAFETY: `Path::detect` found AVX2, FMA, F16C and AVX-512 F, BW, VL
                     // and VNNI on this CPU; both groups are of one part (`Layout::of`
                     // pairs no others), so of one format and length, whole blocks for
-                    // each super-block of a row of `q`.
-                    unsafe {
-                        x86::pair_kernel(format)(pair, q, &mut |y, vals| {
-                            out.put(y, &vals[..out.width()])
-                        })
-                    }
+                    // each super-block of a row of `q`; `out` is theirs alone.
+                    unsafe { x86::pair_kernel(format)(pair, q, out) }
                 }
                 #[cfg(target_arch = "x86_64")]
                 Path::Avx2 | Path::Vnni | Path::Vnni512 => {
                     let kernel = x86::kernel(format, path != Path::Avx2);
                     // SAFETY: `Path::detect` found AVX2, FMA and F16C (and VNNI for its
                     // kernel) on this CPU; `blocks` is the group's whole blocks, one for
-                    // each super-block of a row of `q`.
-                    unsafe { kernel(blocks, q, &mut |y, vals| out.put_group(y, &vals)) }
+                    // each super-block of a row of `q`; `out` is its alone.
+                    unsafe { kernel(blocks, q, out) }
                 }
                 #[cfg(not(target_arch = "x86_64"))]
                 Path::Avx2 | Path::Vnni | Path::Vnni512 => {

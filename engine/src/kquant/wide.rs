@@ -17,8 +17,8 @@ pub(super) trait Wide: Copy {
     type I: Copy;
     /// Float lanes.
     type F: Copy;
-    /// Each activation row's outputs, the first group's eight first.
-    type Out;
+    /// Float lanes in a register, the first group's eight first.
+    const LANES: usize;
 
     /// The same blocks `by` bytes on.
     fn add(self, by: usize) -> Self;
@@ -74,7 +74,11 @@ pub(super) trait Wide: Copy {
     unsafe fn fmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
     /// `c - a * b`, rounded once.
     unsafe fn fnmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
-    unsafe fn out(a: Self::F) -> Self::Out;
+    /// Stores `a` at `to`.
+    ///
+    /// # Safety
+    /// `to` holds [`Wide::LANES`] floats.
+    unsafe fn store(a: Self::F, to: &mut [f32]);
 }
 
 /// One group's blocks.
@@ -90,7 +94,7 @@ pub(super) struct Zmm(pub(super) [*const u8; 2]);
 impl Wide for Ymm {
     type I = __m256i;
     type F = __m256;
-    type Out = [f32; 8];
+    const LANES: usize = 8;
 
     #[inline(always)]
     fn add(self, by: usize) -> Self {
@@ -198,10 +202,8 @@ impl Wide for Ymm {
         _mm256_fnmadd_ps(a, b, c)
     }
     #[inline(always)]
-    unsafe fn out(a: __m256) -> [f32; 8] {
-        let mut out = [0f32; 8];
-        _mm256_storeu_ps(out.as_mut_ptr(), a);
-        out
+    unsafe fn store(a: __m256, to: &mut [f32]) {
+        _mm256_storeu_ps(to.as_mut_ptr(), a);
     }
 }
 
@@ -209,7 +211,7 @@ impl Wide for Ymm {
 impl Wide for Zmm {
     type I = __m512i;
     type F = __m512;
-    type Out = [f32; 16];
+    const LANES: usize = 16;
 
     #[inline(always)]
     fn add(self, by: usize) -> Self {
@@ -319,10 +321,8 @@ impl Wide for Zmm {
         _mm512_fnmadd_ps(a, b, c)
     }
     #[inline(always)]
-    unsafe fn out(a: __m512) -> [f32; 16] {
-        let mut out = [0f32; 16];
-        _mm512_storeu_ps(out.as_mut_ptr(), a);
-        out
+    unsafe fn store(a: __m512, to: &mut [f32]) {
+        _mm512_storeu_ps(to.as_mut_ptr(), a);
     }
 }
 
