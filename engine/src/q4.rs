@@ -196,9 +196,7 @@ impl Q41Matrix {
     /// `x Wᵀ` for `x` of `[n, cols]` (row-major): `[n, rows]`.
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
         let q: Vec<Q81Row> = x.chunks_exact(self.cols).map(Q81Row::quantize).collect();
-        // From a tile's rows up: one row reads the weights at the memory's speed, where
-        // 512-bit registers bought nothing for Q8_0.
-        let pair = pair_kernel().filter(|_| n >= TILE);
+        let pair = pair_kernel().filter(|_| n >= split::PAIRED_FROM_ROWS);
         split::by_runs_of_groups(
             self.rows,
             n,

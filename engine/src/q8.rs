@@ -235,9 +235,7 @@ impl Q80Matrix {
             (&d[span.clone()], &qs[span.start * QK..span.end * QK])
         };
         let group = avx2::group_kernel();
-        // One row reads the weights once, at the memory's speed, and went 10-15% slower
-        // on 512-bit registers (the 0.5B's batch-1 decode, and `product-bench`).
-        let pair = avx2::pair_kernel().filter(|_| n >= TILE);
+        let pair = avx2::pair_kernel().filter(|_| n >= split::PAIRED_FROM_ROWS);
         split::by_runs_of_groups(
             self.rows,
             n,

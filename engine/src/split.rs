@@ -38,6 +38,14 @@ impl<'a, T> SharedOut<'a, T> {
 /// Weight rows stored interleaved together by the kernels.
 pub(crate) const GROUP: usize = 8;
 
+/// Activation rows from which a product takes its groups two at a time, where the CPU
+/// runs a kernel for pairs of groups on 512-bit registers. One row reads each weight once,
+/// from memory, and ran slower on pairs: the 1.5B's batch-1 decode (Q4_K) 16-23 tokens/s
+/// against 28-31 (engine-bench, alternated); Q8_0 10-15% slower, in the 0.5B's batch-1
+/// decode and in `product-bench`, though there Q4_K's and Q6_K's pairs ran 1.1-1.3x faster
+/// at one row (it repeats one product on one matrix).
+pub(crate) const PAIRED_FROM_ROWS: usize = 4;
+
 /// Where one group's (or one loose row's) outputs go: its columns of each activation row.
 pub(crate) struct Columns<'a> {
     out: &'a SharedOut<'a>,

@@ -4,8 +4,8 @@
 //! ([`x86`] says how). The weights keep their own bits: eight rows' super-blocks are
 //! interleaved into one group block ([`format`]), which for Q6_K is exactly the file's
 //! bytes and for Q4_K and Q5_K 2-3% more (the six-bit scales unpacked). Each path (scalar,
-//! AVX2, VNNI, two groups at once on 512-bit registers) gives the same bits, and a row's outputs never depend on the rows batched
-//! beside it: PD gives colocated's tokens.
+//! AVX2, VNNI, two groups at once on 512-bit registers) gives the same bits, and a row's
+//! outputs never depend on the rows batched beside it: PD gives colocated's tokens.
 //!
 //! Projections of one input may be stacked into one matrix whatever their K-quant types
 //! (a Q4_K_M file's v is often Q6_K beside a Q4_K q and k): the input is quantized once,
@@ -101,20 +101,14 @@ impl Layout {
                     width: GROUP.min(part.rows - g * GROUP),
                 });
             }
-            for g in (0..groups).step_by(2) {
-                let span = layout.spans[first + g];
-                layout
-                    .pair_spans
-                    .push(match layout.spans.get(first + g + 1) {
-                        Some(next) if g + 1 < groups => GroupSpan {
-                            groups: 2,
-                            width: span.width + next.width,
-                            ..span
-                        },
-                        _ => span,
-                    });
+            for pair in layout.spans[first..].chunks(2) {
+                layout.pair_spans.push(GroupSpan {
+                    groups: pair.len(),
+                    width: pair.iter().map(|s| s.width).sum(),
+                    ..pair[0]
+                });
             }
-            layout.bytes += part.rows.div_ceil(GROUP) * group_len;
+            layout.bytes += groups * group_len;
             row += part.rows;
         }
         layout
@@ -140,22 +134,15 @@ enum Path {
     Scalar,
     Avx2,
     Vnni,
-    /// VNNI, with two groups at once on 512-bit registers for products of a whole tile of
-    /// activation rows or more.
+    /// VNNI, with two groups at once on 512-bit registers for products of
+    /// [`split::PAIRED_FROM_ROWS`] activation rows or more.
     Vnni512,
 }
 
 impl Path {
     /// Whether a product of `n` activation rows takes its groups two at a time.
     fn pairs(self, n: usize) -> bool {
-        // One row reads each weight once, from memory: the 1.5B's batch-1 decode ran at
-        // 16-23 tokens/s with pairs against 28-31 without (engine-bench, alternated),
-        // though `product-bench`, which repeats one product on one matrix, had pairs
-        // 1.1-1.3x faster at one row for Q4_K and Q6_K.
-        #[cfg(target_arch = "x86_64")]
-        return self == Self::Vnni512 && n >= x86::TILE;
-        #[cfg(not(target_arch = "x86_64"))]
-        return false;
+        self == Self::Vnni512 && n >= split::PAIRED_FROM_ROWS
     }
 
     fn detect() -> Self {

@@ -25,7 +25,7 @@ pub(super) type PairKernel = unsafe fn([&[u8]; 2], &[Q8KRow<'_>], &Columns<'_>);
 /// Activation rows that share one unpacked chunk: four on AVX2, whose sixteen registers
 /// hold a chunk's eight weight registers beside four rows' sums; eight with AVX-512 VL's
 /// 32 (at 16 and 512 rows, 1.1-1.3x four's GMAC/s for Q4_K and Q6_K in `product-bench`).
-pub(super) const TILE: usize = 4;
+const TILE: usize = 4;
 const VNNI_TILE: usize = 8;
 
 /// The group kernel for `format`, with VNNI's dot products or without.
