@@ -1,5 +1,6 @@
-//! Pack files: a GGUF model's K-quant and Q8_0 matrices (Q5_0 ones as the Q8_0 they become
-//! at load) as our kernels lay them out ([`crate::kquant::format`], [`crate::q8`]),
+//! Pack files: a GGUF model's K-quant, Q8_0 and Q4_1 matrices (Q5_0 ones as the Q8_0 they
+//! become at load) as our kernels lay them out ([`crate::kquant::format`], [`crate::q8`],
+//! [`crate::q4`]),
 //! written once beside nothing else and memory-mapped by every later load.
 //!
 //! The kernels read eight rows' blocks interleaved, not the file's rows, so the
@@ -26,14 +27,15 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::kquant::{KMatrix, PartShape};
+use crate::q4::Q41Matrix;
 use crate::q8::Q80Matrix;
 
 /// The first bytes of every pack.
 const MAGIC: &[u8; 8] = b"TANDEMPK";
 /// The version of the layouts a pack's bytes are in: raise it with any change to
 /// [`crate::kquant::format`] or [`Q80Matrix`]'s layout, so older packs are rebuilt rather
-/// than misread. 2: Q8_0 matrices.
-pub const LAYOUT_VERSION: u32 = 2;
+/// than misread. 2: Q8_0 matrices. 3: Q4_1 matrices.
+pub const LAYOUT_VERSION: u32 = 3;
 /// Where the data starts, and each matrix within it, is a multiple of this.
 const ALIGN: u64 = 4096;
 /// Bytes before the header: the magic, the layout version and the header's length.
@@ -107,6 +109,7 @@ struct Entry {
 enum Shape {
     KQuant { cols: usize, parts: Vec<PartShape> },
     Q8_0 { rows: usize, cols: usize },
+    Q4_1 { rows: usize, cols: usize },
 }
 
 /// A matrix a pack holds, in the layout its kernel reads.
@@ -114,6 +117,7 @@ enum Shape {
 pub enum PackedMatrix {
     K(Arc<KMatrix>),
     Q80(Arc<Q80Matrix>),
+    Q41(Arc<Q41Matrix>),
 }
 
 impl PackedMatrix {
@@ -127,6 +131,10 @@ impl PackedMatrix {
                 rows: m.rows(),
                 cols: m.cols(),
             },
+            Self::Q41(m) => Shape::Q4_1 {
+                rows: m.rows(),
+                cols: m.cols(),
+            },
         }
     }
 
@@ -135,6 +143,7 @@ impl PackedMatrix {
         match self {
             Self::K(m) => m.data(),
             Self::Q80(m) => m.data(),
+            Self::Q41(m) => m.data(),
         }
     }
 
@@ -143,6 +152,7 @@ impl PackedMatrix {
         match self {
             Self::K(m) => (m.rows(), m.cols()),
             Self::Q80(m) => (m.rows(), m.cols()),
+            Self::Q41(m) => (m.rows(), m.cols()),
         }
     }
 
@@ -151,6 +161,7 @@ impl PackedMatrix {
         match self {
             Self::K(m) => m.matmul(x, n),
             Self::Q80(m) => m.matmul(x, n),
+            Self::Q41(m) => m.matmul(x, n),
         }
     }
 }
@@ -224,6 +235,9 @@ impl Mapped {
             )),
             &Shape::Q8_0 { rows, cols } => {
                 PackedMatrix::Q80(Arc::new(Q80Matrix::from_packed(rows, cols, bytes).ok()?))
+            }
+            &Shape::Q4_1 { rows, cols } => {
+                PackedMatrix::Q41(Arc::new(Q41Matrix::from_packed(rows, cols, bytes).ok()?))
             }
         };
         (m.rows_cols() == rows_cols).then_some(m)

@@ -16,6 +16,7 @@
 //! where the CPU has VNNI on 512-bit registers, by pairs of groups side by side in one
 //! register (from four activation rows).
 
+use bytes::Bytes;
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]
@@ -26,6 +27,8 @@ use crate::split::{self, GROUP};
 
 /// Bytes of one Q4_1 block: `d` (f16), `m` (f16), 16 bytes of nibbles.
 const Q41_BYTES: usize = 20;
+/// Bytes a block takes in a [`Q41Matrix`]: its scale and minimum as f32, 16 of nibbles.
+const BLOCK_BYTES: usize = 4 + 4 + QK / 2;
 /// Activation rows that share one unpacked weight block.
 const TILE: usize = 4;
 /// Activation rows that share a pair of unpacked blocks on 512-bit registers, whose 32
@@ -38,13 +41,22 @@ const PAIR_TILE: usize = 8;
 /// scales (`d[(g * nb + b) * 8 + i]`, likewise `m`), then four runs of 32 bytes, run `k`
 /// holding bytes `4k .. 4k + 4` of each row's block in row order. The rows after them are
 /// stored one after another. Both parts sit at the offsets the plain layout would give them.
+/// Its bytes hold every scale, then every minimum, then the nibbles: its own bytes, or a
+/// region of a mapped pack file ([`crate::pack`]).
 #[derive(Debug)]
 pub struct Q41Matrix {
     rows: usize,
     cols: usize,
-    d: Vec<f32>,
-    m: Vec<f32>,
-    qs: Vec<u8>,
+    data: Bytes,
+}
+
+/// A matrix's bytes built at load, held as f32 so that its scales and minimums are aligned.
+struct Words(Vec<f32>);
+
+impl AsRef<[u8]> for Words {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
 }
 
 /// One block of 32 weights, each `d * q + m` for its nibble `q`: nibble `i` of the 32 is
@@ -136,9 +148,11 @@ impl Q41Matrix {
         let nb = cols / QK;
         let grouped = rows / GROUP * GROUP;
         let n = rows * nb;
-        let mut d = vec![0f32; n];
-        let mut m = vec![0f32; n];
-        let mut qs = vec![0u8; n * QK / 2];
+        // Scales, minimums, then 16 bytes of nibbles a block: four words.
+        let mut words = vec![0f32; 6 * n];
+        let (d, rest) = words.split_at_mut(n);
+        let (m, qs) = rest.split_at_mut(n);
+        let qs: &mut [u8] = bytemuck::cast_slice_mut(qs);
         for (i, blk) in blocks.enumerate() {
             let (r, b) = (i / nb, i % nb);
             let at = if r < grouped {
@@ -159,15 +173,62 @@ impl Q41Matrix {
         Self {
             rows,
             cols,
-            d,
-            m,
-            qs,
+            data: Bytes::from_owner(Words(words)),
         }
+    }
+
+    /// A `[rows, cols]` matrix whose bytes are `data`, as [`Q41Matrix::data`] gave them:
+    /// refused unless `data` is exactly that many bytes, its scales and minimums aligned.
+    pub(crate) fn from_packed(rows: usize, cols: usize, data: Bytes) -> Result<Self> {
+        let m = Self { rows, cols, data };
+        let whole = cols > 0 && cols.is_multiple_of(QK);
+        let len = rows.checked_mul(cols / QK * BLOCK_BYTES);
+        if !whole
+            || len != Some(m.data.len())
+            || bytemuck::try_cast_slice::<u8, f32>(m.word_bytes()).is_err()
+        {
+            return Err(EngineError::InvalidInput(format!(
+                "a packed Q4_1 matrix of {} bytes for [{rows}, {cols}]",
+                m.data.len()
+            )));
+        }
+        Ok(m)
+    }
+
+    /// Its bytes, as [`Q41Matrix::from_packed`] takes them.
+    pub(crate) fn data(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// Rows of the matrix.
+    pub(crate) fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Values in a row of activations.
+    pub(crate) fn cols(&self) -> usize {
+        self.cols
     }
 
     /// Bytes of weight data read per product.
     pub fn bytes(&self) -> usize {
-        self.qs.len() + 4 * (self.d.len() + self.m.len())
+        self.data.len()
+    }
+
+    /// The scales' and minimums' bytes.
+    fn word_bytes(&self) -> &[u8] {
+        &self.data[..8 * self.rows * self.blocks()]
+    }
+
+    /// Every block's scale, then every block's minimum, in the layout's order.
+    fn d_m(&self) -> (&[f32], &[f32]) {
+        let words: &[f32] = bytemuck::cast_slice(self.word_bytes());
+        words.split_at(words.len() / 2)
+    }
+
+    /// Every block's nibbles, in the layout's order.
+    fn qs(&self) -> &[u8] {
+        &self.data[8 * self.rows * self.blocks()..]
     }
 
     fn blocks(&self) -> usize {
@@ -176,20 +237,22 @@ impl Q41Matrix {
 
     fn group(&self, g: usize) -> WGroup<'_> {
         let n = self.blocks() * GROUP;
+        let (d, m) = self.d_m();
         WGroup {
-            d: &self.d[g * n..(g + 1) * n],
-            m: &self.m[g * n..(g + 1) * n],
-            qs: &self.qs[g * n * QK / 2..(g + 1) * n * QK / 2],
+            d: &d[g * n..(g + 1) * n],
+            m: &m[g * n..(g + 1) * n],
+            qs: &self.qs()[g * n * QK / 2..(g + 1) * n * QK / 2],
         }
     }
 
     /// A row after the groups.
     fn loose_row(&self, r: usize) -> WRow<'_> {
         let nb = self.blocks();
+        let (d, m) = self.d_m();
         WRow {
-            d: &self.d[r * nb..(r + 1) * nb],
-            m: &self.m[r * nb..(r + 1) * nb],
-            qs: &self.qs[r * nb * QK / 2..(r + 1) * nb * QK / 2],
+            d: &d[r * nb..(r + 1) * nb],
+            m: &m[r * nb..(r + 1) * nb],
+            qs: &self.qs()[r * nb * QK / 2..(r + 1) * nb * QK / 2],
         }
     }
 

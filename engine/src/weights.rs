@@ -45,6 +45,7 @@ impl From<PackedMatrix> for Weight {
         match m {
             PackedMatrix::K(m) => Self::K(m),
             PackedMatrix::Q80(m) => Self::Q80(m),
+            PackedMatrix::Q41(m) => Self::Q41(m),
         }
     }
 }

@@ -5,6 +5,7 @@ use candle_core::{Device, Tensor};
 
 use super::*;
 use crate::kquant::{KFormat, KPart};
+use crate::q4::Q41Matrix;
 use crate::q8::Q80Matrix;
 
 const COLS: usize = 512;
@@ -68,11 +69,13 @@ fn a_mapped_matrix_multiplies_as_the_repacked_one() {
     let down = KMatrix::from_ggml(KFormat::Q5K, &ggml(3, GgmlDType::Q5K), 3, COLS).unwrap();
     // Eleven rows: a group of eight and three loose rows after it.
     let head = Q80Matrix::from_ggml(&ggml(11, GgmlDType::Q8_0), 11, COLS).unwrap();
+    let gate = Q41Matrix::from_ggml(ggml(11, GgmlDType::Q4_1), 11, COLS).unwrap();
     let path = path_for(&dir, &model);
     let matrices = [
         ("q+v".to_string(), k(stacked())),
         ("down".into(), k(down)),
         ("head".into(), PackedMatrix::Q80(Arc::new(head))),
+        ("gate".into(), PackedMatrix::Q41(Arc::new(gate))),
     ];
     write(&path, id, &matrices).unwrap();
     let mapped = Mapped::open(&path, id).unwrap();
@@ -87,6 +90,10 @@ fn a_mapped_matrix_multiplies_as_the_repacked_one() {
     assert!(
         mapped.matrix("head", (12, COLS)).is_none(),
         "a Q8_0 shape the loader does not expect"
+    );
+    assert!(
+        mapped.matrix("gate", (11, COLS + 32)).is_none(),
+        "a Q4_1 shape the loader does not expect"
     );
     assert!(
         mapped.matrix("q+v", (20, COLS)).is_none(),

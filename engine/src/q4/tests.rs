@@ -110,3 +110,24 @@ fn refuses_data_of_the_wrong_size() {
     assert!(Q41Matrix::from_ggml(vec![0; 19], 1, 32).is_err());
     assert!(Q41Matrix::from_ggml(vec![0; 20], 1, 31).is_err());
 }
+
+#[test]
+fn a_packed_matrix_is_taken_only_for_its_own_bytes_with_its_scales_aligned() {
+    let (rows, cols) = (11, 64);
+    let w = Tensor::from_vec(data(rows * cols, 9), (rows, cols), &Device::Cpu).unwrap();
+    let q = QTensor::quantize(&w, GgmlDType::Q4_1).unwrap();
+    let m = Q41Matrix::from_ggml(q.data().unwrap().to_vec(), rows, cols).unwrap();
+    let x = data(3 * cols, 4);
+    let again = Q41Matrix::from_packed(rows, cols, m.data.clone()).unwrap();
+    assert_eq!(again.matmul(&x, 3), m.matmul(&x, 3));
+    assert!(Q41Matrix::from_packed(rows + 1, cols, m.data.clone()).is_err());
+    assert!(Q41Matrix::from_packed(rows, cols - 32, m.data.clone()).is_err());
+    assert!(Q41Matrix::from_packed(0, 0, bytes::Bytes::new()).is_err());
+    // The same bytes one byte into an aligned buffer: scales that cannot be read as f32
+    // in place.
+    let len = m.data().len();
+    let mut buf = vec![0f32; len / 4 + 1];
+    bytemuck::cast_slice_mut::<f32, u8>(&mut buf)[1..=len].copy_from_slice(m.data());
+    let shifted = bytes::Bytes::from_owner(Words(buf)).slice(1..=len);
+    assert!(Q41Matrix::from_packed(rows, cols, shifted).is_err());
+}

@@ -1,7 +1,8 @@
-//! A GGUF load's K-quant and Q8_0 matrices mapped from a pack ([`crate::pack`]) where it has them,
-//! and a pack written for the next load where it did not. Each matrix goes under the names
-//! of the tensors it was made from (`+` between stacked ones, `[e]` for expert `e` of a
-//! mixture's tensor), so a load that finds it there reads none of those tensors.
+//! A GGUF load's K-quant, Q8_0 and Q4_1 matrices mapped from a pack ([`crate::pack`]) where
+//! it has them, and a pack written for the next load where it did not. Each matrix goes
+//! under the names of the tensors it was made from (`+` between stacked ones, `[e]` for
+//! expert `e` of a mixture's tensor), so a load that finds it there reads none of those
+//! tensors.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -99,8 +100,8 @@ pub(crate) struct ExpertWeights {
 }
 
 impl WeightSource {
-    /// Maps the K-quant and Q8_0 matrices of this GGUF file from its pack in `dir` where the pack
-    /// has them, and has [`WeightSource::finish_pack`] write one where it does not.
+    /// Maps our kernels' matrices of this GGUF file from its pack in `dir` where the pack has
+    /// them, and has [`WeightSource::finish_pack`] write one where it does not.
     pub fn use_pack(&mut self, dir: &Path) -> Result<()> {
         if let Self::Gguf { path, pack, .. } = self {
             *pack = Some(Box::new(PackSession::open(dir, path)?));
@@ -156,7 +157,8 @@ impl WeightSource {
         let matrix = match weight {
             Weight::K(m) => PackedMatrix::K(Arc::clone(m)),
             Weight::Q80(m) => PackedMatrix::Q80(Arc::clone(m)),
-            Weight::Candle(_) | Weight::Q41(_) => return,
+            Weight::Q41(m) => PackedMatrix::Q41(Arc::clone(m)),
+            Weight::Candle(_) => return,
         };
         if let Self::Gguf { pack: Some(s), .. } = self {
             s.matrices.push((key, matrix));
@@ -271,13 +273,15 @@ mod tests {
     ];
     const Q: &str = "blk.0.attn_q.weight";
     const K: &str = "blk.0.attn_k.weight";
+    const O: &str = "blk.0.attn_output.weight";
 
     fn quantized(dims: &[usize], dtype: GgmlDType) -> QTensor {
         let w = Tensor::randn(0f32, 1.0, dims, &Device::Cpu).unwrap();
         QTensor::quantize(&w, dtype).unwrap()
     }
 
-    /// A GGUF file of one layer's experts (gate and up Q4_K, down Q6_K) and a q and k.
+    /// A GGUF file of one layer's experts (gate and up Q4_K, down Q6_K), a q and k, and an
+    /// output projection in Q4_1.
     fn write_gguf(path: &Path) {
         let tensors = [
             (NAMES[0], quantized(&[EXPERTS, INTER, H], GgmlDType::Q4K)),
@@ -285,20 +289,22 @@ mod tests {
             (NAMES[2], quantized(&[EXPERTS, H, INTER], GgmlDType::Q6K)),
             (Q, quantized(&[H, H], GgmlDType::Q4K)),
             (K, quantized(&[16, H], GgmlDType::Q6K)),
+            (O, quantized(&[H, H], GgmlDType::Q4_1)),
         ];
         let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
         let mut file = std::fs::File::create(path).unwrap();
         gguf_file::write(&mut file, &[], &refs).unwrap();
     }
 
-    /// Each expert's gate/up outputs for the rows `x` and down outputs for `wide`, and q
-    /// and k's for `x`.
+    /// Each expert's gate/up outputs for the rows `x` and down outputs for `wide`, and q,
+    /// k's and o's for `x`.
     fn outputs(src: &mut WeightSource, x: &Tensor, wide: &Tensor) -> Vec<Vec<u32>> {
         let dev = Device::Cpu;
         let experts = src.gguf_experts(NAMES, EXPERTS, (INTER, H), &dev).unwrap();
         let stacked = src
             .stacked(&[(Q, None, H), (K, None, 16)], H, &dev)
             .unwrap();
+        let o = src.linear(O, None, (H, H), &dev).unwrap();
         let mut all = Vec::new();
         let mut push = |t: &Tensor| {
             let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
@@ -309,11 +315,12 @@ mod tests {
             push(&w.down.forward(wide).unwrap());
         }
         stacked.forward(x).unwrap().iter().for_each(&mut push);
+        push(&o.forward(x).unwrap());
         all
     }
 
     #[test]
-    fn experts_and_stacked_projections_come_from_the_pack_as_they_were_built() {
+    fn experts_stacked_projections_and_q4_1_come_from_the_pack_as_they_were_built() {
         let dir = std::env::temp_dir().join(format!("tandem-packed-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -334,11 +341,11 @@ mod tests {
         assert!(none.is_none());
         let (first, report) = run(true);
         let report = report.unwrap();
-        assert_eq!((report.mapped, report.built), (0, 2 * EXPERTS + 1));
+        assert_eq!((report.mapped, report.built), (0, 2 * EXPERTS + 2));
         assert!(report.refused.is_none() && report.unwritten.is_none());
         let (second, report) = run(true);
         let report = report.unwrap();
-        assert_eq!((report.mapped, report.built), (2 * EXPERTS + 1, 0));
+        assert_eq!((report.mapped, report.built), (2 * EXPERTS + 2, 0));
         assert_eq!(first, plain);
         assert_eq!(second, plain);
     }

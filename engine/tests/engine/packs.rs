@@ -1,5 +1,5 @@
-//! A model whose K-quant and Q8_0 matrices are mapped from a pack computes the bits of one
-//! repacked at load, and a pack that no longer matches its model file, or is damaged, is
+//! A model whose K-quant, Q8_0 and Q4_1 matrices are mapped from a pack computes the bits of
+//! one repacked at load, and a pack that no longer matches its model file, or is damaged, is
 //! rebuilt.
 
 use std::path::{Path, PathBuf};
@@ -65,11 +65,13 @@ fn packed_twice(fixture: &str, name: &str) -> (PathBuf, PathBuf, Vec<u32>, usize
 }
 
 #[test]
-fn q8_0_and_q5_0_matrices_and_q8_0_experts_come_from_the_pack_as_they_were_built() {
+fn q8_0_q5_0_and_q4_1_matrices_and_experts_come_from_the_pack_as_they_were_built() {
     for (fixture, name) in [
         ("gguf/tiny-qwen3_wide-q8_0.gguf", "q8_0"),
         ("gguf/tiny-qwen3_wide-q5_0.gguf", "q5_0"),
         ("gguf/tiny-qwen3_moe-q8_0.gguf", "moe-q8_0"),
+        ("gguf/tiny-qwen3-q4_1.gguf", "q4_1"),
+        ("gguf/tiny-mixtral-q4_1.gguf", "mixtral-q4_1"),
     ] {
         packed_twice(fixture, name);
     }
