@@ -44,8 +44,6 @@ pub struct TensorHeader {
     pub dims: usize,
     /// GGUF's block type; `None` for safetensors.
     pub ggml: Option<GgmlDType>,
-    /// Whether the file stores it as f32.
-    pub f32: bool,
 }
 
 /// The most memory loading a model's weights takes at once: what the loader holds once it
@@ -86,8 +84,9 @@ pub fn expert_transient_bytes(tensors: &[TensorHeader]) -> u64 {
 
 /// The memory a model's weights take once loaded, from its tensors' headers, as
 /// `crate::weights` holds them:
-/// - a Hugging Face folder is read whole, then every tensor converted to f32 beside it (an
-///   f32 tensor is kept as read), the files' copies dropped once the model is built;
+/// - a Hugging Face folder's files are mapped, and each tensor converted to f32 from the
+///   mapping (an f32 tensor copied from it): the mapped pages are page cache, which the
+///   kernel may drop, so only the f32 tensors count;
 /// - a GGUF file is read a tensor at a time: vectors dequantized to f32; the embedding
 ///   table as stored (a step dequantizes the rows it gathers); Q4_1 matrices in our
 ///   kernel's form (f32 scales and minimums, 24 bytes a block of 32 against the file's 20);
@@ -100,13 +99,7 @@ pub fn expert_transient_bytes(tensors: &[TensorHeader]) -> u64 {
 /// The rotation tables and the activations of a step come on top, small beside these.
 pub fn held_weight_bytes(tensors: &[TensorHeader], gguf: bool) -> u64 {
     if !gguf {
-        let stored: u64 = tensors.iter().map(|t| t.stored).sum();
-        let converted: u64 = tensors
-            .iter()
-            .filter(|t| !t.f32)
-            .map(|t| 4 * t.elements)
-            .sum();
-        return stored + converted;
+        return tensors.iter().map(|t| 4 * t.elements).sum();
     }
     let tied = !tensors.iter().any(|t| t.name == "output.weight");
     tensors
@@ -161,7 +154,6 @@ pub fn gguf_headers(content: &gguf_file::Content) -> Vec<TensorHeader> {
                 stored: elements / dtype.block_size() as u64 * dtype.type_size() as u64,
                 dims: info.shape.rank(),
                 ggml: Some(dtype),
-                f32: dtype == GgmlDType::F32,
             }
         })
         .collect()
@@ -170,7 +162,6 @@ pub fn gguf_headers(content: &gguf_file::Content) -> Vec<TensorHeader> {
 /// One entry of a safetensors header.
 #[derive(Deserialize)]
 struct Entry {
-    dtype: String,
     shape: Vec<u64>,
     data_offsets: [u64; 2],
 }
@@ -186,7 +177,6 @@ fn safetensors_headers(dir: &Path) -> Result<Vec<TensorHeader>> {
                 stored: e.data_offsets[1].saturating_sub(e.data_offsets[0]),
                 dims: e.shape.len(),
                 ggml: None,
-                f32: e.dtype == "F32",
             });
         }
     }

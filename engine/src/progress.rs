@@ -5,18 +5,15 @@ use std::fmt;
 /// One step of loading a model's weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LoadStep {
-    /// `done` of a Hugging Face folder's `files` safetensors files read.
-    FileRead { done: usize, files: usize },
     /// `done` of the model's `layers` layers built (read from a GGUF file, or converted).
     LayerBuilt { done: usize, layers: usize },
 }
 
 impl LoadStep {
-    /// Whether the step is worth a log line: every file, and the layers at each tenth of
-    /// the way and the last, so that a model of any depth logs about ten lines.
+    /// Whether the step is worth a log line: the layers at each tenth of the way and the
+    /// last, so that a model of any depth logs about ten lines.
     pub fn worth_reporting(&self) -> bool {
         match *self {
-            Self::FileRead { .. } => true,
             Self::LayerBuilt { done, layers } => {
                 done == layers || done * 10 / layers != (done - 1) * 10 / layers
             }
@@ -35,7 +32,6 @@ pub fn log(step: LoadStep) {
 impl fmt::Display for LoadStep {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::FileRead { done, files } => write!(f, "read weight file {done} of {files}"),
             Self::LayerBuilt { done, layers } => write!(f, "built layer {done} of {layers}"),
         }
     }
@@ -55,7 +51,6 @@ mod tests {
     fn layers_are_reported_at_each_tenth_and_the_last() {
         assert_eq!(reported(32), [4, 7, 10, 13, 16, 20, 23, 26, 29, 32]);
         assert_eq!(reported(3), [1, 2, 3]);
-        assert!(LoadStep::FileRead { done: 1, files: 4 }.worth_reporting());
         let step = LoadStep::LayerBuilt {
             done: 4,
             layers: 32,

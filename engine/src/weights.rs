@@ -11,14 +11,16 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};
+use candle_core::safetensors::{Load, MmapedSafetensors};
 use candle_core::{DType, Device, Module, Tensor};
+use half::{bf16, f16};
+use safetensors::tensor::TensorView;
 use serde::Deserialize;
 
 use crate::embedding::Embedding;
 use crate::error::{EngineError, Result};
 use crate::kquant::KMatrix;
 use crate::pack::PackedMatrix;
-use crate::progress::LoadStep;
 use crate::q4::Q41Matrix;
 use crate::q8::Q80Matrix;
 
@@ -189,7 +191,9 @@ pub(crate) fn with_f32_rows<T>(xs: &Tensor, f: impl FnOnce(&[f32]) -> T) -> Resu
 pub enum WeightSource {
     SafeTensors {
         path: PathBuf,
-        tensors: HashMap<String, Tensor>,
+        /// The folder's files, mapped: each tensor is converted to f32 from its pages
+        /// when the model reads it, so no other copy of the file is ever held.
+        files: MmapedSafetensors,
         read: HashSet<String>,
     },
     Gguf {
@@ -240,28 +244,43 @@ pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(shards.into_iter().map(|s| dir.join(s)).collect())
 }
 
+/// A safetensors tensor as f32, converted from its bytes where they lie: bf16 and f16
+/// widened value by value (exact, as candle's `to_dtype` widens them), with no copy in the
+/// stored type between.
+fn widened(view: &TensorView<'_>, device: &Device) -> candle_core::Result<Tensor> {
+    let widen = |to_f32: fn([u8; 2]) -> f32| -> Vec<f32> {
+        let pairs = view.data().chunks_exact(2);
+        pairs.map(|b| to_f32([b[0], b[1]])).collect()
+    };
+    match DType::try_from(view.dtype())? {
+        DType::BF16 => Tensor::from_vec(
+            widen(|b| bf16::from_le_bytes(b).to_f32()),
+            view.shape(),
+            device,
+        ),
+        DType::F16 => Tensor::from_vec(
+            widen(|b| f16::from_le_bytes(b).to_f32()),
+            view.shape(),
+            device,
+        ),
+        _ => view.load(device)?.to_dtype(DType::F32),
+    }
+}
+
 impl WeightSource {
-    /// Loads `model.safetensors` or the shards named by `model.safetensors.index.json`,
-    /// calling `report` after each file.
-    pub fn open_hf_folder(
-        dir: &Path,
-        device: &Device,
-        report: &mut dyn FnMut(LoadStep),
-    ) -> Result<Self> {
-        let mut tensors = HashMap::new();
-        let files = safetensors_files(dir)?;
-        for (i, file) in files.iter().enumerate() {
-            let loaded = candle_core::safetensors::load(file, device)
-                .map_err(|e| EngineError::invalid_model(file, e.to_string()))?;
-            tensors.extend(loaded);
-            report(LoadStep::FileRead {
-                done: i + 1,
-                files: files.len(),
-            });
-        }
+    /// Maps `model.safetensors` or the shards named by `model.safetensors.index.json`;
+    /// tensors are read by name.
+    pub fn open_hf_folder(dir: &Path) -> Result<Self> {
+        let paths = safetensors_files(dir)?;
+        // SAFETY: the mapping is undefined behaviour if a file changes while mapped. A
+        // model's files are not written while a node loads them (one replaced by renaming
+        // another over it leaves this mapping as it was), and the mapping is dropped once
+        // the model is built.
+        let files = unsafe { MmapedSafetensors::multi(&paths) }
+            .map_err(|e| EngineError::invalid_model(dir, e.to_string()))?;
         Ok(Self::SafeTensors {
             path: dir.to_path_buf(),
-            tensors,
+            files,
             read: HashSet::new(),
         })
     }
@@ -302,20 +321,17 @@ impl WeightSource {
     }
 
     /// The tensors of the file that nothing has read, by name.
-    pub fn unread(&self) -> Vec<&str> {
-        let mut names: Vec<&str> = match self {
-            Self::SafeTensors { tensors, read, .. } => tensors
-                .keys()
-                .filter(|n| !read.contains(*n))
-                .map(String::as_str)
-                .collect(),
-            Self::Gguf { content, read, .. } => content
-                .tensor_infos
-                .keys()
-                .filter(|n| !read.contains(*n))
-                .map(String::as_str)
-                .collect(),
+    pub fn unread(&self) -> Vec<String> {
+        let all: Vec<String> = match self {
+            Self::SafeTensors { files, .. } => {
+                files.tensors().into_iter().map(|(name, _)| name).collect()
+            }
+            Self::Gguf { content, .. } => content.tensor_infos.keys().cloned().collect(),
         };
+        let read = match self {
+            Self::SafeTensors { read, .. } | Self::Gguf { read, .. } => read,
+        };
+        let mut names: Vec<String> = all.into_iter().filter(|n| !read.contains(n)).collect();
         names.sort_unstable();
         names
     }
@@ -323,7 +339,7 @@ impl WeightSource {
     /// Whether a tensor of that name exists.
     pub fn contains(&self, name: &str) -> bool {
         match self {
-            Self::SafeTensors { tensors, .. } => tensors.contains_key(name),
+            Self::SafeTensors { files, .. } => files.get(name).is_ok(),
             Self::Gguf { content, .. } => content.tensor_infos.contains_key(name),
         }
     }
@@ -349,16 +365,13 @@ impl WeightSource {
     /// A tensor converted to f32, whatever its stored type.
     pub fn dense(&mut self, name: &str, device: &Device) -> Result<Tensor> {
         match self {
-            Self::SafeTensors {
-                path,
-                tensors,
-                read,
-            } => {
+            Self::SafeTensors { path, files, read } => {
                 read.insert(name.to_string());
-                let t = tensors.get(name).ok_or_else(|| {
+                let view = files.get(name).map_err(|_| {
                     EngineError::invalid_model(path.as_path(), format!("missing tensor {name}"))
                 })?;
-                Ok(t.to_dtype(DType::F32)?)
+                widened(&view, device)
+                    .map_err(|e| EngineError::invalid_model(path.as_path(), format!("{name}: {e}")))
             }
             Self::Gguf { .. } => Ok(self.qtensor(name, device)?.dequantize(device)?),
         }
@@ -510,6 +523,66 @@ impl WeightSource {
         match name {
             Some(b) if self.contains(b) => Ok(Some(self.dense_shaped(b, &[rows], device)?)),
             _ => Ok(None),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use safetensors::Dtype;
+
+    use super::*;
+
+    /// Values with the edges of each type: zeros of both signs, the smallest subnormals,
+    /// infinities, a NaN, the largest finite values.
+    fn values() -> Vec<f32> {
+        let edges = [
+            0.0,
+            -0.0,
+            1e-40,
+            -6e-8,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+        ];
+        let mut v: Vec<f32> = edges.into();
+        v.extend([65504.0, -3.3e38, 1.0, -2.5, 0.1]);
+        v.extend((0..52).map(|i| (i as f32 - 26.0) * 0.37));
+        v
+    }
+
+    #[test]
+    fn a_widened_tensor_has_the_bits_candle_converts_it_to() {
+        let dev = Device::Cpu;
+        let xs = values();
+        let stored: [(Dtype, Vec<u8>); 3] = [
+            (
+                Dtype::BF16,
+                xs.iter()
+                    .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+                    .collect(),
+            ),
+            (
+                Dtype::F16,
+                xs.iter()
+                    .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+                    .collect(),
+            ),
+            (
+                Dtype::F32,
+                xs.iter().flat_map(|&x| x.to_le_bytes()).collect(),
+            ),
+        ];
+        for (dtype, bytes) in stored {
+            let view = TensorView::new(dtype, vec![8, 8], &bytes).unwrap();
+            let ours = widened(&view, &dev).unwrap();
+            let candle = view.load(&dev).unwrap().to_dtype(DType::F32).unwrap();
+            assert_eq!(ours.dims(), [8, 8]);
+            let bits = |t: &Tensor| -> Vec<u32> {
+                let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+                v.iter().map(|x| x.to_bits()).collect()
+            };
+            assert_eq!(bits(&ours), bits(&candle), "{dtype:?}");
         }
     }
 }

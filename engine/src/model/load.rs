@@ -144,7 +144,7 @@ impl Model {
         Self::load_reporting(path, cfg, device, &mut |_| {})
     }
 
-    /// [`Model::load_with`], calling `report` after each file read and each layer built.
+    /// [`Model::load_with`], calling `report` after each layer built.
     pub fn load_reporting(
         path: &Path,
         cfg: ModelConfig,
@@ -152,7 +152,7 @@ impl Model {
         report: &mut dyn FnMut(LoadStep),
     ) -> Result<Self> {
         let mut src = if path.is_dir() {
-            WeightSource::open_hf_folder(path, device, report)?
+            WeightSource::open_hf_folder(path)?
         } else {
             WeightSource::open_gguf(path)?
         };
@@ -395,19 +395,14 @@ pub(super) fn mlp(
 /// saved (the engine computes them from the config), and the output head of a model whose
 /// config ties it to the embeddings.
 fn refuse_unread(cfg: &ModelConfig, src: &WeightSource, names: &Names) -> Result<()> {
-    let skipped = |n: &&str| {
-        n.ends_with(".rotary_emb.inv_freq") || (cfg.tie_word_embeddings && *n == names.lm_head)
+    let skipped = |n: &String| {
+        n.ends_with(".rotary_emb.inv_freq") || (cfg.tie_word_embeddings && n == names.lm_head)
     };
-    let unread: Vec<&str> = src.unread().into_iter().filter(|n| !skipped(n)).collect();
+    let unread: Vec<String> = src.unread().into_iter().filter(|n| !skipped(n)).collect();
     if unread.is_empty() {
         return Ok(());
     }
-    let shown = unread
-        .iter()
-        .take(5)
-        .copied()
-        .collect::<Vec<_>>()
-        .join(", ");
+    let shown = unread[..unread.len().min(5)].join(", ");
     Err(EngineError::invalid_model(
         src.path(),
         format!(
