@@ -42,6 +42,9 @@ fn main() -> anyhow::Result<()> {
     // As the workers do: without it candle re-reads /proc/cpuinfo for every small matmul
     // (each attention product), which cost about a tenth of a batch-16 step.
     runtime::fit_compute_threads();
+    // As the workers do: prompts' activations are blocks of tens of MB, which glibc
+    // would map and unmap at every product.
+    runtime::hold_freed_memory();
     let cfg = Config::parse();
     let device = candle_core::Device::Cpu;
     let started = std::time::Instant::now();

@@ -25,24 +25,6 @@ pub use runtime::ServeError;
 /// KV data-plane connections accepted and not yet given a task.
 const KV_BACKLOG: usize = 128;
 
-/// Keeps the memory the node frees for its next KV caches: one malloc arena, trimmed only
-/// past 2 GiB free, and blocks up to 32 MiB (a layer of a long cache) from that arena
-/// rather than fresh mappings. By default glibc gives a thread arena's 64 MiB heaps back
-/// to the kernel as soon as a large cache in them is freed, and the next cache pays a page
-/// fault per 4 KiB (bench/README.md, figure 3). The node's resident memory so stays near
-/// its peak, as with an inference server that reserves its KV budget up front. Call it
-/// before any other thread starts: threads that already have an arena keep it.
-pub fn hold_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets allocator parameters; no allocation is in flight on
-    // another thread yet.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 1);
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-    }
-}
-
 /// The node's KV memory from its flags: `--kv-blocks`, else as many as `--kv-cache-mb`
 /// holds.
 fn kv_budget(cfg: &Config, layout: &engine::KvLayout, max_positions: usize) -> budget::KvBudget {

@@ -3,7 +3,7 @@ use decode_node::Config;
 
 fn main() -> anyhow::Result<()> {
     runtime::cpu::require_cpu_features();
-    decode_node::hold_freed_memory();
+    runtime::hold_freed_memory();
     runtime::fit_compute_threads();
     let mut cfg = Config::parse();
     let _traces = runtime::init_tracing(&cfg.log, "tandem-decode")?;

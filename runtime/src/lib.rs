@@ -5,6 +5,7 @@
 pub mod channel;
 pub mod cpu;
 pub mod http;
+pub mod memory;
 pub mod ops;
 pub mod otel;
 pub mod process;
@@ -14,6 +15,7 @@ pub mod turns;
 pub mod worker;
 
 pub use channel::{Channel, ChannelError};
+pub use memory::hold_freed_memory;
 pub use sniff::{SideProtocol, Sniffed};
 pub use turns::{TurnError, Turns};
 pub use worker::{serve_node, ClusterArgs, EtcdArgs, Gate, KubeArgs, Node, Pass, Served, Tracked};

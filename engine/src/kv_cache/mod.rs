@@ -71,10 +71,10 @@ impl KvLayout {
     }
 
     /// Memory a cache of `positions` takes from the allocator: each layer's K and V are one
-    /// allocation each, which costs its bytes, the allocator's header, rounded up to whole
-    /// pages (large ones are mapped pages of their own; a decode node makes every cache
-    /// one: `decode_node::hold_freed_memory`). A budget counted in this unit counts
-    /// resident memory.
+    /// allocation each, which costs its bytes and the allocator's header, rounded up to
+    /// whole pages, as a block mapped on its own takes them (a node takes every block from
+    /// its arena instead, `runtime::hold_freed_memory`, which takes no more). A budget
+    /// counted in this unit counts resident memory.
     pub fn resident_bytes(&self, positions: usize) -> usize {
         let one = positions
             .saturating_mul(self.bytes_per_token_layer())
