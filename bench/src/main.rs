@@ -54,6 +54,8 @@ fn main() -> anyhow::Result<()> {
     };
     let loaded = engine::load_reporting(&cfg.model, &device, &options, &mut |_| {})
         .with_context(|| format!("loading {}", cfg.model.display()))?;
+    // As the nodes do once their model has loaded.
+    runtime::return_freed_memory();
     let load_s = started.elapsed().as_secs_f64();
     let model = loaded.model;
     // Before any step: the weights as loaded, against the bytes on disk; the part of it

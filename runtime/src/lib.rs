@@ -15,7 +15,7 @@ pub mod turns;
 pub mod worker;
 
 pub use channel::{Channel, ChannelError};
-pub use memory::hold_freed_memory;
+pub use memory::{hold_freed_memory, return_freed_memory};
 pub use sniff::{SideProtocol, Sniffed};
 pub use turns::{TurnError, Turns};
 pub use worker::{serve_node, ClusterArgs, EtcdArgs, Gate, KubeArgs, Node, Pass, Served, Tracked};
@@ -263,8 +263,9 @@ pub fn with_request_id<T>(id: &str, msg: T) -> tonic::Request<T> {
     r
 }
 
-/// Runs a model's loading on the blocking pool, off the async threads. Plumbing knows no
-/// model: the node passes the call that loads its own.
+/// Runs a model's loading on the blocking pool, off the async threads, and gives the
+/// load's transient memory back after it ([`memory::return_freed_memory`]). Plumbing knows
+/// no model: the node passes the call that loads its own.
 pub async fn load_model<M, E>(
     load: impl FnOnce() -> Result<M, E> + Send + 'static,
 ) -> Result<M, ServeError>
@@ -272,7 +273,12 @@ where
     M: Send + 'static,
     E: std::error::Error + Send + Sync + 'static,
 {
-    tokio::task::spawn_blocking(load)
+    let load_and_return = move || {
+        let loaded = load();
+        memory::return_freed_memory();
+        loaded
+    };
+    tokio::task::spawn_blocking(load_and_return)
         .await
         .expect("model loading does not panic")
         .map_err(|e| ServeError::Model(Box::new(e)))

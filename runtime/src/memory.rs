@@ -25,3 +25,17 @@ pub fn hold_freed_memory() {
         libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
     }
 }
+
+/// Gives the kernel back the free memory the allocator holds: once, after the model has
+/// loaded, when what is free is the load's own transient blocks (a tensor's file bytes
+/// before they are repacked), which [`hold_freed_memory`] would otherwise keep beside the
+/// weights for good: a 1.5B Qwen2.5 in Q4_K_M (a 0.99 GB file) holds 1.07 GB after its
+/// load with this, 1.31 GB without.
+pub fn return_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory the allocator holds; it is safe to
+    // call from any thread at any time.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}

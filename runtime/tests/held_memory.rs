@@ -1,5 +1,5 @@
 //! `hold_freed_memory` keeps freed KV-sized and prompt-sized blocks resident for the next
-//! ones. A test of its own without the test harness, so that no other thread has a malloc
+//! ones, and `return_freed_memory` gives them back. A test of its own without the test harness, so that no other thread has a malloc
 //! arena first.
 
 /// Resident pages of this process.
@@ -78,5 +78,15 @@ fn main() {
         mib(grown)
     );
     drop(again);
+    // Once a model has loaded, what it freed goes back.
+    let held = resident_pages();
+    runtime::return_freed_memory();
+    let returned = held.saturating_sub(resident_pages());
+    assert!(
+        returned * PAGE >= cache - (16 << 20),
+        "return_freed_memory gave back {} MiB of the {} MiB cache",
+        mib(returned),
+        cache >> 20
+    );
     println!("held_memory: ok ({} MiB held)", mib(after));
 }
