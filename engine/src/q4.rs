@@ -259,20 +259,21 @@ impl Q41Matrix {
     /// `x Wᵀ` for `x` of `[n, cols]` (row-major): `[n, rows]`.
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
         let q: Vec<Q81Row> = x.chunks_exact(self.cols).map(Q81Row::quantize).collect();
+        let q = q.as_slice();
         let pair = pair_kernel().filter(|_| n >= split::PAIRED_FROM_ROWS);
-        split::by_runs_of_groups(
+        let pair = pair.map(|pair| {
+            move |g: usize, out: &split::Columns<'_>| {
+                let groups = [self.group(g), self.group(g + 1)];
+                // SAFETY: `pair_kernel` found AVX2, FMA and 512-bit VNNI; both groups have as
+                // many blocks as the rows.
+                unsafe { pair(groups, q, &mut |y, vals| out.put_lanes(y, &vals)) };
+            }
+        });
+        split::by_groups(
             self.rows,
             n,
-            if pair.is_some() { 2 } else { 1 },
-            |g, out| match pair {
-                Some(pair) if out.width() == 2 * GROUP => {
-                    let groups = [self.group(g), self.group(g + 1)];
-                    // SAFETY: `pair_kernel` found AVX2, FMA and 512-bit VNNI; both groups
-                    // have as many blocks as the rows.
-                    unsafe { pair(groups, &q, &mut |y, vals| out.put_lanes(y, &vals)) };
-                }
-                _ => dot_group(self.group(g), &q, |y, vals| out.put_lanes(y, &vals)),
-            },
+            pair,
+            |g, out| dot_group(self.group(g), q, |y, vals| out.put_lanes(y, &vals)),
             |r, out| {
                 let w = self.loose_row(r);
                 for (y, row) in q.iter().enumerate() {

@@ -228,6 +228,7 @@ impl Q80Matrix {
             "Q80Matrix built on a CPU it cannot run on"
         );
         let q: Vec<Q80Row> = x.chunks_exact(self.cols).map(Q80Row::quantize).collect();
+        let q = q.as_slice();
         let nb = self.cols / QK;
         let (d, qs) = (self.d(), self.qs());
         let group_at = |g: usize| {
@@ -236,28 +237,27 @@ impl Q80Matrix {
         };
         let group = avx2::group_kernel();
         let pair = avx2::pair_kernel().filter(|_| n >= split::PAIRED_FROM_ROWS);
-        split::by_runs_of_groups(
+        let pair = pair.map(|pair| {
+            move |g: usize, out: &split::Columns<'_>| {
+                let ((d0, q0), (d1, q1)) = (group_at(g), group_at(g + 1));
+                // SAFETY: `pair_kernel` found AVX-512 F, BW, VL and VNNI beside AVX2, FMA and
+                // F16C; both groups have a block for each of the rows' blocks.
+                unsafe {
+                    pair([d0, d1], [q0, q1], q, &mut |y, vals| {
+                        out.put_lanes(y, &vals)
+                    })
+                };
+            }
+        });
+        split::by_groups(
             self.rows,
             n,
-            if pair.is_some() { 2 } else { 1 },
-            |g, out| match pair {
-                Some(pair) if out.width() == 2 * GROUP => {
-                    let ((d0, q0), (d1, q1)) = (group_at(g), group_at(g + 1));
-                    // SAFETY: `pair_kernel` found AVX-512 F, BW, VL and VNNI beside AVX2,
-                    // FMA and F16C; both groups have a block for each of the rows' blocks.
-                    unsafe {
-                        pair([d0, d1], [q0, q1], &q, &mut |y, vals| {
-                            out.put_lanes(y, &vals)
-                        })
-                    };
-                }
-                _ => {
-                    let (d, qs) = group_at(g);
-                    // SAFETY: `group_kernel` picked a kernel this CPU runs (AVX2, FMA and
-                    // F16C asserted above); the group has a block for each of the rows'
-                    // blocks.
-                    unsafe { group(d, qs, &q, &mut |y, vals| out.put_lanes(y, &vals)) };
-                }
+            pair,
+            |g, out| {
+                let (d, qs) = group_at(g);
+                // SAFETY: `group_kernel` picked a kernel this CPU runs (AVX2, FMA and F16C
+                // asserted above); the group has a block for each of the rows' blocks.
+                unsafe { group(d, qs, q, &mut |y, vals| out.put_lanes(y, &vals)) };
             },
             |r, out| {
                 let (d, qs) = (

@@ -100,16 +100,23 @@ impl Columns<'_> {
 
 /// The `[n, rows]` product of `n` activation rows with a `rows`-row weight matrix, computed
 /// by candle's pool workers (a second pool would fight candle's for the cores), split by
-/// runs of `per` groups of eight weight rows (fewer in the last run) and then the rows
-/// after them: `run(g, out)` computes groups `g ..` into the columns `out` names, eight a
-/// group, `loose(r, out)` weight row `r`, each writing its own columns.
-pub(crate) fn by_runs_of_groups(
+/// pairs of groups of eight weight rows where there is a `pair` kernel (else, and for an
+/// odd last group, by single groups) and then the rows after them: `pair(g, out)` computes
+/// groups `g` and `g + 1` into the sixteen columns `out` names, `one(g, out)` group `g`
+/// into its eight, `loose(r, out)` weight row `r`, each writing its own columns.
+pub(crate) fn by_groups<P, O, L>(
     rows: usize,
     n: usize,
-    per: usize,
-    run: impl Fn(usize, &Columns<'_>) + Sync,
-    loose: impl Fn(usize, &Columns<'_>) + Sync,
-) -> Vec<f32> {
+    pair: Option<P>,
+    one: O,
+    loose: L,
+) -> Vec<f32>
+where
+    P: Fn(usize, &Columns<'_>) + Sync,
+    O: Fn(usize, &Columns<'_>) + Sync,
+    L: Fn(usize, &Columns<'_>) + Sync,
+{
+    let per = if pair.is_some() { 2 } else { 1 };
     let groups = rows / GROUP;
     let runs = groups.div_ceil(per);
     let mut out = vec![0f32; n * rows];
@@ -126,7 +133,10 @@ pub(crate) fn by_runs_of_groups(
             if item < runs {
                 let first = item * per;
                 let width = per.min(groups - first) * GROUP;
-                run(first, &columns(first * GROUP, width));
+                match &pair {
+                    Some(pair) if width == 2 * GROUP => pair(first, &columns(first * GROUP, width)),
+                    _ => one(first, &columns(first * GROUP, width)),
+                }
             } else {
                 let r = groups * GROUP + item - runs;
                 loose(r, &columns(r, 1));
@@ -157,7 +167,7 @@ pub(crate) struct PaddedProduct<'a> {
     pub(crate) spans: &'a [GroupSpan],
 }
 
-/// [`by_runs_of_groups`] for kernels that pad each matrix's last rows into a group of their own,
+/// [`by_groups`] for kernels that pad each matrix's last rows into a group of their own,
 /// for several products at once: their groups are shared out together, so small products
 /// (a mixture's experts) cost the pool one hand-off rather than one each.
 /// `item(p, span, out)` computes the groups `span` of product `p` names into the columns
