@@ -1,8 +1,8 @@
 //! How a node's process keeps the memory it frees.
 
 /// Keeps the memory the process frees for its next allocations of the same size: one
-/// malloc arena, never trimmed, and every block from that arena rather than a mapping of
-/// its own. By default glibc maps each block of 32 MiB or more (and, from a thread arena,
+/// malloc arena, trimmed only past 2 GiB free, and every block from that arena rather than
+/// a mapping of its own. By default glibc maps each block of 32 MiB or more (and, from a thread arena,
 /// gives its 64 MiB heaps back as soon as a large block in them is freed), so the next
 /// block of that size pays a page fault and a cleared page per 4 KiB:
 /// - a decode node's KV caches (bench/README.md, figure 3);
