@@ -41,6 +41,21 @@ const ALIGN: u64 = 4096;
 /// Bytes before the header: the magic, the layout version and the header's length.
 const PREAMBLE: usize = 8 + 4 + 8;
 
+/// A matrix's bytes built at load, as one `Bytes` like those a pack maps: held as the `Vec`
+/// of its widest values so that they are aligned for reading in place, as [`ALIGN`] aligns
+/// a mapped matrix.
+pub(crate) fn aligned_bytes<T: bytemuck::Pod + Send + Sync>(values: Vec<T>) -> Bytes {
+    Bytes::from_owner(Aligned(values))
+}
+
+struct Aligned<T>(Vec<T>);
+
+impl<T: bytemuck::Pod> AsRef<[u8]> for Aligned<T> {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+}
+
 /// Why a pack was not used.
 #[derive(Debug, thiserror::Error)]
 pub enum PackError {

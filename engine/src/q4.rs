@@ -50,15 +50,6 @@ pub struct Q41Matrix {
     data: Bytes,
 }
 
-/// A matrix's bytes built at load, held as f32 so that its scales and minimums are aligned.
-struct Words(Vec<f32>);
-
-impl AsRef<[u8]> for Words {
-    fn as_ref(&self) -> &[u8] {
-        bytemuck::cast_slice(&self.0)
-    }
-}
-
 /// One block of 32 weights, each `d * q + m` for its nibble `q`: nibble `i` of the 32 is
 /// the low half of `qs[i]` for `i < 16`, else the high half of `qs[i - 16]` (GGML's Q4_1).
 struct Block {
@@ -173,7 +164,7 @@ impl Q41Matrix {
         Self {
             rows,
             cols,
-            data: Bytes::from_owner(Words(words)),
+            data: crate::pack::aligned_bytes(words),
         }
     }
 

@@ -77,15 +77,6 @@ pub struct Q80Matrix {
     data: Bytes,
 }
 
-/// A matrix's bytes built at load, held as f16 so that its scales are aligned.
-struct Scales16(Vec<f16>);
-
-impl AsRef<[u8]> for Scales16 {
-    fn as_ref(&self) -> &[u8] {
-        bytemuck::cast_slice(&self.0)
-    }
-}
-
 /// One activation row as Q8_0 blocks, the scales widened to f32, with 128 times each
 /// block's sum of values (the VNNI kernel's offset: see `tile_outputs`).
 struct Q80Row {
@@ -165,7 +156,7 @@ impl Q80Matrix {
         Ok(Self {
             rows,
             cols,
-            data: Bytes::from_owner(Scales16(buf)),
+            data: crate::pack::aligned_bytes(buf),
         })
     }
 

@@ -128,6 +128,6 @@ fn a_packed_matrix_is_taken_only_for_its_own_bytes_with_its_scales_aligned() {
     let len = m.data().len();
     let mut buf = vec![0f32; len / 4 + 1];
     bytemuck::cast_slice_mut::<f32, u8>(&mut buf)[1..=len].copy_from_slice(m.data());
-    let shifted = bytes::Bytes::from_owner(Words(buf)).slice(1..=len);
+    let shifted = crate::pack::aligned_bytes(buf).slice(1..=len);
     assert!(Q41Matrix::from_packed(rows, cols, shifted).is_err());
 }

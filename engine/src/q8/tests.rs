@@ -157,6 +157,6 @@ fn a_packed_matrix_is_taken_only_for_its_own_bytes_with_its_scales_aligned() {
     let len = m.data().len();
     let mut buf = vec![f16::ZERO; len / 2 + 1];
     bytemuck::cast_slice_mut::<f16, u8>(&mut buf)[1..=len].copy_from_slice(m.data());
-    let shifted = Bytes::from_owner(Scales16(buf)).slice(1..=len);
+    let shifted = crate::pack::aligned_bytes(buf).slice(1..=len);
     assert!(Q80Matrix::from_packed(rows, cols, shifted).is_err());
 }
