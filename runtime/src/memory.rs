@@ -2,9 +2,10 @@
 
 /// Keeps the memory the process frees for its next allocations of the same size: one
 /// malloc arena, trimmed only past 2 GiB free, and every block from that arena rather than
-/// a mapping of its own. By default glibc maps each block of 32 MiB or more (and, from a thread arena,
-/// gives its 64 MiB heaps back as soon as a large block in them is freed), so the next
-/// block of that size pays a page fault and a cleared page per 4 KiB:
+/// a mapping of its own. By default glibc maps large blocks on their own (those of 32 MiB
+/// or more always) and unmaps them when freed, and a thread arena gives its 64 MiB heaps
+/// back as soon as a large block in them is freed, so the next block of that size pays a
+/// page fault and a cleared page per 4 KiB:
 /// - a decode node's KV caches (bench/README.md, figure 3);
 /// - a prompt's activations: a 512-token prompt's gate and up outputs are 37 MB in a
 ///   1.5B Qwen2.5, 78 MB in a 7B, one block per layer. With every block from the arena,

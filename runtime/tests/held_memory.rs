@@ -1,6 +1,6 @@
 //! `hold_freed_memory` keeps freed KV-sized and prompt-sized blocks resident for the next
-//! ones, and `return_freed_memory` gives them back. A test of its own without the test harness, so that no other thread has a malloc
-//! arena first.
+//! ones, and `return_freed_memory` gives them back. A test of its own without the test
+//! harness, so that no other thread has a malloc arena first.
 
 /// Resident pages of this process.
 fn resident_pages() -> usize {
@@ -34,9 +34,9 @@ fn mib(pages: usize) -> usize {
 fn main() {
     runtime::hold_freed_memory();
     // A 512-token prompt's gate and up outputs in a 1.5B Qwen2.5: 37 MB, past the 32 MiB
-    // that glibc maps on its own at most (before anything else is freed: a
-    // block a freed one can hold comes from the arena either way), freed and taken again at every layer. Mapped
-    // afresh, each would fault in its 9,000 pages.
+    // from which glibc always maps a block on its own, freed and taken again at every
+    // layer. First, while nothing else is freed: a block that a freed one can hold comes
+    // from the arena either way. Mapped afresh, each would fault in its 9,000 pages.
     let block = 512 * 17920 * 4;
     let mut worst = 0;
     for layer in 0..8 {
