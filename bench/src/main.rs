@@ -36,6 +36,9 @@ struct Config {
     /// the nodes' --weights-cache does.
     #[arg(long)]
     weights_cache: Option<PathBuf>,
+    /// Where the model computes: `cpu`, or `cuda[:N]` in a build with the `cuda` feature.
+    #[arg(long, default_value = "cpu")]
+    device: engine::DeviceChoice,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -46,7 +49,7 @@ fn main() -> anyhow::Result<()> {
     // would map and unmap at every product.
     runtime::hold_freed_memory();
     let cfg = Config::parse();
-    let device = candle_core::Device::Cpu;
+    let device = cfg.device.open()?;
     let started = std::time::Instant::now();
     let options = engine::LoadOptions {
         pack_dir: cfg.weights_cache.clone(),

@@ -25,6 +25,10 @@ pub struct Config {
     /// packs"). Unset, each load repacks into its own memory.
     #[arg(long, env = "TANDEM_WEIGHTS_CACHE")]
     pub weights_cache: Option<PathBuf>,
+    /// Where the model, its KV caches and activations live: `cpu`, or `cuda[:N]` in a build
+    /// with the `cuda` feature (docs/gpu.md).
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: engine::DeviceChoice,
     /// Most sequences decoded in one step; a request with more (n, best_of, a beam's
     /// width) is refused.
     #[arg(long, env = "DECODE_MAX_BATCH_SIZE", default_value_t = 32)]

@@ -111,9 +111,10 @@ pub async fn serve(
         reserve,
         pack_dir: cfg.weights_cache.clone(),
     };
+    let device = cfg.device;
     let loaded = runtime::load_model(move || {
-        let cpu = candle_core::Device::Cpu;
-        engine::load_reporting(&path, &cpu, &options, &mut engine::progress::log)
+        let device = device.open()?;
+        engine::load_reporting(&path, &device, &options, &mut engine::progress::log)
     })
     .await?;
     let intake = intake::Intake::of(&loaded);

@@ -29,6 +29,9 @@ pub enum EngineError {
     ContextOverflow { got: usize, limit: usize },
     #[error("invalid input: {0}")]
     InvalidInput(String),
+    /// The node's `--device` cannot be opened (`engine::device`).
+    #[error("device {device} is unavailable: {reason}")]
+    DeviceUnavailable { device: String, reason: String },
     /// The model's weights and the node's KV reserve do not fit the machine.
     #[error(
         "{path} does not fit: its weights take {} while loading and the KV reserve {}, {} in \
@@ -63,6 +66,7 @@ impl EngineError {
             | Self::Tensor(_)
             | Self::Text(_)
             | Self::KvCache(_)
+            | Self::DeviceUnavailable { .. }
             | Self::OutOfMemory { .. } => false,
         }
     }

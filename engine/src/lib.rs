@@ -5,6 +5,7 @@
 mod act_quant;
 mod attention;
 pub mod beam;
+pub mod device;
 pub mod embedding;
 pub mod error;
 pub mod footprint;
@@ -28,6 +29,7 @@ pub mod testmodel;
 mod vexp;
 pub mod weights;
 
+pub use device::DeviceChoice;
 pub use error::{EngineError, Result};
 pub use footprint::KvReserve;
 pub use kv_cache::{KvAssembler, KvChunk, KvLayout, SeqCache, KV_DTYPE};

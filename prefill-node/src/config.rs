@@ -25,6 +25,10 @@ pub struct Config {
     /// packs"). Unset, each load repacks into its own memory.
     #[arg(long, env = "TANDEM_WEIGHTS_CACHE")]
     pub weights_cache: Option<PathBuf>,
+    /// Where the model, its KV caches and activations live: `cpu`, or `cuda[:N]` in a build
+    /// with the `cuda` feature (docs/gpu.md).
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: engine::DeviceChoice,
     /// Prompts that may wait for the compute thread; more are refused as resource exhausted.
     #[arg(long, env = "PREFILL_MAX_QUEUE", default_value_t = 256)]
     pub max_queue: usize,
