@@ -245,6 +245,7 @@ impl KvPlane {
                     .await
                     .map_err(|_| DecodeError::BadTransfer("no transfer slot came free".into()))?
                     .map_err(|_| DecodeError::ShuttingDown)?;
+                // In host memory: the scheduler moves it to a GPU model's device (admit).
                 let asm =
                     KvAssembler::new(layout, header.tokens, reserved.positions, &Device::Cpu)?;
                 self.chunks(asm, reader, &deliver, &mut bytes).await

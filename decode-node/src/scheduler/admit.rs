@@ -79,11 +79,13 @@ impl Scheduler {
     ) -> Result<Option<Started>, DecodeError> {
         match std::mem::replace(&mut a.start, Start::Prefill) {
             Start::Transferred {
-                mut cache,
+                cache,
                 first_tokens,
             } => {
                 let vocab = self.model.config().vocab_size;
                 plan::check_first_tokens(&first_tokens, width, vocab)?;
+                // Assembled in host memory: a GPU node's steps read it from the GPU's.
+                let mut cache = cache.into_device(self.model.device())?;
                 cache.reserve_exact(a.positions)?;
                 Ok(Some(Started {
                     caches: vec![cache],

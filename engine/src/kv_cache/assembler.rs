@@ -6,10 +6,13 @@ use super::*;
 
 /// Rebuilds a `SeqCache` from chunks that arrive in order within each layer. Everything it
 /// is given may be garbage (it comes off the network): a bad chunk is an error, never a
-/// panic. The cache is allocated once, at the size the caller reserved for it, and the
-/// chunks' bytes are written straight into it.
+/// panic. The cache is allocated once, at the size the caller reserved for it, in host
+/// memory, and the chunks' bytes are written straight into it; a cache for a GPU moves
+/// there whole once complete.
 pub struct KvAssembler {
     cache: SeqCache,
+    /// Where the finished cache goes.
+    device: Device,
     expected: Vec<u32>,
     filled: Vec<usize>,
     /// Each layer's K and V storage: `(start, values)`.
@@ -53,7 +56,8 @@ impl<'a> ChunkWrite<'a> {
 impl KvAssembler {
     /// Expects K/V for `tokens` in a cache of `layout` that holds `capacity` positions in
     /// all (at least the tokens), allocated now: the caller has reserved that memory and
-    /// bounded `capacity` by it, and the cache is never moved to grow.
+    /// bounded `capacity` by it, and the cache is never moved to grow. `finish` gives it on
+    /// `device`.
     pub fn new(
         layout: KvLayout,
         tokens: Vec<u32>,
@@ -72,7 +76,7 @@ impl KvAssembler {
                 "{capacity} positions of {per_position} bytes do not fit in memory"
             )));
         }
-        let mut cache = SeqCache::new(layout, device)?;
+        let mut cache = SeqCache::new(layout, &Device::Cpu)?;
         let n_layers = cache.layout.n_layers;
         // SAFETY: the assembler writes every position before the cache leaves it (`finish`).
         unsafe { cache.move_to(capacity, &vec![0; n_layers], Fill::Unwritten)? };
@@ -91,6 +95,7 @@ impl KvAssembler {
             .collect::<Result<_>>()?;
         Ok(Self {
             cache,
+            device: device.clone(),
             expected: tokens,
             filled: vec![0; n_layers],
             storage,
@@ -222,7 +227,7 @@ impl KvAssembler {
         // nothing unwritten is ever read.
         cache.zero_from(self.expected.len())?;
         cache.commit(&self.expected);
-        Ok(cache)
+        cache.into_device(&self.device)
     }
 }
 

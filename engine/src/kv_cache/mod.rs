@@ -223,6 +223,30 @@ impl SeqCache {
         })
     }
 
+    /// The cache in `device`'s memory: itself where it is there already, else a copy of
+    /// its storage. A received cache is assembled in host memory, where the wire's bytes
+    /// are written in place, and moves to a GPU whole.
+    pub fn into_device(self, device: &Device) -> Result<Self> {
+        if self.device.same_device(device) {
+            return Ok(self);
+        }
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(LayerKv {
+                    k: l.k.to_device(device)?,
+                    v: l.v.to_device(device)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            layers,
+            device: device.clone(),
+            ..self
+        })
+    }
+
     /// The layout the cache was made for.
     pub fn layout(&self) -> &KvLayout {
         &self.layout
