@@ -3,6 +3,10 @@ against llama.cpp (bench/README.md, "Sizes people run"). Never run by CI.
 
 Usage:
   LLAMA_CPP=DIR python3 bench/make-models.py OUT [0.5b 1.5b 3b 7b]
+  python3 bench/make-models.py --folder OUT [sizes]    # step 1 alone, kept (f16 folders)
+
+`--folder` writes the Hugging Face folders alone, as OUT/qwen2.5-{size}, and keeps them:
+scripts/gpu-check.sh makes the GPU figures' models with it on a machine without llama.cpp.
 
 DIR is the llama.cpp tree llama-cpp-python 0.3.36 vendors (bench/install-peers.sh keeps
 it), for its converter; llama-cpp-python itself quantizes. Each size:
@@ -30,6 +34,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 REPO = Path(__file__).resolve().parent.parent
+# The fetched models (the Qwen tokenizer's files): $TANDEM_MODELS, as the tests read it.
+MODELS = Path(os.environ.get("TANDEM_MODELS", REPO / "models"))
 sys.path.insert(0, str(REPO / "scripts"))
 from oracle_common import quantize, run_converter  # noqa: E402
 # (hidden, layers, heads, kv heads, intermediate, tied head): Qwen2.5's config.json.
@@ -99,7 +105,7 @@ def write_folder(size: str, folder: Path) -> None:
     cfg = config(size)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for name in ["tokenizer.json", "tokenizer_config.json"]:
-        shutil.copy(REPO / "models" / "qwen3" / name, folder / name)
+        shutil.copy(MODELS / "qwen3" / name, folder / name)
     rng = np.random.default_rng(20261201)
     shard, shard_bytes, weight_map, files = {}, 0, {}, []
 
@@ -129,10 +135,19 @@ def write_folder(size: str, folder: Path) -> None:
 
 
 def main() -> None:
+    args = sys.argv[1:]
+    if args[0] == "--folder":
+        out = Path(args[1])
+        for size in args[2:] or list(SIZES):
+            folder = out / f"qwen2.5-{size}"
+            shutil.rmtree(folder, ignore_errors=True)
+            write_folder(size, folder)
+            print(f"wrote {folder}")
+        return
     llama_cpp = Path(os.environ["LLAMA_CPP"])
-    out = Path(sys.argv[1])
+    out = Path(args[0])
     out.mkdir(parents=True, exist_ok=True)
-    for size in sys.argv[2:] or list(SIZES):
+    for size in args[1:] or list(SIZES):
         target = out / f"qwen2.5-{size}-q4_k_m.gguf"
         if target.exists():
             print(f"{target} exists")
