@@ -370,29 +370,12 @@ impl Model {
         let v = v.reshape((t, n_kv, hd))?.transpose(0, 1)?.contiguous()?;
         cache.write(layer, &k, &v)?;
         let (keys, values) = cache.view(layer, t)?;
-        let group = cfg.group_size();
         if self.device.is_cpu() {
-            return attention::causal(&q, &keys, &values, how, spread);
+            attention::causal(&q, &keys, &values, how, spread)
+        } else {
+            // Off the CPU, where none of our kernels run.
+            attention::generic(&q, &keys, &values, how)
         }
-        // Off the CPU, where none of our kernels run: candle's ops, on the cache's f16
-        // widened to f32.
-        let (keys, values) = (keys.to_dtype(DType::F32)?, values.to_dtype(DType::F32)?);
-        let q = q.reshape((n_kv, group * t, hd))?;
-        let mut scores = (q.matmul(&keys.t()?)? * how.scale)?;
-        if let Some(cap) = how.softcap {
-            scores = ((scores / cap)?.tanh()? * cap)?;
-        }
-        let window = how.window;
-        if t > 1 || window.is_some_and(|w| w <= pos) {
-            let mask = causal_mask(group, t, pos, window, &self.device)?;
-            scores = scores.broadcast_add(&mask)?;
-        }
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        Ok(probs
-            .matmul(&values)?
-            .reshape((n_heads, t, hd))?
-            .transpose(0, 1)?
-            .reshape((t, n_heads * hd))?)
     }
 
     /// How layer `layer` forms its attention scores: scaled by the head size's inverse
@@ -466,34 +449,6 @@ fn join_own_rayon_pool() {
                 .ok()
         });
     });
-}
-
-/// Additive mask for `group` heads × `t` new rows at positions `pos ..`, over the
-/// `pos + t` keys: a row sees the keys up to its own position, with a `window` only the
-/// last `window` of them.
-pub(crate) fn causal_mask(
-    group: usize,
-    t: usize,
-    pos: usize,
-    window: Option<usize>,
-    device: &Device,
-) -> Result<Tensor> {
-    let keys = pos + t;
-    let mut m = Vec::with_capacity(group * t * keys);
-    for _ in 0..group {
-        for i in 0..t {
-            let p = pos + i;
-            let first = window.map_or(0, |w| (p + 1).saturating_sub(w));
-            m.extend((0..keys).map(|j| {
-                if j > p || j < first {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            }));
-        }
-    }
-    Ok(Tensor::from_vec(m, (group * t, keys), device)?)
 }
 
 /// Index of the largest logit; ties go to the lowest id, as `torch.argmax` does.

@@ -1,6 +1,9 @@
-//! Causal attention on the CPU: one path for prompts and decode steps alike, whose values
-//! for a query row depend only on that row's query, its position and the keys and values
-//! up to it, never on how many rows are attended with it.
+//! Causal attention. Off the CPU, where our kernels cannot read the tensors, candle's ops
+//! ([`generic`]); on it, the rest of this note.
+//!
+//! On the CPU: one path for prompts and decode steps alike, whose values for a query row
+//! depend only on that row's query, its position and the keys and values up to it, never
+//! on how many rows are attended with it.
 //!
 //! That is what lets a prompt be split anywhere and still give the whole prompt's bits: at
 //! a cached prefix, between a prefill node and a decode node, or when a migrated stream is
@@ -25,7 +28,7 @@ mod kernels;
 use std::ops::Range;
 use std::sync::OnceLock;
 
-use candle_core::{Storage, Tensor, WithDType};
+use candle_core::{DType, Device, Storage, Tensor, WithDType};
 use half::f16;
 use rayon::prelude::*;
 
@@ -63,13 +66,13 @@ pub(crate) fn causal(
     scores: Scores,
     spread: bool,
 ) -> Result<Tensor> {
-    let (heads, t, hd) = q.dims3()?;
-    let (kv_heads, len, _) = keys.dims3()?;
-    if t == 0 || t > len || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-        return Err(EngineError::InvalidInput(format!(
-            "attention of {t} rows of {heads} heads over {len} keys of {kv_heads} heads"
-        )));
-    }
+    let Shape {
+        heads,
+        t,
+        hd,
+        kv_heads,
+        len,
+    } = Shape::of(q, keys)?;
     let pos = len - t;
     let q = q.contiguous()?;
     let (q_store, q_layout) = q.storage_and_layout();
@@ -117,6 +120,100 @@ pub(crate) fn causal(
         }
     }
     Ok(Tensor::from_vec(out, (t, heads * hd), keys.device())?)
+}
+
+/// [`causal`] in candle's ops, for a device our kernels cannot read (a GPU): the same
+/// inputs and output, the cache's f16 widened to f32, the heads sharing a K/V head folded
+/// into one matrix (K/V never repeated), scores masked additively. Its values are candle's
+/// products' and softmax's, so they may differ with the number of rows attended.
+pub(crate) fn generic(
+    q: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
+    scores: Scores,
+) -> Result<Tensor> {
+    let Shape {
+        heads,
+        t,
+        hd,
+        kv_heads,
+        len,
+    } = Shape::of(q, keys)?;
+    let (group, pos) = (heads / kv_heads, len - t);
+    let keys = keys.to_dtype(DType::F32)?;
+    let values = values.to_dtype(DType::F32)?;
+    let q = q.reshape((kv_heads, group * t, hd))?;
+    let mut s = (q.matmul(&keys.t()?)? * scores.scale)?;
+    if let Some(cap) = scores.softcap {
+        s = ((s / cap)?.tanh()? * cap)?;
+    }
+    // A lone new row sees every key unless its window ends before them.
+    if t > 1 || scores.window.is_some_and(|w| w <= pos) {
+        s = s.broadcast_add(&causal_mask(group, t, pos, scores.window, q.device())?)?;
+    }
+    let probs = candle_nn::ops::softmax_last_dim(&s)?;
+    Ok(probs
+        .matmul(&values)?
+        .reshape((heads, t, hd))?
+        .transpose(0, 1)?
+        .reshape((t, heads * hd))?)
+}
+
+/// The additive mask of `t` new rows at positions `pos ..` of `group` query heads over
+/// `pos + t` keys: 0 where a row sees the key (up to its own position, within `window`),
+/// -inf elsewhere. `(group * t, pos + t)`, the heads' rows one after another.
+fn causal_mask(
+    group: usize,
+    t: usize,
+    pos: usize,
+    window: Option<usize>,
+    device: &Device,
+) -> Result<Tensor> {
+    let keys = pos + t;
+    let mut m = Vec::with_capacity(group * t * keys);
+    for _ in 0..group {
+        for i in 0..t {
+            let seen = span(pos + i, window);
+            m.extend((0..keys).map(|j| {
+                if seen.contains(&j) {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            }));
+        }
+    }
+    Ok(Tensor::from_vec(m, (group * t, keys), device)?)
+}
+
+/// The sizes of an attention's inputs: `q` `(heads, t, hd)`, `keys` `(kv_heads, len, hd)`.
+struct Shape {
+    heads: usize,
+    t: usize,
+    hd: usize,
+    kv_heads: usize,
+    len: usize,
+}
+
+impl Shape {
+    /// The sizes, where `t` new rows (at least one, at most the keys) of heads grouped
+    /// evenly over the K/V heads can attend.
+    fn of(q: &Tensor, keys: &Tensor) -> Result<Self> {
+        let (heads, t, hd) = q.dims3()?;
+        let (kv_heads, len, _) = keys.dims3()?;
+        if t == 0 || t > len || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(EngineError::InvalidInput(format!(
+                "attention of {t} rows of {heads} heads over {len} keys of {kv_heads} heads"
+            )));
+        }
+        Ok(Self {
+            heads,
+            t,
+            hd,
+            kv_heads,
+            len,
+        })
+    }
 }
 
 /// The keys a row at position `p` sees: all up to its own, or the last `window` of them.
@@ -365,34 +462,32 @@ mod tests {
         }
     }
 
-    /// Shape `i` attended by our kernels and by candle's ops under the additive mask.
+    /// Shape `i` attended by our kernels and by candle's ops ([`generic`], the path off the
+    /// CPU), each row of it also alone, as a decode step attends it.
     fn agrees_with_candle(
         i: usize,
         (kv, group, hd, pos, t): (usize, usize, usize, usize, usize),
-        window: Case,
+        (window, softcap): Case,
     ) {
-        let dev = Device::Cpu;
         let [q, k, v] = inputs(i, kv, group, hd, pos + t, t);
-        let ours = part(&q, &k, &v, pos, 0..t, true, window);
-        // The cache's values widened, as the kernels widen them.
-        let widen = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-        let (k, v) = (widen(&k), widen(&v));
-        let scale = 1.0 / (hd as f64).sqrt();
-        let heads = kv * group;
-        let folded = q.reshape((kv, group * t, hd)).unwrap();
-        let mut scores = (folded.matmul(&k.t().unwrap()).unwrap() * scale).unwrap();
-        if let Some(cap) = window.1 {
-            scores = ((scores / cap).unwrap().tanh().unwrap() * cap).unwrap();
+        let ours = part(&q, &k, &v, pos, 0..t, true, (window, softcap));
+        let scores = Scores {
+            scale: 1.0 / (hd as f64).sqrt(),
+            softcap,
+            window,
+        };
+        let mut theirs = values(&generic(&q, &k, &v, scores).unwrap());
+        let width = kv * group * hd;
+        assert_eq!(theirs.len(), t * width, "shape {i}");
+        for r in 0..t {
+            let end = pos + r + 1;
+            let (k, v) = (k.narrow(1, 0, end).unwrap(), v.narrow(1, 0, end).unwrap());
+            let row = generic(&q.narrow(1, r, 1).unwrap(), &k, &v, scores).unwrap();
+            theirs.extend(values(&row));
         }
-        let mask = crate::model::causal_mask(group, t, pos, window.0, &dev).unwrap();
-        let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask).unwrap());
-        let theirs = probs.unwrap().matmul(&v.contiguous().unwrap()).unwrap();
-        let theirs = theirs
-            .reshape((heads, t, hd))
-            .unwrap()
-            .transpose(0, 1)
-            .unwrap();
-        for (j, (&a, &b)) in ours.iter().zip(&values(&theirs)).enumerate() {
+        let ours = [ours.clone(), ours].concat();
+        let window = (window, softcap);
+        for (j, (&a, &b)) in ours.iter().zip(&theirs).enumerate() {
             assert!(
                 (a - b).abs() <= 1e-5,
                 "shape {i}, window {window:?}, value {j}: {a} against {b}"
