@@ -97,9 +97,13 @@ fn turned(family: Family) -> PathBuf {
     dir
 }
 
-/// The device engine tests run on: CUDA when the build has it, else CPU.
+/// The device engine tests run on: CUDA when the build has it, else CPU. One for the
+/// whole binary: each CUDA device made is a context, streams and cuBLAS handles of its own.
 pub fn device() -> Device {
-    Device::cuda_if_available(0).expect("device")
+    static DEVICE: OnceLock<Device> = OnceLock::new();
+    DEVICE
+        .get_or_init(|| Device::cuda_if_available(0).expect("device"))
+        .clone()
 }
 
 /// Where fetched models live: `$TANDEM_MODELS`, or `models/` at the repository root.

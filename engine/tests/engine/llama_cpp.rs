@@ -385,7 +385,7 @@ fn assert_agrees_within(gguf: &Path, fixture: &str, near_tie: f64) {
     let reference: Reference =
         serde_json::from_str(&std::fs::read_to_string(common::fixture(fixture)).unwrap()).unwrap();
     assert!(reference.cases.len() >= 16, "a batch of at least 16");
-    let model = engine::load(gguf, &Device::Cpu).unwrap().model;
+    let model = engine::load(gguf, &common::device()).unwrap().model;
     let chosen = batched_choices(&model, &reference);
     let (mut agree, mut total) = (0, 0);
     let mut far = Vec::new();
