@@ -204,23 +204,7 @@ impl SeqCache {
     /// An independent copy of the cache, in storage of its own: one prompt's KV serving
     /// several sequences (n > 1).
     pub fn fork(&self) -> Result<Self> {
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(LayerKv {
-                    k: l.k.copy()?,
-                    v: l.v.copy()?,
-                })
-            })
-            .collect::<Result<_>>()?;
-        Ok(Self {
-            layout: self.layout.clone(),
-            layers,
-            capacity: self.capacity,
-            tokens: self.tokens.clone(),
-            device: self.device.clone(),
-        })
+        self.copied(&self.device, Tensor::copy)
     }
 
     /// The cache in `device`'s memory: itself where it is there already, else a copy of
@@ -230,20 +214,31 @@ impl SeqCache {
         if self.device.same_device(device) {
             return Ok(self);
         }
+        self.copied(device, |t| t.to_device(device))
+    }
+
+    /// The same positions in new storage on `device`, each layer's K and V made by `copy`.
+    fn copied(
+        &self,
+        device: &Device,
+        copy: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> Result<Self> {
         let layers = self
             .layers
             .iter()
             .map(|l| {
                 Ok(LayerKv {
-                    k: l.k.to_device(device)?,
-                    v: l.v.to_device(device)?,
+                    k: copy(&l.k)?,
+                    v: copy(&l.v)?,
                 })
             })
             .collect::<Result<_>>()?;
         Ok(Self {
+            layout: self.layout.clone(),
             layers,
+            capacity: self.capacity,
+            tokens: self.tokens.clone(),
             device: device.clone(),
-            ..self
         })
     }
 
