@@ -4,21 +4,19 @@
 //!
 //! Weights are immutable and shared; every call names the sequences it advances and their
 //! caches. The dense layers see all the batch's tokens as one matrix; attention runs per
-//! sequence because each has its own length.
-
-use std::sync::OnceLock;
+//! sequence because each has its own length, except a decode step's on a GPU, which is one
+//! kernel over every cache (`attend`).
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use rayon::prelude::*;
 
-use crate::attention::{self, Scores};
 use crate::embedding::Embedding;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvLayout, SeqCache};
 use crate::weights::{Linear, Stacked};
 use ffn::Ffn;
-use text::{ModelConfig, RopeStyle};
+use text::ModelConfig;
 
+mod attend;
 mod ffn;
 mod load;
 
@@ -270,7 +268,7 @@ impl Model {
         }
         let (q, k, v) = (&qkv[0], &qkv[1], &qkv[2]);
         let outs = self.attend_all(li, batch, spans, q, k, v)?;
-        let mut attn = layer.o.forward(&Tensor::cat(&outs, 0)?)?;
+        let mut attn = layer.o.forward(&outs)?;
         if let Some(w) = &layer.post_attn_norm {
             attn = norm(&attn, w)?;
         }
@@ -296,123 +294,6 @@ impl Model {
             Some(cap) => Ok(((logits / cap)?.tanh()? * cap)?),
             None => Ok(logits),
         }
-    }
-
-    /// Each sequence's attention, in batch order. Sequences attend independently, so they
-    /// spread over the cores, and each one's values do not depend on where it runs. A
-    /// decode step (one new row each) spreads over candle's pool, the one the products
-    /// use: over rayon's, each pool's idle thread spun on the cores the other's threads
-    /// needed (median batch-16 step 5% faster, slowest of eight runs 408 tokens/s against
-    /// 336). Prompts keep rayon's pool, where their blocks of rows spread in turn; a lone
-    /// decoding sequence spreads its heads instead.
-    fn attend_all(
-        &self,
-        layer: usize,
-        batch: &[SeqInput<'_>],
-        spans: &[(usize, usize)],
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<Vec<Tensor>> {
-        let one = |i: usize, spread: bool| {
-            let (row, t) = spans[i];
-            self.attend(
-                spread,
-                layer,
-                batch[i].cache,
-                &q.narrow(0, row, t)?,
-                &k.narrow(0, row, t)?,
-                &v.narrow(0, row, t)?,
-            )
-        };
-        if batch.len() == 1 {
-            return Ok(vec![one(0, true)?]);
-        }
-        if spans.iter().any(|&(_, t)| t > 1) {
-            return (0..batch.len())
-                .into_par_iter()
-                .map(|i| one(i, false))
-                .collect();
-        }
-        let done: Vec<OnceLock<Result<Tensor>>> = batch.iter().map(|_| OnceLock::new()).collect();
-        candle_core::utils::barrier_pool().execute_chunked(batch.len(), |range| {
-            for i in range {
-                let _ = done[i].set(one(i, false));
-            }
-        });
-        done.into_iter()
-            .map(|d| d.into_inner().expect("every sequence attended"))
-            .collect()
-    }
-
-    /// Causal attention of `t` new rows of one sequence over its cache plus themselves.
-    /// Heads sharing a K/V head are folded into one matrix, so K/V are never repeated.
-    fn attend(
-        &self,
-        spread: bool,
-        layer: usize,
-        cache: &SeqCache,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<Tensor> {
-        let cfg = &self.cfg;
-        let (t, hd) = (q.dim(0)?, cfg.head_dim);
-        let (n_heads, n_kv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-        let pos = cache.len();
-        let how = self.scores(layer);
-        let tables = match (&self.sliding_rope, how.window) {
-            (Some(sliding), Some(_)) => sliding,
-            _ => &self.rope,
-        };
-        let q = self.rope(tables, &q.reshape((t, n_heads, hd))?.transpose(0, 1)?, pos)?;
-        let k = self.rope(tables, &k.reshape((t, n_kv, hd))?.transpose(0, 1)?, pos)?;
-        let v = v.reshape((t, n_kv, hd))?.transpose(0, 1)?.contiguous()?;
-        cache.write(layer, &k, &v)?;
-        let (keys, values) = cache.view(layer, t)?;
-        if self.device.is_cpu() {
-            attention::causal(&q, &keys, &values, how, spread)
-        } else {
-            // Off the CPU, where none of our kernels run.
-            attention::generic(&q, &keys, &values, how)
-        }
-    }
-
-    /// How layer `layer` forms its attention scores: scaled by the head size's inverse
-    /// root (Gemma: `query_pre_attn_scalar`'s), soft-capped where Gemma 2 caps them,
-    /// over the layer's window.
-    fn scores(&self, layer: usize) -> Scores {
-        let gemma = self.cfg.gemma.as_ref();
-        let scale = match gemma {
-            Some(g) => g.query_pre_attn_scalar.powf(-0.5),
-            None => 1.0 / (self.cfg.head_dim as f64).sqrt(),
-        };
-        Scores {
-            scale,
-            softcap: gemma.and_then(|g| g.attn_logit_softcapping),
-            window: self.cfg.attention_windows[layer],
-        }
-    }
-
-    /// Rotates `(heads, t, head_dim)` for positions `pos .. pos + t` by `tables`: the
-    /// leading `rotary_dim` dimensions of each head, the others passed through.
-    fn rope(&self, tables: &RopeTables, x: &Tensor, pos: usize) -> Result<Tensor> {
-        let t = x.dim(1)?;
-        let cos = tables.cos.narrow(0, pos, t)?;
-        let sin = tables.sin.narrow(0, pos, t)?;
-        let (rotary, head_dim) = (self.cfg.rotary_dim, self.cfg.head_dim);
-        let x = x.unsqueeze(0)?;
-        let rotating = x.narrow(3, 0, rotary)?.contiguous()?;
-        let y = match self.cfg.rope_style {
-            RopeStyle::Half => candle_nn::rotary_emb::rope(&rotating, &cos, &sin)?,
-            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&rotating, &cos, &sin)?,
-        };
-        let y = if rotary < head_dim {
-            Tensor::cat(&[y, x.narrow(3, rotary, head_dim - rotary)?], 3)?
-        } else {
-            y
-        };
-        Ok(y.squeeze(0)?)
     }
 
     /// Logits for the token after `tokens`, starting from an empty cache; for tests.

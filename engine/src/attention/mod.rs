@@ -23,6 +23,8 @@
 //!   earliest `s`, each row's weights before its own `s` zero: a zero weight adds an exact
 //!   zero to a chain still at zero, so the row's bits are the same.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod kernels;
 
 use std::ops::Range;
@@ -157,6 +159,31 @@ pub(crate) fn generic(
         .reshape((heads, t, hd))?
         .transpose(0, 1)?
         .reshape((t, heads * hd))?)
+}
+
+/// A decode step's attention on a GPU: `q` `(n, heads, 1, head_dim)`, rotated, and `k`,
+/// `v` `(n, kv_heads, 1, head_dim)`, each sequence's new row of layer `layer`, with
+/// `caches` the `n` sequences' caches, room made for the row. Writes each row into its
+/// cache (rounded to f16, as `SeqCache::write`) and returns `(n, heads * head_dim)`, each
+/// sequence's attention over its cache, in one kernel launch each however many sequences
+/// there are.
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::step;
+
+/// [`step`] in a build without the `cuda` feature, which can open no GPU to call it on.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn step(
+    q: &Tensor,
+    _k: &Tensor,
+    _v: &Tensor,
+    _caches: &[&crate::kv_cache::SeqCache],
+    _layer: usize,
+    _scores: Scores,
+) -> Result<Tensor> {
+    Err(EngineError::InvalidInput(format!(
+        "a decode step on {:?} needs a build with the cuda feature",
+        q.device().location()
+    )))
 }
 
 /// The additive mask of `t` new rows at positions `pos ..` of `group` query heads over

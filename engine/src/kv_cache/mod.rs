@@ -346,6 +346,13 @@ impl SeqCache {
         Ok((l.k.narrow(1, 0, n)?, l.v.narrow(1, 0, n)?))
     }
 
+    /// One layer's K and V storage, all `capacity()` positions: what a GPU's decode step
+    /// writes its new row into and attends over (`attention::step`).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn layer(&self, layer: usize) -> &LayerKv {
+        &self.layers[layer]
+    }
+
     /// Records that `tokens` now have K/V in every layer.
     pub(crate) fn commit(&mut self, tokens: &[u32]) {
         self.tokens.extend_from_slice(tokens);

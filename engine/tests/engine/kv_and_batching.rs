@@ -353,3 +353,53 @@ fn every_row_gives_the_logits_of_each_prefix() {
     assert_eq!(scored.len(), full.len() - 1);
     assert!(scored.iter().all(|s| s.logprob <= 0.0 && s.top.len() == 2));
 }
+
+/// One decode step over sequences of different lengths gives each the logits its whole
+/// prompt gives: the step's rows rotated at each sequence's own position and attended over
+/// each cache (on a GPU by the step's own kernels, the prompt by candle's ops), with soft
+/// caps and sliding windows (16 positions) shorter and longer than the caches.
+#[test]
+fn a_decode_step_gives_each_sequence_its_whole_prompt_s_logits() {
+    for dir in [
+        common::tiny_model_dir(),
+        common::tiny_mistral_dir(),
+        common::tiny_gemma2_dir(),
+    ] {
+        let m = Model::load(&dir, &common::device()).unwrap();
+        let prompts: Vec<Vec<u32>> = [5, 17, 40].iter().map(|&n| prompt(n, n as u32)).collect();
+        let whole: Vec<Vec<f32>> = prompts.iter().map(|p| m.logits_for(p).unwrap()).collect();
+        let mut caches: Vec<_> = prompts.iter().map(|_| m.new_cache().unwrap()).collect();
+        for (p, c) in prompts.iter().zip(caches.iter_mut()) {
+            let (before, _) = p.split_at(p.len() - 1);
+            m.forward(&mut [SeqInput {
+                tokens: before,
+                cache: c,
+            }])
+            .unwrap();
+        }
+        let mut batch: Vec<SeqInput> = prompts
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(p, c)| SeqInput {
+                tokens: &p[p.len() - 1..],
+                cache: c,
+            })
+            .collect();
+        let stepped: Vec<Vec<f32>> = m.forward(&mut batch).unwrap().to_vec2().unwrap();
+        for ((want, got), p) in whole.iter().zip(&stepped).zip(&prompts) {
+            let max_diff = want
+                .iter()
+                .zip(got)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            let name = dir.display();
+            assert!(max_diff < 1e-4, "{name}, {} tokens: {max_diff}", p.len());
+            assert_eq!(
+                engine::model::argmax(want),
+                engine::model::argmax(got),
+                "{name}, {} tokens",
+                p.len()
+            );
+        }
+    }
+}
