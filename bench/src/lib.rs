@@ -5,6 +5,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use engine::model::argmax;
+use engine::sampling::{fetch, Fetched, Need};
 use engine::{Model, SeqCache, SeqInput};
 
 pub mod hostile;
@@ -111,8 +112,14 @@ pub fn decode_tokens_per_s(
             })
             .collect();
         let logits = model.forward(&mut inputs)?;
-        let rows: Vec<Vec<f32>> = logits.to_vec2()?;
-        next = rows.iter().map(|r| argmax(r)).collect();
+        // Greedy, as a server decides a plain greedy row: on a GPU where the logits are.
+        next = fetch(&logits, &vec![Need::Argmax; batch])?
+            .into_iter()
+            .map(|row| match row {
+                Fetched::Decided(s) => s.token,
+                Fetched::Whole(row) => argmax(&row),
+            })
+            .collect();
         step_s.push(step.elapsed().as_secs_f64());
     }
     let elapsed = start.elapsed().as_secs_f64();

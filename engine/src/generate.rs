@@ -4,7 +4,7 @@
 use crate::error::Result;
 use crate::kv_cache::SeqCache;
 use crate::model::{Model, SeqInput};
-use crate::sampling::{sample, Context, Sampled, SamplingParams};
+use crate::sampling::{fetch, need, sample, Context, Sampled, SamplingParams};
 
 /// Runs `prompt` into `cache`, then samples up to `max_new` tokens, stopping after any id in
 /// `stop_ids`. Step `n` of the sampler is the `n`-th generated token.
@@ -24,9 +24,10 @@ pub fn generate(
             tokens: &next,
             cache,
         }])?;
-        let row: Vec<f32> = logits.squeeze(0)?.to_vec1()?;
         let cx = Context::of(prompt, &output_ids);
-        let s = sample(&row, params, &cx, out.len() as u64, 0);
+        let row = fetch(&logits, &[need(params, out.len(), 0, false)])?.pop();
+        let row = row.expect("a forward pass of one sequence gives one row");
+        let s = row.or_sample(|row| sample(row, params, &cx, out.len() as u64, 0));
         output_ids.push(s.token);
         next = vec![s.token];
         let stop = stop_ids.contains(&s.token);

@@ -6,8 +6,11 @@
 
 use std::collections::HashMap;
 
+mod rows;
+
 use crate::logprobs::{log_z, top_n};
 pub use crate::logprobs::{scored, Sampled, TokenLogprob};
+pub use rows::{fetch, need, Fetched, Need};
 pub use text::grammar::TokenMask;
 
 /// The most alternatives one token reports (the API's `top_logprobs` limit); the workers

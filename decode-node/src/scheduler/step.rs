@@ -2,6 +2,9 @@
 //! grammar's time and every live beam, then each sequence's token sampled (or its logits
 //! kept for a later step, see `masks`) and sent.
 
+use candle_core::Tensor;
+use engine::sampling::{fetch, need, Fetched, Need};
+
 use super::*;
 
 impl Scheduler {
@@ -81,7 +84,12 @@ impl Scheduler {
             }))
             .map(|t| [t])
             .collect();
-        let live = self.running.iter().filter(|s| s.parked.is_none()).count();
+        let needs: Vec<Need> = self
+            .running
+            .iter()
+            .filter(|s| s.parked.is_none())
+            .map(Seq::need)
+            .collect();
         let rows = {
             let caches = self
                 .running
@@ -99,13 +107,10 @@ impl Scheduler {
                 .collect();
             self.model
                 .forward(&mut seqs)
-                .and_then(|l| l.to_vec2::<f32>().map_err(EngineError::from))
+                .and_then(|l| split_rows(&l, &needs))
         };
         match rows {
-            Ok(mut running) => {
-                let beams = running.split_off(live);
-                Some(Logits { running, beams })
-            }
+            Ok(logits) => Some(logits),
             Err(e) => {
                 tracing::error!(error = %e, "decode step failed; failing its sequences");
                 let status = Status::from(DecodeError::StepFailed(e));
@@ -244,8 +249,18 @@ impl Scheduler {
 
 /// A step's logits: one row per running sequence that was not parked, then per live beam.
 struct Logits {
-    running: Vec<Vec<f32>>,
+    running: Vec<Fetched>,
     beams: Vec<Vec<f32>>,
+}
+
+/// `logits`' rows brought back: the running sequences' first, as `needs` says, then the
+/// beams' whole.
+fn split_rows(logits: &Tensor, needs: &[Need]) -> Result<Logits, EngineError> {
+    let beams = logits.dim(0)? - needs.len();
+    Ok(Logits {
+        running: fetch(&logits.narrow(0, 0, needs.len())?, needs)?,
+        beams: logits.narrow(0, needs.len(), beams)?.to_vec2()?,
+    })
 }
 
 /// What became of a sequence's logits in a step.
@@ -275,8 +290,23 @@ impl Seq {
         ))
     }
 
+    /// What its next row needs (see `engine::sampling::need`).
+    fn need(&self) -> Need {
+        let grammar = self.constraint.is_some();
+        need(
+            &self.sampling,
+            self.output.len(),
+            self.top_logprobs,
+            grammar,
+        )
+    }
+
     /// Samples from `row` now, unless its grammar must wait for its request's credit.
-    fn sample_or_park(&mut self, row: Vec<f32>, alone: bool) -> Outcome {
+    fn sample_or_park(&mut self, row: Fetched, alone: bool) -> Outcome {
+        let row = match row {
+            Fetched::Decided(s) => return Outcome::Sampled(Ok(s)),
+            Fetched::Whole(row) => row,
+        };
         if self.constraint.is_none() || alone || self.grammar_time.in_credit() {
             Outcome::Sampled(self.sample(&row))
         } else {
