@@ -32,10 +32,10 @@ pub enum EngineError {
     /// The node's `--device` cannot be opened (`engine::device`).
     #[error("device {device} is unavailable: {reason}")]
     DeviceUnavailable { device: String, reason: String },
-    /// The model's weights and the node's KV reserve do not fit the machine.
+    /// The model's weights and the node's KV reserve do not fit the machine (or the GPU).
     #[error(
         "{path} does not fit: its weights take {} while loading and the KV reserve {}, {} in \
-         all, past this machine's {} ({source_of_limit}); give the node more memory or a \
+         all, past the {} it has ({source_of_limit}); give the node more memory or a \
          smaller KV budget, or run a smaller or more quantized model",
         crate::footprint::size(*weights),
         crate::footprint::size(*kv),

@@ -8,6 +8,7 @@ use std::io::Read;
 use std::path::Path;
 
 use candle_core::quantized::{gguf_file, GgmlDType};
+use candle_core::Device;
 use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
@@ -283,25 +284,69 @@ pub fn size(bytes: u64) -> String {
     }
 }
 
-/// Whether `cfg`'s reserve and the weights at `path` fit this machine; the check
-/// [`crate::load_within`] runs before it reads any weight.
-pub fn check_model(path: &Path, cfg: &ModelConfig, reserve: KvReserve) -> Result<()> {
-    check_headers(path, &read_headers(path)?, cfg, reserve)
+/// Whether `cfg`'s reserve and the weights at `path` fit this machine and `device`; the
+/// check [`crate::load_within`] runs before it reads any weight.
+pub fn check_model(
+    path: &Path,
+    cfg: &ModelConfig,
+    reserve: KvReserve,
+    device: &Device,
+) -> Result<()> {
+    check_headers(path, &read_headers(path)?, cfg, reserve, device)
 }
 
-/// [`check_model`] for the tensors `headers` of the model at `path`, already read.
+/// [`check_model`] for the tensors `headers` of the model at `path`, already read. On the
+/// CPU the weights and the KV reserve share the machine's memory. On a GPU the weights
+/// pass through the machine's memory as they load and are held on the GPU with the KV
+/// caches, so each memory is checked for what it takes.
 pub fn check_headers(
     path: &Path,
     headers: &[TensorHeader],
     cfg: &ModelConfig,
     reserve: KvReserve,
+    device: &Device,
 ) -> Result<()> {
-    let Some(machine) = machine_memory() else {
-        return Ok(());
-    };
-    let weights = peak_weight_bytes(headers, !path.is_dir());
+    let gguf = !path.is_dir();
+    let weights = peak_weight_bytes(headers, gguf);
     let kv = reserve.bytes_for(&KvLayout::for_model(cfg));
-    check_fits(path, weights, kv, &machine)
+    let on_host = if device.is_cpu() { kv } else { 0 };
+    if let Some(machine) = machine_memory() {
+        check_fits(path, weights, on_host, &machine)?;
+    }
+    match gpu_memory(device)? {
+        Some(gpu) => check_fits(path, held_weight_bytes(headers, gguf), kv, &gpu),
+        None => Ok(()),
+    }
+}
+
+/// The memory free on `device` where it is a GPU: what its weights and caches can take.
+/// candle's buffers and cuBLAS's workspace come on top.
+#[cfg(feature = "cuda")]
+fn gpu_memory(device: &Device) -> Result<Option<MachineMemory>> {
+    use candle_core::cuda_backend::cudarc::driver::result::mem_get_info;
+    let Device::Cuda(gpu) = device else {
+        return Ok(None);
+    };
+    let unreadable = |e: &dyn std::fmt::Display| EngineError::DeviceUnavailable {
+        device: format!("{:?}", device.location()),
+        reason: format!("its free memory cannot be read: {e}"),
+    };
+    let stream = gpu.cuda_stream();
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| unreadable(&e))?;
+    let (free, _total) = mem_get_info().map_err(|e| unreadable(&e))?;
+    Ok(Some(MachineMemory {
+        bytes: free as u64,
+        source: "the GPU's free memory",
+    }))
+}
+
+/// Without the `cuda` feature no device but the CPU opens.
+#[cfg(not(feature = "cuda"))]
+fn gpu_memory(_device: &Device) -> Result<Option<MachineMemory>> {
+    Ok(None)
 }
 
 #[cfg(test)]

@@ -57,13 +57,13 @@ pub fn load_reporting(
     let text = text::load(path)?;
     let (model, pack) = if path.is_dir() {
         // The safetensors headers alone: opening the folder reads its weights.
-        footprint::check_model(path, &text.config, options.reserve)?;
+        footprint::check_model(path, &text.config, options.reserve, device)?;
         let model = Model::load_reporting(path, text.config, device, report)?;
         (model, None)
     } else {
         // One read of the GGUF header serves the check and the weights.
         let mut gguf = WeightSource::open_gguf_listed(path)?;
-        footprint::check_headers(path, &gguf.tensors, &text.config, options.reserve)?;
+        footprint::check_headers(path, &gguf.tensors, &text.config, options.reserve, device)?;
         if let Some(dir) = &options.pack_dir {
             gguf.source.use_pack(dir)?;
         }

@@ -327,6 +327,32 @@ fn a_model_and_reserve_past_the_machines_memory_are_refused_at_load() {
     }
 }
 
+/// The KV reserve is held where the caches live: on the CPU in the machine's memory, on a
+/// GPU in the GPU's, and a reserve past it is refused naming that memory (on a GPU the
+/// machine's memory only passes the weights through).
+#[test]
+fn a_reserve_is_checked_against_the_memory_of_the_device_it_is_held_on() {
+    let device = common::device();
+    let past = engine::KvReserve {
+        bytes: 1 << 50,
+        positions: 0,
+    };
+    let err = engine::load_within(&common::tiny_model_dir(), &device, past)
+        .err()
+        .expect("a reserve of a PiB must be refused");
+    let engine::EngineError::OutOfMemory {
+        source_of_limit, ..
+    } = err
+    else {
+        panic!("{err}");
+    };
+    let want = match device.is_cpu() {
+        true => engine::footprint::machine_memory().unwrap().source,
+        false => "the GPU's free memory",
+    };
+    assert_eq!(source_of_limit, want);
+}
+
 /// Streaming pieces are whole characters and add up to the full decode.
 #[test]
 fn incremental_decoding_never_splits_characters() {
