@@ -8,4 +8,5 @@ mod packs;
 mod reference;
 mod rope;
 mod smollm2;
+mod step_kernels;
 mod templates;
