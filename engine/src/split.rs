@@ -1,7 +1,22 @@
 //! A quantized product's output rows split across candle's pool workers, each writing its
-//! own columns of one shared buffer (which other kernels share out the same way).
+//! own columns of one shared buffer (which other kernels share out the same way), and
+//! other work mapped over that pool in order (`map_on_pool`).
 
 use std::marker::PhantomData;
+use std::sync::OnceLock;
+
+/// `f` of each item `0..items`, run on candle's pool (the products' workers), in item order.
+pub(crate) fn map_on_pool<T: Send + Sync>(items: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let done: Vec<OnceLock<T>> = (0..items).map(|_| OnceLock::new()).collect();
+    candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+        for item in range {
+            let _ = done[item].set(f(item));
+        }
+    });
+    done.into_iter()
+        .map(|d| d.into_inner().expect("the pool ran every item"))
+        .collect()
+}
 
 /// An output buffer shared by pool workers that each write their own disjoint part of it.
 pub(crate) struct SharedOut<'a, T = f32> {

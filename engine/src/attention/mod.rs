@@ -28,7 +28,6 @@ mod cuda;
 mod kernels;
 
 use std::ops::Range;
-use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Storage, Tensor, WithDType};
 use half::f16;
@@ -99,15 +98,7 @@ pub(crate) fn causal(
     let outs: Vec<Vec<f32>> = if t > 1 {
         (0..items).into_par_iter().map(block).collect()
     } else if spread {
-        let done: Vec<OnceLock<Vec<f32>>> = (0..items).map(|_| OnceLock::new()).collect();
-        candle_core::utils::barrier_pool().execute_chunked(items, |range| {
-            for item in range {
-                let _ = done[item].set(block(item));
-            }
-        });
-        done.into_iter()
-            .map(|d| d.into_inner().expect("every block ran"))
-            .collect()
+        crate::split::map_on_pool(items, block)
     } else {
         (0..items).map(block).collect()
     };

@@ -1,8 +1,6 @@
 //! A layer's attention over the batch's caches: each sequence's new rows rotated to their
 //! positions, written to its cache, and attended over everything the cache holds.
 
-use std::sync::OnceLock;
-
 use candle_core::{IndexOp, Tensor};
 use rayon::prelude::*;
 
@@ -10,6 +8,7 @@ use super::{Model, RopeTables, SeqInput};
 use crate::attention::{self, Scores};
 use crate::error::Result;
 use crate::kv_cache::SeqCache;
+use crate::split::map_on_pool;
 use text::RopeStyle;
 
 impl Model {
@@ -124,15 +123,8 @@ impl Model {
         if n == 1 {
             return one(0, true);
         }
-        let done: Vec<OnceLock<Result<Tensor>>> = batch.iter().map(|_| OnceLock::new()).collect();
-        candle_core::utils::barrier_pool().execute_chunked(n, |range| {
-            for i in range {
-                let _ = done[i].set(one(i, false));
-            }
-        });
-        let outs = done
+        let outs = map_on_pool(n, |i| one(i, false))
             .into_iter()
-            .map(|d| d.into_inner().expect("every sequence attended"))
             .collect::<Result<Vec<_>>>()?;
         Ok(Tensor::cat(&outs, 0)?)
     }
