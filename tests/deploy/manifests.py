@@ -19,6 +19,8 @@ import re
 import sys
 import tempfile
 
+import yaml
+
 import discovery
 import fetch
 import helm
@@ -520,9 +522,26 @@ def check_tree(t, k8s, versions, only=None, chart=helm.CHART):
                 print(f"rendered {label}: {len(objs)} objects", flush=True)
             try:
                 check_target(t, label, objs, on)
+                if os.path.isdir(path):
+                    check_images(t, label, path, objs)
             except Exception as e:  # a broken manifest must fail the run, not crash it
                 t.ok(f"check {label}", False, f"{type(e).__name__}: {e}")
         twins.check(t, k8s, rendered, chart, only)
+
+
+def check_images(t, label, path, objs):
+    """Each `images` entry of a kustomization renames an image that reaches it: one that
+    names the image the base has already renamed changes nothing, silently."""
+    with open(os.path.join(path, "kustomization.yaml")) as f:
+        entries = (yaml.safe_load(f) or {}).get("images") or []
+    running = {c["image"] for _, spec in pod_specs(objs)
+               for c in spec.get("containers", []) + spec.get("initContainers", [])}
+    for e in entries:
+        want = f"{e.get('newName', e['name'])}:{e['newTag']}" if "newTag" in e \
+            else e.get("newName", e["name"])
+        t.ok(f"{label} images entry {e['name']} renames an image its pods run ({want})",
+             any(i == want or i.startswith(want + ":") for i in running),
+             f"its pods run {sorted(running)}")
 
 
 def cmd_check():

@@ -62,6 +62,9 @@ MUTATIONS = [
     ("fetch target differs from TANDEM_MODEL", "components/model-fetch-init/init-container.yaml",
      "value: /models/SmolLM2-135M-Instruct.Q4_1.gguf", "value: /models/other.gguf",
      "MODEL_DEST is TANDEM_MODEL"),
+    ("an image renamed that the base renamed first", "overlays/large/kustomization.yaml",
+     "  - name: localhost/tandem\n", "  - name: tandem\n", "renames an image its pods run",
+     {"overlays/large"}),
     ("object without a namespace", "components/model-fill-job/job.yaml",
      "  namespace: tandem\n", "", "has a namespace", {"base+components/model-fill-job"}),
     # TLS (components/mtls, components/cert-manager-certs).
