@@ -15,6 +15,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CHART = os.path.join(ROOT, "deploy", "helm", "tandem")
 RENDER_BASE = os.path.join(ROOT, "scripts", "render-k8s-base.py")
 VALUES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helm-values")
+EXAMPLES = os.path.join(CHART, "examples")
 
 
 def helm():
@@ -22,9 +23,10 @@ def helm():
 
 
 def targets():
-    """(label, values file) of every value set."""
-    return [(f"helm {name[:-5]}", os.path.join(VALUES, name))
-            for name in sorted(os.listdir(VALUES)) if name.endswith(".yaml")]
+    """(label, values file) of every value set: the tests' and the chart's examples."""
+    return [(f"helm {prefix}{name[:-5]}", os.path.join(folder, name))
+            for prefix, folder in (("", VALUES), ("example ", EXAMPLES))
+            for name in sorted(os.listdir(folder)) if name.endswith(".yaml")]
 
 
 def render(values, chart=CHART):

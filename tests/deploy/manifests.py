@@ -39,6 +39,10 @@ CLOSE_GRACE_S = 5
 MIN_MARGIN_S = 5
 # Memory a worker needs beyond its configured cache (model, buffers, the process).
 MEMORY_HEADROOM_MIB = 512
+# A GPU as the device plugins name theirs (nvidia.com/gpu, amd.com/gpu).
+GPU_RESOURCE_SUFFIX = "/gpu"
+# The CUDA build's image repository ends so (deploy/Containerfile's `cuda` target).
+CUDA_IMAGE_SUFFIX = "-cuda"
 # Kinds outside any namespace; every other object must name its namespace, or `kubectl apply`
 # puts it in whatever namespace the caller's context has (a component's resources do not get
 # the base's `namespace:`).
@@ -303,13 +307,36 @@ def check_pod_consistency(t, c_label, wl, spec, c, env, binary, volumes, by_key)
                        for (kind, _), o in by_key.items() if kind == "ConfigMap")
         t.ok(f"{c_label} registers in etcd or is followed through EndpointSlices",
              bool(eff.get("etcd-endpoints")) or followed)
-        cache = {"tandem-decode": "kv-cache-mb", "tandem-prefill": "prefix-cache-mb"}[binary]
-        cache_mib = int(eff.get(cache) or binary_help(binary).options[cache]["default"])
-        limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
-        t.ok(f"{c_label} memory limit {limit} covers --{cache} {cache_mib} + "
-             f"{MEMORY_HEADROOM_MIB} MiB",
-             limit is not None and mib(limit) >= cache_mib + MEMORY_HEADROOM_MIB)
+        check_worker_memory(t, c_label, c, eff, binary)
     return eff, tls_secrets
+
+
+def check_worker_memory(t, c_label, c, eff, binary):
+    """A worker's caches fit where they are held: in the pod's memory on the CPU; on a GPU
+    (--device cuda) in the GPU's, which the pod must then be given (and only then: a GPU a
+    pod holds and does not use is lost to the cluster), running the CUDA build."""
+    cache = {"tandem-decode": "kv-cache-mb", "tandem-prefill": "prefix-cache-mb"}[binary]
+    cache_mib = int(eff.get(cache) or binary_help(binary).options[cache]["default"])
+    limits = (c.get("resources") or {}).get("limits") or {}
+    limit = limits.get("memory")
+    gpus = sum(int(v) for k, v in limits.items() if k.endswith(GPU_RESOURCE_SUFFIX))
+    on_gpu = (eff.get("device") or binary_help(binary).options["device"]["default"]) \
+        .startswith("cuda")
+    image = c.get("image") or ""
+    if on_gpu:
+        t.ok(f"{c_label} computes on a GPU and is given exactly one ({gpus})", gpus == 1)
+        t.ok(f"{c_label} computes on a GPU in the CUDA build ({image})",
+             image.split(":")[0].endswith(CUDA_IMAGE_SUFFIX))
+        t.ok(f"{c_label} memory limit {limit} covers {MEMORY_HEADROOM_MIB} MiB (--{cache} "
+             f"{cache_mib} is in the GPU's)",
+             limit is not None and mib(limit) >= MEMORY_HEADROOM_MIB)
+        return
+    t.ok(f"{c_label} computes on the CPU and holds no GPU ({gpus})", gpus == 0)
+    t.ok(f"{c_label} computes on the CPU in the CPU build ({image})",
+         not image.split(":")[0].endswith(CUDA_IMAGE_SUFFIX))
+    t.ok(f"{c_label} memory limit {limit} covers --{cache} {cache_mib} + "
+         f"{MEMORY_HEADROOM_MIB} MiB",
+         limit is not None and mib(limit) >= cache_mib + MEMORY_HEADROOM_MIB)
 
 
 def mount_of(mounts, path):

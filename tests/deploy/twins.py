@@ -34,6 +34,8 @@ TWINS = [
                                               for m in "abc"]}}),
     ("base+components/monitoring", {"monitoring": {"enabled": True}}),
     ("base+components/decode-hpa-kv-blocks", {"decode": {"autoscaling": {"metric": "kvBlocks"}}}),
+    ("base+components/gpu-pools",
+     {"prefill": {"gpu": {"enabled": True}}, "decode": {"gpu": {"enabled": True}}}),
 ]
 # Objects one side has by design: the namespace (Helm installs into one) and the base's model
 # claim (the chart mounts a claim you made). Helm's hooks (`helm test`'s pod) are left out.

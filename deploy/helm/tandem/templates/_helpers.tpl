@@ -75,6 +75,23 @@ affinity:
 {{- end }}
 {{- end }}
 
+{{/* A pool's resources (its values given): with gpu.enabled, one GPU more in its limits (an
+extended resource is requested as limited). */}}
+{{- define "tandem.workerResources" -}}
+{{- $res := deepCopy .resources }}
+{{- if .gpu.enabled }}
+{{- $_ := set $res "limits" (merge (dict .gpu.resourceName 1) ($res.limits | default dict)) }}
+{{- end }}
+{{- toYaml $res }}
+{{- end }}
+
+{{/* A pool's device (its values given), for its ConfigMap: the binaries' default is the CPU. */}}
+{{- define "tandem.device" -}}
+{{- if .gpu.enabled }}
+TANDEM_DEVICE: cuda
+{{- end }}
+{{- end }}
+
 {{/* Spread a component's pods over nodes. */}}
 {{- define "tandem.antiAffinity" -}}
 affinity:
