@@ -1,8 +1,9 @@
 //! The compute thread: batched, chunked prefill. Each step runs one forward pass over a
 //! piece of every queued prompt, oldest first, up to a token budget; a prompt longer than
 //! the chunk size takes several steps, so a long prompt does not hold short ones back for
-//! its whole length. Each layer's K/V for the step's positions leaves as soon as that layer
-//! is done, so the transfer overlaps the rest of the pass.
+//! its whole length. Each layer's K/V for the step's positions is staged as soon as that
+//! layer is done and leaves then (on a GPU, two layers later, once copied to host memory),
+//! so the transfer overlaps the rest of the pass.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -12,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use engine::grammar::{Constraint, GrammarError, TokenMask};
 use engine::sampling::Context;
-use engine::{Model, Sampled, SamplingParams, SeqCache, SeqInput};
+use engine::{Model, Sampled, SamplingParams, SeqCache, SeqInput, Staged, Stager};
 use kvwire::Item;
 use proto::v1::FirstTokens;
 use tokio::sync::{mpsc, oneshot};
@@ -125,6 +126,7 @@ pub fn spawn(
         .name("prefill-compute".into())
         .spawn(move || {
             Worker {
+                stager: Stager::new(model.device()),
                 model,
                 prefix: PrefixCache::new(limits.prefix_cache_bytes),
                 limits,
@@ -145,6 +147,8 @@ struct Worker {
     /// A prompt taken from the queue that waits for room among the started ones.
     next: Option<Job>,
     prefix: PrefixCache,
+    /// Moves each layer's chunks to host memory for the transfers.
+    stager: Stager,
 }
 
 impl Worker {
@@ -305,29 +309,39 @@ impl Worker {
                 }
             })
             .collect();
+        // Each layer's chunks are staged when it is done and sent `lookahead` layers later
+        // (at once on the CPU; on a GPU once their copies to host memory are done).
+        let stager = &self.stager;
+        let mut staged: VecDeque<Vec<(usize, Staged)>> = VecDeque::new();
         let (last, every) = self.model.forward_rows(
             &mut batch,
             &mut |layer, seqs| {
+                let mut layer_chunks = Vec::new();
                 for (k, s) in seqs.iter().enumerate() {
-                    if closed[k] {
+                    let (tx, sent) = &transfers[k];
+                    if closed[k] || tx.is_closed() {
+                        closed[k] = true;
                         continue;
                     }
-                    let (tx, sent) = &transfers[k];
                     let n = s.tokens.len();
                     let end = s.cache.len() + n;
                     for start in (*sent..end).step_by(message_tokens) {
                         let len = message_tokens.min(end - start);
-                        let chunk = s.cache.export_pending(layer, start, len, n)?;
-                        if tx.send(Item::Chunk(chunk)).is_err() {
-                            closed[k] = true;
-                            break;
-                        }
+                        layer_chunks.push((k, stager.stage(&*s.cache, layer, start, len, n)?));
                     }
+                }
+                staged.push_back(layer_chunks);
+                while staged.len() > stager.lookahead() {
+                    let due = staged.pop_front().unwrap_or_default();
+                    send_chunks(due, &transfers, &mut closed)?;
                 }
                 Ok(())
             },
             &every_row,
         )?;
+        for due in staged {
+            send_chunks(due, &transfers, &mut closed)?;
+        }
         let every = every
             .into_iter()
             .map(|t| t.map(|t| t.to_vec2::<f32>()).transpose())
@@ -425,6 +439,24 @@ impl Worker {
                 .insert(a.job.cache_partition, a.job.prompt, a.cache);
         }
     }
+}
+
+/// Sends staged chunks, each on its prompt's transfer (`transfers[k]` for `(k, chunk)`),
+/// marking a prompt whose transfer has closed.
+fn send_chunks(
+    chunks: Vec<(usize, Staged)>,
+    transfers: &[(mpsc::UnboundedSender<Item>, usize)],
+    closed: &mut [bool],
+) -> Result<(), engine::EngineError> {
+    for (k, staged) in chunks {
+        if closed[k] {
+            continue;
+        }
+        if transfers[k].0.send(Item::Chunk(staged.take()?)).is_err() {
+            closed[k] = true;
+        }
+    }
+    Ok(())
 }
 
 /// The first tokens a request's grammar allows after its output so far (a moved stream's).

@@ -16,7 +16,9 @@ use crate::error::{EngineError, Result};
 use text::ModelConfig;
 
 mod assembler;
+mod staging;
 pub use assembler::{ChunkWrite, KvAssembler};
+pub use staging::{Staged, Stager};
 
 /// The element type of K and V, in the cache and on the wire.
 pub const KV_DTYPE: &str = "f16";
@@ -378,12 +380,7 @@ impl SeqCache {
         len: usize,
         pending: usize,
     ) -> Result<KvChunk> {
-        if layer >= self.layout.n_layers || start + len > self.len() + pending {
-            return Err(EngineError::KvCache(format!(
-                "export of layer {layer} positions {start}..{} out of range",
-                start + len
-            )));
-        }
+        self.check_export(layer, start, len, pending)?;
         let l = &self.layers[layer];
         let bytes = |t: &Tensor| -> Result<Bytes> {
             let data: Vec<f16> = t.narrow(1, start, len)?.flatten_all()?.to_vec1()?;
@@ -396,6 +393,17 @@ impl SeqCache {
             k: bytes(&l.k)?,
             v: bytes(&l.v)?,
         })
+    }
+
+    /// Whether `export_pending` may take these positions.
+    fn check_export(&self, layer: usize, start: usize, len: usize, pending: usize) -> Result<()> {
+        if layer >= self.layout.n_layers || start + len > self.len() + pending {
+            return Err(EngineError::KvCache(format!(
+                "export of layer {layer} positions {start}..{} out of range",
+                start + len
+            )));
+        }
+        Ok(())
     }
 
     /// The whole cache as chunks of at most `max_tokens` positions, layer by layer.

@@ -4,7 +4,7 @@ use crate::common;
 
 use engine::generate::generate;
 use engine::sampling::{sample, Context, SamplingParams};
-use engine::{KvAssembler, Model, SeqInput};
+use engine::{KvAssembler, Model, SeqInput, Stager};
 
 fn model() -> Model {
     Model::load(&common::tiny_model_dir(), &common::device()).unwrap()
@@ -295,6 +295,50 @@ fn layers_stream_out_while_the_prompt_is_computed() {
         asm.finish().unwrap().export_all(64).unwrap(),
         cache.export_all(64).unwrap()
     );
+}
+
+/// A chunk staged from the layer hook (on a GPU: its copy queued behind the layer) holds
+/// the layer as it was then: taken only after the whole pass, and after the same positions
+/// were written again with another prompt, it is the first prompt's.
+#[test]
+fn staged_chunks_hold_the_layer_as_it_was_when_staged() {
+    let m = model();
+    let (first, second) = (prompt(30, 4), prompt(30, 7));
+    let stager = Stager::new(m.device());
+    let mut cache = m.new_cache().unwrap();
+    let mut staged = Vec::new();
+    m.forward_with(
+        &mut [SeqInput {
+            tokens: &first,
+            cache: &mut cache,
+        }],
+        &mut |layer, batch| {
+            for start in (0..first.len()).step_by(16) {
+                let len = 16.min(first.len() - start);
+                staged.push(stager.stage(batch[0].cache, layer, start, len, first.len())?);
+            }
+            Ok(())
+        },
+    )
+    .unwrap();
+    cache.truncate(0);
+    m.forward_with(
+        &mut [SeqInput {
+            tokens: &second,
+            cache: &mut cache,
+        }],
+        &mut |_, _| Ok(()),
+    )
+    .unwrap();
+    let taken: Vec<_> = staged.into_iter().map(|s| s.take().unwrap()).collect();
+    let mut alone = m.new_cache().unwrap();
+    m.forward(&mut [SeqInput {
+        tokens: &first,
+        cache: &mut alone,
+    }])
+    .unwrap();
+    assert_eq!(taken, alone.export_all(16).unwrap());
+    assert_ne!(taken, cache.export_all(16).unwrap());
 }
 
 /// Every row of a prompt's run scores the token after it as a run that stops there would:
