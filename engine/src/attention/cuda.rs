@@ -5,6 +5,7 @@
 //! 20,000 launches a step.
 
 use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaStream, CudaView, DevicePtr, LaunchConfig, PushKernelArg,
 };
@@ -12,6 +13,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor};
 use half::f16;
 
+use super::splits::key_runs;
 use super::Scores;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::SeqCache;
@@ -179,8 +181,16 @@ impl CustomOp3 for Step {
         unsafe { args.launch(launch(grid, self.head_dim, 0)) }.w()?;
 
         let attend = dev.get_or_load_custom_func("step_attention", MODULE, PTX)?;
-        // SAFETY: every element is written by `step_attention` below.
+        let runs = key_runs(n * self.heads, self.longest(), multiprocessors(&stream)?);
+        // SAFETY: every element is written by `step_attention` below, or with runs by
+        // `merge_splits` after it.
         let out = unsafe { dev.alloc::<f32>(n * self.heads * self.head_dim)? };
+        // Each run's values, max and sum (one element where unused, as no launch takes a
+        // null pointer).
+        let width = if runs > 1 { self.head_dim + 2 } else { 0 };
+        // SAFETY: with runs, every element is written by `step_attention` below, before
+        // `merge_splits` reads it; without, no kernel touches it.
+        let partial = unsafe { dev.alloc::<f32>((n * self.heads * runs * width).max(1))? };
         let heads = self.heads as i32;
         let scale = self.scores.scale as f32;
         let softcap = self.scores.softcap.map_or(0.0, |c| c as f32);
@@ -188,22 +198,52 @@ impl CustomOp3 for Step {
             .scores
             .window
             .map_or(0, |w| w.min(i32::MAX as usize) as i32);
+        let splits = runs as i32;
         let mut args = attend.builder();
-        args.arg(&q)
-            .arg(&slots)
-            .arg(&out)
-            .arg(&heads)
-            .arg(&kv_heads);
-        args.arg(&head_dim).arg(&scale).arg(&softcap).arg(&window);
-        let grid = (self.heads as u32, n as u32, 1);
+        args.arg(&q).arg(&slots).arg(&out).arg(&partial);
+        args.arg(&heads).arg(&kv_heads).arg(&head_dim);
+        args.arg(&scale).arg(&softcap).arg(&window).arg(&splits);
+        let grid = (self.heads as u32, n as u32, runs as u32);
         let shared = (WARPS * self.head_dim * std::mem::size_of::<f32>()) as u32;
         // SAFETY: the arguments are `step_attention`'s, in its order and types; it reads
         // each slot's keys `..= pos` (written, the last by `kv_append` just before on the
-        // same stream) and writes `out`, `n * heads * head_dim` f32, within bounds.
+        // same stream) and writes `out`, `n * heads * head_dim` f32, or with runs
+        // `partial`, `n * heads * runs * (head_dim + 2)`, within bounds.
         unsafe { args.launch(launch(grid, 32 * WARPS, shared)) }.w()?;
+        if runs > 1 {
+            let merge = dev.get_or_load_custom_func("merge_splits", MODULE, PTX)?;
+            let mut args = merge.builder();
+            args.arg(&partial)
+                .arg(&out)
+                .arg(&heads)
+                .arg(&head_dim)
+                .arg(&splits);
+            let grid = (self.heads as u32, n as u32, 1);
+            // SAFETY: the arguments are `merge_splits`'s, in its order and types; it reads
+            // `partial` as written above on the same stream and writes `out`, within
+            // bounds.
+            unsafe { args.launch(launch(grid, self.head_dim, 0)) }.w()?;
+        }
         let shape = Shape::from((n, self.heads, 1, self.head_dim));
         Ok((CudaStorage::wrap_cuda_slice(out, dev), shape))
     }
+}
+
+impl Step {
+    /// The most keys a sequence of the step attends: its positions, or its window.
+    fn longest(&self) -> usize {
+        let most = self.slots.iter().map(|s| s.pos + 1).max().unwrap_or(0);
+        self.scores.window.map_or(most, |w| most.min(w))
+    }
+}
+
+/// The multiprocessors of the GPU `stream` runs on.
+fn multiprocessors(stream: &CudaStream) -> candle_core::Result<usize> {
+    let count = stream
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()?;
+    Ok(count.max(1) as usize)
 }
 
 /// A launch of `threads` threads a block (at most 1,024) over `grid`.

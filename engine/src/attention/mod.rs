@@ -26,6 +26,7 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 mod kernels;
+mod splits;
 
 use std::ops::Range;
 

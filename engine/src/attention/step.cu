@@ -34,8 +34,15 @@ extern "C" __global__ void kv_append(const float* __restrict__ k, const float* _
 }
 
 // Attention of each sequence's new row over its keys up to and including that row's,
-// `q` `(n, heads, head_dim)` f32 into `out` of the same shape. Grid (heads, n), WARPS
-// warps a block and `WARPS * head_dim` floats of dynamic shared memory.
+// `q` `(n, heads, head_dim)` f32. Grid (heads, n, splits), WARPS warps a block and
+// `WARPS * head_dim` floats of dynamic shared memory.
+//
+// With one split, a block attends one (sequence, head) over all its keys and writes the
+// result to `out` `(n, heads, head_dim)`. With more (a small batch over long caches, where
+// one block a head would leave most of the GPU idle), split z of a sequence's keys, cut in
+// `splits` runs of equal length, writes its partial result to `partial`
+// `(n, heads, splits, head_dim + 2)`: its weighted values, unnormalized, then its max and
+// its sum of weights; `merge_splits` then merges them.
 //
 // Each warp walks its keys with an online softmax (its running max, the sum of its
 // weights and their weighted values, each lane holding the dimensions lane + 32 i); the
@@ -43,20 +50,25 @@ extern "C" __global__ void kv_append(const float* __restrict__ k, const float* _
 // scaled scores as Gemma 2 does; `window` > 0 keeps only the last `window` keys.
 extern "C" __global__ void step_attention(const float* __restrict__ q,
                                           const Slot* __restrict__ slots,
-                                          float* __restrict__ out, int heads, int kv_heads,
-                                          int head_dim, float scale, float softcap,
-                                          int window) {
+                                          float* __restrict__ out, float* __restrict__ partial,
+                                          int heads, int kv_heads, int head_dim, float scale,
+                                          float softcap, int window, int splits) {
     extern __shared__ float merged[];
     __shared__ float warp_max[WARPS];
     __shared__ float warp_sum[WARPS];
-    const int h = blockIdx.x, b = blockIdx.y;
+    const int h = blockIdx.x, b = blockIdx.y, z = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const Slot s = slots[b];
     const size_t head = (size_t)(h / (heads / kv_heads)) * s.head_stride;
     const __half* keys = s.k + head;
     const __half* values = s.v + head;
-    const long long last = (long long)s.pos;
-    const long long first = (window > 0 && last + 1 > window) ? last + 1 - window : 0;
+    const long long pos = (long long)s.pos;
+    const long long start = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
+    // This split's keys, `first ..= last`: none where the sequence has fewer keys than
+    // there are splits.
+    const long long run = (pos + 1 - start + splits - 1) / splits;
+    const long long first = start + z * run;
+    const long long last = first + run - 1 < pos ? first + run - 1 : pos;
     const float* row = q + ((size_t)b * heads + h) * head_dim;
 
     float qd[MAX_DIMS], acc[MAX_DIMS];
@@ -101,12 +113,45 @@ extern "C" __global__ void step_attention(const float* __restrict__ q,
 
     float top = -INFINITY;
     for (int w = 0; w < WARPS; w++) top = fmaxf(top, warp_max[w]);
+    // A split without keys keeps the max -inf (its sums are then not numbers), which
+    // `merge_splits` passes over.
     float total = 0.0f;
     for (int w = 0; w < WARPS; w++) total += warp_sum[w] * expf(warp_max[w] - top);
-    float* dst = out + ((size_t)b * heads + h) * head_dim;
+    const size_t at = (size_t)b * heads + h;
+    float* dst = splits == 1 ? out + at * head_dim : partial + (at * splits + z) * (head_dim + 2);
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float x = 0.0f;
         for (int w = 0; w < WARPS; w++) x += merged[w * head_dim + d] * expf(warp_max[w] - top);
-        dst[d] = x / total;
+        dst[d] = splits == 1 ? x / total : x;
+    }
+    if (splits > 1 && threadIdx.x == 0) {
+        dst[head_dim] = top;
+        dst[head_dim + 1] = total;
+    }
+}
+
+// Merges `step_attention`'s splits: `partial` `(n, heads, splits, head_dim + 2)` into `out`
+// `(n, heads, head_dim)`, each split's values and sum weighted by exp(its max - the
+// largest). Grid (heads, n).
+extern "C" __global__ void merge_splits(const float* __restrict__ partial,
+                                        float* __restrict__ out, int heads, int head_dim,
+                                        int splits) {
+    const size_t at = (size_t)blockIdx.y * heads + blockIdx.x;
+    const float* parts = partial + at * splits * (head_dim + 2);
+    const int width = head_dim + 2;
+    float top = -INFINITY;
+    for (int z = 0; z < splits; z++) top = fmaxf(top, parts[z * width + head_dim]);
+    float total = 0.0f;
+    for (int z = 0; z < splits; z++) {
+        const float m = parts[z * width + head_dim];
+        if (m > -INFINITY) total += parts[z * width + head_dim + 1] * expf(m - top);
+    }
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float x = 0.0f;
+        for (int z = 0; z < splits; z++) {
+            const float m = parts[z * width + head_dim];
+            if (m > -INFINITY) x += parts[z * width + d] * expf(m - top);
+        }
+        out[at * head_dim + d] = x / total;
     }
 }

@@ -409,41 +409,54 @@ fn a_decode_step_gives_each_sequence_its_whole_prompt_s_logits() {
         common::tiny_mistral_dir(),
         common::tiny_gemma2_dir(),
     ] {
-        let m = Model::load(&dir, &common::device()).unwrap();
-        let prompts: Vec<Vec<u32>> = [5, 17, 40].iter().map(|&n| prompt(n, n as u32)).collect();
-        let whole: Vec<Vec<f32>> = prompts.iter().map(|p| m.logits_for(p).unwrap()).collect();
-        let mut caches: Vec<_> = prompts.iter().map(|_| m.new_cache().unwrap()).collect();
-        for (p, c) in prompts.iter().zip(caches.iter_mut()) {
-            let (before, _) = p.split_at(p.len() - 1);
-            m.forward(&mut [SeqInput {
-                tokens: before,
-                cache: c,
-            }])
-            .unwrap();
-        }
-        let mut batch: Vec<SeqInput> = prompts
+        step_against_whole_prompts(&dir, &[5, 17, 40]);
+    }
+}
+
+/// The same with a cache long enough (600 positions) for a GPU to attend its keys in runs,
+/// each by a block of its own, merged after (`attention::splits`).
+#[test]
+fn a_decode_step_over_a_long_cache_gives_its_whole_prompt_s_logits() {
+    step_against_whole_prompts(&common::tiny_model_dir(), &[5, 600]);
+}
+
+/// Prompts of `lengths`, all but their last tokens run first, then the last tokens in one
+/// step: each step's logits within 1e-4 of its whole prompt's, its greedy token the same.
+fn step_against_whole_prompts(dir: &std::path::Path, lengths: &[usize]) {
+    let m = Model::load(dir, &common::device()).unwrap();
+    let prompts: Vec<Vec<u32>> = lengths.iter().map(|&n| prompt(n, n as u32)).collect();
+    let whole: Vec<Vec<f32>> = prompts.iter().map(|p| m.logits_for(p).unwrap()).collect();
+    let mut caches: Vec<_> = prompts.iter().map(|_| m.new_cache().unwrap()).collect();
+    for (p, c) in prompts.iter().zip(caches.iter_mut()) {
+        let (before, _) = p.split_at(p.len() - 1);
+        m.forward(&mut [SeqInput {
+            tokens: before,
+            cache: c,
+        }])
+        .unwrap();
+    }
+    let mut batch: Vec<SeqInput> = prompts
+        .iter()
+        .zip(caches.iter_mut())
+        .map(|(p, c)| SeqInput {
+            tokens: &p[p.len() - 1..],
+            cache: c,
+        })
+        .collect();
+    let stepped: Vec<Vec<f32>> = m.forward(&mut batch).unwrap().to_vec2().unwrap();
+    for ((want, got), p) in whole.iter().zip(&stepped).zip(&prompts) {
+        let max_diff = want
             .iter()
-            .zip(caches.iter_mut())
-            .map(|(p, c)| SeqInput {
-                tokens: &p[p.len() - 1..],
-                cache: c,
-            })
-            .collect();
-        let stepped: Vec<Vec<f32>> = m.forward(&mut batch).unwrap().to_vec2().unwrap();
-        for ((want, got), p) in whole.iter().zip(&stepped).zip(&prompts) {
-            let max_diff = want
-                .iter()
-                .zip(got)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            let name = dir.display();
-            assert!(max_diff < 1e-4, "{name}, {} tokens: {max_diff}", p.len());
-            assert_eq!(
-                engine::model::argmax(want),
-                engine::model::argmax(got),
-                "{name}, {} tokens",
-                p.len()
-            );
-        }
+            .zip(got)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        let name = dir.display();
+        assert!(max_diff < 1e-4, "{name}, {} tokens: {max_diff}", p.len());
+        assert_eq!(
+            engine::model::argmax(want),
+            engine::model::argmax(got),
+            "{name}, {} tokens",
+            p.len()
+        );
     }
 }

@@ -52,29 +52,38 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
 #define __global__
 #define __shared__ static
 
-// Runs `kernel` over `grid` blocks of `threads` threads.
+// Runs one block of `kernel`: its threads, each with its indices.
+template <class Kernel>
+void run_block(unsigned bx, unsigned by, unsigned bz, unsigned threads, Kernel kernel) {
+    std::barrier<> block(threads);
+    block_barrier = &block;
+    warp_barriers.clear();
+    for (unsigned first = 0; first < threads; first += 32) {
+        const unsigned lanes = threads - first < 32 ? threads - first : 32;
+        warp_barriers.push_back(std::make_unique<std::barrier<>>(lanes));
+    }
+    std::vector<std::thread> running;
+    for (unsigned t = 0; t < threads; t++) {
+        running.emplace_back([=] {
+            threadIdx.x = t;
+            blockIdx.x = bx;
+            blockIdx.y = by;
+            blockIdx.z = bz;
+            kernel();
+        });
+    }
+    for (auto& t : running) t.join();
+}
+
+// Runs `kernel` over `grid` blocks of `threads` threads, one block after another.
 template <class Kernel>
 void launch(dim3 grid, unsigned threads, Kernel kernel) {
     blockDim.x = threads;
-    for (unsigned by = 0; by < grid.y; by++) {
-        for (unsigned bx = 0; bx < grid.x; bx++) {
-            std::barrier<> block(threads);
-            block_barrier = &block;
-            warp_barriers.clear();
-            for (unsigned first = 0; first < threads; first += 32) {
-                const unsigned lanes = threads - first < 32 ? threads - first : 32;
-                warp_barriers.push_back(std::make_unique<std::barrier<>>(lanes));
+    for (unsigned bz = 0; bz < grid.z; bz++) {
+        for (unsigned by = 0; by < grid.y; by++) {
+            for (unsigned bx = 0; bx < grid.x; bx++) {
+                run_block(bx, by, bz, threads, kernel);
             }
-            std::vector<std::thread> running;
-            for (unsigned t = 0; t < threads; t++) {
-                running.emplace_back([=] {
-                    threadIdx.x = t;
-                    blockIdx.x = bx;
-                    blockIdx.y = by;
-                    kernel();
-                });
-            }
-            for (auto& t : running) t.join();
         }
     }
 }
