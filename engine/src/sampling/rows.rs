@@ -1,22 +1,32 @@
 //! What of a step's logits comes back to the host. On the CPU every row is there already.
 //! On a GPU a row of a large vocabulary is most of a decode step's copy (64 rows of
-//! Qwen2's 151,936 logits are 39 MB), so a row whose token is its raw logits' argmax and
-//! which reports nothing else is decided where it lies: only its token and that token's
-//! log-probability come back.
+//! Qwen2's 151,936 logits are 39 MB), so a row that nothing but its temperature shapes,
+//! and which reports nothing but its token's log-probability, is decided where it lies:
+//! greedy, its argmax; tempered, a draw by the same rule and the same uniform as the
+//! host's sampler, of which only sums of runs of the vocabulary and the one run the draw
+//! lands in come back.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
-use super::SamplingParams;
+use super::{uniform, SamplingParams};
 use crate::error::Result;
 use crate::logprobs::Sampled;
 
+/// Tokens in a run of a tempered row's vocabulary: the host gets each run's sum, finds the
+/// run the draw lands in, and gets that run alone (about the square root of the
+/// vocabularies in use, so that both copies stay small: 2.4 and 6 KB a row at 151,936).
+const DRAW_RUN: usize = 512;
+
 /// What sampling needs of one row of logits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Need {
     /// The whole row, on the host.
     Whole,
     /// Only its argmax and the argmax's log-probability.
     Argmax,
+    /// A draw from `softmax(logits / temperature)`, nothing filtered, by the uniform `u`
+    /// (`sampling::uniform` of the row's seed and step), and its log-probability.
+    Draw { temperature: f64, u: f64 },
 }
 
 /// One row as [`fetch`] brought it back.
@@ -37,75 +47,211 @@ impl Fetched {
     }
 }
 
-/// What a sequence's next row needs: only its argmax when it is greedy and nothing moves
-/// its logits before the argmax (a logit bias, a penalty, `min_tokens`' hold, a grammar)
-/// or reads more of the row (alternatives' logprobs); else the whole row.
+/// What a sequence's next row needs, its `generated` tokens so far: decided where it lies
+/// when nothing moves its logits first (a logit bias, a penalty, `min_tokens`' hold, a
+/// grammar), no filter cuts its distribution (top-k, top-p, min-p) and it reports no
+/// alternatives; else the whole row.
 pub fn need(p: &SamplingParams, generated: usize, top_logprobs: usize, grammar: bool) -> Need {
     let holds = generated < p.min_tokens && !p.held.is_empty();
-    let plain = p.temperature <= 0.0
-        && p.logit_bias.is_empty()
+    let plain = p.logit_bias.is_empty()
         && p.repetition_penalty == 1.0
         && p.presence_penalty == 0.0
         && p.frequency_penalty == 0.0
         && !holds
         && !grammar
         && top_logprobs == 0;
-    if plain {
-        Need::Argmax
-    } else {
-        Need::Whole
+    let unfiltered = p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0;
+    match (plain, p.temperature <= 0.0) {
+        (false, _) => Need::Whole,
+        (true, true) => Need::Argmax,
+        (true, false) if unfiltered => Need::Draw {
+            temperature: p.temperature as f64,
+            u: uniform(p.seed, generated as u64),
+        },
+        (true, false) => Need::Whole,
     }
 }
 
 /// The rows of `logits` `(rows, vocab)`, each as `needs` says: on the CPU all whole (the
-/// sampler then decides every row as it always has); elsewhere the [`Need::Argmax`] rows
-/// decided where they lie.
+/// sampler then decides every row as it always has); elsewhere the rows that can be
+/// decided where they lie are.
 pub fn fetch(logits: &Tensor, needs: &[Need]) -> Result<Vec<Fetched>> {
-    if logits.device().is_cpu() || !needs.contains(&Need::Argmax) {
+    if logits.device().is_cpu() || needs.iter().all(|n| *n == Need::Whole) {
         let rows: Vec<Vec<f32>> = logits.to_vec2()?;
         return Ok(rows.into_iter().map(Fetched::Whole).collect());
     }
     decide_in_place(logits, needs)
 }
 
-/// [`fetch`] off the CPU: the argmax rows' tokens and log-probabilities in a few ops over
-/// all of them (a row's log-probability of its largest logit is `-ln Σ exp(x - max)`),
-/// the whole rows copied as they are. Ties go to the argmax op's choice.
+/// [`fetch`] off the CPU: the argmax rows and the draws decided in a few ops over all of
+/// them, the whole rows copied as they are.
 pub(crate) fn decide_in_place(logits: &Tensor, needs: &[Need]) -> Result<Vec<Fetched>> {
-    let device = logits.device();
-    let of = |want: Need| -> Vec<u32> {
+    let of = |want: fn(&Need) -> bool| -> Vec<u32> {
         (0..needs.len() as u32)
-            .filter(|&i| needs[i as usize] == want)
+            .filter(|&i| want(&needs[i as usize]))
             .collect()
     };
-    let (argmax_rows, whole_rows) = (of(Need::Argmax), of(Need::Whole));
-    let picked = logits.index_select(&Tensor::new(argmax_rows.as_slice(), device)?, 0)?;
-    let tokens: Vec<u32> = picked.argmax_keepdim(1)?.flatten_all()?.to_vec1()?;
-    let max = picked.max_keepdim(1)?;
-    let spread = picked.broadcast_sub(&max)?.exp()?.sum_keepdim(1)?.log()?;
-    let spread: Vec<f32> = spread.flatten_all()?.to_vec1()?;
-    let mut whole = if whole_rows.is_empty() {
-        Vec::new()
-    } else {
-        let rows = Tensor::new(whole_rows.as_slice(), device)?;
-        logits.index_select(&rows, 0)?.to_vec2::<f32>()?
+    let argmax_rows = of(|n| *n == Need::Argmax);
+    let draw_rows = of(|n| matches!(n, Need::Draw { .. }));
+    let whole_rows = of(|n| *n == Need::Whole);
+    let mut argmaxes = argmax_in_place(logits, &argmax_rows)?.into_iter();
+    let draws: Vec<(f64, f64)> = needs
+        .iter()
+        .filter_map(|n| match *n {
+            Need::Draw { temperature, u } => Some((temperature, u)),
+            _ => None,
+        })
+        .collect();
+    let mut drawn = draw_in_place(logits, &draw_rows, &draws)?.into_iter();
+    let mut whole = select(logits, &whole_rows)?
+        .map(|t| t.to_vec2::<f32>())
+        .transpose()?
+        .unwrap_or_default()
+        .into_iter();
+    let mut next = |n: &Need| match n {
+        Need::Argmax => argmaxes.next().map(Fetched::Decided),
+        Need::Draw { .. } => drawn.next().map(Fetched::Decided),
+        Need::Whole => whole.next().map(Fetched::Whole),
+    };
+    Ok(needs
+        .iter()
+        .map(|n| next(n).expect("a result for every row of each kind"))
+        .collect())
+}
+
+/// Rows `rows` of `logits`, or None where there are none.
+fn select(logits: &Tensor, rows: &[u32]) -> Result<Option<Tensor>> {
+    if rows.is_empty() {
+        return Ok(None);
     }
-    .into_iter();
-    let mut decided = tokens
+    let at = Tensor::new(rows, logits.device())?;
+    Ok(Some(logits.index_select(&at, 0)?))
+}
+
+/// Each of `rows`' argmax and its log-probability (`-ln Σ exp(x - max)`). Ties go to the
+/// argmax op's choice.
+fn argmax_in_place(logits: &Tensor, rows: &[u32]) -> Result<Vec<Sampled>> {
+    let Some(picked) = select(logits, rows)? else {
+        return Ok(Vec::new());
+    };
+    let tokens: Vec<u32> = picked.argmax_keepdim(1)?.flatten_all()?.to_vec1()?;
+    let spread: Vec<f32> = log_spread(&picked)?.flatten_all()?.to_vec1()?;
+    Ok(tokens
         .into_iter()
         .zip(spread)
         .map(|(token, spread)| Sampled {
             token,
             logprob: -spread,
             top: Vec::new(),
-        });
-    Ok(needs
-        .iter()
-        .map(|n| match n {
-            Need::Argmax => Fetched::Decided(decided.next().expect("a token per argmax row")),
-            Need::Whole => Fetched::Whole(whole.next().expect("a row per whole row")),
         })
         .collect())
+}
+
+/// `ln Σ exp(x - max)` of each row `(rows, 1)`: a row's log-normalizer less its max.
+fn log_spread(rows: &Tensor) -> Result<Tensor> {
+    let max = rows.max_keepdim(1)?;
+    Ok(rows.broadcast_sub(&max)?.exp()?.sum_keepdim(1)?.log()?)
+}
+
+/// The host sampler's unfiltered draw (`draw_unfiltered`) of each of `rows`, with its
+/// `(temperature, u)`: weights `exp((x - max) / t)` in f64, the first token whose running
+/// sum passes `u` times their total. The sums of the rows' runs of `DRAW_RUN` tokens come
+/// back, then the run each draw lands in, whose tokens the host walks as the sampler does.
+fn draw_in_place(logits: &Tensor, rows: &[u32], draws: &[(f64, f64)]) -> Result<Vec<Sampled>> {
+    let Some(picked) = select(logits, rows)? else {
+        return Ok(Vec::new());
+    };
+    let (n, vocab) = picked.dims2()?;
+    let runs = vocab.div_ceil(DRAW_RUN);
+    let temperatures: Vec<f64> = draws.iter().map(|d| d.0).collect();
+    let temperatures = Tensor::from_vec(temperatures, (n, 1), picked.device())?;
+    let shifted = picked.broadcast_sub(&picked.max_keepdim(1)?)?;
+    // Padded with zero weights (and zero logits, never drawn) to whole runs.
+    let pad = runs * DRAW_RUN - vocab;
+    let weights = shifted
+        .to_dtype(DType::F64)?
+        .broadcast_div(&temperatures)?
+        .exp()?
+        .pad_with_zeros(1, 0, pad)?
+        .reshape((n * runs, DRAW_RUN))?;
+    let sums: Vec<Vec<f64>> = weights.sum(1)?.reshape((n, runs))?.to_vec2()?;
+    let landed: Vec<Landing> = sums
+        .iter()
+        .zip(draws)
+        .map(|(sums, &(_, u))| Landing::of(sums, u))
+        .collect();
+    let at: Vec<u32> = landed
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (i * runs + l.run) as u32)
+        .collect();
+    let at = Tensor::new(at.as_slice(), picked.device())?;
+    let run_weights: Vec<Vec<f64>> = weights.index_select(&at, 0)?.to_vec2()?;
+    let raw = picked
+        .pad_with_zeros(1, 0, pad)?
+        .reshape((n * runs, DRAW_RUN))?;
+    let run_logits: Vec<Vec<f32>> = raw.index_select(&at, 0)?.to_vec2()?;
+    let spread: Vec<f32> = log_spread(&picked)?.flatten_all()?.to_vec1()?;
+    let max: Vec<f32> = picked.max_keepdim(1)?.flatten_all()?.to_vec1()?;
+    Ok((0..n)
+        .map(|i| {
+            let (l, w) = (&landed[i], &run_weights[i]);
+            let within = l.walk(w);
+            Sampled {
+                token: (l.run * DRAW_RUN + within) as u32,
+                logprob: run_logits[i][within] - max[i] - spread[i],
+                top: Vec::new(),
+            }
+        })
+        .collect())
+}
+
+/// Where a draw lands among a row's runs: the run, the draw's target (`u` times the
+/// weights' total) and the runs' weight before it.
+#[derive(Debug, PartialEq)]
+struct Landing {
+    run: usize,
+    target: f64,
+    before: f64,
+}
+
+impl Landing {
+    /// The run whose running sum first passes `u` times the total of `sums`; where
+    /// rounding leaves the target at the very top, the last run with any weight.
+    fn of(sums: &[f64], u: f64) -> Self {
+        let target = u * sums.iter().sum::<f64>();
+        let mut before = 0.0;
+        for (run, &s) in sums.iter().enumerate() {
+            if target < before + s {
+                return Self {
+                    run,
+                    target,
+                    before,
+                };
+            }
+            before += s;
+        }
+        let run = sums.iter().rposition(|&s| s > 0.0).unwrap_or(0);
+        let before = sums[..run].iter().sum();
+        Self {
+            run,
+            target,
+            before,
+        }
+    }
+
+    /// The token within the run (its `weights`) whose running sum passes the target;
+    /// where rounding leaves it past them all, the last with any weight.
+    fn walk(&self, weights: &[f64]) -> usize {
+        let mut acc = self.before;
+        for (i, &w) in weights.iter().enumerate() {
+            acc += w;
+            if self.target < acc {
+                return i;
+            }
+        }
+        weights.iter().rposition(|&w| w > 0.0).unwrap_or(0)
+    }
 }
 
 #[cfg(test)]
@@ -120,16 +266,9 @@ mod tests {
     }
 
     #[test]
-    fn only_a_plain_greedy_row_is_decided_where_it_lies() {
+    fn only_a_plain_row_is_decided_where_it_lies() {
         assert_eq!(need(&greedy(), 0, 0, false), Need::Argmax);
         let whole = |p: SamplingParams| need(&p, 0, 0, false);
-        assert_eq!(
-            whole(SamplingParams {
-                temperature: 0.7,
-                ..greedy()
-            }),
-            Need::Whole
-        );
         assert_eq!(
             whole(SamplingParams {
                 logit_bias: vec![(3, 1.0)],
@@ -162,6 +301,112 @@ mod tests {
         };
         assert_eq!(need(&held, 2, 0, false), Need::Whole, "held back");
         assert_eq!(need(&held, 3, 0, false), Need::Argmax, "no longer held");
+    }
+
+    #[test]
+    fn a_tempered_row_is_drawn_where_it_lies_unless_a_filter_cuts_it() {
+        let tempered = SamplingParams {
+            temperature: 0.7,
+            seed: 11,
+            ..greedy()
+        };
+        assert_eq!(
+            need(&tempered, 4, 0, false),
+            Need::Draw {
+                temperature: 0.7f32 as f64,
+                u: uniform(11, 4)
+            }
+        );
+        for p in [
+            SamplingParams {
+                top_k: 40,
+                ..tempered.clone()
+            },
+            SamplingParams {
+                top_p: 0.9,
+                ..tempered.clone()
+            },
+            SamplingParams {
+                min_p: 0.05,
+                ..tempered.clone()
+            },
+            SamplingParams {
+                presence_penalty: 0.5,
+                ..tempered.clone()
+            },
+        ] {
+            assert_eq!(need(&p, 4, 0, false), Need::Whole, "{p:?}");
+        }
+        assert_eq!(need(&tempered, 4, 1, false), Need::Whole, "alternatives");
+        assert_eq!(need(&tempered, 4, 0, true), Need::Whole, "a grammar");
+    }
+
+    /// Where rounding leaves a draw past every run's sum, it lands in the last run with
+    /// weight, at that run's last token with weight: as the host sampler falls back.
+    #[test]
+    fn a_draw_past_the_total_lands_on_the_last_weighted_token() {
+        let landing = Landing::of(&[0.5, 0.25, 0.0], 1.0);
+        assert_eq!(landing.run, 1);
+        assert_eq!(landing.before, 0.5);
+        assert_eq!(landing.walk(&[0.125, 0.125, 0.0]), 1);
+        let inside = Landing::of(&[0.5, 0.25, 0.25], 0.6);
+        assert_eq!((inside.run, inside.before), (1, 0.5));
+        assert_eq!(inside.walk(&[0.0625, 0.0625, 0.125]), 1);
+    }
+
+    /// The ops a GPU runs, run here: each tempered row drawn where it lies gets the token
+    /// the host's sampler draws from the whole row with the same seed and step, over a
+    /// vocabulary of two runs and a part, at three temperatures and many draws.
+    #[test]
+    fn rows_drawn_in_place_are_the_sampler_s_draws() {
+        let vocab = 1100u32;
+        let rows: Vec<Vec<f32>> = (0..6u32)
+            .map(|r| {
+                (0..vocab)
+                    .map(|i| ((i * 37 + r * 101) % 997) as f32 / 120.0 - 4.0)
+                    .collect()
+            })
+            .collect();
+        let logits = Tensor::new(rows.clone(), &Device::Cpu).unwrap();
+        let mut distinct = std::collections::HashSet::new();
+        for step in 0..40u64 {
+            let params: Vec<SamplingParams> = (0..rows.len())
+                .map(|r| SamplingParams {
+                    temperature: [0.5, 1.0, 1.5][r % 3],
+                    seed: 1000 + r as u64,
+                    ..greedy()
+                })
+                .collect();
+            let mut needs: Vec<Need> = params
+                .iter()
+                .map(|p| need(p, step as usize, 0, false))
+                .collect();
+            needs[1] = Need::Whole;
+            needs[4] = Need::Argmax;
+            let got = decide_in_place(&logits, &needs).unwrap();
+            for (r, got) in got.into_iter().enumerate() {
+                let p = if needs[r] == Need::Argmax {
+                    greedy()
+                } else {
+                    params[r].clone()
+                };
+                let want = sample(&rows[r], &p, &Context::default(), step, 0);
+                match got {
+                    Fetched::Whole(row) => assert_eq!((r, row), (1, rows[1].clone())),
+                    Fetched::Decided(s) => {
+                        assert_eq!(s.token, want.token, "row {r}, step {step}");
+                        assert!((s.logprob - want.logprob).abs() < 1e-4, "{s:?} {want:?}");
+                        distinct.insert(s.token);
+                    }
+                }
+            }
+        }
+        // The draws spread over the vocabulary, past the first run.
+        assert!(
+            distinct.iter().any(|&t| t as usize >= DRAW_RUN),
+            "{distinct:?}"
+        );
+        assert!(distinct.len() > 50, "{}", distinct.len());
     }
 
     /// The ops a GPU runs, run here: each decided row is what the host's sampler makes of
