@@ -67,6 +67,8 @@ impl KvLimits {
 pub struct KvPlane {
     tickets: Arc<Tickets>,
     layout: KvLayout,
+    /// Where the model's caches live: a received cache moves there before its delivery.
+    device: Device,
     metrics: Arc<DecodeMetrics>,
     gate: runtime::Gate,
     limits: KvLimits,
@@ -74,10 +76,11 @@ pub struct KvPlane {
 }
 
 impl KvPlane {
-    /// A data plane redeeming `tickets` for caches of `layout`.
+    /// A data plane redeeming `tickets` for caches of `layout` on `device`.
     pub fn new(
         tickets: Arc<Tickets>,
         layout: KvLayout,
+        device: Device,
         metrics: Arc<DecodeMetrics>,
         gate: runtime::Gate,
         limits: KvLimits,
@@ -85,6 +88,7 @@ impl KvPlane {
         Self {
             tickets,
             layout,
+            device,
             metrics,
             gate,
             transfers: Arc::new(Semaphore::new(limits.max_transfers.max(1))),
@@ -245,10 +249,11 @@ impl KvPlane {
                     .await
                     .map_err(|_| DecodeError::BadTransfer("no transfer slot came free".into()))?
                     .map_err(|_| DecodeError::ShuttingDown)?;
-                // In host memory: the scheduler moves it to a GPU model's device (admit).
+                // In host memory, where the wire's bytes are written in place.
                 let asm =
                     KvAssembler::new(layout, header.tokens, reserved.positions, &Device::Cpu)?;
-                self.chunks(asm, reader, &deliver, &mut bytes).await
+                let (cache, first) = self.chunks(asm, reader, &deliver, &mut bytes).await?;
+                Ok((self.onto_device(cache).await?, first))
             })
             .await
             .map_err(|_| DecodeError::TransferDeadline(deadline.as_millis() as u64))?
@@ -278,6 +283,21 @@ impl KvPlane {
                 Err(e)
             }
         }
+    }
+
+    /// A received cache in the model's memory. On a GPU it is copied there now, on a
+    /// blocking thread: a long prompt's cache is hundreds of MB, which the scheduler would
+    /// otherwise copy on its own thread at admission, between two steps of every sequence
+    /// it runs.
+    async fn onto_device(&self, cache: engine::SeqCache) -> Result<engine::SeqCache, DecodeError> {
+        if self.device.is_cpu() {
+            return Ok(cache);
+        }
+        let device = self.device.clone();
+        tokio::task::spawn_blocking(move || cache.into_device(&device))
+            .await
+            .map_err(|e| DecodeError::Internal(format!("moving a received cache: {e}")))?
+            .map_err(DecodeError::from)
     }
 
     /// Reads a transfer's chunks straight into `asm` until its first tokens.

@@ -120,6 +120,7 @@ pub async fn serve(
     let intake = intake::Intake::of(&loaded);
     let model = loaded.model;
     let layout = model.kv_layout();
+    let device = model.device().clone();
     let registered = kvwire::convert::layout_info(&layout);
     let max_positions = model.config().max_position_embeddings;
     let budget = Arc::new(kv_budget(cfg, &layout, max_positions));
@@ -153,6 +154,7 @@ pub async fn serve(
     let plane = Arc::new(kv::KvPlane::new(
         Arc::clone(&tickets),
         layout,
+        device,
         Arc::clone(&metrics),
         gate.clone(),
         kv_limits(cfg, max_positions),

@@ -84,7 +84,9 @@ impl Scheduler {
             } => {
                 let vocab = self.model.config().vocab_size;
                 plan::check_first_tokens(&first_tokens, width, vocab)?;
-                // Assembled in host memory: a GPU node's steps read it from the GPU's.
+                // The data plane moved it to the model's device (`KvPlane::onto_device`),
+                // off this thread: here that is a no-op, kept so that no cache from
+                // anywhere reaches a step on another device.
                 let mut cache = cache.into_device(self.model.device())?;
                 cache.reserve_exact(a.positions)?;
                 Ok(Some(Started {
