@@ -131,16 +131,21 @@ fn assembler_rejects_gaps_bad_sizes_and_incomplete_transfers() {
 fn batched_decode_matches_each_sequence_alone() {
     let m = model();
     let prompts: Vec<Vec<u32>> = (0..8).map(|i| prompt(3 + i * 7, i as u32)).collect();
+    // Greedy, tempered and filtered (top-p), tempered alone: on a GPU `generate` decides
+    // the greedy and the tempered-alone rows where they lie (`sampling::fetch`), the loop
+    // below samples every row whole on the host.
     let params: Vec<SamplingParams> = (0..8)
-        .map(|i| {
-            if i % 2 == 0 {
-                SamplingParams::default()
-            } else {
-                SamplingParams {
-                    seed: i as u64,
-                    ..seeded()
-                }
-            }
+        .map(|i| match i % 4 {
+            0 | 2 => SamplingParams::default(),
+            1 => SamplingParams {
+                seed: i as u64,
+                ..seeded()
+            },
+            _ => SamplingParams {
+                temperature: 0.9,
+                seed: i as u64,
+                ..SamplingParams::default()
+            },
         })
         .collect();
     let steps = 24;
