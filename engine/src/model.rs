@@ -9,6 +9,7 @@
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 
+use crate::attention::Scores;
 use crate::embedding::Embedding;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvLayout, SeqCache};
@@ -41,6 +42,30 @@ struct Layer {
 struct RopeTables {
     cos: Tensor,
     sin: Tensor,
+}
+
+impl RopeTables {
+    /// The rotation a layer scored `how` uses: the sliding-window layers' own where the
+    /// model has one (Gemma 3's).
+    fn for_scores<'a>(global: &'a Self, sliding: Option<&'a Self>, how: &Scores) -> &'a Self {
+        match (sliding, how.window) {
+            (Some(sliding), Some(_)) => sliding,
+            _ => global,
+        }
+    }
+}
+
+/// A decode step's rows of the rotation tables, each at its sequence's position
+/// (`Model::step_tables`): gathered once a pass rather than once a layer.
+struct StepTables {
+    rope: RopeTables,
+    sliding: Option<RopeTables>,
+}
+
+impl StepTables {
+    fn for_scores(&self, how: &Scores) -> &RopeTables {
+        RopeTables::for_scores(&self.rope, self.sliding.as_ref(), how)
+    }
 }
 
 /// The weights of a per-head RMSNorm of queries and keys.
@@ -224,8 +249,14 @@ impl Model {
         if self.cfg.gemma.is_some() {
             xs = (xs * (self.cfg.hidden_size as f64).sqrt())?;
         }
+        // A decode step (one new row each) rotates every layer's rows at the same positions.
+        let step = if spans.iter().all(|&(_, t)| t == 1) {
+            Some(self.step_tables(batch)?)
+        } else {
+            None
+        };
         for (li, layer) in self.layers.iter().enumerate() {
-            xs = self.layer_forward(li, layer, xs, batch, &spans)?;
+            xs = self.layer_forward(li, layer, xs, batch, &spans, step.as_ref())?;
             layer_done(li, batch)?;
         }
         let mut last_rows = Vec::with_capacity(batch.len());
@@ -249,7 +280,8 @@ impl Model {
         Ok((self.logits(&last)?, every))
     }
 
-    /// One layer over the batch's rows `xs`, its K/V appended to each sequence's cache.
+    /// One layer over the batch's rows `xs`, its K/V appended to each sequence's cache;
+    /// `step` is a decode step's rotations.
     fn layer_forward(
         &self,
         li: usize,
@@ -257,6 +289,7 @@ impl Model {
         xs: Tensor,
         batch: &[SeqInput<'_>],
         spans: &[(usize, usize)],
+        step: Option<&StepTables>,
     ) -> Result<Tensor> {
         let eps = self.cfg.rms_norm_eps as f32;
         let norm = |x: &Tensor, w: &Tensor| candle_nn::ops::rms_norm(x, w, eps);
@@ -267,7 +300,7 @@ impl Model {
             qkv[1] = QkNorm::apply(&qkv[1], &n.k, eps)?;
         }
         let (q, k, v) = (&qkv[0], &qkv[1], &qkv[2]);
-        let outs = self.attend_all(li, batch, spans, q, k, v)?;
+        let outs = self.attend_all(li, batch, spans, step, q, k, v)?;
         let mut attn = layer.o.forward(&outs)?;
         if let Some(w) = &layer.post_attn_norm {
             attn = norm(&attn, w)?;

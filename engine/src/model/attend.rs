@@ -4,7 +4,7 @@
 use candle_core::{IndexOp, Tensor};
 use rayon::prelude::*;
 
-use super::{Model, RopeTables, SeqInput};
+use super::{Model, RopeTables, SeqInput, StepTables};
 use crate::attention::{self, Scores};
 use crate::error::Result;
 use crate::kv_cache::SeqCache;
@@ -16,18 +16,20 @@ impl Model {
     /// Sequences attend independently, so they spread over the cores, and each one's values
     /// do not depend on where it runs. A decode step (one new row each) goes to
     /// [`Model::attend_step`]; prompts spread over rayon's pool, where their blocks of rows
-    /// spread in turn.
+    /// spread in turn. `step` is the decode step's rotations, where the pass is one.
+    #[allow(clippy::too_many_arguments)] // the layer's inputs, as `layer_forward` has them
     pub(super) fn attend_all(
         &self,
         layer: usize,
         batch: &[SeqInput<'_>],
         spans: &[(usize, usize)],
+        step: Option<&StepTables>,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
     ) -> Result<Tensor> {
-        if spans.iter().all(|&(_, t)| t == 1) {
-            return self.attend_step(layer, batch, q, k, v);
+        if let Some(step) = step {
+            return self.attend_step(layer, batch, step, q, k, v);
         }
         let outs = (0..batch.len())
             .into_par_iter()
@@ -84,7 +86,7 @@ impl Model {
     }
 
     /// A decode step's attention: one new row for each sequence, all rotated in one op,
-    /// each at its own position. On the CPU each sequence then attends with our kernel: a
+    /// each at its own position (`step`'s rows, gathered once for all layers). On the CPU each sequence then attends with our kernel: a
     /// batch's sequences over candle's pool, the one the products use (over rayon's, each
     /// pool's idle thread spun on the cores the other's threads needed: median batch-16
     /// step 5% faster, slowest of eight runs 408 tokens/s against 336), a lone sequence's
@@ -94,6 +96,7 @@ impl Model {
         &self,
         layer: usize,
         batch: &[SeqInput<'_>],
+        step: &StepTables,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -102,13 +105,9 @@ impl Model {
         let (n, hd) = (batch.len(), cfg.head_dim);
         let (n_heads, n_kv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let how = self.scores(layer);
-        let tables = self.tables(&how);
-        let positions: Vec<u32> = batch.iter().map(|s| s.cache.len() as u32).collect();
-        let at = Tensor::new(positions.as_slice(), &self.device)?;
-        let cos = tables.cos.index_select(&at, 0)?.unsqueeze(1)?;
-        let sin = tables.sin.index_select(&at, 0)?.unsqueeze(1)?;
-        let q = self.rotate(&q.reshape((n, n_heads, 1, hd))?, &cos, &sin)?;
-        let k = self.rotate(&k.reshape((n, n_kv, 1, hd))?, &cos, &sin)?;
+        let RopeTables { cos, sin } = step.for_scores(&how);
+        let q = self.rotate(&q.reshape((n, n_heads, 1, hd))?, cos, sin)?;
+        let k = self.rotate(&k.reshape((n, n_kv, 1, hd))?, cos, sin)?;
         let v = v.reshape((n, n_kv, 1, hd))?.contiguous()?;
         if !self.device.is_cpu() {
             let caches: Vec<&SeqCache> = batch.iter().map(|s| &*s.cache).collect();
@@ -148,10 +147,24 @@ impl Model {
     /// The rotation a layer scored `how` uses: the sliding-window layers' own where the
     /// model has one (Gemma 3's).
     fn tables(&self, how: &Scores) -> &RopeTables {
-        match (&self.sliding_rope, how.window) {
-            (Some(sliding), Some(_)) => sliding,
-            _ => &self.rope,
-        }
+        RopeTables::for_scores(&self.rope, self.sliding_rope.as_ref(), how)
+    }
+
+    /// A decode step's rotations: each sequence's row of every table at its own position,
+    /// `(n, 1, rotary_dim / 2)`, gathered once for all layers.
+    pub(super) fn step_tables(&self, batch: &[SeqInput<'_>]) -> Result<StepTables> {
+        let positions: Vec<u32> = batch.iter().map(|s| s.cache.len() as u32).collect();
+        let at = Tensor::new(positions.as_slice(), &self.device)?;
+        let gather = |t: &RopeTables| -> Result<RopeTables> {
+            Ok(RopeTables {
+                cos: t.cos.index_select(&at, 0)?.unsqueeze(1)?,
+                sin: t.sin.index_select(&at, 0)?.unsqueeze(1)?,
+            })
+        };
+        Ok(StepTables {
+            rope: gather(&self.rope)?,
+            sliding: self.sliding_rope.as_ref().map(gather).transpose()?,
+        })
     }
 
     /// Rotates `(batch, heads, t, head_dim)` by `cos` and `sin`, `(t, rotary_dim / 2)` for
