@@ -92,16 +92,15 @@ pub(crate) fn decide_in_place(logits: &Tensor, needs: &[Need]) -> Result<Vec<Fet
             .collect()
     };
     let argmax_rows = of(|n| *n == Need::Argmax);
-    let draw_rows = of(|n| matches!(n, Need::Draw { .. }));
     let whole_rows = of(|n| *n == Need::Whole);
-    let mut argmaxes = argmax_in_place(logits, &argmax_rows)?.into_iter();
-    let draws: Vec<(f64, f64)> = needs
-        .iter()
-        .filter_map(|n| match *n {
-            Need::Draw { temperature, u } => Some((temperature, u)),
+    let (draw_rows, draws): (Vec<u32>, Vec<(f64, f64)>) = (0..needs.len() as u32)
+        .zip(needs)
+        .filter_map(|(i, n)| match *n {
+            Need::Draw { temperature, u } => Some((i, (temperature, u))),
             _ => None,
         })
-        .collect();
+        .unzip();
+    let mut argmaxes = argmax_in_place(logits, &argmax_rows)?.into_iter();
     let mut drawn = draw_in_place(logits, &draw_rows, &draws)?.into_iter();
     let mut whole = select(logits, &whole_rows)?
         .map(|t| t.to_vec2::<f32>())
@@ -135,7 +134,7 @@ fn argmax_in_place(logits: &Tensor, rows: &[u32]) -> Result<Vec<Sampled>> {
         return Ok(Vec::new());
     };
     let tokens: Vec<u32> = picked.argmax_keepdim(1)?.flatten_all()?.to_vec1()?;
-    let spread: Vec<f32> = log_spread(&picked)?.flatten_all()?.to_vec1()?;
+    let spread: Vec<f32> = Centred::of(&picked)?.spread.flatten_all()?.to_vec1()?;
     Ok(tokens
         .into_iter()
         .zip(spread)
@@ -147,10 +146,27 @@ fn argmax_in_place(logits: &Tensor, rows: &[u32]) -> Result<Vec<Sampled>> {
         .collect())
 }
 
-/// `ln Σ exp(x - max)` of each row `(rows, 1)`: a row's log-normalizer less its max.
-fn log_spread(rows: &Tensor) -> Result<Tensor> {
-    let max = rows.max_keepdim(1)?;
-    Ok(rows.broadcast_sub(&max)?.exp()?.sum_keepdim(1)?.log()?)
+/// Rows less their max, with each row's max and log-normalizer.
+struct Centred {
+    /// Each row's max, `(rows, 1)`.
+    max: Tensor,
+    /// `x - max`.
+    shifted: Tensor,
+    /// `ln Σ exp(x - max)`, `(rows, 1)`: a row's log-normalizer less its max.
+    spread: Tensor,
+}
+
+impl Centred {
+    fn of(rows: &Tensor) -> Result<Self> {
+        let max = rows.max_keepdim(1)?;
+        let shifted = rows.broadcast_sub(&max)?;
+        let spread = shifted.exp()?.sum_keepdim(1)?.log()?;
+        Ok(Self {
+            max,
+            shifted,
+            spread,
+        })
+    }
 }
 
 /// The host sampler's unfiltered draw (`draw_unfiltered`) of each of `rows`, with its
@@ -165,10 +181,11 @@ fn draw_in_place(logits: &Tensor, rows: &[u32], draws: &[(f64, f64)]) -> Result<
     let runs = vocab.div_ceil(DRAW_RUN);
     let temperatures: Vec<f64> = draws.iter().map(|d| d.0).collect();
     let temperatures = Tensor::from_vec(temperatures, (n, 1), picked.device())?;
-    let shifted = picked.broadcast_sub(&picked.max_keepdim(1)?)?;
+    let centred = Centred::of(&picked)?;
     // Padded with zero weights (and zero logits, never drawn) to whole runs.
     let pad = runs * DRAW_RUN - vocab;
-    let weights = shifted
+    let weights = centred
+        .shifted
         .to_dtype(DType::F64)?
         .broadcast_div(&temperatures)?
         .exp()?
@@ -191,8 +208,8 @@ fn draw_in_place(logits: &Tensor, rows: &[u32], draws: &[(f64, f64)]) -> Result<
         .pad_with_zeros(1, 0, pad)?
         .reshape((n * runs, DRAW_RUN))?;
     let run_logits: Vec<Vec<f32>> = raw.index_select(&at, 0)?.to_vec2()?;
-    let spread: Vec<f32> = log_spread(&picked)?.flatten_all()?.to_vec1()?;
-    let max: Vec<f32> = picked.max_keepdim(1)?.flatten_all()?.to_vec1()?;
+    let spread: Vec<f32> = centred.spread.flatten_all()?.to_vec1()?;
+    let max: Vec<f32> = centred.max.flatten_all()?.to_vec1()?;
     Ok((0..n)
         .map(|i| {
             let (l, w) = (&landed[i], &run_weights[i]);
