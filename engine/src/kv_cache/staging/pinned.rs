@@ -69,7 +69,7 @@ impl Pool {
         start: usize,
         len: usize,
     ) -> Result<Option<Pending>> {
-        let l = &cache.layers[layer];
+        let l = cache.layer(layer);
         let (Some(k), Some(v)) = (self.queue(&l.k, start, len)?, self.queue(&l.v, start, len)?)
         else {
             return Ok(None);
@@ -89,11 +89,14 @@ impl Pool {
     /// is now, whatever is queued to write to it later; and the cache's memory, freed in
     /// the stream's order, outlives it.
     fn queue(&self, t: &Tensor, start: usize, len: usize) -> Result<Option<Lease>> {
-        let part = t.narrow(1, start, len)?.contiguous()?;
-        let elems = part.elem_count();
+        let (heads, _, head_dim) = t.dims3()?;
+        let elems = heads * len * head_dim;
+        // A buffer first: past the cap the chunk is read at once, and its copy on the GPU
+        // would be wasted.
         let Some(mut lease) = self.lend(elems)? else {
             return Ok(None);
         };
+        let part = t.narrow(1, start, len)?.contiguous()?;
         let (storage, layout) = part.storage_and_layout();
         let Storage::Cuda(cs) = &*storage else {
             return Err(EngineError::KvCache(
