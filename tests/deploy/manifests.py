@@ -323,20 +323,27 @@ def check_worker_memory(t, c_label, c, eff, binary):
     on_gpu = (eff.get("device") or binary_help(binary).options["device"]["default"]) \
         .startswith("cuda")
     image = c.get("image") or ""
+    cuda_build = repository(image).endswith(CUDA_IMAGE_SUFFIX)
     if on_gpu:
         t.ok(f"{c_label} computes on a GPU and is given exactly one ({gpus})", gpus == 1)
-        t.ok(f"{c_label} computes on a GPU in the CUDA build ({image})",
-             image.split(":")[0].endswith(CUDA_IMAGE_SUFFIX))
+        t.ok(f"{c_label} computes on a GPU in the CUDA build ({image})", cuda_build)
         t.ok(f"{c_label} memory limit {limit} covers {MEMORY_HEADROOM_MIB} MiB (--{cache} "
              f"{cache_mib} is in the GPU's)",
              limit is not None and mib(limit) >= MEMORY_HEADROOM_MIB)
         return
     t.ok(f"{c_label} computes on the CPU and holds no GPU ({gpus})", gpus == 0)
-    t.ok(f"{c_label} computes on the CPU in the CPU build ({image})",
-         not image.split(":")[0].endswith(CUDA_IMAGE_SUFFIX))
+    t.ok(f"{c_label} computes on the CPU in the CPU build ({image})", not cuda_build)
     t.ok(f"{c_label} memory limit {limit} covers --{cache} {cache_mib} + "
          f"{MEMORY_HEADROOM_MIB} MiB",
          limit is not None and mib(limit) >= cache_mib + MEMORY_HEADROOM_MIB)
+
+
+def repository(image):
+    """An image reference's repository: without its digest or tag, keeping a registry's
+    port (`registry:5000/tandem-cuda:1` is `registry:5000/tandem-cuda`)."""
+    name = image.split("@")[0]
+    head, _, tag = name.rpartition(":")
+    return head if head and "/" not in tag else name
 
 
 def mount_of(mounts, path):
