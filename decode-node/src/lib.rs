@@ -110,6 +110,7 @@ pub async fn serve(
     let options = engine::LoadOptions {
         reserve,
         pack_dir: cfg.weights_cache.clone(),
+        matrices: None,
     };
     let device = cfg.device;
     let loaded = runtime::load_model(move || {

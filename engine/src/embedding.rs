@@ -5,13 +5,13 @@
 
 use bytes::Bytes;
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QTensor};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::error::{EngineError, Result};
 
 /// A `[vocab, hidden]` table.
 pub enum Embedding {
-    /// A Hugging Face folder's, in f32.
+    /// A Hugging Face folder's, in f32 or as stored ([`crate::weights::DenseMatrices`]).
     Dense(Tensor),
     /// A GGUF file's, as stored: a row of `width` values in `row_bytes` bytes, read where
     /// they lie in the mapped file.
@@ -64,7 +64,7 @@ impl Embedding {
         match self {
             Self::Dense(table) => {
                 let ids = Tensor::new(ids, device)?;
-                Ok(table.index_select(&ids, 0)?)
+                Ok(table.index_select(&ids, 0)?.to_dtype(DType::F32)?)
             }
             Self::Blocks {
                 dtype,

@@ -16,7 +16,16 @@ use crate::kquant::format::QK_K;
 use crate::kquant::KFormat;
 use crate::kv_cache::KvLayout;
 use crate::q8::Q80Matrix;
+use crate::weights::DenseMatrices;
 use text::ModelConfig;
+
+/// Where a model's weights come from, which decides the form the loader holds them in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFile {
+    Gguf,
+    /// A Hugging Face folder, its matrices held as given.
+    Folder(DenseMatrices),
+}
 
 /// The KV memory a node reserves beside the weights: a fixed amount and a number of
 /// positions of the model's cache (each counted at its bytes for every layer's K and V).
@@ -50,13 +59,12 @@ pub struct TensorHeader {
 /// The most memory loading a model's weights takes at once: what the loader holds once it
 /// is done ([`held_weight_bytes`]) and, for a GGUF mixture of experts, what it holds only
 /// while it splits the experts ([`expert_transient_bytes`]).
-pub fn peak_weight_bytes(tensors: &[TensorHeader], gguf: bool) -> u64 {
-    let transient = if gguf {
-        expert_transient_bytes(tensors)
-    } else {
-        0
+pub fn peak_weight_bytes(tensors: &[TensorHeader], file: WeightFile) -> u64 {
+    let transient = match file {
+        WeightFile::Gguf => expert_transient_bytes(tensors),
+        WeightFile::Folder(_) => 0,
     };
-    held_weight_bytes(tensors, gguf) + transient
+    held_weight_bytes(tensors, file) + transient
 }
 
 /// A GGUF mixture's experts are one tensor `[experts, out, in]` each for gate, up and down
@@ -85,9 +93,10 @@ pub fn expert_transient_bytes(tensors: &[TensorHeader]) -> u64 {
 
 /// The memory a model's weights take once loaded, from its tensors' headers, as
 /// `crate::weights` holds them:
-/// - a Hugging Face folder's files are mapped, and each tensor converted to f32 from the
-///   mapping (an f32 tensor copied from it): the mapped pages are page cache, which the
-///   kernel may drop, so only the f32 tensors count;
+/// - a Hugging Face folder's files are mapped, and each tensor converted from the mapping
+///   (a copy of it): the mapped pages are page cache, which the kernel may drop, so only
+///   the copies count: vectors in f32, matrices in f32 or, held as stored, in their two
+///   bytes a value where the file stores them in bf16 or f16 ([`DenseMatrices`]);
 /// - a GGUF file is read a tensor at a time: vectors dequantized to f32; the embedding
 ///   table as stored (a step dequantizes the rows it gathers); Q4_1 matrices in our
 ///   kernel's form (f32 scales and minimums, 24 bytes a block of 32 against the file's 20);
@@ -98,9 +107,15 @@ pub fn expert_transient_bytes(tensors: &[TensorHeader]) -> u64 {
 ///   With no `output.weight`, the head is the embedding table again, in its matrix form.
 ///
 /// The rotation tables and the activations of a step come on top, small beside these.
-pub fn held_weight_bytes(tensors: &[TensorHeader], gguf: bool) -> u64 {
-    if !gguf {
-        return tensors.iter().map(|t| 4 * t.elements).sum();
+pub fn held_weight_bytes(tensors: &[TensorHeader], file: WeightFile) -> u64 {
+    if let WeightFile::Folder(matrices) = file {
+        let half = |t: &TensorHeader| t.dims == 2 && t.stored == 2 * t.elements;
+        let as_stored = matrices == DenseMatrices::AsStored;
+        let held = |t: &TensorHeader| match as_stored && half(t) {
+            true => t.stored,
+            false => 4 * t.elements,
+        };
+        return tensors.iter().map(held).sum();
     }
     let tied = !tensors.iter().any(|t| t.name == "output.weight");
     tensors
@@ -288,11 +303,12 @@ pub fn size(bytes: u64) -> String {
 /// check [`crate::load_within`] runs before it reads any weight.
 pub fn check_model(
     path: &Path,
+    file: WeightFile,
     cfg: &ModelConfig,
     reserve: KvReserve,
     device: &Device,
 ) -> Result<()> {
-    check_headers(path, &read_headers(path)?, cfg, reserve, device)
+    check_headers(path, file, &read_headers(path)?, cfg, reserve, device)
 }
 
 /// [`check_model`] for the tensors `headers` of the model at `path`, already read. On the
@@ -301,20 +317,20 @@ pub fn check_model(
 /// caches, so each memory is checked for what it takes.
 pub fn check_headers(
     path: &Path,
+    file: WeightFile,
     headers: &[TensorHeader],
     cfg: &ModelConfig,
     reserve: KvReserve,
     device: &Device,
 ) -> Result<()> {
-    let gguf = !path.is_dir();
-    let weights = peak_weight_bytes(headers, gguf);
+    let weights = peak_weight_bytes(headers, file);
     let kv = reserve.bytes_for(&KvLayout::for_model(cfg));
     let on_host = if device.is_cpu() { kv } else { 0 };
     if let Some(machine) = machine_memory() {
         check_fits(path, weights, on_host, &machine)?;
     }
     match gpu_memory(device)? {
-        Some(gpu) => check_fits(path, held_weight_bytes(headers, gguf), kv, &gpu),
+        Some(gpu) => check_fits(path, held_weight_bytes(headers, file), kv, &gpu),
         None => Ok(()),
     }
 }

@@ -6,10 +6,10 @@ use candle_core::Device;
 use text::{ChatTemplate, Tokenizer};
 
 use crate::error::Result;
-use crate::footprint::{self, KvReserve};
+use crate::footprint::{self, KvReserve, WeightFile};
 use crate::model::Model;
 use crate::progress::LoadStep;
-use crate::weights::{PackReport, WeightSource};
+use crate::weights::{DenseMatrices, PackReport, WeightSource};
 
 /// A model with the tokenizer and chat template that came with it.
 pub struct Loaded {
@@ -29,6 +29,9 @@ pub struct LoadOptions {
     /// Where a GGUF model's K-quant matrices are mapped from, and kept for the next load
     /// ([`crate::pack`]); every load repacks them into its own memory without one.
     pub pack_dir: Option<PathBuf>,
+    /// How a folder's bf16 and f16 matrices are held; `None` for the device's choice
+    /// ([`DenseMatrices::for_device`]).
+    pub matrices: Option<DenseMatrices>,
 }
 
 /// Loads a Hugging Face folder or a GGUF file.
@@ -41,7 +44,7 @@ pub fn load(path: &Path, device: &Device) -> Result<Loaded> {
 pub fn load_within(path: &Path, device: &Device, reserve: KvReserve) -> Result<Loaded> {
     let options = LoadOptions {
         reserve,
-        pack_dir: None,
+        ..LoadOptions::default()
     };
     load_reporting(path, device, &options, &mut |_| {})
 }
@@ -56,14 +59,19 @@ pub fn load_reporting(
 ) -> Result<Loaded> {
     let text = text::load(path)?;
     let (model, pack) = if path.is_dir() {
+        let matrices = options
+            .matrices
+            .unwrap_or_else(|| DenseMatrices::for_device(device));
         // The safetensors headers alone: opening the folder reads its weights.
-        footprint::check_model(path, &text.config, options.reserve, device)?;
-        let model = Model::load_reporting(path, text.config, device, report)?;
+        let file = WeightFile::Folder(matrices);
+        footprint::check_model(path, file, &text.config, options.reserve, device)?;
+        let model = Model::load_reporting(path, text.config, device, matrices, report)?;
         (model, None)
     } else {
         // One read of the GGUF header serves the check and the weights.
         let mut gguf = WeightSource::open_gguf_listed(path)?;
-        footprint::check_headers(path, &gguf.tensors, &text.config, options.reserve, device)?;
+        let (cfg, reserve) = (&text.config, options.reserve);
+        footprint::check_headers(path, WeightFile::Gguf, &gguf.tensors, cfg, reserve, device)?;
         if let Some(dir) = &options.pack_dir {
             gguf.source.use_pack(dir)?;
         }

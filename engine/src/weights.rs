@@ -11,10 +11,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};
-use candle_core::safetensors::{Load, MmapedSafetensors};
+use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Module, Tensor};
-use half::{bf16, f16};
-use safetensors::tensor::TensorView;
 use serde::Deserialize;
 
 use crate::embedding::Embedding;
@@ -24,9 +22,12 @@ use crate::pack::PackedMatrix;
 use crate::q4::Q41Matrix;
 use crate::q8::Q80Matrix;
 
+mod dense;
 mod in_place;
 mod kernels;
 mod packed;
+
+pub use dense::DenseMatrices;
 
 use kernels::{joined_bias, quantized_weight, stack_joined};
 pub use kernels::{quantized_linear, stack_quantized};
@@ -40,6 +41,8 @@ enum Weight {
     Q41(Arc<Q41Matrix>),
     Q80(Arc<Q80Matrix>),
     K(Arc<KMatrix>),
+    /// A folder's bf16 or f16 matrix, as stored ([`DenseMatrices::AsStored`]).
+    Half(Tensor),
 }
 
 impl From<PackedMatrix> for Weight {
@@ -67,6 +70,7 @@ impl Linear {
             Weight::Q41(w) => apply_ours(xs, |x, n| w.matmul(x, n))?,
             Weight::Q80(w) => apply_ours(xs, |x, n| w.matmul(x, n))?,
             Weight::K(w) => apply_ours(xs, |x, n| w.matmul(x, n))?,
+            Weight::Half(w) => dense::half_product(xs, w)?,
         };
         Ok(match &self.bias {
             Some(b) => ys.broadcast_add(b)?,
@@ -87,12 +91,14 @@ impl Linear {
         Self { weight, bias: None }
     }
 
-    /// A projection of a dense `[out, in]` weight, without a bias.
+    /// A projection of a dense `[out, in]` weight, without a bias: an f32 one multiplied
+    /// in f32, a bf16 or f16 one in its own type.
     pub fn dense(weight: Tensor) -> Self {
-        Self {
-            weight: Weight::Candle(QMatMul::Tensor(weight)),
-            bias: None,
-        }
+        let weight = match weight.dtype() {
+            DType::BF16 | DType::F16 => Weight::Half(weight),
+            _ => Weight::Candle(QMatMul::Tensor(weight)),
+        };
+        Self::unbiased(weight)
     }
 
     /// Bytes a forward pass reads from this layer's weights (and bias).
@@ -100,7 +106,9 @@ impl Linear {
         let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         let w = match &self.weight {
             Weight::Candle(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
-            Weight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => dense(t),
+            Weight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) | Weight::Half(t) => {
+                dense(t)
+            }
             Weight::Q41(q) => q.bytes(),
             Weight::Q80(q) => q.bytes(),
             Weight::K(q) => q.bytes(),
@@ -191,10 +199,12 @@ pub(crate) fn with_f32_rows<T>(xs: &Tensor, f: impl FnOnce(&[f32]) -> T) -> Resu
 pub enum WeightSource {
     SafeTensors {
         path: PathBuf,
-        /// The folder's files, mapped: each tensor is converted to f32 from its pages
-        /// when the model reads it, so no other copy of the file is ever held.
+        /// The folder's files, mapped: each tensor is converted from its pages when the
+        /// model reads it, so no other copy of the file is ever held.
         files: MmapedSafetensors,
         read: HashSet<String>,
+        /// How its bf16 and f16 matrices are held.
+        matrices: DenseMatrices,
     },
     Gguf {
         path: PathBuf,
@@ -244,33 +254,10 @@ pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(shards.into_iter().map(|s| dir.join(s)).collect())
 }
 
-/// A safetensors tensor as f32, converted from its bytes where they lie: bf16 and f16
-/// widened value by value (exact, as candle's `to_dtype` widens them), with no copy in the
-/// stored type between.
-fn widened(view: &TensorView<'_>, device: &Device) -> candle_core::Result<Tensor> {
-    let widen = |to_f32: fn([u8; 2]) -> f32| -> Vec<f32> {
-        let pairs = view.data().chunks_exact(2);
-        pairs.map(|b| to_f32([b[0], b[1]])).collect()
-    };
-    match DType::try_from(view.dtype())? {
-        DType::BF16 => Tensor::from_vec(
-            widen(|b| bf16::from_le_bytes(b).to_f32()),
-            view.shape(),
-            device,
-        ),
-        DType::F16 => Tensor::from_vec(
-            widen(|b| f16::from_le_bytes(b).to_f32()),
-            view.shape(),
-            device,
-        ),
-        _ => view.load(device)?.to_dtype(DType::F32),
-    }
-}
-
 impl WeightSource {
     /// Maps `model.safetensors` or the shards named by `model.safetensors.index.json`;
-    /// tensors are read by name.
-    pub fn open_hf_folder(dir: &Path) -> Result<Self> {
+    /// tensors are read by name, matrices held as `matrices` say.
+    pub fn open_hf_folder(dir: &Path, matrices: DenseMatrices) -> Result<Self> {
         let paths = safetensors_files(dir)?;
         // SAFETY: the mapping is undefined behaviour if a file changes while mapped. A
         // model's files are not written while a node loads them (one replaced by renaming
@@ -282,6 +269,7 @@ impl WeightSource {
             path: dir.to_path_buf(),
             files,
             read: HashSet::new(),
+            matrices,
         })
     }
 
@@ -365,12 +353,14 @@ impl WeightSource {
     /// A tensor converted to f32, whatever its stored type.
     pub fn dense(&mut self, name: &str, device: &Device) -> Result<Tensor> {
         match self {
-            Self::SafeTensors { path, files, read } => {
+            Self::SafeTensors {
+                path, files, read, ..
+            } => {
                 read.insert(name.to_string());
                 let view = files.get(name).map_err(|_| {
                     EngineError::invalid_model(path.as_path(), format!("missing tensor {name}"))
                 })?;
-                widened(&view, device)
+                dense::widened(&view, device)
                     .map_err(|e| EngineError::invalid_model(path.as_path(), format!("{name}: {e}")))
             }
             Self::Gguf { .. } => Ok(self.qtensor(name, device)?.dequantize(device)?),
@@ -389,8 +379,8 @@ impl WeightSource {
         Ok(t)
     }
 
-    /// The `[vocab, hidden]` token embedding table: a folder's in f32, a GGUF file's as
-    /// stored ([`Embedding`]).
+    /// The `[vocab, hidden]` token embedding table: a folder's held as its matrices are, a
+    /// GGUF file's as stored ([`Embedding`]).
     pub fn embedding(
         &mut self,
         name: &str,
@@ -401,7 +391,7 @@ impl WeightSource {
             self.embedding_in_place(name, vocab_hidden)
         } else {
             let shape = [vocab_hidden.0, vocab_hidden.1];
-            Ok(Embedding::Dense(self.dense_shaped(name, &shape, device)?))
+            Ok(Embedding::Dense(self.folder_matrix(name, shape, device)?))
         }
     }
 
@@ -414,11 +404,10 @@ impl WeightSource {
         device: &Device,
     ) -> Result<Linear> {
         let weight = match self {
-            Self::SafeTensors { .. } => Weight::Candle(QMatMul::Tensor(self.dense_shaped(
-                name,
-                &[out_in.0, out_in.1],
-                device,
-            )?)),
+            Self::SafeTensors { .. } => {
+                let matrix = self.folder_matrix(name, [out_in.0, out_in.1], device)?;
+                Linear::dense(matrix).weight
+            }
             Self::Gguf { .. } => match self.packed(name, &[name], out_in) {
                 Some(weight) => weight,
                 None => {
@@ -523,66 +512,6 @@ impl WeightSource {
         match name {
             Some(b) if self.contains(b) => Ok(Some(self.dense_shaped(b, &[rows], device)?)),
             _ => Ok(None),
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use safetensors::Dtype;
-
-    use super::*;
-
-    /// Values with the edges of each type: zeros of both signs, the smallest subnormals,
-    /// infinities, a NaN, the largest finite values.
-    fn values() -> Vec<f32> {
-        let edges = [
-            0.0,
-            -0.0,
-            1e-40,
-            -6e-8,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::NAN,
-        ];
-        let mut v: Vec<f32> = edges.into();
-        v.extend([65504.0, -3.3e38, 1.0, -2.5, 0.1]);
-        v.extend((0..52).map(|i| (i as f32 - 26.0) * 0.37));
-        v
-    }
-
-    #[test]
-    fn a_widened_tensor_has_the_bits_candle_converts_it_to() {
-        let dev = Device::Cpu;
-        let xs = values();
-        let stored: [(Dtype, Vec<u8>); 3] = [
-            (
-                Dtype::BF16,
-                xs.iter()
-                    .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
-                    .collect(),
-            ),
-            (
-                Dtype::F16,
-                xs.iter()
-                    .flat_map(|&x| f16::from_f32(x).to_le_bytes())
-                    .collect(),
-            ),
-            (
-                Dtype::F32,
-                xs.iter().flat_map(|&x| x.to_le_bytes()).collect(),
-            ),
-        ];
-        for (dtype, bytes) in stored {
-            let view = TensorView::new(dtype, vec![8, 8], &bytes).unwrap();
-            let ours = widened(&view, &dev).unwrap();
-            let candle = view.load(&dev).unwrap().to_dtype(DType::F32).unwrap();
-            assert_eq!(ours.dims(), [8, 8]);
-            let bits = |t: &Tensor| -> Vec<u32> {
-                let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
-                v.iter().map(|x| x.to_bits()).collect()
-            };
-            assert_eq!(bits(&ours), bits(&candle), "{dtype:?}");
         }
     }
 }

@@ -13,11 +13,12 @@
 use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
-use candle_core::{Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 use clap::Parser;
 use engine::kquant::{KFormat, KMatrix};
 use engine::q4::Q41Matrix;
 use engine::q8::Q80Matrix;
+use engine::weights::Linear;
 use half::f16;
 
 #[derive(Debug, Parser)]
@@ -97,6 +98,34 @@ fn products() -> anyhow::Result<Vec<Product>> {
         });
     }
     all.extend(k_products()?);
+    all.extend(dense_products()?);
+    Ok(all)
+}
+
+/// A 1.5B Qwen2's q projection as a Hugging Face folder's matrix, in each type the engine
+/// can hold one in (`engine::weights::DenseMatrices`), through the engine's own projection:
+/// what widening bf16 and f16 matrices to f32 on the CPU buys.
+fn dense_products() -> anyhow::Result<Vec<Product>> {
+    let (rows, cols) = (1536, 1536);
+    let values: Vec<f32> = noise(rows * cols, 11)
+        .into_iter()
+        .map(|b| b as f32 / 2048.0 - 0.0625)
+        .collect();
+    let f32s = Tensor::from_vec(values, (rows, cols), &Device::Cpu)?;
+    let mut all = Vec::new();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let linear = Linear::dense(f32s.to_dtype(dtype)?);
+        all.push(Product {
+            name: format!("dense q {dtype:?} (candle)"),
+            rows,
+            cols,
+            matmul: Box::new(move |x, n| {
+                let x = Tensor::from_slice(x, (n, cols), &Device::Cpu).expect("activations");
+                let y = linear.forward(&x).expect("the engine's product");
+                y.flatten_all().and_then(|y| y.to_vec1()).expect("outputs")
+            }),
+        });
+    }
     Ok(all)
 }
 

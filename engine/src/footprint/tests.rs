@@ -1,3 +1,5 @@
+use candle_core::DType;
+
 use super::*;
 
 fn header(
@@ -18,10 +20,30 @@ fn header(
 
 #[test]
 fn a_folder_holds_its_tensors_in_f32_and_its_mapped_files_not_at_all() {
+    let widened = WeightFile::Folder(DenseMatrices::F32);
     let f32 = [header("a", 100, 400, 2, None), header("b", 10, 40, 1, None)];
-    assert_eq!(peak_weight_bytes(&f32, false), 440);
+    assert_eq!(peak_weight_bytes(&f32, widened), 440);
     let bf16 = [header("a", 100, 200, 2, None), header("b", 10, 20, 1, None)];
-    assert_eq!(peak_weight_bytes(&bf16, false), 440);
+    assert_eq!(peak_weight_bytes(&bf16, widened), 440);
+}
+
+#[test]
+fn a_folder_held_as_stored_keeps_its_half_matrices_in_two_bytes() {
+    let as_stored = WeightFile::Folder(DenseMatrices::AsStored);
+    // The bf16 matrix as stored, the vector widened.
+    let bf16 = [header("a", 100, 200, 2, None), header("b", 10, 20, 1, None)];
+    assert_eq!(peak_weight_bytes(&bf16, as_stored), 200 + 40);
+    let f32 = [header("a", 100, 400, 2, None), header("b", 10, 40, 1, None)];
+    assert_eq!(peak_weight_bytes(&f32, as_stored), 440);
+}
+
+#[test]
+fn a_gpu_holds_a_folders_matrices_as_stored_and_the_cpu_widens_them() {
+    assert_eq!(DenseMatrices::for_device(&Device::Cpu), DenseMatrices::F32);
+    assert_eq!(DenseMatrices::AsStored.held(DType::BF16), DType::BF16);
+    assert_eq!(DenseMatrices::AsStored.held(DType::F16), DType::F16);
+    assert_eq!(DenseMatrices::AsStored.held(DType::F32), DType::F32);
+    assert_eq!(DenseMatrices::F32.held(DType::BF16), DType::F32);
 }
 
 #[test]
@@ -34,16 +56,28 @@ fn a_gguf_holds_vectors_as_f32_the_embedding_as_stored_and_matrices_in_our_form(
         header("blk.0.attn_norm.weight", 8, 32, 1, Some(GgmlDType::F32)),
     ];
     // embedding 40 as stored; head 40 as stored; Q4_1 32 + 2 blocks of 8; norm 32.
-    assert_eq!(peak_weight_bytes(&untied, true), 40 + 40 + 48 + 32);
+    assert_eq!(
+        peak_weight_bytes(&untied, WeightFile::Gguf),
+        40 + 40 + 48 + 32
+    );
     // Tied: the table as stored, and the head in our kernel's form.
     let tied = [header("token_embd.weight", 64, 40, 2, q41)];
-    assert_eq!(peak_weight_bytes(&tied, true), 40 + 48);
+    assert_eq!(peak_weight_bytes(&tied, WeightFile::Gguf), 40 + 48);
     // The K-quants' super-blocks with their scales unpacked to a byte each: Q4_K 144 + 4,
     // Q5_K 176 + 4; Q6_K's are its own 210.
     let k = |dtype, stored| [header("blk.0.attn_q.weight", 512, stored, 2, Some(dtype))];
-    assert_eq!(peak_weight_bytes(&k(GgmlDType::Q4K, 288), true), 2 * 148);
-    assert_eq!(peak_weight_bytes(&k(GgmlDType::Q5K, 352), true), 2 * 180);
-    assert_eq!(peak_weight_bytes(&k(GgmlDType::Q6K, 420), true), 2 * 210);
+    assert_eq!(
+        peak_weight_bytes(&k(GgmlDType::Q4K, 288), WeightFile::Gguf),
+        2 * 148
+    );
+    assert_eq!(
+        peak_weight_bytes(&k(GgmlDType::Q5K, 352), WeightFile::Gguf),
+        2 * 180
+    );
+    assert_eq!(
+        peak_weight_bytes(&k(GgmlDType::Q6K, 420), WeightFile::Gguf),
+        2 * 210
+    );
 }
 
 #[test]
@@ -59,8 +93,8 @@ fn a_gguf_mixture_peaks_with_a_layers_split_experts_and_one_whole_tensor() {
     ];
     // Layer 0's slices (2560) beside the largest tensor read whole (1280).
     assert_eq!(expert_transient_bytes(&ours), 2560 + 1280);
-    let held = held_weight_bytes(&ours, true);
-    assert_eq!(peak_weight_bytes(&ours, true), held + 3840);
+    let held = held_weight_bytes(&ours, WeightFile::Gguf);
+    assert_eq!(peak_weight_bytes(&ours, WeightFile::Gguf), held + 3840);
     // candle's types keep the slices as the held matrices: only the whole tensor is extra.
     let candles = [
         header("blk.0.ffn_gate_exps.weight", 1024, 440, 3, q3k),
@@ -69,8 +103,8 @@ fn a_gguf_mixture_peaks_with_a_layers_split_experts_and_one_whole_tensor() {
     assert_eq!(expert_transient_bytes(&candles), 880);
     let dense = [header("blk.0.attn_q.weight", 64, 40, 2, q41)];
     assert_eq!(
-        peak_weight_bytes(&dense, true),
-        held_weight_bytes(&dense, true)
+        peak_weight_bytes(&dense, WeightFile::Gguf),
+        held_weight_bytes(&dense, WeightFile::Gguf)
     );
 }
 

@@ -11,7 +11,7 @@ use crate::embedding::Embedding;
 use crate::error::{EngineError, Result};
 use crate::progress::LoadStep;
 use crate::rope::Frequencies;
-use crate::weights::{Linear, Stacked, WeightSource};
+use crate::weights::{DenseMatrices, Linear, Stacked, WeightSource};
 use candle_core::Tensor;
 use text::config::{Activation, Architecture};
 use text::ModelConfig;
@@ -141,18 +141,21 @@ impl Model {
     /// Loads the weights at `path` for hyper-parameters already read from it (as
     /// `text::load` reads them with the tokenizer), so that they are read once.
     pub fn load_with(path: &Path, cfg: ModelConfig, device: &Device) -> Result<Self> {
-        Self::load_reporting(path, cfg, device, &mut |_| {})
+        let matrices = DenseMatrices::for_device(device);
+        Self::load_reporting(path, cfg, device, matrices, &mut |_| {})
     }
 
-    /// [`Model::load_with`], calling `report` after each layer built.
+    /// [`Model::load_with`], a folder's matrices held as `matrices` say, calling `report`
+    /// after each layer built.
     pub fn load_reporting(
         path: &Path,
         cfg: ModelConfig,
         device: &Device,
+        matrices: DenseMatrices,
         report: &mut dyn FnMut(LoadStep),
     ) -> Result<Self> {
         let mut src = if path.is_dir() {
-            WeightSource::open_hf_folder(path)?
+            WeightSource::open_hf_folder(path, matrices)?
         } else {
             WeightSource::open_gguf(path)?
         };

@@ -228,7 +228,8 @@ fn biases_a_mistral_does_not_have_are_refused() {
 /// it), with heads of their own and tied to the embeddings.
 #[test]
 fn the_predicted_weight_memory_is_what_the_loader_holds() {
-    use engine::footprint::{held_weight_bytes, read_headers};
+    use engine::footprint::{held_weight_bytes, read_headers, WeightFile};
+    let widened = WeightFile::Folder(engine::weights::DenseMatrices::F32);
     let mut ggufs: Vec<PathBuf> = [
         "tiny-qwen3-q8_0",
         "tiny-qwen3-q4_1",
@@ -250,7 +251,7 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
     ggufs.push(q5_0);
     for path in ggufs {
         let model = Model::load(&path, &Device::Cpu).unwrap();
-        let predicted = held_weight_bytes(&read_headers(&path).unwrap(), true);
+        let predicted = held_weight_bytes(&read_headers(&path).unwrap(), WeightFile::Gguf);
         assert_eq!(
             predicted,
             model.resident_bytes() as u64,
@@ -269,7 +270,7 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
         let model = Model::load(&f32_dir, &Device::Cpu).unwrap();
         let headers = read_headers(&f32_dir).unwrap();
         assert_eq!(
-            held_weight_bytes(&headers, false),
+            held_weight_bytes(&headers, widened),
             model.resident_bytes() as u64
         );
     }
@@ -285,7 +286,7 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
         let model = Model::load(&bf16_dir, &Device::Cpu).unwrap();
         let headers = read_headers(&bf16_dir).unwrap();
         assert_eq!(
-            held_weight_bytes(&headers, false),
+            held_weight_bytes(&headers, widened),
             model.resident_bytes() as u64,
             "tied: {tied}"
         );

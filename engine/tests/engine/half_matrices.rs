@@ -1,0 +1,82 @@
+//! A folder's bf16 and f16 matrices held as stored, as a GPU holds them: in the memory the
+//! footprint predicts, half the widened form's, computing the model the widened matrices
+//! define to within the rounding of its activations to the matrices' type.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device};
+use engine::footprint::{held_weight_bytes, read_headers, WeightFile};
+use engine::testmodel::{into_gemma2, write_model, ModelSize, DEFAULT_SEED};
+use engine::weights::DenseMatrices;
+use engine::{LoadOptions, Model};
+
+use crate::common;
+
+const PROBE: [u32; 12] = [5, 77, 300, 12, 9, 401, 33, 250, 18, 19, 64, 2];
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("half-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn load(dir: &Path, matrices: DenseMatrices, device: &Device) -> Model {
+    let options = LoadOptions {
+        matrices: Some(matrices),
+        ..LoadOptions::default()
+    };
+    engine::load_reporting(dir, device, &options, &mut |_| {})
+        .unwrap()
+        .model
+}
+
+/// The largest difference between `a` and `b`, as a share of `a`'s largest magnitude.
+fn relative_gap(a: &[f32], b: &[f32]) -> f32 {
+    let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let gap = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    gap / scale
+}
+
+fn argmax(v: &[f32]) -> usize {
+    (0..v.len()).fold(0, |best, i| if v[i] > v[best] { i } else { best })
+}
+
+#[test]
+fn half_matrices_held_as_stored_take_two_bytes_and_compute_the_same_model() {
+    for (dtype, tied) in [
+        (DType::BF16, false),
+        (DType::F16, false),
+        (DType::BF16, true),
+    ] {
+        let dir = scratch(&format!("{dtype:?}-{tied}"));
+        write_model(&dir, ModelSize::Tiny, dtype, DEFAULT_SEED).unwrap();
+        if tied {
+            // Gemma 2's head is its embedding table, which the head then multiplies by.
+            into_gemma2(&dir, DEFAULT_SEED).unwrap();
+        }
+        let widened = load(&dir, DenseMatrices::F32, &Device::Cpu);
+        let kept = load(&dir, DenseMatrices::AsStored, &common::device());
+        let headers = read_headers(&dir).unwrap();
+        let predicted = held_weight_bytes(&headers, WeightFile::Folder(DenseMatrices::AsStored));
+        assert_eq!(kept.resident_bytes() as u64, predicted, "{dtype:?} {tied}");
+        assert!(
+            2 * kept.resident_bytes() < widened.resident_bytes() + widened.resident_bytes() / 8,
+            "{dtype:?}: {} held as stored against {} widened",
+            kept.resident_bytes(),
+            widened.resident_bytes()
+        );
+        let want = widened.logits_for(&PROBE).unwrap();
+        let got = kept.logits_for(&PROBE).unwrap();
+        // Four of the type's unit roundoffs: the gaps seen were 1.3-1.5 of one.
+        let roundoff = if dtype == DType::BF16 {
+            2f32.powi(-8)
+        } else {
+            2f32.powi(-11)
+        };
+        let gap = relative_gap(&want, &got);
+        assert!(gap < 4.0 * roundoff, "{dtype:?} {tied}: {gap}");
+        assert_eq!(argmax(&want), argmax(&got), "{dtype:?} {tied}");
+    }
+}
