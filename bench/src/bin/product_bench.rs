@@ -119,14 +119,21 @@ fn dense_products() -> anyhow::Result<Vec<Product>> {
             name: format!("dense q {dtype:?} (candle)"),
             rows,
             cols,
-            matmul: Box::new(move |x, n| {
-                let x = Tensor::from_slice(x, (n, cols), &Device::Cpu).expect("activations");
-                let y = linear.forward(&x).expect("the engine's product");
-                y.flatten_all().and_then(|y| y.to_vec1()).expect("outputs")
+            matmul: on_tensors(cols, move |x| {
+                linear.forward(x).expect("the engine's product")
             }),
         });
     }
     Ok(all)
+}
+
+/// A product over `cols`-wide rows computed on candle tensors by `forward`.
+fn on_tensors(cols: usize, forward: impl Fn(&Tensor) -> Tensor + 'static) -> Matmul {
+    Box::new(move |x, n| {
+        let x = Tensor::from_slice(x, (n, cols), &Device::Cpu).expect("activations");
+        let y = forward(&x);
+        y.flatten_all().and_then(|y| y.to_vec1()).expect("outputs")
+    })
 }
 
 /// A 1.5B Qwen2 layer's K-quant products, as a Q4_K_M file (or, for Q5_K, a Q5_K_M one)
@@ -153,11 +160,7 @@ fn k_products() -> anyhow::Result<Vec<Product>> {
             name: format!("{name} (candle)"),
             rows,
             cols,
-            matmul: Box::new(move |x, n| {
-                let x = Tensor::from_slice(x, (n, cols), &Device::Cpu).expect("activations");
-                let y = candle.forward(&x).expect("candle's product");
-                y.flatten_all().and_then(|y| y.to_vec1()).expect("outputs")
-            }),
+            matmul: on_tensors(cols, move |x| candle.forward(x).expect("candle's product")),
         });
     }
     Ok(all)
