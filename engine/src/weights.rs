@@ -1,7 +1,8 @@
 //! Reading tensors by name from a Hugging Face safetensors folder or a GGUF file.
 //!
-//! Both sources hand out `Linear` layers: dense f32 for safetensors, and GGML block-quantized
-//! for GGUF, so that Q4/Q8 weights stay quantized in memory.
+//! Both sources hand out `Linear` layers: dense for safetensors (f32, or a GPU's bf16 and
+//! f16 as stored: [`DenseMatrices`]), and GGML block-quantized for GGUF, so that Q4/Q8
+//! weights stay quantized in memory.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
