@@ -354,16 +354,7 @@ impl WeightSource {
     /// A tensor converted to f32, whatever its stored type.
     pub fn dense(&mut self, name: &str, device: &Device) -> Result<Tensor> {
         match self {
-            Self::SafeTensors {
-                path, files, read, ..
-            } => {
-                read.insert(name.to_string());
-                let view = files.get(name).map_err(|_| {
-                    EngineError::invalid_model(path.as_path(), format!("missing tensor {name}"))
-                })?;
-                dense::widened(&view, device)
-                    .map_err(|e| EngineError::invalid_model(path.as_path(), format!("{name}: {e}")))
-            }
+            Self::SafeTensors { .. } => self.folder_tensor(name, DenseMatrices::F32, device),
             Self::Gguf { .. } => Ok(self.qtensor(name, device)?.dequantize(device)?),
         }
     }
@@ -371,6 +362,11 @@ impl WeightSource {
     /// A tensor whose shape must be `shape`.
     pub fn dense_shaped(&mut self, name: &str, shape: &[usize], device: &Device) -> Result<Tensor> {
         let t = self.dense(name, device)?;
+        self.shaped(name, t, shape)
+    }
+
+    /// `t`, the tensor `name`, if its shape is `shape`.
+    fn shaped(&self, name: &str, t: Tensor, shape: &[usize]) -> Result<Tensor> {
         if t.dims() != shape {
             return Err(EngineError::invalid_model(
                 self.path(),

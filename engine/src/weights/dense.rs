@@ -54,7 +54,7 @@ pub(super) fn half_product(xs: &Tensor, w: &Tensor) -> candle_core::Result<Tenso
 /// A safetensors tensor as f32, converted from its bytes where they lie: bf16 and f16
 /// widened value by value (exact, as candle's `to_dtype` widens them), with no copy in the
 /// stored type between.
-pub(super) fn widened(view: &TensorView<'_>, device: &Device) -> candle_core::Result<Tensor> {
+fn widened(view: &TensorView<'_>, device: &Device) -> candle_core::Result<Tensor> {
     let widen = |to_f32: fn([u8; 2]) -> f32| -> Vec<f32> {
         let pairs = view.data().chunks_exact(2);
         pairs.map(|b| to_f32([b[0], b[1]])).collect()
@@ -75,6 +75,33 @@ pub(super) fn widened(view: &TensorView<'_>, device: &Device) -> candle_core::Re
 }
 
 impl WeightSource {
+    /// A folder's tensor `name`: a matrix held as `held` says, anything else in f32.
+    pub(super) fn folder_tensor(
+        &mut self,
+        name: &str,
+        held: DenseMatrices,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let Self::SafeTensors {
+            path, files, read, ..
+        } = self
+        else {
+            unreachable!("folder_tensor is only called for a folder");
+        };
+        read.insert(name.to_string());
+        let bad = |reason: String| EngineError::invalid_model(path.as_path(), reason);
+        let view = files
+            .get(name)
+            .map_err(|_| bad(format!("missing tensor {name}")))?;
+        let stored = DType::try_from(view.dtype()).map_err(|e| bad(format!("{name}: {e}")))?;
+        let tensor = if view.shape().len() == 2 && held.held(stored) != DType::F32 {
+            view.load(device)
+        } else {
+            widened(&view, device)
+        };
+        tensor.map_err(|e| bad(format!("{name}: {e}")))
+    }
+
     /// A folder's matrix `name`, which must have shape `shape`, held as the source's
     /// [`DenseMatrices`] say.
     pub(super) fn folder_matrix(
@@ -83,33 +110,12 @@ impl WeightSource {
         shape: [usize; 2],
         device: &Device,
     ) -> Result<Tensor> {
-        let Self::SafeTensors {
-            path,
-            files,
-            read,
-            matrices,
-        } = self
-        else {
+        let Self::SafeTensors { matrices, .. } = self else {
             unreachable!("folder_matrix is only called for a folder");
         };
-        read.insert(name.to_string());
-        let bad = |reason: String| EngineError::invalid_model(path.as_path(), reason);
-        let view = files
-            .get(name)
-            .map_err(|_| bad(format!("missing tensor {name}")))?;
-        if view.shape() != shape {
-            return Err(bad(format!(
-                "{name} has shape {:?}, expected {shape:?}",
-                view.shape()
-            )));
-        }
-        let stored = DType::try_from(view.dtype()).map_err(|e| bad(format!("{name}: {e}")))?;
-        let tensor = if matrices.held(stored) == stored && stored != DType::F32 {
-            view.load(device)
-        } else {
-            widened(&view, device)
-        };
-        tensor.map_err(|e| bad(format!("{name}: {e}")))
+        let held = *matrices;
+        let t = self.folder_tensor(name, held, device)?;
+        self.shaped(name, t, &shape)
     }
 }
 
