@@ -6,6 +6,16 @@ use std::sync::{Mutex, OnceLock};
 use candle_core::{DType, Device};
 use engine::testmodel::{write_model, Family, ModelSize};
 
+/// An empty folder of the target folder's for a test's files, `name` naming it within this
+/// test binary's run.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("scratch-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 /// The generated tiny model, written once per test binary into the target folder.
 pub fn tiny_model_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();

@@ -2,7 +2,7 @@
 //! footprint predicts, half the widened form's, computing the model the widened matrices
 //! define to within the rounding of its activations to the matrices' type.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::{DType, Device};
 use engine::footprint::{held_weight_bytes, read_headers, WeightFile};
@@ -13,14 +13,6 @@ use engine::{LoadOptions, Model};
 use crate::common;
 
 const PROBE: [u32; 12] = [5, 77, 300, 12, 9, 401, 33, 250, 18, 19, 64, 2];
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("half-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 fn load(dir: &Path, matrices: DenseMatrices, device: &Device) -> Model {
     let options = LoadOptions {
@@ -50,7 +42,7 @@ fn half_matrices_held_as_stored_take_two_bytes_and_compute_the_same_model() {
         (DType::F16, false),
         (DType::BF16, true),
     ] {
-        let dir = scratch(&format!("{dtype:?}-{tied}"));
+        let dir = common::scratch(&format!("half-{dtype:?}-{tied}"));
         write_model(&dir, ModelSize::Tiny, dtype, DEFAULT_SEED).unwrap();
         if tied {
             // Gemma 2's head is its embedding table, which the head then multiplies by.

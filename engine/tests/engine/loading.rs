@@ -14,14 +14,6 @@ use text::{ChatInput, IncrementalDecoder, Tokenizer};
 
 use crate::common;
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("loading-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 /// Copies everything but the weights from the tiny model into `dir`.
 fn copy_side_files(from: &Path, dir: &Path) {
     for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
@@ -48,9 +40,9 @@ fn cosine(a: &[f32], b: &[f32]) -> f32 {
 /// bf16 on disk computes exactly like f32 holding the same (bf16-rounded) values.
 #[test]
 fn bf16_weights_load_as_their_exact_f32_values() {
-    let bf16 = scratch("bf16");
+    let bf16 = common::scratch("bf16");
     write_model(&bf16, ModelSize::Tiny, DType::BF16, DEFAULT_SEED).unwrap();
-    let f32_dir = scratch("bf16-as-f32");
+    let f32_dir = common::scratch("bf16-as-f32");
     copy_side_files(&bf16, &f32_dir);
     let tensors =
         candle_core::safetensors::load(bf16.join("model.safetensors"), &Device::Cpu).unwrap();
@@ -67,7 +59,7 @@ fn bf16_weights_load_as_their_exact_f32_values() {
 #[test]
 fn sharded_safetensors_load_like_one_file() {
     let src = common::tiny_model_dir();
-    let dir = scratch("sharded");
+    let dir = common::scratch("sharded");
     copy_side_files(&src, &dir);
     let tensors =
         candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
@@ -100,7 +92,7 @@ fn sharded_safetensors_load_like_one_file() {
 #[test]
 fn gguf_exports_load_with_their_tokenizer_and_template() {
     let src = common::tiny_model_dir();
-    let dir = scratch("gguf");
+    let dir = common::scratch("gguf");
     let reference = logits(&src);
     let hf = engine::load(&src, &Device::Cpu).unwrap();
     let texts = [
@@ -161,7 +153,7 @@ fn gguf_exports_load_with_their_tokenizer_and_template() {
 #[test]
 fn unsupported_configs_are_refused_at_load() {
     let src = common::tiny_model_dir();
-    let dir = scratch("rope-scaling");
+    let dir = common::scratch("rope-scaling");
     copy_side_files(&src, &dir);
     std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
     let mut cfg: serde_json::Value =
@@ -187,7 +179,7 @@ fn unsupported_configs_are_refused_at_load() {
 #[test]
 fn a_tensor_the_engine_does_not_read_is_refused_by_name() {
     let src = common::tiny_model_dir();
-    let dir = scratch("unread-tensor");
+    let dir = common::scratch("unread-tensor");
     copy_side_files(&src, &dir);
     std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
     let mut tensors =
@@ -209,7 +201,7 @@ fn a_tensor_the_engine_does_not_read_is_refused_by_name() {
 /// Qwen2's, put back beside a Mistral config) is refused rather than run with them.
 #[test]
 fn biases_a_mistral_does_not_have_are_refused() {
-    let dir = scratch("mistral-biases");
+    let dir = common::scratch("mistral-biases");
     let mistral = common::tiny_mistral_dir();
     copy_side_files(&mistral, &dir);
     std::fs::copy(mistral.join("config.json"), dir.join("config.json")).unwrap();
@@ -246,7 +238,7 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
     .collect();
     ggufs.push(crate::smollm2::gguf_path());
     // Q5_0, held as Q8_0: every matrix, the head and the embedding table.
-    let q5_0 = scratch("footprint-q5_0").join("model-q5_0.gguf");
+    let q5_0 = common::scratch("footprint-q5_0").join("model-q5_0.gguf");
     export_gguf(&common::tiny_model_dir(), &q5_0, GgmlDType::Q5_0).unwrap();
     ggufs.push(q5_0);
     for path in ggufs {
@@ -276,7 +268,7 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
     }
     // Untied, and tied (Gemma 2's head is its embedding table, converted once).
     for tied in [false, true] {
-        let bf16_dir = scratch(&format!("bf16-footprint-{tied}"));
+        let bf16_dir = common::scratch(&format!("bf16-footprint-{tied}"));
         let seed = engine::testmodel::DEFAULT_SEED;
         let tiny = engine::testmodel::ModelSize::Tiny;
         engine::testmodel::write_model(&bf16_dir, tiny, DType::BF16, seed).unwrap();
@@ -300,7 +292,7 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
 fn a_model_and_reserve_past_the_machines_memory_are_refused_at_load() {
     let machine = engine::footprint::machine_memory().expect("a Linux machine's MemTotal");
     let dir = common::tiny_model_dir();
-    let gguf = scratch("footprint").join("model-q8_0.gguf");
+    let gguf = common::scratch("footprint").join("model-q8_0.gguf");
     engine::gguf_export::export_gguf(&dir, &gguf, GgmlDType::Q8_0).unwrap();
     for path in [dir, gguf] {
         let fits = engine::KvReserve {
