@@ -90,8 +90,9 @@ impl Model {
     /// each sequence then attends with our kernel: a batch's sequences over candle's pool,
     /// the one the products use (over rayon's, each pool's idle thread spun on the cores
     /// the other's threads needed: median batch-16 step 5% faster, slowest of eight runs
-    /// 408 tokens/s against 336), a lone sequence's heads over it instead. On a GPU one kernel writes every sequence's K/V and one
-    /// attends every sequence's heads, however many sequences there are.
+    /// 408 tokens/s against 336), a lone sequence's heads over it instead. On a GPU one
+    /// kernel writes every sequence's K/V and one attends every sequence's heads, however
+    /// many sequences there are.
     fn attend_step(
         &self,
         layer: usize,
