@@ -6,10 +6,15 @@
 
 use std::collections::HashMap;
 
+mod best;
+mod draw;
 mod rows;
 
 use crate::logprobs::{log_z, top_n};
 pub use crate::logprobs::{scored, Sampled, TokenLogprob};
+pub use best::{Filtered, BEST_CANDIDATES};
+use draw::draw;
+pub use draw::Cuts;
 pub use rows::{fetch, need, Fetched, Need};
 pub use text::grammar::TokenMask;
 
@@ -264,87 +269,6 @@ pub fn sample(
             })
             .collect(),
     }
-}
-
-/// Samples from the tempered distribution, filtered by top-k, min-p and top-p in that
-/// order, with the draw `u`.
-fn draw(logits: &[f32], p: &SamplingParams, u: f64) -> u32 {
-    let vocab = logits.len();
-    let k = if p.top_k == 0 || p.top_k >= vocab {
-        vocab
-    } else {
-        p.top_k
-    };
-    if k == vocab && p.min_p <= 0.0 && p.top_p >= 1.0 {
-        return draw_unfiltered(logits, p.temperature as f64, u);
-    }
-    let mut cand = top_n(logits, k);
-    // Masked tokens (a grammar's, min_tokens') have no probability at all: they must not be
-    // the fallback below when rounding leaves the draw above the last cumulative sum.
-    if let Some(masked) = cand.iter().position(|c| c.logprob == f32::NEG_INFINITY) {
-        cand.truncate(masked.max(1));
-    }
-    let max = cand[0].logprob as f64;
-    let t = p.temperature as f64;
-    let mut probs: Vec<f64> = cand
-        .iter()
-        .map(|c| ((c.logprob as f64 - max) / t).exp())
-        .collect();
-    let total: f64 = probs.iter().sum();
-    probs.iter_mut().for_each(|x| *x /= total);
-    if p.min_p > 0.0 {
-        // Best first, so the kept tokens are a prefix; the most likely one always stays.
-        let floor = probs[0] * p.min_p as f64;
-        let keep = probs.iter().position(|&x| x < floor).unwrap_or(probs.len());
-        cand.truncate(keep);
-        probs.truncate(keep);
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|x| *x /= total);
-    }
-    if p.top_p < 1.0 {
-        let mut acc = 0.0;
-        let keep = probs
-            .iter()
-            .position(|&x| {
-                acc += x;
-                acc >= p.top_p as f64
-            })
-            .map_or(probs.len(), |i| i + 1);
-        cand.truncate(keep);
-        probs.truncate(keep);
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|x| *x /= total);
-    }
-    let mut acc = 0.0;
-    for (c, &pr) in cand.iter().zip(&probs) {
-        acc += pr;
-        if u < acc {
-            return c.token;
-        }
-    }
-    cand.last().map_or(0, |c| c.token)
-}
-
-/// Samples from the whole tempered distribution with the draw `u`, walking the tokens in
-/// id order: no filter needs them ranked, and sorting the vocabulary cost several
-/// milliseconds a token (most of a batch-16 step at temperature 1).
-fn draw_unfiltered(logits: &[f32], t: f64, u: f64) -> u32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let weights: Vec<f64> = logits
-        .iter()
-        .map(|&x| ((x - max) as f64 / t).exp())
-        .collect();
-    let target = u * weights.iter().sum::<f64>();
-    let mut acc = 0.0;
-    for (i, &w) in weights.iter().enumerate() {
-        acc += w;
-        if target < acc {
-            return i as u32;
-        }
-    }
-    // Rounding left the draw at the very top: the last token that has any weight (never a
-    // masked one).
-    weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as u32
 }
 
 #[cfg(test)]

@@ -1,13 +1,16 @@
 //! What of a step's logits comes back to the host. On the CPU every row is there already.
 //! On a GPU a row of a large vocabulary is most of a decode step's copy (64 rows of
-//! Qwen2's 151,936 logits are 39 MB), so a row that nothing but its temperature shapes,
-//! and which reports nothing but its token's log-probability, is decided where it lies:
-//! greedy, its argmax; tempered, a draw by the same rule and the same uniform as the
-//! host's sampler, of which only sums of runs of the vocabulary and the one run the draw
-//! lands in come back.
+//! Qwen2's 151,936 logits are 39 MB), so a row that nothing but its temperature and its
+//! filters (top-k, min-p, top-p) shape, and which reports nothing but its token's
+//! log-probability, is decided where it lies: greedy, its argmax; tempered, a draw by the
+//! same rule and the same uniform as the host's sampler, of which only sums of runs of
+//! the vocabulary and the one run the draw lands in come back; filtered, from its best
+//! candidates (`best`).
 
 use candle_core::{DType, Tensor};
 
+use super::best::{filtered_in_place, Filtered, BEST_CANDIDATES};
+use super::draw::Cuts;
 use super::{uniform, SamplingParams};
 use crate::error::Result;
 use crate::logprobs::Sampled;
@@ -27,6 +30,10 @@ pub enum Need {
     /// A draw from `softmax(logits / temperature)`, nothing filtered, by the uniform `u`
     /// (`sampling::uniform` of the row's seed and step), and its log-probability.
     Draw { temperature: f64, u: f64 },
+    /// A draw cut by top-k (at most [`BEST_CANDIDATES`]), min-p or top-p, and its
+    /// log-probability: decided from the row's best candidates where they settle it, else
+    /// from the whole row.
+    Filtered(Filtered),
 }
 
 /// One row as [`fetch`] brought it back.
@@ -49,8 +56,8 @@ impl Fetched {
 
 /// What a sequence's next row needs, its `generated` tokens so far: decided where it lies
 /// when nothing moves its logits first (a logit bias, a penalty, `min_tokens`' hold, a
-/// grammar), no filter cuts its distribution (top-k, top-p, min-p) and it reports no
-/// alternatives; else the whole row.
+/// grammar), top-k keeps at most [`BEST_CANDIDATES`] or the whole vocabulary, and it
+/// reports no alternatives; else the whole row.
 pub fn need(p: &SamplingParams, generated: usize, top_logprobs: usize, grammar: bool) -> Need {
     let holds = generated < p.min_tokens && !p.held.is_empty();
     let plain = p.logit_bias.is_empty()
@@ -61,13 +68,19 @@ pub fn need(p: &SamplingParams, generated: usize, top_logprobs: usize, grammar: 
         && !grammar
         && top_logprobs == 0;
     let unfiltered = p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0;
+    let u = uniform(p.seed, generated as u64);
     match (plain, p.temperature <= 0.0) {
         (false, _) => Need::Whole,
         (true, true) => Need::Argmax,
         (true, false) if unfiltered => Need::Draw {
             temperature: p.temperature as f64,
-            u: uniform(p.seed, generated as u64),
+            u,
         },
+        (true, false) if p.top_k <= BEST_CANDIDATES => Need::Filtered(Filtered {
+            top_k: p.top_k,
+            cuts: Cuts::of(p),
+            u,
+        }),
         (true, false) => Need::Whole,
     }
 }
@@ -83,16 +96,13 @@ pub fn fetch(logits: &Tensor, needs: &[Need]) -> Result<Vec<Fetched>> {
     decide_in_place(logits, needs)
 }
 
-/// [`fetch`] off the CPU: the argmax rows and the draws decided in a few ops over all of
-/// them, the whole rows copied as they are.
+/// [`fetch`] off the CPU: the argmax rows, the draws and the filtered draws decided in a
+/// few ops over all of them; the whole rows, and the filtered ones their best candidates
+/// did not settle, copied as they are.
 pub(crate) fn decide_in_place(logits: &Tensor, needs: &[Need]) -> Result<Vec<Fetched>> {
-    let of = |want: fn(&Need) -> bool| -> Vec<u32> {
-        (0..needs.len() as u32)
-            .filter(|&i| want(&needs[i as usize]))
-            .collect()
-    };
-    let argmax_rows = of(|n| *n == Need::Argmax);
-    let whole_rows = of(|n| *n == Need::Whole);
+    let argmax_rows: Vec<u32> = (0..needs.len() as u32)
+        .filter(|&i| needs[i as usize] == Need::Argmax)
+        .collect();
     let (draw_rows, draws): (Vec<u32>, Vec<(f64, f64)>) = (0..needs.len() as u32)
         .zip(needs)
         .filter_map(|(i, n)| match *n {
@@ -100,26 +110,45 @@ pub(crate) fn decide_in_place(logits: &Tensor, needs: &[Need]) -> Result<Vec<Fet
             _ => None,
         })
         .unzip();
-    let mut argmaxes = argmax_in_place(logits, &argmax_rows)?.into_iter();
-    let mut drawn = draw_in_place(logits, &draw_rows, &draws)?.into_iter();
+    let (filtered_rows, filters): (Vec<u32>, Vec<Filtered>) = (0..needs.len() as u32)
+        .zip(needs)
+        .filter_map(|(i, n)| match *n {
+            Need::Filtered(f) => Some((i, f)),
+            _ => None,
+        })
+        .unzip();
+    let mut decided: Vec<Option<Sampled>> = vec![None; needs.len()];
+    let mut place = |rows: &[u32], got: Vec<Option<Sampled>>| {
+        for (&r, s) in rows.iter().zip(got) {
+            decided[r as usize] = s;
+        }
+    };
+    let some = |got: Vec<Sampled>| got.into_iter().map(Some).collect();
+    place(&argmax_rows, some(argmax_in_place(logits, &argmax_rows)?));
+    place(&draw_rows, some(draw_in_place(logits, &draw_rows, &draws)?));
+    place(
+        &filtered_rows,
+        filtered_in_place(logits, &filtered_rows, &filters)?,
+    );
+    let whole_rows: Vec<u32> = (0..needs.len() as u32)
+        .filter(|&i| decided[i as usize].is_none())
+        .collect();
     let mut whole = select(logits, &whole_rows)?
         .map(|t| t.to_vec2::<f32>())
         .transpose()?
         .unwrap_or_default()
         .into_iter();
-    let mut next = |n: &Need| match n {
-        Need::Argmax => argmaxes.next().map(Fetched::Decided),
-        Need::Draw { .. } => drawn.next().map(Fetched::Decided),
-        Need::Whole => whole.next().map(Fetched::Whole),
-    };
-    Ok(needs
-        .iter()
-        .map(|n| next(n).expect("a result for every row of each kind"))
+    Ok(decided
+        .into_iter()
+        .map(|d| match d {
+            Some(s) => Fetched::Decided(s),
+            None => Fetched::Whole(whole.next().expect("a whole row for every undecided one")),
+        })
         .collect())
 }
 
 /// Rows `rows` of `logits`, or None where there are none.
-fn select(logits: &Tensor, rows: &[u32]) -> Result<Option<Tensor>> {
+pub(super) fn select(logits: &Tensor, rows: &[u32]) -> Result<Option<Tensor>> {
     if rows.is_empty() {
         return Ok(None);
     }
@@ -147,17 +176,17 @@ fn argmax_in_place(logits: &Tensor, rows: &[u32]) -> Result<Vec<Sampled>> {
 }
 
 /// Rows less their max, with each row's max and log-normalizer.
-struct Centred {
+pub(super) struct Centred {
     /// Each row's max, `(rows, 1)`.
-    max: Tensor,
+    pub(super) max: Tensor,
     /// `x - max`.
-    shifted: Tensor,
+    pub(super) shifted: Tensor,
     /// `ln Σ exp(x - max)`, `(rows, 1)`: a row's log-normalizer less its max.
-    spread: Tensor,
+    pub(super) spread: Tensor,
 }
 
 impl Centred {
-    fn of(rows: &Tensor) -> Result<Self> {
+    pub(super) fn of(rows: &Tensor) -> Result<Self> {
         let max = rows.max_keepdim(1)?;
         let shifted = rows.broadcast_sub(&max)?;
         let spread = shifted.exp()?.sum_keepdim(1)?.log()?;
@@ -321,30 +350,61 @@ mod tests {
     }
 
     #[test]
-    fn a_tempered_row_is_drawn_where_it_lies_unless_a_filter_cuts_it() {
+    fn a_tempered_row_is_drawn_where_it_lies_filtered_or_not() {
         let tempered = SamplingParams {
             temperature: 0.7,
             seed: 11,
             ..greedy()
         };
+        let u = uniform(11, 4);
         assert_eq!(
             need(&tempered, 4, 0, false),
             Need::Draw {
                 temperature: 0.7f32 as f64,
-                u: uniform(11, 4)
+                u
             }
         );
+        let cuts = |min_p: f32, top_p: f32| Cuts {
+            temperature: 0.7f32 as f64,
+            min_p,
+            top_p,
+        };
+        for (p, top_k, want) in [
+            (
+                SamplingParams {
+                    top_k: 40,
+                    ..tempered.clone()
+                },
+                40,
+                cuts(0.0, 1.0),
+            ),
+            (
+                SamplingParams {
+                    top_p: 0.9,
+                    ..tempered.clone()
+                },
+                0,
+                cuts(0.0, 0.9),
+            ),
+            (
+                SamplingParams {
+                    min_p: 0.05,
+                    ..tempered.clone()
+                },
+                0,
+                cuts(0.05, 1.0),
+            ),
+        ] {
+            let filtered = Need::Filtered(Filtered {
+                top_k,
+                cuts: want,
+                u,
+            });
+            assert_eq!(need(&p, 4, 0, false), filtered, "{p:?}");
+        }
         for p in [
             SamplingParams {
-                top_k: 40,
-                ..tempered.clone()
-            },
-            SamplingParams {
-                top_p: 0.9,
-                ..tempered.clone()
-            },
-            SamplingParams {
-                min_p: 0.05,
+                top_k: BEST_CANDIDATES + 1,
                 ..tempered.clone()
             },
             SamplingParams {

@@ -131,13 +131,20 @@ fn assembler_rejects_gaps_bad_sizes_and_incomplete_transfers() {
 fn batched_decode_matches_each_sequence_alone() {
     let m = model();
     let prompts: Vec<Vec<u32>> = (0..8).map(|i| prompt(3 + i * 7, i as u32)).collect();
-    // Greedy, tempered and filtered (top-p), tempered alone: on a GPU `generate` decides
-    // the greedy and the tempered-alone rows where they lie (`sampling::fetch`), the loop
-    // below samples every row whole on the host.
+    // Greedy, tempered and filtered (top-p; top-k and min-p), tempered alone: on a GPU
+    // `generate` decides each row from what `sampling::fetch` brings back (an argmax, a
+    // draw, a filtered row's best candidates or the whole row), the loop below samples
+    // every row whole on the host.
     let params: Vec<SamplingParams> = (0..8)
         .map(|i| match i % 4 {
-            0 | 2 => SamplingParams::default(),
+            0 => SamplingParams::default(),
             1 => SamplingParams {
+                seed: i as u64,
+                ..seeded()
+            },
+            2 => SamplingParams {
+                top_k: 20,
+                min_p: 0.05,
                 seed: i as u64,
                 ..seeded()
             },

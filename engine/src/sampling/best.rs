@@ -1,0 +1,327 @@
+//! A filtered row's draw (top-k, min-p, top-p) decided where its logits lie: the row's best
+//! candidates are ranked there and come back, rather than the whole row.
+//!
+//! A row's best `n` are found by candle's sort, whose CUDA kernel ranks a row in one
+//! block's shared memory: the vocabulary is cut into runs of [`SORT_RUN`], each run's best
+//! `n` kept, and the survivors ranked the same way until one run holds them all (three
+//! rounds at Qwen2's 151,936 tokens). The host then settles the draw from them exactly as
+//! the sampler does from the whole row, or, where they cannot settle it, gets the row.
+
+use candle_core::{DType, Tensor};
+
+use super::draw::{draw_ranked, kept, Cuts, Ranked};
+use super::rows::{select, Centred};
+use crate::error::Result;
+use crate::logprobs::{Sampled, TokenLogprob};
+
+/// The most candidates a filtered row is decided from where it lies: top-k up to this
+/// many, and min-p or top-p without top-k where the best this many settle the draw.
+pub const BEST_CANDIDATES: usize = 256;
+
+/// Columns one sort ranks: candle's CUDA sort takes four bytes of shared memory a column
+/// (48 KB a block without opting in to more).
+const SORT_RUN: usize = 4096;
+
+/// A draw cut by top-k, min-p or top-p, with the uniform `u` it takes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Filtered {
+    /// 0 keeps the whole vocabulary; at most [`BEST_CANDIDATES`] otherwise.
+    pub top_k: usize,
+    pub cuts: Cuts,
+    pub u: f64,
+}
+
+/// Each of `rows`' draw by its filter, or None where the row's best candidates do not
+/// settle it (ties at the last of them reaching into top-k's set; min-p or top-p keeping
+/// more than [`BEST_CANDIDATES`]).
+pub(super) fn filtered_in_place(
+    logits: &Tensor,
+    rows: &[u32],
+    filters: &[Filtered],
+) -> Result<Vec<Option<Sampled>>> {
+    let Some(picked) = select(logits, rows)? else {
+        return Ok(Vec::new());
+    };
+    let (n, vocab) = picked.dims2()?;
+    let keeps: Vec<usize> = filters.iter().map(|f| kept(f.top_k, vocab)).collect();
+    // One past each row's cut, so that a tie across it shows.
+    let wanted = keeps.iter().map(|&k| k.min(BEST_CANDIDATES) + 1).max();
+    let (values, ids) = best(&picked, wanted.unwrap_or(1).min(vocab))?;
+    let temperatures: Vec<f64> = filters.iter().map(|f| f.cuts.temperature).collect();
+    let temperatures = Tensor::from_vec(temperatures, (n, 1), picked.device())?;
+    let centred = Centred::of(&picked)?;
+    let totals: Vec<f64> = centred
+        .shifted
+        .to_dtype(DType::F64)?
+        .broadcast_div(&temperatures)?
+        .exp()?
+        .sum(1)?
+        .to_vec1()?;
+    let values: Vec<Vec<f32>> = values.to_vec2()?;
+    let ids: Vec<Vec<u32>> = ids.to_vec2()?;
+    let max: Vec<f32> = centred.max.flatten_all()?.to_vec1()?;
+    let spread: Vec<f32> = centred.spread.flatten_all()?.to_vec1()?;
+    Ok((0..n)
+        .map(|i| {
+            let (cand, ranked) = settled(&values[i], &ids[i], keeps[i], vocab, totals[i])?;
+            let logit = |token: u32| cand.iter().find(|c| c.token == token).map(|c| c.logprob);
+            let f = &filters[i];
+            let token = draw_ranked(cand.clone(), ranked, &f.cuts, f.u)?;
+            Some(Sampled {
+                token,
+                logprob: logit(token)? - max[i] - spread[i],
+                top: Vec::new(),
+            })
+        })
+        .collect())
+}
+
+/// Each row's best `n` values of `rows` `(rows, vocab)`, best first, and their ids: two
+/// `(rows, n)` tensors. Of values that tie, which come first (and which make the `n`) is
+/// the sort's choice.
+pub(super) fn best(rows: &Tensor, n: usize) -> Result<(Tensor, Tensor)> {
+    let (count, vocab) = rows.dims2()?;
+    assert!(
+        (1..SORT_RUN).contains(&n) && n <= vocab,
+        "{n} of {vocab} values"
+    );
+    let device = rows.device();
+    let mut values = rows.contiguous()?;
+    let mut ids = Tensor::arange(0u32, vocab as u32, device)?
+        .unsqueeze(0)?
+        .broadcast_as((count, vocab))?
+        .contiguous()?;
+    loop {
+        let width = values.dim(1)?;
+        let runs = width.div_ceil(SORT_RUN);
+        let run = width.min(SORT_RUN);
+        let pad = runs * run - width;
+        // Padding ranks last: below every value, an id past every token.
+        let padded = |t: &Tensor, fill: Tensor| -> Result<Tensor> {
+            let t = if pad == 0 {
+                t.clone()
+            } else {
+                Tensor::cat(&[t, &fill.broadcast_as((count, pad))?], 1)?
+            };
+            Ok(t.reshape((count * runs, run))?)
+        };
+        let v = padded(&values, Tensor::new(&[f32::NEG_INFINITY], device)?)?;
+        let i = padded(&ids, Tensor::new(&[u32::MAX], device)?)?;
+        let keep = n.min(run);
+        let order = v
+            .arg_sort_last_dim(false)?
+            .narrow(1, 0, keep)?
+            .contiguous()?;
+        values = v.gather(&order, 1)?.reshape((count, runs * keep))?;
+        ids = i.gather(&order, 1)?.reshape((count, runs * keep))?;
+        if runs == 1 {
+            return Ok((values, ids));
+        }
+    }
+}
+
+/// The candidates a row's best `values` (ids `ids`, best first, one more than the row's
+/// cut takes where the row is longer) settle, ranked as the host's sampler ranks them, and
+/// what they are of the tokens top-k keeps (`keep` of `vocab`). `total` is the row's
+/// tempered weights' total.
+///
+/// The values above the last one are exactly the row's values above it, whichever way
+/// the sort took ties, so they are taken and ranked again here; the last one's ties stay
+/// out unless the values are the whole row. None where fewer than top-k's `keep` are
+/// left: a tie at the last value reaches into top-k's set.
+pub(super) fn settled(
+    values: &[f32],
+    ids: &[u32],
+    keep: usize,
+    vocab: usize,
+    total: f64,
+) -> Option<(Vec<TokenLogprob>, Ranked)> {
+    if values.iter().any(|v| v.is_nan()) {
+        return None;
+    }
+    let last = *values.last()?;
+    let whole_row = values.len() == vocab;
+    let mut cand: Vec<TokenLogprob> = values
+        .iter()
+        .zip(ids)
+        .filter(|(&v, _)| whole_row || v > last)
+        .map(|(&logprob, &token)| TokenLogprob { token, logprob })
+        .collect();
+    cand.sort_by(|a, b| b.logprob.total_cmp(&a.logprob).then(a.token.cmp(&b.token)));
+    if keep < vocab {
+        if cand.len() < keep {
+            return None;
+        }
+        cand.truncate(keep);
+        Some((cand, Ranked::All))
+    } else if whole_row {
+        Some((cand, Ranked::All))
+    } else {
+        Some((cand, Ranked::Best { total }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::super::rows::{decide_in_place, need, Fetched, Need};
+    use super::*;
+    use crate::logprobs::top_n;
+    use crate::sampling::{sample, Context, SamplingParams};
+
+    /// Row `r` of `vocab` distinct logits, from 20 down in steps of 1/40, in an order of
+    /// their own.
+    fn distinct(r: u32, vocab: u32) -> Vec<f32> {
+        // 7919 is prime to 9001, and 9001 to 70_001: each row a permutation.
+        let m = if vocab <= 9001 { 9001 } else { 70_001 };
+        (0..vocab)
+            .map(|i| 20.0 - ((i * 7919 + r * 101) % m) as f32 / 40.0)
+            .collect()
+    }
+
+    /// Over runs and rounds of the sort (three at 70,000 tokens, two at 9,000), each
+    /// row's best are the host's `top_n`: the same values in order, each id a token of its
+    /// value, no id twice. One row's values tie in nines.
+    #[test]
+    fn the_best_of_a_row_are_its_top_values_over_every_round() {
+        for (vocab, n) in [(70_000u32, 257), (9_000, 41), (9_000, 1), (300, 300)] {
+            let mut rows: Vec<Vec<f32>> = (0..2).map(|r| distinct(r, vocab)).collect();
+            rows.push((0..vocab).map(|i| ((i * 37) % 997) as f32 / 8.0).collect());
+            let t = Tensor::new(rows.clone(), &Device::Cpu).unwrap();
+            let (values, ids) = best(&t, n).unwrap();
+            let values: Vec<Vec<f32>> = values.to_vec2().unwrap();
+            let ids: Vec<Vec<u32>> = ids.to_vec2().unwrap();
+            for ((row, v), i) in rows.iter().zip(&values).zip(&ids) {
+                let want: Vec<f32> = top_n(row, n).iter().map(|c| c.logprob).collect();
+                assert_eq!(v, &want, "{vocab} {n}");
+                assert!(i.iter().zip(v).all(|(&i, &v)| row[i as usize] == v));
+                let unique: std::collections::HashSet<_> = i.iter().collect();
+                assert_eq!(unique.len(), n);
+            }
+        }
+    }
+
+    fn cand(values: &[(u32, f32)]) -> (Vec<f32>, Vec<u32>) {
+        values.iter().map(|&(t, v)| (v, t)).unzip()
+    }
+
+    /// Top-k's set is taken only where the ties at the last value leave it whole; ties
+    /// inside it are ranked by the lower id; without top-k the best are a prefix of the
+    /// row, with its total.
+    #[test]
+    fn the_best_settle_top_k_only_where_the_last_value_s_ties_leave_it_whole() {
+        let (v, i) = cand(&[(9, 3.0), (4, 2.0), (2, 2.0), (7, 1.0)]);
+        let (got, ranked) = settled(&v, &i, 3, 100, 5.0).unwrap();
+        let tokens: Vec<u32> = got.iter().map(|c| c.token).collect();
+        assert_eq!((tokens, ranked), (vec![9, 2, 4], Ranked::All));
+        let (v, i) = cand(&[(9, 3.0), (4, 2.0), (2, 1.0), (7, 1.0)]);
+        assert_eq!(settled(&v, &i, 3, 100, 5.0), None, "a tie into the set");
+        let (got, _) = settled(&v, &i, 1, 100, 5.0).unwrap();
+        assert_eq!(got[0].token, 9);
+        let (got, ranked) = settled(&v, &i, 100, 100, 5.0).unwrap();
+        assert_eq!(got.len(), 2, "the last value's ties stay out");
+        assert_eq!(ranked, Ranked::Best { total: 5.0 });
+        let (got, ranked) = settled(&v, &i, 3, 4, 5.0).unwrap();
+        assert_eq!((got.len(), ranked), (3, Ranked::All), "the whole row");
+        assert_eq!(got[2].token, 2, "a tie in a whole row: the lower id");
+        let (v, i) = cand(&[(9, 3.0), (4, f32::NAN), (7, 1.0)]);
+        assert_eq!(settled(&v, &i, 2, 100, 5.0), None);
+    }
+
+    /// The ops a GPU runs, run here: each filtered row decided where it lies gets the token
+    /// the host's sampler draws from the whole row with the same seed and step, ties in
+    /// top-k's set among them; the rows their best candidates cannot settle (a tie across
+    /// all of them, a top-p past them) come back whole.
+    #[test]
+    fn filtered_rows_decided_in_place_are_the_sampler_s_draws() {
+        let vocab = 9_000;
+        let tempered = |temperature: f32, seed: u64| SamplingParams {
+            temperature,
+            seed,
+            ..SamplingParams::default()
+        };
+        let params = [
+            SamplingParams {
+                top_k: 40,
+                ..tempered(1.0, 1)
+            },
+            SamplingParams {
+                top_k: 1,
+                ..tempered(0.7, 2)
+            },
+            SamplingParams {
+                min_p: 0.05,
+                ..tempered(0.7, 3)
+            },
+            SamplingParams {
+                top_p: 0.9,
+                ..tempered(1.3, 4)
+            },
+            SamplingParams {
+                top_k: 200,
+                top_p: 0.95,
+                min_p: 0.02,
+                ..tempered(2.0, 5)
+            },
+            SamplingParams {
+                top_p: 0.999_999_9,
+                ..tempered(1.0, 6)
+            },
+            SamplingParams {
+                top_k: 20,
+                ..tempered(1.0, 7)
+            },
+        ];
+        let mut rows: Vec<Vec<f32>> = (0..5).map(|r| distinct(r, vocab)).collect();
+        // Nine tokens a value: top-k's cut at 40 splits a tie, but the best hold it all.
+        rows[0] = (0..vocab).map(|i| ((i * 37) % 997) as f32 / 8.0).collect();
+        rows.push(distinct(5, vocab));
+        // A third of the vocabulary ties for the best.
+        rows.push(
+            (0..vocab)
+                .map(|i| if i % 3 == 0 { 1.0 } else { -(i as f32) })
+                .collect(),
+        );
+        let logits = Tensor::new(rows.clone(), &Device::Cpu).unwrap();
+        let mut drawn = vec![std::collections::HashSet::new(); rows.len()];
+        for step in 0..40u64 {
+            let needs: Vec<Need> = params
+                .iter()
+                .map(|p| need(p, step as usize, 0, false))
+                .collect();
+            assert!(needs.iter().all(|n| matches!(n, Need::Filtered(_))));
+            for (r, got) in decide_in_place(&logits, &needs)
+                .unwrap()
+                .into_iter()
+                .enumerate()
+            {
+                let want = sample(&rows[r], &params[r], &Context::default(), step, 0);
+                match got {
+                    Fetched::Decided(s) => {
+                        assert!(r < 5, "row {r} was decided");
+                        assert_eq!(s.token, want.token, "row {r}, step {step}");
+                        assert!((s.logprob - want.logprob).abs() < 1e-4, "{s:?} {want:?}");
+                        drawn[r].insert(s.token);
+                    }
+                    Fetched::Whole(row) => {
+                        assert!(r >= 5, "row {r} came back whole");
+                        assert_eq!(row, rows[r]);
+                    }
+                }
+            }
+        }
+        // A row alone: its best are one more than its top-k, as few as there can be.
+        for step in 0..4 {
+            let alone = [need(&params[1], step, 0, false)];
+            let got = decide_in_place(&logits.narrow(0, 1, 1).unwrap(), &alone).unwrap();
+            let want = sample(&rows[1], &params[1], &Context::default(), step as u64, 0);
+            assert!(matches!(&got[0], Fetched::Decided(s) if s.token == want.token));
+        }
+        let spread: Vec<usize> = drawn.iter().map(|d| d.len()).collect();
+        assert!(
+            spread[0] > 10 && spread[1] == 1 && spread[4] > 10,
+            "{spread:?}"
+        );
+    }
+}
