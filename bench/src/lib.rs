@@ -5,7 +5,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use engine::model::argmax;
-use engine::sampling::{fetch, Fetched, Need};
+use engine::sampling::{fetch, Fetched, Need, Rule};
 use engine::{Model, SeqCache, SeqInput};
 
 pub mod hostile;
@@ -113,7 +113,11 @@ pub fn decode_tokens_per_s(
             .collect();
         let logits = model.forward(&mut inputs)?;
         // Greedy, as a server decides a plain greedy row: on a GPU where the logits are.
-        next = fetch(&logits, &vec![Need::Argmax; batch])?
+        let greedy = Need::InPlace {
+            rule: Rule::Argmax,
+            top: 0,
+        };
+        next = fetch(&logits, &vec![greedy; batch])?
             .into_iter()
             .map(|row| match row {
                 Fetched::Decided(s) => s.token,

@@ -15,7 +15,7 @@ pub use crate::logprobs::{scored, Sampled, TokenLogprob};
 pub use best::{Filtered, BEST_CANDIDATES};
 use draw::draw;
 pub use draw::Cuts;
-pub use rows::{fetch, need, Fetched, Need};
+pub use rows::{fetch, need, Fetched, Need, Rule};
 pub use text::grammar::TokenMask;
 
 /// The most alternatives one token reports (the API's `top_logprobs` limit); the workers

@@ -76,6 +76,37 @@ pub(super) fn filtered_in_place(
         .collect())
 }
 
+/// Each of `rows`' `tops` most likely tokens with their log-probabilities, best first and
+/// ties by the lower id (as the host's sampler reports them), or None where ties at the
+/// last of the row's best reach into them.
+pub(super) fn alternatives_in_place(
+    logits: &Tensor,
+    rows: &[u32],
+    tops: &[usize],
+) -> Result<Vec<Option<Vec<TokenLogprob>>>> {
+    let Some(picked) = select(logits, rows)? else {
+        return Ok(Vec::new());
+    };
+    let vocab = picked.dim(1)?;
+    let wanted = tops.iter().max().map_or(1, |&t| t + 1).min(vocab);
+    let (values, ids) = best(&picked, wanted)?;
+    let values: Vec<Vec<f32>> = values.to_vec2()?;
+    let ids: Vec<Vec<u32>> = ids.to_vec2()?;
+    let centred = Centred::of(&picked)?;
+    let max: Vec<f32> = centred.max.flatten_all()?.to_vec1()?;
+    let spread: Vec<f32> = centred.spread.flatten_all()?.to_vec1()?;
+    Ok((0..rows.len())
+        .map(|i| {
+            let (mut top, _) = settled(&values[i], &ids[i], tops[i].min(vocab), vocab, 0.0)?;
+            top.truncate(tops[i]);
+            for t in &mut top {
+                t.logprob = t.logprob - max[i] - spread[i];
+            }
+            Some(top)
+        })
+        .collect())
+}
+
 /// Each row's best `n` values of `rows` `(rows, vocab)`, best first, and their ids: two
 /// `(rows, n)` tensors. Of values that tie, which come first (and which make the `n`) is
 /// the sort's choice.
@@ -165,7 +196,7 @@ pub(super) fn settled(
 mod tests {
     use candle_core::Device;
 
-    use super::super::rows::{decide_in_place, need, Fetched, Need};
+    use super::super::rows::{decide_in_place, need, Fetched, Need, Rule};
     use super::*;
     use crate::logprobs::top_n;
     use crate::sampling::{sample, Context, SamplingParams};
@@ -290,7 +321,16 @@ mod tests {
                 .iter()
                 .map(|p| need(p, step as usize, 0, false))
                 .collect();
-            assert!(needs.iter().all(|n| matches!(n, Need::Filtered(_))));
+            let filtered = |n: &Need| {
+                matches!(
+                    n,
+                    Need::InPlace {
+                        rule: Rule::Filtered(_),
+                        ..
+                    }
+                )
+            };
+            assert!(needs.iter().all(filtered));
             for (r, got) in decide_in_place(&logits, &needs)
                 .unwrap()
                 .into_iter()
@@ -323,5 +363,72 @@ mod tests {
             spread[0] > 10 && spread[1] == 1 && spread[4] > 10,
             "{spread:?}"
         );
+    }
+
+    /// The ops a GPU runs, run here: the alternatives of a row decided where it lies are
+    /// the host sampler's (the same tokens, ties by the lower id, the same log-probabilities
+    /// within f32's rounding), whatever chose its token; a row whose best tie past the
+    /// alternatives it reports comes back whole.
+    #[test]
+    fn alternatives_found_in_place_are_the_sampler_s() {
+        let vocab = 9_000;
+        let mut rows: Vec<Vec<f32>> = (0..3).map(|r| distinct(r, vocab)).collect();
+        // Ties in nines: the alternatives take the lower ids of a tie.
+        rows.push((0..vocab).map(|i| ((i * 37) % 997) as f32 / 8.0).collect());
+        rows.push(
+            (0..vocab)
+                .map(|i| if i % 3 == 0 { 1.0 } else { -(i as f32) })
+                .collect(),
+        );
+        let params = [
+            SamplingParams::default(),
+            SamplingParams {
+                temperature: 1.0,
+                seed: 3,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                temperature: 1.0,
+                top_k: 30,
+                seed: 4,
+                ..SamplingParams::default()
+            },
+            SamplingParams::default(),
+            SamplingParams::default(),
+        ];
+        let tops = [5, 1, 20, 5, 3];
+        let logits = Tensor::new(rows.clone(), &Device::Cpu).unwrap();
+        for step in 0..8 {
+            let needs: Vec<Need> = (0..rows.len())
+                .map(|r| need(&params[r], step, tops[r], false))
+                .collect();
+            let got = decide_in_place(&logits, &needs).unwrap();
+            for (r, got) in got.into_iter().enumerate() {
+                let want = sample(
+                    &rows[r],
+                    &params[r],
+                    &Context::default(),
+                    step as u64,
+                    tops[r],
+                );
+                match got {
+                    Fetched::Decided(s) => {
+                        assert!(r < 4, "row {r} was decided");
+                        assert_eq!(s.token, want.token);
+                        let tokens = |top: &[TokenLogprob]| -> Vec<u32> {
+                            top.iter().map(|t| t.token).collect()
+                        };
+                        assert_eq!(tokens(&s.top), tokens(&want.top), "row {r}");
+                        for (a, b) in s.top.iter().zip(&want.top) {
+                            assert!((a.logprob - b.logprob).abs() < 1e-4, "{a:?} {b:?}");
+                        }
+                    }
+                    Fetched::Whole(row) => {
+                        assert_eq!(r, 4, "row {r} came back whole");
+                        assert_eq!(row, rows[r]);
+                    }
+                }
+            }
+        }
     }
 }

@@ -9,9 +9,9 @@
 
 use candle_core::{DType, Tensor};
 
-use super::best::{filtered_in_place, Filtered, BEST_CANDIDATES};
+use super::best::{alternatives_in_place, filtered_in_place, Filtered, BEST_CANDIDATES};
 use super::draw::Cuts;
-use super::{uniform, SamplingParams};
+use super::{uniform, SamplingParams, MAX_TOP_LOGPROBS};
 use crate::error::Result;
 use crate::logprobs::Sampled;
 
@@ -25,14 +25,23 @@ const DRAW_RUN: usize = 512;
 pub enum Need {
     /// The whole row, on the host.
     Whole,
-    /// Only its argmax and the argmax's log-probability.
+    /// Its token chosen where it lies by `rule`, with the token's log-probability and the
+    /// `top` most likely tokens' (the request's alternatives, at most
+    /// [`MAX_TOP_LOGPROBS`]); from the whole row where the rule or the alternatives cannot
+    /// be settled there.
+    InPlace { rule: Rule, top: usize },
+}
+
+/// How a row's token is chosen where the row lies.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Rule {
+    /// Its argmax.
     Argmax,
     /// A draw from `softmax(logits / temperature)`, nothing filtered, by the uniform `u`
-    /// (`sampling::uniform` of the row's seed and step), and its log-probability.
+    /// (`sampling::uniform` of the row's seed and step).
     Draw { temperature: f64, u: f64 },
-    /// A draw cut by top-k (at most [`BEST_CANDIDATES`]), min-p or top-p, and its
-    /// log-probability: decided from the row's best candidates where they settle it, else
-    /// from the whole row.
+    /// A draw cut by top-k (at most [`BEST_CANDIDATES`]), min-p or top-p, from the row's
+    /// best candidates where they settle it.
     Filtered(Filtered),
 }
 
@@ -54,10 +63,10 @@ impl Fetched {
     }
 }
 
-/// What a sequence's next row needs, its `generated` tokens so far: decided where it lies
-/// when nothing moves its logits first (a logit bias, a penalty, `min_tokens`' hold, a
-/// grammar), top-k keeps at most [`BEST_CANDIDATES`] or the whole vocabulary, and it
-/// reports no alternatives; else the whole row.
+/// What a sequence's next row needs, its `generated` tokens so far, reporting
+/// `top_logprobs` alternatives: decided where it lies when nothing moves its logits first
+/// (a logit bias, a penalty, `min_tokens`' hold, a grammar) and top-k keeps at most
+/// [`BEST_CANDIDATES`] or the whole vocabulary; else the whole row.
 pub fn need(p: &SamplingParams, generated: usize, top_logprobs: usize, grammar: bool) -> Need {
     let holds = generated < p.min_tokens && !p.held.is_empty();
     let plain = p.logit_bias.is_empty()
@@ -66,22 +75,26 @@ pub fn need(p: &SamplingParams, generated: usize, top_logprobs: usize, grammar: 
         && p.frequency_penalty == 0.0
         && !holds
         && !grammar
-        && top_logprobs == 0;
+        && top_logprobs <= MAX_TOP_LOGPROBS;
     let unfiltered = p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0;
     let u = uniform(p.seed, generated as u64);
-    match (plain, p.temperature <= 0.0) {
-        (false, _) => Need::Whole,
-        (true, true) => Need::Argmax,
-        (true, false) if unfiltered => Need::Draw {
+    let rule = match (plain, p.temperature <= 0.0) {
+        (false, _) => return Need::Whole,
+        (true, true) => Rule::Argmax,
+        (true, false) if unfiltered => Rule::Draw {
             temperature: p.temperature as f64,
             u,
         },
-        (true, false) if p.top_k <= BEST_CANDIDATES => Need::Filtered(Filtered {
+        (true, false) if p.top_k <= BEST_CANDIDATES => Rule::Filtered(Filtered {
             top_k: p.top_k,
             cuts: Cuts::of(p),
             u,
         }),
-        (true, false) => Need::Whole,
+        (true, false) => return Need::Whole,
+    };
+    Need::InPlace {
+        rule,
+        top: top_logprobs,
     }
 }
 
@@ -97,26 +110,29 @@ pub fn fetch(logits: &Tensor, needs: &[Need]) -> Result<Vec<Fetched>> {
 }
 
 /// [`fetch`] off the CPU: the argmax rows, the draws and the filtered draws decided in a
-/// few ops over all of them; the whole rows, and the filtered ones their best candidates
-/// did not settle, copied as they are.
+/// few ops over all of them, then the alternatives of those that report them; the whole
+/// rows, and those whose rule or alternatives could not be settled where they lie, copied
+/// as they are.
 pub(crate) fn decide_in_place(logits: &Tensor, needs: &[Need]) -> Result<Vec<Fetched>> {
-    let argmax_rows: Vec<u32> = (0..needs.len() as u32)
-        .filter(|&i| needs[i as usize] == Need::Argmax)
-        .collect();
-    let (draw_rows, draws): (Vec<u32>, Vec<(f64, f64)>) = (0..needs.len() as u32)
-        .zip(needs)
-        .filter_map(|(i, n)| match *n {
-            Need::Draw { temperature, u } => Some((i, (temperature, u))),
-            _ => None,
-        })
-        .unzip();
-    let (filtered_rows, filters): (Vec<u32>, Vec<Filtered>) = (0..needs.len() as u32)
-        .zip(needs)
-        .filter_map(|(i, n)| match *n {
-            Need::Filtered(f) => Some((i, f)),
-            _ => None,
-        })
-        .unzip();
+    let mut argmax_rows: Vec<u32> = Vec::new();
+    let (mut draw_rows, mut draws): (Vec<u32>, Vec<(f64, f64)>) = (Vec::new(), Vec::new());
+    let (mut filtered_rows, mut filters): (Vec<u32>, Vec<Filtered>) = (Vec::new(), Vec::new());
+    for (i, n) in (0u32..).zip(needs) {
+        match *n {
+            Need::InPlace { rule, .. } => match rule {
+                Rule::Argmax => argmax_rows.push(i),
+                Rule::Draw { temperature, u } => {
+                    draw_rows.push(i);
+                    draws.push((temperature, u));
+                }
+                Rule::Filtered(f) => {
+                    filtered_rows.push(i);
+                    filters.push(f);
+                }
+            },
+            Need::Whole => {}
+        }
+    }
     let mut decided: Vec<Option<Sampled>> = vec![None; needs.len()];
     let mut place = |rows: &[u32], got: Vec<Option<Sampled>>| {
         for (&r, s) in rows.iter().zip(got) {
@@ -130,6 +146,7 @@ pub(crate) fn decide_in_place(logits: &Tensor, needs: &[Need]) -> Result<Vec<Fet
         &filtered_rows,
         filtered_in_place(logits, &filtered_rows, &filters)?,
     );
+    add_alternatives(logits, needs, &mut decided)?;
     let whole_rows: Vec<u32> = (0..needs.len() as u32)
         .filter(|&i| decided[i as usize].is_none())
         .collect();
@@ -145,6 +162,31 @@ pub(crate) fn decide_in_place(logits: &Tensor, needs: &[Need]) -> Result<Vec<Fet
             None => Fetched::Whole(whole.next().expect("a whole row for every undecided one")),
         })
         .collect())
+}
+
+/// The alternatives of each decided row that reports them, found where the rows lie; a
+/// row whose alternatives cannot be settled there is undecided again.
+fn add_alternatives(
+    logits: &Tensor,
+    needs: &[Need],
+    decided: &mut [Option<Sampled>],
+) -> Result<()> {
+    let (rows, tops): (Vec<u32>, Vec<usize>) = (0..needs.len() as u32)
+        .zip(needs)
+        .filter_map(|(i, n)| match *n {
+            Need::InPlace { top, .. } if top > 0 && decided[i as usize].is_some() => Some((i, top)),
+            _ => None,
+        })
+        .unzip();
+    let found = alternatives_in_place(logits, &rows, &tops)?;
+    for (&r, alternatives) in rows.iter().zip(found) {
+        let row = &mut decided[r as usize];
+        match alternatives {
+            Some(top) => row.iter_mut().for_each(|s| s.top = top.clone()),
+            None => *row = None,
+        }
+    }
+    Ok(())
 }
 
 /// Rows `rows` of `logits`, or None where there are none.
@@ -311,9 +353,14 @@ mod tests {
         SamplingParams::default()
     }
 
+    const ARGMAX: Need = Need::InPlace {
+        rule: Rule::Argmax,
+        top: 0,
+    };
+
     #[test]
     fn only_a_plain_row_is_decided_where_it_lies() {
-        assert_eq!(need(&greedy(), 0, 0, false), Need::Argmax);
+        assert_eq!(need(&greedy(), 0, 0, false), ARGMAX);
         let whole = |p: SamplingParams| need(&p, 0, 0, false);
         assert_eq!(
             whole(SamplingParams {
@@ -338,7 +385,20 @@ mod tests {
         ] {
             assert_eq!(whole(p), Need::Whole);
         }
-        assert_eq!(need(&greedy(), 0, 2, false), Need::Whole, "alternatives");
+        assert_eq!(
+            need(&greedy(), 0, 2, false),
+            Need::InPlace {
+                rule: Rule::Argmax,
+                top: 2
+            },
+            "alternatives"
+        );
+        let many = need(&greedy(), 0, MAX_TOP_LOGPROBS + 1, false);
+        assert_eq!(
+            many,
+            Need::Whole,
+            "more alternatives than a request may ask for"
+        );
         assert_eq!(need(&greedy(), 0, 0, true), Need::Whole, "a grammar");
         let held = SamplingParams {
             min_tokens: 3,
@@ -346,7 +406,7 @@ mod tests {
             ..greedy()
         };
         assert_eq!(need(&held, 2, 0, false), Need::Whole, "held back");
-        assert_eq!(need(&held, 3, 0, false), Need::Argmax, "no longer held");
+        assert_eq!(need(&held, 3, 0, false), ARGMAX, "no longer held");
     }
 
     #[test]
@@ -359,9 +419,12 @@ mod tests {
         let u = uniform(11, 4);
         assert_eq!(
             need(&tempered, 4, 0, false),
-            Need::Draw {
-                temperature: 0.7f32 as f64,
-                u
+            Need::InPlace {
+                rule: Rule::Draw {
+                    temperature: 0.7f32 as f64,
+                    u
+                },
+                top: 0
             }
         );
         let cuts = |min_p: f32, top_p: f32| Cuts {
@@ -395,12 +458,16 @@ mod tests {
                 cuts(0.05, 1.0),
             ),
         ] {
-            let filtered = Need::Filtered(Filtered {
+            let filtered = Rule::Filtered(Filtered {
                 top_k,
                 cuts: want,
                 u,
             });
-            assert_eq!(need(&p, 4, 0, false), filtered, "{p:?}");
+            let want = Need::InPlace {
+                rule: filtered,
+                top: 3,
+            };
+            assert_eq!(need(&p, 4, 3, false), want, "{p:?}");
         }
         for p in [
             SamplingParams {
@@ -414,7 +481,6 @@ mod tests {
         ] {
             assert_eq!(need(&p, 4, 0, false), Need::Whole, "{p:?}");
         }
-        assert_eq!(need(&tempered, 4, 1, false), Need::Whole, "alternatives");
         assert_eq!(need(&tempered, 4, 0, true), Need::Whole, "a grammar");
     }
 
@@ -459,10 +525,10 @@ mod tests {
                 .map(|p| need(p, step as usize, 0, false))
                 .collect();
             needs[1] = Need::Whole;
-            needs[4] = Need::Argmax;
+            needs[4] = ARGMAX;
             let got = decide_in_place(&logits, &needs).unwrap();
             for (r, got) in got.into_iter().enumerate() {
-                let p = if needs[r] == Need::Argmax {
+                let p = if needs[r] == ARGMAX {
                     greedy()
                 } else {
                     params[r].clone()
@@ -499,18 +565,12 @@ mod tests {
             })
             .collect();
         let logits = Tensor::new(rows.clone(), &Device::Cpu).unwrap();
-        let needs = [
-            Need::Argmax,
-            Need::Whole,
-            Need::Argmax,
-            Need::Argmax,
-            Need::Whole,
-        ];
+        let needs = [ARGMAX, Need::Whole, ARGMAX, ARGMAX, Need::Whole];
         let got = decide_in_place(&logits, &needs).unwrap();
         for ((row, need), got) in rows.iter().zip(needs).zip(got) {
             match (need, got) {
                 (Need::Whole, Fetched::Whole(r)) => assert_eq!(&r, row),
-                (Need::Argmax, Fetched::Decided(s)) => {
+                (ARGMAX, Fetched::Decided(s)) => {
                     let want = sample(row, &greedy(), &Context::default(), 0, 0);
                     assert_eq!(s.token, want.token);
                     assert!((s.logprob - want.logprob).abs() < 1e-4, "{s:?} {want:?}");

@@ -3,7 +3,7 @@
 use crate::common;
 
 use engine::generate::generate;
-use engine::sampling::{sample, Context, SamplingParams};
+use engine::sampling::{self, sample, Context, SamplingParams};
 use engine::{KvAssembler, Model, SeqInput, Stager};
 
 fn model() -> Model {
@@ -193,6 +193,60 @@ fn batched_decode_matches_each_sequence_alone() {
         }
     }
     assert_eq!(outputs, alone);
+}
+
+/// What `sampling::fetch` brings back of a batch's rows, decided where they lie on a GPU
+/// (greedy, tempered, filtered, with and without alternatives) or whole, ends as the
+/// host's sampler ends with the whole rows: the same tokens and alternatives.
+#[test]
+fn rows_fetched_for_sampling_end_as_the_host_sampler_ends() {
+    let m = model();
+    let mut caches: Vec<_> = (0..6).map(|_| m.new_cache().unwrap()).collect();
+    let prompts: Vec<Vec<u32>> = (0..6).map(|i| prompt(5 + i * 3, i as u32)).collect();
+    let mut batch: Vec<SeqInput> = prompts
+        .iter()
+        .zip(caches.iter_mut())
+        .map(|(t, c)| SeqInput {
+            tokens: t,
+            cache: c,
+        })
+        .collect();
+    let logits = m.forward(&mut batch).unwrap();
+    let rows: Vec<Vec<f32>> = logits.to_vec2().unwrap();
+    let params: Vec<SamplingParams> = (0..6u64)
+        .map(|i| SamplingParams {
+            temperature: [0.0, 0.9, 1.2][i as usize % 3],
+            top_k: [0, 0, 30][i as usize % 3],
+            top_p: [1.0, 1.0, 0.9][i as usize % 3],
+            seed: i,
+            ..SamplingParams::default()
+        })
+        .collect();
+    let tops = [0, 3, 5, 2, 0, 20];
+    for step in 0..6 {
+        let needs: Vec<_> = (0..6)
+            .map(|i| sampling::need(&params[i], step, tops[i], false))
+            .collect();
+        let fetched = sampling::fetch(&logits, &needs).unwrap();
+        for (i, row) in fetched.into_iter().enumerate() {
+            let cx = Context::default();
+            let host = |row: &[f32]| sample(row, &params[i], &cx, step as u64, tops[i]);
+            let got = row.or_sample(host);
+            let want = host(&rows[i]);
+            assert_eq!(got.token, want.token, "row {i}, step {step}");
+            let top = |s: &engine::Sampled| s.top.iter().map(|t| t.token).collect::<Vec<_>>();
+            assert_eq!(top(&got), top(&want), "row {i}, step {step}");
+            let logprobs = std::iter::once((got.logprob, want.logprob)).chain(
+                got.top
+                    .iter()
+                    .zip(&want.top)
+                    .map(|(a, b)| (a.logprob, b.logprob)),
+            );
+            for (a, b) in logprobs {
+                assert!((a - b).abs() < 1e-4, "{got:?} {want:?}");
+            }
+        }
+    }
 }
 
 #[test]
