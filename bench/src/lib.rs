@@ -116,6 +116,7 @@ pub fn decode_tokens_per_s(
         let greedy = Need::InPlace {
             rule: Rule::Argmax,
             top: 0,
+            moves: None,
         };
         next = fetch(&logits, &vec![greedy; batch])?
             .into_iter()

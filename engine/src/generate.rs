@@ -25,7 +25,7 @@ pub fn generate(
             cache,
         }])?;
         let cx = Context::of(prompt, &output_ids);
-        let row = fetch(&logits, &[need(params, out.len(), 0, false)])?.pop();
+        let row = fetch(&logits, &[need(params, cx, 0, false)])?.pop();
         let row = row.expect("a forward pass of one sequence gives one row");
         let s = row.or_sample(|row| sample(row, params, &cx, out.len() as u64, 0));
         output_ids.push(s.token);

@@ -4,17 +4,18 @@
 //! The draw for step `n` of a request depends only on its seed and `n`, so prefill and decode
 //! nodes continue one stream without shipping generator state, and batch mates never matter.
 
-use std::collections::HashMap;
-
 mod best;
 mod draw;
+mod moves;
 mod rows;
+mod runs;
 
 use crate::logprobs::{log_z, top_n};
 pub use crate::logprobs::{scored, Sampled, TokenLogprob};
 pub use best::{Filtered, BEST_CANDIDATES};
 use draw::draw;
 pub use draw::Cuts;
+pub use moves::Moves;
 pub use rows::{fetch, need, Fetched, Need, Rule};
 pub use text::grammar::TokenMask;
 
@@ -153,31 +154,7 @@ pub fn can_resume(tokens: usize, resumed: usize, sequences: usize, beam: bool) -
 
 /// Applies the penalties in place. `prompt` and `output` are the tokens so far.
 pub fn apply_penalties(logits: &mut [f32], p: &SamplingParams, prompt: &[u32], output: &[u32]) {
-    if p.repetition_penalty != 1.0 {
-        let mut seen: Vec<u32> = prompt.iter().chain(output).copied().collect();
-        seen.sort_unstable();
-        seen.dedup();
-        for t in seen {
-            if let Some(x) = logits.get_mut(t as usize) {
-                *x = if *x > 0.0 {
-                    *x / p.repetition_penalty
-                } else {
-                    *x * p.repetition_penalty
-                };
-            }
-        }
-    }
-    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-        let mut counts: HashMap<u32, u32> = HashMap::new();
-        for &t in output {
-            *counts.entry(t).or_default() += 1;
-        }
-        for (t, n) in counts {
-            if let Some(x) = logits.get_mut(t as usize) {
-                *x -= p.presence_penalty + p.frequency_penalty * n as f32;
-            }
-        }
-    }
+    moves::penalize(logits, p, prompt, output);
 }
 
 /// What sampling a sequence's next token looks at besides the logits: its tokens so far,
@@ -213,23 +190,11 @@ impl<'a> Context<'a> {
 /// is complete, and a sequence that could take no token at all would have no next token.
 pub fn processed(raw: &[f32], p: &SamplingParams, cx: &Context<'_>) -> Vec<f32> {
     let mut logits = raw.to_vec();
-    for &(t, bias) in &p.logit_bias {
-        if let Some(x) = logits.get_mut(t as usize) {
-            *x += bias;
-        }
-    }
     let hold = cx.output.len() < p.min_tokens
         && cx.allowed.is_none_or(|m| {
             (0..logits.len() as u32).any(|t| m.allows(t) && p.held.binary_search(&t).is_err())
         });
-    if hold {
-        for &t in &p.held {
-            if let Some(x) = logits.get_mut(t as usize) {
-                *x = f32::NEG_INFINITY;
-            }
-        }
-    }
-    apply_penalties(&mut logits, p, cx.prompt, cx.output);
+    moves::move_entries(&mut logits[..], p, cx.prompt, cx.output, hold);
     if let Some(m) = cx.allowed {
         m.apply(&mut logits);
     }

@@ -84,13 +84,7 @@ impl Scheduler {
             }))
             .map(|t| [t])
             .collect();
-        let needs: Vec<Need> = self
-            .running
-            .iter()
-            .filter(|s| s.parked.is_none())
-            .map(Seq::need)
-            .collect();
-        let rows = {
+        let logits = {
             let caches = self
                 .running
                 .iter_mut()
@@ -105,10 +99,17 @@ impl Scheduler {
                 .zip(&inputs)
                 .map(|(cache, t)| SeqInput { tokens: t, cache })
                 .collect();
-            self.model
-                .forward(&mut seqs)
-                .and_then(|l| split_rows(&l, &needs))
+            self.model.forward(&mut seqs)
         };
+        let rows = logits.and_then(|l| {
+            let needs: Vec<Need<'_>> = self
+                .running
+                .iter()
+                .filter(|s| s.parked.is_none())
+                .map(Seq::need)
+                .collect();
+            split_rows(&l, &needs)
+        });
         match rows {
             Ok(logits) => Some(logits),
             Err(e) => {
@@ -255,7 +256,7 @@ struct Logits {
 
 /// `logits`' rows brought back: the running sequences' first, as `needs` says, then the
 /// beams' whole.
-fn split_rows(logits: &Tensor, needs: &[Need]) -> Result<Logits, EngineError> {
+fn split_rows(logits: &Tensor, needs: &[Need<'_>]) -> Result<Logits, EngineError> {
     let beams = logits.dim(0)? - needs.len();
     Ok(Logits {
         running: fetch(&logits.narrow(0, 0, needs.len())?, needs)?,
@@ -291,14 +292,10 @@ impl Seq {
     }
 
     /// What its next row needs (see `engine::sampling::need`).
-    fn need(&self) -> Need {
+    fn need(&self) -> Need<'_> {
         let grammar = self.constraint.is_some();
-        need(
-            &self.sampling,
-            self.output.len(),
-            self.top_logprobs,
-            grammar,
-        )
+        let cx = Context::of(&self.prompt, &self.output);
+        need(&self.sampling, cx, self.top_logprobs, grammar)
     }
 
     /// Samples from `row` now, unless its grammar must wait for its request's credit.

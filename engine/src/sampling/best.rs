@@ -196,7 +196,7 @@ pub(super) fn settled(
 mod tests {
     use candle_core::Device;
 
-    use super::super::rows::{decide_in_place, need, Fetched, Need, Rule};
+    use super::super::rows::{decide_in_place, need_at, Fetched, Need, Rule};
     use super::*;
     use crate::logprobs::top_n;
     use crate::sampling::{sample, Context, SamplingParams};
@@ -319,7 +319,7 @@ mod tests {
         for step in 0..40u64 {
             let needs: Vec<Need> = params
                 .iter()
-                .map(|p| need(p, step as usize, 0, false))
+                .map(|p| need_at(p, step as usize, 0, false))
                 .collect();
             let filtered = |n: &Need| {
                 matches!(
@@ -353,7 +353,7 @@ mod tests {
         }
         // A row alone: its best are one more than its top-k, as few as there can be.
         for step in 0..4 {
-            let alone = [need(&params[1], step, 0, false)];
+            let alone = [need_at(&params[1], step, 0, false)];
             let got = decide_in_place(&logits.narrow(0, 1, 1).unwrap(), &alone).unwrap();
             let want = sample(&rows[1], &params[1], &Context::default(), step as u64, 0);
             assert!(matches!(&got[0], Fetched::Decided(s) if s.token == want.token));
@@ -400,7 +400,7 @@ mod tests {
         let logits = Tensor::new(rows.clone(), &Device::Cpu).unwrap();
         for step in 0..8 {
             let needs: Vec<Need> = (0..rows.len())
-                .map(|r| need(&params[r], step, tops[r], false))
+                .map(|r| need_at(&params[r], step, tops[r], false))
                 .collect();
             let got = decide_in_place(&logits, &needs).unwrap();
             for (r, got) in got.into_iter().enumerate() {

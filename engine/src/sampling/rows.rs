@@ -1,35 +1,39 @@
 //! What of a step's logits comes back to the host. On the CPU every row is there already.
 //! On a GPU a row of a large vocabulary is most of a decode step's copy (64 rows of
-//! Qwen2's 151,936 logits are 39 MB), so a row that nothing but its temperature and its
-//! filters (top-k, min-p, top-p) shape, and which reports nothing but its token's
-//! log-probability, is decided where it lies: greedy, its argmax; tempered, a draw by the
-//! same rule and the same uniform as the host's sampler, of which only sums of runs of
-//! the vocabulary and the one run the draw lands in come back; filtered, from its best
-//! candidates (`best`).
+//! Qwen2's 151,936 logits are 39 MB), so a row that no grammar masks is decided where it
+//! lies: first moved by its logit bias, `min_tokens`' hold and penalties (`moves`: the
+//! entries they touch come back, are moved as the host's sampler moves them, and go back),
+//! then greedy, its argmax; tempered, a draw by the same rule and the same uniform as the
+//! host's sampler, of which only sums of runs of the vocabulary and the one run the draw
+//! lands in come back (`runs`); filtered by top-k, min-p or top-p, from its best
+//! candidates (`best`). Its log-probability and alternatives are the model's own, from the
+//! row before its moves.
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
 use super::best::{alternatives_in_place, filtered_in_place, Filtered, BEST_CANDIDATES};
 use super::draw::Cuts;
-use super::{uniform, SamplingParams, MAX_TOP_LOGPROBS};
+use super::moves::{moved_in_place, Moves};
+use super::runs::draw_in_place;
+use super::{uniform, Context, SamplingParams, MAX_TOP_LOGPROBS};
 use crate::error::Result;
 use crate::logprobs::Sampled;
 
-/// Tokens in a run of a tempered row's vocabulary: the host gets each run's sum, finds the
-/// run the draw lands in, and gets that run alone (about the square root of the
-/// vocabularies in use, so that both copies stay small: 2.4 and 6 KB a row at 151,936).
-const DRAW_RUN: usize = 512;
-
 /// What sampling needs of one row of logits.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Need {
+pub enum Need<'a> {
     /// The whole row, on the host.
     Whole,
-    /// Its token chosen where it lies by `rule`, with the token's log-probability and the
-    /// `top` most likely tokens' (the request's alternatives, at most
-    /// [`MAX_TOP_LOGPROBS`]); from the whole row where the rule or the alternatives cannot
-    /// be settled there.
-    InPlace { rule: Rule, top: usize },
+    /// Its token chosen where it lies by `rule`, after its `moves` (a logit bias,
+    /// `min_tokens`' hold, penalties), with the token's log-probability and the `top` most
+    /// likely tokens' (the request's alternatives, at most [`MAX_TOP_LOGPROBS`]), both of
+    /// the model's own distribution; from the whole row where the rule or the alternatives
+    /// cannot be settled there.
+    InPlace {
+        rule: Rule,
+        top: usize,
+        moves: Option<Moves<'a>>,
+    },
 }
 
 /// How a row's token is chosen where the row lies.
@@ -63,22 +67,20 @@ impl Fetched {
     }
 }
 
-/// What a sequence's next row needs, its `generated` tokens so far, reporting
-/// `top_logprobs` alternatives: decided where it lies when nothing moves its logits first
-/// (a logit bias, a penalty, `min_tokens`' hold, a grammar) and top-k keeps at most
-/// [`BEST_CANDIDATES`] or the whole vocabulary; else the whole row.
-pub fn need(p: &SamplingParams, generated: usize, top_logprobs: usize, grammar: bool) -> Need {
-    let holds = generated < p.min_tokens && !p.held.is_empty();
-    let plain = p.logit_bias.is_empty()
-        && p.repetition_penalty == 1.0
-        && p.presence_penalty == 0.0
-        && p.frequency_penalty == 0.0
-        && !holds
-        && !grammar
-        && top_logprobs <= MAX_TOP_LOGPROBS;
+/// What a sequence's next row needs, its tokens so far in `cx`, reporting `top_logprobs`
+/// alternatives: decided where it lies when no grammar masks it (`grammar`, or `cx`'s
+/// mask) and top-k keeps at most [`BEST_CANDIDATES`] or the whole vocabulary; else the
+/// whole row.
+pub fn need<'a>(
+    p: &'a SamplingParams,
+    cx: Context<'a>,
+    top_logprobs: usize,
+    grammar: bool,
+) -> Need<'a> {
+    let in_place = !grammar && cx.allowed.is_none() && top_logprobs <= MAX_TOP_LOGPROBS;
     let unfiltered = p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0;
-    let u = uniform(p.seed, generated as u64);
-    let rule = match (plain, p.temperature <= 0.0) {
+    let u = uniform(p.seed, cx.output.len() as u64);
+    let rule = match (in_place, p.temperature <= 0.0) {
         (false, _) => return Need::Whole,
         (true, true) => Rule::Argmax,
         (true, false) if unfiltered => Rule::Draw {
@@ -92,16 +94,22 @@ pub fn need(p: &SamplingParams, generated: usize, top_logprobs: usize, grammar: 
         }),
         (true, false) => return Need::Whole,
     };
+    let moves = Moves {
+        params: p,
+        prompt: cx.prompt,
+        output: cx.output,
+    };
     Need::InPlace {
         rule,
         top: top_logprobs,
+        moves: moves.any().then_some(moves),
     }
 }
 
 /// The rows of `logits` `(rows, vocab)`, each as `needs` says: on the CPU all whole (the
 /// sampler then decides every row as it always has); elsewhere the rows that can be
 /// decided where they lie are.
-pub fn fetch(logits: &Tensor, needs: &[Need]) -> Result<Vec<Fetched>> {
+pub fn fetch(logits: &Tensor, needs: &[Need<'_>]) -> Result<Vec<Fetched>> {
     if logits.device().is_cpu() || needs.iter().all(|n| *n == Need::Whole) {
         let rows: Vec<Vec<f32>> = logits.to_vec2()?;
         return Ok(rows.into_iter().map(Fetched::Whole).collect());
@@ -109,11 +117,49 @@ pub fn fetch(logits: &Tensor, needs: &[Need]) -> Result<Vec<Fetched>> {
     decide_in_place(logits, needs)
 }
 
-/// [`fetch`] off the CPU: the argmax rows, the draws and the filtered draws decided in a
-/// few ops over all of them, then the alternatives of those that report them; the whole
-/// rows, and those whose rule or alternatives could not be settled where they lie, copied
-/// as they are.
-pub(crate) fn decide_in_place(logits: &Tensor, needs: &[Need]) -> Result<Vec<Fetched>> {
+/// [`fetch`] off the CPU: the rows that move moved where they lie; the argmax rows, the
+/// draws and the filtered draws decided in a few ops over all of them, then the
+/// alternatives of those that report them; the whole rows, and those whose rule or
+/// alternatives could not be settled where they lie, copied as they are.
+pub(crate) fn decide_in_place(logits: &Tensor, needs: &[Need<'_>]) -> Result<Vec<Fetched>> {
+    let moves: Vec<Option<Moves<'_>>> = needs
+        .iter()
+        .map(|n| match *n {
+            Need::InPlace { moves, .. } => moves,
+            Need::Whole => None,
+        })
+        .collect();
+    let moved = moved_in_place(logits, &moves)?;
+    let mut decided = decide_rules(moved.as_ref().unwrap_or(logits), needs)?;
+    if moved.is_some() {
+        // The log-probabilities reported are the model's own, before the moves.
+        let rows: Vec<u32> = (0u32..)
+            .zip(&moves)
+            .filter_map(|(i, m)| m.map(|_| i))
+            .collect();
+        own_logprobs(logits, &rows, &mut decided)?;
+    }
+    add_alternatives(logits, needs, &mut decided)?;
+    let whole_rows: Vec<u32> = (0..needs.len() as u32)
+        .filter(|&i| decided[i as usize].is_none())
+        .collect();
+    let mut whole = select(logits, &whole_rows)?
+        .map(|t| t.to_vec2::<f32>())
+        .transpose()?
+        .unwrap_or_default()
+        .into_iter();
+    Ok(decided
+        .into_iter()
+        .map(|d| match d {
+            Some(s) => Fetched::Decided(s),
+            None => Fetched::Whole(whole.next().expect("a whole row for every undecided one")),
+        })
+        .collect())
+}
+
+/// Each row's token by its rule, from `logits`, with its log-probability there; None for
+/// the whole rows and the filtered ones their best candidates did not settle.
+fn decide_rules(logits: &Tensor, needs: &[Need<'_>]) -> Result<Vec<Option<Sampled>>> {
     let mut argmax_rows: Vec<u32> = Vec::new();
     let (mut draw_rows, mut draws): (Vec<u32>, Vec<(f64, f64)>) = (Vec::new(), Vec::new());
     let (mut filtered_rows, mut filters): (Vec<u32>, Vec<Filtered>) = (Vec::new(), Vec::new());
@@ -146,29 +192,42 @@ pub(crate) fn decide_in_place(logits: &Tensor, needs: &[Need]) -> Result<Vec<Fet
         &filtered_rows,
         filtered_in_place(logits, &filtered_rows, &filters)?,
     );
-    add_alternatives(logits, needs, &mut decided)?;
-    let whole_rows: Vec<u32> = (0..needs.len() as u32)
-        .filter(|&i| decided[i as usize].is_none())
+    Ok(decided)
+}
+
+/// The decided tokens' log-probabilities in `rows` of `logits`, in place of those they
+/// were chosen with.
+fn own_logprobs(logits: &Tensor, rows: &[u32], decided: &mut [Option<Sampled>]) -> Result<()> {
+    let rows: Vec<u32> = rows
+        .iter()
+        .copied()
+        .filter(|&r| decided[r as usize].is_some())
         .collect();
-    let mut whole = select(logits, &whole_rows)?
-        .map(|t| t.to_vec2::<f32>())
-        .transpose()?
-        .unwrap_or_default()
-        .into_iter();
-    Ok(decided
-        .into_iter()
-        .map(|d| match d {
-            Some(s) => Fetched::Decided(s),
-            None => Fetched::Whole(whole.next().expect("a whole row for every undecided one")),
-        })
-        .collect())
+    let Some(picked) = select(logits, &rows)? else {
+        return Ok(());
+    };
+    let tokens: Vec<u32> = rows
+        .iter()
+        .filter_map(|&r| decided[r as usize].as_ref().map(|s| s.token))
+        .collect();
+    let at = Tensor::from_vec(tokens, (rows.len(), 1), logits.device())?;
+    let chosen: Vec<f32> = picked.gather(&at, 1)?.flatten_all()?.to_vec1()?;
+    let centred = Centred::of(&picked)?;
+    let max: Vec<f32> = centred.max.flatten_all()?.to_vec1()?;
+    let spread: Vec<f32> = centred.spread.flatten_all()?.to_vec1()?;
+    for (i, &r) in rows.iter().enumerate() {
+        if let Some(s) = &mut decided[r as usize] {
+            s.logprob = chosen[i] - max[i] - spread[i];
+        }
+    }
+    Ok(())
 }
 
 /// The alternatives of each decided row that reports them, found where the rows lie; a
 /// row whose alternatives cannot be settled there is undecided again.
 fn add_alternatives(
     logits: &Tensor,
-    needs: &[Need],
+    needs: &[Need<'_>],
     decided: &mut [Option<Sampled>],
 ) -> Result<()> {
     let (rows, tops): (Vec<u32>, Vec<usize>) = (0..needs.len() as u32)
@@ -240,112 +299,18 @@ impl Centred {
     }
 }
 
-/// The host sampler's unfiltered draw (`draw_unfiltered`) of each of `rows`, with its
-/// `(temperature, u)`: weights `exp((x - max) / t)` in f64, the first token whose running
-/// sum passes `u` times their total. The sums of the rows' runs of `DRAW_RUN` tokens come
-/// back, then the run each draw lands in, whose tokens the host walks as the sampler does.
-fn draw_in_place(logits: &Tensor, rows: &[u32], draws: &[(f64, f64)]) -> Result<Vec<Sampled>> {
-    let Some(picked) = select(logits, rows)? else {
-        return Ok(Vec::new());
-    };
-    let (n, vocab) = picked.dims2()?;
-    let runs = vocab.div_ceil(DRAW_RUN);
-    let temperatures: Vec<f64> = draws.iter().map(|d| d.0).collect();
-    let temperatures = Tensor::from_vec(temperatures, (n, 1), picked.device())?;
-    let centred = Centred::of(&picked)?;
-    // Padded with zero weights (and zero logits, never drawn) to whole runs.
-    let pad = runs * DRAW_RUN - vocab;
-    let weights = centred
-        .shifted
-        .to_dtype(DType::F64)?
-        .broadcast_div(&temperatures)?
-        .exp()?
-        .pad_with_zeros(1, 0, pad)?
-        .reshape((n * runs, DRAW_RUN))?;
-    let sums: Vec<Vec<f64>> = weights.sum(1)?.reshape((n, runs))?.to_vec2()?;
-    let landed: Vec<Landing> = sums
-        .iter()
-        .zip(draws)
-        .map(|(sums, &(_, u))| Landing::of(sums, u))
-        .collect();
-    let at: Vec<u32> = landed
-        .iter()
-        .enumerate()
-        .map(|(i, l)| (i * runs + l.run) as u32)
-        .collect();
-    let at = Tensor::new(at.as_slice(), picked.device())?;
-    let run_weights: Vec<Vec<f64>> = weights.index_select(&at, 0)?.to_vec2()?;
-    let raw = picked
-        .pad_with_zeros(1, 0, pad)?
-        .reshape((n * runs, DRAW_RUN))?;
-    let run_logits: Vec<Vec<f32>> = raw.index_select(&at, 0)?.to_vec2()?;
-    let spread: Vec<f32> = centred.spread.flatten_all()?.to_vec1()?;
-    let max: Vec<f32> = centred.max.flatten_all()?.to_vec1()?;
-    Ok((0..n)
-        .map(|i| {
-            let (l, w) = (&landed[i], &run_weights[i]);
-            let within = l.walk(w);
-            Sampled {
-                token: (l.run * DRAW_RUN + within) as u32,
-                logprob: run_logits[i][within] - max[i] - spread[i],
-                top: Vec::new(),
-            }
-        })
-        .collect())
-}
-
-/// Where a draw lands among a row's runs: the run, the draw's target (`u` times the
-/// weights' total) and the runs' weight before it.
-#[derive(Debug, PartialEq)]
-struct Landing {
-    run: usize,
-    target: f64,
-    before: f64,
-}
-
-impl Landing {
-    /// The run whose running sum first passes `u` times the total of `sums`; where
-    /// rounding leaves the target at the very top, the last run with any weight.
-    fn of(sums: &[f64], u: f64) -> Self {
-        let target = u * sums.iter().sum::<f64>();
-        let mut before = 0.0;
-        for (run, &s) in sums.iter().enumerate() {
-            if target < before + s {
-                return Self {
-                    run,
-                    target,
-                    before,
-                };
-            }
-            before += s;
-        }
-        let run = sums.iter().rposition(|&s| s > 0.0).unwrap_or(0);
-        let before = sums[..run].iter().sum();
-        Self {
-            run,
-            target,
-            before,
-        }
-    }
-
-    /// The token within the run (its `weights`) whose running sum passes the target;
-    /// where rounding leaves it past them all, the last with any weight.
-    fn walk(&self, weights: &[f64]) -> usize {
-        let mut acc = self.before;
-        for (i, &w) in weights.iter().enumerate() {
-            acc += w;
-            if self.target < acc {
-                return i;
-            }
-        }
-        weights.iter().rposition(|&w| w > 0.0).unwrap_or(0)
-    }
+/// Step `step`'s need of a sequence with no prompt and `step` tokens of output, for tests.
+#[cfg(test)]
+pub(super) fn need_at(p: &SamplingParams, step: usize, top: usize, grammar: bool) -> Need<'_> {
+    static OUTPUT: [u32; 64] = [0; 64];
+    need(p, Context::of(&[], &OUTPUT[..step]), top, grammar)
 }
 
 #[cfg(test)]
 mod tests {
     use candle_core::Device;
 
+    use super::super::runs::DRAW_RUN;
     use super::*;
     use crate::sampling::{sample, Context};
 
@@ -356,20 +321,21 @@ mod tests {
     const ARGMAX: Need = Need::InPlace {
         rule: Rule::Argmax,
         top: 0,
+        moves: None,
     };
 
     #[test]
-    fn only_a_plain_row_is_decided_where_it_lies() {
-        assert_eq!(need(&greedy(), 0, 0, false), ARGMAX);
-        let whole = |p: SamplingParams| need(&p, 0, 0, false);
-        assert_eq!(
-            whole(SamplingParams {
+    fn a_row_is_decided_where_it_lies_unless_a_grammar_masks_it() {
+        assert_eq!(need_at(&greedy(), 0, 0, false), ARGMAX);
+        let moved = |p: &SamplingParams, step: usize| match need_at(p, step, 0, false) {
+            Need::InPlace { moves, .. } => moves.map(|m| (m.params.clone(), m.output.len())),
+            Need::Whole => panic!("{p:?} came back whole"),
+        };
+        for p in [
+            SamplingParams {
                 logit_bias: vec![(3, 1.0)],
                 ..greedy()
-            }),
-            Need::Whole
-        );
-        for p in [
+            },
             SamplingParams {
                 repetition_penalty: 1.1,
                 ..greedy()
@@ -383,30 +349,32 @@ mod tests {
                 ..greedy()
             },
         ] {
-            assert_eq!(whole(p), Need::Whole);
+            assert_eq!(moved(&p, 5), Some((p.clone(), 5)));
         }
-        assert_eq!(
-            need(&greedy(), 0, 2, false),
-            Need::InPlace {
-                rule: Rule::Argmax,
-                top: 2
-            },
-            "alternatives"
-        );
-        let many = need(&greedy(), 0, MAX_TOP_LOGPROBS + 1, false);
-        assert_eq!(
-            many,
-            Need::Whole,
-            "more alternatives than a request may ask for"
-        );
-        assert_eq!(need(&greedy(), 0, 0, true), Need::Whole, "a grammar");
         let held = SamplingParams {
             min_tokens: 3,
             held: vec![2],
             ..greedy()
         };
-        assert_eq!(need(&held, 2, 0, false), Need::Whole, "held back");
-        assert_eq!(need(&held, 3, 0, false), ARGMAX, "no longer held");
+        assert_eq!(moved(&held, 2), Some((held.clone(), 2)), "held back");
+        assert_eq!(need_at(&held, 3, 0, false), ARGMAX, "no longer held");
+        assert_eq!(
+            need_at(&greedy(), 0, 2, false),
+            Need::InPlace {
+                rule: Rule::Argmax,
+                top: 2,
+                moves: None,
+            },
+            "alternatives"
+        );
+        let greedy = greedy();
+        let many = need_at(&greedy, 0, MAX_TOP_LOGPROBS + 1, false);
+        assert_eq!(
+            many,
+            Need::Whole,
+            "more alternatives than a request may ask"
+        );
+        assert_eq!(need_at(&greedy, 0, 0, true), Need::Whole, "a grammar");
     }
 
     #[test]
@@ -418,13 +386,14 @@ mod tests {
         };
         let u = uniform(11, 4);
         assert_eq!(
-            need(&tempered, 4, 0, false),
+            need_at(&tempered, 4, 0, false),
             Need::InPlace {
                 rule: Rule::Draw {
                     temperature: 0.7f32 as f64,
                     u
                 },
-                top: 0
+                top: 0,
+                moves: None,
             }
         );
         let cuts = |min_p: f32, top_p: f32| Cuts {
@@ -466,35 +435,16 @@ mod tests {
             let want = Need::InPlace {
                 rule: filtered,
                 top: 3,
+                moves: None,
             };
-            assert_eq!(need(&p, 4, 3, false), want, "{p:?}");
+            assert_eq!(need_at(&p, 4, 3, false), want, "{p:?}");
         }
-        for p in [
-            SamplingParams {
-                top_k: BEST_CANDIDATES + 1,
-                ..tempered.clone()
-            },
-            SamplingParams {
-                presence_penalty: 0.5,
-                ..tempered.clone()
-            },
-        ] {
-            assert_eq!(need(&p, 4, 0, false), Need::Whole, "{p:?}");
-        }
-        assert_eq!(need(&tempered, 4, 0, true), Need::Whole, "a grammar");
-    }
-
-    /// Where rounding leaves a draw past every run's sum, it lands in the last run with
-    /// weight, at that run's last token with weight: as the host sampler falls back.
-    #[test]
-    fn a_draw_past_the_total_lands_on_the_last_weighted_token() {
-        let landing = Landing::of(&[0.5, 0.25, 0.0], 1.0);
-        assert_eq!(landing.run, 1);
-        assert_eq!(landing.before, 0.5);
-        assert_eq!(landing.walk(&[0.125, 0.125, 0.0]), 1);
-        let inside = Landing::of(&[0.5, 0.25, 0.25], 0.6);
-        assert_eq!((inside.run, inside.before), (1, 0.5));
-        assert_eq!(inside.walk(&[0.0625, 0.0625, 0.125]), 1);
+        let wide = SamplingParams {
+            top_k: BEST_CANDIDATES + 1,
+            ..tempered.clone()
+        };
+        assert_eq!(need_at(&wide, 4, 0, false), Need::Whole);
+        assert_eq!(need_at(&tempered, 4, 0, true), Need::Whole, "a grammar");
     }
 
     /// The ops a GPU runs, run here: each tempered row drawn where it lies gets the token
@@ -522,7 +472,7 @@ mod tests {
                 .collect();
             let mut needs: Vec<Need> = params
                 .iter()
-                .map(|p| need(p, step as usize, 0, false))
+                .map(|p| need_at(p, step as usize, 0, false))
                 .collect();
             needs[1] = Need::Whole;
             needs[4] = ARGMAX;

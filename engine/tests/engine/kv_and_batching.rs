@@ -196,8 +196,9 @@ fn batched_decode_matches_each_sequence_alone() {
 }
 
 /// What `sampling::fetch` brings back of a batch's rows, decided where they lie on a GPU
-/// (greedy, tempered, filtered, with and without alternatives) or whole, ends as the
-/// host's sampler ends with the whole rows: the same tokens and alternatives.
+/// (greedy, tempered, filtered, moved by penalties, a bias or `min_tokens`, with and
+/// without alternatives) or whole, ends as the host's sampler ends with the whole rows:
+/// the same tokens and alternatives.
 #[test]
 fn rows_fetched_for_sampling_end_as_the_host_sampler_ends() {
     let m = model();
@@ -213,24 +214,33 @@ fn rows_fetched_for_sampling_end_as_the_host_sampler_ends() {
         .collect();
     let logits = m.forward(&mut batch).unwrap();
     let rows: Vec<Vec<f32>> = logits.to_vec2().unwrap();
+    // Rows 3 to 5 also move: a repetition penalty, a logit bias with the presence and
+    // frequency penalties, `min_tokens` holding token 7 back.
     let params: Vec<SamplingParams> = (0..6u64)
         .map(|i| SamplingParams {
             temperature: [0.0, 0.9, 1.2][i as usize % 3],
             top_k: [0, 0, 30][i as usize % 3],
             top_p: [1.0, 1.0, 0.9][i as usize % 3],
             seed: i,
+            repetition_penalty: if i == 3 { 1.5 } else { 1.0 },
+            logit_bias: if i == 4 { vec![(9, 3.0)] } else { vec![] },
+            presence_penalty: if i == 4 { 0.5 } else { 0.0 },
+            frequency_penalty: if i == 4 { 0.25 } else { 0.0 },
+            min_tokens: if i == 5 { 4 } else { 0 },
+            held: if i == 5 { vec![7] } else { vec![] },
             ..SamplingParams::default()
         })
         .collect();
+    let output = [7u32, 9, 9, 3, 7, 11];
     let tops = [0, 3, 5, 2, 0, 20];
     for step in 0..6 {
+        let cx = |i: usize| Context::of(&prompts[i], &output[..step]);
         let needs: Vec<_> = (0..6)
-            .map(|i| sampling::need(&params[i], step, tops[i], false))
+            .map(|i| sampling::need(&params[i], cx(i), tops[i], false))
             .collect();
         let fetched = sampling::fetch(&logits, &needs).unwrap();
         for (i, row) in fetched.into_iter().enumerate() {
-            let cx = Context::default();
-            let host = |row: &[f32]| sample(row, &params[i], &cx, step as u64, tops[i]);
+            let host = |row: &[f32]| sample(row, &params[i], &cx(i), step as u64, tops[i]);
             let got = row.or_sample(host);
             let want = host(&rows[i]);
             assert_eq!(got.token, want.token, "row {i}, step {step}");
