@@ -118,10 +118,9 @@ pub(super) fn best(rows: &Tensor, n: usize) -> Result<(Tensor, Tensor)> {
     );
     let device = rows.device();
     let mut values = rows.contiguous()?;
-    let mut ids = Tensor::arange(0u32, vocab as u32, device)?
-        .unsqueeze(0)?
-        .broadcast_as((count, vocab))?
-        .contiguous()?;
+    // None while each value's id is its column: the first round's ids come from the
+    // sort's places, without a vocabulary of ids sent to the device each step.
+    let mut ids: Option<Tensor> = None;
     loop {
         let width = values.dim(1)?;
         let runs = width.div_ceil(SORT_RUN);
@@ -137,17 +136,28 @@ pub(super) fn best(rows: &Tensor, n: usize) -> Result<(Tensor, Tensor)> {
             Ok(t.reshape((count * runs, run))?)
         };
         let v = padded(&values, Tensor::new(&[f32::NEG_INFINITY], device)?)?;
-        let i = padded(&ids, Tensor::new(&[u32::MAX], device)?)?;
         let keep = n.min(run);
         let order = v
             .arg_sort_last_dim(false)?
             .narrow(1, 0, keep)?
             .contiguous()?;
+        let kept = match &ids {
+            // A place in run `r` of a row is column `r * run` plus the place.
+            None => {
+                let firsts: Vec<u32> = (0..count * runs)
+                    .map(|i| ((i % runs) * run) as u32)
+                    .collect();
+                let firsts = Tensor::from_vec(firsts, (count * runs, 1), device)?;
+                order.broadcast_add(&firsts)?
+            }
+            Some(ids) => padded(ids, Tensor::new(&[u32::MAX], device)?)?.gather(&order, 1)?,
+        };
         values = v.gather(&order, 1)?.reshape((count, runs * keep))?;
-        ids = i.gather(&order, 1)?.reshape((count, runs * keep))?;
+        let kept = kept.reshape((count, runs * keep))?;
         if runs == 1 {
-            return Ok((values, ids));
+            return Ok((values, kept));
         }
+        ids = Some(kept);
     }
 }
 
