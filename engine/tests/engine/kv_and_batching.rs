@@ -4,7 +4,7 @@ use crate::common;
 
 use engine::generate::generate;
 use engine::sampling::{self, sample, Context, SamplingParams};
-use engine::{KvAssembler, Model, SeqInput, Stager};
+use engine::{KvAssembler, Model, SeqCache, SeqInput, Stager};
 
 fn model() -> Model {
     Model::load(&common::tiny_model_dir(), &common::device()).unwrap()
@@ -23,6 +23,18 @@ fn seeded() -> SamplingParams {
         seed: 1234,
         ..Default::default()
     }
+}
+
+/// Each sequence's tokens with its cache, for one forward pass.
+fn inputs<'a>(tokens: &'a [Vec<u32>], caches: &'a mut [SeqCache]) -> Vec<SeqInput<'a>> {
+    tokens
+        .iter()
+        .zip(caches.iter_mut())
+        .map(|(t, c)| SeqInput {
+            tokens: t,
+            cache: c,
+        })
+        .collect()
 }
 
 fn tokens(out: &[engine::Sampled]) -> Vec<u32> {
@@ -170,14 +182,7 @@ fn batched_decode_matches_each_sequence_alone() {
     // Prefill all eight in one batched call, then decode them together.
     let mut next: Vec<Vec<u32>> = prompts.clone();
     for step in 0..steps {
-        let mut batch: Vec<SeqInput> = next
-            .iter()
-            .zip(caches.iter_mut())
-            .map(|(t, c)| SeqInput {
-                tokens: t,
-                cache: c,
-            })
-            .collect();
+        let mut batch = inputs(&next, &mut caches);
         let logits = m.forward(&mut batch).unwrap();
         for i in 0..8 {
             let row: Vec<f32> = logits.get(i).unwrap().to_vec1().unwrap();
@@ -204,15 +209,7 @@ fn rows_fetched_for_sampling_end_as_the_host_sampler_ends() {
     let m = model();
     let mut caches: Vec<_> = (0..6).map(|_| m.new_cache().unwrap()).collect();
     let prompts: Vec<Vec<u32>> = (0..6).map(|i| prompt(5 + i * 3, i as u32)).collect();
-    let mut batch: Vec<SeqInput> = prompts
-        .iter()
-        .zip(caches.iter_mut())
-        .map(|(t, c)| SeqInput {
-            tokens: t,
-            cache: c,
-        })
-        .collect();
-    let logits = m.forward(&mut batch).unwrap();
+    let logits = m.forward(&mut inputs(&prompts, &mut caches)).unwrap();
     let rows: Vec<Vec<f32>> = logits.to_vec2().unwrap();
     // Rows 3 to 5 also move: a repetition penalty, a logit bias with the presence and
     // frequency penalties, `min_tokens` holding token 7 back.
