@@ -190,10 +190,7 @@ impl<'a> Context<'a> {
 /// is complete, and a sequence that could take no token at all would have no next token.
 pub fn processed(raw: &[f32], p: &SamplingParams, cx: &Context<'_>) -> Vec<f32> {
     let mut logits = raw.to_vec();
-    let hold = cx.output.len() < p.min_tokens
-        && cx.allowed.is_none_or(|m| {
-            (0..logits.len() as u32).any(|t| m.allows(t) && p.held.binary_search(&t).is_err())
-        });
+    let hold = moves::holds(p, cx.output, cx.allowed, logits.len());
     moves::move_entries(&mut logits[..], p, cx.prompt, cx.output, hold);
     if let Some(m) = cx.allowed {
         m.apply(&mut logits);

@@ -373,6 +373,24 @@ impl TokenMask {
             }
         }
     }
+
+    /// One flag a token of `flags`' vocabulary: 1 where the set allows it, else 0 (a mask
+    /// a device applies as [`TokenMask::apply`] does).
+    pub fn write_flags(&self, flags: &mut [u8]) {
+        flags.fill(0);
+        self.0.iter_set_entries(|id| {
+            if let Some(f) = flags.get_mut(id) {
+                *f = 1;
+            }
+        });
+    }
+}
+
+/// Two masks are equal when they allow the same tokens of the same vocabulary.
+impl PartialEq for TokenMask {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.len() == other.0.len() && self.0.as_slice() == other.0.as_slice()
+    }
 }
 
 #[cfg(test)]

@@ -226,6 +226,7 @@ impl Scheduler {
                 constraint,
                 grammar_time: grammar_time.clone(),
                 parked: None,
+                mask: None,
                 top_logprobs: a.top_logprobs,
                 max_new: a.max_new,
                 stop_ids: a.stop_ids.clone(),

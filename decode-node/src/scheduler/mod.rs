@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use engine::beam::BeamSearch;
-use engine::grammar::{Constraint, GrammarError};
+use engine::grammar::{Constraint, GrammarError, TokenMask};
 use engine::sampling::Context;
 use engine::{EngineError, Model, Sampled, SamplingParams, SeqCache, SeqInput};
 use proto::v1::{
@@ -101,6 +101,9 @@ struct Seq {
     grammar_time: Account,
     /// Logits waiting for that time, when it ran out.
     parked: Option<Parked>,
+    /// Its grammar's mask for this step's row, made before the row comes back so that the
+    /// row can be masked where it lies (on a GPU, there).
+    mask: Option<Result<TokenMask, GrammarError>>,
     top_logprobs: usize,
     max_new: usize,
     stop_ids: Vec<u32>,

@@ -1,6 +1,6 @@
 //! One decode step: a forward pass over every running sequence that is not waiting for its
-//! grammar's time and every live beam, then each sequence's token sampled (or its logits
-//! kept for a later step, see `masks`) and sent.
+//! grammar's time and every live beam, the grammars' masks made for the rows, then each
+//! sequence's token sampled (or its logits kept for a later step, see `masks`) and sent.
 
 use candle_core::Tensor;
 use engine::sampling::{fetch, need, Fetched, Need};
@@ -28,7 +28,7 @@ impl Scheduler {
         let span = tracing::debug_span!("decode_step", batch);
         let _entered = span.enter();
         let started = Instant::now();
-        let Some(Logits { running, beams }) = self.forward() else {
+        let Some(logits) = self.forward() else {
             return;
         };
         masks::earn_all(
@@ -38,15 +38,18 @@ impl Scheduler {
                 .map(|s| &s.grammar_time),
             started.elapsed(),
         );
+        for s in self.running.iter_mut().filter(|s| s.parked.is_none()) {
+            s.prepare_mask(alone);
+        }
+        let Some(Logits { running, beams }) = self.fetch(&logits) else {
+            return;
+        };
         let mut rows = running.into_iter();
         let outcomes: Vec<Outcome> = self
             .running
             .iter_mut()
             .filter(|s| s.parked.is_none())
-            .map(|s| {
-                let row = rows.next().expect("a row for each live sequence");
-                s.sample_or_park(row, alone)
-            })
+            .map(|s| s.sample_or_park(rows.next().expect("a row for each live sequence")))
             .collect();
         let elapsed = started.elapsed();
         let ms = elapsed.as_secs_f64() * 1e3;
@@ -70,7 +73,7 @@ impl Scheduler {
 
     /// One forward pass over every running sequence that is not parked, then every live
     /// beam: their logits, in that order, or `None` when it failed (and failed them all).
-    fn forward(&mut self) -> Option<Logits> {
+    fn forward(&mut self) -> Option<Tensor> {
         let inputs: Vec<[u32; 1]> = self
             .running
             .iter()
@@ -101,30 +104,34 @@ impl Scheduler {
                 .collect();
             self.model.forward(&mut seqs)
         };
-        let rows = logits.and_then(|l| {
-            let needs: Vec<Need<'_>> = self
-                .running
-                .iter()
-                .filter(|s| s.parked.is_none())
-                .map(Seq::need)
-                .collect();
-            split_rows(&l, &needs)
-        });
-        match rows {
-            Ok(logits) => Some(logits),
-            Err(e) => {
-                tracing::error!(error = %e, "decode step failed; failing its sequences");
-                let status = Status::from(DecodeError::StepFailed(e));
-                for s in self.running.drain(..) {
-                    let _ = s.events.send(Err(status.clone()));
-                }
-                for g in self.groups.drain(..) {
-                    let _ = g.events.send(Err(status.clone()));
-                }
-                self.metrics.failures.increment(1);
-                None
-            }
+        logits.map_err(|e| self.fail_step(e)).ok()
+    }
+
+    /// The step's rows brought back as each running sequence's need says (see
+    /// [`split_rows`]), or `None` when that failed (and failed them all).
+    fn fetch(&mut self, logits: &Tensor) -> Option<Logits> {
+        let needs: Vec<Need<'_>> = self
+            .running
+            .iter()
+            .filter(|s| s.parked.is_none())
+            .map(Seq::need)
+            .collect();
+        let rows = split_rows(logits, &needs);
+        drop(needs);
+        rows.map_err(|e| self.fail_step(e)).ok()
+    }
+
+    /// Fails every running sequence and beam group with the step's error `e`.
+    fn fail_step(&mut self, e: EngineError) {
+        tracing::error!(error = %e, "decode step failed; failing its sequences");
+        let status = Status::from(DecodeError::StepFailed(e));
+        for s in self.running.drain(..) {
+            let _ = s.events.send(Err(status.clone()));
         }
+        for g in self.groups.drain(..) {
+            let _ = g.events.send(Err(status.clone()));
+        }
+        self.metrics.failures.increment(1);
     }
 
     /// Whether every sequence on the node is one request's: its grammar then waits for no
@@ -272,14 +279,33 @@ enum Outcome {
 }
 
 impl Seq {
-    /// Its next token from `row`, masked by its grammar.
-    fn sample(&mut self, row: &[f32]) -> Result<Sampled, GrammarError> {
+    /// Makes its grammar's mask for this step's row, unless its request's grammar time is
+    /// spent and something else would wait for it (`alone`: nothing would).
+    fn prepare_mask(&mut self, alone: bool) {
+        if self.constraint.is_some() && (alone || self.grammar_time.in_credit()) {
+            self.mask = self.timed_mask();
+        }
+    }
+
+    /// Its grammar's mask, its time spent from its request's account; `None` without a
+    /// grammar.
+    fn timed_mask(&mut self) -> Option<Result<TokenMask, GrammarError>> {
         let started = Instant::now();
-        let allowed = self.constraint.as_mut().map(Constraint::mask).transpose();
-        if self.constraint.is_some() {
+        let mask = self.constraint.as_mut().map(Constraint::mask);
+        if mask.is_some() {
             self.grammar_time.spend(started.elapsed());
         }
-        let allowed = allowed?;
+        mask
+    }
+
+    /// Its next token from `row`, masked by its grammar: by the mask made for the row, or
+    /// one made now.
+    fn sample(&mut self, row: &[f32]) -> Result<Sampled, GrammarError> {
+        let allowed = match self.mask.take() {
+            Some(mask) => Some(mask),
+            None => self.timed_mask(),
+        }
+        .transpose()?;
         let cx = Context::of(&self.prompt, &self.output).masked(allowed.as_ref());
         let step = self.output.len() as u64;
         Ok(engine::sampling::sample(
@@ -291,20 +317,27 @@ impl Seq {
         ))
     }
 
-    /// What its next row needs (see `engine::sampling::need`).
+    /// What its next row needs (see `engine::sampling::need`): masked where it lies by the
+    /// mask made for it; whole where its grammar has none (the row waits for its request's
+    /// grammar time, or the grammar failed).
     fn need(&self) -> Need<'_> {
-        let grammar = self.constraint.is_some();
-        let cx = Context::of(&self.prompt, &self.output);
-        need(&self.sampling, cx, self.top_logprobs, grammar)
+        let mask = self.mask.as_ref().and_then(|m| m.as_ref().ok());
+        let unmasked = self.constraint.is_some() && mask.is_none();
+        let cx = Context::of(&self.prompt, &self.output).masked(mask);
+        need(&self.sampling, cx, self.top_logprobs, unmasked)
     }
 
-    /// Samples from `row` now, unless its grammar must wait for its request's credit.
-    fn sample_or_park(&mut self, row: Fetched, alone: bool) -> Outcome {
+    /// Its token from `row`, unless its grammar has no mask for the row: then the row waits
+    /// for its request's credit.
+    fn sample_or_park(&mut self, row: Fetched) -> Outcome {
         let row = match row {
-            Fetched::Decided(s) => return Outcome::Sampled(Ok(s)),
+            Fetched::Decided(s) => {
+                self.mask = None;
+                return Outcome::Sampled(Ok(s));
+            }
             Fetched::Whole(row) => row,
         };
-        if self.constraint.is_none() || alone || self.grammar_time.in_credit() {
+        if self.constraint.is_none() || self.mask.is_some() {
             Outcome::Sampled(self.sample(&row))
         } else {
             Outcome::Parked(row)

@@ -1,13 +1,15 @@
 //! What moves a row's logits before its token is chosen: the logit bias, `min_tokens`' hold
-//! and the penalties, each at the tokens it names. Written once over [`Entries`], so that a
-//! whole row (the host's sampler) and the few entries of a row that a GPU sends back
-//! ([`moved_in_place`]) are moved by the same operations, to the same bits.
+//! and the penalties, each at the tokens it names, then a grammar's mask. The first three
+//! are written once over [`Entries`], so that a whole row (the host's sampler) and the few
+//! entries of a row that a GPU sends back ([`moved_in_place`]) are moved by the same
+//! operations, to the same bits; a mask goes to the device as one flag a token
+//! ([`masked_in_place`]).
 
 use std::collections::HashMap;
 
 use candle_core::Tensor;
 
-use super::SamplingParams;
+use super::{SamplingParams, TokenMask};
 use crate::error::Result;
 
 /// A row's logits, or some of them, by token.
@@ -35,35 +37,35 @@ impl Entries for Sparse<'_> {
     }
 }
 
-/// What moves a row's logits before its rule chooses, and the tokens so far they look at.
+/// What moves a row's logits before its rule chooses, the tokens so far they look at, and
+/// the tokens its grammar allows next, if it has one.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Moves<'a> {
     pub params: &'a SamplingParams,
     pub prompt: &'a [u32],
     pub output: &'a [u32],
+    pub allowed: Option<&'a TokenMask>,
 }
 
 impl Moves<'_> {
-    /// Whether anything moves the logits of a sequence without a grammar.
+    /// Whether anything moves the logits. `min_tokens` counts while it holds tokens back
+    /// where no grammar has a say: a grammar may take that hold back (see [`holds`]), and
+    /// then the entries read come back unmoved.
     pub(super) fn any(&self) -> bool {
         let p = self.params;
         !p.logit_bias.is_empty()
             || p.repetition_penalty != 1.0
             || p.presence_penalty != 0.0
             || p.frequency_penalty != 0.0
-            || (self.hold() && !p.held.is_empty())
-    }
-
-    /// Whether `min_tokens` holds its tokens back, where no grammar has a say.
-    fn hold(&self) -> bool {
-        self.output.len() < self.params.min_tokens
+            || (self.output.len() < p.min_tokens && !p.held.is_empty())
+            || self.allowed.is_some()
     }
 
     /// The tokens [`move_entries`] may change, sorted, each once, below `vocab`.
     fn touched(&self, vocab: usize) -> Vec<u32> {
         let p = self.params;
         let mut t: Vec<u32> = p.logit_bias.iter().map(|&(t, _)| t).collect();
-        if self.hold() {
+        if holds(p, self.output, self.allowed, vocab) {
             t.extend(&p.held);
         }
         if p.repetition_penalty != 1.0 {
@@ -77,6 +79,22 @@ impl Moves<'_> {
         t.dedup();
         t
     }
+}
+
+/// Whether `min_tokens` holds its tokens back from a row of `vocab` logits after `output`:
+/// until it has that many tokens, unless its grammar (`allowed`) allows only held ones
+/// (stop tokens: the grammar is complete, and a sequence that could take no token at all
+/// would have no next token).
+pub(super) fn holds(
+    p: &SamplingParams,
+    output: &[u32],
+    allowed: Option<&TokenMask>,
+    vocab: usize,
+) -> bool {
+    output.len() < p.min_tokens
+        && allowed.is_none_or(|m| {
+            (0..vocab as u32).any(|t| m.allows(t) && p.held.binary_search(&t).is_err())
+        })
 }
 
 /// The logit bias, then `min_tokens`' hold where `hold`, then the penalties (vLLM's
@@ -174,13 +192,48 @@ pub(super) fn moved_in_place(
         if let Some(m) = m {
             let values = &mut values[..tokens.len()];
             let mut row = Sparse { tokens, values };
-            move_entries(&mut row, m.params, m.prompt, m.output, m.hold());
+            let hold = holds(m.params, m.output, m.allowed, vocab);
+            move_entries(&mut row, m.params, m.prompt, m.output, hold);
         }
         moved.extend(values);
     }
     let write = Tensor::from_vec(padded(u32::MAX), (rows, width), device)?;
     let moved = Tensor::from_vec(moved, (rows, width), device)?;
     Ok(Some(logits.scatter(&write, &moved, 1)?))
+}
+
+/// `logits` `(rows, vocab)` with every token outside each masked row's mask at minus
+/// infinity, as [`TokenMask::apply`] sets a whole row: the masked rows' flags go to the
+/// device (a byte a token: a quarter of the row's logits), the rows are masked there and
+/// put back in place. None where no row is masked.
+pub(super) fn masked_in_place(
+    logits: &Tensor,
+    masks: &[Option<&TokenMask>],
+) -> Result<Option<Tensor>> {
+    let (_, vocab) = logits.dims2()?;
+    let rows: Vec<u32> = (0u32..)
+        .zip(masks)
+        .filter_map(|(i, m)| m.map(|_| i))
+        .collect();
+    if rows.is_empty() {
+        return Ok(None);
+    }
+    let mut flags = vec![0u8; rows.len() * vocab];
+    for (m, f) in masks.iter().flatten().zip(flags.chunks_exact_mut(vocab)) {
+        m.write_flags(f);
+    }
+    let device = logits.device();
+    let shape = (rows.len(), vocab);
+    let flags = Tensor::from_vec(flags, shape, device)?;
+    let at = Tensor::new(rows.as_slice(), device)?;
+    let none = Tensor::full(f32::NEG_INFINITY, shape, device)?.to_dtype(logits.dtype())?;
+    let masked = flags.where_cond(&logits.index_select(&at, 0)?, &none)?;
+    // Each masked row back where it came from: row `i` of `masked` to row `rows[i]`.
+    let to = at
+        .reshape((rows.len(), 1))?
+        .broadcast_as(shape)?
+        .contiguous()?;
+    Ok(Some(logits.contiguous()?.scatter(&to, &masked, 0)?))
 }
 
 #[cfg(test)]
@@ -190,7 +243,7 @@ mod tests {
     use super::super::rows::{decide_in_place, need, Fetched};
     use super::*;
     use crate::logprobs::Sampled;
-    use crate::sampling::{processed, sample, Context};
+    use crate::sampling::{processed, sample, Context, TokenMask};
 
     /// A row of `vocab` distinct logits, its best at token `best`.
     fn row(vocab: u32, salt: u32, best: u32) -> Vec<f32> {
@@ -221,6 +274,7 @@ mod tests {
             params: &p,
             prompt: &prompt,
             output: &output,
+            allowed: None,
         };
         let whole = processed(&raw, &p, &Context::of(&prompt, &output));
         let tokens = moves.touched(raw.len());
@@ -230,7 +284,8 @@ mod tests {
             tokens: &tokens,
             values: &mut values,
         };
-        move_entries(&mut sparse, &p, &prompt, &output, moves.hold());
+        let hold = holds(&p, &output, None, raw.len());
+        move_entries(&mut sparse, &p, &prompt, &output, hold);
         for (t, (&w, &r)) in whole.iter().zip(&raw).enumerate() {
             match tokens.binary_search(&(t as u32)) {
                 Ok(i) => assert_eq!(values[i].to_bits(), w.to_bits(), "token {t}"),
@@ -313,6 +368,80 @@ mod tests {
                     0 | 4 => assert_ne!(s.token, 41 + r as u32, "row {r}: the best is moved down"),
                     1 => assert_eq!(s.token, 7, "the bias wins"),
                     _ => {}
+                }
+            }
+        }
+    }
+
+    /// The ops a GPU runs, run here: rows masked by a grammar (greedy, tempered, filtered
+    /// and moved besides, `min_tokens` giving way where the mask allows only a held token),
+    /// beside a row no grammar masks, decided where they lie, give the host sampler's
+    /// tokens from the whole rows, with the model's own log-probabilities and alternatives.
+    #[test]
+    fn masked_rows_decided_in_place_are_the_sampler_s() {
+        let vocab = 9_000;
+        let prompt = [3u32, 8, 8, 41];
+        let outputs: Vec<Vec<u32>> = (0..5u32)
+            .map(|r| vec![41 + r, 7, 41 + r, 7, 2, 9, 9, 1])
+            .collect();
+        let rows: Vec<Vec<f32>> = (0..5u32).map(|r| row(vocab, r, 41 + r)).collect();
+        let tempered = |seed| SamplingParams {
+            temperature: 1.0,
+            seed,
+            ..SamplingParams::default()
+        };
+        let held = SamplingParams {
+            min_tokens: 20,
+            held: vec![44, 45],
+            ..SamplingParams::default()
+        };
+        let params = [
+            SamplingParams::default(),
+            tempered(2),
+            SamplingParams {
+                top_k: 40,
+                top_p: 0.9,
+                repetition_penalty: 1.2,
+                ..tempered(3)
+            },
+            held.clone(),
+            held,
+        ];
+        let tops = [2, 0, 3, 1, 4];
+        // Row 0's mask leaves out its best, row 1's a third of the vocabulary with its
+        // best, row 2's half; row 3's allows only held token 45.
+        let masks: Vec<Option<TokenMask>> = [
+            Some((0..vocab).filter(|&t| t != 41).collect::<Vec<u32>>()),
+            Some((0..vocab).filter(|t| t % 3 == 1).collect()),
+            Some((0..vocab).filter(|t| t % 2 == 1).collect()),
+            Some(vec![45]),
+            None,
+        ]
+        .into_iter()
+        .map(|m| m.map(|ids| TokenMask::of(&ids, vocab as usize)))
+        .collect();
+        let logits = Tensor::new(rows.clone(), &Device::Cpu).unwrap();
+        for step in 1..8 {
+            let cx = |r: usize| Context::of(&prompt, &outputs[r][..step]).masked(masks[r].as_ref());
+            let needs: Vec<_> = (0..5)
+                .map(|r| need(&params[r], cx(r), tops[r], false))
+                .collect();
+            let got = decide_in_place(&logits, &needs).unwrap();
+            for (r, got) in got.into_iter().enumerate() {
+                let want = sample(&rows[r], &params[r], &cx(r), step as u64, tops[r]);
+                let Fetched::Decided(s) = got else {
+                    panic!("row {r} came back whole");
+                };
+                assert_eq!(s.token, want.token, "row {r}, step {step}");
+                let tokens = |s: &Sampled| s.top.iter().map(|t| t.token).collect::<Vec<_>>();
+                assert_eq!(tokens(&s), tokens(&want), "row {r}");
+                assert!((s.logprob - want.logprob).abs() < 1e-4, "row {r}");
+                match r {
+                    0 => assert_ne!(s.token, 41, "the best is masked"),
+                    1 => assert_eq!(s.token % 3, 1, "row 1 keeps to its mask"),
+                    2 => assert_eq!(s.token % 2, 1, "row 2 keeps to its mask"),
+                    3 => assert_eq!(s.token, 45, "the hold gives way to the grammar"),
+                    _ => assert_ne!(s.token, 45, "held back"),
                 }
             }
         }

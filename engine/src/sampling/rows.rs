@@ -1,9 +1,10 @@
 //! What of a step's logits comes back to the host. On the CPU every row is there already.
 //! On a GPU a row of a large vocabulary is most of a decode step's copy (64 rows of
-//! Qwen2's 151,936 logits are 39 MB), so a row that no grammar masks is decided where it
-//! lies: first moved by its logit bias, `min_tokens`' hold and penalties (`moves`: the
-//! entries they touch come back, are moved as the host's sampler moves them, and go back),
-//! then greedy, its argmax; tempered, a draw by the same rule and the same uniform as the
+//! Qwen2's 151,936 logits are 39 MB), so a row is decided where it lies: first moved by
+//! its logit bias, `min_tokens`' hold and penalties (`moves`: the entries they touch come
+//! back, are moved as the host's sampler moves them, and go back) and masked by its
+//! grammar (its mask, made on the host, goes there as a byte a token), then greedy, its
+//! argmax; tempered, a draw by the same rule and the same uniform as the
 //! host's sampler, of which only sums of runs of the vocabulary and the one run the draw
 //! lands in come back (`runs`); filtered by top-k, min-p or top-p, from its best
 //! candidates (`best`). Its log-probability and alternatives are the model's own, from the
@@ -13,7 +14,7 @@ use candle_core::Tensor;
 
 use super::best::{alternatives_in_place, filtered_in_place, Filtered, BEST_CANDIDATES};
 use super::draw::Cuts;
-use super::moves::{moved_in_place, Moves};
+use super::moves::{masked_in_place, moved_in_place, Moves};
 use super::runs::draw_in_place;
 use super::{uniform, Context, SamplingParams, MAX_TOP_LOGPROBS};
 use crate::error::Result;
@@ -25,7 +26,7 @@ pub enum Need<'a> {
     /// The whole row, on the host.
     Whole,
     /// Its token chosen where it lies by `rule`, after its `moves` (a logit bias,
-    /// `min_tokens`' hold, penalties), with the token's log-probability and the `top` most
+    /// `min_tokens`' hold, penalties, a grammar's mask), with the token's log-probability and the `top` most
     /// likely tokens' (the request's alternatives, at most [`MAX_TOP_LOGPROBS`]), both of
     /// the model's own distribution; from the whole row where the rule or the alternatives
     /// cannot be settled there.
@@ -67,17 +68,17 @@ impl Fetched {
     }
 }
 
-/// What a sequence's next row needs, its tokens so far in `cx`, reporting `top_logprobs`
-/// alternatives: decided where it lies when no grammar masks it (`grammar`, or `cx`'s
-/// mask) and top-k keeps at most [`BEST_CANDIDATES`] or the whole vocabulary; else the
-/// whole row.
+/// What a sequence's next row needs, its tokens so far and its grammar's mask in `cx`,
+/// reporting `top_logprobs` alternatives: decided where it lies when top-k keeps at most
+/// [`BEST_CANDIDATES`] or the whole vocabulary; the whole row where it keeps more, or
+/// where a grammar's mask is still to be made (`unmasked`: the host masks the row after).
 pub fn need<'a>(
     p: &'a SamplingParams,
     cx: Context<'a>,
     top_logprobs: usize,
-    grammar: bool,
+    unmasked: bool,
 ) -> Need<'a> {
-    let in_place = !grammar && cx.allowed.is_none() && top_logprobs <= MAX_TOP_LOGPROBS;
+    let in_place = !unmasked && top_logprobs <= MAX_TOP_LOGPROBS;
     let unfiltered = p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0;
     let u = uniform(p.seed, cx.output.len() as u64);
     let rule = match (in_place, p.temperature <= 0.0) {
@@ -98,6 +99,7 @@ pub fn need<'a>(
         params: p,
         prompt: cx.prompt,
         output: cx.output,
+        allowed: cx.allowed,
     };
     Need::InPlace {
         rule,
@@ -110,15 +112,15 @@ pub fn need<'a>(
 /// sampler then decides every row as it always has); elsewhere the rows that can be
 /// decided where they lie are.
 pub fn fetch(logits: &Tensor, needs: &[Need<'_>]) -> Result<Vec<Fetched>> {
-    if logits.device().is_cpu() || needs.iter().all(|n| *n == Need::Whole) {
+    if logits.device().is_cpu() || needs.iter().all(|n| matches!(n, Need::Whole)) {
         let rows: Vec<Vec<f32>> = logits.to_vec2()?;
         return Ok(rows.into_iter().map(Fetched::Whole).collect());
     }
     decide_in_place(logits, needs)
 }
 
-/// [`fetch`] off the CPU: the rows that move moved where they lie; the argmax rows, the
-/// draws and the filtered draws decided in a few ops over all of them, then the
+/// [`fetch`] off the CPU: the rows that move moved and masked where they lie; the argmax
+/// rows, the draws and the filtered draws decided in a few ops over all of them, then the
 /// alternatives of those that report them; the whole rows, and those whose rule or
 /// alternatives could not be settled where they lie, copied as they are.
 pub(crate) fn decide_in_place(logits: &Tensor, needs: &[Need<'_>]) -> Result<Vec<Fetched>> {
@@ -130,8 +132,11 @@ pub(crate) fn decide_in_place(logits: &Tensor, needs: &[Need<'_>]) -> Result<Vec
         })
         .collect();
     let moved = moved_in_place(logits, &moves)?;
-    let mut decided = decide_rules(moved.as_ref().unwrap_or(logits), needs)?;
-    if moved.is_some() {
+    let masks: Vec<_> = moves.iter().map(|m| m.and_then(|m| m.allowed)).collect();
+    let masked = masked_in_place(moved.as_ref().unwrap_or(logits), &masks)?;
+    let processed = masked.as_ref().or(moved.as_ref()).unwrap_or(logits);
+    let mut decided = decide_rules(processed, needs)?;
+    if moved.is_some() || masked.is_some() {
         // The log-probabilities reported are the model's own, before the moves.
         let rows: Vec<u32> = (0u32..)
             .zip(&moves)
@@ -301,9 +306,9 @@ impl Centred {
 
 /// Step `step`'s need of a sequence with no prompt and `step` tokens of output, for tests.
 #[cfg(test)]
-pub(super) fn need_at(p: &SamplingParams, step: usize, top: usize, grammar: bool) -> Need<'_> {
+pub(super) fn need_at(p: &SamplingParams, step: usize, top: usize, unmasked: bool) -> Need<'_> {
     static OUTPUT: [u32; 64] = [0; 64];
-    need(p, Context::of(&[], &OUTPUT[..step]), top, grammar)
+    need(p, Context::of(&[], &OUTPUT[..step]), top, unmasked)
 }
 
 #[cfg(test)]
@@ -312,7 +317,7 @@ mod tests {
 
     use super::super::runs::DRAW_RUN;
     use super::*;
-    use crate::sampling::{sample, Context};
+    use crate::sampling::{sample, Context, TokenMask};
 
     fn greedy() -> SamplingParams {
         SamplingParams::default()
@@ -325,7 +330,7 @@ mod tests {
     };
 
     #[test]
-    fn a_row_is_decided_where_it_lies_unless_a_grammar_masks_it() {
+    fn a_row_is_decided_where_it_lies_unless_its_grammar_s_mask_is_still_to_be_made() {
         assert_eq!(need_at(&greedy(), 0, 0, false), ARGMAX);
         let moved = |p: &SamplingParams, step: usize| match need_at(p, step, 0, false) {
             Need::InPlace { moves, .. } => moves.map(|m| (m.params.clone(), m.output.len())),
@@ -374,7 +379,18 @@ mod tests {
             Need::Whole,
             "more alternatives than a request may ask"
         );
-        assert_eq!(need_at(&greedy, 0, 0, true), Need::Whole, "a grammar");
+        assert_eq!(need_at(&greedy, 0, 0, true), Need::Whole, "a mask to make");
+        let mask = TokenMask::of(&[3, 5], 10);
+        let masked = need(&greedy, Context::default().masked(Some(&mask)), 0, false);
+        let Need::InPlace {
+            rule: Rule::Argmax,
+            moves: Some(moves),
+            ..
+        } = masked
+        else {
+            panic!("{masked:?}");
+        };
+        assert_eq!(moves.allowed, Some(&mask), "the mask goes with the row");
     }
 
     #[test]
@@ -444,7 +460,11 @@ mod tests {
             ..tempered.clone()
         };
         assert_eq!(need_at(&wide, 4, 0, false), Need::Whole);
-        assert_eq!(need_at(&tempered, 4, 0, true), Need::Whole, "a grammar");
+        assert_eq!(
+            need_at(&tempered, 4, 0, true),
+            Need::Whole,
+            "a mask to make"
+        );
     }
 
     /// The ops a GPU runs, run here: each tempered row drawn where it lies gets the token

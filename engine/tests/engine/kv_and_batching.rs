@@ -3,7 +3,7 @@
 use crate::common;
 
 use engine::generate::generate;
-use engine::sampling::{self, sample, Context, SamplingParams};
+use engine::sampling::{self, sample, Context, SamplingParams, TokenMask};
 use engine::{KvAssembler, Model, SeqCache, SeqInput, Stager};
 
 fn model() -> Model {
@@ -201,9 +201,9 @@ fn batched_decode_matches_each_sequence_alone() {
 }
 
 /// What `sampling::fetch` brings back of a batch's rows, decided where they lie on a GPU
-/// (greedy, tempered, filtered, moved by penalties, a bias or `min_tokens`, with and
-/// without alternatives) or whole, ends as the host's sampler ends with the whole rows:
-/// the same tokens and alternatives.
+/// (greedy, tempered, filtered, moved by penalties, a bias or `min_tokens`, masked by a
+/// grammar, with and without alternatives) or whole, ends as the host's sampler ends with
+/// the whole rows: the same tokens and alternatives.
 #[test]
 fn rows_fetched_for_sampling_end_as_the_host_sampler_ends() {
     let m = model();
@@ -230,8 +230,26 @@ fn rows_fetched_for_sampling_end_as_the_host_sampler_ends() {
         .collect();
     let output = [7u32, 9, 9, 3, 7, 11];
     let tops = [0, 3, 5, 2, 0, 20];
+    // Grammars' masks: row 0's leaves out its best token, row 2's the even ones; row 5's
+    // allows only its held token 7, so the hold gives way.
+    let vocab = rows[0].len();
+    let best = |row: &[f32]| (0..row.len()).max_by(|&a, &b| row[a].total_cmp(&row[b]));
+    let best0 = best(&rows[0]).unwrap() as u32;
+    let masks: Vec<Option<TokenMask>> = (0..6)
+        .map(|i| match i {
+            0 => Some(
+                (0..vocab as u32)
+                    .filter(|&t| t != best0)
+                    .collect::<Vec<_>>(),
+            ),
+            2 => Some((0..vocab as u32).filter(|t| t % 2 == 1).collect()),
+            5 => Some(vec![7]),
+            _ => None,
+        })
+        .map(|ids| ids.map(|ids| TokenMask::of(&ids, vocab)))
+        .collect();
     for step in 0..6 {
-        let cx = |i: usize| Context::of(&prompts[i], &output[..step]);
+        let cx = |i: usize| Context::of(&prompts[i], &output[..step]).masked(masks[i].as_ref());
         let needs: Vec<_> = (0..6)
             .map(|i| sampling::need(&params[i], cx(i), tops[i], false))
             .collect();
@@ -251,6 +269,12 @@ fn rows_fetched_for_sampling_end_as_the_host_sampler_ends() {
             );
             for (a, b) in logprobs {
                 assert!((a - b).abs() < 1e-4, "{got:?} {want:?}");
+            }
+            match i {
+                0 => assert_ne!(got.token, best0, "the best is masked"),
+                2 => assert_eq!(got.token % 2, 1, "row 2 keeps to its mask"),
+                5 => assert_eq!(got.token, 7, "the hold gives way to the grammar"),
+                _ => {}
             }
         }
     }
