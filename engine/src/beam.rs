@@ -5,7 +5,7 @@
 //! Beam search is deterministic: it follows the model's raw distribution, so temperature,
 //! top-k, top-p, penalties and the seed do not apply.
 
-use crate::logprobs::{log_softmax, top_n, Sampled};
+use crate::logprobs::{ranked, Sampled, TokenLogprob};
 
 /// One hypothesis: its generated tokens, their summed log-probability, and the caller's state.
 #[derive(Debug)]
@@ -30,14 +30,14 @@ pub struct BeamSearch<T> {
 /// The first tokens of a beam search: the `width` most likely tokens after the prompt, from
 /// the logits of its last position, with `top_logprobs` alternatives each.
 pub fn first_tokens(raw: &[f32], width: usize, top_logprobs: usize) -> Vec<Sampled> {
-    let logprobs = log_softmax(raw);
-    let top = top_n(&logprobs, top_logprobs);
-    top_n(&logprobs, width)
-        .into_iter()
+    let best = ranked(raw, width.max(top_logprobs));
+    let top = &best[..top_logprobs.min(best.len())];
+    best.iter()
+        .take(width)
         .map(|t| Sampled {
             token: t.token,
             logprob: t.logprob,
-            top: top.clone(),
+            top: top.to_vec(),
         })
         .collect()
 }
@@ -93,8 +93,17 @@ impl<T> BeamSearch<T> {
         b.cumulative / (self.prompt_len + generated).max(1) as f64
     }
 
-    /// One step: `rows[i]` are the logits after live beam `i`'s newest token. The best
-    /// `width` continuations become the new live beams; one that ends on a stop token among
+    /// How many of each live beam's most likely next tokens [`step`](Self::step) takes:
+    /// twice the width (at most `width` of them can end), or the alternatives reported if
+    /// more.
+    pub fn ranked_len(&self, top_logprobs: usize) -> usize {
+        (2 * self.width).max(top_logprobs)
+    }
+
+    /// One step: `ranked[i]` are the [`ranked_len`](Self::ranked_len) most likely tokens
+    /// after live beam `i`'s newest token, best first (ties keep the lower id first), with
+    /// their log-probabilities (`logprobs::ranked` of its logits, or the same found where
+    /// the logits lie). The best `width` continuations become the new live beams; one that ends on a stop token among
     /// them is a finished hypothesis. `fork` copies a parent's state for its second and
     /// later children that go on; `ended` makes a finished hypothesis's state from its
     /// parent's, keeping only what it reports; `record` tells a child's state the token it
@@ -106,7 +115,7 @@ impl<T> BeamSearch<T> {
     /// caches, the memory it reserved for the search.
     pub fn step<E>(
         &mut self,
-        rows: &[Vec<f32>],
+        ranked: &[Vec<TokenLogprob>],
         top_logprobs: usize,
         mut fork: impl FnMut(&T) -> Result<T, E>,
         mut ended: impl FnMut(&T) -> T,
@@ -114,14 +123,13 @@ impl<T> BeamSearch<T> {
     ) -> Result<(), E> {
         // Each beam's 2 * width best tokens are enough: at most width of them can end.
         let mut candidates: Vec<(usize, Sampled, f64)> = Vec::new();
-        for (i, (beam, row)) in self.live.iter().zip(rows).enumerate() {
-            let logprobs = log_softmax(row);
-            let top = top_n(&logprobs, top_logprobs);
-            for t in top_n(&logprobs, 2 * self.width) {
+        for (i, (beam, best)) in self.live.iter().zip(ranked).enumerate() {
+            let top = &best[..top_logprobs.min(best.len())];
+            for t in best.iter().take(2 * self.width) {
                 let s = Sampled {
                     token: t.token,
                     logprob: t.logprob,
-                    top: top.clone(),
+                    top: top.to_vec(),
                 };
                 candidates.push((i, s, beam.cumulative + f64::from(t.logprob)));
             }
@@ -250,6 +258,12 @@ mod tests {
         probs.iter().map(|p| p.ln() as f32).collect()
     }
 
+    /// Each live beam's next tokens as [`BeamSearch::step`] takes them, from its logits.
+    fn ranks<T>(search: &BeamSearch<T>, rows: &[Vec<f32>], top: usize) -> Vec<Vec<TokenLogprob>> {
+        let n = search.ranked_len(top);
+        rows.iter().map(|r| ranked(r, n)).collect()
+    }
+
     fn tokens<T>(beams: &[Beam<T>]) -> Vec<Vec<u32>> {
         beams.iter().map(|b| b.tokens.clone()).collect()
     }
@@ -268,8 +282,9 @@ mod tests {
         );
         let after0 = row(&[0.3, 0.3, 0.4]);
         let after1 = row(&[0.05, 0.05, 0.9]);
+        let ranked = ranks(&search, &[after0, after1], 0);
         search
-            .step(&[after0, after1], 0, |_| Ok::<_, ()>(()), |_| (), |_, _| {})
+            .step(&ranked, 0, |_| Ok::<_, ()>(()), |_| (), |_, _| {})
             .unwrap();
         let best = search.finish(2);
         assert_eq!(tokens(&best), [vec![1, 2], vec![0, 2]]);
@@ -301,9 +316,10 @@ mod tests {
     ) -> (usize, usize) {
         let (mut forks, mut most) = (0, 0);
         let alive = || std::rc::Rc::strong_count(caches) - 1;
+        let ranked = ranks(search, rows, 1);
         search
             .step(
-                rows,
+                &ranked,
                 1,
                 |s: &State| {
                     forks += 1;
@@ -418,14 +434,9 @@ mod tests {
             |_| (),
         );
         assert!(!search.converged());
+        let ranked = ranks(&search, &[row(&[0.99, 0.01])], 0);
         search
-            .step(
-                &[row(&[0.99, 0.01])],
-                0,
-                |_| Ok::<_, ()>(()),
-                |_| (),
-                |_, _| {},
-            )
+            .step(&ranked, 0, |_| Ok::<_, ()>(()), |_| (), |_, _| {})
             .unwrap();
         assert!(
             search.converged(),

@@ -35,6 +35,24 @@ pub fn scored(rows: &[Vec<f32>], next: &[u32], top: usize) -> Vec<Sampled> {
         .collect()
 }
 
+/// The `n` most likely tokens of the raw logits `raw`, best first (ties keep the lower id
+/// first), with their log-probabilities: the sampler's alternatives and a beam's
+/// candidates.
+pub fn ranked(raw: &[f32], n: usize) -> Vec<TokenLogprob> {
+    ranked_by(raw, n, log_z(raw))
+}
+
+/// [`ranked`], `raw`'s [`log_z`] given.
+pub(crate) fn ranked_by(raw: &[f32], n: usize, log_z: f64) -> Vec<TokenLogprob> {
+    top_n(raw, n)
+        .into_iter()
+        .map(|t| TokenLogprob {
+            logprob: (t.logprob as f64 - log_z) as f32,
+            ..t
+        })
+        .collect()
+}
+
 /// Log-softmax of the raw logits, in f64 for stable sums.
 pub(crate) fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let log_z = log_z(logits);

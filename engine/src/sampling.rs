@@ -7,15 +7,17 @@
 mod best;
 mod draw;
 mod moves;
+mod ranked;
 mod rows;
 mod runs;
 
-use crate::logprobs::{log_z, top_n};
-pub use crate::logprobs::{scored, Sampled, TokenLogprob};
+use crate::logprobs::{log_z, ranked_by};
+pub use crate::logprobs::{ranked, scored, Sampled, TokenLogprob};
 pub use best::{Filtered, BEST_CANDIDATES};
 use draw::draw;
 pub use draw::Cuts;
 pub use moves::Moves;
+pub use ranked::fetch_ranked;
 pub use rows::{fetch, need, Fetched, Need, Rule};
 pub use text::grammar::TokenMask;
 
@@ -219,17 +221,10 @@ pub fn sample(
     // The raw distribution's normalizer, not every token's logprob: only the sampled token
     // and the alternatives asked for are reported.
     let log_z = log_z(raw);
-    let logprob = |x: f32| (x as f64 - log_z) as f32;
     Sampled {
         token,
-        logprob: logprob(raw[token as usize]),
-        top: top_n(raw, top_logprobs)
-            .into_iter()
-            .map(|t| TokenLogprob {
-                logprob: logprob(t.logprob),
-                ..t
-            })
-            .collect(),
+        logprob: (raw[token as usize] as f64 - log_z) as f32,
+        top: ranked_by(raw, top_logprobs, log_z),
     }
 }
 

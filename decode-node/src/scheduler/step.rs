@@ -3,7 +3,7 @@
 //! sequence's token sampled (or its logits kept for a later step, see `masks`) and sent.
 
 use candle_core::Tensor;
-use engine::sampling::{fetch, need, Fetched, Need};
+use engine::sampling::{fetch, fetch_ranked, need, Fetched, Need, TokenLogprob};
 
 use super::*;
 
@@ -116,7 +116,15 @@ impl Scheduler {
             .filter(|s| s.parked.is_none())
             .map(Seq::need)
             .collect();
-        let rows = split_rows(logits, &needs);
+        let beam_tops: Vec<usize> = self
+            .groups
+            .iter()
+            .flat_map(|g| {
+                let n = g.search.ranked_len(g.top_logprobs);
+                std::iter::repeat_n(n, g.search.live().len())
+            })
+            .collect();
+        let rows = split_rows(logits, &needs, &beam_tops);
         drop(needs);
         rows.map_err(|e| self.fail_step(e)).ok()
     }
@@ -225,11 +233,17 @@ impl Scheduler {
         self.keep_or_finish(seq);
     }
 
-    fn step_beams(&mut self, beam_rows: Vec<Vec<f32>>, ms: f64, batch: usize, started: Instant) {
+    fn step_beams(
+        &mut self,
+        beam_rows: Vec<Vec<TokenLogprob>>,
+        ms: f64,
+        batch: usize,
+        started: Instant,
+    ) {
         let now = Instant::now();
         let mut beam_rows = beam_rows.into_iter();
         for mut g in std::mem::take(&mut self.groups) {
-            let rows: Vec<Vec<f32>> = beam_rows.by_ref().take(g.search.live().len()).collect();
+            let rows: Vec<_> = beam_rows.by_ref().take(g.search.live().len()).collect();
             self.metrics.generated_tokens.increment(rows.len() as u64);
             let wait = started.saturating_duration_since(g.ready_since).as_micros() as u64;
             let stepped = g.search.step(
@@ -258,16 +272,20 @@ impl Scheduler {
 /// A step's logits: one row per running sequence that was not parked, then per live beam.
 struct Logits {
     running: Vec<Fetched>,
-    beams: Vec<Vec<f32>>,
+    /// Each live beam's most likely next tokens.
+    beams: Vec<Vec<TokenLogprob>>,
 }
 
-/// `logits`' rows brought back: the running sequences' first, as `needs` says, then the
-/// beams' whole.
-fn split_rows(logits: &Tensor, needs: &[Need<'_>]) -> Result<Logits, EngineError> {
-    let beams = logits.dim(0)? - needs.len();
+/// `logits`' rows brought back: the running sequences' first, as `needs` says, then each
+/// beam's `beam_tops` most likely next tokens.
+fn split_rows(
+    logits: &Tensor,
+    needs: &[Need<'_>],
+    beam_tops: &[usize],
+) -> Result<Logits, EngineError> {
     Ok(Logits {
         running: fetch(&logits.narrow(0, 0, needs.len())?, needs)?,
-        beams: logits.narrow(0, needs.len(), beams)?.to_vec2()?,
+        beams: fetch_ranked(&logits.narrow(0, needs.len(), beam_tops.len())?, beam_tops)?,
     })
 }
 

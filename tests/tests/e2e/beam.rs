@@ -5,6 +5,7 @@
 use candle_core::Device;
 use e2e::{sse_chunks, tiny_model, Cluster, Mode};
 use engine::beam::{first_tokens, BeamSearch};
+use engine::sampling::ranked;
 use engine::SeqInput;
 use serde_json::{json, Value};
 
@@ -32,13 +33,14 @@ fn reference(prompt: &str, width: usize, n: usize, max_tokens: usize) -> Vec<Str
         |_| (),
     );
     for _ in 1..max_tokens {
-        let rows: Vec<Vec<f32>> = search
+        let n = search.ranked_len(0);
+        let ranked: Vec<_> = search
             .live()
             .iter()
-            .map(|b| logits_after(&[ids.clone(), b.tokens.clone()].concat()))
+            .map(|b| ranked(&logits_after(&[ids.clone(), b.tokens.clone()].concat()), n))
             .collect();
         search
-            .step(&rows, 0, |_| Ok::<_, ()>(()), |_| (), |_, _| {})
+            .step(&ranked, 0, |_| Ok::<_, ()>(()), |_| (), |_, _| {})
             .unwrap();
     }
     search
