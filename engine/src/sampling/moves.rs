@@ -294,24 +294,66 @@ mod tests {
         }
     }
 
-    /// The ops a GPU runs, run here: rows moved by a logit bias, penalties and
-    /// `min_tokens`' hold, beside a row nothing moves, then decided where they lie, give
-    /// the host sampler's tokens from the whole rows, with the model's own
-    /// log-probabilities and alternatives.
-    #[test]
-    fn moved_rows_decided_in_place_are_the_sampler_s() {
-        let vocab = 9_000;
-        let prompt = [3u32, 8, 8, 41];
-        // Each row's best (token 41 + r) is in its output, which the penalties push down.
-        let outputs: Vec<Vec<u32>> = (0..6u32)
-            .map(|r| vec![41 + r, 7, 41 + r, 7, 2, 9, 9, 1])
-            .collect();
-        let rows: Vec<Vec<f32>> = (0..6u32).map(|r| row(vocab, r, 41 + r)).collect();
-        let tempered = |seed| SamplingParams {
+    /// The test rows' vocabulary: row `r`'s best is token 41 + r, which its output holds.
+    const VOCAB: u32 = 9_000;
+
+    fn tempered(seed: u64) -> SamplingParams {
+        SamplingParams {
             temperature: 1.0,
             seed,
             ..SamplingParams::default()
-        };
+        }
+    }
+
+    /// Steps 1 to 7 of row `r` decided where it lies with `params[r]`, `tops[r]`
+    /// alternatives and mask `masks[r]`: each is what the host's sampler makes of the
+    /// whole row, the same token and alternatives, their log-probabilities (the model's
+    /// own) within rounding. `check` sees each decided row.
+    fn decided_as_the_sampler_decides(
+        params: &[SamplingParams],
+        tops: &[usize],
+        masks: &[Option<TokenMask>],
+        check: impl Fn(usize, &Sampled),
+    ) {
+        let n = params.len() as u32;
+        let prompt = [3u32, 8, 8, 41];
+        let outputs: Vec<Vec<u32>> = (0..n)
+            .map(|r| vec![41 + r, 7, 41 + r, 7, 2, 9, 9, 1])
+            .collect();
+        let rows: Vec<Vec<f32>> = (0..n).map(|r| row(VOCAB, r, 41 + r)).collect();
+        let logits = Tensor::new(rows.clone(), &Device::Cpu).unwrap();
+        for step in 1..8 {
+            let cx = |r: usize| Context::of(&prompt, &outputs[r][..step]).masked(masks[r].as_ref());
+            let needs: Vec<_> = (0..params.len())
+                .map(|r| need(&params[r], cx(r), tops[r], false))
+                .collect();
+            let got = decide_in_place(&logits, &needs).unwrap();
+            for (r, got) in got.into_iter().enumerate() {
+                let want = sample(&rows[r], &params[r], &cx(r), step as u64, tops[r]);
+                let Fetched::Decided(s) = got else {
+                    panic!("row {r} came back whole");
+                };
+                assert_eq!(s.token, want.token, "row {r}, step {step}");
+                let tokens = |s: &Sampled| s.top.iter().map(|t| t.token).collect::<Vec<_>>();
+                assert_eq!(tokens(&s), tokens(&want), "row {r}");
+                let logprobs = std::iter::once((s.logprob, want.logprob)).chain(
+                    s.top
+                        .iter()
+                        .zip(&want.top)
+                        .map(|(a, b)| (a.logprob, b.logprob)),
+                );
+                for (a, b) in logprobs {
+                    assert!((a - b).abs() < 1e-4, "row {r}: {s:?} {want:?}");
+                }
+                check(r, &s);
+            }
+        }
+    }
+
+    /// The ops a GPU runs, run here: rows moved by a logit bias, penalties and
+    /// `min_tokens`' hold, beside a row nothing moves, then decided where they lie.
+    #[test]
+    fn moved_rows_decided_in_place_are_the_sampler_s() {
         let params = [
             SamplingParams {
                 repetition_penalty: 2.0,
@@ -339,57 +381,20 @@ mod tests {
             },
             tempered(5),
         ];
-        let tops = [2, 0, 3, 1, 0, 4];
-        let logits = Tensor::new(rows.clone(), &Device::Cpu).unwrap();
-        for step in 1..8 {
-            let cx = |r: usize| Context::of(&prompt, &outputs[r][..step]);
-            let needs: Vec<_> = (0..6)
-                .map(|r| need(&params[r], cx(r), tops[r], false))
-                .collect();
-            let got = decide_in_place(&logits, &needs).unwrap();
-            for (r, got) in got.into_iter().enumerate() {
-                let want = sample(&rows[r], &params[r], &cx(r), step as u64, tops[r]);
-                let Fetched::Decided(s) = got else {
-                    panic!("row {r} came back whole");
-                };
-                assert_eq!(s.token, want.token, "row {r}, step {step}");
-                let tokens = |s: &Sampled| s.top.iter().map(|t| t.token).collect::<Vec<_>>();
-                assert_eq!(tokens(&s), tokens(&want), "row {r}");
-                let logprobs = std::iter::once((s.logprob, want.logprob)).chain(
-                    s.top
-                        .iter()
-                        .zip(&want.top)
-                        .map(|(a, b)| (a.logprob, b.logprob)),
-                );
-                for (a, b) in logprobs {
-                    assert!((a - b).abs() < 1e-4, "row {r}: {s:?} {want:?}");
-                }
-                match r {
-                    0 | 4 => assert_ne!(s.token, 41 + r as u32, "row {r}: the best is moved down"),
-                    1 => assert_eq!(s.token, 7, "the bias wins"),
-                    _ => {}
-                }
-            }
-        }
+        let masks = vec![None; params.len()];
+        decided_as_the_sampler_decides(&params, &[2, 0, 3, 1, 0, 4], &masks, |r, s| match r {
+            // Each row's best is in its output, which the penalties push down.
+            0 | 4 => assert_ne!(s.token, 41 + r as u32, "row {r}: the best is moved down"),
+            1 => assert_eq!(s.token, 7, "the bias wins"),
+            _ => {}
+        });
     }
 
     /// The ops a GPU runs, run here: rows masked by a grammar (greedy, tempered, filtered
     /// and moved besides, `min_tokens` giving way where the mask allows only a held token),
-    /// beside a row no grammar masks, decided where they lie, give the host sampler's
-    /// tokens from the whole rows, with the model's own log-probabilities and alternatives.
+    /// beside a row no grammar masks, decided where they lie.
     #[test]
     fn masked_rows_decided_in_place_are_the_sampler_s() {
-        let vocab = 9_000;
-        let prompt = [3u32, 8, 8, 41];
-        let outputs: Vec<Vec<u32>> = (0..5u32)
-            .map(|r| vec![41 + r, 7, 41 + r, 7, 2, 9, 9, 1])
-            .collect();
-        let rows: Vec<Vec<f32>> = (0..5u32).map(|r| row(vocab, r, 41 + r)).collect();
-        let tempered = |seed| SamplingParams {
-            temperature: 1.0,
-            seed,
-            ..SamplingParams::default()
-        };
         let held = SamplingParams {
             min_tokens: 20,
             held: vec![44, 45],
@@ -407,43 +412,24 @@ mod tests {
             held.clone(),
             held,
         ];
-        let tops = [2, 0, 3, 1, 4];
         // Row 0's mask leaves out its best, row 1's a third of the vocabulary with its
         // best, row 2's half; row 3's allows only held token 45.
         let masks: Vec<Option<TokenMask>> = [
-            Some((0..vocab).filter(|&t| t != 41).collect::<Vec<u32>>()),
-            Some((0..vocab).filter(|t| t % 3 == 1).collect()),
-            Some((0..vocab).filter(|t| t % 2 == 1).collect()),
+            Some((0..VOCAB).filter(|&t| t != 41).collect::<Vec<u32>>()),
+            Some((0..VOCAB).filter(|t| t % 3 == 1).collect()),
+            Some((0..VOCAB).filter(|t| t % 2 == 1).collect()),
             Some(vec![45]),
             None,
         ]
         .into_iter()
-        .map(|m| m.map(|ids| TokenMask::of(&ids, vocab as usize)))
+        .map(|m| m.map(|ids| TokenMask::of(&ids, VOCAB as usize)))
         .collect();
-        let logits = Tensor::new(rows.clone(), &Device::Cpu).unwrap();
-        for step in 1..8 {
-            let cx = |r: usize| Context::of(&prompt, &outputs[r][..step]).masked(masks[r].as_ref());
-            let needs: Vec<_> = (0..5)
-                .map(|r| need(&params[r], cx(r), tops[r], false))
-                .collect();
-            let got = decide_in_place(&logits, &needs).unwrap();
-            for (r, got) in got.into_iter().enumerate() {
-                let want = sample(&rows[r], &params[r], &cx(r), step as u64, tops[r]);
-                let Fetched::Decided(s) = got else {
-                    panic!("row {r} came back whole");
-                };
-                assert_eq!(s.token, want.token, "row {r}, step {step}");
-                let tokens = |s: &Sampled| s.top.iter().map(|t| t.token).collect::<Vec<_>>();
-                assert_eq!(tokens(&s), tokens(&want), "row {r}");
-                assert!((s.logprob - want.logprob).abs() < 1e-4, "row {r}");
-                match r {
-                    0 => assert_ne!(s.token, 41, "the best is masked"),
-                    1 => assert_eq!(s.token % 3, 1, "row 1 keeps to its mask"),
-                    2 => assert_eq!(s.token % 2, 1, "row 2 keeps to its mask"),
-                    3 => assert_eq!(s.token, 45, "the hold gives way to the grammar"),
-                    _ => assert_ne!(s.token, 45, "held back"),
-                }
-            }
-        }
+        decided_as_the_sampler_decides(&params, &[2, 0, 3, 1, 4], &masks, |r, s| match r {
+            0 => assert_ne!(s.token, 41, "the best is masked"),
+            1 => assert_eq!(s.token % 3, 1, "row 1 keeps to its mask"),
+            2 => assert_eq!(s.token % 2, 1, "row 2 keeps to its mask"),
+            3 => assert_eq!(s.token, 45, "the hold gives way to the grammar"),
+            _ => assert_ne!(s.token, 45, "held back"),
+        });
     }
 }
