@@ -4,11 +4,11 @@
 //! its logit bias, `min_tokens`' hold and penalties (`moves`: the entries they touch come
 //! back, are moved as the host's sampler moves them, and go back) and masked by its
 //! grammar (its mask, made on the host, goes there as a byte a token), then greedy, its
-//! argmax; tempered, a draw by the same rule and the same uniform as the
-//! host's sampler, of which only sums of runs of the vocabulary and the one run the draw
-//! lands in come back (`runs`); filtered by top-k, min-p or top-p, from its best
-//! candidates (`best`). Its log-probability and alternatives are the model's own, from the
-//! row before its moves.
+//! argmax; tempered, a draw by the same rule and the same uniform as the host's sampler,
+//! of which only sums of runs of the vocabulary and the one run the draw lands in come
+//! back (`runs`); filtered by top-k, min-p or top-p, from its best candidates (`best`).
+//! Its log-probability and alternatives are the model's own, from the row before its
+//! moves.
 
 use candle_core::Tensor;
 
@@ -26,10 +26,10 @@ pub enum Need<'a> {
     /// The whole row, on the host.
     Whole,
     /// Its token chosen where it lies by `rule`, after its `moves` (a logit bias,
-    /// `min_tokens`' hold, penalties, a grammar's mask), with the token's log-probability and the `top` most
-    /// likely tokens' (the request's alternatives, at most [`MAX_TOP_LOGPROBS`]), both of
-    /// the model's own distribution; from the whole row where the rule or the alternatives
-    /// cannot be settled there.
+    /// `min_tokens`' hold, penalties, a grammar's mask), with the token's log-probability
+    /// and the `top` most likely tokens' (the request's alternatives, at most
+    /// [`MAX_TOP_LOGPROBS`]), both of the model's own distribution; from the whole row where
+    /// the rule or the alternatives cannot be settled there.
     InPlace {
         rule: Rule,
         top: usize,
