@@ -59,8 +59,7 @@ pub(super) fn filtered_in_place(
         .to_vec1()?;
     let values: Vec<Vec<f32>> = values.to_vec2()?;
     let ids: Vec<Vec<u32>> = ids.to_vec2()?;
-    let max: Vec<f32> = centred.max.flatten_all()?.to_vec1()?;
-    let spread: Vec<f32> = centred.spread.flatten_all()?.to_vec1()?;
+    let norms = centred.normalizers()?;
     Ok((0..n)
         .map(|i| {
             let (cand, ranked) = settled(&values[i], &ids[i], keeps[i], vocab, totals[i])?;
@@ -69,7 +68,7 @@ pub(super) fn filtered_in_place(
             let token = draw_ranked(cand.clone(), ranked, &f.cuts, f.u)?;
             Some(Sampled {
                 token,
-                logprob: logit(token)? - max[i] - spread[i],
+                logprob: norms.logprob(i, logit(token)?),
                 top: Vec::new(),
             })
         })
@@ -92,15 +91,13 @@ pub(super) fn alternatives_in_place(
     let (values, ids) = best(&picked, wanted)?;
     let values: Vec<Vec<f32>> = values.to_vec2()?;
     let ids: Vec<Vec<u32>> = ids.to_vec2()?;
-    let centred = Centred::of(&picked)?;
-    let max: Vec<f32> = centred.max.flatten_all()?.to_vec1()?;
-    let spread: Vec<f32> = centred.spread.flatten_all()?.to_vec1()?;
+    let norms = Centred::of(&picked)?.normalizers()?;
     Ok((0..rows.len())
         .map(|i| {
             let (mut top, _) = settled(&values[i], &ids[i], tops[i].min(vocab), vocab, 0.0)?;
             top.truncate(tops[i]);
             for t in &mut top {
-                t.logprob = t.logprob - max[i] - spread[i];
+                t.logprob = norms.logprob(i, t.logprob);
             }
             Some(top)
         })

@@ -4,7 +4,7 @@
 use candle_core::Tensor;
 
 use super::best::alternatives_in_place;
-use super::rows::select;
+use super::rows::whole;
 use crate::error::Result;
 use crate::logprobs::{ranked, TokenLogprob};
 
@@ -28,11 +28,7 @@ pub(crate) fn ranked_in_place(logits: &Tensor, tops: &[usize]) -> Result<Vec<Vec
         .into_iter()
         .filter(|&r| found[r as usize].is_none())
         .collect();
-    let mut whole = select(logits, &unsettled)?
-        .map(|t| t.to_vec2::<f32>())
-        .transpose()?
-        .unwrap_or_default()
-        .into_iter();
+    let mut whole = whole(logits, &unsettled)?.into_iter();
     Ok(found
         .into_iter()
         .zip(tops)

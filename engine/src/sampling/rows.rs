@@ -148,11 +148,7 @@ pub(crate) fn decide_in_place(logits: &Tensor, needs: &[Need<'_>]) -> Result<Vec
     let whole_rows: Vec<u32> = (0..needs.len() as u32)
         .filter(|&i| decided[i as usize].is_none())
         .collect();
-    let mut whole = select(logits, &whole_rows)?
-        .map(|t| t.to_vec2::<f32>())
-        .transpose()?
-        .unwrap_or_default()
-        .into_iter();
+    let mut whole = whole(logits, &whole_rows)?.into_iter();
     Ok(decided
         .into_iter()
         .map(|d| match d {
@@ -217,12 +213,10 @@ fn own_logprobs(logits: &Tensor, rows: &[u32], decided: &mut [Option<Sampled>]) 
         .collect();
     let at = Tensor::from_vec(tokens, (rows.len(), 1), logits.device())?;
     let chosen: Vec<f32> = picked.gather(&at, 1)?.flatten_all()?.to_vec1()?;
-    let centred = Centred::of(&picked)?;
-    let max: Vec<f32> = centred.max.flatten_all()?.to_vec1()?;
-    let spread: Vec<f32> = centred.spread.flatten_all()?.to_vec1()?;
+    let norms = Centred::of(&picked)?.normalizers()?;
     for (i, &r) in rows.iter().enumerate() {
         if let Some(s) = &mut decided[r as usize] {
-            s.logprob = chosen[i] - max[i] - spread[i];
+            s.logprob = norms.logprob(i, chosen[i]);
         }
     }
     Ok(())
@@ -262,6 +256,14 @@ pub(super) fn select(logits: &Tensor, rows: &[u32]) -> Result<Option<Tensor>> {
     Ok(Some(logits.index_select(&at, 0)?))
 }
 
+/// Rows `rows` of `logits`, copied to the host whole.
+pub(super) fn whole(logits: &Tensor, rows: &[u32]) -> Result<Vec<Vec<f32>>> {
+    Ok(select(logits, rows)?
+        .map(|t| t.to_vec2::<f32>())
+        .transpose()?
+        .unwrap_or_default())
+}
+
 /// Each of `rows`' argmax and its log-probability (`-ln Σ exp(x - max)`). Ties go to the
 /// argmax op's choice.
 fn argmax_in_place(logits: &Tensor, rows: &[u32]) -> Result<Vec<Sampled>> {
@@ -292,6 +294,14 @@ pub(super) struct Centred {
 }
 
 impl Centred {
+    /// Each row's max and log-normalizer on the host, for log-probabilities.
+    pub(super) fn normalizers(&self) -> Result<Normalizers> {
+        Ok(Normalizers {
+            max: self.max.flatten_all()?.to_vec1()?,
+            spread: self.spread.flatten_all()?.to_vec1()?,
+        })
+    }
+
     pub(super) fn of(rows: &Tensor) -> Result<Self> {
         let max = rows.max_keepdim(1)?;
         let shifted = rows.broadcast_sub(&max)?;
@@ -301,6 +311,19 @@ impl Centred {
             shifted,
             spread,
         })
+    }
+}
+
+/// [`Centred`]'s per-row max and log-normalizer, brought to the host.
+pub(super) struct Normalizers {
+    max: Vec<f32>,
+    spread: Vec<f32>,
+}
+
+impl Normalizers {
+    /// The log-probability of logit `x` of row `i`: `x - max - spread`.
+    pub(super) fn logprob(&self, i: usize, x: f32) -> f32 {
+        x - self.max[i] - self.spread[i]
     }
 }
 

@@ -56,15 +56,14 @@ pub(super) fn draw_in_place(
         .pad_with_zeros(1, 0, pad)?
         .reshape((n * runs, DRAW_RUN))?;
     let run_logits: Vec<Vec<f32>> = raw.index_select(&at, 0)?.to_vec2()?;
-    let spread: Vec<f32> = centred.spread.flatten_all()?.to_vec1()?;
-    let max: Vec<f32> = centred.max.flatten_all()?.to_vec1()?;
+    let norms = centred.normalizers()?;
     Ok((0..n)
         .map(|i| {
             let (l, w) = (&landed[i], &run_weights[i]);
             let within = l.walk(w);
             Sampled {
                 token: (l.run * DRAW_RUN + within) as u32,
-                logprob: run_logits[i][within] - max[i] - spread[i],
+                logprob: norms.logprob(i, run_logits[i][within]),
                 top: Vec::new(),
             }
         })
