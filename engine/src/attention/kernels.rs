@@ -9,7 +9,8 @@ use half::f16;
 /// `out[r * len + j] = (q_r · k_j) * scale` for each query row `r` of `q` and each of the
 /// first `len` keys, the dot product summed as [`dot`] sums it. `vector`: take the AVX2
 /// kernel where [`avx2_fits`] allows it (the tests turn it off to hold the kernel against
-/// the scalar code).
+/// the scalar code). `wide` is the vector kernel's working memory, grown as it needs.
+#[allow(clippy::too_many_arguments)] // the product's operands, then its working memory
 pub(super) fn scores(
     vector: bool,
     q: &[f32],
@@ -18,6 +19,7 @@ pub(super) fn scores(
     head_dim: usize,
     scale: f32,
     out: &mut [f32],
+    wide: &mut Vec<f32>,
 ) {
     assert!(keys.len() >= len * head_dim && out.len() >= q.len() / head_dim * len);
     if vector && avx2_fits(head_dim) {
@@ -25,7 +27,15 @@ pub(super) fn scores(
         // slices have the lengths asserted above.
         #[cfg(target_arch = "x86_64")]
         unsafe {
-            fma::scores(q, keys, len, head_dim, scale, out)
+            fma::scores(
+                q,
+                keys,
+                len,
+                head_dim,
+                scale,
+                out,
+                grown(wide, 8 * head_dim),
+            )
         };
         return;
     }
@@ -67,6 +77,15 @@ pub(super) fn weighted_values(
             });
         }
     }
+}
+
+/// The first `n` values of `buf`, grown to hold them: working memory reused from call to
+/// call, whose old values the caller overwrites.
+pub(super) fn grown(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if buf.len() < n {
+        buf.resize(n, 0.0);
+    }
+    &mut buf[..n]
 }
 
 /// The dot product in eight lanes: lane `l` one chain of fused multiply-adds over the
@@ -120,8 +139,8 @@ mod fma {
     /// per query value), scores took half the instructions.
     ///
     /// # Safety
-    /// AVX2, FMA and F16C are present; `head_dim` is a multiple of 8; `keys` holds `len` rows and
-    /// `out` `q.len() / head_dim` rows of `len`.
+    /// AVX2, FMA and F16C are present; `head_dim` is a multiple of 8; `keys` holds `len` rows,
+    /// `out` `q.len() / head_dim` rows of `len` and `wide` `8 * head_dim` values.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn scores(
         q: &[f32],
@@ -130,11 +149,12 @@ mod fma {
         head_dim: usize,
         scale: f32,
         out: &mut [f32],
+        wide: &mut [f32],
     ) {
+        assert!(wide.len() >= 8 * head_dim, "too little working memory");
         let rows = q.len() / head_dim;
         let full = len / 8 * 8;
         let scale_v = _mm256_set1_ps(scale);
-        let mut wide = vec![0f32; 8 * head_dim];
         for j0 in (0..full).step_by(8) {
             let from = keys.as_ptr().add(j0 * head_dim);
             for i in (0..8 * head_dim).step_by(8) {

@@ -35,6 +35,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
+use crate::split::{map_on_pool, SharedOut};
 use crate::vexp::exp_minus;
 
 /// Query rows of one K/V head attended together: they share each pass over its keys.
@@ -68,6 +69,41 @@ pub(crate) fn causal(
     scores: Scores,
     spread: bool,
 ) -> Result<Tensor> {
+    let Shape { heads, t, hd, .. } = Shape::of(q, keys)?;
+    let mut out = vec![0f32; t * heads * hd];
+    attend_rows(q, keys, values, scores, spread, &mut out)?;
+    Ok(Tensor::from_vec(out, (t, heads * hd), keys.device())?)
+}
+
+/// [`causal`] of one new row (a decode step's) into `out`, its `heads * head_dim` values,
+/// the blocks run here: for a batch's sequences, which already share candle's pool out,
+/// each writing its own row of the batch's output. Nothing here takes memory from the
+/// allocator's arena, which both pool threads would otherwise queue on (see [`SCRATCH`]).
+pub(crate) fn causal_row(
+    q: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
+    scores: Scores,
+    out: &mut [f32],
+) -> Result<()> {
+    if q.dim(1)? != 1 {
+        return Err(EngineError::InvalidInput(format!(
+            "one row's attention given {} rows",
+            q.dim(1)?
+        )));
+    }
+    attend_rows(q, keys, values, scores, false, out)
+}
+
+/// [`causal`]'s work, into `out`, `(t, heads * head_dim)`.
+fn attend_rows(
+    q: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
+    scores: Scores,
+    spread: bool,
+    out: &mut [f32],
+) -> Result<()> {
     let Shape {
         heads,
         t,
@@ -75,6 +111,12 @@ pub(crate) fn causal(
         kv_heads,
         len,
     } = Shape::of(q, keys)?;
+    if out.len() != t * heads * hd {
+        return Err(EngineError::InvalidInput(format!(
+            "attention of {t} rows of {heads} heads into {} values",
+            out.len()
+        )));
+    }
     let pos = len - t;
     let q = q.contiguous()?;
     let (q_store, q_layout) = q.storage_and_layout();
@@ -86,34 +128,59 @@ pub(crate) fn causal(
     // A K/V head's query rows: those of its `group` query heads, each `t` rows.
     let per_head = heads / kv_heads * t;
     let blocks = per_head.div_ceil(ROWS);
-    let block = |item: usize| {
+    // Block `item`'s K/V head, its first row and its rows.
+    let place = |item: usize| {
         let (h, first) = (item / blocks, item % blocks * ROWS);
-        let rows = ROWS.min(per_head - first);
-        let spans: Vec<Range<usize>> = (first..first + rows)
-            .map(|i| span(pos + i % t, scores.window))
-            .collect();
+        (h, first, ROWS.min(per_head - first))
+    };
+    let block = |item: usize, out: &mut [f32]| {
+        let (h, first, rows) = place(item);
+        let spans: [Range<usize>; ROWS] =
+            std::array::from_fn(|n| span(pos + (first + n) % t, scores.window));
         let q = &q[(h * per_head + first) * hd..][..rows * hd];
-        attend_block(q, &spans, k.head(h), v.head(h), hd, &scores)
+        attend_block(q, &spans[..rows], k.head(h), v.head(h), hd, &scores, out);
     };
     let items = kv_heads * blocks;
-    let outs: Vec<Vec<f32>> = if t > 1 {
-        (0..items).into_par_iter().map(block).collect()
-    } else if spread {
-        crate::split::map_on_pool(items, block)
-    } else {
-        (0..items).map(block).collect()
-    };
+    if t == 1 {
+        // Row `i` of K/V head `h` is query head `h * group + i`: the blocks' rows, one
+        // after another, are the output's own order.
+        let at = |item: usize| {
+            let (h, first, rows) = place(item);
+            ((h * per_head + first) * hd, rows * hd)
+        };
+        if spread {
+            let shared = SharedOut::new(out);
+            map_on_pool(items, |item| {
+                let (start, n) = at(item);
+                // SAFETY: each block writes only its own rows' values.
+                block(item, unsafe { shared.slice(start, n) })
+            });
+        } else {
+            for item in 0..items {
+                let (start, n) = at(item);
+                block(item, &mut out[start..][..n]);
+            }
+        }
+        return Ok(());
+    }
+    let outs: Vec<Vec<f32>> = (0..items)
+        .into_par_iter()
+        .map(|item| {
+            let mut o = vec![0f32; place(item).2 * hd];
+            block(item, &mut o);
+            o
+        })
+        .collect();
     // Row `i` of K/V head `h` is query head `h * group + i / t` at new position `i % t`.
-    let mut out = vec![0f32; t * heads * hd];
     for (item, vals) in outs.iter().enumerate() {
-        let (h, first) = (item / blocks, item % blocks * ROWS);
+        let (h, first, _) = place(item);
         for (n, row) in vals.chunks_exact(hd).enumerate() {
             let i = h * per_head + first + n;
             let (head, r) = (i / t, i % t);
             out[(r * heads + head) * hd..][..hd].copy_from_slice(row);
         }
     }
-    Ok(Tensor::from_vec(out, (t, heads * hd), keys.device())?)
+    Ok(())
 }
 
 /// [`causal`] in candle's ops, for a device our kernels cannot read (a GPU): the same
@@ -241,8 +308,22 @@ fn span(p: usize, window: Option<usize>) -> Range<usize> {
     start..p + 1
 }
 
-/// One block of query rows of a K/V head: row `r` sees the keys `spans[r]`. Returns the
-/// rows' outputs, one after another.
+/// Working memory a thread's attention blocks reuse: a decode step's blocks are small and
+/// many (a batch of 16 over 30 layers, 1,440 a step), and both of candle's pool threads
+/// taking each block's few KiB from the allocator's one arena (`runtime::hold_freed_memory`)
+/// queued them on its lock, each wait a sleep and a wake-up.
+#[derive(Default)]
+struct Scratch {
+    probs: Vec<f32>,
+    wide: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
+
+/// One block of query rows of a K/V head: row `r` sees the keys `spans[r]`. Writes the rows'
+/// outputs, one after another, into `out`.
 fn attend_block(
     q: &[f32],
     spans: &[Range<usize>],
@@ -250,27 +331,34 @@ fn attend_block(
     values: &[f16],
     head_dim: usize,
     how: &Scores,
-) -> Vec<f32> {
+    out: &mut [f32],
+) {
+    assert!(spans.len() <= ROWS, "more rows than a block");
     let from = spans.iter().map(|s| s.start).min().unwrap_or(0);
-    let visible: Vec<usize> = spans.iter().map(|s| s.end - from).collect();
+    let mut visible = [0usize; ROWS];
+    let visible = &mut visible[..spans.len()];
+    for (v, s) in visible.iter_mut().zip(spans) {
+        *v = s.end - from;
+    }
     let seen = visible.iter().copied().max().unwrap_or(0);
     let (keys, values) = (&keys[from * head_dim..], &values[from * head_dim..]);
-    let mut probs = vec![0f32; visible.len() * seen];
-    // Scores past a row's own position are computed with the others' and never read.
-    kernels::scores(true, q, keys, seen, head_dim, how.scale as f32, &mut probs);
-    for (row, s) in probs.chunks_exact_mut(seen).zip(spans) {
-        let (start, end) = (s.start - from, s.end - from);
-        row[..start].fill(0.0);
-        if let Some(cap) = how.softcap.map(|c| c as f32) {
-            row[start..end]
-                .iter_mut()
-                .for_each(|x| *x = (*x / cap).tanh() * cap);
+    SCRATCH.with_borrow_mut(|Scratch { probs, wide }| {
+        let probs = kernels::grown(probs, visible.len() * seen);
+        // Scores past a row's own position are computed with the others' and never read.
+        let scale = how.scale as f32;
+        kernels::scores(true, q, keys, seen, head_dim, scale, probs, wide);
+        for (row, s) in probs.chunks_exact_mut(seen).zip(spans) {
+            let (start, end) = (s.start - from, s.end - from);
+            row[..start].fill(0.0);
+            if let Some(cap) = how.softcap.map(|c| c as f32) {
+                row[start..end]
+                    .iter_mut()
+                    .for_each(|x| *x = (*x / cap).tanh() * cap);
+            }
+            softmax(&mut row[start..end]);
         }
-        softmax(&mut row[start..end]);
-    }
-    let mut out = vec![0f32; visible.len() * head_dim];
-    kernels::weighted_values(true, &probs, seen, &visible, values, head_dim, &mut out);
-    out
+        kernels::weighted_values(true, probs, seen, visible, values, head_dim, out);
+    });
 }
 
 /// The softmax of one row of scores, in place. The max and the sum each run in eight lanes
@@ -539,9 +627,9 @@ mod tests {
                 .map(f16::from_f32)
                 .collect();
             let mut vector = vec![0f32; rows * len];
-            kernels::scores(true, &q, &keys, len, hd, 0.125, &mut vector);
+            kernels::scores(true, &q, &keys, len, hd, 0.125, &mut vector, &mut vec![]);
             let mut scalar = vec![0f32; rows * len];
-            kernels::scores(false, &q, &keys, len, hd, 0.125, &mut scalar);
+            kernels::scores(false, &q, &keys, len, hd, 0.125, &mut scalar, &mut vec![]);
             assert_eq!(bits_differ(&vector, &scalar), 0, "scores, case {i}");
 
             let probs = xorshift_data(rows * len, seed + 2, 1.0);

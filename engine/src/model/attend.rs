@@ -8,7 +8,7 @@ use super::{Model, RopeTables, SeqInput, StepTables};
 use crate::attention::{self, Scores};
 use crate::error::Result;
 use crate::kv_cache::SeqCache;
-use crate::split::map_on_pool;
+use crate::split::{map_on_pool, SharedOut};
 use text::RopeStyle;
 
 impl Model {
@@ -114,19 +114,27 @@ impl Model {
             let caches: Vec<&SeqCache> = batch.iter().map(|s| &*s.cache).collect();
             return attention::step(&q, &k, &v, &caches, layer, how);
         }
-        let one = |i: usize, spread: bool| {
+        let write = |i: usize| {
             let cache = &*batch[i].cache;
             cache.write(layer, &k.i(i)?, &v.i(i)?)?;
-            let (keys, values) = cache.view(layer, 1)?;
-            attention::causal(&q.i(i)?, &keys, &values, how, spread)
+            cache.view(layer, 1)
         };
         if n == 1 {
-            return one(0, true);
+            let (keys, values) = write(0)?;
+            return attention::causal(&q.i(0)?, &keys, &values, how, true);
         }
-        let outs = map_on_pool(n, |i| one(i, false))
-            .into_iter()
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Tensor::cat(&outs, 0)?)
+        let width = n_heads * hd;
+        let mut out = vec![0f32; n * width];
+        let shared = SharedOut::new(&mut out);
+        map_on_pool(n, |i| {
+            let (keys, values) = write(i)?;
+            // SAFETY: sequence `i` writes only its own row of the output.
+            let row = unsafe { shared.slice(i * width, width) };
+            attention::causal_row(&q.i(i)?, &keys, &values, how, row)
+        })
+        .into_iter()
+        .collect::<Result<()>>()?;
+        Ok(Tensor::from_vec(out, (n, width), &self.device)?)
     }
 
     /// How layer `layer` forms its attention scores: scaled by the head size's inverse
