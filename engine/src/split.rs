@@ -39,6 +39,19 @@ impl<'a, T> SharedOut<'a, T> {
         }
     }
 
+    /// Shares room for `len` values in `buf`'s spare capacity, not yet written: no value
+    /// may be read before it is ([`Columns::clear`] writes a worker's whole part). `buf`
+    /// stays borrowed while this lives; its caller sets its length once every value is
+    /// written.
+    pub(crate) fn spare(buf: &'a mut Vec<T>, len: usize) -> Self {
+        assert!(buf.is_empty() && buf.capacity() >= len, "no room to share");
+        Self {
+            ptr: buf.as_mut_ptr(),
+            len,
+            buf: PhantomData,
+        }
+    }
+
     /// `len` values from `start`.
     ///
     /// # Safety
@@ -50,8 +63,38 @@ impl<'a, T> SharedOut<'a, T> {
     }
 }
 
+impl SharedOut<'_, f32> {
+    /// Writes zeros over `N` values from `start`, without reading them: a known length,
+    /// stored in place (a call to `memset` for each activation row of each group cost more
+    /// than clearing the whole output before the workers started).
+    ///
+    /// # Safety
+    /// No slice handed out overlaps these values while this runs.
+    #[inline]
+    unsafe fn clear<const N: usize>(&self, start: usize) {
+        assert!(start + N <= self.len, "outside the shared buffer");
+        self.ptr
+            .add(start)
+            .cast::<[f32; N]>()
+            .write_unaligned([0.0; N]);
+    }
+
+    /// Writes zeros over `len` values from `start`, without reading them.
+    ///
+    /// # Safety
+    /// As for [`SharedOut::clear`].
+    unsafe fn clear_any(&self, start: usize, len: usize) {
+        assert!(start + len <= self.len, "outside the shared buffer");
+        // f32's zero bytes are 0.0.
+        std::ptr::write_bytes(self.ptr.add(start), 0, len);
+    }
+}
+
 /// Weight rows stored interleaved together by the kernels.
 pub(crate) const GROUP: usize = 8;
+
+/// Columns of a pair of groups.
+const PAIR_WIDTH: usize = 2 * GROUP;
 
 /// Activation rows from which a product takes its groups two at a time, where the CPU
 /// runs a kernel for pairs of groups on 512-bit registers. One row reads each weight once,
@@ -70,6 +113,25 @@ pub(crate) struct Columns<'a> {
 }
 
 impl Columns<'_> {
+    /// Sets these columns of the `n` activation rows to zero: the first write a worker
+    /// makes to its part of a product's output, which the allocator leaves unwritten (so
+    /// no thread clears the whole output before the workers start).
+    fn clear(&self, n: usize) {
+        for y in 0..n {
+            let start = y * self.rows + self.col;
+            // SAFETY: these columns belong to the one worker that got them, which holds no
+            // slice of them while it clears them.
+            unsafe {
+                match self.width {
+                    1 => self.out.clear::<1>(start),
+                    GROUP => self.out.clear::<GROUP>(start),
+                    PAIR_WIDTH => self.out.clear::<PAIR_WIDTH>(start),
+                    w => self.out.clear_any(start, w),
+                }
+            }
+        }
+    }
+
     /// How many columns these are.
     pub(crate) fn width(&self) -> usize {
         self.width
@@ -134,16 +196,20 @@ where
     let per = if pair.is_some() { 2 } else { 1 };
     let groups = rows / GROUP;
     let runs = groups.div_ceil(per);
-    let mut out = vec![0f32; n * rows];
-    let shared = SharedOut::new(&mut out);
+    let mut out = Vec::with_capacity(n * rows);
+    let shared = SharedOut::spare(&mut out, n * rows);
     let items = runs + rows - groups * GROUP;
     candle_core::utils::barrier_pool().execute_chunked(items, |range| {
         for item in range {
-            let columns = |col, width| Columns {
-                out: &shared,
-                rows,
-                col,
-                width,
+            let columns = |col, width| {
+                let columns = Columns {
+                    out: &shared,
+                    rows,
+                    col,
+                    width,
+                };
+                columns.clear(n);
+                columns
             };
             if item < runs {
                 let first = item * per;
@@ -158,6 +224,10 @@ where
             }
         }
     });
+    // SAFETY: the items' columns are all `rows` (the runs the groups' `groups * GROUP`, the
+    // loose rows the rest), each cleared in every activation row, so every value is
+    // written.
+    unsafe { out.set_len(n * rows) };
     out
 }
 
@@ -192,8 +262,21 @@ pub(crate) fn by_padded_groups(
     products: &[PaddedProduct<'_>],
     item: impl Fn(usize, &GroupSpan, &Columns<'_>) + Sync,
 ) -> Vec<Vec<f32>> {
-    let mut outs: Vec<Vec<f32>> = products.iter().map(|p| vec![0f32; p.n * p.rows]).collect();
-    let shared: Vec<SharedOut<'_>> = outs.iter_mut().map(|o| SharedOut::new(o)).collect();
+    for p in products {
+        assert!(
+            covers(p.spans, p.rows),
+            "a product's spans are not its columns"
+        );
+    }
+    let mut outs: Vec<Vec<f32>> = products
+        .iter()
+        .map(|p| Vec::with_capacity(p.n * p.rows))
+        .collect();
+    let shared: Vec<SharedOut<'_>> = outs
+        .iter_mut()
+        .zip(products)
+        .map(|(o, p)| SharedOut::spare(o, p.n * p.rows))
+        .collect();
     // Each product's first item.
     let firsts: Vec<usize> = products
         .iter()
@@ -216,9 +299,86 @@ pub(crate) fn by_padded_groups(
                 col: span.col,
                 width: span.width,
             };
+            columns.clear(product.n);
             item(p, &span, &columns);
         }
     });
     drop(shared);
+    for (o, p) in outs.iter_mut().zip(products) {
+        // SAFETY: the product's spans cover its columns (checked above), each cleared in
+        // every activation row, so every value is written.
+        unsafe { o.set_len(p.n * p.rows) };
+    }
     outs
+}
+
+/// Whether `spans`, in order, are columns `0..rows`, each once.
+fn covers(spans: &[GroupSpan], rows: usize) -> bool {
+    let end = spans
+        .iter()
+        .try_fold(0, |at, s| (s.col == at).then_some(at + s.width));
+    end == Some(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Kernels that write nothing: what a product's output holds where no kernel wrote.
+    fn silent(_: usize, _: &Columns<'_>) {}
+
+    #[test]
+    fn every_value_of_a_product_is_written_though_no_kernel_writes() {
+        // 5 groups and 3 loose rows: pairs, an odd last group, loose rows.
+        let (rows, n) = (5 * GROUP + 3, 7);
+        // Leave garbage where the allocator will likely hand the output's memory out again.
+        drop(vec![f32::NAN; n * rows]);
+        let out = by_groups(rows, n, Some(silent), silent, silent);
+        assert_eq!(out.len(), n * rows);
+        assert!(
+            out.iter().all(|&x| x.to_bits() == 0),
+            "a value left unwritten"
+        );
+
+        let spans = [
+            GroupSpan {
+                group: 0,
+                groups: 2,
+                col: 0,
+                width: 2 * GROUP,
+            },
+            GroupSpan {
+                group: 2,
+                groups: 1,
+                col: 2 * GROUP,
+                width: 3,
+            },
+        ];
+        let product = PaddedProduct {
+            rows: 2 * GROUP + 3,
+            n,
+            spans: &spans,
+        };
+        drop(vec![f32::NAN; n * product.rows]);
+        let outs = by_padded_groups(&[product], |_, _, _| {});
+        assert!(
+            outs[0].iter().all(|&x| x.to_bits() == 0),
+            "a value left unwritten"
+        );
+    }
+
+    #[test]
+    fn spans_cover_a_products_columns_only_in_order_and_once() {
+        let span = |col, width| GroupSpan {
+            group: 0,
+            groups: 1,
+            col,
+            width,
+        };
+        assert!(covers(&[span(0, 8), span(8, 3)], 11));
+        assert!(!covers(&[span(0, 8), span(9, 2)], 11), "a gap");
+        assert!(!covers(&[span(0, 8), span(7, 4)], 11), "an overlap");
+        assert!(!covers(&[span(0, 8)], 11), "short");
+        assert!(!covers(&[span(8, 3), span(0, 8)], 11), "out of order");
+    }
 }
