@@ -21,6 +21,10 @@ pub(crate) fn has_vnni_512() -> bool {
     has_vnni() && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
 }
 
+/// Rows from which a product quantizes its activations across the pool: below it, handing
+/// the rows out costs more than quantizing them on the calling thread.
+pub(crate) const POOLED_ROWS: usize = 8;
+
 /// Quantizes one block of 32 values into `qs`: returns the scale `max |x| / 127`, before
 /// any rounding to f16, and the sum of the quantized values.
 pub(crate) fn quantize_block(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {

@@ -21,9 +21,9 @@ use half::f16;
 
 #[cfg(target_arch = "x86_64")]
 use crate::act_quant::has_vnni;
-use crate::act_quant::{quantize_block, QK};
+use crate::act_quant::{quantize_block, POOLED_ROWS, QK};
 use crate::error::{EngineError, Result};
-use crate::split::{self, GROUP};
+use crate::split::{self, SharedOut, GROUP};
 
 /// Bytes of one Q4_1 block: `d` (f16), `m` (f16), 16 bytes of nibbles.
 const Q41_BYTES: usize = 20;
@@ -74,30 +74,79 @@ struct WGroup<'a> {
     qs: &'a [u8],
 }
 
-/// One activation row as Q8_1 blocks, with the scales already widened to f32.
-struct Q81Row {
+/// Activation rows as Q8_1 blocks, row after row, the scales already widened to f32.
+struct Q81Rows {
+    cols: usize,
     d: Vec<f32>,
     s: Vec<f32>,
     qs: Vec<i8>,
 }
 
-impl Q81Row {
-    /// candle's `BlockQ8_1::from_float`, value for value.
-    fn quantize(xs: &[f32]) -> Self {
-        let n = xs.len() / QK;
-        let mut row = Q81Row {
-            d: Vec::with_capacity(n),
-            s: Vec::with_capacity(n),
-            qs: vec![0; xs.len()],
+/// One activation row of [`Q81Rows`].
+#[derive(Clone, Copy)]
+struct Q81Row<'a> {
+    d: &'a [f32],
+    s: &'a [f32],
+    qs: &'a [i8],
+}
+
+impl Q81Rows {
+    /// `x`, rows of `cols` values (a multiple of 32), as candle's `BlockQ8_1::from_float`
+    /// quantizes them, value for value; a batch's rows across candle's pool, as the
+    /// K-quants' activations are (a decode step of 16 rows quantized them on one thread
+    /// while the other waited, 3% of the step).
+    fn quantize(x: &[f32], cols: usize) -> Self {
+        assert!(cols.is_multiple_of(QK) && x.len().is_multiple_of(cols));
+        let (n, blocks) = (x.len() / cols, x.len() / QK);
+        let mut rows = Self {
+            cols,
+            d: vec![0.0; blocks],
+            s: vec![0.0; blocks],
+            qs: vec![0; x.len()],
         };
-        for (block, qs) in xs.chunks_exact(QK).zip(row.qs.chunks_exact_mut(QK)) {
-            let (d, sum) = quantize_block(block, qs);
-            let d16 = f16::from_f32(d);
-            row.d.push(d16.to_f32());
-            row.s.push((f16::from_f32(sum as f32) * d16).to_f32());
+        if n < POOLED_ROWS {
+            for b in 0..blocks {
+                let (d, s) = quantize_one(&x[b * QK..][..QK], &mut rows.qs[b * QK..][..QK]);
+                (rows.d[b], rows.s[b]) = (d, s);
+            }
+            return rows;
         }
-        row
+        let per_row = cols / QK;
+        let (d, s, qs) = (
+            SharedOut::new(&mut rows.d),
+            SharedOut::new(&mut rows.s),
+            SharedOut::new(&mut rows.qs),
+        );
+        candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+            for b in range.start * per_row..range.end * per_row {
+                // SAFETY: each block's parts are written by the one worker that got its row.
+                let (db, sb) = quantize_one(&x[b * QK..][..QK], unsafe { qs.slice(b * QK, QK) });
+                // SAFETY: as above.
+                unsafe { (d.slice(b, 1)[0], s.slice(b, 1)[0]) = (db, sb) };
+            }
+        });
+        rows
     }
+
+    /// Each row's view.
+    fn rows(&self) -> Vec<Q81Row<'_>> {
+        let nb = self.cols / QK;
+        (0..self.qs.len() / self.cols)
+            .map(|y| Q81Row {
+                d: &self.d[y * nb..][..nb],
+                s: &self.s[y * nb..][..nb],
+                qs: &self.qs[y * self.cols..][..self.cols],
+            })
+            .collect()
+    }
+}
+
+/// One block of 32 activations: its quantized values into `qs`; returns its scale and
+/// its sum times the scale, each rounded through f16 as candle's block stores them.
+fn quantize_one(xs: &[f32], qs: &mut [i8]) -> (f32, f32) {
+    let (d, sum) = quantize_block(xs, qs);
+    let d16 = f16::from_f32(d);
+    (d16.to_f32(), (f16::from_f32(sum as f32) * d16).to_f32())
 }
 
 /// A weight row copied out of its group, in the plain layout.
@@ -249,7 +298,8 @@ impl Q41Matrix {
 
     /// `x Wᵀ` for `x` of `[n, cols]` (row-major): `[n, rows]`.
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
-        let q: Vec<Q81Row> = x.chunks_exact(self.cols).map(Q81Row::quantize).collect();
+        let q = Q81Rows::quantize(x, self.cols);
+        let q = q.rows();
         let q = q.as_slice();
         let pair = pair_kernel().filter(|_| n >= split::PAIRED_FROM_ROWS);
         let pair = pair.map(|pair| {

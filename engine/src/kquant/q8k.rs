@@ -6,14 +6,11 @@
 //! A product's rows are quantized across candle's pool when there are enough of them: on
 //! one thread, a 512-token prompt's rows took the other core's time too, which waited.
 
+use crate::act_quant::POOLED_ROWS;
 use crate::split::SharedOut;
 
 /// Weights (and activations) in a super-block.
 pub(crate) const QK_K: usize = 256;
-
-/// Rows from which a product quantizes its activations across the pool: below it, handing
-/// the rows out costs more than quantizing them on the calling thread.
-const POOLED_ROWS: usize = 8;
 
 /// Activation rows as Q8_K, row after row.
 pub(crate) struct Q8KRows {

@@ -43,7 +43,8 @@ fn within_rounding_of_candle_and_the_same_bits_on_every_path_and_batch() {
         let x = data(n * cols, 7 + n as u32);
         let want = candle_product(&reference, &x, n, cols);
         let got = ours.matmul(&x, n);
-        let q: Vec<Q81Row> = x.chunks_exact(cols).map(Q81Row::quantize).collect();
+        let q = Q81Rows::quantize(&x, cols);
+        let q = q.rows();
         let mut differ = 0;
         for (y, row) in q.iter().enumerate() {
             for r in 0..rows {
