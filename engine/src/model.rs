@@ -367,11 +367,30 @@ fn join_own_rayon_pool() {
 
 /// Index of the largest logit; ties go to the lowest id, as `torch.argmax` does.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
+    let Some(&first) = logits.first() else {
+        return 0;
+    };
+    // The best value kept beside its index: read back from the row on each comparison, it
+    // was a load the loop waited on (1.2% of a batch-16 step's samples, 16 rows of 49,152).
+    let (mut best, mut top) = (0, first);
     for (i, &x) in logits.iter().enumerate() {
-        if x > logits[best] {
-            best = i;
+        if x > top {
+            (best, top) = (i, x);
         }
     }
     best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::argmax;
+
+    #[test]
+    fn argmax_takes_the_first_of_the_largest() {
+        assert_eq!(argmax(&[1.0, 3.0, 2.0, 3.0]), 1);
+        assert_eq!(argmax(&[5.0, -1.0]), 0);
+        assert_eq!(argmax(&[-2.0, -1.0, f32::NAN, -1.5]), 1, "a NaN never wins");
+        assert_eq!(argmax(&[f32::NEG_INFINITY; 3]), 0);
+        assert_eq!(argmax(&[]), 0);
+    }
 }
