@@ -25,6 +25,18 @@ pub(crate) fn has_vnni_512() -> bool {
 /// the rows out costs more than quantizing them on the calling thread.
 pub(crate) const POOLED_ROWS: usize = 8;
 
+/// `block(b)` for each block of `n` activation rows of `per_row` blocks: the rows shared
+/// out across candle's pool from [`POOLED_ROWS`], else all on the calling thread.
+pub(crate) fn each_block(n: usize, per_row: usize, block: impl Fn(usize) + Sync) {
+    if n < POOLED_ROWS {
+        (0..n * per_row).for_each(block);
+        return;
+    }
+    candle_core::utils::barrier_pool().execute_chunked(n, |rows| {
+        (rows.start * per_row..rows.end * per_row).for_each(&block);
+    });
+}
+
 /// Quantizes one block of 32 values into `qs`: returns the scale `max |x| / 127`, before
 /// any rounding to f16, and the sum of the quantized values.
 pub(crate) fn quantize_block(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {

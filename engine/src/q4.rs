@@ -21,7 +21,7 @@ use half::f16;
 
 #[cfg(target_arch = "x86_64")]
 use crate::act_quant::has_vnni;
-use crate::act_quant::{quantize_block, POOLED_ROWS, QK};
+use crate::act_quant::{each_block, quantize_block, QK};
 use crate::error::{EngineError, Result};
 use crate::split::{self, SharedOut, GROUP};
 
@@ -104,26 +104,16 @@ impl Q81Rows {
             s: vec![0.0; blocks],
             qs: vec![0; x.len()],
         };
-        if n < POOLED_ROWS {
-            for b in 0..blocks {
-                let (d, s) = quantize_one(&x[b * QK..][..QK], &mut rows.qs[b * QK..][..QK]);
-                (rows.d[b], rows.s[b]) = (d, s);
-            }
-            return rows;
-        }
-        let per_row = cols / QK;
         let (d, s, qs) = (
             SharedOut::new(&mut rows.d),
             SharedOut::new(&mut rows.s),
             SharedOut::new(&mut rows.qs),
         );
-        candle_core::utils::barrier_pool().execute_chunked(n, |range| {
-            for b in range.start * per_row..range.end * per_row {
-                // SAFETY: each block's parts are written by the one worker that got its row.
-                let (db, sb) = quantize_one(&x[b * QK..][..QK], unsafe { qs.slice(b * QK, QK) });
-                // SAFETY: as above.
-                unsafe { (d.slice(b, 1)[0], s.slice(b, 1)[0]) = (db, sb) };
-            }
+        each_block(n, cols / QK, |b| {
+            // SAFETY: each block's parts are written by the one worker that got it.
+            let (db, sb) = quantize_one(&x[b * QK..][..QK], unsafe { qs.slice(b * QK, QK) });
+            // SAFETY: as above.
+            unsafe { (d.slice(b, 1)[0], s.slice(b, 1)[0]) = (db, sb) };
         });
         rows
     }

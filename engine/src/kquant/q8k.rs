@@ -6,7 +6,7 @@
 //! A product's rows are quantized across candle's pool when there are enough of them: on
 //! one thread, a 512-token prompt's rows took the other core's time too, which waited.
 
-use crate::act_quant::POOLED_ROWS;
+use crate::act_quant::each_block;
 use crate::split::SharedOut;
 
 /// Weights (and activations) in a super-block.
@@ -54,43 +54,24 @@ impl Q8KRows {
             sums16: vec![0; blocks * 16],
             sums32: vec![0; blocks * 8],
         };
-        if n < POOLED_ROWS {
-            for (b, xs) in x.chunks_exact(QK_K).enumerate() {
-                quantize_super_block(xs, rows.super_block(b));
-            }
-            return rows;
-        }
-        let per_row = cols / QK_K;
         let (qs, d) = (SharedOut::new(&mut rows.qs), SharedOut::new(&mut rows.d));
         let (s16, s32) = (
             SharedOut::new(&mut rows.sums16),
             SharedOut::new(&mut rows.sums32),
         );
-        candle_core::utils::barrier_pool().execute_chunked(n, |range| {
-            for b in range.start * per_row..range.end * per_row {
-                // SAFETY: each super-block's parts are written by the one worker that got
-                // its row.
-                let out = unsafe {
-                    SuperBlockOut {
-                        qs: qs.slice(b * QK_K, QK_K),
-                        d: &mut d.slice(b, 1)[0],
-                        sums16: s16.slice(b * 16, 16),
-                        sums32: s32.slice(b * 8, 8),
-                    }
-                };
-                quantize_super_block(&x[b * QK_K..(b + 1) * QK_K], out);
-            }
+        each_block(n, cols / QK_K, |b| {
+            // SAFETY: each super-block's parts are written by the one worker that got it.
+            let out = unsafe {
+                SuperBlockOut {
+                    qs: qs.slice(b * QK_K, QK_K),
+                    d: &mut d.slice(b, 1)[0],
+                    sums16: s16.slice(b * 16, 16),
+                    sums32: s32.slice(b * 8, 8),
+                }
+            };
+            quantize_super_block(&x[b * QK_K..(b + 1) * QK_K], out);
         });
         rows
-    }
-
-    fn super_block(&mut self, b: usize) -> SuperBlockOut<'_> {
-        SuperBlockOut {
-            qs: &mut self.qs[b * QK_K..(b + 1) * QK_K],
-            d: &mut self.d[b],
-            sums16: &mut self.sums16[b * 16..(b + 1) * 16],
-            sums32: &mut self.sums32[b * 8..(b + 1) * 8],
-        }
     }
 
     /// Row `y`.
@@ -199,6 +180,7 @@ mod avx2 {
 mod tests {
     use super::*;
     use crate::act_quant::testing::xorshift_data;
+    use crate::act_quant::POOLED_ROWS;
 
     #[test]
     fn both_paths_give_the_same_bits() {
