@@ -12,6 +12,7 @@ pub mod hostile;
 pub mod load;
 pub mod mask;
 pub mod overhead;
+pub mod perf_ctl;
 pub mod recipes;
 pub mod serve;
 pub mod soak;
@@ -84,58 +85,93 @@ pub fn decode_tokens_per_s(
     context: usize,
     steps: usize,
 ) -> engine::Result<DecodeResult> {
-    let mut caches: Vec<SeqCache> = Vec::with_capacity(batch);
-    let mut next = Vec::with_capacity(batch);
-    for i in 0..batch {
-        let mut cache = model.new_cache()?;
-        let prompt = synthetic_prompt(model, context, i);
-        let logits = model.forward(&mut [SeqInput {
-            tokens: &prompt,
-            cache: &mut cache,
-        }])?;
-        next.push(argmax(&logits.squeeze(0)?.to_vec1()?));
-        caches.push(cache);
+    Decoding::prefill(model, batch, context)?.steps(steps)
+}
+
+/// `batch` sequences of `context` tokens, prefilled and ready to decode together: what
+/// [`decode_tokens_per_s`] times the steps of, apart, so a profiler can be pointed at the
+/// steps alone (`engine-bench --perf-ctl`).
+pub struct Decoding<'a> {
+    model: &'a Model,
+    context: usize,
+    caches: Vec<SeqCache>,
+    next: Vec<u32>,
+}
+
+impl<'a> Decoding<'a> {
+    /// Prefills each sequence's synthetic prompt alone.
+    pub fn prefill(model: &'a Model, batch: usize, context: usize) -> engine::Result<Self> {
+        let mut caches: Vec<SeqCache> = Vec::with_capacity(batch);
+        let mut next = Vec::with_capacity(batch);
+        for i in 0..batch {
+            let mut cache = model.new_cache()?;
+            let prompt = synthetic_prompt(model, context, i);
+            let logits = model.forward(&mut [SeqInput {
+                tokens: &prompt,
+                cache: &mut cache,
+            }])?;
+            next.push(argmax(&logits.squeeze(0)?.to_vec1()?));
+            caches.push(cache);
+        }
+        Ok(Self {
+            model,
+            context,
+            caches,
+            next,
+        })
     }
-    let layout = model.kv_layout();
-    let kv_bytes_per_token = 2 * layout.n_layers * layout.bytes_per_token_layer();
-    let start = Instant::now();
-    let mut step_s = Vec::with_capacity(steps);
-    for _ in 0..steps {
-        let step = Instant::now();
-        let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
-        let mut inputs: Vec<SeqInput> = tokens
-            .iter()
-            .zip(caches.iter_mut())
-            .map(|(t, c)| SeqInput {
-                tokens: t,
-                cache: c,
-            })
-            .collect();
-        let logits = model.forward(&mut inputs)?;
-        // Greedy, as a server decides a plain greedy row: on a GPU where the logits are.
-        let greedy = Need::InPlace {
-            rule: Rule::Argmax,
-            top: 0,
-            moves: None,
-        };
-        next = fetch(&logits, &vec![greedy; batch])?
-            .into_iter()
-            .map(|row| match row {
-                Fetched::Decided(s) => s.token,
-                Fetched::Whole(row) => argmax(&row),
-            })
-            .collect();
-        step_s.push(step.elapsed().as_secs_f64());
+
+    /// `steps` greedy steps of the whole batch, timed.
+    pub fn steps(self, steps: usize) -> engine::Result<DecodeResult> {
+        let Self {
+            model,
+            context,
+            mut caches,
+            mut next,
+        } = self;
+        let batch = caches.len();
+        let layout = model.kv_layout();
+        let kv_bytes_per_token = 2 * layout.n_layers * layout.bytes_per_token_layer();
+        let start = Instant::now();
+        let mut step_s = Vec::with_capacity(steps);
+        for _ in 0..steps {
+            let step = Instant::now();
+            let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+            let mut inputs: Vec<SeqInput> = tokens
+                .iter()
+                .zip(caches.iter_mut())
+                .map(|(t, c)| SeqInput {
+                    tokens: t,
+                    cache: c,
+                })
+                .collect();
+            let logits = model.forward(&mut inputs)?;
+            // Greedy, as a server decides a plain greedy row: on a GPU where the logits are.
+            let greedy = Need::InPlace {
+                rule: Rule::Argmax,
+                top: 0,
+                moves: None,
+            };
+            next = fetch(&logits, &vec![greedy; batch])?
+                .into_iter()
+                .map(|row| match row {
+                    Fetched::Decided(s) => s.token,
+                    Fetched::Whole(row) => argmax(&row),
+                })
+                .collect();
+            step_s.push(step.elapsed().as_secs_f64());
+        }
+        let elapsed = start.elapsed().as_secs_f64();
+        step_s.sort_by(f64::total_cmp);
+        let mean_context = context + steps / 2;
+        Ok(DecodeResult {
+            batch,
+            tokens_per_s: (batch * steps) as f64 / elapsed,
+            median_tokens_per_s: batch as f64 / step_s[steps / 2],
+            bytes_per_step: model.weight_bytes_per_step()
+                + batch * mean_context * kv_bytes_per_token,
+        })
     }
-    let elapsed = start.elapsed().as_secs_f64();
-    step_s.sort_by(f64::total_cmp);
-    let mean_context = context + steps / 2;
-    Ok(DecodeResult {
-        batch,
-        tokens_per_s: (batch * steps) as f64 / elapsed,
-        median_tokens_per_s: batch as f64 / step_s[steps / 2],
-        bytes_per_step: model.weight_bytes_per_step() + batch * mean_context * kv_bytes_per_token,
-    })
 }
 
 /// Deterministic prompt ids spread over the vocabulary.

@@ -4,7 +4,8 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use bench::{decode_tokens_per_s, memory_read_bandwidth, prefill_tokens_per_s};
+use bench::perf_ctl::PerfControl;
+use bench::{memory_read_bandwidth, prefill_tokens_per_s, Decoding};
 use clap::Parser;
 use serde_json::json;
 
@@ -39,6 +40,13 @@ struct Config {
     /// Where the model computes: `cpu`, or `cuda[:N]` in a build with the `cuda` feature.
     #[arg(long, default_value = "cpu")]
     device: engine::DeviceChoice,
+    /// perf's command FIFO (`perf record -D -1 --control fifo:CTL,ACK`): sampling is turned
+    /// on for the decode steps alone, not the load, the probe or the contexts' prefill.
+    #[arg(long, requires = "perf_ack")]
+    perf_ctl: Option<PathBuf>,
+    /// perf's acknowledgement FIFO, with --perf-ctl.
+    #[arg(long, requires = "perf_ctl")]
+    perf_ack: Option<PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -49,6 +57,12 @@ fn main() -> anyhow::Result<()> {
     // would map and unmap at every product.
     runtime::hold_freed_memory();
     let cfg = Config::parse();
+    let mut perf = match (&cfg.perf_ctl, &cfg.perf_ack) {
+        (Some(ctl), Some(ack)) => {
+            Some(PerfControl::open(ctl, ack).context("opening perf's control FIFOs")?)
+        }
+        _ => None,
+    };
     let device = cfg.device.open()?;
     let started = std::time::Instant::now();
     let options = engine::LoadOptions {
@@ -103,7 +117,14 @@ fn main() -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let mut base = None;
     for &b in &cfg.batches {
-        let r = decode_tokens_per_s(&model, b, cfg.context, cfg.steps)?;
+        let decoding = Decoding::prefill(&model, b, cfg.context)?;
+        if let Some(perf) = &mut perf {
+            perf.enable()?;
+        }
+        let r = decoding.steps(cfg.steps)?;
+        if let Some(perf) = &mut perf {
+            perf.disable()?;
+        }
         let ceiling = b as f64 * bandwidth / r.bytes_per_step as f64;
         let (base_tps, base_median) =
             *base.get_or_insert((r.tokens_per_s / b as f64, r.median_tokens_per_s / b as f64));
