@@ -10,9 +10,9 @@
 use candle_core::{DType, Tensor};
 
 use super::draw::{draw_ranked, kept, Cuts, Ranked};
-use super::rows::{select, Centred};
+use super::rows::{select, shifted, Normalizers};
 use crate::error::Result;
-use crate::logprobs::{Sampled, TokenLogprob};
+use crate::logprobs::TokenLogprob;
 
 /// The most candidates a filtered row is decided from where it lies: top-k up to this
 /// many, and min-p or top-p without top-k where the best this many settle the draw.
@@ -38,7 +38,7 @@ pub(super) fn filtered_in_place(
     logits: &Tensor,
     rows: &[u32],
     filters: &[Filtered],
-) -> Result<Vec<Option<Sampled>>> {
+) -> Result<Vec<Option<u32>>> {
     let Some(picked) = select(logits, rows)? else {
         return Ok(Vec::new());
     };
@@ -49,9 +49,7 @@ pub(super) fn filtered_in_place(
     let (values, ids) = best(&picked, wanted.unwrap_or(1).min(vocab))?;
     let temperatures: Vec<f64> = filters.iter().map(|f| f.cuts.temperature).collect();
     let temperatures = Tensor::from_vec(temperatures, (n, 1), picked.device())?;
-    let centred = Centred::of(&picked)?;
-    let totals: Vec<f64> = centred
-        .shifted
+    let totals: Vec<f64> = shifted(&picked)?
         .to_dtype(DType::F64)?
         .broadcast_div(&temperatures)?
         .exp()?
@@ -59,29 +57,23 @@ pub(super) fn filtered_in_place(
         .to_vec1()?;
     let values: Vec<Vec<f32>> = values.to_vec2()?;
     let ids: Vec<Vec<u32>> = ids.to_vec2()?;
-    let norms = centred.normalizers()?;
     Ok((0..n)
         .map(|i| {
             let (cand, ranked) = settled(&values[i], &ids[i], keeps[i], vocab, totals[i])?;
-            let logit = |token: u32| cand.iter().find(|c| c.token == token).map(|c| c.logprob);
             let f = &filters[i];
-            let token = draw_ranked(cand.clone(), ranked, &f.cuts, f.u)?;
-            Some(Sampled {
-                token,
-                logprob: norms.logprob(i, logit(token)?),
-                top: Vec::new(),
-            })
+            draw_ranked(cand, ranked, &f.cuts, f.u)
         })
         .collect())
 }
 
 /// Each of `rows`' `tops` most likely tokens with their log-probabilities, best first and
 /// ties by the lower id (as the host's sampler reports them), or None where ties at the
-/// last of the row's best reach into them.
+/// last of the row's best reach into them. `norms` normalizes the rows of `logits`.
 pub(super) fn alternatives_in_place(
     logits: &Tensor,
     rows: &[u32],
     tops: &[usize],
+    norms: &Normalizers,
 ) -> Result<Vec<Option<Vec<TokenLogprob>>>> {
     let Some(picked) = select(logits, rows)? else {
         return Ok(Vec::new());
@@ -91,13 +83,12 @@ pub(super) fn alternatives_in_place(
     let (values, ids) = best(&picked, wanted)?;
     let values: Vec<Vec<f32>> = values.to_vec2()?;
     let ids: Vec<Vec<u32>> = ids.to_vec2()?;
-    let norms = Centred::of(&picked)?.normalizers()?;
     Ok((0..rows.len())
         .map(|i| {
             let (mut top, _) = settled(&values[i], &ids[i], tops[i].min(vocab), vocab, 0.0)?;
             top.truncate(tops[i]);
             for t in &mut top {
-                t.logprob = norms.logprob(i, t.logprob);
+                t.logprob = norms.logprob(rows[i] as usize, t.logprob);
             }
             Some(top)
         })
@@ -374,8 +365,8 @@ mod tests {
 
     /// The ops a GPU runs, run here: the alternatives of a row decided where it lies are
     /// the host sampler's (the same tokens, ties by the lower id, the same log-probabilities
-    /// within f32's rounding), whatever chose its token; a row whose best tie past the
-    /// alternatives it reports comes back whole.
+    /// within f32's rounding), whatever chose its token and whichever rows report them; a
+    /// row whose best tie past the alternatives it reports comes back whole.
     #[test]
     fn alternatives_found_in_place_are_the_sampler_s() {
         let vocab = 9_000;
@@ -403,7 +394,9 @@ mod tests {
             SamplingParams::default(),
             SamplingParams::default(),
         ];
-        let tops = [5, 1, 20, 5, 3];
+        // The first row reports none: the others' alternatives are then not the step's
+        // first rows, and each must be normalized by its own row's sum.
+        let tops = [0, 1, 20, 5, 3];
         let logits = Tensor::new(rows.clone(), &Device::Cpu).unwrap();
         for step in 0..8 {
             let needs: Vec<Need> = (0..rows.len())

@@ -4,7 +4,7 @@
 use candle_core::Tensor;
 
 use super::best::alternatives_in_place;
-use super::rows::whole;
+use super::rows::{whole, Normalizers};
 use crate::error::Result;
 use crate::logprobs::{ranked, TokenLogprob};
 
@@ -23,7 +23,7 @@ pub fn fetch_ranked(logits: &Tensor, tops: &[usize]) -> Result<Vec<Vec<TokenLogp
 /// [`fetch_ranked`] off the CPU.
 pub(crate) fn ranked_in_place(logits: &Tensor, tops: &[usize]) -> Result<Vec<Vec<TokenLogprob>>> {
     let rows: Vec<u32> = (0..tops.len() as u32).collect();
-    let found = alternatives_in_place(logits, &rows, tops)?;
+    let found = alternatives_in_place(logits, &rows, tops, &Normalizers::of(logits)?)?;
     let unsettled: Vec<u32> = rows
         .into_iter()
         .filter(|&r| found[r as usize].is_none())

@@ -124,6 +124,10 @@ pub fn fetch(logits: &Tensor, needs: &[Need<'_>]) -> Result<Vec<Fetched>> {
 /// alternatives of those that report them; the whole rows, and those whose rule or
 /// alternatives could not be settled where they lie, copied as they are.
 pub(crate) fn decide_in_place(logits: &Tensor, needs: &[Need<'_>]) -> Result<Vec<Fetched>> {
+    // The model's own distribution, found once for the step: every log-probability
+    // reported, the decided tokens' and the alternatives', is of the rows before their
+    // moves. (The few whole rows are in it too: leaving them out would copy the rest.)
+    let norms = Normalizers::of(logits)?;
     let moves: Vec<Option<Moves<'_>>> = needs
         .iter()
         .map(|n| match *n {
@@ -135,16 +139,9 @@ pub(crate) fn decide_in_place(logits: &Tensor, needs: &[Need<'_>]) -> Result<Vec
     let masks: Vec<_> = moves.iter().map(|m| m.and_then(|m| m.allowed)).collect();
     let masked = masked_in_place(moved.as_ref().unwrap_or(logits), &masks)?;
     let processed = masked.as_ref().or(moved.as_ref()).unwrap_or(logits);
-    let mut decided = decide_rules(processed, needs)?;
-    if moved.is_some() || masked.is_some() {
-        // The log-probabilities reported are the model's own, before the moves.
-        let rows: Vec<u32> = (0u32..)
-            .zip(&moves)
-            .filter_map(|(i, m)| m.map(|_| i))
-            .collect();
-        own_logprobs(logits, &rows, &mut decided)?;
-    }
-    add_alternatives(logits, needs, &mut decided)?;
+    let tokens = decide_rules(processed, needs)?;
+    let mut decided = with_logprobs(logits, &tokens, &norms)?;
+    add_alternatives(logits, needs, &norms, &mut decided)?;
     let whole_rows: Vec<u32> = (0..needs.len() as u32)
         .filter(|&i| decided[i as usize].is_none())
         .collect();
@@ -158,9 +155,9 @@ pub(crate) fn decide_in_place(logits: &Tensor, needs: &[Need<'_>]) -> Result<Vec
         .collect())
 }
 
-/// Each row's token by its rule, from `logits`, with its log-probability there; None for
-/// the whole rows and the filtered ones their best candidates did not settle.
-fn decide_rules(logits: &Tensor, needs: &[Need<'_>]) -> Result<Vec<Option<Sampled>>> {
+/// Each row's token by its rule, from `logits`; None for the whole rows and the filtered
+/// ones their best candidates did not settle.
+fn decide_rules(logits: &Tensor, needs: &[Need<'_>]) -> Result<Vec<Option<u32>>> {
     let mut argmax_rows: Vec<u32> = Vec::new();
     let (mut draw_rows, mut draws): (Vec<u32>, Vec<(f64, f64)>) = (Vec::new(), Vec::new());
     let (mut filtered_rows, mut filters): (Vec<u32>, Vec<Filtered>) = (Vec::new(), Vec::new());
@@ -180,13 +177,13 @@ fn decide_rules(logits: &Tensor, needs: &[Need<'_>]) -> Result<Vec<Option<Sample
             Need::Whole => {}
         }
     }
-    let mut decided: Vec<Option<Sampled>> = vec![None; needs.len()];
-    let mut place = |rows: &[u32], got: Vec<Option<Sampled>>| {
-        for (&r, s) in rows.iter().zip(got) {
-            decided[r as usize] = s;
+    let mut decided: Vec<Option<u32>> = vec![None; needs.len()];
+    let mut place = |rows: &[u32], got: Vec<Option<u32>>| {
+        for (&r, t) in rows.iter().zip(got) {
+            decided[r as usize] = t;
         }
     };
-    let some = |got: Vec<Sampled>| got.into_iter().map(Some).collect();
+    let some = |got: Vec<u32>| got.into_iter().map(Some).collect();
     place(&argmax_rows, some(argmax_in_place(logits, &argmax_rows)?));
     place(&draw_rows, some(draw_in_place(logits, &draw_rows, &draws)?));
     place(
@@ -196,30 +193,35 @@ fn decide_rules(logits: &Tensor, needs: &[Need<'_>]) -> Result<Vec<Option<Sample
     Ok(decided)
 }
 
-/// The decided tokens' log-probabilities in `rows` of `logits`, in place of those they
-/// were chosen with.
-fn own_logprobs(logits: &Tensor, rows: &[u32], decided: &mut [Option<Sampled>]) -> Result<()> {
-    let rows: Vec<u32> = rows
-        .iter()
-        .copied()
-        .filter(|&r| decided[r as usize].is_some())
+/// Each decided token of `tokens` (row `r`'s, or None) with its log-probability under the
+/// rows of `logits` `norms` normalizes: the chosen logits alone come back, one a row.
+fn with_logprobs(
+    logits: &Tensor,
+    tokens: &[Option<u32>],
+    norms: &Normalizers,
+) -> Result<Vec<Option<Sampled>>> {
+    let vocab = logits.dim(1)? as u32;
+    let at: Vec<u32> = (0u32..)
+        .zip(tokens)
+        .filter_map(|(r, t)| t.map(|t| r * vocab + t))
         .collect();
-    let Some(picked) = select(logits, &rows)? else {
-        return Ok(());
-    };
-    let tokens: Vec<u32> = rows
-        .iter()
-        .filter_map(|&r| decided[r as usize].as_ref().map(|s| s.token))
-        .collect();
-    let at = Tensor::from_vec(tokens, (rows.len(), 1), logits.device())?;
-    let chosen: Vec<f32> = picked.gather(&at, 1)?.flatten_all()?.to_vec1()?;
-    let norms = Centred::of(&picked)?.normalizers()?;
-    for (i, &r) in rows.iter().enumerate() {
-        if let Some(s) = &mut decided[r as usize] {
-            s.logprob = norms.logprob(i, chosen[i]);
-        }
+    if at.is_empty() {
+        return Ok(vec![None; tokens.len()]);
     }
-    Ok(())
+    let at = Tensor::new(at.as_slice(), logits.device())?;
+    let chosen: Vec<f32> = logits.flatten_all()?.index_select(&at, 0)?.to_vec1()?;
+    let mut chosen = chosen.into_iter();
+    Ok(tokens
+        .iter()
+        .enumerate()
+        .map(|(r, t)| {
+            t.map(|token| Sampled {
+                token,
+                logprob: norms.logprob(r, chosen.next().expect("a logit for every token")),
+                top: Vec::new(),
+            })
+        })
+        .collect())
 }
 
 /// The alternatives of each decided row that reports them, found where the rows lie; a
@@ -227,6 +229,7 @@ fn own_logprobs(logits: &Tensor, rows: &[u32], decided: &mut [Option<Sampled>]) 
 fn add_alternatives(
     logits: &Tensor,
     needs: &[Need<'_>],
+    norms: &Normalizers,
     decided: &mut [Option<Sampled>],
 ) -> Result<()> {
     let (rows, tops): (Vec<u32>, Vec<usize>) = (0..needs.len() as u32)
@@ -236,7 +239,7 @@ fn add_alternatives(
             _ => None,
         })
         .unzip();
-    let found = alternatives_in_place(logits, &rows, &tops)?;
+    let found = alternatives_in_place(logits, &rows, &tops, norms)?;
     for (&r, alternatives) in rows.iter().zip(found) {
         let row = &mut decided[r as usize];
         match alternatives {
@@ -264,63 +267,38 @@ pub(super) fn whole(logits: &Tensor, rows: &[u32]) -> Result<Vec<Vec<f32>>> {
         .unwrap_or_default())
 }
 
-/// Each of `rows`' argmax and its log-probability (`-ln Σ exp(x - max)`). Ties go to the
-/// argmax op's choice.
-fn argmax_in_place(logits: &Tensor, rows: &[u32]) -> Result<Vec<Sampled>> {
+/// Each of `rows`' argmax. Ties go to the argmax op's choice.
+fn argmax_in_place(logits: &Tensor, rows: &[u32]) -> Result<Vec<u32>> {
     let Some(picked) = select(logits, rows)? else {
         return Ok(Vec::new());
     };
-    let tokens: Vec<u32> = picked.argmax_keepdim(1)?.flatten_all()?.to_vec1()?;
-    let spread: Vec<f32> = Centred::of(&picked)?.spread.flatten_all()?.to_vec1()?;
-    Ok(tokens
-        .into_iter()
-        .zip(spread)
-        .map(|(token, spread)| Sampled {
-            token,
-            logprob: -spread,
-            top: Vec::new(),
-        })
-        .collect())
+    Ok(picked.argmax_keepdim(1)?.flatten_all()?.to_vec1()?)
 }
 
-/// Rows less their max, with each row's max and log-normalizer.
-pub(super) struct Centred {
-    /// Each row's max, `(rows, 1)`.
-    pub(super) max: Tensor,
-    /// `x - max`.
-    pub(super) shifted: Tensor,
-    /// `ln Σ exp(x - max)`, `(rows, 1)`: a row's log-normalizer less its max.
-    pub(super) spread: Tensor,
+/// Rows `(rows, vocab)` less each row's max: the tempered weights' exponents before the
+/// temperature.
+pub(super) fn shifted(rows: &Tensor) -> Result<Tensor> {
+    Ok(rows.broadcast_sub(&rows.max_keepdim(1)?)?)
 }
 
-impl Centred {
-    /// Each row's max and log-normalizer on the host, for log-probabilities.
-    pub(super) fn normalizers(&self) -> Result<Normalizers> {
-        Ok(Normalizers {
-            max: self.max.flatten_all()?.to_vec1()?,
-            spread: self.spread.flatten_all()?.to_vec1()?,
-        })
-    }
-
-    pub(super) fn of(rows: &Tensor) -> Result<Self> {
-        let max = rows.max_keepdim(1)?;
-        let shifted = rows.broadcast_sub(&max)?;
-        let spread = shifted.exp()?.sum_keepdim(1)?.log()?;
-        Ok(Self {
-            max,
-            shifted,
-            spread,
-        })
-    }
-}
-
-/// [`Centred`]'s per-row max and log-normalizer, brought to the host.
+/// Each row's max and log-normalizer less it (`ln Σ exp(x - max)`), brought to the host:
+/// what log-probabilities are reported from.
 pub(super) struct Normalizers {
     max: Vec<f32>,
     spread: Vec<f32>,
 }
 
 impl Normalizers {
+    /// Of each row of `rows` `(rows, vocab)`, computed where they lie.
+    pub(super) fn of(rows: &Tensor) -> Result<Self> {
+        let max = rows.max_keepdim(1)?;
+        let spread = rows.broadcast_sub(&max)?.exp()?.sum_keepdim(1)?.log()?;
+        Ok(Self {
+            max: max.flatten_all()?.to_vec1()?,
+            spread: spread.flatten_all()?.to_vec1()?,
+        })
+    }
+
     /// The log-probability of logit `x` of row `i`: `x - max - spread`.
     pub(super) fn logprob(&self, i: usize, x: f32) -> f32 {
         x - self.max[i] - self.spread[i]

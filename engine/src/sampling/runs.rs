@@ -4,13 +4,12 @@
 
 use candle_core::{DType, Tensor};
 
-use super::rows::{select, Centred};
+use super::rows::{select, shifted};
 use crate::error::Result;
-use crate::logprobs::Sampled;
 
 /// Tokens in a run of a tempered row's vocabulary: the host gets each run's sum, finds the
 /// run the draw lands in, and gets that run alone (about the square root of the
-/// vocabularies in use, so that both copies stay small: 2.4 and 6 KB a row at 151,936).
+/// vocabularies in use, so that both copies stay small: 2.4 and 4 KB a row at 151,936).
 pub(super) const DRAW_RUN: usize = 512;
 
 /// The host sampler's unfiltered draw (`draw_unfiltered`) of each of `rows`, with its
@@ -21,7 +20,7 @@ pub(super) fn draw_in_place(
     logits: &Tensor,
     rows: &[u32],
     draws: &[(f64, f64)],
-) -> Result<Vec<Sampled>> {
+) -> Result<Vec<u32>> {
     let Some(picked) = select(logits, rows)? else {
         return Ok(Vec::new());
     };
@@ -29,11 +28,9 @@ pub(super) fn draw_in_place(
     let runs = vocab.div_ceil(DRAW_RUN);
     let temperatures: Vec<f64> = draws.iter().map(|d| d.0).collect();
     let temperatures = Tensor::from_vec(temperatures, (n, 1), picked.device())?;
-    let centred = Centred::of(&picked)?;
-    // Padded with zero weights (and zero logits, never drawn) to whole runs.
+    // Padded with zero weights, never drawn, to whole runs.
     let pad = runs * DRAW_RUN - vocab;
-    let weights = centred
-        .shifted
+    let weights = shifted(&picked)?
         .to_dtype(DType::F64)?
         .broadcast_div(&temperatures)?
         .exp()?
@@ -52,21 +49,10 @@ pub(super) fn draw_in_place(
         .collect();
     let at = Tensor::new(at.as_slice(), picked.device())?;
     let run_weights: Vec<Vec<f64>> = weights.index_select(&at, 0)?.to_vec2()?;
-    let raw = picked
-        .pad_with_zeros(1, 0, pad)?
-        .reshape((n * runs, DRAW_RUN))?;
-    let run_logits: Vec<Vec<f32>> = raw.index_select(&at, 0)?.to_vec2()?;
-    let norms = centred.normalizers()?;
-    Ok((0..n)
-        .map(|i| {
-            let (l, w) = (&landed[i], &run_weights[i]);
-            let within = l.walk(w);
-            Sampled {
-                token: (l.run * DRAW_RUN + within) as u32,
-                logprob: norms.logprob(i, run_logits[i][within]),
-                top: Vec::new(),
-            }
-        })
+    Ok(landed
+        .iter()
+        .zip(&run_weights)
+        .map(|(l, w)| (l.run * DRAW_RUN + l.walk(w)) as u32)
         .collect())
 }
 
