@@ -205,13 +205,24 @@ unsafe fn pair_tile<const T: usize>(w: [WGroup<'_>; 2], rows: &[Q81Row]) -> [__m
                 let off = if j < 4 { 4 * j } else { 16 + 4 * (j - 4) };
                 _mm512_set1_epi32((ys.add(off) as *const i32).read_unaligned())
             };
-            // As `dot_tile`'s two chains: exact either way.
-            let (mut a, mut c) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-            for j in (0..8).step_by(2) {
-                a = _mm512_dpbusd_epi32(a, wv[j], act(j));
-                c = _mm512_dpbusd_epi32(c, wv[j + 1], act(j + 1));
-            }
-            let sumi = _mm512_cvtepi32_ps(_mm512_add_epi32(a, c));
+            // Exact either way. A tile of `PAIR_TILE` rows runs that many independent
+            // chains, enough to cover the instruction's latency, so one a row saves
+            // joining two; smaller tiles keep `dot_tile`'s two a row.
+            let s32 = if T >= PAIR_TILE {
+                let mut a = _mm512_setzero_si512();
+                for (j, &wj) in wv.iter().enumerate() {
+                    a = _mm512_dpbusd_epi32(a, wj, act(j));
+                }
+                a
+            } else {
+                let (mut a, mut c) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                for j in (0..8).step_by(2) {
+                    a = _mm512_dpbusd_epi32(a, wv[j], act(j));
+                    c = _mm512_dpbusd_epi32(c, wv[j + 1], act(j + 1));
+                }
+                _mm512_add_epi32(a, c)
+            };
+            let sumi = _mm512_cvtepi32_ps(s32);
             let yd = _mm512_set1_ps(*y.d.get_unchecked(b));
             let ysum = _mm512_set1_ps(*y.s.get_unchecked(b));
             *acc = _mm512_fmadd_ps(sumi, _mm512_mul_ps(wd, yd), *acc);
