@@ -122,6 +122,13 @@ mod fma {
 
     use half::f16;
 
+    /// Runs of eight keys whose cache lines are asked for ahead of their reads (2 KiB at
+    /// SmolLM2's heads of 64). A decode step reads each head's keys and values once, from
+    /// memory, in runs of a few dozen KiB; the cores' own prefetchers stop at each 4 KiB
+    /// page and start again. On a 512-bit Xeon attention went from 32-33% to 28-29% of a
+    /// batch-16 step (bench/HISTORY.md, 2026-12-05); 4 KiB ahead did no better.
+    const AHEAD: usize = 2;
+
     /// Eight cache values from `at`, widened to f32.
     ///
     /// # Safety
@@ -157,6 +164,13 @@ mod fma {
         let scale_v = _mm256_set1_ps(scale);
         for j0 in (0..full).step_by(8) {
             let from = keys.as_ptr().add(j0 * head_dim);
+            if j0 + 8 * AHEAD < full {
+                // Keys `j0 + 8 * AHEAD` onwards, a whole run of eight before `full`.
+                let next = from.add(8 * AHEAD * head_dim) as *const i8;
+                for line in (0..16 * head_dim).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(next.add(line));
+                }
+            }
             for i in (0..8 * head_dim).step_by(8) {
                 _mm256_storeu_ps(wide.as_mut_ptr().add(i), load8(from.add(i)));
             }
@@ -259,6 +273,13 @@ mod fma {
         for (j, &pj) in probs.iter().enumerate() {
             let pj = _mm256_set1_ps(pj);
             let vj = values.as_ptr().add(j * head_dim + d0);
+            if j + 8 * AHEAD < probs.len() {
+                // This call's values of a row that `probs` reaches.
+                let next = vj.add(8 * AHEAD * head_dim) as *const i8;
+                for line in (0..16 * V).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(next.add(line));
+                }
+            }
             for (i, a) in acc.iter_mut().enumerate() {
                 *a = _mm256_fmadd_ps(load8(vj.add(8 * i)), pj, *a);
             }
