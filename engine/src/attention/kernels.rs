@@ -1,18 +1,62 @@
 //! The two products of a block of query rows: scores against the keys, and the weighted sum
-//! of the values, both read from the f16 cache and widened to f32 exactly. AVX2 kernels
-//! where the CPU has AVX2, FMA and F16C and the head width is a multiple of 8; elsewhere
+//! of the values, both read from the f16 cache and widened to f32 exactly. Vector kernels
+//! where the CPU has them and the head width is a whole number of their vectors (AVX2,
+//! FMA and F16C: eight values; AVX-512 for the weighted values: sixteen); elsewhere
 //! scalar code computing the same chains of fused multiply-adds, so every CPU gives the
 //! same bits.
 
 use half::f16;
 
+/// Which code computes a block's products. All give the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kernel {
+    Scalar,
+    /// AVX2, FMA and F16C; heads of a multiple of 8.
+    Avx2,
+    /// AVX-512 F besides those, heads of a multiple of 16: the weighted values on 512-bit
+    /// registers (`super::zmm`), the scores as `Avx2`'s.
+    Avx512,
+}
+
+impl Kernel {
+    /// The widest kernel this CPU runs for heads of `head_dim`.
+    pub(super) fn best(head_dim: usize) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = head_dim.is_multiple_of(8)
+                && is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
+            if avx2 && head_dim.is_multiple_of(16) && is_x86_feature_detected!("avx512f") {
+                return Kernel::Avx512;
+            }
+            if avx2 {
+                return Kernel::Avx2;
+            }
+        }
+        let _ = head_dim;
+        Kernel::Scalar
+    }
+
+    /// Every kernel this CPU runs for heads of `head_dim`, the scalar code first.
+    #[cfg(test)]
+    pub(super) fn available(head_dim: usize) -> Vec<Self> {
+        let all = [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512];
+        let best = Self::best(head_dim);
+        all.into_iter()
+            .take_while(|&k| k != best)
+            .chain([best])
+            .collect()
+    }
+}
+
 /// `out[r * len + j] = (q_r · k_j) * scale` for each query row `r` of `q` and each of the
-/// first `len` keys, the dot product summed as [`dot`] sums it. `vector`: take the AVX2
-/// kernel where [`avx2_fits`] allows it (the tests turn it off to hold the kernel against
-/// the scalar code). `wide` is the vector kernel's working memory, grown as it needs.
+/// first `len` keys, the dot product summed as [`dot`] sums it, by `kernel` (one that
+/// [`Kernel::best`] allows for `head_dim`). `wide` is the vector kernels' working memory,
+/// grown as they need.
 #[allow(clippy::too_many_arguments)] // the product's operands, then its working memory
 pub(super) fn scores(
-    vector: bool,
+    kernel: Kernel,
     q: &[f32],
     keys: &[f16],
     len: usize,
@@ -22,9 +66,13 @@ pub(super) fn scores(
     wide: &mut Vec<f32>,
 ) {
     assert!(keys.len() >= len * head_dim && out.len() >= q.len() / head_dim * len);
-    if vector && avx2_fits(head_dim) {
-        // SAFETY: `avx2_fits` found AVX2, FMA and F16C and a head width of whole vectors; the
-        // slices have the lengths asserted above.
+    assert!(
+        kernel as u8 <= Kernel::best(head_dim) as u8,
+        "{kernel:?} for {head_dim}"
+    );
+    if kernel != Kernel::Scalar {
+        // SAFETY: `Kernel::best` found AVX2, FMA and F16C and a head width of whole vectors;
+        // the slices have the lengths asserted above.
         #[cfg(target_arch = "x86_64")]
         unsafe {
             fma::scores(
@@ -47,10 +95,10 @@ pub(super) fn scores(
 }
 
 /// `out[r] = sum over j < visible[r] of probs[r * stride + j] * values_j`, each output
-/// value one fused multiply-add chain over the keys, in order, from zero. `vector` as for
+/// value one fused multiply-add chain over the keys, in order, from zero. `kernel` as for
 /// [`scores`].
 pub(super) fn weighted_values(
-    vector: bool,
+    kernel: Kernel,
     probs: &[f32],
     stride: usize,
     visible: &[usize],
@@ -61,13 +109,24 @@ pub(super) fn weighted_values(
     let seen = visible.iter().copied().max().unwrap_or(0);
     assert!(seen <= stride && values.len() >= seen * head_dim);
     assert!(probs.len() >= visible.len() * stride && out.len() >= visible.len() * head_dim);
-    if vector && avx2_fits(head_dim) {
-        // SAFETY: as in `scores`; the slices have the lengths asserted above.
-        #[cfg(target_arch = "x86_64")]
-        unsafe {
-            fma::weighted_values(probs, stride, visible, values, head_dim, out)
-        };
-        return;
+    assert!(
+        kernel as u8 <= Kernel::best(head_dim) as u8,
+        "{kernel:?} for {head_dim}"
+    );
+    #[cfg(target_arch = "x86_64")]
+    match kernel {
+        Kernel::Scalar => {}
+        Kernel::Avx2 => {
+            // SAFETY: as in `scores`; the slices have the lengths asserted above.
+            unsafe { fma::weighted_values(probs, stride, visible, values, head_dim, out) };
+            return;
+        }
+        Kernel::Avx512 => {
+            // SAFETY: `Kernel::best` found AVX-512 and F16C and a head width of whole 512-bit
+            // vectors; the slices have the lengths asserted above.
+            unsafe { super::zmm::weighted_values(probs, stride, visible, values, head_dim, out) };
+            return;
+        }
     }
     let rows = probs.chunks_exact(stride).zip(visible);
     for ((p, &vis), o) in rows.zip(out.chunks_exact_mut(head_dim)) {
@@ -97,23 +156,6 @@ fn dot(a: &[f32], b: &[f16]) -> f32 {
         l[d % 8] = x.mul_add(y.to_f32(), l[d % 8]);
     }
     ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
-}
-
-/// Whether the AVX2 kernels can run for heads of `head_dim`: AVX2, FMA and F16C, and a
-/// head width of whole vectors.
-pub(super) fn avx2_fits(head_dim: usize) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        head_dim.is_multiple_of(8)
-            && is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = head_dim;
-        false
-    }
 }
 
 #[cfg(target_arch = "x86_64")]

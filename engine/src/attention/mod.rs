@@ -27,6 +27,8 @@
 mod cuda;
 mod kernels;
 mod splits;
+#[cfg(target_arch = "x86_64")]
+mod zmm;
 
 use std::ops::Range;
 
@@ -37,6 +39,7 @@ use rayon::prelude::*;
 use crate::error::{EngineError, Result};
 use crate::split::{map_on_pool, SharedOut};
 use crate::vexp::exp_minus;
+use kernels::Kernel;
 
 /// Query rows of one K/V head attended together: they share each pass over its keys.
 const ROWS: usize = 8;
@@ -346,7 +349,8 @@ fn attend_block(
         let probs = kernels::grown(probs, visible.len() * seen);
         // Scores past a row's own position are computed with the others' and never read.
         let scale = how.scale as f32;
-        kernels::scores(true, q, keys, seen, head_dim, scale, probs, wide);
+        let kernel = Kernel::best(head_dim);
+        kernels::scores(kernel, q, keys, seen, head_dim, scale, probs, wide);
         for (row, s) in probs.chunks_exact_mut(seen).zip(spans) {
             let (start, end) = (s.start - from, s.end - from);
             row[..start].fill(0.0);
@@ -357,7 +361,7 @@ fn attend_block(
             }
             softmax(&mut row[start..end]);
         }
-        kernels::weighted_values(true, probs, seen, visible, values, head_dim, out);
+        kernels::weighted_values(kernel, probs, seen, visible, values, head_dim, out);
     });
 }
 
@@ -604,18 +608,21 @@ mod tests {
 
     #[test]
     fn the_vector_kernels_give_the_scalar_bits() {
-        if !kernels::avx2_fits(64) {
-            eprintln!("no AVX2/FMA: only the scalar code runs on this CPU");
-            return;
-        }
         // Up to eight rows against key counts on and off the multiple of 8, rows seeing
-        // different numbers of keys, head widths of an odd number of vectors.
-        for (i, &(rows, hd, len)) in [
-            (3, 64, 86),
-            (8, 64, 203),
-            (5, 24, 17),
-            (1, 128, 9),
-            (7, 40, 64),
+        // different numbers of keys or the same (a decode step's query heads, which the
+        // 512-bit kernel takes together), head widths of an odd number of vectors.
+        for (i, &(rows, hd, len, same)) in [
+            (3, 64, 86, false),
+            (3, 64, 86, true),
+            (8, 64, 203, false),
+            (7, 64, 40, true),
+            (5, 24, 17, false),
+            (1, 128, 9, false),
+            (3, 128, 30, true),
+            (7, 40, 64, false),
+            (3, 48, 35, true),
+            (2, 256, 24, true),
+            (4, 80, 21, true),
         ]
         .iter()
         .enumerate()
@@ -626,19 +633,34 @@ mod tests {
                 .into_iter()
                 .map(f16::from_f32)
                 .collect();
-            let mut vector = vec![0f32; rows * len];
-            kernels::scores(true, &q, &keys, len, hd, 0.125, &mut vector, &mut vec![]);
-            let mut scalar = vec![0f32; rows * len];
-            kernels::scores(false, &q, &keys, len, hd, 0.125, &mut scalar, &mut vec![]);
-            assert_eq!(bits_differ(&vector, &scalar), 0, "scores, case {i}");
-
             let probs = xorshift_data(rows * len, seed + 2, 1.0);
-            let visible: Vec<usize> = (0..rows).map(|r| len - (r * 3) % len.min(7)).collect();
-            let mut vector = vec![0f32; rows * hd];
-            kernels::weighted_values(true, &probs, len, &visible, &keys, hd, &mut vector);
-            let mut scalar = vec![0f32; rows * hd];
-            kernels::weighted_values(false, &probs, len, &visible, &keys, hd, &mut scalar);
-            assert_eq!(bits_differ(&vector, &scalar), 0, "values, case {i}");
+            let visible: Vec<usize> = (0..rows)
+                .map(|r| {
+                    if same {
+                        len
+                    } else {
+                        len - (r * 3) % len.min(7)
+                    }
+                })
+                .collect();
+            let run = |kernel| {
+                let mut scores = vec![0f32; rows * len];
+                kernels::scores(kernel, &q, &keys, len, hd, 0.125, &mut scores, &mut vec![]);
+                let mut values = vec![0f32; rows * hd];
+                kernels::weighted_values(kernel, &probs, len, &visible, &keys, hd, &mut values);
+                [scores, values]
+            };
+            let scalar = run(Kernel::Scalar);
+            let kernels = Kernel::available(hd);
+            if kernels.len() == 1 {
+                eprintln!("case {i}: only the scalar code runs on this CPU");
+            }
+            for &kernel in &kernels[1..] {
+                let [scores, values] = run(kernel);
+                let case = format!("{kernel:?}, case {i}");
+                assert_eq!(bits_differ(&scores, &scalar[0]), 0, "scores, {case}");
+                assert_eq!(bits_differ(&values, &scalar[1]), 0, "values, {case}");
+            }
         }
     }
 

@@ -1,0 +1,129 @@
+//! The weighted values on 512-bit registers, where the CPU has AVX-512 and the head width
+//! is a multiple of 16: the query rows that see the same keys (a decode step's query heads
+//! sharing a K/V head) take each value row widened once, where the 256-bit kernel widens
+//! it once a row. On a 512-bit Xeon, `vcvtph2ps` (one a cycle) bounded that kernel: three
+//! query heads took 24 widenings and 24 multiply-adds a key, here 4 and 12. The weighted
+//! values went from 12.5% to 9.8% of a batch-16 step of SmolLM2, about half of it now
+//! waiting on memory (bench/HISTORY.md, 2026-12-06).
+
+use std::arch::x86_64::*;
+
+use half::f16;
+
+/// Runs of keys whose cache lines are asked for ahead of their reads, as in the 256-bit
+/// kernel (16 keys: 2 KiB at SmolLM2's heads of 64).
+const AHEAD: usize = 16;
+
+/// Most accumulators one pass holds: 32 registers less the widened values and the weights.
+const ACCUMULATORS: usize = 16;
+
+/// As `super::weighted_values`: rows side by side that see the same number of keys (at
+/// most four) share one pass over the values, in runs of up to eight vectors of the head.
+/// Each output value is the same chain of fused multiply-adds as the scalar code's.
+///
+/// # Safety
+/// AVX-512F and F16C are present; `head_dim` is a multiple of 16; the slices have the
+/// lengths `super::weighted_values` asserts.
+#[target_feature(enable = "avx512f,f16c")]
+pub(super) unsafe fn weighted_values(
+    probs: &[f32],
+    stride: usize,
+    visible: &[usize],
+    values: &[f16],
+    head_dim: usize,
+    out: &mut [f32],
+) {
+    let mut r0 = 0;
+    while r0 < visible.len() {
+        let vis = visible[r0];
+        let mut r1 = r0 + 1;
+        while r1 < visible.len() && r1 - r0 < 4 && visible[r1] == vis {
+            r1 += 1;
+        }
+        let mut d0 = 0;
+        while d0 < head_dim {
+            let width = ((head_dim - d0) / 16).min(8);
+            let c = [8, 4, 2, 1].into_iter().find(|&c| c <= width).unwrap_or(1);
+            let rows = (r1 - r0).min(ACCUMULATORS / c);
+            let pass = Pass {
+                probs: &probs[r0 * stride..],
+                stride,
+                vis,
+                values,
+                head_dim,
+                d0,
+            };
+            let out = &mut out[r0 * head_dim..];
+            match (rows, c) {
+                (1, 8) => pass.run::<1, 8>(out),
+                (_, 8) => pass.run::<2, 8>(out),
+                (1, 4) => pass.run::<1, 4>(out),
+                (2, 4) => pass.run::<2, 4>(out),
+                (3, 4) => pass.run::<3, 4>(out),
+                (_, 4) => pass.run::<4, 4>(out),
+                (1, 2) => pass.run::<1, 2>(out),
+                (2, 2) => pass.run::<2, 2>(out),
+                (3, 2) => pass.run::<3, 2>(out),
+                (_, 2) => pass.run::<4, 2>(out),
+                (1, _) => pass.run::<1, 1>(out),
+                (2, _) => pass.run::<2, 1>(out),
+                (3, _) => pass.run::<3, 1>(out),
+                _ => pass.run::<4, 1>(out),
+            }
+            if rows < r1 - r0 {
+                // Runs of eight vectors (heads of 128 and wider) take two rows at a time:
+                // the rows past them start again from the head's first dimensions.
+                r1 = r0 + rows;
+            }
+            d0 += 16 * c;
+        }
+        r0 = r1;
+    }
+}
+
+/// One pass over the values: rows from the first of `probs`, each `stride` apart, all
+/// seeing `vis` keys, and the head's dimensions from `d0`.
+struct Pass<'a> {
+    probs: &'a [f32],
+    stride: usize,
+    vis: usize,
+    values: &'a [f16],
+    head_dim: usize,
+    d0: usize,
+}
+
+impl Pass<'_> {
+    /// Values `d0 .. d0 + 16 * C` of `R` rows' outputs (row `r` at `out[r * head_dim..]`).
+    ///
+    /// # Safety
+    /// As for [`weighted_values`]; `R` rows of `probs` and `out` and `d0 + 16 * C` dims.
+    #[target_feature(enable = "avx512f,f16c")]
+    unsafe fn run<const R: usize, const C: usize>(&self, out: &mut [f32]) {
+        let mut acc = [[_mm512_setzero_ps(); C]; R];
+        let hd = self.head_dim;
+        for j in 0..self.vis {
+            let vj = self.values.as_ptr().add(j * hd + self.d0);
+            if j + AHEAD < self.vis {
+                let next = vj.add(AHEAD * hd) as *const i8;
+                for line in (0..32 * C).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(next.add(line));
+                }
+            }
+            let mut wide = [_mm512_setzero_ps(); C];
+            for (c, w) in wide.iter_mut().enumerate() {
+                *w = _mm512_cvtph_ps(_mm256_loadu_si256(vj.add(16 * c) as *const __m256i));
+            }
+            for (r, a) in acc.iter_mut().enumerate() {
+                let p = _mm512_set1_ps(*self.probs.get_unchecked(r * self.stride + j));
+                for (a, w) in a.iter_mut().zip(&wide) {
+                    *a = _mm512_fmadd_ps(*w, p, *a);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            for (c, a) in a.iter().enumerate() {
+                _mm512_storeu_ps(out.as_mut_ptr().add(r * hd + self.d0 + 16 * c), *a);
+            }
+        }
+    }
+}
