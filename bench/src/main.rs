@@ -117,7 +117,7 @@ fn main() -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let mut base = None;
     for &b in &cfg.batches {
-        let decoding = Decoding::prefill(&model, b, cfg.context)?;
+        let decoding = Decoding::prefill(&model, b, cfg.context, cfg.steps)?;
         if let Some(perf) = &mut perf {
             perf.enable()?;
         }
