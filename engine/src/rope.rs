@@ -3,7 +3,7 @@
 //! the reference's angles, not an approximation of them.
 
 use candle_core::{Device, Tensor};
-use text::{ModelConfig, RopeScaling};
+use text::{ModelConfig, RopeScaling, RopeStyle};
 
 use crate::error::Result;
 
@@ -208,6 +208,35 @@ fn yarn(base: f32, dim: usize, factor: f32, ramp: Ramp) -> Vec<f32> {
         .collect()
 }
 
+/// One position's `heads` heads of `x` (`heads * head_dim` values) rotated into `out`: the
+/// leading `cos.len() * 2` dimensions of each head by the position's `cos` and `sin`, the
+/// others passed through; pairs `(2j, 2j + 1)` for `RopeStyle::Interleaved`, `(j, j + r/2)`
+/// for `RopeStyle::Half`. The same products and differences as candle's `rope_i` and
+/// `rope`, so the same bits: a decode step's rows rotated here and a prompt's by candle's
+/// ops give one cache.
+pub(crate) fn rotate_row(
+    x: &[f32],
+    head_dim: usize,
+    style: RopeStyle,
+    cos: &[f32],
+    sin: &[f32],
+    out: &mut [f32],
+) {
+    let half = cos.len();
+    assert!(sin.len() == half && 2 * half <= head_dim && x.len() == out.len());
+    for (x, out) in x.chunks_exact(head_dim).zip(out.chunks_exact_mut(head_dim)) {
+        for (j, (&c, &s)) in cos.iter().zip(sin).enumerate() {
+            let (i1, i2) = match style {
+                RopeStyle::Interleaved => (2 * j, 2 * j + 1),
+                RopeStyle::Half => (j, j + half),
+            };
+            out[i1] = x[i1] * c - x[i2] * s;
+            out[i2] = x[i1] * s + x[i2] * c;
+        }
+        out[2 * half..].copy_from_slice(&x[2 * half..]);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -285,5 +314,35 @@ mod tests {
         assert!((yarn.inv_freq[last] - plain.inv_freq[last] / 4.0).abs() < 1e-12);
         let (cos, _) = yarn.tables(1, &Device::Cpu).unwrap();
         assert_eq!(cos.to_vec2::<f32>().unwrap()[0][0], 1.25, "cos 0, scaled");
+    }
+
+    /// A row rotated here against candle's `rope_i` and `rope` over the same row (the
+    /// per-sequence tables of a decode step), bit for bit, with dimensions past the
+    /// rotary ones passed through.
+    #[test]
+    fn a_rotated_row_has_candles_bits() {
+        use crate::act_quant::testing::{bits_differ, xorshift_data};
+        use candle_core::{Device, Tensor};
+        let (heads, head_dim, rotary) = (3, 64, 48);
+        let x = xorshift_data(heads * head_dim, 7, 8.0);
+        let cos = xorshift_data(rotary / 2, 8, 1.0);
+        let sin = xorshift_data(rotary / 2, 9, 1.0);
+        for style in [RopeStyle::Interleaved, RopeStyle::Half] {
+            let mut ours = vec![0f32; x.len()];
+            rotate_row(&x, head_dim, style, &cos, &sin, &mut ours);
+            let t = Tensor::from_slice(&x, (1, heads, 1, head_dim), &Device::Cpu).unwrap();
+            let rotating = t.narrow(3, 0, rotary).unwrap().contiguous().unwrap();
+            let c = Tensor::from_slice(&cos, (1, 1, rotary / 2), &Device::Cpu).unwrap();
+            let s = Tensor::from_slice(&sin, (1, 1, rotary / 2), &Device::Cpu).unwrap();
+            let y = match style {
+                RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&rotating, &c, &s),
+                RopeStyle::Half => candle_nn::rotary_emb::rope(&rotating, &c, &s),
+            }
+            .unwrap();
+            let rest = t.narrow(3, rotary, head_dim - rotary).unwrap();
+            let theirs = Tensor::cat(&[y, rest], 3).unwrap();
+            let theirs: Vec<f32> = theirs.flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(bits_differ(&ours, &theirs), 0, "{style:?}");
+        }
     }
 }

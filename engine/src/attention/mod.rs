@@ -72,58 +72,52 @@ pub(crate) fn causal(
     scores: Scores,
     spread: bool,
 ) -> Result<Tensor> {
-    let Shape { heads, t, hd, .. } = Shape::of(q, keys)?;
+    let (heads, t, hd) = q.dims3()?;
     let mut out = vec![0f32; t * heads * hd];
-    attend_rows(q, keys, values, scores, spread, &mut out)?;
+    let q = q.contiguous()?;
+    let (q_store, q_layout) = q.storage_and_layout();
+    let q = &cpu_data::<f32>(&q_store)?[q_layout.start_offset()..][..heads * t * hd];
+    attend_rows(q, heads, t, keys, values, scores, spread, &mut out)?;
     Ok(Tensor::from_vec(out, (t, heads * hd), keys.device())?)
 }
 
-/// [`causal`] of one new row (a decode step's) into `out`, its `heads * head_dim` values,
-/// the blocks run here: for a batch's sequences, which already share candle's pool out,
-/// each writing its own row of the batch's output. Nothing here takes memory from the
-/// allocator's arena, which both pool threads would otherwise queue on (see [`SCRATCH`]).
+/// [`causal`] of one new row (a decode step's) into `out`, its `heads * head_dim` values:
+/// `q` is the row's `heads` rotated query heads, one after another. The blocks run here:
+/// for a batch's sequences, which already share candle's pool out, each writing its own
+/// row of the batch's output. Nothing here takes memory from the allocator's arena, which
+/// both pool threads would otherwise queue on (see [`SCRATCH`]).
 pub(crate) fn causal_row(
-    q: &Tensor,
+    q: &[f32],
+    heads: usize,
     keys: &Tensor,
     values: &Tensor,
     scores: Scores,
     out: &mut [f32],
 ) -> Result<()> {
-    if q.dim(1)? != 1 {
-        return Err(EngineError::InvalidInput(format!(
-            "one row's attention given {} rows",
-            q.dim(1)?
-        )));
-    }
-    attend_rows(q, keys, values, scores, false, out)
+    attend_rows(q, heads, 1, keys, values, scores, false, out)
 }
 
-/// [`causal`]'s work, into `out`, `(t, heads * head_dim)`.
+/// [`causal`]'s work, into `out`, `(t, heads * head_dim)`: `q` is `(heads, t, head_dim)`.
+#[allow(clippy::too_many_arguments)] // the queries and their shape, the cache, how, where
 fn attend_rows(
-    q: &Tensor,
+    q: &[f32],
+    heads: usize,
+    t: usize,
     keys: &Tensor,
     values: &Tensor,
     scores: Scores,
     spread: bool,
     out: &mut [f32],
 ) -> Result<()> {
-    let Shape {
-        heads,
-        t,
-        hd,
-        kv_heads,
-        len,
-    } = Shape::of(q, keys)?;
-    if out.len() != t * heads * hd {
+    let Shape { hd, kv_heads, len } = Shape::of(heads, t, keys)?;
+    if q.len() != heads * t * hd || out.len() != t * heads * hd {
         return Err(EngineError::InvalidInput(format!(
-            "attention of {t} rows of {heads} heads into {} values",
+            "attention of {t} rows of {heads} heads from {} query values into {}",
+            q.len(),
             out.len()
         )));
     }
     let pos = len - t;
-    let q = q.contiguous()?;
-    let (q_store, q_layout) = q.storage_and_layout();
-    let q = &cpu_data::<f32>(&q_store)?[q_layout.start_offset()..][..heads * t * hd];
     let (k_store, k_layout) = keys.storage_and_layout();
     let (v_store, v_layout) = values.storage_and_layout();
     let k = Heads::new(cpu_data(&k_store)?, k_layout, kv_heads, len, hd)?;
@@ -196,13 +190,8 @@ pub(crate) fn generic(
     values: &Tensor,
     scores: Scores,
 ) -> Result<Tensor> {
-    let Shape {
-        heads,
-        t,
-        hd,
-        kv_heads,
-        len,
-    } = Shape::of(q, keys)?;
+    let (heads, t, _) = q.dims3()?;
+    let Shape { hd, kv_heads, len } = Shape::of(heads, t, keys)?;
     let (group, pos) = (heads / kv_heads, len - t);
     let keys = keys.to_dtype(DType::F32)?;
     let values = values.to_dtype(DType::F32)?;
@@ -275,33 +264,24 @@ fn causal_mask(
     Ok(Tensor::from_vec(m, (group * t, keys), device)?)
 }
 
-/// The sizes of an attention's inputs: `q` `(heads, t, hd)`, `keys` `(kv_heads, len, hd)`.
+/// The sizes of an attention's keys, `(kv_heads, len, hd)`.
 struct Shape {
-    heads: usize,
-    t: usize,
     hd: usize,
     kv_heads: usize,
     len: usize,
 }
 
 impl Shape {
-    /// The sizes, where `t` new rows (at least one, at most the keys) of heads grouped
-    /// evenly over the K/V heads can attend.
-    fn of(q: &Tensor, keys: &Tensor) -> Result<Self> {
-        let (heads, t, hd) = q.dims3()?;
-        let (kv_heads, len, _) = keys.dims3()?;
+    /// The sizes, where `t` new rows (at least one, at most the keys) of `heads` heads
+    /// grouped evenly over the K/V heads of `keys` can attend.
+    fn of(heads: usize, t: usize, keys: &Tensor) -> Result<Self> {
+        let (kv_heads, len, hd) = keys.dims3()?;
         if t == 0 || t > len || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(EngineError::InvalidInput(format!(
                 "attention of {t} rows of {heads} heads over {len} keys of {kv_heads} heads"
             )));
         }
-        Ok(Self {
-            heads,
-            t,
-            hd,
-            kv_heads,
-            len,
-        })
+        Ok(Self { hd, kv_heads, len })
     }
 }
 

@@ -341,6 +341,22 @@ impl SeqCache {
         Ok(())
     }
 
+    /// [`SeqCache::write`] of one position from slices: `k` and `v` are its `kv_heads *
+    /// head_dim` values, rounded to f16 as candle's conversion rounds them. A decode step
+    /// writes each sequence's row from the pool thread that attends it.
+    pub(crate) fn write_row(&self, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
+        let l = &self.layers[layer];
+        let at = self.len();
+        if at >= self.capacity {
+            return Err(EngineError::KvCache(format!(
+                "no room reserved for position {at}"
+            )));
+        }
+        l.k.inplace_op1(&WriteRow { at, values: k })?;
+        l.v.inplace_op1(&WriteRow { at, values: v })?;
+        Ok(())
+    }
+
     /// K and V of one layer for the stored positions plus `pending` just written.
     pub(crate) fn view(&self, layer: usize, pending: usize) -> Result<(Tensor, Tensor)> {
         let l = &self.layers[layer];
@@ -479,6 +495,37 @@ impl candle_core::InplaceOp1 for ZeroFrom {
         let from = self.0.min(layer.capacity);
         for h in 0..layer.heads {
             layer.run(h, from, layer.capacity - from).fill(f16::ZERO);
+        }
+        Ok(())
+    }
+}
+
+/// Writes one position's values, `(kv_heads, head_dim)` f32, at `.at` of one layer's
+/// `(kv_heads, capacity, head_dim)` storage, rounded to f16.
+struct WriteRow<'a> {
+    at: usize,
+    values: &'a [f32],
+}
+
+impl candle_core::InplaceOp1 for WriteRow<'_> {
+    fn name(&self) -> &'static str {
+        "kv-write-row"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &mut candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let mut layer = LayerStorage::of(storage, layout)?;
+        let hd = layer.head_dim;
+        if self.values.len() != layer.heads * hd || self.at >= layer.capacity {
+            candle_core::bail!("a row of {} values at {}", self.values.len(), self.at);
+        }
+        for (h, src) in self.values.chunks_exact(hd).enumerate() {
+            for (d, &x) in layer.run(h, self.at, 1).iter_mut().zip(src) {
+                *d = f16::from_f32(x);
+            }
         }
         Ok(())
     }

@@ -1,13 +1,14 @@
 //! A layer's attention over the batch's caches: each sequence's new rows rotated to their
 //! positions, written to its cache, and attended over everything the cache holds.
 
-use candle_core::{IndexOp, Tensor};
+use candle_core::{Layout, Storage, Tensor};
 use rayon::prelude::*;
 
 use super::{Model, RopeTables, SeqInput, StepTables};
 use crate::attention::{self, Scores};
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::kv_cache::SeqCache;
+use crate::rope;
 use crate::split::{map_on_pool, SharedOut};
 use text::RopeStyle;
 
@@ -85,14 +86,16 @@ impl Model {
         }
     }
 
-    /// A decode step's attention: one new row for each sequence, all rotated in one op,
-    /// each at its own position (`step`'s rows, gathered once for all layers). On the CPU
-    /// each sequence then attends with our kernel: a batch's sequences over candle's pool,
-    /// the one the products use (over rayon's, each pool's idle thread spun on the cores
-    /// the other's threads needed: median batch-16 step 5% faster, slowest of eight runs
-    /// 408 tokens/s against 336), a lone sequence's heads over it instead. On a GPU one
-    /// kernel writes every sequence's K/V and one attends every sequence's heads, however
-    /// many sequences there are.
+    /// A decode step's attention: one new row for each sequence, each at its own position
+    /// (`step`'s rows of the rotation tables, gathered once for all layers). On the CPU
+    /// each sequence's item rotates its query and key, writes its key and value to its
+    /// cache and attends with our kernel: a batch's items over candle's pool, the one the
+    /// products use (over rayon's, each pool's idle thread spun on the cores the other's
+    /// threads needed: median batch-16 step 5% faster, slowest of eight runs 408 tokens/s
+    /// against 336), a lone sequence's heads over it instead. Rotated and written by
+    /// candle's ops before the items instead, they ran on the thread that hands the work
+    /// out while the pool's other thread waited. On a GPU one kernel writes every
+    /// sequence's K/V and one attends every sequence's heads, however many there are.
     fn attend_step(
         &self,
         layer: usize,
@@ -107,30 +110,53 @@ impl Model {
         let (n_heads, n_kv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let how = self.scores(layer);
         let RopeTables { cos, sin } = step.for_scores(&how);
-        let q = self.rotate(&q.reshape((n, n_heads, 1, hd))?, cos, sin)?;
-        let k = self.rotate(&k.reshape((n, n_kv, 1, hd))?, cos, sin)?;
-        let v = v.reshape((n, n_kv, 1, hd))?.contiguous()?;
         if !self.device.is_cpu() {
+            let q = self.rotate(&q.reshape((n, n_heads, 1, hd))?, cos, sin)?;
+            let k = self.rotate(&k.reshape((n, n_kv, 1, hd))?, cos, sin)?;
+            let v = v.reshape((n, n_kv, 1, hd))?.contiguous()?;
             let caches: Vec<&SeqCache> = batch.iter().map(|s| &*s.cache).collect();
             return attention::step(&q, &k, &v, &caches, layer, how);
         }
-        let write = |i: usize| {
+        let half = cfg.rotary_dim / 2;
+        let (cos, sin) = (cos.reshape((n, half))?, sin.reshape((n, half))?);
+        let held = [q, k, v, &cos, &sin].map(|t| t.storage_and_layout());
+        let rows = |i: usize, width: usize| Rows::of(&held[i].0, held[i].1, n, width);
+        let (q, k, v) = (
+            rows(0, n_heads * hd)?,
+            rows(1, n_kv * hd)?,
+            rows(2, n_kv * hd)?,
+        );
+        let (cos, sin) = (rows(3, half)?, rows(4, half)?);
+        // Sequence `i`'s query and key rotated into `q_rot` and `k_rot`, its key and value
+        // written; its cache's K and V, the new position with them.
+        let cache_row = |i: usize, q_rot: &mut [f32], k_rot: &mut [f32]| {
+            let (c, s) = (cos.row(i), sin.row(i));
+            rope::rotate_row(q.row(i), hd, cfg.rope_style, c, s, q_rot);
+            rope::rotate_row(k.row(i), hd, cfg.rope_style, c, s, k_rot);
             let cache = &*batch[i].cache;
-            cache.write(layer, &k.i(i)?, &v.i(i)?)?;
+            cache.write_row(layer, k_rot, v.row(i))?;
             cache.view(layer, 1)
         };
-        if n == 1 {
-            let (keys, values) = write(0)?;
-            return attention::causal(&q.i(0)?, &keys, &values, how, true);
-        }
         let width = n_heads * hd;
+        if n == 1 {
+            let (mut q_rot, mut k_rot) = (vec![0f32; width], vec![0f32; n_kv * hd]);
+            let (keys, values) = cache_row(0, &mut q_rot, &mut k_rot)?;
+            let q = Tensor::from_vec(q_rot, (n_heads, 1, hd), &self.device)?;
+            return attention::causal(&q, &keys, &values, how, true);
+        }
         let mut out = vec![0f32; n * width];
         let shared = SharedOut::new(&mut out);
         map_on_pool(n, |i| {
-            let (keys, values) = write(i)?;
-            // SAFETY: sequence `i` writes only its own row of the output.
-            let row = unsafe { shared.slice(i * width, width) };
-            attention::causal_row(&q.i(i)?, &keys, &values, how, row)
+            ROTATED.with_borrow_mut(|buf| {
+                if buf.len() < width + n_kv * hd {
+                    buf.resize(width + n_kv * hd, 0.0);
+                }
+                let (q_rot, k_rot) = buf.split_at_mut(width);
+                let (keys, values) = cache_row(i, q_rot, &mut k_rot[..n_kv * hd])?;
+                // SAFETY: sequence `i` writes only its own row of the output.
+                let row = unsafe { shared.slice(i * width, width) };
+                attention::causal_row(q_rot, n_heads, &keys, &values, how, row)
+            })
         })
         .into_iter()
         .collect::<Result<()>>()?;
@@ -194,5 +220,52 @@ impl Model {
         } else {
             Ok(y)
         }
+    }
+}
+
+thread_local! {
+    /// A pool thread's rotated query and key of the sequence it attends: the items of a
+    /// decode step are many (a batch of 16 over 30 layers, 480 a step), and both threads
+    /// taking memory from the allocator's one arena queued them on its lock (see
+    /// `attention::causal_row`).
+    static ROTATED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The rows of a `(n, width)` f32 tensor in CPU memory, `stride` apart: a decode step's
+/// queries, keys and values (views of the stacked projection's output) and its rotation
+/// tables.
+struct Rows<'a> {
+    data: &'a [f32],
+    stride: usize,
+    width: usize,
+}
+
+impl<'a> Rows<'a> {
+    fn of(storage: &'a Storage, layout: &Layout, n: usize, width: usize) -> Result<Self> {
+        let Storage::Cpu(data) = storage else {
+            return Err(EngineError::InvalidInput(
+                "a CPU decode step reads tensors in CPU memory".into(),
+            ));
+        };
+        let data = &data.as_slice::<f32>()?[layout.start_offset()..];
+        let (dims, stride) = (layout.dims(), layout.stride());
+        let fits = dims == [n, width]
+            && stride[1] == 1
+            && stride[0] >= width
+            && (n - 1) * stride[0] + width <= data.len();
+        if !fits {
+            return Err(EngineError::InvalidInput(format!(
+                "rows {dims:?} strided {stride:?}: not {n} rows of {width}"
+            )));
+        }
+        Ok(Self {
+            data,
+            stride: stride[0],
+            width,
+        })
+    }
+
+    fn row(&self, i: usize) -> &'a [f32] {
+        &self.data[i * self.stride..][..self.width]
     }
 }
