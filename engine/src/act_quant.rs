@@ -68,10 +68,8 @@ fn scalar_quantize_block(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::QK;
-
     /// # Safety
-    /// The CPU has AVX2; `xs` holds at least `QK` values.
+    /// The CPU has AVX2; `xs` and `qs` hold at least `QK` values.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn quantize_block(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
         let sign = _mm256_set1_ps(-0.0);
@@ -80,14 +78,14 @@ mod avx2 {
         for &x in &v[1..] {
             m = _mm256_max_ps(m, _mm256_andnot_ps(sign, x));
         }
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), m);
-        let amax = lanes.iter().fold(0f32, |a, &x| a.max(x));
+        // The lanes' largest: the order does not matter to a maximum of magnitudes.
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
         let d = amax / ((1 << 7) - 1) as f32;
         let id = _mm256_set1_ps(if d != 0f32 { 1. / d } else { 0. });
         let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
-        let mut ints = [0i32; QK];
-        for (i, &x) in v.iter().enumerate() {
+        let ints = v.map(|x| {
             // `f32::round` rounds halves away from zero: truncate, then step one away from
             // zero where the dropped part is at least a half (`x - trunc(x)` is exact).
             let x = _mm256_mul_ps(x, id);
@@ -95,15 +93,26 @@ mod avx2 {
             let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(x, t));
             let away = _mm256_or_ps(_mm256_and_ps(x, sign), one);
             let step = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(frac, half), away);
-            let r = _mm256_cvttps_epi32(_mm256_add_ps(t, step));
-            _mm256_storeu_si256(ints.as_mut_ptr().add(8 * i) as *mut __m256i, r);
-        }
-        let mut sum = 0;
-        for (q, &i) in qs.iter_mut().zip(&ints) {
-            // `as i8` from f32 saturates; |x| / d is at most 127 here anyway.
-            *q = i.clamp(i8::MIN as i32, i8::MAX as i32) as i8;
-            sum += *q as i32;
-        }
+            _mm256_cvttps_epi32(_mm256_add_ps(t, step))
+        });
+        // Narrowed with saturation, as `as i8` from f32 saturates (|x| / d is at most 127
+        // here anyway). The packs interleave the 128-bit lanes: four values of each
+        // vector in turn, the low halves first; the permutation puts them back in order.
+        let bytes = _mm256_packs_epi16(
+            _mm256_packs_epi32(ints[0], ints[1]),
+            _mm256_packs_epi32(ints[2], ints[3]),
+        );
+        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(qs.as_mut_ptr() as *mut __m256i, bytes);
+        // Their sum: byte pairs times one into i16, i16 pairs into i32, then the lanes.
+        let pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes);
+        let quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+        let s = _mm_add_epi32(
+            _mm256_castsi256_si128(quads),
+            _mm256_extracti128_si256::<1>(quads),
+        );
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        let sum = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s)));
         (d, sum)
     }
 }
