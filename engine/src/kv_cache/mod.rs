@@ -11,6 +11,7 @@
 use bytes::Bytes;
 use candle_core::{DType, Device, Tensor};
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use crate::error::{EngineError, Result};
 use text::ModelConfig;
@@ -523,9 +524,10 @@ impl candle_core::InplaceOp1 for WriteRow<'_> {
             candle_core::bail!("a row of {} values at {}", self.values.len(), self.at);
         }
         for (h, src) in self.values.chunks_exact(hd).enumerate() {
-            for (d, &x) in layer.run(h, self.at, 1).iter_mut().zip(src) {
-                *d = f16::from_f32(x);
-            }
+            // Eight at a time where the CPU converts in vectors: the same rounding as
+            // `f16::from_f32` (candle's), and an eighth of the stores to lines the cache
+            // has not touched yet, which filled the store buffer one value at a time.
+            layer.run(h, self.at, 1).convert_from_f32_slice(src);
         }
         Ok(())
     }
