@@ -8,9 +8,9 @@ import sys
 # First match wins, in this order.
 PARTS = [
     ("quantized products", ["dot_group", "dot_tile", "dot_pair", "pair_tile",
-                            "Columns::clear", "by_groups", "by_padded_groups",
-                            "by_runs_of_groups", "kquant::", "Q41Matrix::group",
-                            "Q41Matrix::matmul", "Q80Matrix::matmul"]),
+                            "by_groups", "by_padded_groups", "by_runs_of_groups",
+                            "kquant::", "Q41Matrix::group", "Q41Matrix::matmul",
+                            "Q80Matrix::matmul"]),
     ("attention", ["attention::", "softmax", "exp_minus"]),
     ("pool: waits, spins, hand-offs", ["BarrierGuard", "begin_short_backtrace", "park",
                                        "futex", "spin_unlock", "finish_task_switch",
