@@ -5,6 +5,7 @@
 mod act_quant;
 mod attention;
 pub mod beam;
+mod cpu_rows;
 pub mod device;
 pub mod embedding;
 pub mod error;

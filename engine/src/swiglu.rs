@@ -9,8 +9,9 @@
 //! depends on where in a row it falls or on the CPU; they differ from libm's `expf` by at
 //! most a few units in the last place.
 
-use candle_core::{CpuStorage, Layout, Storage, Tensor};
+use candle_core::Tensor;
 
+use crate::cpu_rows::CpuRows;
 use crate::error::Result;
 use crate::split::SharedOut;
 use crate::vexp::exp;
@@ -37,12 +38,12 @@ pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         let (g_store, g_layout) = gate.storage_and_layout();
         let (u_store, u_layout) = up.storage_and_layout();
         if let (Some(g), Some(u)) = (
-            rows(&g_store, g_layout, n, w),
-            rows(&u_store, u_layout, n, w),
+            CpuRows::of(&g_store, g_layout, n, w),
+            CpuRows::of(&u_store, u_layout, n, w),
         ) {
             let out = pooled(n, w, |r, c, o| {
-                let g = &g.data[g.start + r * g.stride + c..][..o.len()];
-                let u = &u.data[u.start + r * u.stride + c..][..o.len()];
+                let g = &g.row(r)[c..][..o.len()];
+                let u = &u.row(r)[c..][..o.len()];
                 silu_mul_run(g, u, o);
             });
             return Ok(Tensor::from_vec(out, (n, w), gate.device())?);
@@ -122,30 +123,6 @@ mod avx2 {
         }
         whole
     }
-}
-
-/// An f32 matrix's rows: row `r` is `width` values from `start + r * stride`.
-struct Rows<'a> {
-    data: &'a [f32],
-    start: usize,
-    stride: usize,
-}
-
-/// `rows` rows of `width` contiguous f32 values, if that is how `layout` lays them out.
-fn rows<'a>(storage: &'a Storage, layout: &Layout, rows: usize, width: usize) -> Option<Rows<'a>> {
-    let Storage::Cpu(CpuStorage::F32(data)) = storage else {
-        return None;
-    };
-    let (start, stride) = (layout.start_offset(), layout.stride());
-    let fits = stride.len() == 2
-        && (stride[1] == 1 || width == 1)
-        && (stride[0] >= width || rows == 1)
-        && (rows == 0 || start + (rows - 1) * stride[0] + width <= data.len());
-    fits.then_some(Rows {
-        data,
-        start,
-        stride: stride[0],
-    })
 }
 
 #[cfg(test)]

@@ -1,11 +1,12 @@
 //! A layer's attention over the batch's caches: each sequence's new rows rotated to their
 //! positions, written to its cache, and attended over everything the cache holds.
 
-use candle_core::{Layout, Storage, Tensor};
+use candle_core::Tensor;
 use rayon::prelude::*;
 
 use super::{Model, RopeTables, SeqInput, StepTables};
 use crate::attention::{self, Scores};
+use crate::cpu_rows::CpuRows;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::SeqCache;
 use crate::rope;
@@ -120,7 +121,13 @@ impl Model {
         let half = cfg.rotary_dim / 2;
         let (cos, sin) = (cos.reshape((n, half))?, sin.reshape((n, half))?);
         let held = [q, k, v, &cos, &sin].map(|t| t.storage_and_layout());
-        let rows = |i: usize, width: usize| Rows::of(&held[i].0, held[i].1, n, width);
+        let rows = |i: usize, width: usize| {
+            CpuRows::of(&held[i].0, held[i].1, n, width).ok_or_else(|| {
+                EngineError::InvalidInput(format!(
+                    "a CPU decode step's input {i} is not {n} f32 rows of {width} in CPU memory"
+                ))
+            })
+        };
         let (q, k, v) = (
             rows(0, n_heads * hd)?,
             rows(1, n_kv * hd)?,
@@ -229,43 +236,4 @@ thread_local! {
     /// taking memory from the allocator's one arena queued them on its lock (see
     /// `attention::causal_row`).
     static ROTATED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// The rows of a `(n, width)` f32 tensor in CPU memory, `stride` apart: a decode step's
-/// queries, keys and values (views of the stacked projection's output) and its rotation
-/// tables.
-struct Rows<'a> {
-    data: &'a [f32],
-    stride: usize,
-    width: usize,
-}
-
-impl<'a> Rows<'a> {
-    fn of(storage: &'a Storage, layout: &Layout, n: usize, width: usize) -> Result<Self> {
-        let Storage::Cpu(data) = storage else {
-            return Err(EngineError::InvalidInput(
-                "a CPU decode step reads tensors in CPU memory".into(),
-            ));
-        };
-        let data = &data.as_slice::<f32>()?[layout.start_offset()..];
-        let (dims, stride) = (layout.dims(), layout.stride());
-        let fits = dims == [n, width]
-            && stride[1] == 1
-            && stride[0] >= width
-            && (n - 1) * stride[0] + width <= data.len();
-        if !fits {
-            return Err(EngineError::InvalidInput(format!(
-                "rows {dims:?} strided {stride:?}: not {n} rows of {width}"
-            )));
-        }
-        Ok(Self {
-            data,
-            stride: stride[0],
-            width,
-        })
-    }
-
-    fn row(&self, i: usize) -> &'a [f32] {
-        &self.data[i * self.stride..][..self.width]
-    }
 }
