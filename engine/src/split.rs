@@ -168,6 +168,8 @@ impl<'a> Columns<'a> {
         if self.width < N {
             return self.put(y, &vals[..self.width]);
         }
+        // Every column counts as written below: none may lie past the lanes.
+        assert_eq!(self.width, N, "more columns than lanes");
         self.written(y);
         // SAFETY: these columns belong to the one worker that got this group.
         let o = unsafe { self.out.slice(y * self.rows + self.col, N) };
