@@ -322,7 +322,6 @@ mod tests {
     #[test]
     fn a_rotated_row_has_candles_bits() {
         use crate::act_quant::testing::{bits_differ, xorshift_data};
-        use candle_core::{Device, Tensor};
         let (heads, head_dim, rotary) = (3, 64, 48);
         let x = xorshift_data(heads * head_dim, 7, 8.0);
         let cos = xorshift_data(rotary / 2, 8, 1.0);
