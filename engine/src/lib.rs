@@ -3,6 +3,7 @@
 //! lives here.
 
 mod act_quant;
+mod ahead;
 mod attention;
 pub mod beam;
 mod cpu_rows;

@@ -22,6 +22,7 @@ use half::f16;
 #[cfg(target_arch = "x86_64")]
 use crate::act_quant::has_vnni;
 use crate::act_quant::{each_block, quantize_block, QK};
+use crate::ahead::Ahead;
 use crate::error::{EngineError, Result};
 use crate::split::{self, SharedOut, GROUP};
 
@@ -275,6 +276,21 @@ impl Q41Matrix {
         }
     }
 
+    /// The bytes of groups `g` and `g + 1`, those of them there are, to be asked for a
+    /// block at a time while the pair before them computes.
+    fn ahead(&self, g: usize) -> Ahead<6> {
+        let groups = self.rows / GROUP;
+        let bytes = |g: usize| -> [&[u8]; 3] {
+            if g >= groups {
+                return [&[]; 3];
+            }
+            let w = self.group(g);
+            [bytemuck::cast_slice(w.d), bytemuck::cast_slice(w.m), w.qs]
+        };
+        let ([d0, m0, q0], [d1, m1, q1]) = (bytes(g), bytes(g + 1));
+        Ahead::of([d0, m0, q0, d1, m1, q1], self.blocks())
+    }
+
     /// A row after the groups.
     fn loose_row(&self, r: usize) -> WRow<'_> {
         let nb = self.blocks();
@@ -295,9 +311,10 @@ impl Q41Matrix {
         let pair = pair.map(|pair| {
             move |g: usize, out: &split::Columns<'_>| {
                 let groups = [self.group(g), self.group(g + 1)];
+                let ahead = self.ahead(g + 2);
                 // SAFETY: `pair_kernel` found AVX2, FMA and 512-bit VNNI; both groups have as
                 // many blocks as the rows.
-                unsafe { pair(groups, q, &mut |y, vals| out.put_lanes(y, &vals)) };
+                unsafe { pair(groups, q, &ahead, &mut |y, vals| out.put_lanes(y, &vals)) };
             }
         });
         split::by_groups(
@@ -317,7 +334,9 @@ impl Q41Matrix {
 
 /// Two groups against activation rows: `emit(y, outputs)` gets row `y`'s sixteen outputs,
 /// the first group's eight and then the second's.
-type PairKernel = unsafe fn([WGroup<'_>; 2], &[Q81Row], &mut dyn FnMut(usize, [f32; 2 * GROUP]));
+/// Part `b` of `ahead` is asked for with block `b`.
+type PairKernel =
+    unsafe fn([WGroup<'_>; 2], &[Q81Row], &Ahead<6>, &mut dyn FnMut(usize, [f32; 2 * GROUP]));
 
 /// The pair kernel on 512-bit registers, where the CPU has them with VNNI.
 fn pair_kernel() -> Option<PairKernel> {

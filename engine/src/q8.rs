@@ -22,6 +22,7 @@ use bytes::Bytes;
 use half::f16;
 
 use crate::act_quant::{quantize_block, QK};
+use crate::ahead::Ahead;
 use crate::error::{EngineError, Result};
 use crate::split::{self, GROUP};
 
@@ -212,6 +213,30 @@ impl Q80Matrix {
         self.data.len()
     }
 
+    /// Group `g`'s scales and values.
+    fn group(&self, g: usize) -> (&[f16], &[i8]) {
+        let nb = self.cols / QK;
+        let span = g * nb * GROUP..(g + 1) * nb * GROUP;
+        (
+            &self.d()[span.clone()],
+            &self.qs()[span.start * QK..span.end * QK],
+        )
+    }
+
+    /// The bytes of groups `g` and `g + 1`, those of them there are, to be asked for a
+    /// block at a time while the pair before them computes.
+    fn ahead(&self, g: usize) -> Ahead<4> {
+        let bytes = |g: usize| -> [&[u8]; 2] {
+            if g >= self.rows / GROUP {
+                return [&[]; 2];
+            }
+            let (d, qs) = self.group(g);
+            [bytemuck::cast_slice(d), bytemuck::cast_slice(qs)]
+        };
+        let ([d0, q0], [d1, q1]) = (bytes(g), bytes(g + 1));
+        Ahead::of([d0, q0, d1, q1], self.cols / QK)
+    }
+
     /// `x Wᵀ` for `x` of `[n, cols]` (row-major): `[n, rows]`.
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
         assert!(
@@ -222,19 +247,17 @@ impl Q80Matrix {
         let q = q.as_slice();
         let nb = self.cols / QK;
         let (d, qs) = (self.d(), self.qs());
-        let group_at = |g: usize| {
-            let span = g * nb * GROUP..(g + 1) * nb * GROUP;
-            (&d[span.clone()], &qs[span.start * QK..span.end * QK])
-        };
+        let group_at = |g: usize| self.group(g);
         let group = avx2::group_kernel();
         let pair = avx2::pair_kernel().filter(|_| n >= split::PAIRED_FROM_ROWS);
         let pair = pair.map(|pair| {
             move |g: usize, out: &split::Columns<'_>| {
                 let ((d0, q0), (d1, q1)) = (group_at(g), group_at(g + 1));
+                let ahead = self.ahead(g + 2);
                 // SAFETY: `pair_kernel` found AVX-512 F, BW, VL and VNNI beside AVX2, FMA and
                 // F16C; both groups have a block for each of the rows' blocks.
                 unsafe {
-                    pair([d0, d1], [q0, q1], q, &mut |y, vals| {
+                    pair([d0, d1], [q0, q1], q, &ahead, &mut |y, vals| {
                         out.put_lanes(y, &vals)
                     })
                 };

@@ -25,6 +25,8 @@ use bytes::Bytes;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+#[cfg(target_arch = "x86_64")]
+use crate::ahead::Ahead;
 use crate::error::{EngineError, Result};
 use crate::split::{self, GroupSpan, GROUP};
 pub use format::KFormat;
@@ -344,11 +346,12 @@ impl KMatrix {
                 #[cfg(target_arch = "x86_64")]
                 Path::Vnni512 if span.groups == 2 => {
                     let pair = [blocks, m.blocks(span.group + 1)];
+                    let ahead = m.ahead(span.group + 2);
                     // SAFETY: `Path::detect` found AVX2, FMA, F16C and AVX-512 F, BW, VL
                     // and VNNI on this CPU; both groups are of one part (`Layout::of`
                     // pairs no others), so of one format and length, whole blocks for
                     // each super-block of a row of `q`; `out` is theirs alone.
-                    unsafe { x86::pair_kernel(format)(pair, q, out) }
+                    unsafe { x86::pair_kernel(format)(pair, q, &ahead, out) }
                 }
                 #[cfg(target_arch = "x86_64")]
                 Path::Avx2 | Path::Vnni | Path::Vnni512 => {
@@ -364,6 +367,14 @@ impl KMatrix {
                 }
             }
         })
+    }
+
+    /// The bytes of groups `g` and `g + 1`, those of them there are, to be asked for a
+    /// super-block at a time while the pair before them computes.
+    #[cfg(target_arch = "x86_64")]
+    fn ahead(&self, g: usize) -> Ahead<2> {
+        let bytes = |g: usize| self.groups.get(g).map_or(&[][..], |_| self.blocks(g));
+        Ahead::of([bytes(g), bytes(g + 1)], self.cols / QK_K)
     }
 
     /// Values in a row of activations.

@@ -268,3 +268,19 @@ fn a_group_block_holds_each_rows_super_block_as_decoded() {
         }
     }
 }
+
+/// As Q4_1's: the next pair's group blocks (a padded last group among them), every line of
+/// them and no other.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn the_next_pair_is_asked_for_whole() {
+    let bytes = random_blocks(KFormat::Q4K, 5 * GROUP + 3, 5);
+    let m = KMatrix::from_ggml(KFormat::Q4K, &bytes, 5 * GROUP + 3, COLS).unwrap();
+    let lines = |gs: &[usize]| {
+        let runs: Vec<&[u8]> = gs.iter().map(|&g| m.blocks(g)).collect();
+        crate::ahead::lines_of(&runs)
+    };
+    assert_eq!(m.ahead(2).lines(COLS / QK_K), lines(&[2, 3]));
+    assert_eq!(m.ahead(5).lines(COLS / QK_K), lines(&[5]));
+    assert!(m.ahead(6).lines(COLS / QK_K).is_empty());
+}

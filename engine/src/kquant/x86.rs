@@ -12,6 +12,7 @@
 use super::format::{KFormat, CHUNK, QK_K};
 use super::q8k::Q8KRow;
 use super::wide::{Wide, Ymm, Zmm};
+use crate::ahead::Ahead;
 use crate::split::{Columns, GROUP};
 
 /// A group's kernel: the group block bytes of all its super-blocks against every
@@ -19,8 +20,9 @@ use crate::split::{Columns, GROUP};
 pub(super) type GroupKernel = unsafe fn(&[u8], &[Q8KRow<'_>], &Columns<'_>);
 
 /// Two groups' kernel, on 512-bit registers: each activation row's sixteen outputs, the
-/// first group's eight and then the second's, stored into its columns of `out`.
-pub(super) type PairKernel = unsafe fn([&[u8]; 2], &[Q8KRow<'_>], &Columns<'_>);
+/// first group's eight and then the second's, stored into its columns of `out`. Part `sb`
+/// of the `Ahead` is asked for with super-block `sb`.
+pub(super) type PairKernel = unsafe fn([&[u8]; 2], &[Q8KRow<'_>], &Ahead<2>, &Columns<'_>);
 
 /// Activation rows that share one unpacked chunk: four on AVX2, whose sixteen registers
 /// hold a chunk's eight weight registers beside four rows' sums; eight with AVX-512 VL's
@@ -54,7 +56,8 @@ pub(super) fn pair_kernel(format: KFormat) -> PairKernel {
 /// each super-block of the rows of `q`; no other worker writes `out`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn group<K: Kind>(blocks: &[u8], q: &[Q8KRow<'_>], out: &Columns<'_>) {
-    tiles::<K, Ymm, false>(Ymm(blocks.as_ptr()), super_blocks::<K>(blocks), q, out)
+    let at = Ymm(blocks.as_ptr());
+    tiles::<K, Ymm, false, 1>(at, super_blocks::<K>(blocks), q, &Ahead::NONE, out)
 }
 
 /// [`group`] with the integer sums in VNNI's four-way dot products.
@@ -63,7 +66,8 @@ unsafe fn group<K: Kind>(blocks: &[u8], q: &[Q8KRow<'_>], out: &Columns<'_>) {
 /// As for [`group`], and the CPU has AVX-512 VNNI and VL.
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
 unsafe fn group_vnni<K: Kind>(blocks: &[u8], q: &[Q8KRow<'_>], out: &Columns<'_>) {
-    tiles::<K, Ymm, true>(Ymm(blocks.as_ptr()), super_blocks::<K>(blocks), q, out)
+    let at = Ymm(blocks.as_ptr());
+    tiles::<K, Ymm, true, 1>(at, super_blocks::<K>(blocks), q, &Ahead::NONE, out)
 }
 
 /// [`group_vnni`] for two groups at once, on 512-bit registers: their integers and then
@@ -73,10 +77,15 @@ unsafe fn group_vnni<K: Kind>(blocks: &[u8], q: &[Q8KRow<'_>], out: &Columns<'_>
 /// As for [`group_vnni`] for each group of `blocks`, which are as long as each other, and
 /// the CPU has AVX-512 F and BW.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn pair_512<K: Kind>(blocks: [&[u8]; 2], q: &[Q8KRow<'_>], out: &Columns<'_>) {
+unsafe fn pair_512<K: Kind>(
+    blocks: [&[u8]; 2],
+    q: &[Q8KRow<'_>],
+    ahead: &Ahead<2>,
+    out: &Columns<'_>,
+) {
     assert_eq!(blocks[0].len(), blocks[1].len(), "two groups of one matrix");
     let at = Zmm(blocks.map(<[u8]>::as_ptr));
-    tiles::<K, Zmm, true>(at, super_blocks::<K>(blocks[0]), q, out)
+    tiles::<K, Zmm, true, 2>(at, super_blocks::<K>(blocks[0]), q, ahead, out)
 }
 
 /// How many super-blocks `blocks` holds.
@@ -84,43 +93,51 @@ fn super_blocks<K: Kind>(blocks: &[u8]) -> usize {
     blocks.len() / K::FORMAT.group_bytes()
 }
 
+/// The first tile asks for `ahead`, part `sb` with super-block `sb`.
+///
 /// # Safety
 /// As for [`group`] (and [`group_vnni`] when `VNNI`, [`pair_512`] for [`Zmm`]), with `sbs`
 /// super-blocks at `at`.
 #[inline(always)]
-unsafe fn tiles<K: Kind, W: Wide, const VNNI: bool>(
+unsafe fn tiles<K: Kind, W: Wide, const VNNI: bool, const A: usize>(
     at: W,
     sbs: usize,
     q: &[Q8KRow<'_>],
+    ahead: &Ahead<A>,
     out: &Columns<'_>,
 ) {
     let mut y = 0;
     if VNNI {
-        y = whole_tiles::<K, W, VNNI_TILE, VNNI>(at, sbs, q, y, out);
+        y = whole_tiles::<K, W, VNNI_TILE, VNNI, A>(at, sbs, q, y, ahead, out);
     }
-    y = whole_tiles::<K, W, TILE, VNNI>(at, sbs, q, y, out);
+    y = whole_tiles::<K, W, TILE, VNNI, A>(at, sbs, q, y, ahead, out);
     // Tiles of two for the last rows: a mixture's experts multiply two or three rows
     // each in a batch-16 step, and a tile of one unpacks the group's weights once a row.
-    y = whole_tiles::<K, W, 2, VNNI>(at, sbs, q, y, out);
-    whole_tiles::<K, W, 1, VNNI>(at, sbs, q, y, out);
+    y = whole_tiles::<K, W, 2, VNNI, A>(at, sbs, q, y, ahead, out);
+    whole_tiles::<K, W, 1, VNNI, A>(at, sbs, q, y, ahead, out);
 }
 
 /// The rows from `y` in tiles of `T`, as many as there are whole tiles: returns the row
-/// after them.
+/// after them. The first tile of all asks for `ahead`.
 ///
 /// # Safety
 /// As for [`tiles`].
 #[inline(always)]
-unsafe fn whole_tiles<K: Kind, W: Wide, const T: usize, const VNNI: bool>(
+unsafe fn whole_tiles<K: Kind, W: Wide, const T: usize, const VNNI: bool, const A: usize>(
     at: W,
     sbs: usize,
     q: &[Q8KRow<'_>],
     mut y: usize,
+    ahead: &Ahead<A>,
     out: &Columns<'_>,
 ) -> usize {
     while y + T <= q.len() {
         let rows: &[Q8KRow<'_>; T] = q[y..y + T].try_into().expect("a whole tile");
-        for (i, acc) in tile::<K, W, T, VNNI>(at, sbs, rows).into_iter().enumerate() {
+        let ahead = if y == 0 { ahead } else { &Ahead::NONE };
+        for (i, acc) in tile::<K, W, T, VNNI, A>(at, sbs, rows, ahead)
+            .into_iter()
+            .enumerate()
+        {
             put::<W>(out, y + i, acc);
         }
         y += T;
@@ -148,18 +165,20 @@ unsafe fn put<W: Wide>(out: &Columns<'_>, y: usize, acc: W::F) {
 }
 
 /// `T` activation rows against a group (or two): for each, lane `i` is weight row `i`'s
-/// output.
+/// output. Asks for part `sb` of `ahead` with super-block `sb`.
 ///
 /// # Safety
 /// As for [`tiles`].
 #[inline(always)]
-unsafe fn tile<K: Kind, W: Wide, const T: usize, const VNNI: bool>(
+unsafe fn tile<K: Kind, W: Wide, const T: usize, const VNNI: bool, const A: usize>(
     at: W,
     sbs: usize,
     rows: &[Q8KRow<'_>; T],
+    ahead: &Ahead<A>,
 ) -> [W::F; T] {
     let mut acc = [W::zero_f(); T];
     for sb in 0..sbs {
+        ahead.part(sb);
         let blk = at.add(sb * K::FORMAT.group_bytes());
         let mut sumi = [W::zero(); T];
         for c in 0..QK_K / CHUNK {

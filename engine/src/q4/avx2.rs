@@ -3,6 +3,8 @@
 
 use std::arch::x86_64::*;
 
+use crate::ahead::Ahead;
+
 use super::{add_block, block_sumi, Q81Row, WGroup, WRow, GROUP, PAIR_TILE, QK, TILE};
 
 /// # Safety
@@ -136,15 +138,16 @@ unsafe fn dot_tile<const T: usize, const VNNI: bool>(
 pub(super) unsafe fn dot_pair_512(
     w: [WGroup<'_>; 2],
     rows: &[Q81Row],
+    ahead: &Ahead<6>,
     emit: &mut dyn FnMut(usize, [f32; 2 * GROUP]),
 ) {
-    let mut y = pair_tiles::<PAIR_TILE>(w, rows, 0, emit);
-    y = pair_tiles::<TILE>(w, rows, y, emit);
-    pair_tiles::<1>(w, rows, y, emit);
+    let mut y = pair_tiles::<PAIR_TILE>(w, rows, 0, ahead, emit);
+    y = pair_tiles::<TILE>(w, rows, y, ahead, emit);
+    pair_tiles::<1>(w, rows, y, ahead, emit);
 }
 
 /// The rows from `y` in tiles of `T`, as many as there are whole tiles: returns the
-/// row after them.
+/// row after them. The first tile of all asks for `ahead`.
 ///
 /// # Safety
 /// As for [`dot_pair_512`].
@@ -153,10 +156,15 @@ unsafe fn pair_tiles<const T: usize>(
     w: [WGroup<'_>; 2],
     rows: &[Q81Row],
     mut y: usize,
+    ahead: &Ahead<6>,
     emit: &mut dyn FnMut(usize, [f32; 2 * GROUP]),
 ) -> usize {
     while y + T <= rows.len() {
-        for (i, acc) in pair_tile::<T>(w, &rows[y..y + T]).into_iter().enumerate() {
+        let ahead = if y == 0 { ahead } else { &Ahead::NONE };
+        for (i, acc) in pair_tile::<T>(w, &rows[y..y + T], ahead)
+            .into_iter()
+            .enumerate()
+        {
             let mut out = [0f32; 2 * GROUP];
             _mm512_storeu_ps(out.as_mut_ptr(), acc);
             emit(y + i, out);
@@ -175,15 +183,21 @@ unsafe fn joined(at: impl Fn(usize) -> __m256i) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(at(0)), at(1))
 }
 
-/// [`dot_tile`] with VNNI, sixteen lanes wide.
+/// [`dot_tile`] with VNNI, sixteen lanes wide, asking for part `b` of `ahead` with block
+/// `b`.
 ///
 /// # Safety
 /// As for [`dot_pair_512`]; `rows` has `T` rows.
 #[inline(always)]
-unsafe fn pair_tile<const T: usize>(w: [WGroup<'_>; 2], rows: &[Q81Row]) -> [__m512; T] {
+unsafe fn pair_tile<const T: usize>(
+    w: [WGroup<'_>; 2],
+    rows: &[Q81Row],
+    ahead: &Ahead<6>,
+) -> [__m512; T] {
     let mask = _mm512_set1_epi8(0x0F);
     let mut acc = [_mm512_setzero_ps(); T];
     for b in 0..w[0].d.len() / GROUP {
+        ahead.part(b);
         let mut wv = [_mm512_setzero_si512(); 8];
         for k in 0..4 {
             let v = joined(|g| {

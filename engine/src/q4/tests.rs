@@ -132,3 +132,25 @@ fn a_packed_matrix_is_taken_only_for_its_own_bytes_with_its_scales_aligned() {
     let shifted = crate::pack::aligned_bytes(buf).slice(1..=len);
     assert!(Q41Matrix::from_packed(rows, cols, shifted).is_err());
 }
+
+/// The pair kernel asks for the next pair's bytes while it computes: every line of groups
+/// `g` and `g + 1` (scales, minimums, nibbles), those of them the matrix has, and no other.
+#[test]
+fn the_next_pair_is_asked_for_whole() {
+    let (rows, cols) = (5 * GROUP + 3, 352);
+    let w = Tensor::from_vec(data(rows * cols, 3), (rows, cols), &Device::Cpu).unwrap();
+    let q = QTensor::quantize(&w, GgmlDType::Q4_1).unwrap();
+    let m = Q41Matrix::from_ggml(q.data().unwrap().to_vec(), rows, cols).unwrap();
+    let bytes = |g: usize| {
+        let w = m.group(g);
+        [bytemuck::cast_slice(w.d), bytemuck::cast_slice(w.m), w.qs]
+    };
+    let [a, b] = [bytes(2), bytes(3)];
+    let both: Vec<&[u8]> = a.into_iter().chain(b).collect();
+    assert_eq!(m.ahead(2).lines(cols / QK), crate::ahead::lines_of(&both));
+    assert_eq!(
+        m.ahead(4).lines(cols / QK),
+        crate::ahead::lines_of(&bytes(4))
+    );
+    assert!(m.ahead(5).lines(cols / QK).is_empty());
+}

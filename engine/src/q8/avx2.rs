@@ -7,6 +7,7 @@ use half::f16;
 
 use super::{GroupKernel, Q80Row, GROUP, QK, TILE, VNNI_TILE};
 use crate::act_quant::has_vnni;
+use crate::ahead::Ahead;
 
 /// The integer sums of bytes `4k .. 4k + 4` of `w` times `y`, eight lanes of i32 added
 /// into `acc`: |w| times y with w's sign, as candle's `mul_sum_i8_pairs_float` takes
@@ -22,9 +23,15 @@ unsafe fn add_products(acc: __m256i, abs: __m256i, w: __m256i, y: __m256i) -> __
 }
 
 /// Two groups against activation rows, on 512-bit registers: `emit(y, outputs)` gets
-/// row `y`'s sixteen outputs, the first group's eight and then the second's.
-pub(super) type PairKernel =
-    unsafe fn([&[f16]; 2], [&[i8]; 2], &[Q80Row], &mut dyn FnMut(usize, [f32; 2 * GROUP]));
+/// row `y`'s sixteen outputs, the first group's eight and then the second's. Part `b` of
+/// the `Ahead` is asked for with block `b`.
+pub(super) type PairKernel = unsafe fn(
+    [&[f16]; 2],
+    [&[i8]; 2],
+    &[Q80Row],
+    &Ahead<4>,
+    &mut dyn FnMut(usize, [f32; 2 * GROUP]),
+);
 
 /// The pair kernel where this CPU has VNNI on 512-bit registers.
 pub(super) fn pair_kernel() -> Option<PairKernel> {
@@ -43,15 +50,16 @@ pub(super) unsafe fn dot_pair_512(
     d: [&[f16]; 2],
     qs: [&[i8]; 2],
     rows: &[Q80Row],
+    ahead: &Ahead<4>,
     emit: &mut dyn FnMut(usize, [f32; 2 * GROUP]),
 ) {
-    let mut y = pair_tiles::<VNNI_TILE>(d, qs, rows, 0, emit);
-    y = pair_tiles::<TILE>(d, qs, rows, y, emit);
-    pair_tiles::<1>(d, qs, rows, y, emit);
+    let mut y = pair_tiles::<VNNI_TILE>(d, qs, rows, 0, ahead, emit);
+    y = pair_tiles::<TILE>(d, qs, rows, y, ahead, emit);
+    pair_tiles::<1>(d, qs, rows, y, ahead, emit);
 }
 
 /// The rows from `y` in tiles of `T`, as many as there are whole tiles: returns the
-/// row after them.
+/// row after them. The first tile of all asks for `ahead`.
 ///
 /// # Safety
 /// As for [`dot_pair_512`].
@@ -61,10 +69,12 @@ unsafe fn pair_tiles<const T: usize>(
     qs: [&[i8]; 2],
     rows: &[Q80Row],
     mut y: usize,
+    ahead: &Ahead<4>,
     emit: &mut dyn FnMut(usize, [f32; 2 * GROUP]),
 ) -> usize {
     while y + T <= rows.len() {
-        for (i, out) in pair_outputs::<T>(d, qs, &rows[y..y + T])
+        let ahead = if y == 0 { ahead } else { &Ahead::NONE };
+        for (i, out) in pair_outputs::<T>(d, qs, &rows[y..y + T], ahead)
             .into_iter()
             .enumerate()
         {
@@ -76,7 +86,7 @@ unsafe fn pair_tiles<const T: usize>(
 }
 
 /// `T` activation rows against two groups: [`tile_outputs`] with VNNI, sixteen lanes
-/// wide.
+/// wide, asking for part `b` of `ahead` with block `b`.
 ///
 /// # Safety
 /// As for [`dot_pair_512`]; `rows` has `T` rows.
@@ -85,10 +95,12 @@ unsafe fn pair_outputs<const T: usize>(
     d: [&[f16]; 2],
     qs: [&[i8]; 2],
     rows: &[Q80Row],
+    ahead: &Ahead<4>,
 ) -> [[f32; 2 * GROUP]; T] {
     let mut acc = [_mm512_setzero_ps(); T];
     let lift = _mm512_set1_epi8(i8::MIN);
     for b in 0..rows[0].d.len() {
+        ahead.part(b);
         let (w0, w1) = (
             qs[0].as_ptr().add(b * GROUP * QK),
             qs[1].as_ptr().add(b * GROUP * QK),

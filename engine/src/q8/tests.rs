@@ -160,3 +160,23 @@ fn a_packed_matrix_is_taken_only_for_its_own_bytes_with_its_scales_aligned() {
     let shifted = crate::pack::aligned_bytes(buf).slice(1..=len);
     assert!(Q80Matrix::from_packed(rows, cols, shifted).is_err());
 }
+
+/// As Q4_1's: the next pair's scales and values, every line of them and no other.
+#[test]
+fn the_next_pair_is_asked_for_whole() {
+    let (rows, cols) = (5 * GROUP + 3, 352);
+    let w = Tensor::from_vec(data(rows * cols, 3), (rows, cols), &Device::Cpu).unwrap();
+    let q = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
+    let m = Q80Matrix::from_ggml(&q.data().unwrap(), rows, cols).unwrap();
+    let bytes = |g: usize| -> [&[u8]; 2] {
+        let (d, qs) = m.group(g);
+        [bytemuck::cast_slice(d), bytemuck::cast_slice(qs)]
+    };
+    let both = [bytes(2), bytes(3)].concat();
+    assert_eq!(m.ahead(2).lines(cols / QK), crate::ahead::lines_of(&both));
+    assert_eq!(
+        m.ahead(4).lines(cols / QK),
+        crate::ahead::lines_of(&bytes(4))
+    );
+    assert!(m.ahead(5).lines(cols / QK).is_empty());
+}
