@@ -1,0 +1,228 @@
+use candle_core::{DType, Device, Tensor};
+
+use super::*;
+use crate::act_quant::testing::{bits_differ, values, xorshift_data};
+
+/// (kv heads, query heads per kv head, head width, cached positions, new rows):
+/// SmolLM2's and Qwen2.5's shapes, decode steps and prompts, on and off a cached prefix,
+/// key counts off the multiple of 8, one query head per K/V head, and a head width off
+/// the vector width (the scalar code).
+const SHAPES: [(usize, usize, usize, usize, usize); 8] = [
+    (3, 3, 64, 0, 40),
+    (3, 3, 64, 85, 1),
+    (3, 3, 64, 130, 23),
+    (2, 7, 128, 5, 19),
+    (2, 7, 128, 600, 1),
+    (1, 1, 64, 0, 9),
+    (4, 2, 32, 70, 3),
+    (2, 2, 12, 7, 6),
+];
+
+/// Query, keys and values for a shape, the keys and values as narrowed f16 views of
+/// cache storage with room past them, as the model views its cache.
+fn inputs(i: usize, kv: usize, group: usize, hd: usize, len: usize, t: usize) -> [Tensor; 3] {
+    let dev = Device::Cpu;
+    let cap = len + 37;
+    let seed = i as u64 * 3;
+    let data = |n, s| xorshift_data(n, s, 4.0);
+    let cache = |s| {
+        let t = Tensor::from_vec(data(kv * cap * hd, s), (kv, cap, hd), &dev).unwrap();
+        t.to_dtype(DType::F16).unwrap()
+    };
+    let (k, v) = (cache(seed), cache(seed + 1));
+    let q = Tensor::from_vec(
+        data(kv * group * t * hd, seed + 2),
+        (kv * group, t, hd),
+        &dev,
+    );
+    [
+        q.unwrap(),
+        k.narrow(1, 0, len).unwrap(),
+        v.narrow(1, 0, len).unwrap(),
+    ]
+}
+
+/// Attention of rows `rows` of `q` over the keys up to the last of them.
+fn part(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pos: usize,
+    rows: std::ops::Range<usize>,
+    spread: bool,
+    (window, softcap): Case,
+) -> Vec<f32> {
+    let end = pos + rows.end;
+    let q = q.narrow(1, rows.start, rows.len()).unwrap();
+    let (k, v) = (k.narrow(1, 0, end).unwrap(), v.narrow(1, 0, end).unwrap());
+    let scores = Scores {
+        scale: 1.0 / (q.dim(2).unwrap() as f64).sqrt(),
+        softcap,
+        window,
+    };
+    values(&causal(&q, &k, &v, scores, spread).unwrap())
+}
+
+/// A window and a soft cap.
+type Case = (Option<usize>, Option<f64>);
+
+/// No window, windows shorter than a block's spread of positions and one past them;
+/// soft caps with and without a window.
+const WINDOWS: [Case; 6] = [
+    (None, None),
+    (Some(1), None),
+    (Some(5), None),
+    (Some(64), None),
+    (None, Some(2.0)),
+    (Some(5), Some(2.0)),
+];
+
+#[test]
+fn a_row_gives_the_same_bits_however_the_rows_are_split() {
+    for window in WINDOWS {
+        for (i, &(kv, group, hd, pos, t)) in SHAPES.iter().enumerate() {
+            split_anywhere(i, (kv, group, hd, pos, t), window);
+        }
+    }
+}
+
+/// Shape `i`'s rows attended whole, one by one and in two parts at every row.
+fn split_anywhere(
+    i: usize,
+    (kv, group, hd, pos, t): (usize, usize, usize, usize, usize),
+    window: Case,
+) {
+    let [q, k, v] = inputs(i, kv, group, hd, pos + t, t);
+    let whole = part(&q, &k, &v, pos, 0..t, false, window);
+    let width = kv * group * hd;
+    // Each row alone, as a decode step would run it, spread or not.
+    for r in 0..t {
+        let alone = part(&q, &k, &v, pos, r..r + 1, r % 2 == 0, window);
+        let differ = bits_differ(&alone, &whole[r * width..][..width]);
+        assert_eq!(
+            differ, 0,
+            "shape {i}, window {window:?}, row {r} alone: {differ} values differ"
+        );
+    }
+    // Two parts, split at every row.
+    for split in 1..t {
+        let mut parts = part(&q, &k, &v, pos, 0..split, false, window);
+        parts.extend(part(&q, &k, &v, pos, split..t, true, window));
+        let differ = bits_differ(&parts, &whole);
+        assert_eq!(
+            differ, 0,
+            "shape {i}, window {window:?}, split at {split}: {differ} values differ"
+        );
+    }
+}
+
+#[test]
+fn agrees_with_candles_scale_mask_softmax_and_products() {
+    for window in WINDOWS {
+        for (i, &shape) in SHAPES.iter().enumerate() {
+            agrees_with_candle(i, shape, window);
+        }
+    }
+}
+
+/// Shape `i` attended by our kernels and by candle's ops ([`generic`], the path off the
+/// CPU), each row of it also alone, as a decode step attends it.
+fn agrees_with_candle(
+    i: usize,
+    (kv, group, hd, pos, t): (usize, usize, usize, usize, usize),
+    (window, softcap): Case,
+) {
+    let [q, k, v] = inputs(i, kv, group, hd, pos + t, t);
+    let ours = part(&q, &k, &v, pos, 0..t, true, (window, softcap));
+    let scores = Scores {
+        scale: 1.0 / (hd as f64).sqrt(),
+        softcap,
+        window,
+    };
+    let mut theirs = values(&generic(&q, &k, &v, scores).unwrap());
+    let width = kv * group * hd;
+    assert_eq!(theirs.len(), t * width, "shape {i}");
+    for r in 0..t {
+        let end = pos + r + 1;
+        let (k, v) = (k.narrow(1, 0, end).unwrap(), v.narrow(1, 0, end).unwrap());
+        let row = generic(&q.narrow(1, r, 1).unwrap(), &k, &v, scores).unwrap();
+        theirs.extend(values(&row));
+    }
+    let ours = [ours.clone(), ours].concat();
+    let window = (window, softcap);
+    for (j, (&a, &b)) in ours.iter().zip(&theirs).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5,
+            "shape {i}, window {window:?}, value {j}: {a} against {b}"
+        );
+    }
+}
+
+#[test]
+fn the_vector_kernels_give_the_scalar_bits() {
+    // Up to eight rows against key counts on and off the multiple of 8, rows seeing
+    // different numbers of keys or the same (a decode step's query heads, which the
+    // 512-bit kernel takes together), head widths of an odd number of vectors.
+    for (i, &(rows, hd, len, same)) in [
+        (3, 64, 86, false),
+        (3, 64, 86, true),
+        (8, 64, 203, false),
+        (7, 64, 40, true),
+        (5, 24, 17, false),
+        (1, 128, 9, false),
+        (3, 128, 30, true),
+        (7, 40, 64, false),
+        (3, 48, 35, true),
+        (2, 256, 24, true),
+        (4, 80, 21, true),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let seed = i as u64 * 5;
+        let q = xorshift_data(rows * hd, seed, 4.0);
+        let keys: Vec<f16> = xorshift_data(len * hd, seed + 1, 4.0)
+            .into_iter()
+            .map(f16::from_f32)
+            .collect();
+        let probs = xorshift_data(rows * len, seed + 2, 1.0);
+        let visible: Vec<usize> = (0..rows)
+            .map(|r| {
+                if same {
+                    len
+                } else {
+                    len - (r * 3) % len.min(7)
+                }
+            })
+            .collect();
+        let run = |kernel| {
+            let mut scores = vec![0f32; rows * len];
+            kernels::scores(kernel, &q, &keys, len, hd, 0.125, &mut scores, &mut vec![]);
+            let mut values = vec![0f32; rows * hd];
+            kernels::weighted_values(kernel, &probs, len, &visible, &keys, hd, &mut values);
+            [scores, values]
+        };
+        let scalar = run(Kernel::Scalar);
+        let kernels = Kernel::available(hd);
+        if kernels.len() == 1 {
+            eprintln!("case {i}: only the scalar code runs on this CPU");
+        }
+        for &kernel in &kernels[1..] {
+            let [scores, values] = run(kernel);
+            let case = format!("{kernel:?}, case {i}");
+            assert_eq!(bits_differ(&scores, &scalar[0]), 0, "scores, {case}");
+            assert_eq!(bits_differ(&values, &scalar[1]), 0, "values, {case}");
+        }
+    }
+}
+
+#[test]
+fn refuses_more_rows_than_keys() {
+    let [q, k, v] = inputs(0, 3, 3, 64, 4, 5);
+    let scores = Scores {
+        scale: 0.125,
+        softcap: None,
+        window: None,
+    };
+    assert!(causal(&q, &k, &v, scores, false).is_err());
+}
