@@ -173,7 +173,7 @@ mod tests {
             n_layers: 2,
             n_kv_heads: 2,
             head_dim: 64,
-            dtype: engine::KV_DTYPE.into(),
+            dtype: engine::KV_DTYPE,
         };
         KvBudget::new(layout, 1000, 16, capacity, max_waiting)
     }

@@ -221,8 +221,11 @@ impl KvPlane {
             let layout = header
                 .layout
                 .as_ref()
-                .map(kvwire::convert::layout_from_proto)
-                .ok_or_else(|| DecodeError::BadTransfer("the header has no layout".into()))?;
+                .ok_or_else(|| DecodeError::BadTransfer("the header has no layout".into()))
+                .and_then(|l| {
+                    kvwire::convert::layout_from_proto(l)
+                        .map_err(|e| DecodeError::BadTransfer(e.to_string()))
+                })?;
             if layout != self.layout {
                 return Err(DecodeError::BadTransfer(format!(
                     "layout {layout:?} does not match this node's {:?}",

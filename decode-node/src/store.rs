@@ -154,7 +154,7 @@ mod tests {
             n_layers: 1,
             n_kv_heads: 1,
             head_dim: 2,
-            dtype: engine::KV_DTYPE.into(),
+            dtype: engine::KV_DTYPE,
         };
         KvBudget::new(layout, 100, 16, 10, 4)
     }

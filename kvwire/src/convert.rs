@@ -42,7 +42,7 @@ pub fn layout_to_proto(l: &engine::KvLayout) -> v1::KvLayout {
         n_layers: l.n_layers as u32,
         n_kv_heads: l.n_kv_heads as u32,
         head_dim: l.head_dim as u32,
-        dtype: l.dtype.clone(),
+        dtype: l.dtype.name().into(),
     }
 }
 
@@ -52,18 +52,25 @@ pub fn layout_info(l: &engine::KvLayout) -> discovery::Layout {
         n_layers: l.n_layers as u32,
         n_kv_heads: l.n_kv_heads as u32,
         head_dim: l.head_dim as u32,
-        dtype: l.dtype.clone(),
+        dtype: l.dtype.name().into(),
     }
 }
 
-/// A cache layout from the wire.
-pub fn layout_from_proto(l: &v1::KvLayout) -> engine::KvLayout {
-    engine::KvLayout {
+/// A layout's element type that no engine stores, by its name on the wire.
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error("KV dtype {0:?} is not one an engine stores")]
+pub struct UnknownKvDtype(pub String);
+
+/// A cache layout from the wire: its element type by name, refused where no engine
+/// stores it (its sizes are the assembler's to check, `engine::KvLayout::validate`).
+pub fn layout_from_proto(l: &v1::KvLayout) -> Result<engine::KvLayout, UnknownKvDtype> {
+    Ok(engine::KvLayout {
         n_layers: l.n_layers as usize,
         n_kv_heads: l.n_kv_heads as usize,
         head_dim: l.head_dim as usize,
-        dtype: l.dtype.clone(),
-    }
+        dtype: engine::KvDtype::from_name(&l.dtype)
+            .ok_or_else(|| UnknownKvDtype(l.dtype.clone()))?,
+    })
 }
 
 #[cfg(test)]
@@ -85,8 +92,22 @@ mod tests {
             n_layers: 30,
             n_kv_heads: 3,
             head_dim: 64,
-            dtype: engine::KV_DTYPE.into(),
+            dtype: engine::KV_DTYPE,
         };
-        assert_eq!(layout_from_proto(&layout_to_proto(&l)), l);
+        assert_eq!(layout_from_proto(&layout_to_proto(&l)), Ok(l));
+    }
+
+    #[test]
+    fn a_dtype_no_engine_stores_is_refused_by_name() {
+        for name in ["bf16", "f32", "", "F16", "f16 "] {
+            let mut wire = layout_to_proto(&engine::KvLayout {
+                n_layers: 30,
+                n_kv_heads: 3,
+                head_dim: 64,
+                dtype: engine::KV_DTYPE,
+            });
+            wire.dtype = name.into();
+            assert_eq!(layout_from_proto(&wire), Err(UnknownKvDtype(name.into())));
+        }
     }
 }

@@ -142,7 +142,7 @@ fn a_reserve_counts_each_position_in_every_layers_k_and_v() {
         n_layers: 2,
         n_kv_heads: 2,
         head_dim: 4,
-        dtype: crate::KV_DTYPE.into(),
+        dtype: crate::KV_DTYPE,
     };
     let reserve = KvReserve {
         bytes: 1000,

@@ -244,15 +244,15 @@ mod tests {
             n_layers: 1 + rng.below(4),
             n_kv_heads: 1 + rng.below(3),
             head_dim: 1 + rng.below(8),
-            dtype: KV_DTYPE.into(),
+            dtype: KV_DTYPE,
         }
     }
 
-    /// A layout that is usually a model's and sometimes garbage.
+    /// A layout that is usually a model's and sometimes garbage. (A dtype no engine stores
+    /// never gets this far: the wire's name for it does not parse, `kvwire::convert`.)
     fn layout(rng: &mut Rng) -> KvLayout {
         let mut l = small_layout(rng);
         match rng.below(10) {
-            0 => l.dtype = ["bf16", "f32", "", "F16", "f16 "][rng.below(5)].into(),
             1 => l.n_layers = 0,
             2 => l.n_kv_heads = [0, u32::MAX as usize, 1 << 20][rng.below(3)],
             3 => l.head_dim = [0, u32::MAX as usize, usize::MAX / 2][rng.below(3)],
@@ -263,8 +263,7 @@ mod tests {
     }
 
     fn layout_is_valid(l: &KvLayout) -> bool {
-        l.dtype == KV_DTYPE
-            && l.n_layers > 0
+        l.n_layers > 0
             && l.n_layers <= MAX_LAYERS
             && l.n_kv_heads > 0
             && l.head_dim > 0
@@ -514,7 +513,7 @@ mod tests {
             n_layers: 2,
             n_kv_heads: 2,
             head_dim: 4,
-            dtype: KV_DTYPE.into(),
+            dtype: KV_DTYPE,
         };
         let row = layout.bytes_per_token_layer();
         // Memory of the storage's size, dirtied and freed, for the allocator to hand back:
@@ -571,14 +570,10 @@ mod tests {
             n_layers: 2,
             n_kv_heads: 2,
             head_dim: 16,
-            dtype: KV_DTYPE.into(),
+            dtype: KV_DTYPE,
         };
         assert_eq!(ok.validate().unwrap(), 2 * 2 * 2 * 16 * 2);
         let bad = [
-            KvLayout {
-                dtype: "bf16".into(),
-                ..ok.clone()
-            },
             KvLayout {
                 n_layers: 0,
                 ..ok.clone()

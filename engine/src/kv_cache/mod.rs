@@ -21,10 +21,39 @@ mod staging;
 pub use assembler::{ChunkWrite, KvAssembler};
 pub use staging::{Staged, Stager};
 
-/// The element type of K and V, in the cache and on the wire.
-pub const KV_DTYPE: &str = "f16";
-/// Bytes of one element.
-const ELEM_BYTES: usize = 2;
+/// The element type of a cache's K and V, in memory and on the wire, where it travels by
+/// [`KvDtype::name`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvDtype {
+    /// IEEE half precision, as llama.cpp's caches are by default.
+    F16,
+}
+
+impl KvDtype {
+    /// Its name on the wire and in worker registrations.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::F16 => "f16",
+        }
+    }
+
+    /// The element type a name on the wire stands for; `None` for a name no engine stores.
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::F16].into_iter().find(|d| d.name() == name)
+    }
+
+    /// Bytes of one element.
+    const fn bytes(self) -> usize {
+        match self {
+            Self::F16 => 2,
+        }
+    }
+}
+
+/// The element type this engine's caches hold.
+pub const KV_DTYPE: KvDtype = KvDtype::F16;
+/// Bytes of one element of the storage, which holds [`KV_DTYPE`] as `f16`.
+const ELEM_BYTES: usize = std::mem::size_of::<f16>();
 
 /// Positions are allocated in multiples of this, so growth does not copy every step.
 const GROW_TOKENS: usize = 64;
@@ -48,8 +77,8 @@ pub struct KvLayout {
     pub n_layers: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
-    /// Element type of the K/V payloads: always [`KV_DTYPE`].
-    pub dtype: String,
+    /// Element type of the K/V payloads.
+    pub dtype: KvDtype,
 }
 
 impl KvLayout {
@@ -59,13 +88,13 @@ impl KvLayout {
             n_layers: cfg.num_hidden_layers,
             n_kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
-            dtype: KV_DTYPE.into(),
+            dtype: KV_DTYPE,
         }
     }
 
     /// Bytes of K (or of V) that one position of one layer takes.
     pub fn bytes_per_token_layer(&self) -> usize {
-        self.n_kv_heads * self.head_dim * ELEM_BYTES
+        self.n_kv_heads * self.head_dim * self.dtype.bytes()
     }
 
     /// Bytes of K and V that one position takes over every layer.
@@ -85,14 +114,11 @@ impl KvLayout {
         2 * self.n_layers * one.next_multiple_of(PAGE)
     }
 
-    /// Checks a layout that came from elsewhere (a transfer header): a dtype the engine
-    /// stores, no empty dimension, and sizes whose arithmetic cannot overflow. Returns the
-    /// K+V bytes of one position over all layers.
+    /// Checks a layout that came from elsewhere (a transfer header): no empty dimension,
+    /// and sizes whose arithmetic cannot overflow (its dtype is one the engine stores by
+    /// its type). Returns the K+V bytes of one position over all layers.
     pub fn validate(&self) -> Result<usize> {
         let bad = |why: String| Err(EngineError::BadKv(format!("layout {self:?}: {why}")));
-        if self.dtype != KV_DTYPE {
-            return bad(format!("dtype {:?} is not {KV_DTYPE}", self.dtype));
-        }
         if self.n_layers == 0 || self.n_kv_heads == 0 || self.head_dim == 0 {
             return bad("a dimension is 0".into());
         }
@@ -102,7 +128,7 @@ impl KvLayout {
         let per_position = self
             .n_kv_heads
             .checked_mul(self.head_dim)
-            .and_then(|x| x.checked_mul(ELEM_BYTES * 2))
+            .and_then(|x| x.checked_mul(self.dtype.bytes() * 2))
             .and_then(|x| x.checked_mul(self.n_layers))
             .filter(|&x| x <= MAX_POSITION_BYTES);
         match per_position {

@@ -145,7 +145,7 @@ pub(crate) fn check_registration(reg: &Value, w: &Worker) {
     assert_eq!(
         reg["layout"],
         json!({"n_layers": layout.n_layers, "n_kv_heads": layout.n_kv_heads,
-            "head_dim": layout.head_dim, "dtype": layout.dtype}),
+            "head_dim": layout.head_dim, "dtype": layout.dtype.name()}),
         "{reg}"
     );
     // Every crate of the workspace, the engine included, has the workspace's version.

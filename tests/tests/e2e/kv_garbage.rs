@@ -76,7 +76,10 @@ async fn encode(item: &Item) -> Vec<u8> {
 
 /// Bytes of K (or V) for `positions` of one layer.
 fn payload_len(layout: &KvLayout, positions: usize) -> usize {
-    positions * kvwire::convert::layout_from_proto(layout).bytes_per_token_layer()
+    positions
+        * kvwire::convert::layout_from_proto(layout)
+            .expect("a layout of a dtype an engine stores")
+            .bytes_per_token_layer()
 }
 
 /// A whole, well-formed cache of `PROMPT` whose values are `fill(i)` for byte i.
@@ -311,7 +314,7 @@ async fn garbage_kv_fails_its_own_request_and_the_node_keeps_serving() {
                 };
                 vec![header(id, t, &bf16, PROMPT.to_vec())]
             }),
-            "does not match",
+            "is not one an engine stores",
         ),
         (
             "no-first-tokens",

@@ -39,8 +39,10 @@ impl std::ops::Deref for Node {
 impl Node {
     /// A whole, well-formed transfer of `PROMPT` under `ticket`.
     fn transfer(&self, id: &str, ticket: &[u8]) -> Vec<Item> {
-        let per_layer =
-            PROMPT.len() * kvwire::convert::layout_from_proto(&self.layout).bytes_per_token_layer();
+        let per_layer = PROMPT.len()
+            * kvwire::convert::layout_from_proto(&self.layout)
+                .expect("a layout of a dtype an engine stores")
+                .bytes_per_token_layer();
         let mut items = vec![Item::Header(KvHeader {
             request_id: id.into(),
             layout: Some(self.layout.clone()),
