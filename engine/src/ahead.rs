@@ -47,6 +47,17 @@ impl<const N: usize> Ahead<N> {
         lines
     }
 
+    /// What the tile of activation rows from row `y` asks for: all of it for a pair's first
+    /// tile, nothing for the others, so each line is asked for once, as early as it can be.
+    #[inline(always)]
+    pub(crate) fn for_tile_from(&self, y: usize) -> &Self {
+        if y == 0 {
+            self
+        } else {
+            &Self::NONE
+        }
+    }
+
     /// Asks for part `i`'s cache lines of every run.
     #[inline(always)]
     pub(crate) fn part(&self, i: usize) {

@@ -247,12 +247,11 @@ impl Q80Matrix {
         let q = q.as_slice();
         let nb = self.cols / QK;
         let (d, qs) = (self.d(), self.qs());
-        let group_at = |g: usize| self.group(g);
         let group = avx2::group_kernel();
         let pair = avx2::pair_kernel().filter(|_| n >= split::PAIRED_FROM_ROWS);
         let pair = pair.map(|pair| {
             move |g: usize, out: &split::Columns<'_>| {
-                let ((d0, q0), (d1, q1)) = (group_at(g), group_at(g + 1));
+                let ((d0, q0), (d1, q1)) = (self.group(g), self.group(g + 1));
                 let ahead = self.ahead(g + 2);
                 // SAFETY: `pair_kernel` found AVX-512 F, BW, VL and VNNI beside AVX2, FMA and
                 // F16C; both groups have a block for each of the rows' blocks.
@@ -268,7 +267,7 @@ impl Q80Matrix {
             n,
             pair,
             |g, out| {
-                let (d, qs) = group_at(g);
+                let (d, qs) = self.group(g);
                 // SAFETY: `group_kernel` picked a kernel this CPU runs (AVX2, FMA and F16C
                 // asserted above); the group has a block for each of the rows' blocks.
                 unsafe { group(d, qs, q, &mut |y, vals| out.put_lanes(y, &vals)) };

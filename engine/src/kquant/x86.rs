@@ -133,7 +133,7 @@ unsafe fn whole_tiles<K: Kind, W: Wide, const T: usize, const VNNI: bool, const 
 ) -> usize {
     while y + T <= q.len() {
         let rows: &[Q8KRow<'_>; T] = q[y..y + T].try_into().expect("a whole tile");
-        let ahead = if y == 0 { ahead } else { &Ahead::NONE };
+        let ahead = ahead.for_tile_from(y);
         for (i, acc) in tile::<K, W, T, VNNI, A>(at, sbs, rows, ahead)
             .into_iter()
             .enumerate()

@@ -73,7 +73,7 @@ unsafe fn pair_tiles<const T: usize>(
     emit: &mut dyn FnMut(usize, [f32; 2 * GROUP]),
 ) -> usize {
     while y + T <= rows.len() {
-        let ahead = if y == 0 { ahead } else { &Ahead::NONE };
+        let ahead = ahead.for_tile_from(y);
         for (i, out) in pair_outputs::<T>(d, qs, &rows[y..y + T], ahead)
             .into_iter()
             .enumerate()
