@@ -92,11 +92,13 @@ TOOLS = [
 ]
 
 
-def llama_cpp_model(path: Path):
+def llama_cpp_model(path: Path, kv_q8_0: bool = False):
     """llama.cpp (through llama-cpp-python) on the GGUF file `path`, with logits kept at
-    every position for teacher forcing."""
-    from llama_cpp import Llama
+    every position for teacher forcing. With `kv_q8_0` its K and V caches hold Q8_0 blocks
+    (`-ctk q8_0 -ctv q8_0`, which a quantized V needs flash attention for)."""
+    from llama_cpp import GGML_TYPE_Q8_0, Llama
 
+    kv = {"type_k": GGML_TYPE_Q8_0, "type_v": GGML_TYPE_Q8_0, "flash_attn": True}
     return Llama(
         model_path=str(path),
         n_ctx=512,
@@ -105,6 +107,7 @@ def llama_cpp_model(path: Path):
         logits_all=True,
         seed=0,
         verbose=False,
+        **(kv if kv_q8_0 else {}),
     )
 
 

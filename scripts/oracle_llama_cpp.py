@@ -8,15 +8,19 @@ records llama.cpp's five best next tokens with their log-probabilities. A test f
 same tokens through our decode path, batched, and checks that our best next token agrees
 with llama.cpp's at 95% of positions or more, every disagreement a near-tie.
 
-Writes engine/tests/fixtures/llama_cpp_smollm2.json.
+Writes engine/tests/fixtures/llama_cpp_smollm2.json; with `--kv-q8-0`, llama.cpp's K and V
+caches hold Q8_0 blocks (`-ctk q8_0 -ctv q8_0`) and it writes
+llama_cpp_smollm2_kv_q8_0.json, the reference for the engine's own Q8_0 caches.
 
 Rerun (from the repo root; llama.cpp builds in about 5 minutes on two cores):
   bash scripts/fetch-smollm2.sh
   CMAKE_ARGS="-DGGML_NATIVE=ON" pip install "llama-cpp-python==0.3.36" numpy
   python3 scripts/oracle_llama_cpp.py
+  python3 scripts/oracle_llama_cpp.py --kv-q8-0
 """
 
 import importlib.metadata as md
+import sys
 
 from oracle_common import FIXTURES, MODELS, dump, llama_cpp_case, llama_cpp_model
 
@@ -58,8 +62,9 @@ def chat(question: str) -> str:
 
 
 def main() -> None:
+    kv_q8_0 = "--kv-q8-0" in sys.argv[1:]
     path = MODELS / GGUF_NAME
-    llm = llama_cpp_model(path)
+    llm = llama_cpp_model(path, kv_q8_0)
     cases = []
     for q in QUESTIONS:
         prompt = llm.tokenize(chat(q).encode(), add_bos=False, special=True)
@@ -68,10 +73,11 @@ def main() -> None:
         {
             "note": "written by scripts/oracle_llama_cpp.py; do not edit",
             "model": GGUF_NAME,
+            "kv_cache": "q8_0" if kv_q8_0 else "f16",
             "versions": {"llama-cpp-python": md.version("llama-cpp-python")},
             "cases": cases,
         },
-        FIXTURES / "llama_cpp_smollm2.json",
+        FIXTURES / ("llama_cpp_smollm2_kv_q8_0.json" if kv_q8_0 else "llama_cpp_smollm2.json"),
     )
 
 

@@ -46,7 +46,10 @@ impl ZeroModel {
             .unwrap_or(0);
         Ok(Self {
             name: discovery::model_identity(path),
-            layout: kvwire::convert::layout_to_proto(&engine::KvLayout::for_model(&text.config)),
+            layout: kvwire::convert::layout_to_proto(&engine::KvLayout::for_model(
+                &text.config,
+                engine::KV_DTYPE,
+            )),
             token,
         })
     }

@@ -32,6 +32,17 @@ pub enum EngineError {
     /// The node's `--device` cannot be opened (`engine::device`).
     #[error("device {device} is unavailable: {reason}")]
     DeviceUnavailable { device: String, reason: String },
+    /// The KV cache's element type cannot hold this model's heads on the node's device.
+    #[error(
+        "a {dtype} KV cache cannot hold heads of {head_dim} values on {device}: Q8_0 caches \
+         need heads of a multiple of {} values, on the CPU",
+        crate::kv_cache::Q8_0_VALUES
+    )]
+    KvDtypeUnsupported {
+        dtype: &'static str,
+        head_dim: usize,
+        device: String,
+    },
     /// The model's weights and the node's KV reserve do not fit the machine (or the GPU).
     #[error(
         "{path} does not fit: its weights take {} while loading and the KV reserve {}, {} in \
@@ -67,6 +78,7 @@ impl EngineError {
             | Self::Text(_)
             | Self::KvCache(_)
             | Self::DeviceUnavailable { .. }
+            | Self::KvDtypeUnsupported { .. }
             | Self::OutOfMemory { .. } => false,
         }
     }

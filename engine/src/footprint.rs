@@ -14,7 +14,7 @@ use serde::Deserialize;
 use crate::error::{EngineError, Result};
 use crate::kquant::format::QK_K;
 use crate::kquant::KFormat;
-use crate::kv_cache::KvLayout;
+use crate::kv_cache::{KvDtype, KvLayout};
 use crate::q8::Q80Matrix;
 use crate::weights::DenseMatrices;
 use text::ModelConfig;
@@ -28,11 +28,14 @@ pub enum WeightFile {
 }
 
 /// The KV memory a node reserves beside the weights: a fixed amount and a number of
-/// positions of the model's cache (each counted at its bytes for every layer's K and V).
+/// positions of the model's cache (each counted at its bytes for every layer's K and V in
+/// the element type the caches hold).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct KvReserve {
     pub bytes: u64,
     pub positions: u64,
+    /// The element type the node's caches hold.
+    pub dtype: KvDtype,
 }
 
 impl KvReserve {
@@ -324,7 +327,7 @@ pub fn check_headers(
     device: &Device,
 ) -> Result<()> {
     let weights = peak_weight_bytes(headers, file);
-    let kv = reserve.bytes_for(&KvLayout::for_model(cfg));
+    let kv = reserve.bytes_for(&KvLayout::for_model(cfg, reserve.dtype));
     let on_host = if device.is_cpu() { kv } else { 0 };
     if let Some(machine) = machine_memory() {
         check_fits(path, weights, on_host, &machine)?;

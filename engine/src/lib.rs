@@ -34,7 +34,9 @@ pub mod weights;
 pub use device::DeviceChoice;
 pub use error::{EngineError, Result};
 pub use footprint::KvReserve;
-pub use kv_cache::{KvAssembler, KvChunk, KvDtype, KvLayout, SeqCache, Staged, Stager, KV_DTYPE};
+pub use kv_cache::{
+    KvAssembler, KvChunk, KvDtype, KvLayout, SeqCache, Staged, Stager, UnknownKvDtype, KV_DTYPE,
+};
 pub use loader::{load, load_reporting, load_within, LoadOptions, Loaded};
 pub use model::{Model, SeqInput};
 pub use progress::LoadStep;

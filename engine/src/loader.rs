@@ -24,7 +24,8 @@ pub struct Loaded {
 /// How a node loads its model.
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
-    /// The KV memory the node reserves: with the weights, it must fit the machine.
+    /// The KV memory the node reserves, and the element type its caches hold: with the
+    /// weights, it must fit the machine.
     pub reserve: KvReserve,
     /// Where a GGUF model's K-quant matrices are mapped from, and kept for the next load
     /// ([`crate::pack`]); every load repacks them into its own memory without one.
@@ -58,7 +59,10 @@ pub fn load_reporting(
     report: &mut dyn FnMut(LoadStep),
 ) -> Result<Loaded> {
     let text = text::load(path)?;
-    let (model, pack) = if path.is_dir() {
+    // Before any weight is read: a cache the model's heads or the device cannot take.
+    let kv_dtype = options.reserve.dtype;
+    kv_dtype.check(text.config.head_dim, device)?;
+    let (mut model, pack) = if path.is_dir() {
         let matrices = options
             .matrices
             .unwrap_or_else(|| DenseMatrices::for_device(device));
@@ -82,6 +86,7 @@ pub fn load_reporting(
         }
         (model, pack)
     };
+    model.set_kv_dtype(kv_dtype)?;
     Ok(Loaded {
         model,
         tokenizer: text.tokenizer,

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use crate::attention::Scores;
 use crate::embedding::Embedding;
 use crate::error::{EngineError, Result};
-use crate::kv_cache::{KvLayout, SeqCache};
+use crate::kv_cache::{KvDtype, KvLayout, SeqCache};
 use crate::weights::{Linear, Stacked};
 use ffn::Ffn;
 use text::ModelConfig;
@@ -98,6 +98,8 @@ pub struct Model {
     rope: RopeTables,
     /// The sliding-window layers' rotation where it is not `rope` (Gemma 3's).
     sliding_rope: Option<RopeTables>,
+    /// What its caches hold.
+    kv_dtype: KvDtype,
 }
 
 /// One sequence's share of a forward pass: the new tokens and the cache they extend.
@@ -166,7 +168,15 @@ impl Model {
 
     /// The layout this model's KV caches have.
     pub fn kv_layout(&self) -> KvLayout {
-        KvLayout::for_model(&self.cfg)
+        KvLayout::for_model(&self.cfg, self.kv_dtype)
+    }
+
+    /// Makes this model's caches hold `dtype` from now on, where they can
+    /// ([`KvDtype::check`]).
+    pub fn set_kv_dtype(&mut self, dtype: KvDtype) -> Result<()> {
+        dtype.check(self.cfg.head_dim, &self.device)?;
+        self.kv_dtype = dtype;
+        Ok(())
     }
 
     /// A fresh, empty cache for one sequence.

@@ -56,20 +56,14 @@ pub fn layout_info(l: &engine::KvLayout) -> discovery::Layout {
     }
 }
 
-/// A layout's element type that no engine stores, by its name on the wire.
-#[derive(Debug, PartialEq, thiserror::Error)]
-#[error("KV dtype {0:?} is not one an engine stores")]
-pub struct UnknownKvDtype(pub String);
-
 /// A cache layout from the wire: its element type by name, refused where no engine
 /// stores it (its sizes are the assembler's to check, `engine::KvLayout::validate`).
-pub fn layout_from_proto(l: &v1::KvLayout) -> Result<engine::KvLayout, UnknownKvDtype> {
+pub fn layout_from_proto(l: &v1::KvLayout) -> Result<engine::KvLayout, engine::UnknownKvDtype> {
     Ok(engine::KvLayout {
         n_layers: l.n_layers as usize,
         n_kv_heads: l.n_kv_heads as usize,
         head_dim: l.head_dim as usize,
-        dtype: engine::KvDtype::from_name(&l.dtype)
-            .ok_or_else(|| UnknownKvDtype(l.dtype.clone()))?,
+        dtype: l.dtype.parse()?,
     })
 }
 
@@ -88,18 +82,20 @@ mod tests {
             }],
         };
         assert_eq!(token_from_proto(&token_to_proto(&s)), s);
-        let l = engine::KvLayout {
-            n_layers: 30,
-            n_kv_heads: 3,
-            head_dim: 64,
-            dtype: engine::KV_DTYPE,
-        };
-        assert_eq!(layout_from_proto(&layout_to_proto(&l)), Ok(l));
+        for dtype in engine::KvDtype::ALL {
+            let l = engine::KvLayout {
+                n_layers: 30,
+                n_kv_heads: 3,
+                head_dim: 64,
+                dtype,
+            };
+            assert_eq!(layout_from_proto(&layout_to_proto(&l)), Ok(l));
+        }
     }
 
     #[test]
     fn a_dtype_no_engine_stores_is_refused_by_name() {
-        for name in ["bf16", "f32", "", "F16", "f16 "] {
+        for name in ["bf16", "f32", "", "F16", "f16 ", "q8_1", "Q8_0"] {
             let mut wire = layout_to_proto(&engine::KvLayout {
                 n_layers: 30,
                 n_kv_heads: 3,
@@ -107,7 +103,10 @@ mod tests {
                 dtype: engine::KV_DTYPE,
             });
             wire.dtype = name.into();
-            assert_eq!(layout_from_proto(&wire), Err(UnknownKvDtype(name.into())));
+            assert_eq!(
+                layout_from_proto(&wire),
+                Err(engine::UnknownKvDtype(name.into()))
+            );
         }
     }
 }

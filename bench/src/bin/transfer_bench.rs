@@ -341,7 +341,7 @@ async fn ttft_shares(a: &Args, tokenizer: &text::Tokenizer) -> anyhow::Result<Ve
 async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let text = text::load(&a.model).context("reading the model's config")?;
-    let layout = engine::KvLayout::for_model(&text.config);
+    let layout = engine::KvLayout::for_model(&text.config, engine::KV_DTYPE);
     let per_token = 2 * layout.n_layers * layout.bytes_per_token_layer();
     let (_plain, plain) = decode_node(&a.model, None).await?;
     let pki_dir = e2e::scratch().join(format!("transfer-bench-pki-{}", free_port()));

@@ -1,11 +1,12 @@
 //! The two products of a block of query rows: scores against the keys, and the weighted sum
-//! of the values, both read from the f16 cache and widened to f32 exactly. Vector kernels
+//! of the values, both read from the cache's rows and widened to f32 exactly (`super::format`,
+//! which makes them the same chains for f16 and Q8_0 caches). Vector kernels
 //! where the CPU has them and the head width is a whole number of their vectors (AVX2,
 //! FMA and F16C: eight values; AVX-512 for the weighted values: sixteen); elsewhere
 //! scalar code computing the same chains of fused multiply-adds, so every CPU gives the
 //! same bits.
 
-use half::f16;
+use super::format::{self, Format};
 
 /// Which code computes a block's products. All give the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,21 +52,22 @@ impl Kernel {
 }
 
 /// `out[r * len + j] = (q_r · k_j) * scale` for each query row `r` of `q` and each of the
-/// first `len` keys, the dot product summed as [`dot`] sums it, by `kernel` (one that
-/// [`Kernel::best`] allows for `head_dim`). `wide` is the vector kernels' working memory,
-/// grown as they need.
+/// first `len` keys (rows of `F`), the dot product summed as [`dot`] sums it, by `kernel`
+/// (one that [`Kernel::best`] allows for `head_dim`). `wide` is the kernels' working
+/// memory, grown as they need.
 #[allow(clippy::too_many_arguments)] // the product's operands, then its working memory
-pub(super) fn scores(
+pub(super) fn scores<F: Format>(
     kernel: Kernel,
     q: &[f32],
-    keys: &[f16],
+    keys: &[u8],
     len: usize,
     head_dim: usize,
     scale: f32,
     out: &mut [f32],
     wide: &mut Vec<f32>,
 ) {
-    assert!(keys.len() >= len * head_dim && out.len() >= q.len() / head_dim * len);
+    let row = format::row_bytes::<F>(head_dim);
+    assert!(keys.len() >= len * row && out.len() >= q.len() / head_dim * len);
     assert!(
         kernel as u8 <= Kernel::best(head_dim) as u8,
         "{kernel:?} for {head_dim}"
@@ -75,7 +77,7 @@ pub(super) fn scores(
         // the slices have the lengths asserted above.
         #[cfg(target_arch = "x86_64")]
         unsafe {
-            fma::scores(
+            fma::scores::<F>(
                 q,
                 keys,
                 len,
@@ -87,27 +89,30 @@ pub(super) fn scores(
         };
         return;
     }
-    for (qr, o) in q.chunks_exact(head_dim).zip(out.chunks_exact_mut(len)) {
-        for (k, s) in keys.chunks_exact(head_dim).zip(o.iter_mut()) {
-            *s = dot(qr, k) * scale;
+    let wide = grown(wide, head_dim);
+    for (j, key) in keys.chunks_exact(row).take(len).enumerate() {
+        format::widen::<F>(key, wide);
+        for (r, qr) in q.chunks_exact(head_dim).enumerate() {
+            out[r * len + j] = dot(qr, wide) * scale;
         }
     }
 }
 
-/// `out[r] = sum over j < visible[r] of probs[r * stride + j] * values_j`, each output
-/// value one fused multiply-add chain over the keys, in order, from zero. `kernel` as for
-/// [`scores`].
-pub(super) fn weighted_values(
+/// `out[r] = sum over j < visible[r] of probs[r * stride + j] * values_j` (rows of `F`),
+/// each output value one fused multiply-add chain over the keys, in order, from zero.
+/// `kernel` as for [`scores`].
+pub(super) fn weighted_values<F: Format>(
     kernel: Kernel,
     probs: &[f32],
     stride: usize,
     visible: &[usize],
-    values: &[f16],
+    values: &[u8],
     head_dim: usize,
     out: &mut [f32],
 ) {
     let seen = visible.iter().copied().max().unwrap_or(0);
-    assert!(seen <= stride && values.len() >= seen * head_dim);
+    let row = format::row_bytes::<F>(head_dim);
+    assert!(seen <= stride && values.len() >= seen * row);
     assert!(probs.len() >= visible.len() * stride && out.len() >= visible.len() * head_dim);
     assert!(
         kernel as u8 <= Kernel::best(head_dim) as u8,
@@ -118,13 +123,15 @@ pub(super) fn weighted_values(
         Kernel::Scalar => {}
         Kernel::Avx2 => {
             // SAFETY: as in `scores`; the slices have the lengths asserted above.
-            unsafe { fma::weighted_values(probs, stride, visible, values, head_dim, out) };
+            unsafe { fma::weighted_values::<F>(probs, stride, visible, values, head_dim, out) };
             return;
         }
         Kernel::Avx512 => {
             // SAFETY: `Kernel::best` found AVX-512 and F16C and a head width of whole 512-bit
             // vectors; the slices have the lengths asserted above.
-            unsafe { super::zmm::weighted_values(probs, stride, visible, values, head_dim, out) };
+            unsafe {
+                super::zmm::weighted_values::<F>(probs, stride, visible, values, head_dim, out)
+            };
             return;
         }
     }
@@ -132,7 +139,7 @@ pub(super) fn weighted_values(
     for ((p, &vis), o) in rows.zip(out.chunks_exact_mut(head_dim)) {
         for (d, o) in o.iter_mut().enumerate() {
             *o = (0..vis).fold(0f32, |acc, j| {
-                values[j * head_dim + d].to_f32().mul_add(p[j], acc)
+                format::value::<F>(&values[j * row..], d).mul_add(p[j], acc)
             });
         }
     }
@@ -150,10 +157,10 @@ pub(super) fn grown(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
 /// The dot product in eight lanes: lane `l` one chain of fused multiply-adds over the
 /// dimensions `l` modulo 8, in order, from zero; then the lanes added in pairs, as the
 /// vector kernel's tree adds them.
-fn dot(a: &[f32], b: &[f16]) -> f32 {
+fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut l = [0f32; 8];
     for (d, (&x, &y)) in a.iter().zip(b).enumerate() {
-        l[d % 8] = x.mul_add(y.to_f32(), l[d % 8]);
+        l[d % 8] = x.mul_add(y, l[d % 8]);
     }
     ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
 }
@@ -162,7 +169,7 @@ fn dot(a: &[f32], b: &[f16]) -> f32 {
 mod fma {
     use std::arch::x86_64::*;
 
-    use half::f16;
+    use crate::attention::format::{self, x86::load8, Format};
 
     /// Runs of eight keys whose cache lines are asked for ahead of their reads (2 KiB at
     /// SmolLM2's heads of 64). A decode step reads each head's keys and values once, from
@@ -170,16 +177,6 @@ mod fma {
     /// page and start again. On a 512-bit Xeon attention went from 32-33% to 28-29% of a
     /// batch-16 step (bench/HISTORY.md, 2026-12-05); 4 KiB ahead did no better.
     const AHEAD: usize = 2;
-
-    /// Eight cache values from `at`, widened to f32.
-    ///
-    /// # Safety
-    /// The CPU has F16C; eight values from `at` are readable.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8(at: *const f16) -> __m256 {
-        _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i))
-    }
 
     /// As `super::scores`. Eight keys at a time are widened once into `wide`; each query
     /// row then runs one accumulator per key (lane `l` summing the dimensions `l` modulo
@@ -191,9 +188,9 @@ mod fma {
     /// AVX2, FMA and F16C are present; `head_dim` is a multiple of 8; `keys` holds `len` rows,
     /// `out` `q.len() / head_dim` rows of `len` and `wide` `8 * head_dim` values.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn scores(
+    pub(super) unsafe fn scores<F: Format>(
         q: &[f32],
-        keys: &[f16],
+        keys: &[u8],
         len: usize,
         head_dim: usize,
         scale: f32,
@@ -202,19 +199,23 @@ mod fma {
     ) {
         assert!(wide.len() >= 8 * head_dim, "too little working memory");
         let rows = q.len() / head_dim;
+        let row = format::row_bytes::<F>(head_dim);
         let full = len / 8 * 8;
         let scale_v = _mm256_set1_ps(scale);
         for j0 in (0..full).step_by(8) {
-            let from = keys.as_ptr().add(j0 * head_dim);
+            let from = keys.as_ptr().add(j0 * row);
             if j0 + 8 * AHEAD < full {
                 // Keys `j0 + 8 * AHEAD` onwards, a whole run of eight before `full`.
-                let next = from.add(8 * AHEAD * head_dim) as *const i8;
-                for line in (0..16 * head_dim).step_by(64) {
+                let next = from.add(8 * AHEAD * row) as *const i8;
+                for line in (0..8 * row).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(next.add(line));
                 }
             }
-            for i in (0..8 * head_dim).step_by(8) {
-                _mm256_storeu_ps(wide.as_mut_ptr().add(i), load8(from.add(i)));
+            for k in 0..8 {
+                for d in (0..head_dim).step_by(8) {
+                    let w = load8::<F>(from.add(k * row), d);
+                    _mm256_storeu_ps(wide.as_mut_ptr().add(k * head_dim + d), w);
+                }
             }
             for r in 0..rows {
                 let qr = q.as_ptr().add(r * head_dim);
@@ -231,7 +232,8 @@ mod fma {
             }
         }
         for j in full..len {
-            let k = &keys[j * head_dim..][..head_dim];
+            let k = &mut wide[..head_dim];
+            format::widen::<F>(&keys[j * row..][..row], k);
             for r in 0..rows {
                 out[r * len + j] = super::dot(&q[r * head_dim..][..head_dim], k) * scale;
             }
@@ -268,11 +270,11 @@ mod fma {
     /// AVX2, FMA and F16C are present; `head_dim` is a multiple of 8; the slices have the lengths
     /// `super::weighted_values` asserts.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn weighted_values(
+    pub(super) unsafe fn weighted_values<F: Format>(
         probs: &[f32],
         stride: usize,
         visible: &[usize],
-        values: &[f16],
+        values: &[u8],
         head_dim: usize,
         out: &mut [f32],
     ) {
@@ -281,17 +283,17 @@ mod fma {
             let o = &mut out[r * head_dim..][..head_dim];
             let mut d0 = 0;
             while d0 + 64 <= head_dim {
-                columns::<8>(p, values, head_dim, d0, o);
+                columns::<8, F>(p, values, head_dim, d0, o);
                 d0 += 64;
             }
             match (head_dim - d0) / 8 {
-                1 => columns::<1>(p, values, head_dim, d0, o),
-                2 => columns::<2>(p, values, head_dim, d0, o),
-                3 => columns::<3>(p, values, head_dim, d0, o),
-                4 => columns::<4>(p, values, head_dim, d0, o),
-                5 => columns::<5>(p, values, head_dim, d0, o),
-                6 => columns::<6>(p, values, head_dim, d0, o),
-                7 => columns::<7>(p, values, head_dim, d0, o),
+                1 => columns::<1, F>(p, values, head_dim, d0, o),
+                2 => columns::<2, F>(p, values, head_dim, d0, o),
+                3 => columns::<3, F>(p, values, head_dim, d0, o),
+                4 => columns::<4, F>(p, values, head_dim, d0, o),
+                5 => columns::<5, F>(p, values, head_dim, d0, o),
+                6 => columns::<6, F>(p, values, head_dim, d0, o),
+                7 => columns::<7, F>(p, values, head_dim, d0, o),
                 _ => {}
             }
         }
@@ -304,26 +306,28 @@ mod fma {
     /// As for [`weighted_values`]; `d0 + 8 * V <= head_dim`; `values` holds `probs.len()`
     /// rows; `out` holds `head_dim` values.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn columns<const V: usize>(
+    unsafe fn columns<const V: usize, F: Format>(
         probs: &[f32],
-        values: &[f16],
+        values: &[u8],
         head_dim: usize,
         d0: usize,
         out: &mut [f32],
     ) {
         let mut acc = [_mm256_setzero_ps(); V];
+        let row = format::row_bytes::<F>(head_dim);
+        let bytes = format::span::<F>(d0, 8 * V);
         for (j, &pj) in probs.iter().enumerate() {
             let pj = _mm256_set1_ps(pj);
-            let vj = values.as_ptr().add(j * head_dim + d0);
+            let vj = values.as_ptr().add(j * row);
             if j + 8 * AHEAD < probs.len() {
                 // This call's values of a row that `probs` reaches.
-                let next = vj.add(8 * AHEAD * head_dim) as *const i8;
-                for line in (0..16 * V).step_by(64) {
+                let next = vj.add(8 * AHEAD * row + bytes.start) as *const i8;
+                for line in (0..bytes.len()).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(next.add(line));
                 }
             }
             for (i, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(load8(vj.add(8 * i)), pj, *a);
+                *a = _mm256_fmadd_ps(load8::<F>(vj, d0 + 8 * i), pj, *a);
             }
         }
         for (i, a) in acc.iter().enumerate() {

@@ -25,6 +25,7 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+mod format;
 mod kernels;
 mod splits;
 #[cfg(target_arch = "x86_64")]
@@ -37,8 +38,10 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
+use crate::kv_cache::{KvDtype, Q8_0_BYTES, Q8_0_VALUES};
 use crate::split::{map_on_pool, SharedOut};
 use crate::vexp::exp_minus;
+use format::Format;
 use kernels::Kernel;
 
 /// Query rows of one K/V head attended together: they share each pass over its keys.
@@ -56,9 +59,9 @@ pub(crate) struct Scores {
 }
 
 /// Attention of the last `t` positions of a sequence: `q` is `(heads, t, head_dim)`,
-/// already rotated; `keys` and `values` are `(kv_heads, len, head_dim)` f16 views of the
-/// cache, rows contiguous, ending with the `t` new positions. Returns
-/// `(t, heads * head_dim)`.
+/// already rotated; `keys` and `values` are `(kv_heads, len)` views of the cache's rows,
+/// f16 or Q8_0 (`SeqCache::view`), rows contiguous, ending with the `t` new positions.
+/// Returns `(t, heads * head_dim)`.
 ///
 /// The work goes out in blocks of [`ROWS`] query rows of one K/V head. A prompt's blocks
 /// spread over rayon's pool, whose stealing evens out the later rows' longer spans. A decode
@@ -109,7 +112,33 @@ fn attend_rows(
     spread: bool,
     out: &mut [f32],
 ) -> Result<()> {
-    let Shape { hd, kv_heads, len } = Shape::of(heads, t, keys)?;
+    let shape = Shape::of(heads, t, keys)?;
+    match shape.dtype {
+        KvDtype::F16 => {
+            attend_in::<format::F16>(q, heads, t, shape, keys, values, scores, spread, out)
+        }
+        KvDtype::Q8_0 => {
+            attend_in::<format::Q8>(q, heads, t, shape, keys, values, scores, spread, out)
+        }
+    }
+}
+
+/// [`attend_rows`] over rows of `F`.
+#[allow(clippy::too_many_arguments)] // as `attend_rows`, with the keys' shape
+fn attend_in<F: Format>(
+    q: &[f32],
+    heads: usize,
+    t: usize,
+    shape: Shape,
+    keys: &Tensor,
+    values: &Tensor,
+    scores: Scores,
+    spread: bool,
+    out: &mut [f32],
+) -> Result<()> {
+    let Shape {
+        hd, kv_heads, len, ..
+    } = shape;
     if q.len() != heads * t * hd || out.len() != t * heads * hd {
         return Err(EngineError::InvalidInput(format!(
             "attention of {t} rows of {heads} heads from {} query values into {}",
@@ -120,8 +149,12 @@ fn attend_rows(
     let pos = len - t;
     let (k_store, k_layout) = keys.storage_and_layout();
     let (v_store, v_layout) = values.storage_and_layout();
-    let k = Heads::new(cpu_data(&k_store)?, k_layout, kv_heads, len, hd)?;
-    let v = Heads::new(cpu_data(&v_store)?, v_layout, kv_heads, len, hd)?;
+    let row = format::row_bytes::<F>(hd);
+    let k = Heads::new(cpu_bytes(&k_store)?, k_layout, kv_heads, len, row)?;
+    let v = Heads::new(cpu_bytes(&v_store)?, v_layout, kv_heads, len, row)?;
+    if values.dtype() != keys.dtype() || values.dims3()? != keys.dims3()? {
+        return Err(EngineError::KvCache("keys and values of two shapes".into()));
+    }
     // A K/V head's query rows: those of its `group` query heads, each `t` rows.
     let per_head = heads / kv_heads * t;
     let blocks = per_head.div_ceil(ROWS);
@@ -135,7 +168,7 @@ fn attend_rows(
         let spans: [Range<usize>; ROWS] =
             std::array::from_fn(|n| span(pos + (first + n) % t, scores.window));
         let q = &q[(h * per_head + first) * hd..][..rows * hd];
-        attend_block(q, &spans[..rows], k.head(h), v.head(h), hd, &scores, out);
+        attend_block::<F>(q, &spans[..rows], k.head(h), v.head(h), hd, &scores, out);
     };
     let items = kv_heads * blocks;
     if t == 1 {
@@ -181,7 +214,7 @@ fn attend_rows(
 }
 
 /// [`causal`] in candle's ops, for a device our kernels cannot read (a GPU): the same
-/// inputs and output, the cache's f16 widened to f32, the heads sharing a K/V head folded
+/// inputs and output (of an f16 cache, or values in f32), widened to f32, the heads sharing a K/V head folded
 /// into one matrix (K/V never repeated), scores masked additively. Its values are candle's
 /// products' and softmax's, so they may differ with the number of rows attended.
 pub(crate) fn generic(
@@ -190,8 +223,15 @@ pub(crate) fn generic(
     values: &Tensor,
     scores: Scores,
 ) -> Result<Tensor> {
-    let (heads, t, _) = q.dims3()?;
-    let Shape { hd, kv_heads, len } = Shape::of(heads, t, keys)?;
+    let (heads, t, hd) = q.dims3()?;
+    let (kv_heads, len, _) = keys.dims3()?;
+    Shape::check(heads, t, kv_heads, len)?;
+    if !matches!(keys.dtype(), DType::F16 | DType::F32) {
+        return Err(EngineError::KvCache(format!(
+            "candle's attention reads f16 caches, not {:?}",
+            keys.dtype()
+        )));
+    }
     let (group, pos) = (heads / kv_heads, len - t);
     let keys = keys.to_dtype(DType::F32)?;
     let values = values.to_dtype(DType::F32)?;
@@ -264,24 +304,50 @@ fn causal_mask(
     Ok(Tensor::from_vec(m, (group * t, keys), device)?)
 }
 
-/// The sizes of an attention's keys, `(kv_heads, len, hd)`.
+/// The sizes of an attention's keys, `kv_heads` heads of `len` rows of `hd` values, and
+/// what their rows hold.
+#[derive(Debug, Clone, Copy)]
 struct Shape {
     hd: usize,
     kv_heads: usize,
     len: usize,
+    dtype: KvDtype,
 }
 
 impl Shape {
     /// The sizes, where `t` new rows (at least one, at most the keys) of `heads` heads
     /// grouped evenly over the K/V heads of `keys` can attend.
     fn of(heads: usize, t: usize, keys: &Tensor) -> Result<Self> {
-        let (kv_heads, len, hd) = keys.dims3()?;
+        let (kv_heads, len, elems) = keys.dims3()?;
+        Self::check(heads, t, kv_heads, len)?;
+        let dtype = KvDtype::of_storage(keys.dtype())
+            .ok_or_else(|| EngineError::KvCache(format!("a cache of {:?}", keys.dtype())))?;
+        let hd = match dtype {
+            KvDtype::F16 => elems,
+            KvDtype::Q8_0 if elems.is_multiple_of(Q8_0_BYTES) => elems / Q8_0_BYTES * Q8_0_VALUES,
+            KvDtype::Q8_0 => {
+                return Err(EngineError::KvCache(format!(
+                    "Q8_0 rows of {elems} bytes are not whole blocks"
+                )))
+            }
+        };
+        Ok(Self {
+            hd,
+            kv_heads,
+            len,
+            dtype,
+        })
+    }
+
+    /// Whether `t` new rows (at least one, at most the keys) of `heads` heads grouped
+    /// evenly over `kv_heads` heads of `len` keys can attend.
+    fn check(heads: usize, t: usize, kv_heads: usize, len: usize) -> Result<()> {
         if t == 0 || t > len || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(EngineError::InvalidInput(format!(
                 "attention of {t} rows of {heads} heads over {len} keys of {kv_heads} heads"
             )));
         }
-        Ok(Self { hd, kv_heads, len })
+        Ok(())
     }
 }
 
@@ -305,13 +371,13 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
 }
 
-/// One block of query rows of a K/V head: row `r` sees the keys `spans[r]`. Writes the rows'
-/// outputs, one after another, into `out`.
-fn attend_block(
+/// One block of query rows of a K/V head (rows of `F`): row `r` sees the keys `spans[r]`.
+/// Writes the rows' outputs, one after another, into `out`.
+fn attend_block<F: Format>(
     q: &[f32],
     spans: &[Range<usize>],
-    keys: &[f16],
-    values: &[f16],
+    keys: &[u8],
+    values: &[u8],
     head_dim: usize,
     how: &Scores,
     out: &mut [f32],
@@ -324,13 +390,14 @@ fn attend_block(
         *v = s.end - from;
     }
     let seen = visible.iter().copied().max().unwrap_or(0);
-    let (keys, values) = (&keys[from * head_dim..], &values[from * head_dim..]);
+    let row = format::row_bytes::<F>(head_dim);
+    let (keys, values) = (&keys[from * row..], &values[from * row..]);
     SCRATCH.with_borrow_mut(|Scratch { probs, wide }| {
         let probs = kernels::grown(probs, visible.len() * seen);
         // Scores past a row's own position are computed with the others' and never read.
         let scale = how.scale as f32;
         let kernel = Kernel::best(head_dim);
-        kernels::scores(kernel, q, keys, seen, head_dim, scale, probs, wide);
+        kernels::scores::<F>(kernel, q, keys, seen, head_dim, scale, probs, wide);
         for (row, s) in probs.chunks_exact_mut(seen).zip(spans) {
             let (start, end) = (s.start - from, s.end - from);
             row[..start].fill(0.0);
@@ -341,7 +408,7 @@ fn attend_block(
             }
             softmax(&mut row[start..end]);
         }
-        kernels::weighted_values(kernel, probs, seen, visible, values, head_dim, out);
+        kernels::weighted_values::<F>(kernel, probs, seen, visible, values, head_dim, out);
     });
 }
 
@@ -373,7 +440,7 @@ fn lanes(row: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> f32 {
     acc.into_iter().reduce(f).unwrap_or(init)
 }
 
-/// A tensor's values in CPU memory, as `T` (f32 queries, an f16 cache).
+/// A tensor's values in CPU memory, as `T` (f32 queries).
 fn cpu_data<T: WithDType>(storage: &Storage) -> Result<&[T]> {
     match storage {
         Storage::Cpu(data) => Ok(data.as_slice::<T>()?),
@@ -383,29 +450,50 @@ fn cpu_data<T: WithDType>(storage: &Storage) -> Result<&[T]> {
     }
 }
 
-/// The K or V heads of one layer: head `h` is `len` rows of `head_dim` from `h * stride`.
+/// A cache's storage in CPU memory as bytes, and the bytes of one of its elements.
+fn cpu_bytes(storage: &Storage) -> Result<Bytes<'_>> {
+    match storage {
+        Storage::Cpu(candle_core::CpuStorage::F16(data)) => Ok(Bytes {
+            data: bytemuck::cast_slice(data),
+            elem: size_of::<f16>(),
+        }),
+        Storage::Cpu(candle_core::CpuStorage::U8(data)) => Ok(Bytes { data, elem: 1 }),
+        _ => Err(EngineError::InvalidInput(
+            "CPU attention reads f16 or Q8_0 caches in CPU memory".into(),
+        )),
+    }
+}
+
+/// A tensor's storage as bytes, each element `elem` of them.
+struct Bytes<'a> {
+    data: &'a [u8],
+    elem: usize,
+}
+
+/// The K or V heads of one layer, as bytes: head `h` is `len` rows of `row` bytes from
+/// `h * stride`.
 struct Heads<'a> {
-    data: &'a [f16],
+    data: &'a [u8],
     stride: usize,
     len: usize,
-    head_dim: usize,
+    row: usize,
 }
 
 impl<'a> Heads<'a> {
     fn new(
-        data: &'a [f16],
+        Bytes { data, elem }: Bytes<'a>,
         layout: &candle_core::Layout,
         heads: usize,
         len: usize,
-        head_dim: usize,
+        row: usize,
     ) -> Result<Self> {
-        let stride = layout.stride();
-        let start = layout.start_offset();
+        let stride: Vec<usize> = layout.stride().iter().map(|s| s * elem).collect();
+        let start = layout.start_offset() * elem;
         let fits = stride.len() == 3
-            && stride[2] == 1
-            && stride[1] == head_dim
-            && stride[0] >= len * head_dim
-            && start + (heads - 1) * stride[0] + len * head_dim <= data.len();
+            && stride[2] == elem
+            && stride[1] == row
+            && stride[0] >= len * row
+            && start + (heads - 1) * stride[0] + len * row <= data.len();
         if !fits {
             return Err(EngineError::KvCache(
                 "cache view is not rows of contiguous heads".into(),
@@ -415,12 +503,12 @@ impl<'a> Heads<'a> {
             data: &data[start..],
             stride: stride[0],
             len,
-            head_dim,
+            row,
         })
     }
 
-    fn head(&self, h: usize) -> &'a [f16] {
-        &self.data[h * self.stride..][..self.len * self.head_dim]
+    fn head(&self, h: usize) -> &'a [u8] {
+        &self.data[h * self.stride..][..self.len * self.row]
     }
 }
 

@@ -1,7 +1,9 @@
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor};
 
 use super::*;
 use crate::act_quant::testing::{bits_differ, values, xorshift_data};
+use crate::kv_cache::quantize_row;
 
 /// (kv heads, query heads per kv head, head width, cached positions, new rows):
 /// SmolLM2's and Qwen2.5's shapes, decode steps and prompts, on and off a cached prefix,
@@ -18,16 +20,38 @@ const SHAPES: [(usize, usize, usize, usize, usize); 8] = [
     (2, 2, 12, 7, 6),
 ];
 
-/// Query, keys and values for a shape, the keys and values as narrowed f16 views of
-/// cache storage with room past them, as the model views its cache.
-fn inputs(i: usize, kv: usize, group: usize, hd: usize, len: usize, t: usize) -> [Tensor; 3] {
+/// The shapes a cache of `dtype` holds (Q8_0: heads of whole blocks).
+fn shapes(dtype: KvDtype) -> impl Iterator<Item = (usize, (usize, usize, usize, usize, usize))> {
+    SHAPES
+        .into_iter()
+        .enumerate()
+        .filter(move |(_, s)| dtype.holds(s.2))
+}
+
+/// Query, keys and values for a shape, the keys and values as narrowed views of cache
+/// storage of `dtype` with room past them, as the model views its cache.
+fn inputs(
+    i: usize,
+    (kv, group, hd, len, t): (usize, usize, usize, usize, usize),
+    dtype: KvDtype,
+) -> [Tensor; 3] {
     let dev = Device::Cpu;
     let cap = len + 37;
     let seed = i as u64 * 3;
     let data = |n, s| xorshift_data(n, s, 4.0);
     let cache = |s| {
-        let t = Tensor::from_vec(data(kv * cap * hd, s), (kv, cap, hd), &dev).unwrap();
-        t.to_dtype(DType::F16).unwrap()
+        let values = data(kv * cap * hd, s);
+        let t = match dtype {
+            KvDtype::F16 => Tensor::from_vec(values, (kv, cap, hd), &dev)
+                .unwrap()
+                .to_dtype(DType::F16),
+            KvDtype::Q8_0 => {
+                let mut bytes = vec![0u8; values.len() / 32 * 34];
+                quantize_row(&values, &mut bytes);
+                Tensor::from_vec(bytes, (kv, cap, hd / 32 * 34), &dev)
+            }
+        };
+        t.unwrap().narrow(1, 0, len).unwrap()
     };
     let (k, v) = (cache(seed), cache(seed + 1));
     let q = Tensor::from_vec(
@@ -35,11 +59,24 @@ fn inputs(i: usize, kv: usize, group: usize, hd: usize, len: usize, t: usize) ->
         (kv * group, t, hd),
         &dev,
     );
-    [
-        q.unwrap(),
-        k.narrow(1, 0, len).unwrap(),
-        v.narrow(1, 0, len).unwrap(),
-    ]
+    [q.unwrap(), k, v]
+}
+
+/// What a cache view holds, in f32: an f16 cache widened; a Q8_0 cache's blocks as
+/// candle's own dequantization reads them.
+fn meaning(cache: &Tensor, hd: usize) -> Tensor {
+    if cache.dtype() == DType::F16 {
+        return cache.to_dtype(DType::F32).unwrap();
+    }
+    let (kv, len, row) = cache.dims3().unwrap();
+    let bytes: Vec<u8> = cache.flatten_all().unwrap().to_vec1().unwrap();
+    assert_eq!(row, hd / 32 * 34);
+    let storage = QStorage::from_data(bytes.into(), &Device::Cpu, GgmlDType::Q8_0).unwrap();
+    let q = QTensor::new(storage, (kv * len, hd)).unwrap();
+    q.dequantize(&Device::Cpu)
+        .unwrap()
+        .reshape((kv, len, hd))
+        .unwrap()
 }
 
 /// Attention of rows `rows` of `q` over the keys up to the last of them.
@@ -79,9 +116,11 @@ const WINDOWS: [Case; 6] = [
 
 #[test]
 fn a_row_gives_the_same_bits_however_the_rows_are_split() {
-    for window in WINDOWS {
-        for (i, &(kv, group, hd, pos, t)) in SHAPES.iter().enumerate() {
-            split_anywhere(i, (kv, group, hd, pos, t), window);
+    for dtype in KvDtype::ALL {
+        for window in WINDOWS {
+            for (i, shape) in shapes(dtype) {
+                split_anywhere(i, shape, window, dtype);
+            }
         }
     }
 }
@@ -91,8 +130,9 @@ fn split_anywhere(
     i: usize,
     (kv, group, hd, pos, t): (usize, usize, usize, usize, usize),
     window: Case,
+    dtype: KvDtype,
 ) {
-    let [q, k, v] = inputs(i, kv, group, hd, pos + t, t);
+    let [q, k, v] = inputs(i, (kv, group, hd, pos + t, t), dtype);
     let whole = part(&q, &k, &v, pos, 0..t, false, window);
     let width = kv * group * hd;
     // Each row alone, as a decode step would run it, spread or not.
@@ -101,7 +141,7 @@ fn split_anywhere(
         let differ = bits_differ(&alone, &whole[r * width..][..width]);
         assert_eq!(
             differ, 0,
-            "shape {i}, window {window:?}, row {r} alone: {differ} values differ"
+            "{dtype:?} shape {i}, window {window:?}, row {r} alone: {differ} values differ"
         );
     }
     // Two parts, split at every row.
@@ -111,29 +151,34 @@ fn split_anywhere(
         let differ = bits_differ(&parts, &whole);
         assert_eq!(
             differ, 0,
-            "shape {i}, window {window:?}, split at {split}: {differ} values differ"
+            "{dtype:?} shape {i}, window {window:?}, split at {split}: {differ} values differ"
         );
     }
 }
 
 #[test]
 fn agrees_with_candles_scale_mask_softmax_and_products() {
-    for window in WINDOWS {
-        for (i, &shape) in SHAPES.iter().enumerate() {
-            agrees_with_candle(i, shape, window);
+    for dtype in KvDtype::ALL {
+        for window in WINDOWS {
+            for (i, shape) in shapes(dtype) {
+                agrees_with_candle(i, shape, window, dtype);
+            }
         }
     }
 }
 
 /// Shape `i` attended by our kernels and by candle's ops ([`generic`], the path off the
-/// CPU), each row of it also alone, as a decode step attends it.
+/// CPU) over what the cache means (for Q8_0, candle's dequantization of its blocks), each
+/// row of it also alone, as a decode step attends it.
 fn agrees_with_candle(
     i: usize,
     (kv, group, hd, pos, t): (usize, usize, usize, usize, usize),
     (window, softcap): Case,
+    dtype: KvDtype,
 ) {
-    let [q, k, v] = inputs(i, kv, group, hd, pos + t, t);
+    let [q, k, v] = inputs(i, (kv, group, hd, pos + t, t), dtype);
     let ours = part(&q, &k, &v, pos, 0..t, true, (window, softcap));
+    let (k, v) = (meaning(&k, hd), meaning(&v, hd));
     let scores = Scores {
         scale: 1.0 / (hd as f64).sqrt(),
         softcap,
@@ -153,7 +198,7 @@ fn agrees_with_candle(
     for (j, (&a, &b)) in ours.iter().zip(&theirs).enumerate() {
         assert!(
             (a - b).abs() <= 1e-5,
-            "shape {i}, window {window:?}, value {j}: {a} against {b}"
+            "{dtype:?} shape {i}, window {window:?}, value {j}: {a} against {b}"
         );
     }
 }
@@ -179,46 +224,80 @@ fn the_vector_kernels_give_the_scalar_bits() {
     .iter()
     .enumerate()
     {
-        let seed = i as u64 * 5;
-        let q = xorshift_data(rows * hd, seed, 4.0);
-        let keys: Vec<f16> = xorshift_data(len * hd, seed + 1, 4.0)
-            .into_iter()
-            .map(f16::from_f32)
-            .collect();
-        let probs = xorshift_data(rows * len, seed + 2, 1.0);
-        let visible: Vec<usize> = (0..rows)
-            .map(|r| {
-                if same {
-                    len
-                } else {
-                    len - (r * 3) % len.min(7)
-                }
-            })
-            .collect();
-        let run = |kernel| {
-            let mut scores = vec![0f32; rows * len];
-            kernels::scores(kernel, &q, &keys, len, hd, 0.125, &mut scores, &mut vec![]);
-            let mut values = vec![0f32; rows * hd];
-            kernels::weighted_values(kernel, &probs, len, &visible, &keys, hd, &mut values);
-            [scores, values]
-        };
-        let scalar = run(Kernel::Scalar);
-        let kernels = Kernel::available(hd);
-        if kernels.len() == 1 {
-            eprintln!("case {i}: only the scalar code runs on this CPU");
-        }
-        for &kernel in &kernels[1..] {
-            let [scores, values] = run(kernel);
-            let case = format!("{kernel:?}, case {i}");
-            assert_eq!(bits_differ(&scores, &scalar[0]), 0, "scores, {case}");
-            assert_eq!(bits_differ(&values, &scalar[1]), 0, "values, {case}");
+        for dtype in KvDtype::ALL.into_iter().filter(|d| d.holds(hd)) {
+            kernels_agree(i, (rows, hd, len, same), dtype);
         }
     }
 }
 
+/// Case `i` of [`the_vector_kernels_give_the_scalar_bits`] over a cache of `dtype`.
+fn kernels_agree(i: usize, (rows, hd, len, same): (usize, usize, usize, bool), dtype: KvDtype) {
+    let seed = i as u64 * 5;
+    let q = xorshift_data(rows * hd, seed, 4.0);
+    let wide = xorshift_data(len * hd, seed + 1, 4.0);
+    let keys: Vec<u8> = match dtype {
+        KvDtype::F16 => wide
+            .into_iter()
+            .flat_map(|x| f16::from_f32(x).to_le_bytes())
+            .collect(),
+        KvDtype::Q8_0 => {
+            let mut bytes = vec![0u8; dtype.row_bytes(hd) * len];
+            quantize_row(&wide, &mut bytes);
+            bytes
+        }
+    };
+    let probs = xorshift_data(rows * len, seed + 2, 1.0);
+    let visible: Vec<usize> = (0..rows)
+        .map(|r| {
+            if same {
+                len
+            } else {
+                len - (r * 3) % len.min(7)
+            }
+        })
+        .collect();
+    let run = |kernel| {
+        let products = match dtype {
+            KvDtype::F16 => products::<format::F16>,
+            KvDtype::Q8_0 => products::<format::Q8>,
+        };
+        products(kernel, &q, &keys, &probs, &visible, hd)
+    };
+    let scalar = run(Kernel::Scalar);
+    let kernels = Kernel::available(hd);
+    if kernels.len() == 1 {
+        eprintln!("case {i}: only the scalar code runs on this CPU");
+    }
+    for &kernel in &kernels[1..] {
+        let [scores, values] = run(kernel);
+        let case = format!("{kernel:?}, {dtype:?}, case {i}");
+        assert_eq!(bits_differ(&scores, &scalar[0]), 0, "scores, {case}");
+        assert_eq!(bits_differ(&values, &scalar[1]), 0, "values, {case}");
+    }
+}
+
+/// A block's scores (scaled by 1/8) of `q` against every key, and its weighted values of
+/// the same rows (as values), by `kernel`.
+fn products<F: Format>(
+    kernel: Kernel,
+    q: &[f32],
+    keys: &[u8],
+    probs: &[f32],
+    visible: &[usize],
+    hd: usize,
+) -> [Vec<f32>; 2] {
+    let rows = q.len() / hd;
+    let len = keys.len() / format::row_bytes::<F>(hd);
+    let mut scores = vec![0f32; rows * len];
+    kernels::scores::<F>(kernel, q, keys, len, hd, 0.125, &mut scores, &mut vec![]);
+    let mut values = vec![0f32; rows * hd];
+    kernels::weighted_values::<F>(kernel, probs, len, visible, keys, hd, &mut values);
+    [scores, values]
+}
+
 #[test]
 fn refuses_more_rows_than_keys() {
-    let [q, k, v] = inputs(0, 3, 3, 64, 4, 5);
+    let [q, k, v] = inputs(0, (3, 3, 64, 4, 5), KvDtype::F16);
     let scores = Scores {
         scale: 0.125,
         softcap: None,

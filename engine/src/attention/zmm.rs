@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use half::f16;
+use super::format::{self, x86::load16, Format};
 
 /// Runs of keys whose cache lines are asked for ahead of their reads, as in the 256-bit
 /// kernel (16 keys: 2 KiB at SmolLM2's heads of 64).
@@ -24,12 +24,12 @@ const ACCUMULATORS: usize = 16;
 /// # Safety
 /// AVX-512F and F16C are present; `head_dim` is a multiple of 16; the slices have the
 /// lengths `super::weighted_values` asserts.
-#[target_feature(enable = "avx512f,f16c")]
-pub(super) unsafe fn weighted_values(
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub(super) unsafe fn weighted_values<F: Format>(
     probs: &[f32],
     stride: usize,
     visible: &[usize],
-    values: &[f16],
+    values: &[u8],
     head_dim: usize,
     out: &mut [f32],
 ) {
@@ -45,13 +45,14 @@ pub(super) unsafe fn weighted_values(
             let width = ((head_dim - d0) / 16).min(8);
             let c = [8, 4, 2, 1].into_iter().find(|&c| c <= width).unwrap_or(1);
             let rows = (r1 - r0).min(ACCUMULATORS / c);
-            let pass = Pass {
+            let pass = Pass::<F> {
                 probs: &probs[r0 * stride..],
                 stride,
                 vis,
                 values,
                 head_dim,
                 d0,
+                format: std::marker::PhantomData,
             };
             let out = &mut out[r0 * head_dim..];
             match (rows, c) {
@@ -81,37 +82,40 @@ pub(super) unsafe fn weighted_values(
     }
 }
 
-/// One pass over the values: rows from the first of `probs`, each `stride` apart, all
-/// seeing `vis` keys, and the head's dimensions from `d0`.
-struct Pass<'a> {
+/// One pass over the values (rows of `F`): rows from the first of `probs`, each `stride`
+/// apart, all seeing `vis` keys, and the head's dimensions from `d0`.
+struct Pass<'a, F> {
     probs: &'a [f32],
     stride: usize,
     vis: usize,
-    values: &'a [f16],
+    values: &'a [u8],
     head_dim: usize,
     d0: usize,
+    format: std::marker::PhantomData<F>,
 }
 
-impl Pass<'_> {
+impl<F: Format> Pass<'_, F> {
     /// Values `d0 .. d0 + 16 * C` of `R` rows' outputs (row `r` at `out[r * head_dim..]`).
     ///
     /// # Safety
     /// As for [`weighted_values`]; `R` rows of `probs` and `out` and `d0 + 16 * C` dims.
-    #[target_feature(enable = "avx512f,f16c")]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
     unsafe fn run<const R: usize, const C: usize>(&self, out: &mut [f32]) {
         let mut acc = [[_mm512_setzero_ps(); C]; R];
         let hd = self.head_dim;
+        let row = format::row_bytes::<F>(hd);
+        let bytes = format::span::<F>(self.d0, 16 * C);
         for j in 0..self.vis {
-            let vj = self.values.as_ptr().add(j * hd + self.d0);
+            let vj = self.values.as_ptr().add(j * row);
             if j + AHEAD < self.vis {
-                let next = vj.add(AHEAD * hd) as *const i8;
-                for line in (0..32 * C).step_by(64) {
+                let next = vj.add(AHEAD * row + bytes.start) as *const i8;
+                for line in (0..bytes.len()).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(next.add(line));
                 }
             }
             let mut wide = [_mm512_setzero_ps(); C];
             for (c, w) in wide.iter_mut().enumerate() {
-                *w = _mm512_cvtph_ps(_mm256_loadu_si256(vj.add(16 * c) as *const __m256i));
+                *w = load16::<F>(vj, self.d0 + 16 * c);
             }
             for (r, a) in acc.iter_mut().enumerate() {
                 let p = _mm512_set1_ps(*self.probs.get_unchecked(r * self.stride + j));

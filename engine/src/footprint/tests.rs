@@ -147,9 +147,17 @@ fn a_reserve_counts_each_position_in_every_layers_k_and_v() {
     let reserve = KvReserve {
         bytes: 1000,
         positions: 10,
+        ..KvReserve::default()
     };
     // 2 layers x (K and V) x 2 heads x 4 dims x 2 bytes = 64 bytes a position.
     assert_eq!(reserve.bytes_for(&layout), 1000 + 640);
+    // Heads of 64 in Q8_0: two blocks of 34 bytes a row, 2 x 2 x 2 x 68 = 544 a position.
+    let q8 = KvLayout {
+        head_dim: 64,
+        dtype: crate::KvDtype::Q8_0,
+        ..layout
+    };
+    assert_eq!(reserve.bytes_for(&q8), 1000 + 5440);
 }
 
 #[test]

@@ -15,8 +15,8 @@ pub struct KvAssembler {
     device: Device,
     expected: Vec<u32>,
     filled: Vec<usize>,
-    /// Each layer's K and V storage: `(start, values)`.
-    storage: Vec<[(*mut f16, usize); 2]>,
+    /// Each layer's K and V storage: `(start, bytes)`.
+    storage: Vec<[(*mut u8, usize); 2]>,
 }
 
 impl std::fmt::Debug for KvAssembler {
@@ -80,7 +80,7 @@ impl KvAssembler {
         let n_layers = cache.layout.n_layers;
         // SAFETY: the assembler writes every position before the cache leaves it (`finish`).
         unsafe { cache.move_to(capacity, &vec![0; n_layers], Fill::Unwritten)? };
-        let locate = |t: &Tensor| -> Result<(*mut f16, usize)> {
+        let locate = |t: &Tensor| -> Result<(*mut u8, usize)> {
             let found = Locate::default();
             t.inplace_op1(&found)?;
             found
@@ -146,8 +146,8 @@ impl KvAssembler {
     }
 
     /// Checks a chunk's place and size, and gives the storage its K and V bytes go to, as
-    /// the wire carries them (`(kv_heads, len, head_dim)` little-endian f16 each, which is
-    /// how the cache stores them).
+    /// the wire carries them (`(kv_heads, len)` rows of a head each, which is how the cache
+    /// stores them: [`KvChunk`]).
     pub fn chunk(
         &mut self,
         layer: u32,
@@ -180,24 +180,19 @@ impl KvAssembler {
                 "layer {layer}: payloads of {k_len} and {v_len} bytes, expected {want}"
             ));
         }
-        let (heads, head_dim) = (layout.n_kv_heads, layout.head_dim);
+        let (heads, row) = (layout.n_kv_heads, layout.head_row_bytes());
         let capacity = self.cache.capacity;
         let mut runs = Vec::with_capacity(2 * heads);
-        for (data, values) in self.storage[layer] {
-            debug_assert_eq!(values, heads * capacity * head_dim);
+        for (data, bytes) in self.storage[layer] {
+            debug_assert_eq!(bytes, heads * capacity * row);
             for h in 0..heads {
-                let at = (h * capacity + start) * head_dim;
-                // SAFETY: `data` is this layer's storage of `values` f16s, which the
-                // assembler's own tensor owns and nothing else reads or writes while the
-                // assembler is borrowed; `start + len <= expected <= capacity`, so the run
-                // lies within it, and runs of different heads (and K and V) do not overlap.
-                // Any bytes are a valid f16.
-                let run = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        data.add(at).cast::<u8>(),
-                        len * head_dim * ELEM_BYTES,
-                    )
-                };
+                let at = (h * capacity + start) * row;
+                // SAFETY: `data` is this layer's storage of `bytes`, which the assembler's
+                // own tensor owns and nothing else reads or writes while the assembler is
+                // borrowed; `start + len <= expected <= capacity`, so the run lies within
+                // it, and runs of different heads (and K and V) do not overlap. Any bytes
+                // are a valid f16, and a valid Q8_0 block.
+                let run = unsafe { std::slice::from_raw_parts_mut(data.add(at), len * row) };
                 runs.push(run);
             }
         }
@@ -239,12 +234,18 @@ mod tests {
     use super::*;
     use crate::fuzz::{settings as fuzz_settings, Rng};
 
+    /// A small layout: f16 heads of a few values, or Q8_0 heads of one or two blocks.
     fn small_layout(rng: &mut Rng) -> KvLayout {
+        let q8 = rng.chance(3);
         KvLayout {
             n_layers: 1 + rng.below(4),
             n_kv_heads: 1 + rng.below(3),
-            head_dim: 1 + rng.below(8),
-            dtype: KV_DTYPE,
+            head_dim: if q8 {
+                32 << rng.below(2)
+            } else {
+                1 + rng.below(8)
+            },
+            dtype: if q8 { KvDtype::Q8_0 } else { KvDtype::F16 },
         }
     }
 
@@ -255,7 +256,7 @@ mod tests {
         match rng.below(10) {
             1 => l.n_layers = 0,
             2 => l.n_kv_heads = [0, u32::MAX as usize, 1 << 20][rng.below(3)],
-            3 => l.head_dim = [0, u32::MAX as usize, usize::MAX / 2][rng.below(3)],
+            3 => l.head_dim = [0, u32::MAX as usize, usize::MAX / 2, 48][rng.below(4)],
             4 => l.n_layers = [MAX_LAYERS + 1, u32::MAX as usize][rng.below(2)],
             _ => {}
         }
@@ -263,12 +264,17 @@ mod tests {
     }
 
     fn layout_is_valid(l: &KvLayout) -> bool {
+        // Bytes of one head's row, in u128: no overflow to mind.
+        let row = match l.dtype {
+            KvDtype::F16 => 2 * l.head_dim as u128,
+            KvDtype::Q8_0 if l.head_dim % 32 == 0 => l.head_dim as u128 / 32 * 34,
+            KvDtype::Q8_0 => return false,
+        };
         l.n_layers > 0
             && l.n_layers <= MAX_LAYERS
             && l.n_kv_heads > 0
             && l.head_dim > 0
-            && (2 * 2 * l.n_kv_heads as u128 * l.head_dim as u128 * l.n_layers as u128)
-                <= MAX_POSITION_BYTES as u128
+            && (2 * row * l.n_kv_heads as u128 * l.n_layers as u128) <= MAX_POSITION_BYTES as u128
     }
 
     /// Prompt lengths: mostly small, sometimes none. (How many positions a transfer may

@@ -11,49 +11,138 @@
 use bytes::Bytes;
 use candle_core::{DType, Device, Tensor};
 use half::f16;
-use half::slice::HalfFloatSliceExt;
 
 use crate::error::{EngineError, Result};
 use text::ModelConfig;
 
 mod assembler;
 mod staging;
+mod storage;
 pub use assembler::{ChunkWrite, KvAssembler};
 pub use staging::{Staged, Stager};
+#[cfg(test)]
+pub(crate) use storage::quantize_row;
+use storage::{Locate, WriteRows, ZeroFrom};
 
 /// The element type of a cache's K and V, in memory and on the wire, where it travels by
 /// [`KvDtype::name`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum KvDtype {
     /// IEEE half precision, as llama.cpp's caches are by default.
+    #[default]
     F16,
+    /// GGML's Q8_0 blocks along each head's row: for every 32 values an f16 scale `d`,
+    /// then 32 signed bytes `q`, the values being `d * q` (llama.cpp's `-ctk q8_0 -ctv
+    /// q8_0`). 34 bytes for 32 values, 53% of f16's, for every decode step to read. Heads
+    /// must be a whole number of blocks.
+    Q8_0,
 }
 
+/// A name that is no [`KvDtype`]'s: on the wire, or on a command line.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("KV dtype {0:?} is not one an engine stores (f16, q8_0)")]
+pub struct UnknownKvDtype(pub String);
+
+impl std::str::FromStr for KvDtype {
+    type Err = UnknownKvDtype;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        Self::from_name(s).ok_or_else(|| UnknownKvDtype(s.to_owned()))
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Values in one Q8_0 block of a cache row.
+pub const Q8_0_VALUES: usize = 32;
+/// Bytes of one Q8_0 block: its f16 scale, then a signed byte a value.
+pub const Q8_0_BYTES: usize = 2 + Q8_0_VALUES;
+
 impl KvDtype {
-    /// Its name on the wire and in worker registrations.
+    /// Its name on the wire, in worker registrations and on the command line.
     pub const fn name(self) -> &'static str {
         match self {
             Self::F16 => "f16",
+            Self::Q8_0 => "q8_0",
         }
     }
 
+    /// Every element type an engine stores, the default first.
+    pub const ALL: [Self; 2] = [Self::F16, Self::Q8_0];
+
     /// The element type a name on the wire stands for; `None` for a name no engine stores.
     pub fn from_name(name: &str) -> Option<Self> {
-        [Self::F16].into_iter().find(|d| d.name() == name)
+        Self::ALL.into_iter().find(|d| d.name() == name)
     }
 
-    /// Bytes of one element.
-    const fn bytes(self) -> usize {
+    /// Whether a cache of this type can hold rows of `head_dim` values.
+    pub const fn holds(self, head_dim: usize) -> bool {
         match self {
-            Self::F16 => 2,
+            Self::F16 => true,
+            Self::Q8_0 => head_dim.is_multiple_of(Q8_0_VALUES),
+        }
+    }
+
+    /// Whether caches of this type can hold rows of `head_dim` values on `device`: a Q8_0
+    /// cache needs whole blocks, and the CPU, where the only kernels that read it run.
+    pub fn check(self, head_dim: usize, device: &Device) -> Result<()> {
+        if self.holds(head_dim) && (self == Self::F16 || device.is_cpu()) {
+            return Ok(());
+        }
+        Err(EngineError::KvDtypeUnsupported {
+            dtype: self.name(),
+            head_dim,
+            device: format!("{:?}", device.location()),
+        })
+    }
+
+    /// Bytes of one head's row of `head_dim` values (a whole number of blocks for Q8_0:
+    /// see [`KvDtype::holds`]).
+    pub const fn row_bytes(self, head_dim: usize) -> usize {
+        match self {
+            Self::F16 => F16_BYTES * head_dim,
+            Self::Q8_0 => head_dim.div_ceil(Q8_0_VALUES) * Q8_0_BYTES,
+        }
+    }
+
+    /// [`KvDtype::row_bytes`], `None` where it overflows.
+    const fn checked_row_bytes(self, head_dim: usize) -> Option<usize> {
+        match self {
+            Self::F16 => head_dim.checked_mul(F16_BYTES),
+            Self::Q8_0 => (head_dim / Q8_0_VALUES).checked_mul(Q8_0_BYTES),
+        }
+    }
+
+    /// The candle type of the storage: f16 values, or a Q8_0 row's bytes.
+    pub(crate) const fn storage(self) -> DType {
+        match self {
+            Self::F16 => DType::F16,
+            Self::Q8_0 => DType::U8,
+        }
+    }
+
+    /// The element type stored as `dtype`, as [`KvDtype::storage`] maps it.
+    pub(crate) fn of_storage(dtype: DType) -> Option<Self> {
+        Self::ALL.into_iter().find(|d| d.storage() == dtype)
+    }
+
+    /// Storage elements of one head's row of `head_dim` values.
+    pub(crate) const fn row_elems(self, head_dim: usize) -> usize {
+        match self {
+            Self::F16 => head_dim,
+            Self::Q8_0 => self.row_bytes(head_dim),
         }
     }
 }
 
-/// The element type this engine's caches hold.
+/// The element type an engine's caches hold unless told otherwise.
 pub const KV_DTYPE: KvDtype = KvDtype::F16;
-/// Bytes of one element of the storage, which holds [`KV_DTYPE`] as `f16`.
-const ELEM_BYTES: usize = std::mem::size_of::<f16>();
+/// Bytes of one value of an f16 cache.
+pub(crate) const F16_BYTES: usize = std::mem::size_of::<f16>();
 
 /// Positions are allocated in multiples of this, so growth does not copy every step.
 const GROW_TOKENS: usize = 64;
@@ -82,19 +171,24 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
-    /// The layout a model's caches have.
-    pub fn for_model(cfg: &ModelConfig) -> Self {
+    /// The layout a model's caches have when they hold `dtype`.
+    pub fn for_model(cfg: &ModelConfig, dtype: KvDtype) -> Self {
         Self {
             n_layers: cfg.num_hidden_layers,
             n_kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
-            dtype: KV_DTYPE,
+            dtype,
         }
+    }
+
+    /// Bytes of one head's row: one position's K (or V) in one head of one layer.
+    pub fn head_row_bytes(&self) -> usize {
+        self.dtype.row_bytes(self.head_dim)
     }
 
     /// Bytes of K (or of V) that one position of one layer takes.
     pub fn bytes_per_token_layer(&self) -> usize {
-        self.n_kv_heads * self.head_dim * self.dtype.bytes()
+        self.n_kv_heads * self.head_row_bytes()
     }
 
     /// Bytes of K and V that one position takes over every layer.
@@ -115,7 +209,7 @@ impl KvLayout {
     }
 
     /// Checks a layout that came from elsewhere (a transfer header): no empty dimension,
-    /// and sizes whose arithmetic cannot overflow (its dtype is one the engine stores by
+    /// rows of whole blocks, and sizes whose arithmetic cannot overflow (its dtype is one the engine stores by
     /// its type). Returns the K+V bytes of one position over all layers.
     pub fn validate(&self) -> Result<usize> {
         let bad = |why: String| Err(EngineError::BadKv(format!("layout {self:?}: {why}")));
@@ -125,11 +219,18 @@ impl KvLayout {
         if self.n_layers > MAX_LAYERS {
             return bad(format!("more than {MAX_LAYERS} layers"));
         }
+        if !self.dtype.holds(self.head_dim) {
+            return bad(format!(
+                "{} rows of {} values are not whole blocks",
+                self.dtype.name(),
+                self.head_dim
+            ));
+        }
         let per_position = self
-            .n_kv_heads
-            .checked_mul(self.head_dim)
-            .and_then(|x| x.checked_mul(self.dtype.bytes() * 2))
-            .and_then(|x| x.checked_mul(self.n_layers))
+            .dtype
+            .checked_row_bytes(self.head_dim)
+            .and_then(|x| x.checked_mul(self.n_kv_heads))
+            .and_then(|x| x.checked_mul(2 * self.n_layers))
             .filter(|&x| x <= MAX_POSITION_BYTES);
         match per_position {
             Some(bytes) => Ok(bytes),
@@ -145,16 +246,16 @@ struct F16Bytes(Vec<f16>);
 
 impl AsRef<[u8]> for F16Bytes {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: any f16 is 2 initialized bytes, and u8 needs no alignment.
-        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast(), self.0.len() * ELEM_BYTES) }
+        bytemuck::cast_slice(&self.0)
     }
 }
 
 #[cfg(target_endian = "big")]
 compile_error!("KV chunks travel as little-endian f16 in native order");
 
-/// One layer's K and V for the positions `start .. start + len`, as little-endian f16
-/// in `(kv_heads, len, head_dim)` order.
+/// One layer's K and V for the positions `start .. start + len`, as the cache stores them:
+/// `(kv_heads, len)` rows of a head's values, each little-endian f16 or Q8_0 blocks
+/// ([`KvDtype`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvChunk {
     pub layer: u32,
@@ -202,10 +303,15 @@ unsafe fn alloc(
     device: &Device,
     fill: Fill,
 ) -> Result<Vec<LayerKv>> {
-    let shape = (layout.n_kv_heads, capacity, layout.head_dim);
+    let dtype = layout.dtype;
+    let shape = (
+        layout.n_kv_heads,
+        capacity,
+        dtype.row_elems(layout.head_dim),
+    );
     let make = || match fill {
-        Fill::Zeros => Tensor::zeros(shape, DType::F16, device),
-        Fill::Unwritten => Tensor::empty(shape, DType::F16, device),
+        Fill::Zeros => Tensor::zeros(shape, dtype.storage(), device),
+        Fill::Unwritten => Tensor::empty(shape, dtype.storage(), device),
     };
     (0..layout.n_layers)
         .map(|_| {
@@ -218,8 +324,10 @@ unsafe fn alloc(
 }
 
 impl SeqCache {
-    /// An empty cache for a model with this layout.
+    /// An empty cache for a model with this layout. A Q8_0 cache is the CPU's only: no GPU
+    /// kernel reads its blocks.
     pub fn new(layout: KvLayout, device: &Device) -> Result<Self> {
+        layout.dtype.check(layout.head_dim, device)?;
         Ok(Self {
             // SAFETY: zeroed storage is written.
             layers: unsafe { alloc(&layout, 0, device, Fill::Zeros)? },
@@ -359,28 +467,52 @@ impl SeqCache {
     }
 
     /// Writes K/V `(kv_heads, n, head_dim)` for positions `len() .. len() + n` of one layer,
-    /// rounded to f16; `reserve` must have made room. The position count moves only in
-    /// `commit`.
+    /// rounded to f16 or quantized to Q8_0 (as [`SeqCache::write_row`] writes each);
+    /// `reserve` must have made room. The position count moves only in `commit`.
     pub(crate) fn write(&self, layer: usize, k: &Tensor, v: &Tensor) -> Result<()> {
         let l = &self.layers[layer];
-        l.k.slice_set(&k.to_dtype(DType::F16)?, 1, self.len())?;
-        l.v.slice_set(&v.to_dtype(DType::F16)?, 1, self.len())?;
+        match self.layout.dtype {
+            KvDtype::F16 => {
+                l.k.slice_set(&k.to_dtype(DType::F16)?, 1, self.len())?;
+                l.v.slice_set(&v.to_dtype(DType::F16)?, 1, self.len())?;
+            }
+            KvDtype::Q8_0 => {
+                let rows = k.dim(1)?;
+                for (store, t) in [(&l.k, k), (&l.v, v)] {
+                    let values: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+                    self.write_rows(store, rows, &values)?;
+                }
+            }
+        }
         Ok(())
     }
 
     /// [`SeqCache::write`] of one position from slices: `k` and `v` are its `kv_heads *
-    /// head_dim` values, rounded to f16 as candle's conversion rounds them. A decode step
-    /// writes each sequence's row from the pool thread that attends it.
+    /// head_dim` values, rounded to f16 as candle's conversion rounds them, or quantized
+    /// to Q8_0 as candle's (and GGML's reference code) quantize a row. A decode step writes
+    /// each sequence's row from the pool thread that attends it.
     pub(crate) fn write_row(&self, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
         let l = &self.layers[layer];
+        self.write_rows(&l.k, 1, k)?;
+        self.write_rows(&l.v, 1, v)
+    }
+
+    /// Writes `rows` positions from `len()` on into one layer's K or V storage: `values`
+    /// are `(kv_heads, rows, head_dim)`.
+    fn write_rows(&self, store: &Tensor, rows: usize, values: &[f32]) -> Result<()> {
         let at = self.len();
-        if at >= self.capacity {
+        if at + rows > self.capacity {
             return Err(EngineError::KvCache(format!(
-                "no room reserved for position {at}"
+                "no room reserved for positions {at}..{}",
+                at + rows
             )));
         }
-        l.k.inplace_op1(&WriteRow { at, values: k })?;
-        l.v.inplace_op1(&WriteRow { at, values: v })?;
+        store.inplace_op1(&WriteRows {
+            at,
+            rows,
+            dtype: self.layout.dtype,
+            values,
+        })?;
         Ok(())
     }
 
@@ -426,8 +558,11 @@ impl SeqCache {
         self.check_export(layer, start, len, pending)?;
         let l = &self.layers[layer];
         let bytes = |t: &Tensor| -> Result<Bytes> {
-            let data: Vec<f16> = t.narrow(1, start, len)?.flatten_all()?.to_vec1()?;
-            Ok(Bytes::from_owner(F16Bytes(data)))
+            let run = t.narrow(1, start, len)?.flatten_all()?;
+            Ok(match self.layout.dtype {
+                KvDtype::F16 => Bytes::from_owner(F16Bytes(run.to_vec1()?)),
+                KvDtype::Q8_0 => Bytes::from(run.to_vec1::<u8>()?),
+            })
         };
         Ok(KvChunk {
             layer: layer as u32,
@@ -465,122 +600,4 @@ impl SeqCache {
 /// `positions` rounded up to the allocation unit.
 fn rounded(positions: usize) -> usize {
     positions.div_ceil(GROW_TOKENS) * GROW_TOKENS
-}
-
-/// One layer's `(kv_heads, capacity, head_dim)` storage as an in-place op sees it.
-struct LayerStorage<'a> {
-    data: &'a mut [f16],
-    /// Offset of the layer's first value in `data`.
-    first: usize,
-    heads: usize,
-    capacity: usize,
-    head_dim: usize,
-}
-
-impl<'a> LayerStorage<'a> {
-    fn of(
-        storage: &'a mut candle_core::CpuStorage,
-        layout: &candle_core::Layout,
-    ) -> candle_core::Result<Self> {
-        let candle_core::CpuStorage::F16(data) = storage else {
-            candle_core::bail!("KV caches hold f16");
-        };
-        let (heads, capacity, head_dim) = layout.shape().dims3()?;
-        let Some((first, _)) = layout.contiguous_offsets() else {
-            candle_core::bail!("a KV cache layer is one contiguous tensor");
-        };
-        Ok(Self {
-            data,
-            first,
-            heads,
-            capacity,
-            head_dim,
-        })
-    }
-
-    /// Head `h`'s values for positions `start .. start + len`.
-    fn run(&mut self, h: usize, start: usize, len: usize) -> &mut [f16] {
-        let at = self.first + (h * self.capacity + start) * self.head_dim;
-        &mut self.data[at..at + len * self.head_dim]
-    }
-}
-
-/// Zeroes positions `.0 ..` of one layer's `(kv_heads, capacity, head_dim)` storage.
-struct ZeroFrom(usize);
-
-impl candle_core::InplaceOp1 for ZeroFrom {
-    fn name(&self) -> &'static str {
-        "kv-zero-from"
-    }
-
-    fn cpu_fwd(
-        &self,
-        storage: &mut candle_core::CpuStorage,
-        layout: &candle_core::Layout,
-    ) -> candle_core::Result<()> {
-        let mut layer = LayerStorage::of(storage, layout)?;
-        let from = self.0.min(layer.capacity);
-        for h in 0..layer.heads {
-            layer.run(h, from, layer.capacity - from).fill(f16::ZERO);
-        }
-        Ok(())
-    }
-}
-
-/// Writes one position's values, `(kv_heads, head_dim)` f32, at `.at` of one layer's
-/// `(kv_heads, capacity, head_dim)` storage, rounded to f16.
-struct WriteRow<'a> {
-    at: usize,
-    values: &'a [f32],
-}
-
-impl candle_core::InplaceOp1 for WriteRow<'_> {
-    fn name(&self) -> &'static str {
-        "kv-write-row"
-    }
-
-    fn cpu_fwd(
-        &self,
-        storage: &mut candle_core::CpuStorage,
-        layout: &candle_core::Layout,
-    ) -> candle_core::Result<()> {
-        let mut layer = LayerStorage::of(storage, layout)?;
-        let hd = layer.head_dim;
-        if self.values.len() != layer.heads * hd || self.at >= layer.capacity {
-            candle_core::bail!("a row of {} values at {}", self.values.len(), self.at);
-        }
-        for (h, src) in self.values.chunks_exact(hd).enumerate() {
-            // Eight at a time where the CPU converts in vectors: the same rounding as
-            // `f16::from_f32` (candle's), and an eighth of the stores to lines the cache
-            // has not touched yet, which filled the store buffer one value at a time.
-            layer.run(h, self.at, 1).convert_from_f32_slice(src);
-        }
-        Ok(())
-    }
-}
-
-/// Finds where one layer's `(kv_heads, capacity, head_dim)` storage lies, for writing into
-/// it from outside an op.
-#[derive(Default)]
-struct Locate(std::cell::Cell<Option<(*mut f16, usize)>>);
-
-impl candle_core::InplaceOp1 for Locate {
-    fn name(&self) -> &'static str {
-        "kv-locate"
-    }
-
-    fn cpu_fwd(
-        &self,
-        storage: &mut candle_core::CpuStorage,
-        layout: &candle_core::Layout,
-    ) -> candle_core::Result<()> {
-        let layer = LayerStorage::of(storage, layout)?;
-        let n = layer.heads * layer.capacity * layer.head_dim;
-        if layer.first + n > layer.data.len() {
-            candle_core::bail!("a KV cache layer lies outside its storage");
-        }
-        let at = layer.data[layer.first..].as_mut_ptr();
-        self.0.set(Some((at, n)));
-        Ok(())
-    }
 }

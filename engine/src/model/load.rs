@@ -9,6 +9,7 @@ use super::ffn::{Ffn, Mlp};
 use super::{Layer, Model, QkNorm, RopeTables};
 use crate::embedding::Embedding;
 use crate::error::{EngineError, Result};
+use crate::kv_cache::KvDtype;
 use crate::progress::LoadStep;
 use crate::rope::Frequencies;
 use crate::weights::{DenseMatrices, Linear, Stacked, WeightSource};
@@ -227,6 +228,7 @@ impl Model {
             embed_is_head,
             rope,
             sliding_rope,
+            kv_dtype: KvDtype::default(),
         })
     }
 }

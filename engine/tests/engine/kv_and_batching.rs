@@ -45,7 +45,20 @@ fn tokens(out: &[engine::Sampled]) -> Vec<u32> {
 /// instance running uninterrupted.
 #[test]
 fn kv_round_trip_between_instances_matches_uninterrupted_decode() {
-    let (p_model, d_model) = (model(), model());
+    round_trip_matches_uninterrupted_decode(&common::tiny_model_dir(), engine::KV_DTYPE);
+}
+
+/// The model in `dir`, its caches holding `kv`.
+pub(crate) fn model_holding(dir: &std::path::Path, kv: engine::KvDtype) -> Model {
+    let mut m = Model::load(dir, &common::device()).unwrap();
+    m.set_kv_dtype(kv).unwrap();
+    m
+}
+
+/// [`kv_round_trip_between_instances_matches_uninterrupted_decode`] for the two-layer model
+/// in `dir`, its caches holding `kv`.
+pub(crate) fn round_trip_matches_uninterrupted_decode(dir: &std::path::Path, kv: engine::KvDtype) {
+    let (p_model, d_model) = (model_holding(dir, kv), model_holding(dir, kv));
     let prompt = prompt(45, 1);
     for params in [SamplingParams::default(), seeded()] {
         let mut whole = p_model.new_cache().unwrap();
@@ -506,7 +519,7 @@ fn a_decode_step_gives_each_sequence_its_whole_prompt_s_logits() {
         common::tiny_mistral_dir(),
         common::tiny_gemma2_dir(),
     ] {
-        step_against_whole_prompts(&dir, &[5, 17, 40]);
+        step_against_whole_prompts(&dir, &[5, 17, 40], engine::KV_DTYPE);
     }
 }
 
@@ -514,13 +527,18 @@ fn a_decode_step_gives_each_sequence_its_whole_prompt_s_logits() {
 /// each by a block of its own, merged after (`attention::splits`).
 #[test]
 fn a_decode_step_over_a_long_cache_gives_its_whole_prompt_s_logits() {
-    step_against_whole_prompts(&common::tiny_model_dir(), &[5, 600]);
+    step_against_whole_prompts(&common::tiny_model_dir(), &[5, 600], engine::KV_DTYPE);
 }
 
 /// Prompts of `lengths`, all but their last tokens run first, then the last tokens in one
-/// step: each step's logits within 1e-4 of its whole prompt's, its greedy token the same.
-fn step_against_whole_prompts(dir: &std::path::Path, lengths: &[usize]) {
-    let m = Model::load(dir, &common::device()).unwrap();
+/// step: each step's logits within 1e-4 of its whole prompt's, its greedy token the same,
+/// the caches holding `kv`.
+pub(crate) fn step_against_whole_prompts(
+    dir: &std::path::Path,
+    lengths: &[usize],
+    kv: engine::KvDtype,
+) {
+    let m = model_holding(dir, kv);
     let prompts: Vec<Vec<u32>> = lengths.iter().map(|&n| prompt(n, n as u32)).collect();
     let whole: Vec<Vec<f32>> = prompts.iter().map(|p| m.logits_for(p).unwrap()).collect();
     let mut caches: Vec<_> = prompts.iter().map(|_| m.new_cache().unwrap()).collect();

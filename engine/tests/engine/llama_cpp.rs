@@ -68,6 +68,17 @@ fn batched_decode_agrees_with_llama_cpp_teacher_forced() {
     assert_agrees(&crate::smollm2::gguf_path(), "llama_cpp_smollm2.json");
 }
 
+/// The same with both sides' K and V caches in Q8_0 blocks (llama.cpp's `-ctk q8_0 -ctv
+/// q8_0`, with its flash attention, which a quantized V needs): the blocks mean the same
+/// values on both sides, though llama.cpp also quantizes each query to Q8_0 for its scores
+/// where the engine keeps it in f32.
+#[test]
+fn batched_decode_over_q8_0_caches_agrees_with_llama_cpps_q8_0_caches() {
+    let reference = "llama_cpp_smollm2_kv_q8_0.json";
+    let gguf = crate::smollm2::gguf_path();
+    assert_agrees_in(&gguf, reference, NEAR_TIE_NATS, engine::KvDtype::Q8_0);
+}
+
 /// The same for the tiny Qwen3 (per-head q/k norms, heads wider than the embedding over
 /// the head count) as llama.cpp converts and quantizes it, in each quantization.
 #[test]
@@ -382,10 +393,16 @@ fn assert_agrees(gguf: &Path, fixture: &str) {
 
 /// [`assert_agrees`], a miss counting as a near-tie within `near_tie` nats.
 fn assert_agrees_within(gguf: &Path, fixture: &str, near_tie: f64) {
+    assert_agrees_in(gguf, fixture, near_tie, engine::KV_DTYPE);
+}
+
+/// [`assert_agrees_within`], our caches holding `kv`.
+fn assert_agrees_in(gguf: &Path, fixture: &str, near_tie: f64, kv: engine::KvDtype) {
     let reference: Reference =
         serde_json::from_str(&std::fs::read_to_string(common::fixture(fixture)).unwrap()).unwrap();
     assert!(reference.cases.len() >= 16, "a batch of at least 16");
-    let model = engine::load(gguf, &common::device()).unwrap().model;
+    let mut model = engine::load(gguf, &common::device()).unwrap().model;
+    model.set_kv_dtype(kv).unwrap();
     let chosen = batched_choices(&model, &reference);
     let (mut agree, mut total) = (0, 0);
     let mut far = Vec::new();

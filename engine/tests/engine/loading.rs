@@ -298,11 +298,13 @@ fn a_model_and_reserve_past_the_machines_memory_are_refused_at_load() {
         let fits = engine::KvReserve {
             bytes: 1 << 20,
             positions: 1024,
+            ..Default::default()
         };
         assert!(engine::load_within(&path, &Device::Cpu, fits).is_ok());
         let past = engine::KvReserve {
             bytes: machine.bytes,
             positions: 0,
+            ..Default::default()
         };
         let err = engine::load_within(&path, &Device::Cpu, past)
             .err()
@@ -329,6 +331,7 @@ fn a_reserve_is_checked_against_the_memory_of_the_device_it_is_held_on() {
     let past = engine::KvReserve {
         bytes: 1 << 50,
         positions: 0,
+        ..Default::default()
     };
     let err = engine::load_within(&common::tiny_model_dir(), &device, past)
         .err()

@@ -6,6 +6,7 @@ mod kv_and_batching;
 mod llama_cpp;
 mod loading;
 mod packs;
+mod q8_cache;
 mod reference;
 mod rope;
 mod smollm2;

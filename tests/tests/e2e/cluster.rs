@@ -137,7 +137,7 @@ pub(crate) fn check_registration(reg: &Value, w: &Worker) {
     let model = tiny_model();
     let cfg = text::ModelConfig::from_hf_file(&model.join("config.json"))
         .expect("the tiny model's config");
-    let layout = engine::KvLayout::for_model(&cfg);
+    let layout = engine::KvLayout::for_model(&cfg, engine::KV_DTYPE);
     assert_eq!(reg["role"], w.role.name(), "{reg}");
     assert_eq!(reg["addr"], w.addr.as_str(), "{reg}");
     let name = model.file_name().unwrap().to_string_lossy();

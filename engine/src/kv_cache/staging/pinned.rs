@@ -15,7 +15,7 @@ use half::f16;
 
 use super::{place, Place};
 use crate::error::{EngineError, Result};
-use crate::kv_cache::{F16Bytes, KvChunk, SeqCache, ELEM_BYTES};
+use crate::kv_cache::{F16Bytes, KvChunk, SeqCache, F16_BYTES};
 
 /// Page-locked buffers for one GPU's copies.
 pub(super) struct Pool {
@@ -117,7 +117,7 @@ impl Pool {
     fn lend(&self, elems: usize) -> Result<Option<Lease>> {
         let mut b = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
         let sizes: Vec<usize> = b.free.iter().map(PinnedHostSlice::len).collect();
-        let buffer = match place(&sizes, b.held, elems, ELEM_BYTES, self.cap) {
+        let buffer = match place(&sizes, b.held, elems, F16_BYTES, self.cap) {
             Place::Reuse(i) => b.free.swap_remove(i),
             Place::Allocate(n) => {
                 // No flags: cudarc's `alloc_pinned` asks for write-combined memory, which
@@ -127,7 +127,7 @@ impl Pool {
                 // SAFETY: the buffer is read only through `Lease::read`, after a copy
                 // into it of the elements read has completed.
                 let buffer = unsafe { ctx.alloc_pinned_with_flags::<f16>(n, 0) }.w()?;
-                b.held += n * ELEM_BYTES;
+                b.held += n * F16_BYTES;
                 buffer
             }
             Place::ReadNow => return Ok(None),
