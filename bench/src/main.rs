@@ -40,6 +40,9 @@ struct Config {
     /// Where the model computes: `cpu`, or `cuda[:N]` in a build with the `cuda` feature.
     #[arg(long, default_value = "cpu")]
     device: engine::DeviceChoice,
+    /// What the KV caches hold, `f16` or `q8_0`, as the nodes' --kv-cache-dtype.
+    #[arg(long, default_value = "f16")]
+    kv_cache_dtype: engine::KvDtype,
     /// perf's command FIFO (`perf record -D -1 --control fifo:CTL,ACK`): sampling is turned
     /// on for the decode steps alone, not the load, the probe or the contexts' prefill.
     #[arg(long, requires = "perf_ack")]
@@ -67,6 +70,10 @@ fn main() -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let options = engine::LoadOptions {
         pack_dir: cfg.weights_cache.clone(),
+        reserve: engine::KvReserve {
+            dtype: cfg.kv_cache_dtype,
+            ..Default::default()
+        },
         ..Default::default()
     };
     let loaded = engine::load_reporting(&cfg.model, &device, &options, &mut |_| {})

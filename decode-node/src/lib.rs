@@ -101,10 +101,12 @@ pub async fn serve(
         Some(blocks) => engine::KvReserve {
             bytes: 0,
             positions: (blocks * cfg.kv_block_tokens.max(1)) as u64,
+            dtype: cfg.kv_cache_dtype,
         },
         None => engine::KvReserve {
             bytes: (cfg.kv_cache_mb as u64) << 20,
             positions: 0,
+            dtype: cfg.kv_cache_dtype,
         },
     };
     let options = engine::LoadOptions {

@@ -29,6 +29,12 @@ pub struct Config {
     /// with the `cuda` feature (docs/gpu.md).
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: engine::DeviceChoice,
+    /// What the KV caches hold: `f16`, or `q8_0` (llama.cpp's Q8_0 blocks, 53% of f16's
+    /// bytes to keep, send and read each step; CPU only). Prefill and decode nodes and the
+    /// router of one cluster must agree: it pairs only workers whose caches are its own
+    /// type (docs/engine.md, "KV cache").
+    #[arg(long, env = "TANDEM_KV_CACHE_DTYPE", default_value = "f16")]
+    pub kv_cache_dtype: engine::KvDtype,
     /// Prompts that may wait for the compute thread; more are refused as resource exhausted.
     #[arg(long, env = "PREFILL_MAX_QUEUE", default_value_t = 256)]
     pub max_queue: usize,

@@ -83,6 +83,7 @@ pub async fn serve(
     let reserve = engine::KvReserve {
         bytes: (cfg.prefix_cache_mb as u64) << 20,
         positions: cfg.max_active_tokens as u64,
+        dtype: cfg.kv_cache_dtype,
     };
     let options = engine::LoadOptions {
         reserve,

@@ -17,6 +17,26 @@ pub enum Mode {
     Colocated,
 }
 
+/// What the workers' KV caches hold: the router pairs only workers whose caches are this
+/// type. The names are the engine's (`engine::KvDtype`), which the router does not link;
+/// the end-to-end tests hold the two lists equal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvCacheDtype {
+    F16,
+    #[value(name = "q8_0")]
+    Q8_0,
+}
+
+impl KvCacheDtype {
+    /// Its name in worker registrations and on the wire.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F16 => "f16",
+            Self::Q8_0 => "q8_0",
+        }
+    }
+}
+
 /// Which tool-call markup chat output is parsed for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ToolCallParser {
@@ -105,6 +125,10 @@ pub struct Config {
     /// model folder or file name).
     #[arg(long, visible_alias = "modelName", env = "ROUTER_MODEL_NAME")]
     pub model_name: Option<String>,
+    /// What the workers' KV caches hold, `f16` or `q8_0`, as their own
+    /// `--kv-cache-dtype`: a worker whose caches hold another type is not routed to.
+    #[arg(long, env = "TANDEM_KV_CACHE_DTYPE", value_enum, default_value_t = KvCacheDtype::F16)]
+    pub kv_cache_dtype: KvCacheDtype,
     /// `pd` (prefill and decode nodes) or `colocated` (decode nodes serve whole requests).
     #[arg(long, env = "ROUTER_MODE", value_enum, default_value_t = Mode::Pd)]
     pub mode: Mode,

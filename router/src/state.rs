@@ -4,7 +4,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::{Config, Mode, ReasoningParser, SpecialTokensInContent, ToolCallParser};
+use crate::config::{
+    Config, KvCacheDtype, Mode, ReasoningParser, SpecialTokensInContent, ToolCallParser,
+};
 use crate::error::RouterError;
 use crate::keys::{Key, Keys};
 use crate::metrics::Metrics;
@@ -83,16 +85,15 @@ impl Discovery {
     }
 }
 
-/// The layout of the caches the workers of `cfg`'s model hold and register, to refuse workers
-/// of another. The engine keeps its caches in f16 (`engine::KV_DTYPE`); the router does not
-/// link the engine, and every cluster test would fail if the two disagreed, since the router
-/// would refuse every worker.
-fn cache_layout(cfg: &text::ModelConfig) -> discovery::Layout {
+/// The layout of the caches the workers of `cfg`'s model hold and register when they hold
+/// `dtype`, to refuse workers of another. The router does not link the engine, and every
+/// cluster test would fail if the two disagreed, since the router would refuse every worker.
+fn cache_layout(cfg: &text::ModelConfig, dtype: KvCacheDtype) -> discovery::Layout {
     discovery::Layout {
         n_layers: cfg.num_hidden_layers as u32,
         n_kv_heads: cfg.num_key_value_heads as u32,
         head_dim: cfg.head_dim as u32,
-        dtype: "f16".into(),
+        dtype: dtype.name().into(),
     }
 }
 
@@ -128,7 +129,7 @@ impl AppState {
         };
         let expected = Expected {
             model: discovery::model_identity(&cfg.model),
-            layout: cache_layout(&text.config),
+            layout: cache_layout(&text.config, cfg.kv_cache_dtype),
             engine_version: runtime::VERSION.into(),
         };
         let policy = cfg.policy.build(cfg.affinity_slack_tokens);

@@ -157,6 +157,77 @@ async fn pd_equals_colocated_equals_one_process_on_k_quants() {
     }
 }
 
+/// Caches of Q8_0 blocks in every process (the tiny Qwen3's heads are one block wide): the
+/// router pairs only workers that register them, the prefill node sends them as they are,
+/// and PD, colocated and one process give the same tokens; the PD cluster's log-probabilities
+/// are one process's over Q8_0 caches, not over f16 ones (whose tokens are the same here).
+#[tokio::test]
+async fn pd_equals_colocated_equals_one_process_over_q8_0_caches() {
+    let model = tiny_model_turned(engine::testmodel::Family::Qwen3);
+    let mut loaded = engine::load(&model, &Device::Cpu).expect("loading the model");
+    loaded.model.set_kv_dtype(engine::KvDtype::Q8_0).unwrap();
+    let prompt = "A cache of Q8_0 blocks means the same values on every node.";
+    let kv = ["--kv-cache-dtype", "q8_0"];
+    let pd = same_tokens_three_ways_with(&model, &loaded, prompt, 13, "Q8_0 caches", &kv).await;
+    let body = json!({"model": "test", "prompt": prompt, "max_tokens": 24, "ignore_eos": true,
+                      "temperature": 0, "logprobs": 0});
+    let (status, v) = pd.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{v}");
+    let served: Vec<f64> = v["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    let greedy = engine::SamplingParams::default();
+    let ids = loaded.tokenizer.encode(prompt).unwrap();
+    let mut wanted = Vec::new();
+    for kv in [engine::KvDtype::Q8_0, engine::KvDtype::F16] {
+        loaded.model.set_kv_dtype(kv).unwrap();
+        let mut cache = loaded.model.new_cache().unwrap();
+        let out =
+            engine::generate::generate(&loaded.model, &mut cache, &ids, &greedy, 24, &[]).unwrap();
+        wanted.push(out.iter().map(|s| f64::from(s.logprob)).collect::<Vec<_>>());
+    }
+    let apart = |a: &[f64], b: &[f64]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max)
+    };
+    assert_eq!(served.len(), 24);
+    assert!(
+        apart(&served, &wanted[0]) < 1e-6,
+        "{served:?}\n{:?}",
+        wanted[0]
+    );
+    assert!(
+        apart(&served, &wanted[1]) > 1e-4,
+        "as f16 caches give: {served:?}"
+    );
+}
+
+/// The router's names for the caches' element types are the engine's, which it does not
+/// link: a cluster configured by one name everywhere pairs its workers.
+#[test]
+fn the_router_names_the_engines_cache_types() {
+    use clap::ValueEnum;
+    let router: Vec<&str> = router::config::KvCacheDtype::value_variants()
+        .iter()
+        .map(|d| d.name())
+        .collect();
+    let engine: Vec<&str> = engine::KvDtype::ALL.iter().map(|d| d.name()).collect();
+    assert_eq!(router, engine);
+    for d in router::config::KvCacheDtype::value_variants() {
+        let flag = d.to_possible_value().unwrap();
+        assert_eq!(
+            flag.get_name(),
+            d.name(),
+            "the flag's value is the wire's name"
+        );
+    }
+}
+
 /// A PD cluster, its prompts in chunks of 4 on the prefill node, a colocated one and one
 /// process continue `prompt` with the same 24 tokens, greedy and sampled with `seed`.
 async fn same_tokens_three_ways(
@@ -166,9 +237,21 @@ async fn same_tokens_three_ways(
     seed: u64,
     what: &str,
 ) {
-    let chunked = ["--chunk-tokens", "4", "--step-tokens", "6"];
-    let pd = Cluster::start_with(Mode::Pd, model, &[], &chunked).await;
-    let colo = Cluster::start(Mode::Colocated, model, &[]).await;
+    same_tokens_three_ways_with(model, loaded, prompt, seed, what, &[]).await;
+}
+
+/// [`same_tokens_three_ways`], every process given `args` as well; the PD cluster, for more.
+async fn same_tokens_three_ways_with(
+    model: &std::path::Path,
+    loaded: &engine::Loaded,
+    prompt: &str,
+    seed: u64,
+    what: &str,
+    args: &[&str],
+) -> Cluster {
+    let chunked = [&["--chunk-tokens", "4", "--step-tokens", "6"], args].concat();
+    let pd = Cluster::start_full(Mode::Pd, model, args, &chunked, args).await;
+    let colo = Cluster::start_full(Mode::Colocated, model, args, &[], args).await;
     for (sampling, params) in [
         (json!({"temperature": 0}), engine::SamplingParams::default()),
         (
@@ -193,6 +276,7 @@ async fn same_tokens_three_ways(
         assert_eq!(text_of(&a), expected, "{what} PD, {sampling}");
         assert_eq!(text_of(&b), expected, "{what} colocated, {sampling}");
     }
+    pd
 }
 
 #[tokio::test]
