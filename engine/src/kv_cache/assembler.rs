@@ -267,7 +267,7 @@ mod tests {
         // Bytes of one head's row, in u128: no overflow to mind.
         let row = match l.dtype {
             KvDtype::F16 => 2 * l.head_dim as u128,
-            KvDtype::Q8_0 if l.head_dim % 32 == 0 => l.head_dim as u128 / 32 * 34,
+            KvDtype::Q8_0 if l.head_dim.is_multiple_of(32) => l.head_dim as u128 / 32 * 34,
             KvDtype::Q8_0 => return false,
         };
         l.n_layers > 0
