@@ -79,39 +79,79 @@ pub(super) mod x86 {
         _mm_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
     }
 
-    /// Eight values of a row from value `d` (a multiple of 8), widened.
+    /// What [`load8`] multiplies values `d ..` of `row` by: their block's scale for Q8_0
+    /// (`d` a multiple of 32, so that the eight values of each of the block's four loads
+    /// share it), nothing for f16. One a block, not one a load: the scale's read and
+    /// widening cost as much as the values'.
     ///
     /// # Safety
     /// AVX2 and F16C are present; `row` holds a row whose values reach `d + 8`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(in crate::attention) unsafe fn load8<F: Format>(row: *const u8, d: usize) -> __m256 {
+    pub(in crate::attention) unsafe fn scale8<F: Format>(row: *const u8, d: usize) -> __m256 {
+        match F::DTYPE {
+            KvDtype::F16 => _mm256_setzero_ps(),
+            KvDtype::Q8_0 => {
+                let s = scale(row.add(d / Q8_0_VALUES * Q8_0_BYTES));
+                _mm256_set_m128(s, s)
+            }
+        }
+    }
+
+    /// Eight values of a row from value `d` (a multiple of 8), widened; `s` is
+    /// [`scale8`] of the block that holds them.
+    ///
+    /// # Safety
+    /// AVX2 and F16C are present; `row` holds a row whose values reach `d + 8`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::attention) unsafe fn load8<F: Format>(
+        row: *const u8,
+        d: usize,
+        s: __m256,
+    ) -> __m256 {
         match F::DTYPE {
             KvDtype::F16 => _mm256_cvtph_ps(_mm_loadu_si128(row.add(2 * d).cast())),
             KvDtype::Q8_0 => {
                 let block = row.add(d / Q8_0_VALUES * Q8_0_BYTES);
                 let q = _mm_loadl_epi64(block.add(2 + d % Q8_0_VALUES).cast());
-                let wide = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-                let s = scale(block);
-                _mm256_mul_ps(wide, _mm256_set_m128(s, s))
+                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s)
             }
         }
     }
 
-    /// Sixteen values of a row from value `d` (a multiple of 16), widened.
+    /// [`scale8`] for [`load16`]: `d` a multiple of 32, the scale of both of the block's
+    /// loads.
     ///
     /// # Safety
     /// AVX-512F and F16C are present; `row` holds a row whose values reach `d + 16`.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,f16c")]
-    pub(in crate::attention) unsafe fn load16<F: Format>(row: *const u8, d: usize) -> __m512 {
+    pub(in crate::attention) unsafe fn scale16<F: Format>(row: *const u8, d: usize) -> __m512 {
+        match F::DTYPE {
+            KvDtype::F16 => _mm512_setzero_ps(),
+            KvDtype::Q8_0 => _mm512_broadcastss_ps(scale(row.add(d / Q8_0_VALUES * Q8_0_BYTES))),
+        }
+    }
+
+    /// Sixteen values of a row from value `d` (a multiple of 16), widened; `s` is
+    /// [`scale16`] of the block that holds them.
+    ///
+    /// # Safety
+    /// AVX-512F and F16C are present; `row` holds a row whose values reach `d + 16`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub(in crate::attention) unsafe fn load16<F: Format>(
+        row: *const u8,
+        d: usize,
+        s: __m512,
+    ) -> __m512 {
         match F::DTYPE {
             KvDtype::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(row.add(2 * d).cast())),
             KvDtype::Q8_0 => {
                 let block = row.add(d / Q8_0_VALUES * Q8_0_BYTES);
                 let q = _mm_loadu_si128(block.add(2 + d % Q8_0_VALUES).cast());
-                let wide = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
-                _mm512_mul_ps(wide, _mm512_broadcastss_ps(scale(block)))
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), s)
             }
         }
     }

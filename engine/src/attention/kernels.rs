@@ -85,6 +85,7 @@ pub(super) fn scores<F: Format>(
                 scale,
                 out,
                 grown(wide, 8 * head_dim),
+                kernel == Kernel::Avx512,
             )
         };
         return;
@@ -169,7 +170,8 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 mod fma {
     use std::arch::x86_64::*;
 
-    use crate::attention::format::{self, x86::load8, Format};
+    use crate::attention::format::x86::{load8, scale8};
+    use crate::attention::format::{self, Format};
 
     /// Runs of eight keys whose cache lines are asked for ahead of their reads (2 KiB at
     /// SmolLM2's heads of 64). A decode step reads each head's keys and values once, from
@@ -184,9 +186,14 @@ mod fma {
     /// chains over the dimension in order (an 8x8 transpose of the keys and a broadcast
     /// per query value), scores took half the instructions.
     ///
+    /// With `zmm` the keys are widened on 512-bit registers (`super::super::zmm`), in half
+    /// the instructions: the same values.
+    ///
     /// # Safety
     /// AVX2, FMA and F16C are present; `head_dim` is a multiple of 8; `keys` holds `len` rows,
-    /// `out` `q.len() / head_dim` rows of `len` and `wide` `8 * head_dim` values.
+    /// `out` `q.len() / head_dim` rows of `len` and `wide` `8 * head_dim` values; with `zmm`,
+    /// AVX-512F is present and `head_dim` a multiple of 16.
+    #[allow(clippy::too_many_arguments)] // `super::scores`', and how to widen
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn scores<F: Format>(
         q: &[f32],
@@ -196,13 +203,14 @@ mod fma {
         scale: f32,
         out: &mut [f32],
         wide: &mut [f32],
+        zmm: bool,
     ) {
         assert!(wide.len() >= 8 * head_dim, "too little working memory");
         let rows = q.len() / head_dim;
         let row = format::row_bytes::<F>(head_dim);
         let full = len / 8 * 8;
         let scale_v = _mm256_set1_ps(scale);
-        for j0 in (0..full).step_by(8) {
+        for j0 in (0..len).step_by(8) {
             let from = keys.as_ptr().add(j0 * row);
             if j0 + 8 * AHEAD < full {
                 // Keys `j0 + 8 * AHEAD` onwards, a whole run of eight before `full`.
@@ -211,11 +219,13 @@ mod fma {
                     _mm_prefetch::<_MM_HINT_T0>(next.add(line));
                 }
             }
-            for k in 0..8 {
-                for d in (0..head_dim).step_by(8) {
-                    let w = load8::<F>(from.add(k * row), d);
-                    _mm256_storeu_ps(wide.as_mut_ptr().add(k * head_dim + d), w);
-                }
+            // The last run's missing keys are zeros: their scores are computed and never
+            // stored, and each key's score is its own lanes', whatever keys run beside it.
+            let here = 8.min(len - j0);
+            if zmm && here == 8 {
+                super::super::zmm::widen_keys::<F>(from, head_dim, wide);
+            } else {
+                widen_keys::<F>(from, here, head_dim, wide);
             }
             for r in 0..rows {
                 let qr = q.as_ptr().add(r * head_dim);
@@ -228,14 +238,44 @@ mod fma {
                     }
                 }
                 let s = _mm256_mul_ps(sum_lanes(acc), scale_v);
-                _mm256_storeu_ps(out.as_mut_ptr().add(r * len + j0), s);
+                if here == 8 {
+                    _mm256_storeu_ps(out.as_mut_ptr().add(r * len + j0), s);
+                } else {
+                    let mut last = [0f32; 8];
+                    _mm256_storeu_ps(last.as_mut_ptr(), s);
+                    out[r * len + j0..][..here].copy_from_slice(&last[..here]);
+                }
             }
         }
-        for j in full..len {
-            let k = &mut wide[..head_dim];
-            format::widen::<F>(&keys[j * row..][..row], k);
-            for r in 0..rows {
-                out[r * len + j] = super::dot(&q[r * head_dim..][..head_dim], k) * scale;
+    }
+
+    /// The first `here` (at most eight) keys' rows from `from` (rows of `F`) widened into
+    /// `wide`, one after another, and zeros for the rest of eight.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are present; `head_dim` is a multiple of 8 (of 32 for Q8_0 rows);
+    /// `here` rows from `from` are readable; `wide` holds `8 * head_dim` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn widen_keys<F: Format>(
+        from: *const u8,
+        here: usize,
+        head_dim: usize,
+        wide: &mut [f32],
+    ) {
+        let row = format::row_bytes::<F>(head_dim);
+        for k in 0..8 {
+            let key = from.add(k * row);
+            let mut s = _mm256_setzero_ps();
+            for d in (0..head_dim).step_by(8) {
+                let w = if k < here {
+                    if d % 32 == 0 {
+                        s = scale8::<F>(key, d);
+                    }
+                    load8::<F>(key, d, s)
+                } else {
+                    _mm256_setzero_ps()
+                };
+                _mm256_storeu_ps(wide.as_mut_ptr().add(k * head_dim + d), w);
             }
         }
     }
@@ -326,8 +366,13 @@ mod fma {
                     _mm_prefetch::<_MM_HINT_T0>(next.add(line));
                 }
             }
+            let mut s = _mm256_setzero_ps();
             for (i, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(load8::<F>(vj, d0 + 8 * i), pj, *a);
+                // `d0` is a multiple of 64: a block starts every four loads.
+                if i % 4 == 0 {
+                    s = scale8::<F>(vj, d0 + 8 * i);
+                }
+                *a = _mm256_fmadd_ps(load8::<F>(vj, d0 + 8 * i, s), pj, *a);
             }
         }
         for (i, a) in acc.iter().enumerate() {

@@ -8,7 +8,8 @@
 
 use std::arch::x86_64::*;
 
-use super::format::{self, x86::load16, Format};
+use super::format::x86::{load16, scale16};
+use super::format::{self, Format};
 
 /// Runs of keys whose cache lines are asked for ahead of their reads, as in the 256-bit
 /// kernel (16 keys: 2 KiB at SmolLM2's heads of 64).
@@ -82,6 +83,30 @@ pub(super) unsafe fn weighted_values<F: Format>(
     }
 }
 
+/// Eight keys' rows from `from` (rows of `F`), widened into `wide`, one after another: as
+/// the 256-bit scores kernel widens them, in half the instructions.
+///
+/// # Safety
+/// AVX-512F and F16C are present; `head_dim` is a multiple of 16 (of 32 for Q8_0 rows);
+/// eight rows from `from` are readable; `wide` holds `8 * head_dim` values.
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub(super) unsafe fn widen_keys<F: Format>(from: *const u8, head_dim: usize, wide: &mut [f32]) {
+    let row = format::row_bytes::<F>(head_dim);
+    for k in 0..8 {
+        let key = from.add(k * row);
+        let mut s = _mm512_setzero_ps();
+        for d in (0..head_dim).step_by(16) {
+            if d % 32 == 0 {
+                s = scale16::<F>(key, d);
+            }
+            _mm512_storeu_ps(
+                wide.as_mut_ptr().add(k * head_dim + d),
+                load16::<F>(key, d, s),
+            );
+        }
+    }
+}
+
 /// One pass over the values (rows of `F`): rows from the first of `probs`, each `stride`
 /// apart, all seeing `vis` keys, and the head's dimensions from `d0`.
 struct Pass<'a, F> {
@@ -114,8 +139,14 @@ impl<F: Format> Pass<'_, F> {
                 }
             }
             let mut wide = [_mm512_setzero_ps(); C];
+            let mut s = _mm512_setzero_ps();
             for (c, w) in wide.iter_mut().enumerate() {
-                *w = load16::<F>(vj, self.d0 + 16 * c);
+                // `d0` is a multiple of 32 where the rows are Q8_0 blocks (heads of a
+                // multiple of 32 take only runs of an even number of vectors).
+                if c % 2 == 0 {
+                    s = scale16::<F>(vj, self.d0 + 16 * c);
+                }
+                *w = load16::<F>(vj, self.d0 + 16 * c, s);
             }
             for (r, a) in acc.iter_mut().enumerate() {
                 let p = _mm512_set1_ps(*self.probs.get_unchecked(r * self.stride + j));
