@@ -74,9 +74,10 @@ mod avx2 {
     pub(super) unsafe fn quantize_block(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
         let sign = _mm256_set1_ps(-0.0);
         let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(xs.as_ptr().add(8 * i)));
-        let mut m = _mm256_andnot_ps(sign, v[0]);
-        for &x in &v[1..] {
-            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, x));
+        // `max(a, m)` is `m` where `a` is NaN, as `f32::max` passes NaNs over.
+        let mut m = _mm256_setzero_ps();
+        for &x in &v {
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, x), m);
         }
         // The lanes' largest: the order does not matter to a maximum of magnitudes.
         let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
@@ -93,11 +94,19 @@ mod avx2 {
             let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(x, t));
             let away = _mm256_or_ps(_mm256_and_ps(x, sign), one);
             let step = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(frac, half), away);
-            _mm256_cvttps_epi32(_mm256_add_ps(t, step))
+            let r = _mm256_add_ps(t, step);
+            // As `as i8` takes a float: NaN to 0 (a NaN or infinite value's; the products
+            // of a scale that underflowed), the rest saturated, so that the conversion
+            // meets only the integers a byte holds.
+            let r = _mm256_and_ps(r, _mm256_cmp_ps::<_CMP_ORD_Q>(r, r));
+            let r = _mm256_min_ps(
+                _mm256_max_ps(r, _mm256_set1_ps(-128.0)),
+                _mm256_set1_ps(127.0),
+            );
+            _mm256_cvttps_epi32(r)
         });
-        // Narrowed with saturation, as `as i8` from f32 saturates (|x| / d is at most 127
-        // here anyway). The packs interleave the 128-bit lanes: four values of each
-        // vector in turn, the low halves first; the permutation puts them back in order.
+        // The packs interleave the 128-bit lanes: four values of each vector in turn, the
+        // low halves first; the permutation puts them back in order.
         let bytes = _mm256_packs_epi16(
             _mm256_packs_epi32(ints[0], ints[1]),
             _mm256_packs_epi32(ints[2], ints[3]),
@@ -191,6 +200,30 @@ mod tests {
                 .map(|i| if i == 0 { -254.0 } else { -(i as f32) - 1.0 })
                 .collect(),
         );
+        // Values no model should make, which must still quantize the same everywhere (a
+        // KV cache's rows are these blocks): NaNs, infinities, subnormals, a value just
+        // under a half, and scales that underflow.
+        let odd = [
+            f32::NAN,
+            f32::INFINITY,
+            -f32::INFINITY,
+            1e-40,
+            -1e-45,
+            0.499_999_97,
+            3.4e38,
+        ];
+        for (i, &x) in odd.iter().enumerate() {
+            blocks.push(
+                (0..QK)
+                    .map(|j| if j % 5 == i % 5 { x } else { j as f32 * 1e-3 })
+                    .collect(),
+            );
+            blocks.push(
+                (0..QK)
+                    .map(|j| if j == i { x } else { 1e-44 * j as f32 })
+                    .collect(),
+            );
+        }
         let mut s = 0x2545F4914F6CDD1Du64;
         for _ in 0..2000 {
             let scale = (s % 1000) as f32 / 10.0 + 1e-3;
@@ -209,11 +242,9 @@ mod tests {
             let (mut want, mut got) = ([0i8; QK], [0i8; QK]);
             let a = scalar_quantize_block(xs, &mut want);
             let b = quantize_block(xs, &mut got);
-            assert_eq!(
-                (a.0.to_bits(), a.1, want),
-                (b.0.to_bits(), b.1, got),
-                "{xs:?}"
-            );
+            // A NaN scale is the same NaN either way, not the same bits.
+            let scale = |d: f32| if d.is_nan() { u32::MAX } else { d.to_bits() };
+            assert_eq!((scale(a.0), a.1, want), (scale(b.0), b.1, got), "{xs:?}");
         }
     }
 }

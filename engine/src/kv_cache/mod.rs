@@ -17,15 +17,16 @@ use text::ModelConfig;
 
 mod assembler;
 mod dtype;
+mod quantize;
 mod staging;
 mod storage;
 pub use assembler::{ChunkWrite, KvAssembler};
 #[cfg(feature = "cuda")]
 pub(crate) use dtype::F16_BYTES;
 pub use dtype::{KvDtype, UnknownKvDtype, KV_DTYPE, Q8_0_BYTES, Q8_0_VALUES};
-pub use staging::{Staged, Stager};
 #[cfg(test)]
-pub(crate) use storage::quantize_row;
+pub(crate) use quantize::quantize_row;
+pub use staging::{Staged, Stager};
 use storage::{Locate, WriteRows, ZeroFrom};
 
 /// Positions are allocated in multiples of this, so growth does not copy every step.
