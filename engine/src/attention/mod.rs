@@ -112,33 +112,12 @@ fn attend_rows(
     spread: bool,
     out: &mut [f32],
 ) -> Result<()> {
-    let shape = Shape::of(heads, t, keys)?;
-    match shape.dtype {
-        KvDtype::F16 => {
-            attend_in::<format::F16>(q, heads, t, shape, keys, values, scores, spread, out)
-        }
-        KvDtype::Q8_0 => {
-            attend_in::<format::Q8>(q, heads, t, shape, keys, values, scores, spread, out)
-        }
-    }
-}
-
-/// [`attend_rows`] over rows of `F`.
-#[allow(clippy::too_many_arguments)] // as `attend_rows`, with the keys' shape
-fn attend_in<F: Format>(
-    q: &[f32],
-    heads: usize,
-    t: usize,
-    shape: Shape,
-    keys: &Tensor,
-    values: &Tensor,
-    scores: Scores,
-    spread: bool,
-    out: &mut [f32],
-) -> Result<()> {
     let Shape {
-        hd, kv_heads, len, ..
-    } = shape;
+        hd,
+        kv_heads,
+        len,
+        dtype,
+    } = Shape::of(heads, t, keys)?;
     if q.len() != heads * t * hd || out.len() != t * heads * hd {
         return Err(EngineError::InvalidInput(format!(
             "attention of {t} rows of {heads} heads from {} query values into {}",
@@ -149,7 +128,7 @@ fn attend_in<F: Format>(
     let pos = len - t;
     let (k_store, k_layout) = keys.storage_and_layout();
     let (v_store, v_layout) = values.storage_and_layout();
-    let row = format::row_bytes::<F>(hd);
+    let row = dtype.row_bytes(hd);
     let k = Heads::new(cpu_bytes(&k_store)?, k_layout, kv_heads, len, row)?;
     let v = Heads::new(cpu_bytes(&v_store)?, v_layout, kv_heads, len, row)?;
     if values.dtype() != keys.dtype() || values.dims3()? != keys.dims3()? {
@@ -168,7 +147,11 @@ fn attend_in<F: Format>(
         let spans: [Range<usize>; ROWS] =
             std::array::from_fn(|n| span(pos + (first + n) % t, scores.window));
         let q = &q[(h * per_head + first) * hd..][..rows * hd];
-        attend_block::<F>(q, &spans[..rows], k.head(h), v.head(h), hd, &scores, out);
+        let (keys, values, spans) = (k.head(h), v.head(h), &spans[..rows]);
+        match dtype {
+            KvDtype::F16 => attend_block::<format::F16>(q, spans, keys, values, hd, &scores, out),
+            KvDtype::Q8_0 => attend_block::<format::Q8>(q, spans, keys, values, hd, &scores, out),
+        }
     };
     let items = kv_heads * blocks;
     if t == 1 {

@@ -134,7 +134,7 @@ async fn pd_equals_colocated_equals_one_process_for_each_family() {
         let loaded = engine::load(&model, &Device::Cpu).expect("loading the model");
         let window = engine::testmodel::MISTRAL_WINDOW.max(engine::testmodel::GEMMA_WINDOW);
         assert!(loaded.tokenizer.encode(prompt).unwrap().len() > 2 * window);
-        same_tokens_three_ways(&model, &loaded, prompt, 7, &format!("{family:?}")).await;
+        same_tokens_three_ways(&model, &loaded, prompt, 7, &format!("{family:?}"), &[]).await;
     }
 }
 
@@ -153,7 +153,7 @@ async fn pd_equals_colocated_equals_one_process_on_k_quants() {
     ] {
         let model = e2e::root().join("engine/tests/fixtures/gguf").join(file);
         let loaded = engine::load(&model, &Device::Cpu).expect("loading the model");
-        same_tokens_three_ways(&model, &loaded, prompt, 11, file).await;
+        same_tokens_three_ways(&model, &loaded, prompt, 11, file, &[]).await;
     }
 }
 
@@ -168,7 +168,7 @@ async fn pd_equals_colocated_equals_one_process_over_q8_0_caches() {
     loaded.model.set_kv_dtype(engine::KvDtype::Q8_0).unwrap();
     let prompt = "A cache of Q8_0 blocks means the same values on every node.";
     let kv = ["--kv-cache-dtype", "q8_0"];
-    let pd = same_tokens_three_ways_with(&model, &loaded, prompt, 13, "Q8_0 caches", &kv).await;
+    let pd = same_tokens_three_ways(&model, &loaded, prompt, 13, "Q8_0 caches", &kv).await;
     let body = json!({"model": "test", "prompt": prompt, "max_tokens": 24, "ignore_eos": true,
                       "temperature": 0, "logprobs": 0});
     let (status, v) = pd.post("/v1/completions", &body).await;
@@ -229,19 +229,9 @@ fn the_router_names_the_engines_cache_types() {
 }
 
 /// A PD cluster, its prompts in chunks of 4 on the prefill node, a colocated one and one
-/// process continue `prompt` with the same 24 tokens, greedy and sampled with `seed`.
+/// process continue `prompt` with the same 24 tokens, greedy and sampled with `seed`, every
+/// process given `args` as well. Returns the PD cluster, for more.
 async fn same_tokens_three_ways(
-    model: &std::path::Path,
-    loaded: &engine::Loaded,
-    prompt: &str,
-    seed: u64,
-    what: &str,
-) {
-    same_tokens_three_ways_with(model, loaded, prompt, seed, what, &[]).await;
-}
-
-/// [`same_tokens_three_ways`], every process given `args` as well; the PD cluster, for more.
-async fn same_tokens_three_ways_with(
     model: &std::path::Path,
     loaded: &engine::Loaded,
     prompt: &str,
