@@ -205,6 +205,21 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_budget_holds_more_positions_of_q8_0_caches() {
+        let f16 = budget(10, 1).layout;
+        let q8 = KvLayout {
+            dtype: engine::KvDtype::Q8_0,
+            ..f16.clone()
+        };
+        // 64 MiB: 16-position blocks of 16 KiB in f16, of 8.5 KiB in Q8_0 (two blocks of
+        // 34 bytes a head's row).
+        assert_eq!(KvBudget::blocks_in(64 << 20, &f16, 16), 4096);
+        assert_eq!(KvBudget::blocks_in(64 << 20, &q8, 16), 7710);
+        // 160 positions of 136 bytes and a header: six pages for each of 4 allocations.
+        assert_eq!(q8.resident_bytes(160), 4 * 6 * 4096);
+    }
+
     #[tokio::test]
     async fn reservations_wait_in_order_and_a_full_queue_refuses_at_once() {
         let b = Arc::new(budget(10, 1));
