@@ -197,9 +197,10 @@ fn attend_rows(
 }
 
 /// [`causal`] in candle's ops, for a device our kernels cannot read (a GPU): the same
-/// inputs and output (of an f16 cache, or values in f32), widened to f32, the heads sharing a K/V head folded
-/// into one matrix (K/V never repeated), scores masked additively. Its values are candle's
-/// products' and softmax's, so they may differ with the number of rows attended.
+/// inputs and output (of an f16 cache, or of values in f32), widened to f32, the heads
+/// sharing a K/V head folded into one matrix (K/V never repeated), scores masked
+/// additively. Its values are candle's products' and softmax's, so they may differ with the
+/// number of rows attended.
 pub(crate) fn generic(
     q: &Tensor,
     keys: &Tensor,

@@ -94,8 +94,9 @@ impl KvLayout {
     }
 
     /// Checks a layout that came from elsewhere (a transfer header): no empty dimension,
-    /// rows of whole blocks, and sizes whose arithmetic cannot overflow (its dtype is one the engine stores by
-    /// its type). Returns the K+V bytes of one position over all layers.
+    /// rows of whole blocks, and sizes whose arithmetic cannot overflow (its dtype is one
+    /// the engine stores by its type). Returns the K+V bytes of one position over all
+    /// layers.
     pub fn validate(&self) -> Result<usize> {
         let bad = |why: String| Err(EngineError::BadKv(format!("layout {self:?}: {why}")));
         if self.n_layers == 0 || self.n_kv_heads == 0 || self.head_dim == 0 {
