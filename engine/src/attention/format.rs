@@ -29,6 +29,11 @@ impl Format for Q8 {
     const DTYPE: KvDtype = KvDtype::Q8_0;
 }
 
+/// Where in a Q8_0 row the block that holds value `d` starts.
+const fn block_at(d: usize) -> usize {
+    d / Q8_0_VALUES * Q8_0_BYTES
+}
+
 /// Bytes of one row of `head_dim` values.
 pub(super) fn row_bytes<F: Format>(head_dim: usize) -> usize {
     F::DTYPE.row_bytes(head_dim)
@@ -38,7 +43,7 @@ pub(super) fn row_bytes<F: Format>(head_dim: usize) -> usize {
 pub(super) fn span<F: Format>(d0: usize, n: usize) -> Range<usize> {
     match F::DTYPE {
         KvDtype::F16 => 2 * d0..2 * (d0 + n),
-        KvDtype::Q8_0 => d0 / Q8_0_VALUES * Q8_0_BYTES..(d0 + n).div_ceil(Q8_0_VALUES) * Q8_0_BYTES,
+        KvDtype::Q8_0 => block_at(d0)..(d0 + n).div_ceil(Q8_0_VALUES) * Q8_0_BYTES,
     }
 }
 
@@ -49,7 +54,7 @@ pub(super) fn value<F: Format>(row: &[u8], d: usize) -> f32 {
     match F::DTYPE {
         KvDtype::F16 => f16_at(2 * d),
         KvDtype::Q8_0 => {
-            let block = d / Q8_0_VALUES * Q8_0_BYTES;
+            let block = block_at(d);
             f16_at(block) * f32::from(row[block + 2 + d % Q8_0_VALUES] as i8)
         }
     }
@@ -92,7 +97,7 @@ pub(super) mod x86 {
         match F::DTYPE {
             KvDtype::F16 => _mm256_setzero_ps(),
             KvDtype::Q8_0 => {
-                let s = scale(row.add(d / Q8_0_VALUES * Q8_0_BYTES));
+                let s = scale(row.add(block_at(d)));
                 _mm256_set_m128(s, s)
             }
         }
@@ -113,7 +118,7 @@ pub(super) mod x86 {
         match F::DTYPE {
             KvDtype::F16 => _mm256_cvtph_ps(_mm_loadu_si128(row.add(2 * d).cast())),
             KvDtype::Q8_0 => {
-                let block = row.add(d / Q8_0_VALUES * Q8_0_BYTES);
+                let block = row.add(block_at(d));
                 let q = _mm_loadl_epi64(block.add(2 + d % Q8_0_VALUES).cast());
                 _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s)
             }
@@ -130,7 +135,7 @@ pub(super) mod x86 {
     pub(in crate::attention) unsafe fn scale16<F: Format>(row: *const u8, d: usize) -> __m512 {
         match F::DTYPE {
             KvDtype::F16 => _mm512_setzero_ps(),
-            KvDtype::Q8_0 => _mm512_broadcastss_ps(scale(row.add(d / Q8_0_VALUES * Q8_0_BYTES))),
+            KvDtype::Q8_0 => _mm512_broadcastss_ps(scale(row.add(block_at(d)))),
         }
     }
 
@@ -149,7 +154,7 @@ pub(super) mod x86 {
         match F::DTYPE {
             KvDtype::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(row.add(2 * d).cast())),
             KvDtype::Q8_0 => {
-                let block = row.add(d / Q8_0_VALUES * Q8_0_BYTES);
+                let block = row.add(block_at(d));
                 let q = _mm_loadu_si128(block.add(2 + d % Q8_0_VALUES).cast());
                 _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), s)
             }

@@ -38,7 +38,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
-use crate::kv_cache::{KvDtype, Q8_0_BYTES, Q8_0_VALUES};
+use crate::kv_cache::KvDtype;
 use crate::split::{map_on_pool, SharedOut};
 use crate::vexp::exp_minus;
 use format::Format;
@@ -126,14 +126,14 @@ fn attend_rows(
         )));
     }
     let pos = len - t;
+    if values.dtype() != keys.dtype() || values.dims3()? != keys.dims3()? {
+        return Err(EngineError::KvCache("keys and values of two shapes".into()));
+    }
     let (k_store, k_layout) = keys.storage_and_layout();
     let (v_store, v_layout) = values.storage_and_layout();
     let row = dtype.row_bytes(hd);
     let k = Heads::new(cpu_bytes(&k_store)?, k_layout, kv_heads, len, row)?;
     let v = Heads::new(cpu_bytes(&v_store)?, v_layout, kv_heads, len, row)?;
-    if values.dtype() != keys.dtype() || values.dims3()? != keys.dims3()? {
-        return Err(EngineError::KvCache("keys and values of two shapes".into()));
-    }
     // A K/V head's query rows: those of its `group` query heads, each `t` rows.
     let per_head = heads / kv_heads * t;
     let blocks = per_head.div_ceil(ROWS);
@@ -306,15 +306,9 @@ impl Shape {
         Self::check(heads, t, kv_heads, len)?;
         let dtype = KvDtype::of_storage(keys.dtype())
             .ok_or_else(|| EngineError::KvCache(format!("a cache of {:?}", keys.dtype())))?;
-        let hd = match dtype {
-            KvDtype::F16 => elems,
-            KvDtype::Q8_0 if elems.is_multiple_of(Q8_0_BYTES) => elems / Q8_0_BYTES * Q8_0_VALUES,
-            KvDtype::Q8_0 => {
-                return Err(EngineError::KvCache(format!(
-                    "Q8_0 rows of {elems} bytes are not whole blocks"
-                )))
-            }
-        };
+        let hd = dtype.head_dim_of(elems).ok_or_else(|| {
+            EngineError::KvCache(format!("Q8_0 rows of {elems} bytes are not whole blocks"))
+        })?;
         Ok(Self {
             hd,
             kv_heads,

@@ -118,6 +118,18 @@ impl KvDtype {
             Self::Q8_0 => self.row_bytes(head_dim),
         }
     }
+
+    /// The values in a head's row of `elems` storage elements, as [`KvDtype::row_elems`]
+    /// lays them out; `None` where they are not whole Q8_0 blocks.
+    pub(crate) const fn head_dim_of(self, elems: usize) -> Option<usize> {
+        match self {
+            Self::F16 => Some(elems),
+            Self::Q8_0 if elems.is_multiple_of(Q8_0_BYTES) => {
+                Some(elems / Q8_0_BYTES * Q8_0_VALUES)
+            }
+            Self::Q8_0 => None,
+        }
+    }
 }
 
 /// The element type an engine's caches hold unless told otherwise.
