@@ -7,6 +7,7 @@
 //! same bits.
 
 use super::format::{self, Format};
+use crate::kv_cache::KvDtype;
 
 /// Which code computes a block's products. All give the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,7 +16,8 @@ pub(super) enum Kernel {
     /// AVX2, FMA and F16C; heads of a multiple of 8.
     Avx2,
     /// AVX-512 F besides those, heads of a multiple of 16: the weighted values on 512-bit
-    /// registers (`super::zmm`), the scores as `Avx2`'s.
+    /// registers (`super::zmm`), the scores as `Avx2`'s but over a Q8_0 cache on a CPU with
+    /// AVX-512 VNNI (`super::q8_scores`).
     Avx512,
 }
 
@@ -51,10 +53,19 @@ impl Kernel {
     }
 }
 
+/// The scores kernels' working memory, reused from call to call.
+#[derive(Default)]
+pub(super) struct Working {
+    /// Eight keys widened to f32.
+    wide: Vec<f32>,
+    /// The integer scores'.
+    q8: super::q8_scores::Working,
+}
+
 /// `out[r * len + j] = (q_r · k_j) * scale` for each query row `r` of `q` and each of the
-/// first `len` keys (rows of `F`), the dot product summed as [`dot`] sums it, by `kernel`
-/// (one that [`Kernel::best`] allows for `head_dim`). `wide` is the kernels' working
-/// memory, grown as they need.
+/// first `len` keys (rows of `F`), by `kernel` (one that [`Kernel::best`] allows for
+/// `head_dim`): over an f16 cache the dot product summed as [`dot`] sums it, over a Q8_0
+/// cache as integers (`super::q8_scores`).
 #[allow(clippy::too_many_arguments)] // the product's operands, then its working memory
 pub(super) fn scores<F: Format>(
     kernel: Kernel,
@@ -64,8 +75,13 @@ pub(super) fn scores<F: Format>(
     head_dim: usize,
     scale: f32,
     out: &mut [f32],
-    wide: &mut Vec<f32>,
+    work: &mut Working,
 ) {
+    if F::DTYPE == KvDtype::Q8_0 {
+        let q8 = &mut work.q8;
+        return super::q8_scores::scores(kernel, q, keys, len, head_dim, scale, out, q8);
+    }
+    let wide = &mut work.wide;
     let row = format::row_bytes::<F>(head_dim);
     assert!(keys.len() >= len * row && out.len() >= q.len() / head_dim * len);
     assert!(

@@ -16,7 +16,8 @@
 //! a layer with a sliding window of `w`), in this order:
 //! - each score `s <= j <= p`: eight chains of fused multiply-adds, lane `l` over the head
 //!   dimensions `l` modulo 8, the lanes then added in pairs, then times the scale
-//!   (`kernels::scores`), and with a soft cap `c`, `c * tanh(score / c)`;
+//!   (`kernels::scores`; over a Q8_0 cache, integer products of the query's own Q8_0
+//!   blocks, `q8_scores`), and with a soft cap `c`, `c * tanh(score / c)`;
 //! - the softmax of those scores ([`softmax`]);
 //! - each output value: one fused multiply-add chain over keys `s ..= p` from zero
 //!   (`kernels::weighted_values`). A block of rows runs the chain from the block's
@@ -27,6 +28,7 @@
 mod cuda;
 mod format;
 mod kernels;
+mod q8_scores;
 mod splits;
 #[cfg(target_arch = "x86_64")]
 mod zmm;
@@ -342,7 +344,7 @@ fn span(p: usize, window: Option<usize>) -> Range<usize> {
 #[derive(Default)]
 struct Scratch {
     probs: Vec<f32>,
-    wide: Vec<f32>,
+    work: kernels::Working,
 }
 
 thread_local! {
@@ -370,12 +372,12 @@ fn attend_block<F: Format>(
     let seen = visible.iter().copied().max().unwrap_or(0);
     let row = format::row_bytes::<F>(head_dim);
     let (keys, values) = (&keys[from * row..], &values[from * row..]);
-    SCRATCH.with_borrow_mut(|Scratch { probs, wide }| {
+    SCRATCH.with_borrow_mut(|Scratch { probs, work }| {
         let probs = kernels::grown(probs, visible.len() * seen);
         // Scores past a row's own position are computed with the others' and never read.
         let scale = how.scale as f32;
         let kernel = Kernel::best(head_dim);
-        kernels::scores::<F>(kernel, q, keys, seen, head_dim, scale, probs, wide);
+        kernels::scores::<F>(kernel, q, keys, seen, head_dim, scale, probs, work);
         for (row, s) in probs.chunks_exact_mut(seen).zip(spans) {
             let (start, end) = (s.start - from, s.end - from);
             row[..start].fill(0.0);

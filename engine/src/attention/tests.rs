@@ -168,8 +168,8 @@ fn agrees_with_candles_scale_mask_softmax_and_products() {
 }
 
 /// Shape `i` attended by our kernels and by candle's ops ([`generic`], the path off the
-/// CPU) over what the cache means (for Q8_0, candle's dequantization of its blocks), each
-/// row of it also alone, as a decode step attends it.
+/// CPU) over what the cache means (for Q8_0, candle's dequantization of its blocks, and of
+/// the query's own Q8_0 blocks), each row of it also alone, as a decode step attends it.
 fn agrees_with_candle(
     i: usize,
     (kv, group, hd, pos, t): (usize, usize, usize, usize, usize),
@@ -179,6 +179,14 @@ fn agrees_with_candle(
     let [q, k, v] = inputs(i, (kv, group, hd, pos + t, t), dtype);
     let ours = part(&q, &k, &v, pos, 0..t, true, (window, softcap));
     let (k, v) = (meaning(&k, hd), meaning(&v, hd));
+    let q = match dtype {
+        KvDtype::F16 => q,
+        // Over a Q8_0 cache the scores are llama.cpp's: of the query's own Q8_0 blocks.
+        KvDtype::Q8_0 => {
+            let quantized = QTensor::quantize(&q, GgmlDType::Q8_0).unwrap();
+            quantized.dequantize(&Device::Cpu).unwrap()
+        }
+    };
     let scores = Scores {
         scale: 1.0 / (hd as f64).sqrt(),
         softcap,
@@ -233,7 +241,7 @@ fn the_vector_kernels_give_the_scalar_bits() {
 /// Case `i` of [`the_vector_kernels_give_the_scalar_bits`] over a cache of `dtype`.
 fn kernels_agree(i: usize, (rows, hd, len, same): (usize, usize, usize, bool), dtype: KvDtype) {
     let seed = i as u64 * 5;
-    let q = xorshift_data(rows * hd, seed, 4.0);
+    let mut q = xorshift_data(rows * hd, seed, 4.0);
     let wide = xorshift_data(len * hd, seed + 1, 4.0);
     let keys: Vec<u8> = match dtype {
         KvDtype::F16 => wide
@@ -241,8 +249,17 @@ fn kernels_agree(i: usize, (rows, hd, len, same): (usize, usize, usize, bool), d
             .flat_map(|x| f16::from_f32(x).to_le_bytes())
             .collect(),
         KvDtype::Q8_0 => {
-            let mut bytes = vec![0u8; dtype.row_bytes(hd) * len];
+            let row = dtype.row_bytes(hd);
+            let mut bytes = vec![0u8; row * len];
             quantize_row(&wide, &mut bytes);
+            // The largest products a kernel sums: a query row of 127s against a key of
+            // -128s (which no quantizer writes, but a peer's cache may hold) and of 127s.
+            q[..hd].fill(4.0);
+            for (key, byte) in bytes.chunks_exact_mut(row).zip([i8::MIN, i8::MAX]) {
+                for block in key.chunks_exact_mut(34) {
+                    block[2..].fill(byte as u8);
+                }
+            }
             bytes
         }
     };
@@ -289,7 +306,8 @@ fn products<F: Format>(
     let rows = q.len() / hd;
     let len = keys.len() / format::row_bytes::<F>(hd);
     let mut scores = vec![0f32; rows * len];
-    kernels::scores::<F>(kernel, q, keys, len, hd, 0.125, &mut scores, &mut vec![]);
+    let mut work = kernels::Working::default();
+    kernels::scores::<F>(kernel, q, keys, len, hd, 0.125, &mut scores, &mut work);
     let mut values = vec![0f32; rows * hd];
     kernels::weighted_values::<F>(kernel, probs, len, visible, keys, hd, &mut values);
     [scores, values]

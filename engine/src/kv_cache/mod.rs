@@ -24,7 +24,6 @@ pub use assembler::{ChunkWrite, KvAssembler};
 #[cfg(feature = "cuda")]
 pub(crate) use dtype::F16_BYTES;
 pub use dtype::{KvDtype, UnknownKvDtype, KV_DTYPE, Q8_0_BYTES, Q8_0_VALUES};
-#[cfg(test)]
 pub(crate) use quantize::quantize_row;
 pub use staging::{Staged, Stager};
 use storage::{Locate, WriteRows, ZeroFrom};
