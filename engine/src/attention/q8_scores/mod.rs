@@ -62,33 +62,15 @@ pub(super) fn scores(
     }
     #[cfg(target_arch = "x86_64")]
     if kernel != Kernel::Scalar {
-        bias.clear();
-        bias.extend(query.chunks_exact(Q8_0_BYTES).map(|block| {
-            let sum: i32 = block[2..].iter().map(|&x| i32::from(x as i8)).sum();
-            -128 * sum
-        }));
         let run = Run {
+            bias: Run::biases(query, bias),
             query,
-            bias,
             rows,
             row,
             len,
             scale,
         };
-        if kernel == Kernel::Avx512 && crate::act_quant::has_vnni_512() {
-            each_run(keys, &run, vnni::RUN, tail, |from, j0, here| {
-                // SAFETY: AVX-512 F, BW, VL and VNNI are present (checked just above), and
-                // F16C (`Kernel::Avx512` has it); `each_run` hands out whole runs of rows.
-                unsafe { vnni::score(&run, from, j0, here, out) }
-            });
-        } else {
-            each_run(keys, &run, avx2::RUN, tail, |from, j0, here| {
-                // SAFETY: AVX2 and F16C are present (any kernel but the scalar code has
-                // them); `each_run` hands out whole runs of rows.
-                unsafe { avx2::score(&run, from, j0, here, out) }
-            });
-        }
-        return;
+        return run.score_all(kernel, keys, tail, out);
     }
     let _ = (kernel, bias, tail);
     for (j, key) in keys.chunks_exact(row).take(len).enumerate() {
@@ -135,6 +117,37 @@ struct Run<'a> {
     /// Keys a row sees: row `r`'s scores are `out[r * len..][..len]`.
     len: usize,
     scale: f32,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'a> Run<'a> {
+    /// Each query block's -128 times its bytes' sum, into `bias`.
+    fn biases(query: &[u8], bias: &'a mut Vec<i32>) -> &'a [i32] {
+        bias.clear();
+        bias.extend(query.chunks_exact(Q8_0_BYTES).map(|block| {
+            let sum: i32 = block[2..].iter().map(|&x| i32::from(x as i8)).sum();
+            -128 * sum
+        }));
+        bias
+    }
+
+    /// Every row's scores against the keys, by the vector kernel `kernel` allows: VNNI's
+    /// where the CPU has it and `kernel` is 512-bit, else AVX2's.
+    fn score_all(&self, kernel: Kernel, keys: &[u8], tail: &mut Vec<u8>, out: &mut [f32]) {
+        if kernel == Kernel::Avx512 && crate::act_quant::has_vnni_512() {
+            each_run(keys, self, vnni::RUN, tail, |from, j0, here| {
+                // SAFETY: AVX-512 F, BW, VL and VNNI are present (checked just above), and
+                // F16C (`Kernel::Avx512` has it); `each_run` hands out whole runs of rows.
+                unsafe { vnni::score(self, from, j0, here, out) }
+            });
+        } else {
+            each_run(keys, self, avx2::RUN, tail, |from, j0, here| {
+                // SAFETY: AVX2 and F16C are present (any kernel but the scalar code has
+                // them); `each_run` hands out whole runs of rows.
+                unsafe { avx2::score(self, from, j0, here, out) }
+            });
+        }
+    }
 }
 
 /// Keys ahead whose lines each run asks for (2 KiB at heads of 64, as the f16 kernel
