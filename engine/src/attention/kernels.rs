@@ -77,17 +77,17 @@ pub(super) fn scores<F: Format>(
     out: &mut [f32],
     work: &mut Working,
 ) {
-    if F::DTYPE == KvDtype::Q8_0 {
-        let q8 = &mut work.q8;
-        return super::q8_scores::scores(kernel, q, keys, len, head_dim, scale, out, q8);
-    }
-    let wide = &mut work.wide;
     let row = format::row_bytes::<F>(head_dim);
     assert!(keys.len() >= len * row && out.len() >= q.len() / head_dim * len);
     assert!(
         kernel as u8 <= Kernel::best(head_dim) as u8,
         "{kernel:?} for {head_dim}"
     );
+    if F::DTYPE == KvDtype::Q8_0 {
+        let q8 = &mut work.q8;
+        return super::q8_scores::scores(kernel, q, keys, len, head_dim, scale, out, q8);
+    }
+    let wide = &mut work.wide;
     if kernel != Kernel::Scalar {
         // SAFETY: `Kernel::best` found AVX2, FMA and F16C and a head width of whole vectors;
         // the slices have the lengths asserted above.

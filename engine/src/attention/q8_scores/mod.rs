@@ -40,7 +40,8 @@ pub(super) struct Working {
 }
 
 /// `out[r * len + j]` is query row `r`'s score against key `j` (rows of Q8_0 blocks), as
-/// `super::kernels::scores` for a Q8_0 cache.
+/// `super::kernels::scores` for a Q8_0 cache, which has checked that this CPU runs
+/// `kernel`.
 #[allow(clippy::too_many_arguments)] // `super::kernels::scores`'
 pub(super) fn scores(
     kernel: Kernel,
@@ -142,8 +143,9 @@ impl<'a> Run<'a> {
             });
         } else {
             each_run(keys, self, avx2::RUN, tail, |from, j0, here| {
-                // SAFETY: AVX2 and F16C are present (any kernel but the scalar code has
-                // them); `each_run` hands out whole runs of rows.
+                // SAFETY: AVX2 and F16C are present (`super::kernels::scores` checked that
+                // the CPU runs `kernel`, and every kernel but the scalar code needs them);
+                // `each_run` hands out whole runs of rows.
                 unsafe { avx2::score(self, from, j0, here, out) }
             });
         }
