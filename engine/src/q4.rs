@@ -21,7 +21,7 @@ use half::f16;
 
 #[cfg(target_arch = "x86_64")]
 use crate::act_quant::has_vnni;
-use crate::act_quant::{each_block, quantize_block, QK};
+use crate::act_quant::{each_run, q81_scales, quantize_blocks, QK, RUN};
 use crate::ahead::Ahead;
 use crate::error::{EngineError, Result};
 use crate::split::{self, SharedOut, GROUP};
@@ -110,11 +110,21 @@ impl Q81Rows {
             SharedOut::new(&mut rows.s),
             SharedOut::new(&mut rows.qs),
         );
-        each_block(n, cols / QK, |b| {
-            // SAFETY: each block's parts are written by the one worker that got it.
-            let (db, sb) = quantize_one(&x[b * QK..][..QK], unsafe { qs.slice(b * QK, QK) });
-            // SAFETY: as above.
-            unsafe { (d.slice(b, 1)[0], s.slice(b, 1)[0]) = (db, sb) };
+        each_run(n, cols / QK, |run| {
+            for start in run.clone().step_by(RUN) {
+                let len = RUN.min(run.end - start);
+                let mut sums = [0; RUN];
+                // SAFETY: each run's blocks are written by the one worker that got it.
+                let (d, s, qs) = unsafe {
+                    (
+                        d.slice(start, len),
+                        s.slice(start, len),
+                        qs.slice(QK * start, QK * len),
+                    )
+                };
+                quantize_blocks(&x[QK * start..][..QK * len], qs, d, &mut sums[..len]);
+                q81_scales(d, &sums[..len], s);
+            }
         });
         rows
     }
@@ -130,14 +140,6 @@ impl Q81Rows {
             })
             .collect()
     }
-}
-
-/// One block of 32 activations: its quantized values into `qs`; returns its scale and
-/// its sum times the scale, each rounded through f16 as candle's block stores them.
-fn quantize_one(xs: &[f32], qs: &mut [i8]) -> (f32, f32) {
-    let (d, sum) = quantize_block(xs, qs);
-    let d16 = f16::from_f32(d);
-    (d16.to_f32(), (f16::from_f32(sum as f32) * d16).to_f32())
 }
 
 /// A weight row copied out of its group, in the plain layout.

@@ -6,7 +6,7 @@
 //! A product's rows are quantized across candle's pool when there are enough of them: on
 //! one thread, a 512-token prompt's rows took the other core's time too, which waited.
 
-use crate::act_quant::each_block;
+use crate::act_quant::each_run;
 use crate::split::SharedOut;
 
 /// Weights (and activations) in a super-block.
@@ -59,17 +59,19 @@ impl Q8KRows {
             SharedOut::new(&mut rows.sums16),
             SharedOut::new(&mut rows.sums32),
         );
-        each_block(n, cols / QK_K, |b| {
-            // SAFETY: each super-block's parts are written by the one worker that got it.
-            let out = unsafe {
-                SuperBlockOut {
-                    qs: qs.slice(b * QK_K, QK_K),
-                    d: &mut d.slice(b, 1)[0],
-                    sums16: s16.slice(b * 16, 16),
-                    sums32: s32.slice(b * 8, 8),
-                }
-            };
-            quantize_super_block(&x[b * QK_K..(b + 1) * QK_K], out);
+        each_run(n, cols / QK_K, |run| {
+            for b in run {
+                // SAFETY: each super-block's parts are written by the one worker that got it.
+                let out = unsafe {
+                    SuperBlockOut {
+                        qs: qs.slice(b * QK_K, QK_K),
+                        d: &mut d.slice(b, 1)[0],
+                        sums16: s16.slice(b * 16, 16),
+                        sums32: s32.slice(b * 8, 8),
+                    }
+                };
+                quantize_super_block(&x[b * QK_K..(b + 1) * QK_K], out);
+            }
         });
         rows
     }
