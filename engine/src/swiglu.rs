@@ -69,9 +69,12 @@ pub(crate) fn silu_mul_rows(rows: &[&[f32]], width: usize) -> Vec<f32> {
 
 /// A `(rows, width)` output, row-major, shared out over the pool in runs of at most
 /// [`UNIT`] values: `run(r, c, out)` writes values `c .. c + out.len()` of row `r`.
+///
+/// The output's memory comes from the allocator unwritten: `run` writes every value of
+/// its `out` (`silu_mul_run` does). Clearing it first was 1% of a batch-16 step.
 fn pooled(rows: usize, width: usize, run: impl Fn(usize, usize, &mut [f32]) + Sync) -> Vec<f32> {
-    let mut out = vec![0f32; rows * width];
-    let shared = SharedOut::new(&mut out);
+    let mut out = Vec::with_capacity(rows * width);
+    let shared = SharedOut::spare(&mut out, rows * width);
     let per_row = width.div_ceil(UNIT);
     candle_core::utils::barrier_pool().execute_chunked(rows * per_row, |items| {
         for item in items {
@@ -81,6 +84,8 @@ fn pooled(rows: usize, width: usize, run: impl Fn(usize, usize, &mut [f32]) + Sy
             run(r, c, unsafe { shared.slice(r * width + c, len) });
         }
     });
+    // SAFETY: the items are every run of every row, each written whole by `run`.
+    unsafe { out.set_len(rows * width) };
     out
 }
 
