@@ -232,19 +232,9 @@ mod tests {
                     .collect(),
             );
         }
-        let mut s = 0x2545F4914F6CDD1Du64;
-        for _ in 0..2000 {
-            let scale = (s % 1000) as f32 / 10.0 + 1e-3;
-            blocks.push(
-                (0..QK)
-                    .map(|_| {
-                        s ^= s << 13;
-                        s ^= s >> 7;
-                        s ^= s << 17;
-                        ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-                    })
-                    .collect(),
-            );
+        for seed in 0..2000u64 {
+            let scale = (seed * 7919 % 1000) as f32 / 10.0 + 1e-3;
+            blocks.push(testing::xorshift_data(QK, seed, scale));
         }
         blocks
     }
