@@ -7,10 +7,12 @@ import sys
 
 # First match wins, in this order.
 PARTS = [
+    # A product's own parts: its kernels, its drivers, the stores of its outputs
+    # (`Columns::put*`) and the addresses its kernels ask for ahead (`::ahead`), as every
+    # `kquant::` symbol already counted for the K-quants.
     ("quantized products", ["dot_group", "dot_tile", "dot_pair", "pair_tile",
                             "by_groups", "by_padded_groups", "by_runs_of_groups",
-                            "kquant::", "Q41Matrix::group", "Q41Matrix::matmul",
-                            "Q80Matrix::matmul"]),
+                            "kquant::", "Q41Matrix::", "Q80Matrix::", "Columns::put"]),
     ("attention", ["attention::", "softmax", "exp_minus"]),
     ("pool: waits, spins, hand-offs", ["BarrierGuard", "begin_short_backtrace", "park",
                                        "futex", "spin_unlock", "finish_task_switch",
