@@ -21,7 +21,7 @@
 use bytes::Bytes;
 use half::f16;
 
-use crate::act_quant::{quantize_block, QK};
+use crate::act_quant::{quantize_blocks, QK};
 use crate::ahead::Ahead;
 use crate::error::{EngineError, Result};
 use crate::split::{self, GROUP};
@@ -89,15 +89,16 @@ struct Q80Row {
 impl Q80Row {
     /// candle's `BlockQ8_0::from_float` on x86, value for value.
     fn quantize(xs: &[f32]) -> Self {
+        let blocks = xs.len() / QK;
         let mut row = Q80Row {
-            d: Vec::with_capacity(xs.len() / QK),
+            d: vec![0.0; blocks],
             qs: vec![0; xs.len()],
-            offsets: Vec::with_capacity(xs.len() / QK),
+            offsets: vec![0; blocks],
         };
-        for (block, qs) in xs.chunks_exact(QK).zip(row.qs.chunks_exact_mut(QK)) {
-            let (d, sum) = quantize_block(block, qs);
-            row.d.push(f16::from_f32(d).to_f32());
-            row.offsets.push(128 * sum);
+        quantize_blocks(xs, &mut row.qs, &mut row.d, &mut row.offsets);
+        for (d, offset) in row.d.iter_mut().zip(&mut row.offsets) {
+            *d = f16::from_f32(*d).to_f32();
+            *offset *= 128;
         }
         row
     }
