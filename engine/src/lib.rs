@@ -14,6 +14,7 @@ pub mod footprint;
 pub mod fuzz;
 pub mod generate;
 pub mod gguf_export;
+pub mod half_matrix;
 pub mod kquant;
 pub mod kv_cache;
 pub mod loader;

@@ -15,6 +15,7 @@ use std::time::Instant;
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use clap::Parser;
+use engine::half_matrix::{Half, HalfMatrix};
 use engine::kquant::{KFormat, KMatrix};
 use engine::q4::Q41Matrix;
 use engine::q8::Q80Matrix;
@@ -30,6 +31,9 @@ struct Config {
     /// Timed runs per product and batch; the fastest counts.
     #[arg(long, default_value_t = 5)]
     runs: usize,
+    /// Only the products whose names contain this.
+    #[arg(long)]
+    only: Option<String>,
 }
 
 /// `x Wᵀ` for `n` rows of `x`.
@@ -104,7 +108,8 @@ fn products() -> anyhow::Result<Vec<Product>> {
 
 /// A 1.5B Qwen2's q projection as a Hugging Face folder's matrix, in each type the engine
 /// can hold one in (`engine::weights::DenseMatrices`), through the engine's own projection:
-/// what widening bf16 and f16 matrices to f32 on the CPU buys.
+/// what widening bf16 and f16 matrices to f32 on the CPU buys; and on our kernel, over the
+/// matrix's own two bytes a value (`DenseMatrices::InPlace`).
 fn dense_products() -> anyhow::Result<Vec<Product>> {
     let (rows, cols) = (1536, 1536);
     let values: Vec<f32> = noise(rows * cols, 11)
@@ -123,6 +128,34 @@ fn dense_products() -> anyhow::Result<Vec<Product>> {
                 linear.forward(x).expect("the engine's product")
             }),
         });
+    }
+    if HalfMatrix::supported() {
+        for half in [Half::Bf16, Half::F16] {
+            let stored = f32s.to_dtype(match half {
+                Half::Bf16 => DType::BF16,
+                Half::F16 => DType::F16,
+            })?;
+            let flat = stored.flatten_all()?;
+            let bytes: Vec<u8> = match half {
+                Half::Bf16 => flat
+                    .to_vec1::<half::bf16>()?
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+                Half::F16 => flat
+                    .to_vec1::<f16>()?
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+            };
+            let m = HalfMatrix::new(half, rows, cols, bytes::Bytes::from(bytes))?;
+            all.push(Product {
+                name: format!("dense q {half:?} (ours, in place)"),
+                rows,
+                cols,
+                matmul: Box::new(move |x, n| m.matmul(x, n)),
+            });
+        }
     }
     Ok(all)
 }
@@ -188,7 +221,12 @@ fn main() -> anyhow::Result<()> {
     let cfg = Config::parse();
     println!("| product | shape | rows | µs | GMAC/s | of the ceiling beside it |");
     println!("| --- | --- | ---: | ---: | ---: | ---: |");
-    for p in products()? {
+    let wanted = |p: &Product| {
+        cfg.only
+            .as_ref()
+            .is_none_or(|o| p.name.contains(o.as_str()))
+    };
+    for p in products()?.into_iter().filter(wanted) {
         for &n in &cfg.rows {
             let x: Vec<f32> = noise(n * p.cols, 7)
                 .into_iter()

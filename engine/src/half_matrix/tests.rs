@@ -1,0 +1,139 @@
+use bytes::Bytes;
+use candle_core::{Device, Tensor};
+
+use super::*;
+use crate::act_quant::testing::{bits_differ, xorshift_data};
+
+/// The sums' defining order ([`HalfMatrix`]'s module notes), one value at a time.
+fn reference(half: Half, w: &[u8], x: &[f32]) -> f32 {
+    let mut chains = [0f32; LANES];
+    for k in 0..x.len().next_multiple_of(LANES) {
+        let (wk, xk) = match x.get(k) {
+            Some(&xk) => (half.widen([w[2 * k], w[2 * k + 1]]), xk),
+            None => (0.0, 0.0),
+        };
+        chains[k % LANES] = wk.mul_add(xk, chains[k % LANES]);
+    }
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            chains[i] += chains[i + width];
+        }
+    }
+    chains[0]
+}
+
+fn encode(half: Half, values: &[f32]) -> Vec<u8> {
+    let bytes = |v: &f32| match half {
+        Half::F16 => half::f16::from_f32(*v).to_le_bytes(),
+        Half::Bf16 => half::bf16::from_f32(*v).to_le_bytes(),
+    };
+    values.iter().flat_map(bytes).collect()
+}
+
+/// Weights with the types' edges among random ones: zeros of both signs, subnormals,
+/// infinities, the largest finite values.
+fn weights(len: usize, seed: u64) -> Vec<f32> {
+    let mut w = xorshift_data(len, seed, 4.0);
+    let edges = [0.0, -0.0, 6e-8, -1e-40, 65504.0, -3e38, f32::INFINITY];
+    for (i, e) in edges.into_iter().enumerate() {
+        if let Some(v) = w.get_mut(i * 13 + 5) {
+            *v = e;
+        }
+    }
+    w
+}
+
+fn skip() -> bool {
+    if !HalfMatrix::supported() {
+        eprintln!("skipped: this CPU has no AVX-512");
+        return true;
+    }
+    false
+}
+
+#[test]
+fn every_output_has_the_bits_of_the_defining_order() {
+    if skip() {
+        return;
+    }
+    for half in [Half::F16, Half::Bf16] {
+        for (rows, cols) in [(8, 16), (21, 576), (3, 37), (17, 5), (16, 1), (9, 130)] {
+            let w = encode(half, &weights(rows * cols, (rows * cols) as u64));
+            let m = HalfMatrix::new(half, rows, cols, Bytes::from(w.clone())).unwrap();
+            for n in [1, 2, 4, 5, 9] {
+                let x = xorshift_data(n * cols, n as u64 + 7, 3.0);
+                let got = m.matmul(&x, n);
+                let want: Vec<f32> = x
+                    .chunks_exact(cols)
+                    .flat_map(|x| w.chunks_exact(2 * cols).map(|w| reference(half, w, x)))
+                    .collect();
+                let differ = bits_differ(&got, &want);
+                assert_eq!(differ, 0, "{half:?} [{rows}, {cols}] × {n} rows");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_row_gives_the_same_bits_alone_as_among_others() {
+    if skip() {
+        return;
+    }
+    let (rows, cols) = (19, 200);
+    let w = encode(Half::Bf16, &weights(rows * cols, 3));
+    let m = HalfMatrix::new(Half::Bf16, rows, cols, Bytes::from(w)).unwrap();
+    let x = xorshift_data(11 * cols, 5, 2.0);
+    let all = m.matmul(&x, 11);
+    for (y, row) in x.chunks_exact(cols).enumerate() {
+        let alone = m.matmul(row, 1);
+        assert_eq!(
+            bits_differ(&alone, &all[y * rows..(y + 1) * rows]),
+            0,
+            "row {y}"
+        );
+    }
+}
+
+#[test]
+fn the_product_is_the_widened_matrix_s() {
+    if skip() {
+        return;
+    }
+    let (rows, cols, n) = (40, 96, 6);
+    for half in [Half::F16, Half::Bf16] {
+        let values = xorshift_data(rows * cols, 11, 2.0);
+        let bytes = encode(half, &values);
+        let widened: Vec<f32> = bytes
+            .chunks_exact(2)
+            .map(|b| half.widen([b[0], b[1]]))
+            .collect();
+        let m = HalfMatrix::new(half, rows, cols, Bytes::from(bytes)).unwrap();
+        let x = xorshift_data(n * cols, 12, 2.0);
+        let dev = Device::Cpu;
+        let wt = Tensor::from_vec(widened, (rows, cols), &dev).unwrap();
+        let xt = Tensor::from_vec(x.clone(), (n, cols), &dev).unwrap();
+        let want = xt.matmul(&wt.t().unwrap()).unwrap();
+        let want: Vec<f32> = want.flatten_all().unwrap().to_vec1().unwrap();
+        let got = m.matmul(&x, n);
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                "{half:?}: {g} against {w}"
+            );
+        }
+    }
+}
+
+#[test]
+fn data_that_is_not_the_matrix_is_refused() {
+    if skip() {
+        return;
+    }
+    let bytes = Bytes::from(vec![0u8; 2 * 6 * 8]);
+    assert!(HalfMatrix::new(Half::F16, 6, 8, bytes.clone()).is_ok());
+    assert!(HalfMatrix::new(Half::F16, 6, 9, bytes.clone()).is_err());
+    assert!(HalfMatrix::new(Half::F16, 48, 0, bytes.clone()).is_err());
+    assert!(HalfMatrix::new(Half::F16, usize::MAX, 2, bytes).is_err());
+}
