@@ -40,6 +40,10 @@ struct Config {
     /// Where the model computes: `cpu`, or `cuda[:N]` in a build with the `cuda` feature.
     #[arg(long, default_value = "cpu")]
     device: engine::DeviceChoice,
+    /// Widen a folder's bf16 and f16 matrices to f32 at load, as a CPU without AVX-512
+    /// does, rather than use them where they lie.
+    #[arg(long)]
+    widen_folder: bool,
     /// What the KV caches hold, `f16` or `q8_0`, as the nodes' --kv-cache-dtype.
     #[arg(long, default_value = "f16")]
     kv_cache_dtype: engine::KvDtype,
@@ -74,7 +78,9 @@ fn main() -> anyhow::Result<()> {
             dtype: cfg.kv_cache_dtype,
             ..Default::default()
         },
-        ..Default::default()
+        matrices: cfg
+            .widen_folder
+            .then_some(engine::weights::DenseMatrices::F32),
     };
     let loaded = engine::load_reporting(&cfg.model, &device, &options, &mut |_| {})
         .with_context(|| format!("loading {}", cfg.model.display()))?;

@@ -96,10 +96,10 @@ pub fn expert_transient_bytes(tensors: &[TensorHeader]) -> u64 {
 
 /// The memory a model's weights take once loaded, from its tensors' headers, as
 /// `crate::weights` holds them:
-/// - a Hugging Face folder's files are mapped, and each tensor converted from the mapping
-///   (a copy of it): the mapped pages are page cache, which the kernel may drop, so only
-///   the copies count: vectors in f32, matrices in f32 or, held as stored, in their two
-///   bytes a value where the file stores them in bf16 or f16 ([`DenseMatrices`]);
+/// - a Hugging Face folder's files are mapped: vectors in f32, matrices in f32 or, where
+///   the file stores them in bf16 or f16 and they are held as stored or used in place, in
+///   their two bytes a value ([`DenseMatrices`]). Matrices used in place are the mapped
+///   pages themselves, which a step reads, so they count as held as a copy does;
 /// - a GGUF file is read a tensor at a time: vectors dequantized to f32; the embedding
 ///   table as stored (a step dequantizes the rows it gathers); Q4_1 matrices in our
 ///   kernel's form (f32 scales and minimums, 24 bytes a block of 32 against the file's 20);
@@ -113,7 +113,7 @@ pub fn expert_transient_bytes(tensors: &[TensorHeader]) -> u64 {
 pub fn held_weight_bytes(tensors: &[TensorHeader], file: WeightFile) -> u64 {
     if let WeightFile::Folder(matrices) = file {
         let half = |t: &TensorHeader| t.dims == 2 && t.stored == 2 * t.elements;
-        let as_stored = matrices == DenseMatrices::AsStored;
+        let as_stored = matrices != DenseMatrices::F32;
         let held = |t: &TensorHeader| match as_stored && half(t) {
             true => t.stored,
             false => 4 * t.elements,

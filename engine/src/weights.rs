@@ -1,8 +1,9 @@
 //! Reading tensors by name from a Hugging Face safetensors folder or a GGUF file.
 //!
-//! Both sources hand out `Linear` layers: dense for safetensors (f32, or a GPU's bf16 and
-//! f16 as stored: [`DenseMatrices`]), and GGML block-quantized for GGUF, so that Q4/Q8
-//! weights stay quantized in memory.
+//! Both sources hand out `Linear` layers: dense for safetensors (f32, bf16 and f16 used
+//! where they lie in the mapped files, or a GPU's bf16 and f16 as stored:
+//! [`DenseMatrices`]), and GGML block-quantized for GGUF, so that Q4/Q8 weights stay
+//! quantized in memory.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -11,13 +12,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use candle_core::quantized::{gguf_file, QMatMul, QTensor};
-use candle_core::safetensors::MmapedSafetensors;
+use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use serde::Deserialize;
 
 use crate::embedding::Embedding;
 use crate::error::{EngineError, Result};
+use crate::half_matrix::{Half, HalfMatrix};
 use crate::kquant::KMatrix;
 use crate::pack::PackedMatrix;
 use crate::q4::Q41Matrix;
@@ -26,6 +27,7 @@ use crate::q8::Q80Matrix;
 mod dense;
 mod in_place;
 mod kernels;
+mod mapped;
 mod packed;
 
 pub use dense::DenseMatrices;
@@ -44,6 +46,9 @@ enum Weight {
     K(Arc<KMatrix>),
     /// A folder's bf16 or f16 matrix, as stored ([`DenseMatrices::AsStored`]).
     Half(Tensor),
+    /// A folder's bf16 or f16 matrix where it lies in the mapped file
+    /// ([`DenseMatrices::InPlace`]).
+    Mapped(Arc<HalfMatrix>),
 }
 
 impl From<PackedMatrix> for Weight {
@@ -72,6 +77,7 @@ impl Linear {
             Weight::Q80(w) => apply_ours(xs, |x, n| w.matmul(x, n))?,
             Weight::K(w) => apply_ours(xs, |x, n| w.matmul(x, n))?,
             Weight::Half(w) => dense::half_product(xs, w)?,
+            Weight::Mapped(w) => apply_ours(xs, |x, n| w.matmul(x, n))?,
         };
         Ok(match &self.bias {
             Some(b) => ys.broadcast_add(b)?,
@@ -113,6 +119,7 @@ impl Linear {
             Weight::Q41(q) => q.bytes(),
             Weight::Q80(q) => q.bytes(),
             Weight::K(q) => q.bytes(),
+            Weight::Mapped(m) => m.bytes(),
         };
         w + self.bias.as_ref().map_or(0, dense)
     }
@@ -200,9 +207,9 @@ pub(crate) fn with_f32_rows<T>(xs: &Tensor, f: impl FnOnce(&[f32]) -> T) -> Resu
 pub enum WeightSource {
     SafeTensors {
         path: PathBuf,
-        /// The folder's files, mapped: each tensor is converted from its pages when the
-        /// model reads it, so no other copy of the file is ever held.
-        files: MmapedSafetensors,
+        /// The folder's files, mapped: each tensor is used where it lies or converted from
+        /// its pages when the model reads it, so no other copy of the file is ever held.
+        files: mapped::MappedFolder,
         read: HashSet<String>,
         /// How its bf16 and f16 matrices are held.
         matrices: DenseMatrices,
@@ -260,12 +267,8 @@ impl WeightSource {
     /// tensors are read by name, matrices held as `matrices` say.
     pub fn open_hf_folder(dir: &Path, matrices: DenseMatrices) -> Result<Self> {
         let paths = safetensors_files(dir)?;
-        // SAFETY: the mapping is undefined behaviour if a file changes while mapped. A
-        // model's files are not written while a node loads them (one replaced by renaming
-        // another over it leaves this mapping as it was), and the mapping is dropped once
-        // the model is built.
-        let files = unsafe { MmapedSafetensors::multi(&paths) }
-            .map_err(|e| EngineError::invalid_model(dir, e.to_string()))?;
+        let in_place = matrices == DenseMatrices::InPlace;
+        let files = mapped::MappedFolder::open(dir, &paths, in_place)?;
         Ok(Self::SafeTensors {
             path: dir.to_path_buf(),
             files,
@@ -312,9 +315,7 @@ impl WeightSource {
     /// The tensors of the file that nothing has read, by name.
     pub fn unread(&self) -> Vec<String> {
         let all: Vec<String> = match self {
-            Self::SafeTensors { files, .. } => {
-                files.tensors().into_iter().map(|(name, _)| name).collect()
-            }
+            Self::SafeTensors { files, .. } => files.names().cloned().collect(),
             Self::Gguf { content, .. } => content.tensor_infos.keys().cloned().collect(),
         };
         let read = match self {
@@ -328,7 +329,7 @@ impl WeightSource {
     /// Whether a tensor of that name exists.
     pub fn contains(&self, name: &str) -> bool {
         match self {
-            Self::SafeTensors { files, .. } => files.get(name).is_ok(),
+            Self::SafeTensors { files, .. } => files.contains(name),
             Self::Gguf { content, .. } => content.tensor_infos.contains_key(name),
         }
     }
@@ -385,10 +386,18 @@ impl WeightSource {
         device: &Device,
     ) -> Result<Embedding> {
         if self.is_gguf() {
-            self.embedding_in_place(name, vocab_hidden)
-        } else {
-            let shape = [vocab_hidden.0, vocab_hidden.1];
-            Ok(Embedding::Dense(self.folder_matrix(name, shape, device)?))
+            return self.embedding_in_place(name, vocab_hidden);
+        }
+        let shape = [vocab_hidden.0, vocab_hidden.1];
+        match self.folder_in_place(name, shape)? {
+            Some((half, bytes)) => {
+                let dtype = match half {
+                    Half::F16 => GgmlDType::F16,
+                    Half::Bf16 => GgmlDType::BF16,
+                };
+                Ok(Embedding::from_blocks(dtype, vocab_hidden, bytes)?)
+            }
+            None => Ok(Embedding::Dense(self.folder_matrix(name, shape, device)?)),
         }
     }
 
@@ -402,8 +411,11 @@ impl WeightSource {
     ) -> Result<Linear> {
         let weight = match self {
             Self::SafeTensors { .. } => {
-                let matrix = self.folder_matrix(name, [out_in.0, out_in.1], device)?;
-                Linear::dense(matrix).weight
+                let shape = [out_in.0, out_in.1];
+                match self.folder_half_matrix(name, shape)? {
+                    Some(m) => Weight::Mapped(Arc::new(m)),
+                    None => Linear::dense(self.folder_matrix(name, shape, device)?).weight,
+                }
             }
             Self::Gguf { .. } => match self.packed(name, &[name], out_in) {
                 Some(weight) => weight,

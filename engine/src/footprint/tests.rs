@@ -38,8 +38,23 @@ fn a_folder_held_as_stored_keeps_its_half_matrices_in_two_bytes() {
 }
 
 #[test]
-fn a_gpu_holds_a_folders_matrices_as_stored_and_the_cpu_widens_them() {
-    assert_eq!(DenseMatrices::for_device(&Device::Cpu), DenseMatrices::F32);
+fn a_folder_used_in_place_counts_its_half_matrices_in_two_bytes() {
+    let in_place = WeightFile::Folder(DenseMatrices::InPlace);
+    let bf16 = [header("a", 100, 200, 2, None), header("b", 10, 20, 1, None)];
+    assert_eq!(peak_weight_bytes(&bf16, in_place), 200 + 40);
+    let f32 = [header("a", 100, 400, 2, None), header("b", 10, 40, 1, None)];
+    assert_eq!(peak_weight_bytes(&f32, in_place), 440);
+}
+
+#[test]
+fn a_gpu_holds_a_folders_matrices_as_stored_and_the_cpu_uses_them_in_place() {
+    let cpu = match crate::half_matrix::HalfMatrix::supported() {
+        true => DenseMatrices::InPlace,
+        false => DenseMatrices::F32,
+    };
+    assert_eq!(DenseMatrices::for_device(&Device::Cpu), cpu);
+    assert_eq!(DenseMatrices::InPlace.held(DType::F16), DType::F16);
+    assert_eq!(DenseMatrices::InPlace.held(DType::F32), DType::F32);
     assert_eq!(DenseMatrices::AsStored.held(DType::BF16), DType::BF16);
     assert_eq!(DenseMatrices::AsStored.held(DType::F16), DType::F16);
     assert_eq!(DenseMatrices::AsStored.held(DType::F32), DType::F32);

@@ -155,6 +155,12 @@ impl Model {
         matrices: DenseMatrices,
         report: &mut dyn FnMut(LoadStep),
     ) -> Result<Self> {
+        if matrices == DenseMatrices::InPlace && !device.is_cpu() {
+            return Err(EngineError::DeviceUnavailable {
+                device: format!("{:?}", device.location()),
+                reason: "a folder's matrices are used in place by the CPU alone".into(),
+            });
+        }
         let mut src = if path.is_dir() {
             WeightSource::open_hf_folder(path, matrices)?
         } else {
@@ -210,10 +216,12 @@ impl Model {
             Embedding::Dense(table) if head_name == names.embed => {
                 (Linear::dense(table.clone()), true)
             }
-            _ => (
-                src.linear(head_name, None, (cfg.vocab_size, h), device)?,
-                false,
-            ),
+            _ => {
+                let head = src.linear(head_name, None, (cfg.vocab_size, h), device)?;
+                // A folder's table used in place is the head's own pages, held once.
+                let shared = head_name == names.embed && !src.is_gguf();
+                (head, shared)
+            }
         };
         let divisors = rope_divisors(&cfg, src, device)?;
         refuse_unread(&cfg, src, names)?;

@@ -1,6 +1,8 @@
 //! A Hugging Face folder's tensors as the engine holds them: vectors (norms, biases) in
-//! f32; matrices in f32 too, or in the half-precision type the file stores them in.
+//! f32; matrices in f32 too, or in the half-precision type the file stores them in, either
+//! where they lie in the mapped file or copied to a GPU.
 
+use bytes::Bytes;
 use candle_core::safetensors::Load;
 use candle_core::{DType, Device, Module, Tensor};
 use half::{bf16, f16};
@@ -8,12 +10,19 @@ use safetensors::tensor::TensorView;
 
 use super::WeightSource;
 use crate::error::{EngineError, Result};
+use crate::half_matrix::{Half, HalfMatrix};
 
 /// How a folder's bf16 and f16 matrices are held; f32 ones stay f32 either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DenseMatrices {
-    /// Widened to f32 once, at load: the CPU's choice ([`DenseMatrices::for_device`]).
+    /// Widened to f32 once, at load: the choice of a CPU without AVX-512
+    /// ([`DenseMatrices::for_device`]).
     F32,
+    /// Used where they lie in the mapped files, by our kernel ([`HalfMatrix`]), which widens
+    /// each weight exactly as it reads it and sums in f32, so it computes the widened
+    /// model (to within the order of its sums) from half the memory, shared by every
+    /// process that maps the files. A bf16 or f16 embedding table is used in place too.
+    InPlace,
     /// As stored: half the memory, and half the bytes a step reads. A product rounds its
     /// activations to the matrix's type, multiplies (cuBLAS sums in f32) and widens the
     /// outputs back to f32, as `transformers` runs a bf16 checkpoint's projections; the rest
@@ -23,21 +32,24 @@ pub enum DenseMatrices {
 
 impl DenseMatrices {
     /// A GPU's matrices as stored: cuBLAS multiplies them at its half-precision rate and a
-    /// decode step reads half the bytes. The CPU's widened: candle's CPU products over bf16
-    /// ran 3.6x slower than over f32 at one row and 1.9x at 16, f16's 1.8x at 16, on a
-    /// 1536x1536 matrix (`product-bench`'s dense rows, 2-core AMD EPYC).
+    /// decode step reads half the bytes. A CPU's in place where it runs our kernel, else
+    /// widened: candle's CPU products over bf16 ran 3.6x slower than over f32 at one row
+    /// and 1.9x at 16, f16's 1.8x at 16, on a 1536x1536 matrix (`product-bench`'s dense
+    /// rows, 2-core AMD EPYC).
     pub fn for_device(device: &Device) -> Self {
-        if device.is_cpu() {
-            Self::F32
-        } else {
+        if !device.is_cpu() {
             Self::AsStored
+        } else if HalfMatrix::supported() {
+            Self::InPlace
+        } else {
+            Self::F32
         }
     }
 
     /// The type a matrix stored as `stored` is held in.
     pub fn held(self, stored: DType) -> DType {
         match (self, stored) {
-            (Self::AsStored, DType::BF16 | DType::F16) => stored,
+            (Self::AsStored | Self::InPlace, DType::BF16 | DType::F16) => stored,
             _ => DType::F32,
         }
     }
@@ -91,8 +103,8 @@ impl WeightSource {
         read.insert(name.to_string());
         let bad = |reason: String| EngineError::invalid_model(path.as_path(), reason);
         let view = files
-            .get(name)
-            .map_err(|_| bad(format!("missing tensor {name}")))?;
+            .view(name)
+            .ok_or_else(|| bad(format!("missing tensor {name}")))?;
         let stored = DType::try_from(view.dtype()).map_err(|e| bad(format!("{name}: {e}")))?;
         let tensor = if view.shape().len() == 2 && held.held(stored) != DType::F32 {
             view.load(device)
@@ -116,6 +128,59 @@ impl WeightSource {
         let held = *matrices;
         let t = self.folder_tensor(name, held, device)?;
         self.shaped(name, t, &shape)
+    }
+
+    /// A folder's matrix `name` where it lies in the mapped file, where the source's
+    /// matrices are used in place and the file stores it in bf16 or f16; `None` otherwise.
+    /// It must have shape `shape`.
+    pub(super) fn folder_in_place(
+        &mut self,
+        name: &str,
+        [rows, cols]: [usize; 2],
+    ) -> Result<Option<(Half, Bytes)>> {
+        let Self::SafeTensors {
+            path,
+            files,
+            read,
+            matrices,
+        } = self
+        else {
+            unreachable!("folder_in_place is only called for a folder");
+        };
+        let bad = |reason: String| EngineError::invalid_model(path.as_path(), reason);
+        let view = files
+            .view(name)
+            .ok_or_else(|| bad(format!("missing tensor {name}")))?;
+        let half = match view.dtype() {
+            safetensors::Dtype::F16 => Half::F16,
+            safetensors::Dtype::BF16 => Half::Bf16,
+            _ => return Ok(None),
+        };
+        if *matrices != DenseMatrices::InPlace {
+            return Ok(None);
+        }
+        if view.shape() != [rows, cols] {
+            let dims = view.shape();
+            return Err(bad(format!(
+                "{name} has shape {dims:?}, expected [{rows}, {cols}]"
+            )));
+        }
+        read.insert(name.to_string());
+        Ok(files.bytes(name).map(|b| (half, b)))
+    }
+
+    /// [`WeightSource::folder_in_place`] as our kernel's matrix.
+    pub(super) fn folder_half_matrix(
+        &mut self,
+        name: &str,
+        shape: [usize; 2],
+    ) -> Result<Option<HalfMatrix>> {
+        let Some((half, bytes)) = self.folder_in_place(name, shape)? else {
+            return Ok(None);
+        };
+        let m = HalfMatrix::new(half, shape[0], shape[1], bytes);
+        m.map(Some)
+            .map_err(|e| EngineError::invalid_model(self.path(), format!("{name}: {e}")))
     }
 }
 

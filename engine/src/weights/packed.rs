@@ -158,7 +158,7 @@ impl WeightSource {
             Weight::K(m) => PackedMatrix::K(Arc::clone(m)),
             Weight::Q80(m) => PackedMatrix::Q80(Arc::clone(m)),
             Weight::Q41(m) => PackedMatrix::Q41(Arc::clone(m)),
-            Weight::Candle(_) | Weight::Half(_) => return,
+            Weight::Candle(_) | Weight::Half(_) | Weight::Mapped(_) => return,
         };
         if let Self::Gguf { pack: Some(s), .. } = self {
             s.matrices.push((key, matrix));

@@ -37,7 +37,9 @@ fn cosine(a: &[f32], b: &[f32]) -> f32 {
     dot / (na * nb)
 }
 
-/// bf16 on disk computes exactly like f32 holding the same (bf16-rounded) values.
+/// bf16 on disk, widened at load, computes exactly like f32 holding the same
+/// (bf16-rounded) values (used in place it computes them to within the order of its sums:
+/// `half_matrices`).
 #[test]
 fn bf16_weights_load_as_their_exact_f32_values() {
     let bf16 = common::scratch("bf16");
@@ -52,7 +54,13 @@ fn bf16_weights_load_as_their_exact_f32_values() {
         .map(|(k, t)| (k, t.to_dtype(DType::F32).unwrap()))
         .collect();
     candle_core::safetensors::save(&widened, f32_dir.join("model.safetensors")).unwrap();
-    assert_eq!(logits(&bf16), logits(&f32_dir));
+    let options = engine::LoadOptions {
+        matrices: Some(engine::weights::DenseMatrices::F32),
+        ..engine::LoadOptions::default()
+    };
+    let widened = engine::load_reporting(&bf16, &Device::Cpu, &options, &mut |_| {}).unwrap();
+    let widened = widened.model.logits_for(&PROBE).unwrap();
+    assert_eq!(widened, logits(&f32_dir));
 }
 
 /// A sharded checkpoint with `model.safetensors.index.json` is the same model.
@@ -216,8 +224,9 @@ fn biases_a_mistral_does_not_have_are_refused() {
 /// What the footprint check predicts from the headers the loader holds is what it holds
 /// (the peak adds a mixture's experts while they are split, checked in its unit test): for GGUF
 /// files of every quantization the tests have (tied and untied heads, our kernels and
-/// candle's), and for folders in f32 (copied from the mapped file) and bf16 (converted from
-/// it), with heads of their own and tied to the embeddings.
+/// candle's), and for folders in f32 (copied from the mapped file) and bf16 (as the CPU
+/// holds it: used in place, or converted), with heads of their own and tied to the
+/// embeddings.
 #[test]
 fn the_predicted_weight_memory_is_what_the_loader_holds() {
     use engine::footprint::{held_weight_bytes, read_headers, WeightFile};
@@ -277,8 +286,9 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
         }
         let model = Model::load(&bf16_dir, &Device::Cpu).unwrap();
         let headers = read_headers(&bf16_dir).unwrap();
+        let cpu = engine::weights::DenseMatrices::for_device(&Device::Cpu);
         assert_eq!(
-            held_weight_bytes(&headers, widened),
+            held_weight_bytes(&headers, WeightFile::Folder(cpu)),
             model.resident_bytes() as u64,
             "tied: {tied}"
         );
