@@ -199,6 +199,20 @@ where
     L: Fn(usize, &Columns<'_>) + Sync,
 {
     let per = if pair.is_some() { 2 } else { 1 };
+    let run = |first: usize, columns: &Columns<'_>| match &pair {
+        Some(pair) if columns.width() == 2 * GROUP => pair(first, columns),
+        _ => one(first, columns),
+    };
+    by_runs(rows, n, per, run, loose)
+}
+
+/// [`by_groups`] by runs of up to `per` groups: `run(g, out)` computes the groups from `g`
+/// into the columns `out` names (`per` groups' worth, or fewer in the last run).
+pub(crate) fn by_runs<R, L>(rows: usize, n: usize, per: usize, run: R, loose: L) -> Vec<f32>
+where
+    R: Fn(usize, &Columns<'_>) + Sync,
+    L: Fn(usize, &Columns<'_>) + Sync,
+{
     let groups = rows / GROUP;
     let runs = groups.div_ceil(per);
     let mut out = Vec::with_capacity(n * rows);
@@ -211,10 +225,7 @@ where
                 let first = item * per;
                 let width = per.min(groups - first) * GROUP;
                 let columns = Columns::new(&shared, rows, first * GROUP, width, &broken);
-                match &pair {
-                    Some(pair) if width == 2 * GROUP => pair(first, &columns),
-                    _ => one(first, &columns),
-                }
+                run(first, &columns);
                 columns.finish(n);
             } else {
                 let r = groups * GROUP + item - runs;

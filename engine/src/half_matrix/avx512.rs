@@ -1,17 +1,23 @@
 //! The half-precision product on 512-bit registers: four weight rows against a tile of
-//! four activation rows (sixteen chain registers, four of widened weights, one of
-//! activations: 21 of the 32), each weight widened once a tile.
+//! up to six activation rows (24 chain registers, four of widened weights, one of
+//! activations: 29 of the 32), each weight widened once a tile.
 
 use std::arch::x86_64::*;
 
 use super::{Half, LANES, TILE};
-use crate::split::GROUP;
 
 /// Weight rows one pass holds.
 const QUAD: usize = 4;
 
-/// The outputs of weight rows `w` (at most a group) for each activation row of `xs`,
-/// handed to `emit` in row order.
+/// Weight rows one call takes at most: a run of groups ([`super::RUN`]).
+pub(super) const MAX_ROWS: usize = super::RUN * crate::split::GROUP;
+
+/// How a weight row's values are stored: the kernels' `KIND`.
+const F16: u8 = 0;
+const BF16: u8 = 1;
+
+/// The outputs of half-precision weight rows `w` (at most [`MAX_ROWS`]) for each
+/// activation row of `xs`, handed to `emit` in row order.
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VL; each row of `w` holds `cols` values (`2 * cols`
@@ -23,51 +29,63 @@ pub(super) unsafe fn outputs(
     cols: usize,
     emit: &mut dyn FnMut(usize, &[f32]),
 ) {
-    assert!(!w.is_empty() && w.len() <= GROUP, "one row or a group");
-    assert!(w.iter().all(|r| r.len() == 2 * cols) && xs.iter().all(|x| x.len() == cols));
+    assert!(w.len() <= MAX_ROWS && w.iter().all(|r| r.len() == 2 * cols));
+    let ptrs = starts(w.iter().map(|r| r.as_ptr()));
+    let ptrs = &ptrs[..w.len()];
     // SAFETY: the caller promises the features; the rows' lengths are checked above.
     unsafe {
         match half {
-            Half::F16 => outputs_of::<false>(w, xs, cols, emit),
-            Half::Bf16 => outputs_of::<true>(w, xs, cols, emit),
+            Half::F16 => outputs_of::<F16>(ptrs, xs, cols, emit),
+            Half::Bf16 => outputs_of::<BF16>(ptrs, xs, cols, emit),
         }
     }
 }
 
-/// [`outputs`] for one type: each tile of activation rows against the weight rows four at
-/// a time, a last part of fewer than four rows repeating its last one (a matrix's loose
-/// rows, at most seven of them, so the repeats cost nothing that counts); activation rows
-/// that fill no tile one at a time.
+/// Up to [`MAX_ROWS`] rows' first bytes, in an array (no allocation per group).
+fn starts(rows: impl Iterator<Item = *const u8>) -> [*const u8; MAX_ROWS] {
+    let mut ptrs = [std::ptr::null(); MAX_ROWS];
+    for (p, r) in ptrs.iter_mut().zip(rows) {
+        *p = r;
+    }
+    ptrs
+}
+
+/// Each tile of activation rows against the weight rows four at a time, a last part of
+/// fewer than four rows repeating its last one (a matrix's loose rows, at most seven, so
+/// the repeats cost nothing that counts); a last tile of fewer rows by a pass of its own
+/// size.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn outputs_of<const BF16: bool>(
-    w: &[&[u8]],
+unsafe fn outputs_of<const KIND: u8>(
+    w: &[*const u8],
     xs: &[&[f32]],
     cols: usize,
     emit: &mut dyn FnMut(usize, &[f32]),
 ) {
-    let quad = |q: usize| -> [*const u16; QUAD] {
-        let last = w.len() - 1;
-        std::array::from_fn(|i| w[(q * QUAD + i).min(last)].as_ptr().cast())
-    };
-    let quads = [quad(0), quad(1)];
-    let used = w.len().div_ceil(QUAD);
-    let mut vals = [[0f32; GROUP]; TILE];
+    assert!(
+        !w.is_empty() && w.len() <= MAX_ROWS,
+        "one row to a run of groups"
+    );
+    assert!(xs.iter().all(|x| x.len() == cols));
+    let last = w.len() - 1;
+    let quads = w.len().div_ceil(QUAD);
+    let quad =
+        |q: usize| -> [*const u8; QUAD] { std::array::from_fn(|i| w[(q * QUAD + i).min(last)]) };
+    let mut vals = [[0f32; MAX_ROWS]; TILE];
     let mut y = 0;
     while y < xs.len() {
-        let tile = if xs.len() - y >= TILE { TILE } else { 1 };
-        for (q, ptrs) in quads[..used].iter().enumerate() {
-            let at = q * QUAD..(q + 1) * QUAD;
-            // SAFETY: every pointer starts a row of `cols` values (checked by `outputs`).
+        let tile = (xs.len() - y).min(TILE);
+        let x: [*const f32; TILE] = std::array::from_fn(|j| xs[(y + j).min(xs.len() - 1)].as_ptr());
+        for q in 0..quads {
+            let ptrs = quad(q);
+            // SAFETY: every pointer starts a row of `cols` values (checked by the callers).
             unsafe {
-                if tile == TILE {
-                    let x = std::array::from_fn(|j| xs[y + j].as_ptr());
-                    let o = pass::<BF16, TILE>(ptrs, x, cols);
-                    for (v, o) in vals.iter_mut().zip(o) {
-                        v[at.clone()].copy_from_slice(&o);
-                    }
-                } else {
-                    let o = pass::<BF16, 1>(ptrs, [xs[y].as_ptr()], cols);
-                    vals[0][at].copy_from_slice(&o[0]);
+                match tile {
+                    TILE => put(&mut vals, q, pass::<KIND, TILE>(&ptrs, x, cols)),
+                    5 => put(&mut vals, q, pass::<KIND, 5>(&ptrs, first(x), cols)),
+                    4 => put(&mut vals, q, pass::<KIND, 4>(&ptrs, first(x), cols)),
+                    3 => put(&mut vals, q, pass::<KIND, 3>(&ptrs, first(x), cols)),
+                    2 => put(&mut vals, q, pass::<KIND, 2>(&ptrs, first(x), cols)),
+                    _ => put(&mut vals, q, pass::<KIND, 1>(&ptrs, first(x), cols)),
                 }
             }
         }
@@ -78,14 +96,26 @@ unsafe fn outputs_of<const BF16: bool>(
     }
 }
 
+/// A tile's first `R` activation rows.
+fn first<const R: usize>(x: [*const f32; TILE]) -> [*const f32; R] {
+    std::array::from_fn(|j| x[j])
+}
+
+/// Quad `q`'s outputs for a tile's rows, into their places among `vals`.
+fn put<const R: usize>(vals: &mut [[f32; MAX_ROWS]; TILE], q: usize, o: [[f32; QUAD]; R]) {
+    for (v, o) in vals.iter_mut().zip(o) {
+        v[q * QUAD..(q + 1) * QUAD].copy_from_slice(&o);
+    }
+}
+
 /// Four weight rows against `R` activation rows: `[activation row][weight row]`.
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VL; every pointer starts `cols` values.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn pass<const BF16: bool, const R: usize>(
-    w: &[*const u16; QUAD],
+unsafe fn pass<const KIND: u8, const R: usize>(
+    w: &[*const u8; QUAD],
     x: [*const f32; R],
     cols: usize,
 ) -> [[f32; QUAD]; R] {
@@ -96,7 +126,7 @@ unsafe fn pass<const BF16: bool, const R: usize>(
         let mut wv = [_mm512_setzero_ps(); QUAD];
         for i in 0..QUAD {
             // SAFETY: `k + LANES <= whole <= cols`: sixteen values of the row.
-            wv[i] = widen::<BF16>(unsafe { _mm256_loadu_si256(w[i].add(k).cast()) });
+            wv[i] = unsafe { load::<KIND>(w[i], k) };
         }
         for j in 0..R {
             // SAFETY: as the weights' loads.
@@ -108,12 +138,11 @@ unsafe fn pass<const BF16: bool, const R: usize>(
         k += LANES;
     }
     if whole < cols {
-        let mask = ((1u32 << (cols - whole)) - 1) as __mmask16;
+        let mask = tail_mask(cols - whole);
         let mut wv = [_mm512_setzero_ps(); QUAD];
         for i in 0..QUAD {
             // SAFETY: the mask loads only the row's last `cols - whole` values.
-            let part = unsafe { _mm256_maskz_loadu_epi16(mask, w[i].add(k).cast()) };
-            wv[i] = widen::<BF16>(part);
+            wv[i] = unsafe { load_part::<KIND>(w[i], k, mask) };
         }
         for j in 0..R {
             // SAFETY: as the weights' masked loads.
@@ -132,11 +161,43 @@ unsafe fn pass<const BF16: bool, const R: usize>(
     out
 }
 
+/// The lanes of a last part of `left` (1 to 15) values.
+fn tail_mask(left: usize) -> __mmask16 {
+    ((1u32 << left) - 1) as __mmask16
+}
+
+/// Values `k .. k + 16` of a row of `KIND` halves, widened exactly.
+///
+/// # Safety
+/// The CPU has AVX-512 F; the row holds those values.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load<const KIND: u8>(row: *const u8, k: usize) -> __m512 {
+    // SAFETY: the caller promises the values.
+    unsafe { widen::<KIND>(_mm256_loadu_si256(row.cast::<u16>().add(k).cast())) }
+}
+
+/// [`load`] of the values `mask` names, zeros in the other lanes.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VL; the row holds the masked values.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn load_part<const KIND: u8>(row: *const u8, k: usize, mask: __mmask16) -> __m512 {
+    // SAFETY: the caller promises the values; masked lanes are not read.
+    unsafe {
+        widen::<KIND>(_mm256_maskz_loadu_epi16(
+            mask,
+            row.cast::<u16>().add(k).cast(),
+        ))
+    }
+}
+
 /// Sixteen bf16 (by their bits) or f16 values, widened exactly.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn widen<const BF16: bool>(v: __m256i) -> __m512 {
-    if BF16 {
+fn widen<const KIND: u8>(v: __m256i) -> __m512 {
+    if KIND == BF16 {
         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(v)))
     } else {
         _mm512_cvtph_ps(v)

@@ -59,10 +59,18 @@ fn every_output_has_the_bits_of_the_defining_order() {
         return;
     }
     for half in [Half::F16, Half::Bf16] {
-        for (rows, cols) in [(8, 16), (21, 576), (3, 37), (17, 5), (16, 1), (9, 130)] {
+        for (rows, cols) in [
+            (8, 16),
+            (21, 576),
+            (3, 37),
+            (17, 5),
+            (16, 1),
+            (9, 130),
+            (41, 70),
+        ] {
             let w = encode(half, &weights(rows * cols, (rows * cols) as u64));
             let m = HalfMatrix::new(half, rows, cols, Bytes::from(w.clone())).unwrap();
-            for n in [1, 2, 4, 5, 9] {
+            for n in [1, 2, 4, 5, 8, 9, 17] {
                 let x = xorshift_data(n * cols, n as u64 + 7, 3.0);
                 let got = m.matmul(&x, n);
                 let want: Vec<f32> = x
