@@ -3,7 +3,7 @@
 //! the model the widened matrices define (held as stored, to within the rounding of its
 //! activations to the matrices' type).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 use engine::footprint::{held_weight_bytes, read_headers, WeightFile};
@@ -36,6 +36,42 @@ fn argmax(v: &[f32]) -> usize {
     (0..v.len()).fold(0, |best, i| if v[i] > v[best] { i } else { best })
 }
 
+/// Tiny folders of bf16 and f16 matrices, and of bf16 with a tied head (Gemma 2's head is
+/// its embedding table, which the head then multiplies by), named from `prefix`.
+fn folders(prefix: &str) -> Vec<(DType, bool, PathBuf)> {
+    let kinds = [
+        (DType::BF16, false),
+        (DType::F16, false),
+        (DType::BF16, true),
+    ];
+    kinds
+        .into_iter()
+        .map(|(dtype, tied)| {
+            let dir = common::scratch(&format!("{prefix}-{dtype:?}-{tied}"));
+            write_model(&dir, ModelSize::Tiny, dtype, DEFAULT_SEED).unwrap();
+            if tied {
+                into_gemma2(&dir, DEFAULT_SEED).unwrap();
+            }
+            (dtype, tied, dir)
+        })
+        .collect()
+}
+
+/// `kept` holds the bytes the footprint predicts for `matrices`, under half of what the
+/// widened model holds.
+fn holds_the_predicted_half(dir: &Path, kept: &Model, widened: &Model, matrices: DenseMatrices) {
+    let headers = read_headers(dir).unwrap();
+    let predicted = held_weight_bytes(&headers, WeightFile::Folder(matrices));
+    assert_eq!(kept.resident_bytes() as u64, predicted, "{}", dir.display());
+    assert!(
+        2 * kept.resident_bytes() < widened.resident_bytes() + widened.resident_bytes() / 8,
+        "{}: {} held against {} widened",
+        dir.display(),
+        kept.resident_bytes(),
+        widened.resident_bytes()
+    );
+}
+
 /// Used in place on the CPU, the matrices compute the widened model to within the order
 /// of f32 sums, from the file's own pages: only the vectors are the process's memory.
 #[test]
@@ -44,28 +80,10 @@ fn half_matrices_used_in_place_compute_the_widened_model_from_the_file() {
         eprintln!("skipped: this CPU has no AVX-512 for the in-place kernel");
         return;
     }
-    for (dtype, tied) in [
-        (DType::BF16, false),
-        (DType::F16, false),
-        (DType::BF16, true),
-    ] {
-        let dir = common::scratch(&format!("in-place-{dtype:?}-{tied}"));
-        write_model(&dir, ModelSize::Tiny, dtype, DEFAULT_SEED).unwrap();
-        if tied {
-            into_gemma2(&dir, DEFAULT_SEED).unwrap();
-        }
+    for (dtype, tied, dir) in folders("in-place") {
         let widened = load(&dir, DenseMatrices::F32, &Device::Cpu);
         let mapped = load(&dir, DenseMatrices::InPlace, &Device::Cpu);
-        let headers = read_headers(&dir).unwrap();
-        let predicted = held_weight_bytes(&headers, WeightFile::Folder(DenseMatrices::InPlace));
-        assert_eq!(
-            mapped.resident_bytes() as u64,
-            predicted,
-            "{dtype:?} {tied}"
-        );
-        assert!(
-            2 * mapped.resident_bytes() < widened.resident_bytes() + widened.resident_bytes() / 8
-        );
+        holds_the_predicted_half(&dir, &mapped, &widened, DenseMatrices::InPlace);
         let want = widened.logits_for(&PROBE).unwrap();
         let got = mapped.logits_for(&PROBE).unwrap();
         let gap = relative_gap(&want, &got);
@@ -78,28 +96,10 @@ fn half_matrices_used_in_place_compute_the_widened_model_from_the_file() {
 
 #[test]
 fn half_matrices_held_as_stored_take_two_bytes_and_compute_the_same_model() {
-    for (dtype, tied) in [
-        (DType::BF16, false),
-        (DType::F16, false),
-        (DType::BF16, true),
-    ] {
-        let dir = common::scratch(&format!("half-{dtype:?}-{tied}"));
-        write_model(&dir, ModelSize::Tiny, dtype, DEFAULT_SEED).unwrap();
-        if tied {
-            // Gemma 2's head is its embedding table, which the head then multiplies by.
-            into_gemma2(&dir, DEFAULT_SEED).unwrap();
-        }
+    for (dtype, tied, dir) in folders("half") {
         let widened = load(&dir, DenseMatrices::F32, &Device::Cpu);
         let kept = load(&dir, DenseMatrices::AsStored, &common::device());
-        let headers = read_headers(&dir).unwrap();
-        let predicted = held_weight_bytes(&headers, WeightFile::Folder(DenseMatrices::AsStored));
-        assert_eq!(kept.resident_bytes() as u64, predicted, "{dtype:?} {tied}");
-        assert!(
-            2 * kept.resident_bytes() < widened.resident_bytes() + widened.resident_bytes() / 8,
-            "{dtype:?}: {} held as stored against {} widened",
-            kept.resident_bytes(),
-            widened.resident_bytes()
-        );
+        holds_the_predicted_half(&dir, &kept, &widened, DenseMatrices::AsStored);
         let want = widened.logits_for(&PROBE).unwrap();
         let got = kept.logits_for(&PROBE).unwrap();
         // Four of the type's unit roundoffs: the gaps seen were 1.3-1.5 of one.
