@@ -148,7 +148,17 @@ fn dense_products() -> anyhow::Result<Vec<Product>> {
                     .flat_map(|v| v.to_le_bytes())
                     .collect(),
             };
-            let m = HalfMatrix::new(half, rows, cols, bytes::Bytes::from(bytes))?;
+            let bytes = bytes::Bytes::from(bytes);
+            let m = HalfMatrix::new(half, rows, cols, bytes.clone())?;
+            let narrow = HalfMatrix::new(half, rows, cols, bytes)?;
+            if let Some(narrow) = narrow.on_256_bit_registers() {
+                all.push(Product {
+                    name: format!("dense q {half:?} (ours, in place, 256-bit)"),
+                    rows,
+                    cols,
+                    matmul: Box::new(move |x, n| narrow.matmul(x, n)),
+                });
+            }
             all.push(Product {
                 name: format!("dense q {half:?} (ours, in place)"),
                 rows,

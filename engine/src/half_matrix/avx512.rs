@@ -4,13 +4,14 @@
 
 use std::arch::x86_64::*;
 
-use super::{Half, LANES, TILE};
+use super::avx2::reduce8;
+use super::{Half, LANES, MAX_ROWS};
 
 /// Weight rows one pass holds.
 const QUAD: usize = 4;
 
-/// Weight rows one call takes at most: a run of groups ([`super::RUN`]).
-pub(super) const MAX_ROWS: usize = super::RUN * crate::split::GROUP;
+/// Activation rows that share one load of a pass's weights.
+const TILE: usize = 6;
 
 /// How a weight row's values are stored: the kernels' `KIND`.
 const F16: u8 = 0;
@@ -205,14 +206,11 @@ fn widen<const KIND: u8>(v: __m256i) -> __m512 {
 }
 
 /// The sixteen chains added in the tree that defines every output: lane `i` plus lane
-/// `i + 8`, those eight halved the same way twice more, then the last two.
+/// `i + 8`, then [`reduce8`]'s steps.
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn reduce(a: __m512) -> f32 {
     let lo = _mm512_castps512_ps256(a);
     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
-    let v8 = _mm256_add_ps(lo, hi);
-    let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps::<1>(v8));
-    let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
-    _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps::<1>(v2, v2)))
+    reduce8(_mm256_add_ps(lo, hi))
 }

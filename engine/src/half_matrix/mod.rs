@@ -20,6 +20,8 @@ use crate::error::{EngineError, Result};
 use crate::split::{self, Columns, GROUP};
 
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(test)]
 mod tests;
@@ -27,15 +29,15 @@ mod tests;
 /// Lanes of one chain register: the sums' order is defined over sixteen chains.
 const LANES: usize = 16;
 
-/// Activation rows that share one load of a run's weights.
-const TILE: usize = 6;
-
 /// Groups a worker takes at once: each tile of activation rows is read once for 64
 /// weight rows, from the cache, rather than once for eight (a prompt's activation rows,
 /// megabytes, are otherwise read from memory once per group), while the run's weights
 /// (196 KB at 1,536 columns) stay in a core's L2. On a 1536x1536 matrix at 512 rows: 96
 /// GMAC/s against 81 by single groups, 92 by runs of four.
 const RUN: usize = 8;
+
+/// Weight rows a kernel takes at once at most: a run of groups.
+const MAX_ROWS: usize = RUN * GROUP;
 
 /// How a matrix's two bytes a value encode it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,6 +56,39 @@ impl Half {
     }
 }
 
+/// The code that computes a product; every one gives the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kernel {
+    /// AVX-512 F (the widening and the sums), BW and VL (a last part of fewer than
+    /// sixteen columns).
+    Avx512,
+    /// AVX2, FMA and F16C: the build's target (x86-64-v3).
+    Avx2,
+}
+
+impl Kernel {
+    /// Those this CPU runs, the fastest first.
+    fn available() -> Vec<Self> {
+        let mut all = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+            {
+                all.push(Self::Avx512);
+            }
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
+                all.push(Self::Avx2);
+            }
+        }
+        all
+    }
+}
+
 /// A `[rows, cols]` matrix of `half` values, row-major and little-endian, in `data`.
 #[derive(Debug)]
 pub struct HalfMatrix {
@@ -61,32 +96,23 @@ pub struct HalfMatrix {
     cols: usize,
     half: Half,
     data: Bytes,
+    kernel: Kernel,
 }
 
 impl HalfMatrix {
-    /// Whether this CPU runs the kernel: AVX-512 (F for the widening and the sums, BW and
-    /// VL for a last part of fewer than sixteen columns).
+    /// Whether this CPU runs a kernel: AVX2, FMA and F16C at least.
     pub fn supported() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
+        !Kernel::available().is_empty()
     }
 
     /// `data`, exactly `rows * cols` values, as the matrix: refused otherwise, or where
-    /// this CPU does not run the kernel.
+    /// this CPU runs no kernel.
     pub fn new(half: Half, rows: usize, cols: usize, data: Bytes) -> Result<Self> {
-        if !Self::supported() {
+        let Some(&kernel) = Kernel::available().first() else {
             return Err(EngineError::InvalidInput(
-                "this CPU has no AVX-512 for the half-precision kernel".into(),
+                "this CPU has no AVX2, FMA and F16C for the half-precision kernel".into(),
             ));
-        }
+        };
         if cols == 0 || rows.checked_mul(cols).and_then(|v| v.checked_mul(2)) != Some(data.len()) {
             return Err(EngineError::InvalidInput(format!(
                 "{} bytes of {half:?} are not a [{rows}, {cols}] matrix",
@@ -98,7 +124,17 @@ impl HalfMatrix {
             cols,
             half,
             data,
+            kernel,
         })
+    }
+
+    /// The matrix on the 256-bit kernel, where this CPU runs it: what a CPU without
+    /// AVX-512 computes (the same bits), for `product-bench`.
+    pub fn on_256_bit_registers(self) -> Option<Self> {
+        let kernel = Kernel::Avx2;
+        Kernel::available()
+            .contains(&kernel)
+            .then_some(Self { kernel, ..self })
     }
 
     /// Bytes a product reads: the matrix's.
@@ -135,9 +171,12 @@ impl HalfMatrix {
     /// `emit` in row order.
     fn outputs(&self, w: &[&[u8]], xs: &[&[f32]], emit: &mut dyn FnMut(usize, &[f32])) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `new` found AVX-512 F, BW and VL; every row holds `cols` values.
+        // SAFETY: `new` found the kernel's features; every row holds `cols` values.
         unsafe {
-            avx512::outputs(self.half, w, xs, self.cols, emit)
+            match self.kernel {
+                Kernel::Avx512 => avx512::outputs(self.half, w, xs, self.cols, emit),
+                Kernel::Avx2 => avx2::outputs(self.half, w, xs, self.cols, emit),
+            }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {

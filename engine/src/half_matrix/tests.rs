@@ -47,10 +47,26 @@ fn weights(len: usize, seed: u64) -> Vec<f32> {
 
 fn skip() -> bool {
     if !HalfMatrix::supported() {
-        eprintln!("skipped: this CPU has no AVX-512");
+        eprintln!("skipped: this CPU runs no half-precision kernel");
         return true;
     }
     false
+}
+
+/// The matrix on each kernel this CPU runs.
+fn on_each_kernel(half: Half, rows: usize, cols: usize, bytes: &[u8]) -> Vec<HalfMatrix> {
+    let kernels = Kernel::available();
+    assert!(
+        kernels.len() == 2 || !is_x86_feature_detected!("avx512f"),
+        "an AVX-512 CPU runs both kernels"
+    );
+    kernels
+        .into_iter()
+        .map(|kernel| HalfMatrix {
+            kernel,
+            ..HalfMatrix::new(half, rows, cols, Bytes::from(bytes.to_vec())).unwrap()
+        })
+        .collect()
 }
 
 #[test]
@@ -67,18 +83,21 @@ fn every_output_has_the_bits_of_the_defining_order() {
             (16, 1),
             (9, 130),
             (41, 70),
+            (140, 33),
         ] {
             let w = encode(half, &weights(rows * cols, (rows * cols) as u64));
-            let m = HalfMatrix::new(half, rows, cols, Bytes::from(w.clone())).unwrap();
-            for n in [1, 2, 4, 5, 8, 9, 17] {
-                let x = xorshift_data(n * cols, n as u64 + 7, 3.0);
-                let got = m.matmul(&x, n);
-                let want: Vec<f32> = x
-                    .chunks_exact(cols)
-                    .flat_map(|x| w.chunks_exact(2 * cols).map(|w| reference(half, w, x)))
-                    .collect();
-                let differ = bits_differ(&got, &want);
-                assert_eq!(differ, 0, "{half:?} [{rows}, {cols}] × {n} rows");
+            for m in on_each_kernel(half, rows, cols, &w) {
+                for n in [1, 2, 4, 5, 8, 9, 17] {
+                    let x = xorshift_data(n * cols, n as u64 + 7, 3.0);
+                    let got = m.matmul(&x, n);
+                    let want: Vec<f32> = x
+                        .chunks_exact(cols)
+                        .flat_map(|x| w.chunks_exact(2 * cols).map(|w| reference(half, w, x)))
+                        .collect();
+                    let differ = bits_differ(&got, &want);
+                    let kernel = m.kernel;
+                    assert_eq!(differ, 0, "{kernel:?} {half:?} [{rows}, {cols}] × {n} rows");
+                }
             }
         }
     }
@@ -91,16 +110,14 @@ fn a_row_gives_the_same_bits_alone_as_among_others() {
     }
     let (rows, cols) = (19, 200);
     let w = encode(Half::Bf16, &weights(rows * cols, 3));
-    let m = HalfMatrix::new(Half::Bf16, rows, cols, Bytes::from(w)).unwrap();
     let x = xorshift_data(11 * cols, 5, 2.0);
-    let all = m.matmul(&x, 11);
-    for (y, row) in x.chunks_exact(cols).enumerate() {
-        let alone = m.matmul(row, 1);
-        assert_eq!(
-            bits_differ(&alone, &all[y * rows..(y + 1) * rows]),
-            0,
-            "row {y}"
-        );
+    for m in on_each_kernel(Half::Bf16, rows, cols, &w) {
+        let all = m.matmul(&x, 11);
+        for (y, row) in x.chunks_exact(cols).enumerate() {
+            let alone = m.matmul(row, 1);
+            let differ = bits_differ(&alone, &all[y * rows..(y + 1) * rows]);
+            assert_eq!(differ, 0, "{:?}, row {y}", m.kernel);
+        }
     }
 }
 

@@ -15,8 +15,9 @@ use crate::half_matrix::{Half, HalfMatrix};
 /// How a folder's bf16 and f16 matrices are held; f32 ones stay f32 either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DenseMatrices {
-    /// Widened to f32 once, at load: the choice of a CPU without AVX-512
-    /// ([`DenseMatrices::for_device`]).
+    /// Widened to f32 once, at load: the choice of a CPU that runs no kernel of ours
+    /// ([`DenseMatrices::for_device`]; an x86 CPU without AVX2, FMA and F16C, which the
+    /// build's target needs anyway), and what `engine-bench --widen-folder` compares with.
     F32,
     /// Used where they lie in the mapped files, by our kernel ([`HalfMatrix`]), which widens
     /// each weight exactly as it reads it and sums in f32, so it computes the widened

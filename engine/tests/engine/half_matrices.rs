@@ -77,7 +77,7 @@ fn holds_the_predicted_half(dir: &Path, kept: &Model, widened: &Model, matrices:
 #[test]
 fn half_matrices_used_in_place_compute_the_widened_model_from_the_file() {
     if !engine::half_matrix::HalfMatrix::supported() {
-        eprintln!("skipped: this CPU has no AVX-512 for the in-place kernel");
+        eprintln!("skipped: this CPU runs no in-place kernel");
         return;
     }
     for (dtype, tied, dir) in folders("in-place") {

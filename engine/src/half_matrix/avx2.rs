@@ -1,0 +1,199 @@
+//! The half-precision product on 256-bit registers, for CPUs without AVX-512: each of
+//! the sixteen chains of the defining order is a lane of one of two registers (chains 0-7
+//! and 8-15), so every output has the 512-bit kernel's bits and nodes of both kinds give
+//! the same tokens. Two weight rows against a tile of two activation rows (eight chain
+//! registers, four of widened weights, one of activations: 13 of the 16).
+
+use std::arch::x86_64::*;
+
+use super::{Half, LANES, MAX_ROWS};
+
+/// Weight rows one pass holds.
+const PAIR: usize = 2;
+
+/// Activation rows that share one load of a pass's weights.
+const TILE: usize = 2;
+
+/// Lanes of one register: half a chain register of the defining order.
+const HALF: usize = LANES / 2;
+
+/// How a weight row's values are stored: the kernels' `KIND`.
+const F16: u8 = 0;
+const BF16: u8 = 1;
+
+/// The outputs of half-precision weight rows `w` (at most [`MAX_ROWS`]) for each
+/// activation row of `xs`, handed to `emit` in row order.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; each row of `w` holds `cols` values (`2 * cols`
+/// bytes), each of `xs` `cols` values.
+pub(super) unsafe fn outputs(
+    half: Half,
+    w: &[&[u8]],
+    xs: &[&[f32]],
+    cols: usize,
+    emit: &mut dyn FnMut(usize, &[f32]),
+) {
+    assert!(
+        !w.is_empty() && w.len() <= MAX_ROWS,
+        "one row to a run of groups"
+    );
+    assert!(w.iter().all(|r| r.len() == 2 * cols) && xs.iter().all(|x| x.len() == cols));
+    // SAFETY: the caller promises the features; the rows' lengths are checked above.
+    unsafe {
+        match half {
+            Half::F16 => outputs_of::<F16>(w, xs, cols, emit),
+            Half::Bf16 => outputs_of::<BF16>(w, xs, cols, emit),
+        }
+    }
+}
+
+/// Each tile of activation rows against the weight rows two at a time, an odd last row
+/// repeated.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn outputs_of<const KIND: u8>(
+    w: &[&[u8]],
+    xs: &[&[f32]],
+    cols: usize,
+    emit: &mut dyn FnMut(usize, &[f32]),
+) {
+    let last = w.len() - 1;
+    let mut vals = [[0f32; MAX_ROWS]; TILE];
+    let mut y = 0;
+    while y < xs.len() {
+        let tile = (xs.len() - y).min(TILE);
+        for p in 0..w.len().div_ceil(PAIR) {
+            let ptrs = std::array::from_fn(|i| w[(p * PAIR + i).min(last)].as_ptr());
+            let at = p * PAIR..(p + 1) * PAIR;
+            // SAFETY: every pointer starts a row of `cols` values (checked by `outputs`).
+            unsafe {
+                if tile == TILE {
+                    let x = [xs[y].as_ptr(), xs[y + 1].as_ptr()];
+                    let o = pass::<KIND, TILE>(ptrs, x, cols);
+                    for (v, o) in vals.iter_mut().zip(o) {
+                        v[at.clone()].copy_from_slice(&o);
+                    }
+                } else {
+                    let o = pass::<KIND, 1>(ptrs, [xs[y].as_ptr()], cols);
+                    vals[0][at].copy_from_slice(&o[0]);
+                }
+            }
+        }
+        for (j, v) in vals[..tile].iter().enumerate() {
+            emit(y + j, &v[..w.len()]);
+        }
+        y += tile;
+    }
+}
+
+/// Chain registers: `[activation row][weight row][chains 0-7, chains 8-15]`.
+type Chains<const R: usize> = [[[__m256; 2]; PAIR]; R];
+
+/// Two weight rows against `R` activation rows: `[activation row][weight row]`. A last
+/// part of fewer than sixteen columns is copied beside zeros first, the values the
+/// 512-bit kernel's masked loads give.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; every pointer starts `cols` values.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pass<const KIND: u8, const R: usize>(
+    w: [*const u8; PAIR],
+    x: [*const f32; R],
+    cols: usize,
+) -> [[f32; PAIR]; R] {
+    let mut acc: Chains<R> = [[[_mm256_setzero_ps(); 2]; PAIR]; R];
+    let whole = cols / LANES * LANES;
+    let mut k = 0;
+    while k < whole {
+        // SAFETY: `k + LANES <= whole <= cols`: sixteen values of each row.
+        unsafe {
+            step::<KIND, R>(
+                w.map(|p| p.wrapping_add(2 * k)),
+                x.map(|p| p.add(k)),
+                &mut acc,
+            )
+        };
+        k += LANES;
+    }
+    if whole < cols {
+        let left = cols - whole;
+        let mut wpad = [[0u8; 2 * LANES]; PAIR];
+        let mut xpad = [[0f32; LANES]; R];
+        for (pad, &p) in wpad.iter_mut().zip(&w) {
+            // SAFETY: the row's last `left` values start at value `whole`.
+            pad[..2 * left]
+                .copy_from_slice(unsafe { std::slice::from_raw_parts(p.add(2 * whole), 2 * left) });
+        }
+        for (pad, &p) in xpad.iter_mut().zip(&x) {
+            // SAFETY: as the weights'.
+            pad[..left].copy_from_slice(unsafe { std::slice::from_raw_parts(p.add(whole), left) });
+        }
+        let wp = std::array::from_fn(|i| wpad[i].as_ptr());
+        let xp = std::array::from_fn(|j| xpad[j].as_ptr());
+        // SAFETY: the pads hold sixteen values each.
+        unsafe { step::<KIND, R>(wp, xp, &mut acc) };
+    }
+    let mut out = [[0f32; PAIR]; R];
+    for j in 0..R {
+        for i in 0..PAIR {
+            out[j][i] = reduce8(_mm256_add_ps(acc[j][i][0], acc[j][i][1]));
+        }
+    }
+    out
+}
+
+/// Sixteen columns from `w` and `x` into the chains.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; every pointer starts sixteen values.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn step<const KIND: u8, const R: usize>(
+    w: [*const u8; PAIR],
+    x: [*const f32; R],
+    acc: &mut Chains<R>,
+) {
+    let mut wv = [[_mm256_setzero_ps(); 2]; PAIR];
+    for (wv, &row) in wv.iter_mut().zip(&w) {
+        for (h, half) in wv.iter_mut().enumerate() {
+            // SAFETY: the caller promises sixteen values.
+            *half = unsafe { load::<KIND>(row.add(2 * HALF * h)) };
+        }
+    }
+    for j in 0..R {
+        for h in 0..2 {
+            // SAFETY: as the weights'.
+            let xv = unsafe { _mm256_loadu_ps(x[j].add(HALF * h)) };
+            for i in 0..PAIR {
+                acc[j][i][h] = _mm256_fmadd_ps(wv[i][h], xv, acc[j][i][h]);
+            }
+        }
+    }
+}
+
+/// Eight halves of `KIND` at `p`, widened exactly.
+///
+/// # Safety
+/// The CPU has AVX2 and F16C; `p` starts eight values.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn load<const KIND: u8>(p: *const u8) -> __m256 {
+    // SAFETY: the caller promises the values.
+    let v = unsafe { _mm_loadu_si128(p.cast()) };
+    if KIND == BF16 {
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(v)))
+    } else {
+        _mm256_cvtph_ps(v)
+    }
+}
+
+/// The defining tree's last steps, from the eight sums of chain `i` and chain `i + 8`:
+/// those eight halved twice (lane `i` plus lane `i + 4`, then `i + 2`), then the last two.
+#[inline]
+#[target_feature(enable = "avx")]
+pub(super) fn reduce8(v8: __m256) -> f32 {
+    let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps::<1>(v8));
+    let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+    _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps::<1>(v2, v2)))
+}
