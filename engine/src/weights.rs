@@ -93,6 +93,11 @@ impl Linear {
         }
     }
 
+    /// Whether the weight is used where it lies in a mapped file.
+    pub(crate) fn in_place(&self) -> bool {
+        matches!(self.weight, Weight::Mapped(_))
+    }
+
     /// A projection of `weight` without a bias.
     fn unbiased(weight: Weight) -> Self {
         Self { weight, bias: None }
@@ -417,14 +422,17 @@ impl WeightSource {
                     None => Linear::dense(self.folder_matrix(name, shape, device)?).weight,
                 }
             }
-            Self::Gguf { .. } => match self.packed(name, &[name], out_in) {
-                Some(weight) => weight,
-                None => {
-                    let q = self.qtensor_shaped(name, out_in, device)?;
-                    let weight = quantized_weight(q, out_in, device)?;
-                    self.keep_packed(name.to_string(), &weight);
-                    weight
-                }
+            Self::Gguf { .. } => match self.gguf_half_matrix(name, [out_in.0, out_in.1], device)? {
+                Some(m) => Weight::Mapped(Arc::new(m)),
+                None => match self.packed(name, &[name], out_in) {
+                    Some(weight) => weight,
+                    None => {
+                        let q = self.qtensor_shaped(name, out_in, device)?;
+                        let weight = quantized_weight(q, out_in, device)?;
+                        self.keep_packed(name.to_string(), &weight);
+                        weight
+                    }
+                },
             },
         };
         let bias = self.bias(bias, out_in.0, device)?;
@@ -440,7 +448,8 @@ impl WeightSource {
         device: &Device,
     ) -> Result<Stacked> {
         let widths: Vec<usize> = parts.iter().map(|p| p.2).collect();
-        if !self.is_gguf() {
+        let in_place = parts.iter().any(|p| self.gguf_half(p.0, device).is_some());
+        if !self.is_gguf() || in_place {
             let parts = parts
                 .iter()
                 .map(|&(name, bias, rows)| self.linear(name, bias, (rows, cols), device))

@@ -218,8 +218,8 @@ impl Model {
             }
             _ => {
                 let head = src.linear(head_name, None, (cfg.vocab_size, h), device)?;
-                // A folder's table used in place is the head's own pages, held once.
-                let shared = head_name == names.embed && !src.is_gguf();
+                // A table used in place is the head's own pages, held once.
+                let shared = head_name == names.embed && head.in_place();
                 (head, shared)
             }
         };

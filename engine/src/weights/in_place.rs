@@ -1,10 +1,16 @@
 //! A GGUF file's blocks used where they lie in its mapping: the token embedding table,
-//! whose rows a step gathers and dequantizes as stored, is never copied out, so it is page
-//! cache that every process serving the file shares.
+//! whose rows a step gathers and dequantizes as stored, and f16 and bf16 matrices, which
+//! our kernel multiplies as stored, are never copied out, so they are page cache that
+//! every process serving the file shares.
+
+use bytes::Bytes;
+use candle_core::quantized::GgmlDType;
+use candle_core::Device;
 
 use super::WeightSource;
 use crate::embedding::Embedding;
 use crate::error::{EngineError, Result};
+use crate::half_matrix::{Half, HalfMatrix};
 
 impl WeightSource {
     /// The GGUF tensor `name`, which must be `[vocab, hidden]`, as the embedding table over
@@ -14,6 +20,49 @@ impl WeightSource {
         name: &str,
         (vocab, hidden): (usize, usize),
     ) -> Result<Embedding> {
+        let (dtype, bytes) = self.gguf_bytes(name, [vocab, hidden])?;
+        let table = Embedding::from_blocks(dtype, (vocab, hidden), bytes)
+            .map_err(|e| EngineError::invalid_model(self.path(), format!("{name}: {e}")))?;
+        Ok(table)
+    }
+
+    /// The GGUF matrix `name`, which must be `[rows, cols]`, where it lies in the mapped
+    /// file, if the file stores it in f16 or bf16 and the CPU on `device` runs our kernel
+    /// for it; `None` otherwise (candle would widen it to f32 at load).
+    pub(super) fn gguf_half_matrix(
+        &mut self,
+        name: &str,
+        shape: [usize; 2],
+        device: &Device,
+    ) -> Result<Option<HalfMatrix>> {
+        let Some(half) = self.gguf_half(name, device) else {
+            return Ok(None);
+        };
+        let (_, bytes) = self.gguf_bytes(name, shape)?;
+        let m = HalfMatrix::new(half, shape[0], shape[1], bytes);
+        m.map(Some)
+            .map_err(|e| EngineError::invalid_model(self.path(), format!("{name}: {e}")))
+    }
+
+    /// How the GGUF tensor `name` is stored, where it is an f16 or bf16 one that our kernel
+    /// multiplies where it lies on `device`.
+    pub(super) fn gguf_half(&self, name: &str, device: &Device) -> Option<Half> {
+        let Self::Gguf { content, .. } = self else {
+            return None;
+        };
+        if !device.is_cpu() || !HalfMatrix::supported() {
+            return None;
+        }
+        match content.tensor_infos.get(name)?.ggml_dtype {
+            GgmlDType::F16 => Some(Half::F16),
+            GgmlDType::BF16 => Some(Half::Bf16),
+            _ => None,
+        }
+    }
+
+    /// The GGUF tensor `name`'s type and bytes in the mapped file, counted as read: refused
+    /// unless its shape is `shape` and its bytes lie within the file.
+    fn gguf_bytes(&mut self, name: &str, shape: [usize; 2]) -> Result<(GgmlDType, Bytes)> {
         let Self::Gguf {
             path,
             content,
@@ -22,21 +71,22 @@ impl WeightSource {
             ..
         } = self
         else {
-            unreachable!("embedding_in_place is only called for GGUF");
+            unreachable!("gguf_bytes is only called for GGUF");
         };
         let bad = |reason: String| EngineError::invalid_model(path.as_path(), reason);
         let info = content
             .tensor_infos
             .get(name)
             .ok_or_else(|| bad(format!("missing tensor {name}")))?;
-        if info.shape.dims() != [vocab, hidden] {
+        if info.shape.dims() != shape {
             let dims = info.shape.dims();
             return Err(bad(format!(
-                "{name} has shape {dims:?}, expected [{vocab}, {hidden}]"
+                "{name} has shape {dims:?}, expected {shape:?}"
             )));
         }
         let dtype = info.ggml_dtype;
-        let len = (vocab * hidden / dtype.block_size()) as u64 * dtype.type_size() as u64;
+        let values = (shape[0] * shape[1] / dtype.block_size()) as u64;
+        let len = values * dtype.type_size() as u64;
         let file = &*map;
         let start = content.tensor_data_offset.checked_add(info.offset);
         let range = start.and_then(|s| Some(s..s.checked_add(len)?));
@@ -44,10 +94,8 @@ impl WeightSource {
             .filter(|r| r.end <= file.len() as u64)
             .ok_or_else(|| bad(format!("{name} lies past the end of the file")))?;
         let bytes = file.slice(range.start as usize..range.end as usize);
-        let table = Embedding::from_blocks(dtype, (vocab, hidden), bytes)
-            .map_err(|e| bad(format!("{name}: {e}")))?;
         read.insert(name.to_string());
-        Ok(table)
+        Ok((dtype, bytes))
     }
 }
 

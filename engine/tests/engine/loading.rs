@@ -246,10 +246,13 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
     .map(|n| common::fixture(&format!("gguf/{n}.gguf")))
     .collect();
     ggufs.push(crate::smollm2::gguf_path());
-    // Q5_0, held as Q8_0: every matrix, the head and the embedding table.
-    let q5_0 = common::scratch("footprint-q5_0").join("model-q5_0.gguf");
-    export_gguf(&common::tiny_model_dir(), &q5_0, GgmlDType::Q5_0).unwrap();
-    ggufs.push(q5_0);
+    // Q5_0, held as Q8_0: every matrix, the head and the embedding table; F16 and BF16,
+    // used where they lie on the CPU (widened by candle where it runs no kernel of ours).
+    for quant in [GgmlDType::Q5_0, GgmlDType::F16, GgmlDType::BF16] {
+        let path = common::scratch(&format!("footprint-{quant:?}")).join("model.gguf");
+        export_gguf(&common::tiny_model_dir(), &path, quant).unwrap();
+        ggufs.push(path);
+    }
     for path in ggufs {
         let model = Model::load(&path, &Device::Cpu).unwrap();
         let predicted = held_weight_bytes(&read_headers(&path).unwrap(), WeightFile::Gguf);
