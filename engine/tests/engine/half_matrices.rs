@@ -113,3 +113,12 @@ fn half_matrices_held_as_stored_take_two_bytes_and_compute_the_same_model() {
         assert_eq!(argmax(&want), argmax(&got), "{dtype:?} {tied}");
     }
 }
+
+/// PD over matrices used in place: a bf16 folder's prompt computed in one instance, its
+/// cache sent as chunks and decoded in another, gives the tokens of one instance.
+#[test]
+fn a_cache_over_matrices_used_in_place_travels_and_decodes_the_same_tokens() {
+    let dir = common::scratch("in-place-pd");
+    write_model(&dir, ModelSize::Tiny, DType::BF16, DEFAULT_SEED).unwrap();
+    crate::kv_and_batching::round_trip_matches_uninterrupted_decode(&dir, engine::KV_DTYPE);
+}
