@@ -6,7 +6,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Half, LANES, MAX_ROWS};
+use super::{BF16, LANES, MAX_ROWS};
 
 /// Weight rows one pass holds.
 const PAIR: usize = 2;
@@ -17,41 +17,15 @@ const TILE: usize = 2;
 /// Lanes of one register: half a chain register of the defining order.
 const HALF: usize = LANES / 2;
 
-/// How a weight row's values are stored: the kernels' `KIND`.
-const F16: u8 = 0;
-const BF16: u8 = 1;
-
-/// The outputs of half-precision weight rows `w` (at most [`MAX_ROWS`]) for each
-/// activation row of `xs`, handed to `emit` in row order.
+/// The outputs of weight rows `w` of `KIND` halves (at most [`MAX_ROWS`]) for each
+/// activation row of `xs`, handed to `emit` in row order: each tile of activation rows
+/// against the weight rows two at a time, an odd last row repeated.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; each row of `w` holds `cols` values (`2 * cols`
 /// bytes), each of `xs` `cols` values.
-pub(super) unsafe fn outputs(
-    half: Half,
-    w: &[&[u8]],
-    xs: &[&[f32]],
-    cols: usize,
-    emit: &mut dyn FnMut(usize, &[f32]),
-) {
-    assert!(
-        !w.is_empty() && w.len() <= MAX_ROWS,
-        "one row to a run of groups"
-    );
-    assert!(w.iter().all(|r| r.len() == 2 * cols) && xs.iter().all(|x| x.len() == cols));
-    // SAFETY: the caller promises the features; the rows' lengths are checked above.
-    unsafe {
-        match half {
-            Half::F16 => outputs_of::<F16>(w, xs, cols, emit),
-            Half::Bf16 => outputs_of::<BF16>(w, xs, cols, emit),
-        }
-    }
-}
-
-/// Each tile of activation rows against the weight rows two at a time, an odd last row
-/// repeated.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn outputs_of<const KIND: u8>(
+pub(super) unsafe fn outputs<const KIND: u8>(
     w: &[&[u8]],
     xs: &[&[f32]],
     cols: usize,
@@ -65,7 +39,7 @@ unsafe fn outputs_of<const KIND: u8>(
         for p in 0..w.len().div_ceil(PAIR) {
             let ptrs = std::array::from_fn(|i| w[(p * PAIR + i).min(last)].as_ptr());
             let at = p * PAIR..(p + 1) * PAIR;
-            // SAFETY: every pointer starts a row of `cols` values (checked by `outputs`).
+            // SAFETY: every pointer starts a row of `cols` values (the caller's promise).
             unsafe {
                 if tile == TILE {
                     let x = [xs[y].as_ptr(), xs[y + 1].as_ptr()];

@@ -5,42 +5,13 @@
 use std::arch::x86_64::*;
 
 use super::avx2::reduce8;
-use super::{Half, LANES, MAX_ROWS};
+use super::{BF16, LANES, MAX_ROWS};
 
 /// Weight rows one pass holds.
 const QUAD: usize = 4;
 
 /// Activation rows that share one load of a pass's weights.
 const TILE: usize = 6;
-
-/// How a weight row's values are stored: the kernels' `KIND`.
-const F16: u8 = 0;
-const BF16: u8 = 1;
-
-/// The outputs of half-precision weight rows `w` (at most [`MAX_ROWS`]) for each
-/// activation row of `xs`, handed to `emit` in row order.
-///
-/// # Safety
-/// The CPU has AVX-512 F, BW and VL; each row of `w` holds `cols` values (`2 * cols`
-/// bytes), each of `xs` `cols` values.
-pub(super) unsafe fn outputs(
-    half: Half,
-    w: &[&[u8]],
-    xs: &[&[f32]],
-    cols: usize,
-    emit: &mut dyn FnMut(usize, &[f32]),
-) {
-    assert!(w.len() <= MAX_ROWS && w.iter().all(|r| r.len() == 2 * cols));
-    let ptrs = starts(w.iter().map(|r| r.as_ptr()));
-    let ptrs = &ptrs[..w.len()];
-    // SAFETY: the caller promises the features; the rows' lengths are checked above.
-    unsafe {
-        match half {
-            Half::F16 => outputs_of::<F16>(ptrs, xs, cols, emit),
-            Half::Bf16 => outputs_of::<BF16>(ptrs, xs, cols, emit),
-        }
-    }
-}
 
 /// Up to [`MAX_ROWS`] rows' first bytes, in an array (no allocation per group).
 fn starts(rows: impl Iterator<Item = *const u8>) -> [*const u8; MAX_ROWS] {
@@ -51,22 +22,24 @@ fn starts(rows: impl Iterator<Item = *const u8>) -> [*const u8; MAX_ROWS] {
     ptrs
 }
 
-/// Each tile of activation rows against the weight rows four at a time, a last part of
-/// fewer than four rows repeating its last one (a matrix's loose rows, at most seven, so
-/// the repeats cost nothing that counts); a last tile of fewer rows by a pass of its own
-/// size.
+/// The outputs of weight rows `w` of `KIND` halves (at most [`MAX_ROWS`]) for each
+/// activation row of `xs`, handed to `emit` in row order: each tile of activation rows
+/// against the weight rows four at a time, a last part of fewer than four rows repeating
+/// its last one (a matrix's loose rows, at most seven, so the repeats cost nothing that
+/// counts); a last tile of fewer rows by a pass of its own size.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VL; each row of `w` holds `cols` values (`2 * cols`
+/// bytes), each of `xs` `cols` values.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn outputs_of<const KIND: u8>(
-    w: &[*const u8],
+pub(super) unsafe fn outputs<const KIND: u8>(
+    w: &[&[u8]],
     xs: &[&[f32]],
     cols: usize,
     emit: &mut dyn FnMut(usize, &[f32]),
 ) {
-    assert!(
-        !w.is_empty() && w.len() <= MAX_ROWS,
-        "one row to a run of groups"
-    );
-    assert!(xs.iter().all(|x| x.len() == cols));
+    let starts = starts(w.iter().map(|r| r.as_ptr()));
+    let w = &starts[..w.len()];
     let last = w.len() - 1;
     let quads = w.len().div_ceil(QUAD);
     let quad =
@@ -78,7 +51,7 @@ unsafe fn outputs_of<const KIND: u8>(
         let x: [*const f32; TILE] = std::array::from_fn(|j| xs[(y + j).min(xs.len() - 1)].as_ptr());
         for q in 0..quads {
             let ptrs = quad(q);
-            // SAFETY: every pointer starts a row of `cols` values (checked by the callers).
+            // SAFETY: every pointer starts a row of `cols` values (the caller's promise).
             unsafe {
                 match tile {
                     TILE => put(&mut vals, q, pass::<KIND, TILE>(&ptrs, x, cols)),

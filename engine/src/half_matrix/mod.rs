@@ -39,6 +39,10 @@ const RUN: usize = 8;
 /// Weight rows a kernel takes at once at most: a run of groups.
 const MAX_ROWS: usize = RUN * GROUP;
 
+/// How a kernel reads a row's values: its `KIND`.
+const F16: u8 = 0;
+const BF16: u8 = 1;
+
 /// How a matrix's two bytes a value encode it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Half {
@@ -167,15 +171,23 @@ impl HalfMatrix {
         &self.data[r * 2 * self.cols..(r + 1) * 2 * self.cols]
     }
 
-    /// The outputs of weight rows `w` (one, or a run of groups) for each activation row, handed to
-    /// `emit` in row order.
+    /// The outputs of weight rows `w` (one, or a run of groups) for each activation row,
+    /// handed to `emit` in row order.
     fn outputs(&self, w: &[&[u8]], xs: &[&[f32]], emit: &mut dyn FnMut(usize, &[f32])) {
+        assert!(
+            !w.is_empty() && w.len() <= MAX_ROWS,
+            "one row to a run of groups"
+        );
+        let cols = self.cols;
+        assert!(w.iter().all(|r| r.len() == 2 * cols) && xs.iter().all(|x| x.len() == cols));
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `new` found the kernel's features; every row holds `cols` values.
+        // SAFETY: `new` found the kernel's features; the rows' lengths are checked above.
         unsafe {
-            match self.kernel {
-                Kernel::Avx512 => avx512::outputs(self.half, w, xs, self.cols, emit),
-                Kernel::Avx2 => avx2::outputs(self.half, w, xs, self.cols, emit),
+            match (self.kernel, self.half) {
+                (Kernel::Avx512, Half::F16) => avx512::outputs::<F16>(w, xs, cols, emit),
+                (Kernel::Avx512, Half::Bf16) => avx512::outputs::<BF16>(w, xs, cols, emit),
+                (Kernel::Avx2, Half::F16) => avx2::outputs::<F16>(w, xs, cols, emit),
+                (Kernel::Avx2, Half::Bf16) => avx2::outputs::<BF16>(w, xs, cols, emit),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
