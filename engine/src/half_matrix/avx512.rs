@@ -13,15 +13,6 @@ const QUAD: usize = 4;
 /// Activation rows that share one load of a pass's weights.
 const TILE: usize = 6;
 
-/// Up to [`MAX_ROWS`] rows' first bytes, in an array (no allocation per group).
-fn starts(rows: impl Iterator<Item = *const u8>) -> [*const u8; MAX_ROWS] {
-    let mut ptrs = [std::ptr::null(); MAX_ROWS];
-    for (p, r) in ptrs.iter_mut().zip(rows) {
-        *p = r;
-    }
-    ptrs
-}
-
 /// The outputs of weight rows `w` of `KIND` halves (at most [`MAX_ROWS`]) for each
 /// activation row of `xs`, handed to `emit` in row order: each tile of activation rows
 /// against the weight rows four at a time, a last part of fewer than four rows repeating
@@ -80,6 +71,15 @@ fn put<const R: usize>(vals: &mut [[f32; MAX_ROWS]; TILE], q: usize, o: [[f32; Q
     for (v, o) in vals.iter_mut().zip(o) {
         v[q * QUAD..(q + 1) * QUAD].copy_from_slice(&o);
     }
+}
+
+/// Up to [`MAX_ROWS`] rows' first bytes, in an array (no allocation per group).
+fn starts(rows: impl Iterator<Item = *const u8>) -> [*const u8; MAX_ROWS] {
+    let mut ptrs = [std::ptr::null(); MAX_ROWS];
+    for (p, r) in ptrs.iter_mut().zip(rows) {
+        *p = r;
+    }
+    ptrs
 }
 
 /// Four weight rows against `R` activation rows: `[activation row][weight row]`.
