@@ -1,5 +1,5 @@
-//! A bf16 or f16 matrix used where it lies in a mapped safetensors file, times f32
-//! activations. Each weight is widened to f32 (exactly) as it is loaded and the sums are
+//! A bf16 or f16 matrix used where it lies in a mapped file (a folder's safetensors or a
+//! GGUF file), times f32 activations. Each weight is widened to f32 (exactly) as it is loaded and the sums are
 //! f32 fused multiply-adds, so the products are those of the matrix widened at load, to
 //! within the order of the sums, with half the memory and half the bytes a step reads, and
 //! the pages shared by every process that maps the file. candle's CPU products over bf16
@@ -8,11 +8,12 @@
 //! product at 1 and 4 rows, 3.0x at 16 and 1.5x at 512 (`product-bench --only dense`,
 //! 2-core Emerald Rapids).
 //!
-//! Every output is one order of sums, whichever code computes it: sixteen chains, chain
-//! `l` adding `w[k] * x[k]` for `k = l, l + 16, ...` in order with one fused multiply-add
-//! each (a last part of fewer than sixteen columns as if padded with zeros), then the
-//! chains added in a fixed tree ([`reduce`]'s order). So a row's outputs do not depend on
-//! the rows beside it, nor on how the pool split the matrix.
+//! Every output is one order of sums, whichever kernel computes it (512-bit or 256-bit
+//! registers): sixteen chains, chain `l` adding `w[k] * x[k]` for `k = l, l + 16, ...` in
+//! order with one fused multiply-add each (a last part of fewer than sixteen columns as if
+//! padded with zeros), then the chains added in a fixed tree (chain `i` plus chain `i + 8`,
+//! those eight halved the same way twice more, then the last two). So a row's outputs do
+//! not depend on the rows beside it, on how the pool split the matrix, or on the CPU.
 
 use bytes::Bytes;
 
