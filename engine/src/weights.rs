@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{gguf_file, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use serde::Deserialize;
 
@@ -46,8 +46,8 @@ enum Weight {
     K(Arc<KMatrix>),
     /// A folder's bf16 or f16 matrix, as stored ([`DenseMatrices::AsStored`]).
     Half(Tensor),
-    /// A folder's bf16 or f16 matrix where it lies in the mapped file
-    /// ([`DenseMatrices::InPlace`]).
+    /// A folder's or GGUF file's bf16 or f16 matrix where it lies in the mapped file
+    /// ([`DenseMatrices::InPlace`], `WeightSource::gguf_half_matrix`).
     Mapped(Arc<HalfMatrix>),
 }
 
@@ -395,13 +395,7 @@ impl WeightSource {
         }
         let shape = [vocab_hidden.0, vocab_hidden.1];
         match self.folder_in_place(name, shape)? {
-            Some((half, bytes)) => {
-                let dtype = match half {
-                    Half::F16 => GgmlDType::F16,
-                    Half::Bf16 => GgmlDType::BF16,
-                };
-                Ok(Embedding::from_blocks(dtype, vocab_hidden, bytes)?)
-            }
+            Some((half, bytes)) => Ok(Embedding::from_blocks(half.ggml(), vocab_hidden, bytes)?),
             None => Ok(Embedding::Dense(self.folder_matrix(name, shape, device)?)),
         }
     }
@@ -523,6 +517,19 @@ impl WeightSource {
             ));
         }
         Ok(q)
+    }
+
+    /// Our kernel's matrix over `bytes`, the tensor `name` used where it lies: refused as
+    /// the model's fault where they are not a `shape` matrix of `half` values.
+    fn in_place_matrix(
+        &self,
+        name: &str,
+        half: Half,
+        [rows, cols]: [usize; 2],
+        bytes: Bytes,
+    ) -> Result<HalfMatrix> {
+        HalfMatrix::new(half, rows, cols, bytes)
+            .map_err(|e| EngineError::invalid_model(self.path(), format!("{name}: {e}")))
     }
 
     /// The bias named `name` if it exists, as `[rows]`.

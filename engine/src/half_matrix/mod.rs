@@ -16,6 +16,7 @@
 //! not depend on the rows beside it, on how the pool split the matrix, or on the CPU.
 
 use bytes::Bytes;
+use candle_core::quantized::GgmlDType;
 
 use crate::error::{EngineError, Result};
 use crate::split::{self, Columns, GROUP};
@@ -52,6 +53,23 @@ pub enum Half {
 }
 
 impl Half {
+    /// How a GGUF file stores values of this type.
+    pub fn ggml(self) -> GgmlDType {
+        match self {
+            Self::F16 => GgmlDType::F16,
+            Self::Bf16 => GgmlDType::BF16,
+        }
+    }
+
+    /// The type of GGUF data of `dtype`, where it is one of these.
+    pub fn of_ggml(dtype: GgmlDType) -> Option<Self> {
+        match dtype {
+            GgmlDType::F16 => Some(Self::F16),
+            GgmlDType::BF16 => Some(Self::Bf16),
+            _ => None,
+        }
+    }
+
     /// The value of the little-endian bytes `b`, widened exactly.
     pub fn widen(self, b: [u8; 2]) -> f32 {
         match self {

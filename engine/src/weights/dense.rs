@@ -179,9 +179,7 @@ impl WeightSource {
         let Some((half, bytes)) = self.folder_in_place(name, shape)? else {
             return Ok(None);
         };
-        let m = HalfMatrix::new(half, shape[0], shape[1], bytes);
-        m.map(Some)
-            .map_err(|e| EngineError::invalid_model(self.path(), format!("{name}: {e}")))
+        self.in_place_matrix(name, half, shape, bytes).map(Some)
     }
 }
 

@@ -39,9 +39,7 @@ impl WeightSource {
             return Ok(None);
         };
         let (_, bytes) = self.gguf_bytes(name, shape)?;
-        let m = HalfMatrix::new(half, shape[0], shape[1], bytes);
-        m.map(Some)
-            .map_err(|e| EngineError::invalid_model(self.path(), format!("{name}: {e}")))
+        self.in_place_matrix(name, half, shape, bytes).map(Some)
     }
 
     /// How the GGUF tensor `name` is stored, where it is an f16 or bf16 one that our kernel
@@ -53,11 +51,7 @@ impl WeightSource {
         if !device.is_cpu() || !HalfMatrix::supported() {
             return None;
         }
-        match content.tensor_infos.get(name)?.ggml_dtype {
-            GgmlDType::F16 => Some(Half::F16),
-            GgmlDType::BF16 => Some(Half::Bf16),
-            _ => None,
-        }
+        Half::of_ggml(content.tensor_infos.get(name)?.ggml_dtype)
     }
 
     /// The GGUF tensor `name`'s type and bytes in the mapped file, counted as read: refused
