@@ -11,8 +11,8 @@ use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::Device;
 use serde::Deserialize;
 
+use crate::dense_matrix::DenseMatrix;
 use crate::error::{EngineError, Result};
-use crate::half_matrix::HalfMatrix;
 use crate::kquant::format::QK_K;
 use crate::kquant::KFormat;
 use crate::kv_cache::{KvDtype, KvLayout};
@@ -124,7 +124,7 @@ pub fn held_weight_bytes(tensors: &[TensorHeader], file: WeightFile) -> u64 {
         return tensors.iter().map(held).sum();
     }
     let tied = !tensors.iter().any(|t| t.name == "output.weight");
-    let half_in_place = HalfMatrix::supported();
+    let half_in_place = DenseMatrix::supported();
     let half = |t: &TensorHeader| matches!(t.ggml, Some(GgmlDType::F16 | GgmlDType::BF16));
     tensors
         .iter()

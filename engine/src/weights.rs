@@ -16,9 +16,9 @@ use candle_core::quantized::{gguf_file, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use serde::Deserialize;
 
+use crate::dense_matrix::{DenseMatrix, Stored};
 use crate::embedding::Embedding;
 use crate::error::{EngineError, Result};
-use crate::half_matrix::{Half, HalfMatrix};
 use crate::kquant::KMatrix;
 use crate::pack::PackedMatrix;
 use crate::q4::Q41Matrix;
@@ -47,8 +47,8 @@ enum Weight {
     /// A folder's bf16 or f16 matrix, as stored ([`DenseMatrices::AsStored`]).
     Half(Tensor),
     /// A folder's or GGUF file's bf16 or f16 matrix where it lies in the mapped file
-    /// ([`DenseMatrices::InPlace`], `WeightSource::gguf_half_matrix`).
-    Mapped(Arc<HalfMatrix>),
+    /// ([`DenseMatrices::InPlace`], `WeightSource::gguf_mapped_matrix`).
+    Mapped(Arc<DenseMatrix>),
 }
 
 impl From<PackedMatrix> for Weight {
@@ -395,7 +395,9 @@ impl WeightSource {
         }
         let shape = [vocab_hidden.0, vocab_hidden.1];
         match self.folder_in_place(name, shape)? {
-            Some((half, bytes)) => Ok(Embedding::from_blocks(half.ggml(), vocab_hidden, bytes)?),
+            Some((stored, bytes)) => {
+                Ok(Embedding::from_blocks(stored.ggml(), vocab_hidden, bytes)?)
+            }
             None => Ok(Embedding::Dense(self.folder_matrix(name, shape, device)?)),
         }
     }
@@ -411,23 +413,25 @@ impl WeightSource {
         let weight = match self {
             Self::SafeTensors { .. } => {
                 let shape = [out_in.0, out_in.1];
-                match self.folder_half_matrix(name, shape)? {
+                match self.folder_mapped_matrix(name, shape)? {
                     Some(m) => Weight::Mapped(Arc::new(m)),
                     None => Linear::dense(self.folder_matrix(name, shape, device)?).weight,
                 }
             }
-            Self::Gguf { .. } => match self.gguf_half_matrix(name, [out_in.0, out_in.1], device)? {
-                Some(m) => Weight::Mapped(Arc::new(m)),
-                None => match self.packed(name, &[name], out_in) {
-                    Some(weight) => weight,
-                    None => {
-                        let q = self.qtensor_shaped(name, out_in, device)?;
-                        let weight = quantized_weight(q, out_in, device)?;
-                        self.keep_packed(name.to_string(), &weight);
-                        weight
-                    }
-                },
-            },
+            Self::Gguf { .. } => {
+                match self.gguf_mapped_matrix(name, [out_in.0, out_in.1], device)? {
+                    Some(m) => Weight::Mapped(Arc::new(m)),
+                    None => match self.packed(name, &[name], out_in) {
+                        Some(weight) => weight,
+                        None => {
+                            let q = self.qtensor_shaped(name, out_in, device)?;
+                            let weight = quantized_weight(q, out_in, device)?;
+                            self.keep_packed(name.to_string(), &weight);
+                            weight
+                        }
+                    },
+                }
+            }
         };
         let bias = self.bias(bias, out_in.0, device)?;
         Ok(Linear { weight, bias })
@@ -442,7 +446,9 @@ impl WeightSource {
         device: &Device,
     ) -> Result<Stacked> {
         let widths: Vec<usize> = parts.iter().map(|p| p.2).collect();
-        let in_place = parts.iter().any(|p| self.gguf_half(p.0, device).is_some());
+        let in_place = parts
+            .iter()
+            .any(|p| self.gguf_mapped_type(p.0, device).is_some());
         if !self.is_gguf() || in_place {
             let parts = parts
                 .iter()
@@ -524,11 +530,11 @@ impl WeightSource {
     fn in_place_matrix(
         &self,
         name: &str,
-        half: Half,
+        stored: Stored,
         [rows, cols]: [usize; 2],
         bytes: Bytes,
-    ) -> Result<HalfMatrix> {
-        HalfMatrix::new(half, rows, cols, bytes)
+    ) -> Result<DenseMatrix> {
+        DenseMatrix::new(stored, rows, cols, bytes)
             .map_err(|e| EngineError::invalid_model(self.path(), format!("{name}: {e}")))
     }
 

@@ -15,7 +15,7 @@ use std::time::Instant;
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use clap::Parser;
-use engine::half_matrix::{Half, HalfMatrix};
+use engine::dense_matrix::{DenseMatrix, Stored};
 use engine::kquant::{KFormat, KMatrix};
 use engine::q4::Q41Matrix;
 use engine::q8::Q80Matrix;
@@ -129,38 +129,38 @@ fn dense_products() -> anyhow::Result<Vec<Product>> {
             }),
         });
     }
-    if HalfMatrix::supported() {
-        for half in [Half::Bf16, Half::F16] {
-            let stored = f32s.to_dtype(match half {
-                Half::Bf16 => DType::BF16,
-                Half::F16 => DType::F16,
+    if DenseMatrix::supported() {
+        for stored in [Stored::Bf16, Stored::F16] {
+            let tensor = f32s.to_dtype(match stored {
+                Stored::Bf16 => DType::BF16,
+                Stored::F16 => DType::F16,
             })?;
-            let flat = stored.flatten_all()?;
-            let bytes: Vec<u8> = match half {
-                Half::Bf16 => flat
+            let flat = tensor.flatten_all()?;
+            let bytes: Vec<u8> = match stored {
+                Stored::Bf16 => flat
                     .to_vec1::<half::bf16>()?
                     .iter()
                     .flat_map(|v| v.to_le_bytes())
                     .collect(),
-                Half::F16 => flat
+                Stored::F16 => flat
                     .to_vec1::<f16>()?
                     .iter()
                     .flat_map(|v| v.to_le_bytes())
                     .collect(),
             };
             let bytes = bytes::Bytes::from(bytes);
-            let m = HalfMatrix::new(half, rows, cols, bytes.clone())?;
-            let narrow = HalfMatrix::new(half, rows, cols, bytes)?;
+            let m = DenseMatrix::new(stored, rows, cols, bytes.clone())?;
+            let narrow = DenseMatrix::new(stored, rows, cols, bytes)?;
             if let Some(narrow) = narrow.on_256_bit_registers() {
                 all.push(Product {
-                    name: format!("dense q {half:?} (ours, in place, 256-bit)"),
+                    name: format!("dense q {stored:?} (ours, in place, 256-bit)"),
                     rows,
                     cols,
                     matmul: Box::new(move |x, n| narrow.matmul(x, n)),
                 });
             }
             all.push(Product {
-                name: format!("dense q {half:?} (ours, in place)"),
+                name: format!("dense q {stored:?} (ours, in place)"),
                 rows,
                 cols,
                 matmul: Box::new(move |x, n| m.matmul(x, n)),

@@ -48,7 +48,7 @@ fn a_folder_used_in_place_counts_its_half_matrices_in_two_bytes() {
 
 #[test]
 fn a_gpu_holds_a_folders_matrices_as_stored_and_the_cpu_uses_them_in_place() {
-    let cpu = match crate::half_matrix::HalfMatrix::supported() {
+    let cpu = match crate::dense_matrix::DenseMatrix::supported() {
         true => DenseMatrices::InPlace,
         false => DenseMatrices::F32,
     };

@@ -9,8 +9,8 @@ use half::{bf16, f16};
 use safetensors::tensor::TensorView;
 
 use super::WeightSource;
+use crate::dense_matrix::{DenseMatrix, Stored};
 use crate::error::{EngineError, Result};
-use crate::half_matrix::{Half, HalfMatrix};
 
 /// How a folder's bf16 and f16 matrices are held; f32 ones stay f32 either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,7 +19,7 @@ pub enum DenseMatrices {
     /// ([`DenseMatrices::for_device`]; an x86 CPU without AVX2, FMA and F16C, which the
     /// build's target needs anyway), and what `engine-bench --widen-folder` compares with.
     F32,
-    /// Used where they lie in the mapped files, by our kernel ([`HalfMatrix`]), which widens
+    /// Used where they lie in the mapped files, by our kernel ([`DenseMatrix`]), which widens
     /// each weight exactly as it reads it and sums in f32, so it computes the widened
     /// model (to within the order of its sums) from half the memory, shared by every
     /// process that maps the files. A bf16 or f16 embedding table is used in place too.
@@ -40,7 +40,7 @@ impl DenseMatrices {
     pub fn for_device(device: &Device) -> Self {
         if !device.is_cpu() {
             Self::AsStored
-        } else if HalfMatrix::supported() {
+        } else if DenseMatrix::supported() {
             Self::InPlace
         } else {
             Self::F32
@@ -138,7 +138,7 @@ impl WeightSource {
         &mut self,
         name: &str,
         [rows, cols]: [usize; 2],
-    ) -> Result<Option<(Half, Bytes)>> {
+    ) -> Result<Option<(Stored, Bytes)>> {
         let Self::SafeTensors {
             path,
             files,
@@ -152,9 +152,9 @@ impl WeightSource {
         let view = files
             .view(name)
             .ok_or_else(|| bad(format!("missing tensor {name}")))?;
-        let half = match view.dtype() {
-            safetensors::Dtype::F16 => Half::F16,
-            safetensors::Dtype::BF16 => Half::Bf16,
+        let stored = match view.dtype() {
+            safetensors::Dtype::F16 => Stored::F16,
+            safetensors::Dtype::BF16 => Stored::Bf16,
             _ => return Ok(None),
         };
         if *matrices != DenseMatrices::InPlace {
@@ -167,19 +167,19 @@ impl WeightSource {
             )));
         }
         read.insert(name.to_string());
-        Ok(files.bytes(name).map(|b| (half, b)))
+        Ok(files.bytes(name).map(|b| (stored, b)))
     }
 
     /// [`WeightSource::folder_in_place`] as our kernel's matrix.
-    pub(super) fn folder_half_matrix(
+    pub(super) fn folder_mapped_matrix(
         &mut self,
         name: &str,
         shape: [usize; 2],
-    ) -> Result<Option<HalfMatrix>> {
-        let Some((half, bytes)) = self.folder_in_place(name, shape)? else {
+    ) -> Result<Option<DenseMatrix>> {
+        let Some((stored, bytes)) = self.folder_in_place(name, shape)? else {
             return Ok(None);
         };
-        self.in_place_matrix(name, half, shape, bytes).map(Some)
+        self.in_place_matrix(name, stored, shape, bytes).map(Some)
     }
 }
 

@@ -8,9 +8,9 @@ use candle_core::quantized::GgmlDType;
 use candle_core::Device;
 
 use super::WeightSource;
+use crate::dense_matrix::{DenseMatrix, Stored};
 use crate::embedding::Embedding;
 use crate::error::{EngineError, Result};
-use crate::half_matrix::{Half, HalfMatrix};
 
 impl WeightSource {
     /// The GGUF tensor `name`, which must be `[vocab, hidden]`, as the embedding table over
@@ -29,29 +29,29 @@ impl WeightSource {
     /// The GGUF matrix `name`, which must be `[rows, cols]`, where it lies in the mapped
     /// file, if the file stores it in f16 or bf16 and the CPU on `device` runs our kernel
     /// for it; `None` otherwise (candle would widen it to f32 at load).
-    pub(super) fn gguf_half_matrix(
+    pub(super) fn gguf_mapped_matrix(
         &mut self,
         name: &str,
         shape: [usize; 2],
         device: &Device,
-    ) -> Result<Option<HalfMatrix>> {
-        let Some(half) = self.gguf_half(name, device) else {
+    ) -> Result<Option<DenseMatrix>> {
+        let Some(stored) = self.gguf_mapped_type(name, device) else {
             return Ok(None);
         };
         let (_, bytes) = self.gguf_bytes(name, shape)?;
-        self.in_place_matrix(name, half, shape, bytes).map(Some)
+        self.in_place_matrix(name, stored, shape, bytes).map(Some)
     }
 
     /// How the GGUF tensor `name` is stored, where it is an f16 or bf16 one that our kernel
     /// multiplies where it lies on `device`.
-    pub(super) fn gguf_half(&self, name: &str, device: &Device) -> Option<Half> {
+    pub(super) fn gguf_mapped_type(&self, name: &str, device: &Device) -> Option<Stored> {
         let Self::Gguf { content, .. } = self else {
             return None;
         };
-        if !device.is_cpu() || !HalfMatrix::supported() {
+        if !device.is_cpu() || !DenseMatrix::supported() {
             return None;
         }
-        Half::of_ggml(content.tensor_infos.get(name)?.ggml_dtype)
+        Stored::of_ggml(content.tensor_infos.get(name)?.ggml_dtype)
     }
 
     /// The GGUF tensor `name`'s type and bytes in the mapped file, counted as read: refused

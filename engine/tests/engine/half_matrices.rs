@@ -76,7 +76,7 @@ fn holds_the_predicted_half(dir: &Path, kept: &Model, widened: &Model, matrices:
 /// of f32 sums, from the file's own pages: only the vectors are the process's memory.
 #[test]
 fn half_matrices_used_in_place_compute_the_widened_model_from_the_file() {
-    if !engine::half_matrix::HalfMatrix::supported() {
+    if !engine::dense_matrix::DenseMatrix::supported() {
         eprintln!("skipped: this CPU runs no in-place kernel");
         return;
     }

@@ -4,12 +4,12 @@ use candle_core::{Device, Tensor};
 use super::*;
 use crate::act_quant::testing::{bits_differ, xorshift_data};
 
-/// The sums' defining order ([`HalfMatrix`]'s module notes), one value at a time.
-fn reference(half: Half, w: &[u8], x: &[f32]) -> f32 {
+/// The sums' defining order ([`DenseMatrix`]'s module notes), one value at a time.
+fn reference(stored: Stored, w: &[u8], x: &[f32]) -> f32 {
     let mut chains = [0f32; LANES];
     for k in 0..x.len().next_multiple_of(LANES) {
         let (wk, xk) = match x.get(k) {
-            Some(&xk) => (half.widen([w[2 * k], w[2 * k + 1]]), xk),
+            Some(&xk) => (stored.widen([w[2 * k], w[2 * k + 1]]), xk),
             None => (0.0, 0.0),
         };
         chains[k % LANES] = wk.mul_add(xk, chains[k % LANES]);
@@ -24,10 +24,10 @@ fn reference(half: Half, w: &[u8], x: &[f32]) -> f32 {
     chains[0]
 }
 
-fn encode(half: Half, values: &[f32]) -> Vec<u8> {
-    let bytes = |v: &f32| match half {
-        Half::F16 => half::f16::from_f32(*v).to_le_bytes(),
-        Half::Bf16 => half::bf16::from_f32(*v).to_le_bytes(),
+fn encode(stored: Stored, values: &[f32]) -> Vec<u8> {
+    let bytes = |v: &f32| match stored {
+        Stored::F16 => half::f16::from_f32(*v).to_le_bytes(),
+        Stored::Bf16 => half::bf16::from_f32(*v).to_le_bytes(),
     };
     values.iter().flat_map(bytes).collect()
 }
@@ -46,15 +46,15 @@ fn weights(len: usize, seed: u64) -> Vec<f32> {
 }
 
 fn skip() -> bool {
-    if !HalfMatrix::supported() {
-        eprintln!("skipped: this CPU runs no half-precision kernel");
+    if !DenseMatrix::supported() {
+        eprintln!("skipped: this CPU runs no stored-precision kernel");
         return true;
     }
     false
 }
 
 /// The matrix on each kernel this CPU runs.
-fn on_each_kernel(half: Half, rows: usize, cols: usize, bytes: &[u8]) -> Vec<HalfMatrix> {
+fn on_each_kernel(stored: Stored, rows: usize, cols: usize, bytes: &[u8]) -> Vec<DenseMatrix> {
     let kernels = Kernel::available();
     assert!(
         kernels.len() == 2 || !is_x86_feature_detected!("avx512f"),
@@ -62,9 +62,9 @@ fn on_each_kernel(half: Half, rows: usize, cols: usize, bytes: &[u8]) -> Vec<Hal
     );
     kernels
         .into_iter()
-        .map(|kernel| HalfMatrix {
+        .map(|kernel| DenseMatrix {
             kernel,
-            ..HalfMatrix::new(half, rows, cols, Bytes::from(bytes.to_vec())).unwrap()
+            ..DenseMatrix::new(stored, rows, cols, Bytes::from(bytes.to_vec())).unwrap()
         })
         .collect()
 }
@@ -74,7 +74,7 @@ fn every_output_has_the_bits_of_the_defining_order() {
     if skip() {
         return;
     }
-    for half in [Half::F16, Half::Bf16] {
+    for stored in [Stored::F16, Stored::Bf16] {
         for (rows, cols) in [
             (8, 16),
             (21, 576),
@@ -85,18 +85,21 @@ fn every_output_has_the_bits_of_the_defining_order() {
             (41, 70),
             (140, 33),
         ] {
-            let w = encode(half, &weights(rows * cols, (rows * cols) as u64));
-            for m in on_each_kernel(half, rows, cols, &w) {
+            let w = encode(stored, &weights(rows * cols, (rows * cols) as u64));
+            for m in on_each_kernel(stored, rows, cols, &w) {
                 for n in [1, 2, 4, 5, 8, 9, 17] {
                     let x = xorshift_data(n * cols, n as u64 + 7, 3.0);
                     let got = m.matmul(&x, n);
                     let want: Vec<f32> = x
                         .chunks_exact(cols)
-                        .flat_map(|x| w.chunks_exact(2 * cols).map(|w| reference(half, w, x)))
+                        .flat_map(|x| w.chunks_exact(2 * cols).map(|w| reference(stored, w, x)))
                         .collect();
                     let differ = bits_differ(&got, &want);
                     let kernel = m.kernel;
-                    assert_eq!(differ, 0, "{kernel:?} {half:?} [{rows}, {cols}] × {n} rows");
+                    assert_eq!(
+                        differ, 0,
+                        "{kernel:?} {stored:?} [{rows}, {cols}] × {n} rows"
+                    );
                 }
             }
         }
@@ -109,9 +112,9 @@ fn a_row_gives_the_same_bits_alone_as_among_others() {
         return;
     }
     let (rows, cols) = (19, 200);
-    let w = encode(Half::Bf16, &weights(rows * cols, 3));
+    let w = encode(Stored::Bf16, &weights(rows * cols, 3));
     let x = xorshift_data(11 * cols, 5, 2.0);
-    for m in on_each_kernel(Half::Bf16, rows, cols, &w) {
+    for m in on_each_kernel(Stored::Bf16, rows, cols, &w) {
         let all = m.matmul(&x, 11);
         for (y, row) in x.chunks_exact(cols).enumerate() {
             let alone = m.matmul(row, 1);
@@ -127,14 +130,14 @@ fn the_product_is_the_widened_matrix_s() {
         return;
     }
     let (rows, cols, n) = (40, 96, 6);
-    for half in [Half::F16, Half::Bf16] {
+    for stored in [Stored::F16, Stored::Bf16] {
         let values = xorshift_data(rows * cols, 11, 2.0);
-        let bytes = encode(half, &values);
+        let bytes = encode(stored, &values);
         let widened: Vec<f32> = bytes
             .chunks_exact(2)
-            .map(|b| half.widen([b[0], b[1]]))
+            .map(|b| stored.widen([b[0], b[1]]))
             .collect();
-        let m = HalfMatrix::new(half, rows, cols, Bytes::from(bytes)).unwrap();
+        let m = DenseMatrix::new(stored, rows, cols, Bytes::from(bytes)).unwrap();
         let x = xorshift_data(n * cols, 12, 2.0);
         let dev = Device::Cpu;
         let wt = Tensor::from_vec(widened, (rows, cols), &dev).unwrap();
@@ -145,7 +148,7 @@ fn the_product_is_the_widened_matrix_s() {
         for (g, w) in got.iter().zip(&want) {
             assert!(
                 (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
-                "{half:?}: {g} against {w}"
+                "{stored:?}: {g} against {w}"
             );
         }
     }
@@ -157,8 +160,8 @@ fn data_that_is_not_the_matrix_is_refused() {
         return;
     }
     let bytes = Bytes::from(vec![0u8; 2 * 6 * 8]);
-    assert!(HalfMatrix::new(Half::F16, 6, 8, bytes.clone()).is_ok());
-    assert!(HalfMatrix::new(Half::F16, 6, 9, bytes.clone()).is_err());
-    assert!(HalfMatrix::new(Half::F16, 48, 0, bytes.clone()).is_err());
-    assert!(HalfMatrix::new(Half::F16, usize::MAX, 2, bytes).is_err());
+    assert!(DenseMatrix::new(Stored::F16, 6, 8, bytes.clone()).is_ok());
+    assert!(DenseMatrix::new(Stored::F16, 6, 9, bytes.clone()).is_err());
+    assert!(DenseMatrix::new(Stored::F16, 48, 0, bytes.clone()).is_err());
+    assert!(DenseMatrix::new(Stored::F16, usize::MAX, 2, bytes).is_err());
 }

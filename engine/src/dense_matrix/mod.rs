@@ -47,12 +47,12 @@ const BF16: u8 = 1;
 
 /// How a matrix's two bytes a value encode it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Half {
+pub enum Stored {
     F16,
     Bf16,
 }
 
-impl Half {
+impl Stored {
     /// How a GGUF file stores values of this type.
     pub fn ggml(self) -> GgmlDType {
         match self {
@@ -114,15 +114,15 @@ impl Kernel {
 
 /// A `[rows, cols]` matrix of `half` values, row-major and little-endian, in `data`.
 #[derive(Debug)]
-pub struct HalfMatrix {
+pub struct DenseMatrix {
     rows: usize,
     cols: usize,
-    half: Half,
+    stored: Stored,
     data: Bytes,
     kernel: Kernel,
 }
 
-impl HalfMatrix {
+impl DenseMatrix {
     /// Whether this CPU runs a kernel: AVX2, FMA and F16C at least.
     pub fn supported() -> bool {
         !Kernel::available().is_empty()
@@ -130,7 +130,7 @@ impl HalfMatrix {
 
     /// `data`, exactly `rows * cols` values, as the matrix: refused otherwise, or where
     /// this CPU runs no kernel.
-    pub fn new(half: Half, rows: usize, cols: usize, data: Bytes) -> Result<Self> {
+    pub fn new(stored: Stored, rows: usize, cols: usize, data: Bytes) -> Result<Self> {
         let Some(&kernel) = Kernel::available().first() else {
             return Err(EngineError::InvalidInput(
                 "this CPU has no AVX2, FMA and F16C for the half-precision kernel".into(),
@@ -138,14 +138,14 @@ impl HalfMatrix {
         };
         if cols == 0 || rows.checked_mul(cols).and_then(|v| v.checked_mul(2)) != Some(data.len()) {
             return Err(EngineError::InvalidInput(format!(
-                "{} bytes of {half:?} are not a [{rows}, {cols}] matrix",
+                "{} bytes of {stored:?} are not a [{rows}, {cols}] matrix",
                 data.len()
             )));
         }
         Ok(Self {
             rows,
             cols,
-            half,
+            stored,
             data,
             kernel,
         })
@@ -202,11 +202,11 @@ impl HalfMatrix {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `new` found the kernel's features; the rows' lengths are checked above.
         unsafe {
-            match (self.kernel, self.half) {
-                (Kernel::Avx512, Half::F16) => avx512::outputs::<F16>(w, xs, cols, emit),
-                (Kernel::Avx512, Half::Bf16) => avx512::outputs::<BF16>(w, xs, cols, emit),
-                (Kernel::Avx2, Half::F16) => avx2::outputs::<F16>(w, xs, cols, emit),
-                (Kernel::Avx2, Half::Bf16) => avx2::outputs::<BF16>(w, xs, cols, emit),
+            match (self.kernel, self.stored) {
+                (Kernel::Avx512, Stored::F16) => avx512::outputs::<F16>(w, xs, cols, emit),
+                (Kernel::Avx512, Stored::Bf16) => avx512::outputs::<BF16>(w, xs, cols, emit),
+                (Kernel::Avx2, Stored::F16) => avx2::outputs::<F16>(w, xs, cols, emit),
+                (Kernel::Avx2, Stored::Bf16) => avx2::outputs::<BF16>(w, xs, cols, emit),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
