@@ -4,9 +4,12 @@ against llama.cpp (bench/README.md, "Sizes people run"). Never run by CI.
 Usage:
   LLAMA_CPP=DIR python3 bench/make-models.py OUT [0.5b 1.5b 3b 7b]
   python3 bench/make-models.py --folder OUT [sizes]    # step 1 alone, kept (f16 folders)
+  python3 bench/make-models.py --folder-f32 OUT [sizes]    # the same in f32
 
 `--folder` writes the Hugging Face folders alone, as OUT/qwen2.5-{size}, and keeps them:
 scripts/gpu-check.sh makes the GPU figures' models with it on a machine without llama.cpp.
+`--folder-f32` writes them in f32, as OUT/qwen2.5-{size}-f32, for the figure of f32
+folders used in place.
 
 DIR is the llama.cpp tree llama-cpp-python 0.3.36 vendors (bench/install-peers.sh keeps
 it), for its converter; llama-cpp-python itself quantizes. Each size:
@@ -50,7 +53,7 @@ SHARD_BYTES = 2 << 30
 LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
 
 
-def config(size: str) -> dict:
+def config(size: str, dtype: str) -> dict:
     hidden, layers, heads, kv, inter, tied = SIZES[size]
     return {
         "architectures": ["Qwen2ForCausalLM"],
@@ -74,7 +77,7 @@ def config(size: str) -> dict:
         "vocab_size": VOCAB,
         "bos_token_id": 151643,
         "eos_token_id": 151645,
-        "torch_dtype": "float16",
+        "torch_dtype": dtype,
     }
 
 
@@ -100,9 +103,9 @@ def shapes(cfg: dict):
         yield "lm_head.weight", (VOCAB, h)
 
 
-def write_folder(size: str, folder: Path) -> None:
+def write_folder(size: str, folder: Path, dtype: str = "float16") -> None:
     folder.mkdir(parents=True)
-    cfg = config(size)
+    cfg = config(size, dtype)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for name in ["tokenizer.json", "tokenizer_config.json"]:
         shutil.copy(MODELS / "qwen3" / name, folder / name)
@@ -120,11 +123,11 @@ def write_folder(size: str, folder: Path) -> None:
 
     for name, shape in shapes(cfg):
         if len(shape) == 2:
-            t = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
+            t = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype)
         elif name.endswith("bias"):
-            t = np.zeros(shape, dtype=np.float16)
+            t = np.zeros(shape, dtype=dtype)
         else:
-            t = np.ones(shape, dtype=np.float16)
+            t = np.ones(shape, dtype=dtype)
         shard[name] = t
         shard_bytes += t.nbytes
         if shard_bytes >= SHARD_BYTES:
@@ -136,12 +139,13 @@ def write_folder(size: str, folder: Path) -> None:
 
 def main() -> None:
     args = sys.argv[1:]
-    if args[0] == "--folder":
+    if args[0] in ("--folder", "--folder-f32"):
         out = Path(args[1])
+        dtype, suffix = ("float32", "-f32") if args[0] == "--folder-f32" else ("float16", "")
         for size in args[2:] or list(SIZES):
-            folder = out / f"qwen2.5-{size}"
+            folder = out / f"qwen2.5-{size}{suffix}"
             shutil.rmtree(folder, ignore_errors=True)
-            write_folder(size, folder)
+            write_folder(size, folder, dtype)
             print(f"wrote {folder}")
         return
     llama_cpp = Path(os.environ["LLAMA_CPP"])

@@ -40,8 +40,8 @@ struct Config {
     /// Where the model computes: `cpu`, or `cuda[:N]` in a build with the `cuda` feature.
     #[arg(long, default_value = "cpu")]
     device: engine::DeviceChoice,
-    /// Widen a folder's bf16 and f16 matrices to f32 at load, as a CPU without AVX-512
-    /// does, rather than use them where they lie.
+    /// Copy a folder's matrices in f32 at load (bf16 and f16 ones widened), as a CPU without
+    /// AVX2, FMA and F16C does, rather than use them where they lie.
     #[arg(long)]
     widen_folder: bool,
     /// What the KV caches hold, `f16` or `q8_0`, as the nodes' --kv-cache-dtype.

@@ -107,10 +107,10 @@ pub fn expert_transient_bytes(tensors: &[TensorHeader]) -> u64 {
 ///   K-quant matrices in theirs (Q4_K and Q5_K 4 bytes more per 256 weights than the file,
 ///   Q6_K as stored; a matrix's last rows are padded to a group of eight, at most seven
 ///   rows more, which is not counted); Q5_0 as Q8_0 (34 bytes a block against 22) where
-///   our Q8_0 kernel runs; F16 and BF16 matrices as stored where our kernel uses them in
-///   the mapped file, else as f32 (candle's), as F32 ones; other types as stored. With no
+///   our Q8_0 kernel runs; F16, BF16 and F32 matrices as stored where our kernel uses them
+///   in the mapped file, else as f32 (candle's); other types as stored. With no
 ///   `output.weight`, the head is the embedding table again, in its matrix form (the
-///   table's own pages, for F16 and BF16 used in place).
+///   table's own pages, for F16, BF16 and F32 used in place).
 ///
 /// The rotation tables and the activations of a step come on top, small beside these.
 pub fn held_weight_bytes(tensors: &[TensorHeader], file: WeightFile) -> u64 {
@@ -124,8 +124,13 @@ pub fn held_weight_bytes(tensors: &[TensorHeader], file: WeightFile) -> u64 {
         return tensors.iter().map(held).sum();
     }
     let tied = !tensors.iter().any(|t| t.name == "output.weight");
-    let half_in_place = DenseMatrix::supported();
-    let half = |t: &TensorHeader| matches!(t.ggml, Some(GgmlDType::F16 | GgmlDType::BF16));
+    let in_place = DenseMatrix::supported();
+    let dense = |t: &TensorHeader| {
+        matches!(
+            t.ggml,
+            Some(GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+        )
+    };
     tensors
         .iter()
         .map(|t| {
@@ -136,15 +141,13 @@ pub fn held_weight_bytes(tensors: &[TensorHeader], file: WeightFile) -> u64 {
                     t.elements / QK_K as u64 * format.held_bytes() as u64
                 }
                 Some(GgmlDType::Q5_0) if Q80Matrix::supported() => t.elements / 32 * 34,
-                Some(GgmlDType::F16 | GgmlDType::BF16) if half_in_place => t.stored,
-                Some(GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => 4 * t.elements,
+                Some(_) if dense(t) && in_place => t.stored,
+                Some(_) if dense(t) => 4 * t.elements,
                 _ => t.stored,
             };
             match (t.dims, t.name.as_str()) {
-                // A tied head of halves used in place is the table's own pages.
-                (_, "token_embd.weight") if tied && !(half(t) && half_in_place) => {
-                    t.stored + matrix(t)
-                }
+                // A tied head used in place is the table's own pages.
+                (_, "token_embd.weight") if tied && !(dense(t) && in_place) => t.stored + matrix(t),
                 (_, "token_embd.weight") => t.stored,
                 // Read into the rotation tables and dropped.
                 (

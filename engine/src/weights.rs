@@ -1,7 +1,7 @@
 //! Reading tensors by name from a Hugging Face safetensors folder or a GGUF file.
 //!
 //! Both sources hand out `Linear` layers: dense for safetensors (f32, bf16 and f16 used
-//! where they lie in the mapped files, or a GPU's bf16 and f16 as stored:
+//! where they lie in the mapped files, or a GPU's copied as stored:
 //! [`DenseMatrices`]), and GGML block-quantized for GGUF, so that Q4/Q8 weights stay
 //! quantized in memory.
 
@@ -46,7 +46,7 @@ enum Weight {
     K(Arc<KMatrix>),
     /// A folder's bf16 or f16 matrix, as stored ([`DenseMatrices::AsStored`]).
     Half(Tensor),
-    /// A folder's or GGUF file's bf16 or f16 matrix where it lies in the mapped file
+    /// A folder's or GGUF file's bf16, f16 or f32 matrix where it lies in the mapped file
     /// ([`DenseMatrices::InPlace`], `WeightSource::gguf_mapped_matrix`).
     Mapped(Arc<DenseMatrix>),
 }
@@ -216,7 +216,7 @@ pub enum WeightSource {
         /// its pages when the model reads it, so no other copy of the file is ever held.
         files: mapped::MappedFolder,
         read: HashSet<String>,
-        /// How its bf16 and f16 matrices are held.
+        /// How its matrices are held.
         matrices: DenseMatrices,
     },
     Gguf {

@@ -109,7 +109,7 @@ fn products() -> anyhow::Result<Vec<Product>> {
 /// A 1.5B Qwen2's q projection as a Hugging Face folder's matrix, in each type the engine
 /// can hold one in (`engine::weights::DenseMatrices`), through the engine's own projection:
 /// what widening bf16 and f16 matrices to f32 on the CPU buys; and on our kernel, over the
-/// matrix's own two bytes a value (`DenseMatrices::InPlace`).
+/// matrix's own bytes (`DenseMatrices::InPlace`).
 fn dense_products() -> anyhow::Result<Vec<Product>> {
     let (rows, cols) = (1536, 1536);
     let values: Vec<f32> = noise(rows * cols, 11)
@@ -130,23 +130,12 @@ fn dense_products() -> anyhow::Result<Vec<Product>> {
         });
     }
     if DenseMatrix::supported() {
-        for stored in [Stored::Bf16, Stored::F16] {
-            let tensor = f32s.to_dtype(match stored {
-                Stored::Bf16 => DType::BF16,
-                Stored::F16 => DType::F16,
-            })?;
-            let flat = tensor.flatten_all()?;
+        for stored in [Stored::Bf16, Stored::F16, Stored::F32] {
+            let tensor = f32s.to_dtype(stored_dtype(stored))?.flatten_all()?;
             let bytes: Vec<u8> = match stored {
-                Stored::Bf16 => flat
-                    .to_vec1::<half::bf16>()?
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect(),
-                Stored::F16 => flat
-                    .to_vec1::<f16>()?
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect(),
+                Stored::Bf16 => le_bytes(tensor.to_vec1::<half::bf16>()?, half::bf16::to_le_bytes),
+                Stored::F16 => le_bytes(tensor.to_vec1::<f16>()?, f16::to_le_bytes),
+                Stored::F32 => le_bytes(tensor.to_vec1::<f32>()?, f32::to_le_bytes),
             };
             let bytes = bytes::Bytes::from(bytes);
             let m = DenseMatrix::new(stored, rows, cols, bytes.clone())?;
@@ -168,6 +157,20 @@ fn dense_products() -> anyhow::Result<Vec<Product>> {
         }
     }
     Ok(all)
+}
+
+/// candle's type for values stored as `stored`.
+fn stored_dtype(stored: Stored) -> DType {
+    match stored {
+        Stored::Bf16 => DType::BF16,
+        Stored::F16 => DType::F16,
+        Stored::F32 => DType::F32,
+    }
+}
+
+/// `values` as their little-endian bytes, one after another.
+fn le_bytes<T, const N: usize>(values: Vec<T>, bytes: fn(T) -> [u8; N]) -> Vec<u8> {
+    values.into_iter().flat_map(bytes).collect()
 }
 
 /// A product over `cols`-wide rows computed on candle tensors by `forward`.

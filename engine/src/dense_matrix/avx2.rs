@@ -1,4 +1,4 @@
-//! The half-precision product on 256-bit registers, for CPUs without AVX-512: each of
+//! The dense product on 256-bit registers, for CPUs without AVX-512: each of
 //! the sixteen chains of the defining order is a lane of one of two registers (chains 0-7
 //! and 8-15), so every output has the 512-bit kernel's bits and nodes of both kinds give
 //! the same tokens. Two weight rows against a tile of two activation rows (eight chain
@@ -6,7 +6,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{BF16, LANES, MAX_ROWS};
+use super::{size, BF16, F32, LANES, MAX_ROWS};
 
 /// Weight rows one pass holds.
 const PAIR: usize = 2;
@@ -17,13 +17,13 @@ const TILE: usize = 2;
 /// Lanes of one register: half a chain register of the defining order.
 const HALF: usize = LANES / 2;
 
-/// The outputs of weight rows `w` of `KIND` halves (at most [`MAX_ROWS`]) for each
+/// The outputs of weight rows `w` of `KIND` values (at most [`MAX_ROWS`]) for each
 /// activation row of `xs`, handed to `emit` in row order: each tile of activation rows
 /// against the weight rows two at a time, an odd last row repeated.
 ///
 /// # Safety
-/// The CPU has AVX2, FMA and F16C; each row of `w` holds `cols` values (`2 * cols`
-/// bytes), each of `xs` `cols` values.
+/// The CPU has AVX2, FMA and F16C; each row of `w` holds `cols` values of `KIND`, each of
+/// `xs` `cols` values.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn outputs<const KIND: u8>(
     w: &[&[u8]],
@@ -76,6 +76,7 @@ unsafe fn pass<const KIND: u8, const R: usize>(
     x: [*const f32; R],
     cols: usize,
 ) -> [[f32; PAIR]; R] {
+    let bytes = size(KIND);
     let mut acc: Chains<R> = [[[_mm256_setzero_ps(); 2]; PAIR]; R];
     let whole = cols / LANES * LANES;
     let mut k = 0;
@@ -83,7 +84,7 @@ unsafe fn pass<const KIND: u8, const R: usize>(
         // SAFETY: `k + LANES <= whole <= cols`: sixteen values of each row.
         unsafe {
             step::<KIND, R>(
-                w.map(|p| p.wrapping_add(2 * k)),
+                w.map(|p| p.wrapping_add(bytes * k)),
                 x.map(|p| p.add(k)),
                 &mut acc,
             )
@@ -92,12 +93,12 @@ unsafe fn pass<const KIND: u8, const R: usize>(
     }
     if whole < cols {
         let left = cols - whole;
-        let mut wpad = [[0u8; 2 * LANES]; PAIR];
+        let mut wpad = [[0u8; 4 * LANES]; PAIR];
         let mut xpad = [[0f32; LANES]; R];
         for (pad, &p) in wpad.iter_mut().zip(&w) {
             // SAFETY: the row's last `left` values start at value `whole`.
-            pad[..2 * left]
-                .copy_from_slice(unsafe { std::slice::from_raw_parts(p.add(2 * whole), 2 * left) });
+            let part = unsafe { std::slice::from_raw_parts(p.add(bytes * whole), bytes * left) };
+            pad[..bytes * left].copy_from_slice(part);
         }
         for (pad, &p) in xpad.iter_mut().zip(&x) {
             // SAFETY: as the weights'.
@@ -132,7 +133,7 @@ unsafe fn step<const KIND: u8, const R: usize>(
     for (wv, &row) in wv.iter_mut().zip(&w) {
         for (h, half) in wv.iter_mut().enumerate() {
             // SAFETY: the caller promises sixteen values.
-            *half = unsafe { load::<KIND>(row.add(2 * HALF * h)) };
+            *half = unsafe { load::<KIND>(row.add(size(KIND) * HALF * h)) };
         }
     }
     for j in 0..R {
@@ -146,13 +147,17 @@ unsafe fn step<const KIND: u8, const R: usize>(
     }
 }
 
-/// Eight halves of `KIND` at `p`, widened exactly.
+/// Eight values of `KIND` at `p`, widened exactly.
 ///
 /// # Safety
 /// The CPU has AVX2 and F16C; `p` starts eight values.
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn load<const KIND: u8>(p: *const u8) -> __m256 {
+    if KIND == F32 {
+        // SAFETY: the caller promises the values; the load takes any alignment.
+        return unsafe { _mm256_loadu_ps(p.cast()) };
+    }
     // SAFETY: the caller promises the values.
     let v = unsafe { _mm_loadu_si128(p.cast()) };
     if KIND == BF16 {

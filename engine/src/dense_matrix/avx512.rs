@@ -1,11 +1,11 @@
-//! The half-precision product on 512-bit registers: four weight rows against a tile of
-//! up to six activation rows (24 chain registers, four of widened weights, one of
-//! activations: 29 of the 32), each weight widened once a tile.
+//! The dense product on 512-bit registers: four weight rows against a tile of up to six
+//! activation rows (24 chain registers, four of widened weights, one of activations: 29 of
+//! the 32), each weight widened once a tile.
 
 use std::arch::x86_64::*;
 
 use super::avx2::reduce8;
-use super::{BF16, LANES, MAX_ROWS};
+use super::{BF16, F32, LANES, MAX_ROWS};
 
 /// Weight rows one pass holds.
 const QUAD: usize = 4;
@@ -13,15 +13,15 @@ const QUAD: usize = 4;
 /// Activation rows that share one load of a pass's weights.
 const TILE: usize = 6;
 
-/// The outputs of weight rows `w` of `KIND` halves (at most [`MAX_ROWS`]) for each
+/// The outputs of weight rows `w` of `KIND` values (at most [`MAX_ROWS`]) for each
 /// activation row of `xs`, handed to `emit` in row order: each tile of activation rows
 /// against the weight rows four at a time, a last part of fewer than four rows repeating
 /// its last one (a matrix's loose rows, at most seven, so the repeats cost nothing that
 /// counts); a last tile of fewer rows by a pass of its own size.
 ///
 /// # Safety
-/// The CPU has AVX-512 F, BW and VL; each row of `w` holds `cols` values (`2 * cols`
-/// bytes), each of `xs` `cols` values.
+/// The CPU has AVX-512 F, BW and VL; each row of `w` holds `cols` values of `KIND`, each
+/// of `xs` `cols` values.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 pub(super) unsafe fn outputs<const KIND: u8>(
     w: &[&[u8]],
@@ -140,15 +140,21 @@ fn tail_mask(left: usize) -> __mmask16 {
     ((1u32 << left) - 1) as __mmask16
 }
 
-/// Values `k .. k + 16` of a row of `KIND` halves, widened exactly.
+/// Values `k .. k + 16` of a row of `KIND` values, widened exactly.
 ///
 /// # Safety
 /// The CPU has AVX-512 F; the row holds those values.
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn load<const KIND: u8>(row: *const u8, k: usize) -> __m512 {
-    // SAFETY: the caller promises the values.
-    unsafe { widen::<KIND>(_mm256_loadu_si256(row.cast::<u16>().add(k).cast())) }
+    // SAFETY: the caller promises the values; both loads take any alignment.
+    unsafe {
+        if KIND == F32 {
+            _mm512_loadu_ps(row.cast::<f32>().add(k))
+        } else {
+            widen::<KIND>(_mm256_loadu_si256(row.cast::<u16>().add(k).cast()))
+        }
+    }
 }
 
 /// [`load`] of the values `mask` names, zeros in the other lanes.
@@ -160,10 +166,14 @@ unsafe fn load<const KIND: u8>(row: *const u8, k: usize) -> __m512 {
 unsafe fn load_part<const KIND: u8>(row: *const u8, k: usize, mask: __mmask16) -> __m512 {
     // SAFETY: the caller promises the values; masked lanes are not read.
     unsafe {
-        widen::<KIND>(_mm256_maskz_loadu_epi16(
-            mask,
-            row.cast::<u16>().add(k).cast(),
-        ))
+        if KIND == F32 {
+            _mm512_maskz_loadu_ps(mask, row.cast::<f32>().add(k))
+        } else {
+            widen::<KIND>(_mm256_maskz_loadu_epi16(
+                mask,
+                row.cast::<u16>().add(k).cast(),
+            ))
+        }
     }
 }
 

@@ -1,12 +1,12 @@
-//! A bf16 or f16 matrix used where it lies in a mapped file (a folder's safetensors or a
-//! GGUF file), times f32 activations. Each weight is widened to f32 (exactly) as it is loaded and the sums are
-//! f32 fused multiply-adds, so the products are those of the matrix widened at load, to
-//! within the order of the sums, with half the memory and half the bytes a step reads, and
-//! the pages shared by every process that maps the file. candle's CPU products over bf16
-//! and f16 ran 1.8-3.6x slower than over f32, which is why the CPU widened every matrix at
-//! load before this kernel. On a 1536x1536 matrix this one ran 4.9-6.0x candle's f32
-//! product at 1 and 4 rows, 3.0x at 16 and 1.5x at 512 (`product-bench --only dense`,
-//! 2-core Emerald Rapids).
+//! A bf16, f16 or f32 matrix used where it lies in a mapped file (a folder's safetensors or
+//! a GGUF file), times f32 activations. Each weight is widened to f32 (exactly) as it is
+//! loaded and the sums are f32 fused multiply-adds, so the products are those of the matrix
+//! widened at load, to within the order of the sums, with half the memory and half the
+//! bytes a step reads (an f32 matrix: the same bytes, not copied), and the pages shared by
+//! every process that maps the file. candle's CPU products over bf16 and f16 ran 1.8-3.6x
+//! slower than over f32, which is why the CPU widened every matrix at load before this
+//! kernel. On a 1536x1536 matrix this one ran 4.9-6.0x candle's f32 product at 1 and 4
+//! rows, 3.0x at 16 and 1.5x at 512 (`product-bench --only dense`, 2-core Emerald Rapids).
 //!
 //! Every output is one order of sums, whichever kernel computes it (512-bit or 256-bit
 //! registers): sixteen chains, chain `l` adding `w[k] * x[k]` for `k = l, l + 16, ...` in
@@ -44,12 +44,22 @@ const MAX_ROWS: usize = RUN * GROUP;
 /// How a kernel reads a row's values: its `KIND`.
 const F16: u8 = 0;
 const BF16: u8 = 1;
+const F32: u8 = 2;
 
-/// How a matrix's two bytes a value encode it.
+/// Bytes a value of `KIND` takes.
+const fn size(kind: u8) -> usize {
+    match kind {
+        F32 => 4,
+        _ => 2,
+    }
+}
+
+/// How a matrix's values are stored, little-endian.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stored {
     F16,
     Bf16,
+    F32,
 }
 
 impl Stored {
@@ -58,6 +68,7 @@ impl Stored {
         match self {
             Self::F16 => GgmlDType::F16,
             Self::Bf16 => GgmlDType::BF16,
+            Self::F32 => GgmlDType::F32,
         }
     }
 
@@ -66,15 +77,41 @@ impl Stored {
         match dtype {
             GgmlDType::F16 => Some(Self::F16),
             GgmlDType::BF16 => Some(Self::Bf16),
+            GgmlDType::F32 => Some(Self::F32),
             _ => None,
         }
     }
 
-    /// The value of the little-endian bytes `b`, widened exactly.
-    pub fn widen(self, b: [u8; 2]) -> f32 {
+    /// How a safetensors file stores values of this type.
+    pub fn of_safetensors(dtype: safetensors::Dtype) -> Option<Self> {
+        match dtype {
+            safetensors::Dtype::F16 => Some(Self::F16),
+            safetensors::Dtype::BF16 => Some(Self::Bf16),
+            safetensors::Dtype::F32 => Some(Self::F32),
+            _ => None,
+        }
+    }
+
+    /// Bytes a value takes.
+    pub fn size(self) -> usize {
+        size(self.kind())
+    }
+
+    /// The value whose little-endian bytes start `b`, widened exactly.
+    pub fn widen(self, b: &[u8]) -> f32 {
         match self {
-            Self::F16 => half::f16::from_le_bytes(b).to_f32(),
-            Self::Bf16 => half::bf16::from_le_bytes(b).to_f32(),
+            Self::F16 => half::f16::from_le_bytes([b[0], b[1]]).to_f32(),
+            Self::Bf16 => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+            Self::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        }
+    }
+
+    /// The kernels' `KIND` for this type.
+    fn kind(self) -> u8 {
+        match self {
+            Self::F16 => F16,
+            Self::Bf16 => BF16,
+            Self::F32 => F32,
         }
     }
 }
@@ -112,7 +149,7 @@ impl Kernel {
     }
 }
 
-/// A `[rows, cols]` matrix of `half` values, row-major and little-endian, in `data`.
+/// A `[rows, cols]` matrix of `stored` values, row-major and little-endian, in `data`.
 #[derive(Debug)]
 pub struct DenseMatrix {
     rows: usize,
@@ -123,7 +160,8 @@ pub struct DenseMatrix {
 }
 
 impl DenseMatrix {
-    /// Whether this CPU runs a kernel: AVX2, FMA and F16C at least.
+    /// Whether this CPU runs a kernel: AVX2, FMA and F16C at least (an f32 matrix's
+    /// kernel is compiled with the halves' features, which every x86-64-v3 CPU has).
     pub fn supported() -> bool {
         !Kernel::available().is_empty()
     }
@@ -133,10 +171,13 @@ impl DenseMatrix {
     pub fn new(stored: Stored, rows: usize, cols: usize, data: Bytes) -> Result<Self> {
         let Some(&kernel) = Kernel::available().first() else {
             return Err(EngineError::InvalidInput(
-                "this CPU has no AVX2, FMA and F16C for the half-precision kernel".into(),
+                "this CPU has no AVX2, FMA and F16C for the dense matrix kernel".into(),
             ));
         };
-        if cols == 0 || rows.checked_mul(cols).and_then(|v| v.checked_mul(2)) != Some(data.len()) {
+        let bytes = rows
+            .checked_mul(cols)
+            .and_then(|v| v.checked_mul(stored.size()));
+        if cols == 0 || bytes != Some(data.len()) {
             return Err(EngineError::InvalidInput(format!(
                 "{} bytes of {stored:?} are not a [{rows}, {cols}] matrix",
                 data.len()
@@ -187,7 +228,8 @@ impl DenseMatrix {
 
     /// Row `r`'s bytes.
     fn row(&self, r: usize) -> &[u8] {
-        &self.data[r * 2 * self.cols..(r + 1) * 2 * self.cols]
+        let len = self.stored.size() * self.cols;
+        &self.data[r * len..(r + 1) * len]
     }
 
     /// The outputs of weight rows `w` (one, or a run of groups) for each activation row,
@@ -198,20 +240,34 @@ impl DenseMatrix {
             "one row to a run of groups"
         );
         let cols = self.cols;
-        assert!(w.iter().all(|r| r.len() == 2 * cols) && xs.iter().all(|x| x.len() == cols));
+        let len = self.stored.size() * cols;
+        assert!(w.iter().all(|r| r.len() == len) && xs.iter().all(|x| x.len() == cols));
+        match self.stored {
+            Stored::F16 => self.on_kernel::<F16>(w, xs, emit),
+            Stored::Bf16 => self.on_kernel::<BF16>(w, xs, emit),
+            Stored::F32 => self.on_kernel::<F32>(w, xs, emit),
+        }
+    }
+
+    /// [`DenseMatrix::outputs`] on the matrix's kernel, for rows of `KIND` values.
+    fn on_kernel<const KIND: u8>(
+        &self,
+        w: &[&[u8]],
+        xs: &[&[f32]],
+        emit: &mut dyn FnMut(usize, &[f32]),
+    ) {
+        let cols = self.cols;
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `new` found the kernel's features; the rows' lengths are checked above.
+        // SAFETY: `new` found the kernel's features; `outputs` checked the rows' lengths.
         unsafe {
-            match (self.kernel, self.stored) {
-                (Kernel::Avx512, Stored::F16) => avx512::outputs::<F16>(w, xs, cols, emit),
-                (Kernel::Avx512, Stored::Bf16) => avx512::outputs::<BF16>(w, xs, cols, emit),
-                (Kernel::Avx2, Stored::F16) => avx2::outputs::<F16>(w, xs, cols, emit),
-                (Kernel::Avx2, Stored::Bf16) => avx2::outputs::<BF16>(w, xs, cols, emit),
+            match self.kernel {
+                Kernel::Avx512 => avx512::outputs::<KIND>(w, xs, cols, emit),
+                Kernel::Avx2 => avx2::outputs::<KIND>(w, xs, cols, emit),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let _ = (w, xs, emit);
+            let _ = (w, xs, cols, emit);
             unreachable!("a matrix is only made where the kernel runs")
         }
     }

@@ -9,7 +9,7 @@ fn reference(stored: Stored, w: &[u8], x: &[f32]) -> f32 {
     let mut chains = [0f32; LANES];
     for k in 0..x.len().next_multiple_of(LANES) {
         let (wk, xk) = match x.get(k) {
-            Some(&xk) => (stored.widen([w[2 * k], w[2 * k + 1]]), xk),
+            Some(&xk) => (stored.widen(&w[stored.size() * k..]), xk),
             None => (0.0, 0.0),
         };
         chains[k % LANES] = wk.mul_add(xk, chains[k % LANES]);
@@ -24,10 +24,14 @@ fn reference(stored: Stored, w: &[u8], x: &[f32]) -> f32 {
     chains[0]
 }
 
+/// Every type a matrix is stored in.
+const ALL: [Stored; 3] = [Stored::F16, Stored::Bf16, Stored::F32];
+
 fn encode(stored: Stored, values: &[f32]) -> Vec<u8> {
     let bytes = |v: &f32| match stored {
-        Stored::F16 => half::f16::from_f32(*v).to_le_bytes(),
-        Stored::Bf16 => half::bf16::from_f32(*v).to_le_bytes(),
+        Stored::F16 => half::f16::from_f32(*v).to_le_bytes().to_vec(),
+        Stored::Bf16 => half::bf16::from_f32(*v).to_le_bytes().to_vec(),
+        Stored::F32 => v.to_le_bytes().to_vec(),
     };
     values.iter().flat_map(bytes).collect()
 }
@@ -74,7 +78,7 @@ fn every_output_has_the_bits_of_the_defining_order() {
     if skip() {
         return;
     }
-    for stored in [Stored::F16, Stored::Bf16] {
+    for stored in ALL {
         for (rows, cols) in [
             (8, 16),
             (21, 576),
@@ -92,7 +96,10 @@ fn every_output_has_the_bits_of_the_defining_order() {
                     let got = m.matmul(&x, n);
                     let want: Vec<f32> = x
                         .chunks_exact(cols)
-                        .flat_map(|x| w.chunks_exact(2 * cols).map(|w| reference(stored, w, x)))
+                        .flat_map(|x| {
+                            let rows = w.chunks_exact(stored.size() * cols);
+                            rows.map(|w| reference(stored, w, x))
+                        })
                         .collect();
                     let differ = bits_differ(&got, &want);
                     let kernel = m.kernel;
@@ -112,14 +119,16 @@ fn a_row_gives_the_same_bits_alone_as_among_others() {
         return;
     }
     let (rows, cols) = (19, 200);
-    let w = encode(Stored::Bf16, &weights(rows * cols, 3));
     let x = xorshift_data(11 * cols, 5, 2.0);
-    for m in on_each_kernel(Stored::Bf16, rows, cols, &w) {
-        let all = m.matmul(&x, 11);
-        for (y, row) in x.chunks_exact(cols).enumerate() {
-            let alone = m.matmul(row, 1);
-            let differ = bits_differ(&alone, &all[y * rows..(y + 1) * rows]);
-            assert_eq!(differ, 0, "{:?}, row {y}", m.kernel);
+    for stored in [Stored::Bf16, Stored::F32] {
+        let w = encode(stored, &weights(rows * cols, 3));
+        for m in on_each_kernel(stored, rows, cols, &w) {
+            let all = m.matmul(&x, 11);
+            for (y, row) in x.chunks_exact(cols).enumerate() {
+                let alone = m.matmul(row, 1);
+                let differ = bits_differ(&alone, &all[y * rows..(y + 1) * rows]);
+                assert_eq!(differ, 0, "{:?} {stored:?}, row {y}", m.kernel);
+            }
         }
     }
 }
@@ -130,12 +139,12 @@ fn the_product_is_the_widened_matrix_s() {
         return;
     }
     let (rows, cols, n) = (40, 96, 6);
-    for stored in [Stored::F16, Stored::Bf16] {
+    for stored in ALL {
         let values = xorshift_data(rows * cols, 11, 2.0);
         let bytes = encode(stored, &values);
         let widened: Vec<f32> = bytes
-            .chunks_exact(2)
-            .map(|b| stored.widen([b[0], b[1]]))
+            .chunks_exact(stored.size())
+            .map(|b| stored.widen(b))
             .collect();
         let m = DenseMatrix::new(stored, rows, cols, Bytes::from(bytes)).unwrap();
         let x = xorshift_data(n * cols, 12, 2.0);
@@ -161,6 +170,8 @@ fn data_that_is_not_the_matrix_is_refused() {
     }
     let bytes = Bytes::from(vec![0u8; 2 * 6 * 8]);
     assert!(DenseMatrix::new(Stored::F16, 6, 8, bytes.clone()).is_ok());
+    assert!(DenseMatrix::new(Stored::F32, 6, 4, bytes.clone()).is_ok());
+    assert!(DenseMatrix::new(Stored::F32, 6, 8, bytes.clone()).is_err());
     assert!(DenseMatrix::new(Stored::F16, 6, 9, bytes.clone()).is_err());
     assert!(DenseMatrix::new(Stored::F16, 48, 0, bytes.clone()).is_err());
     assert!(DenseMatrix::new(Stored::F16, usize::MAX, 2, bytes).is_err());

@@ -78,6 +78,18 @@ fn a_gguf_holds_vectors_as_f32_the_embedding_as_stored_and_matrices_in_our_form(
     // Tied: the table as stored, and the head in our kernel's form.
     let tied = [header("token_embd.weight", 64, 40, 2, q41)];
     assert_eq!(peak_weight_bytes(&tied, WeightFile::Gguf), 40 + 48);
+    // A dense table used in place is the tied head's own pages; else candle's f32 copy.
+    let in_place = crate::dense_matrix::DenseMatrix::supported();
+    for (dtype, stored) in [
+        (GgmlDType::F32, 256),
+        (GgmlDType::F16, 128),
+        (GgmlDType::BF16, 128),
+    ] {
+        let tied = [header("token_embd.weight", 64, stored, 2, Some(dtype))];
+        let head = if in_place { 0 } else { 256 };
+        let held = peak_weight_bytes(&tied, WeightFile::Gguf);
+        assert_eq!(held, stored + head, "{dtype:?}");
+    }
     // The K-quants' super-blocks with their scales unpacked to a byte each: Q4_K 144 + 4,
     // Q5_K 176 + 4; Q6_K's are its own 210.
     let k = |dtype, stored| [header("blk.0.attn_q.weight", 512, stored, 2, Some(dtype))];

@@ -1,6 +1,6 @@
 //! A Hugging Face folder's tensors as the engine holds them: vectors (norms, biases) in
-//! f32; matrices in f32 too, or in the half-precision type the file stores them in, either
-//! where they lie in the mapped file or copied to a GPU.
+//! f32; matrices where they lie in the mapped file, or copied: in f32, or to a GPU in the
+//! half-precision type the file stores them in.
 
 use bytes::Bytes;
 use candle_core::safetensors::Load;
@@ -12,22 +12,25 @@ use super::WeightSource;
 use crate::dense_matrix::{DenseMatrix, Stored};
 use crate::error::{EngineError, Result};
 
-/// How a folder's bf16 and f16 matrices are held; f32 ones stay f32 either way.
+/// How a folder's matrices are held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DenseMatrices {
-    /// Widened to f32 once, at load: the choice of a CPU that runs no kernel of ours
-    /// ([`DenseMatrices::for_device`]; an x86 CPU without AVX2, FMA and F16C, which the
-    /// build's target needs anyway), and what `engine-bench --widen-folder` compares with.
+    /// Copied in f32 at load, bf16 and f16 ones widened: the choice of a CPU that runs no
+    /// kernel of ours ([`DenseMatrices::for_device`]; an x86 CPU without AVX2, FMA and F16C,
+    /// which the build's target needs anyway), and what `engine-bench --widen-folder`
+    /// compares with.
     F32,
     /// Used where they lie in the mapped files, by our kernel ([`DenseMatrix`]), which widens
     /// each weight exactly as it reads it and sums in f32, so it computes the widened
-    /// model (to within the order of its sums) from half the memory, shared by every
-    /// process that maps the files. A bf16 or f16 embedding table is used in place too.
+    /// model (to within the order of its sums) from the files' own pages (half the memory
+    /// of the widened form for bf16 and f16), shared by every process that maps the files.
+    /// The embedding table is used in place too.
     InPlace,
-    /// As stored: half the memory, and half the bytes a step reads. A product rounds its
-    /// activations to the matrix's type, multiplies (cuBLAS sums in f32) and widens the
-    /// outputs back to f32, as `transformers` runs a bf16 checkpoint's projections; the rest
-    /// of the step (norms, attention, the residual stream) stays in f32.
+    /// Copied as stored: bf16 and f16 ones in half the memory, and half the bytes a step
+    /// reads. A product rounds its activations to the matrix's type, multiplies (cuBLAS
+    /// sums in f32) and widens the outputs back to f32, as `transformers` runs a bf16
+    /// checkpoint's projections; the rest of the step (norms, attention, the residual
+    /// stream) stays in f32.
     AsStored,
 }
 
@@ -132,7 +135,8 @@ impl WeightSource {
     }
 
     /// A folder's matrix `name` where it lies in the mapped file, where the source's
-    /// matrices are used in place and the file stores it in bf16 or f16; `None` otherwise.
+    /// matrices are used in place and the file stores it in bf16, f16 or f32; `None`
+    /// otherwise.
     /// It must have shape `shape`.
     pub(super) fn folder_in_place(
         &mut self,
@@ -152,10 +156,8 @@ impl WeightSource {
         let view = files
             .view(name)
             .ok_or_else(|| bad(format!("missing tensor {name}")))?;
-        let stored = match view.dtype() {
-            safetensors::Dtype::F16 => Stored::F16,
-            safetensors::Dtype::BF16 => Stored::Bf16,
-            _ => return Ok(None),
+        let Some(stored) = Stored::of_safetensors(view.dtype()) else {
+            return Ok(None);
         };
         if *matrices != DenseMatrices::InPlace {
             return Ok(None);
@@ -239,6 +241,44 @@ mod tests {
                 v.iter().map(|x| x.to_bits()).collect()
             };
             assert_eq!(bits(&ours), bits(&candle), "{dtype:?}");
+        }
+    }
+
+    /// An f32 folder's matrices and embedding table are the mapped file's own bytes when
+    /// used in place (copies otherwise), and compute what the copies do.
+    #[test]
+    fn an_f32_folder_is_used_where_it_lies() {
+        if !DenseMatrix::supported() {
+            eprintln!("skipped: this CPU runs no dense matrix kernel");
+            return;
+        }
+        let dev = Device::Cpu;
+        let dir = std::env::temp_dir().join(format!("tandem-dense-f32-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (rows, cols) = (8, 40);
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| (i % 23) as f32 / 7.0 - 1.5)
+            .collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let view = || TensorView::new(Dtype::F32, vec![rows, cols], &bytes).unwrap();
+        let path = dir.join("model.safetensors");
+        safetensors::serialize_to_file([("w", view()), ("table", view())], None, &path).unwrap();
+        let x = Tensor::from_vec(values[..2 * cols].to_vec(), (2, cols), &dev).unwrap();
+        let mut outputs = Vec::new();
+        for (matrices, in_place) in [(DenseMatrices::InPlace, true), (DenseMatrices::F32, false)] {
+            let mut src = WeightSource::open_hf_folder(&dir, matrices).unwrap();
+            let linear = src.linear("w", None, (rows, cols), &dev).unwrap();
+            assert_eq!(linear.in_place(), in_place, "{matrices:?}");
+            let table = src.embedding("table", (rows, cols), &dev).unwrap();
+            let blocks = matches!(table, crate::embedding::Embedding::Blocks { .. });
+            assert_eq!(blocks, in_place, "{matrices:?}");
+            let looked_up = table.lookup(&[5, 0], &dev).unwrap();
+            let want = [&values[5 * cols..6 * cols], &values[..cols]];
+            assert_eq!(looked_up.to_vec2::<f32>().unwrap(), want);
+            outputs.push(linear.forward(&x).unwrap().to_vec2::<f32>().unwrap());
+        }
+        for (a, b) in outputs[0].iter().flatten().zip(outputs[1].iter().flatten()) {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} against {b}");
         }
     }
 }

@@ -1,7 +1,7 @@
 //! A GGUF file's blocks used where they lie in its mapping: the token embedding table,
-//! whose rows a step gathers and dequantizes as stored, and f16 and bf16 matrices, which
-//! our kernel multiplies as stored, are never copied out, so they are page cache that
-//! every process serving the file shares.
+//! whose rows a step gathers and dequantizes as stored, and f16, bf16 and f32 matrices,
+//! which our kernel multiplies as stored, are never copied out, so they are page cache
+//! that every process serving the file shares.
 
 use bytes::Bytes;
 use candle_core::quantized::GgmlDType;
@@ -27,8 +27,8 @@ impl WeightSource {
     }
 
     /// The GGUF matrix `name`, which must be `[rows, cols]`, where it lies in the mapped
-    /// file, if the file stores it in f16 or bf16 and the CPU on `device` runs our kernel
-    /// for it; `None` otherwise (candle would widen it to f32 at load).
+    /// file, if the file stores it in f16, bf16 or f32 and the CPU on `device` runs our
+    /// kernel for it; `None` otherwise (candle would copy it in f32 at load).
     pub(super) fn gguf_mapped_matrix(
         &mut self,
         name: &str,
@@ -42,8 +42,8 @@ impl WeightSource {
         self.in_place_matrix(name, stored, shape, bytes).map(Some)
     }
 
-    /// How the GGUF tensor `name` is stored, where it is an f16 or bf16 one that our kernel
-    /// multiplies where it lies on `device`.
+    /// How the GGUF tensor `name` is stored, where it is an f16, bf16 or f32 one that our
+    /// kernel multiplies where it lies on `device`.
     pub(super) fn gguf_mapped_type(&self, name: &str, device: &Device) -> Option<Stored> {
         let Self::Gguf { content, .. } = self else {
             return None;
@@ -150,5 +150,46 @@ mod tests {
         assert!(Embedding::from_blocks(GgmlDType::Q8_0, (2, 48), bytes.clone()).is_err());
         assert!(Embedding::from_blocks(GgmlDType::Q8_0, (3, 32), bytes.clone()).is_ok());
         assert!(Embedding::from_blocks(GgmlDType::Q8_0, (4, 32), bytes).is_err());
+    }
+
+    /// A GGUF file's F32, F16 and BF16 matrices are used where they lie in the mapping, by
+    /// our kernel, and compute what candle's copy of them does (to within the order of f32
+    /// sums); a Q8_0 one is not.
+    #[test]
+    fn dense_gguf_matrices_are_used_where_they_lie() {
+        if !DenseMatrix::supported() {
+            eprintln!("skipped: this CPU runs no dense matrix kernel");
+            return;
+        }
+        let dev = Device::Cpu;
+        let dir =
+            std::env::temp_dir().join(format!("tandem-in-place-dense-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let dense = Tensor::randn(0f32, 1.0, (VOCAB, HIDDEN), &dev).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (3, HIDDEN), &dev).unwrap();
+        for (dtype, in_place) in [
+            (GgmlDType::F32, true),
+            (GgmlDType::F16, true),
+            (GgmlDType::BF16, true),
+            (GgmlDType::Q8_0, false),
+        ] {
+            let path = dir.join(format!("{dtype:?}.gguf"));
+            let q = QTensor::quantize(&dense, dtype).unwrap();
+            let mut file = std::fs::File::create(&path).unwrap();
+            gguf_file::write(&mut file, &[], &[("blk.0.attn_q.weight", &q)]).unwrap();
+            let mut src = WeightSource::open_gguf(&path).unwrap();
+            let linear = src
+                .linear("blk.0.attn_q.weight", None, (VOCAB, HIDDEN), &dev)
+                .unwrap();
+            assert_eq!(linear.in_place(), in_place, "{dtype:?}");
+            if !in_place {
+                continue;
+            }
+            let want = x.matmul(&q.dequantize(&dev).unwrap().t().unwrap()).unwrap();
+            let got = linear.forward(&x).unwrap();
+            let gap = (want - got).unwrap().abs().unwrap().max_all().unwrap();
+            let gap = gap.to_scalar::<f32>().unwrap();
+            assert!(gap < 1e-3, "{dtype:?}: {gap}");
+        }
     }
 }

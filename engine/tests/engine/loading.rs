@@ -37,9 +37,9 @@ fn cosine(a: &[f32], b: &[f32]) -> f32 {
     dot / (na * nb)
 }
 
-/// bf16 on disk, widened at load, computes exactly like f32 holding the same
-/// (bf16-rounded) values (used in place it computes them to within the order of its sums:
-/// `half_matrices`).
+/// bf16 on disk computes exactly like f32 holding the same (bf16-rounded) values: widened
+/// at load, both by candle's f32 products; used in place, both by our kernel, which widens
+/// each weight exactly and sums in one order whatever the stored type.
 #[test]
 fn bf16_weights_load_as_their_exact_f32_values() {
     let bf16 = common::scratch("bf16");
@@ -54,13 +54,21 @@ fn bf16_weights_load_as_their_exact_f32_values() {
         .map(|(k, t)| (k, t.to_dtype(DType::F32).unwrap()))
         .collect();
     candle_core::safetensors::save(&widened, f32_dir.join("model.safetensors")).unwrap();
-    let options = engine::LoadOptions {
-        matrices: Some(engine::weights::DenseMatrices::F32),
-        ..engine::LoadOptions::default()
-    };
-    let widened = engine::load_reporting(&bf16, &Device::Cpu, &options, &mut |_| {}).unwrap();
-    let widened = widened.model.logits_for(&PROBE).unwrap();
-    assert_eq!(widened, logits(&f32_dir));
+    let mut modes = vec![engine::weights::DenseMatrices::F32];
+    if engine::dense_matrix::DenseMatrix::supported() {
+        modes.push(engine::weights::DenseMatrices::InPlace);
+    }
+    for matrices in modes {
+        let options = engine::LoadOptions {
+            matrices: Some(matrices),
+            ..engine::LoadOptions::default()
+        };
+        let logits = |dir: &Path| {
+            let loaded = engine::load_reporting(dir, &Device::Cpu, &options, &mut |_| {});
+            loaded.unwrap().model.logits_for(&PROBE).unwrap()
+        };
+        assert_eq!(logits(&bf16), logits(&f32_dir), "{matrices:?}");
+    }
 }
 
 /// A sharded checkpoint with `model.safetensors.index.json` is the same model.
@@ -224,9 +232,8 @@ fn biases_a_mistral_does_not_have_are_refused() {
 /// What the footprint check predicts from the headers the loader holds is what it holds
 /// (the peak adds a mixture's experts while they are split, checked in its unit test): for GGUF
 /// files of every quantization the tests have (tied and untied heads, our kernels and
-/// candle's), and for folders in f32 (copied from the mapped file) and bf16 (as the CPU
-/// holds it: used in place, or converted), with heads of their own and tied to the
-/// embeddings.
+/// candle's), and for folders in f32 and bf16 (as the CPU holds them: used in place, or
+/// converted), with heads of their own and tied to the embeddings.
 #[test]
 fn the_predicted_weight_memory_is_what_the_loader_holds() {
     use engine::footprint::{held_weight_bytes, read_headers, WeightFile};
@@ -246,9 +253,15 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
     .map(|n| common::fixture(&format!("gguf/{n}.gguf")))
     .collect();
     ggufs.push(crate::smollm2::gguf_path());
-    // Q5_0, held as Q8_0: every matrix, the head and the embedding table; F16 and BF16,
-    // used where they lie on the CPU (widened by candle where it runs no kernel of ours).
-    for quant in [GgmlDType::Q5_0, GgmlDType::F16, GgmlDType::BF16] {
+    // Q5_0, held as Q8_0: every matrix, the head and the embedding table; F16, BF16 and
+    // F32, used where they lie on the CPU (copied in f32 by candle where it runs no kernel
+    // of ours).
+    for quant in [
+        GgmlDType::Q5_0,
+        GgmlDType::F16,
+        GgmlDType::BF16,
+        GgmlDType::F32,
+    ] {
         let path = common::scratch(&format!("footprint-{quant:?}")).join("model.gguf");
         export_gguf(&common::tiny_model_dir(), &path, quant).unwrap();
         ggufs.push(path);

@@ -1,7 +1,7 @@
 //! The engine's integration tests, one binary so the build links once.
 
 mod common;
-mod half_matrices;
+mod folder_matrices;
 mod kv_and_batching;
 mod llama_cpp;
 mod loading;

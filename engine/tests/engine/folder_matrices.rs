@@ -1,7 +1,7 @@
-//! A folder's bf16 and f16 matrices used in place on the CPU, and held as stored as a GPU
-//! holds them: in the memory the footprint predicts, half the widened form's, computing
-//! the model the widened matrices define (held as stored, to within the rounding of its
-//! activations to the matrices' type).
+//! A folder's matrices used in place on the CPU, and bf16 and f16 ones held as stored as a
+//! GPU holds them: in the memory the footprint predicts (half the widened form's for bf16
+//! and f16), computing the model the widened matrices define (held as stored, to within
+//! the rounding of its activations to the matrices' type).
 
 use std::path::{Path, PathBuf};
 
@@ -37,15 +37,18 @@ fn argmax(v: &[f32]) -> usize {
 }
 
 /// Tiny folders of bf16 and f16 matrices, and of bf16 with a tied head (Gemma 2's head is
-/// its embedding table, which the head then multiplies by), named from `prefix`.
-fn folders(prefix: &str) -> Vec<(DType, bool, PathBuf)> {
-    let kinds = [
-        (DType::BF16, false),
-        (DType::F16, false),
-        (DType::BF16, true),
-    ];
+/// its embedding table, which the head then multiplies by).
+const HALF_FOLDERS: [(DType, bool); 3] = [
+    (DType::BF16, false),
+    (DType::F16, false),
+    (DType::BF16, true),
+];
+
+/// Tiny folders of `kinds`, named from `prefix`.
+fn folders(prefix: &str, kinds: &[(DType, bool)]) -> Vec<(DType, bool, PathBuf)> {
     kinds
-        .into_iter()
+        .iter()
+        .copied()
         .map(|(dtype, tied)| {
             let dir = common::scratch(&format!("{prefix}-{dtype:?}-{tied}"));
             write_model(&dir, ModelSize::Tiny, dtype, DEFAULT_SEED).unwrap();
@@ -57,12 +60,17 @@ fn folders(prefix: &str) -> Vec<(DType, bool, PathBuf)> {
         .collect()
 }
 
-/// `kept` holds the bytes the footprint predicts for `matrices`, under half of what the
-/// widened model holds.
-fn holds_the_predicted_half(dir: &Path, kept: &Model, widened: &Model, matrices: DenseMatrices) {
+/// `kept` holds the bytes the footprint predicts for `matrices`.
+fn holds_the_predicted(dir: &Path, kept: &Model, matrices: DenseMatrices) {
     let headers = read_headers(dir).unwrap();
     let predicted = held_weight_bytes(&headers, WeightFile::Folder(matrices));
     assert_eq!(kept.resident_bytes() as u64, predicted, "{}", dir.display());
+}
+
+/// `kept` holds the bytes the footprint predicts for `matrices`, under half of what the
+/// widened model holds.
+fn holds_the_predicted_half(dir: &Path, kept: &Model, widened: &Model, matrices: DenseMatrices) {
+    holds_the_predicted(dir, kept, matrices);
     assert!(
         2 * kept.resident_bytes() < widened.resident_bytes() + widened.resident_bytes() / 8,
         "{}: {} held against {} widened",
@@ -75,15 +83,19 @@ fn holds_the_predicted_half(dir: &Path, kept: &Model, widened: &Model, matrices:
 /// Used in place on the CPU, the matrices compute the widened model to within the order
 /// of f32 sums, from the file's own pages: only the vectors are the process's memory.
 #[test]
-fn half_matrices_used_in_place_compute_the_widened_model_from_the_file() {
+fn matrices_used_in_place_compute_the_widened_model_from_the_file() {
     if !engine::dense_matrix::DenseMatrix::supported() {
         eprintln!("skipped: this CPU runs no in-place kernel");
         return;
     }
-    for (dtype, tied, dir) in folders("in-place") {
+    let kinds = [HALF_FOLDERS.as_slice(), &[(DType::F32, false)]].concat();
+    for (dtype, tied, dir) in folders("in-place", &kinds) {
         let widened = load(&dir, DenseMatrices::F32, &Device::Cpu);
         let mapped = load(&dir, DenseMatrices::InPlace, &Device::Cpu);
-        holds_the_predicted_half(&dir, &mapped, &widened, DenseMatrices::InPlace);
+        match dtype {
+            DType::F32 => holds_the_predicted(&dir, &mapped, DenseMatrices::InPlace),
+            _ => holds_the_predicted_half(&dir, &mapped, &widened, DenseMatrices::InPlace),
+        }
         let want = widened.logits_for(&PROBE).unwrap();
         let got = mapped.logits_for(&PROBE).unwrap();
         let gap = relative_gap(&want, &got);
@@ -96,7 +108,7 @@ fn half_matrices_used_in_place_compute_the_widened_model_from_the_file() {
 
 #[test]
 fn half_matrices_held_as_stored_take_two_bytes_and_compute_the_same_model() {
-    for (dtype, tied, dir) in folders("half") {
+    for (dtype, tied, dir) in folders("half", &HALF_FOLDERS) {
         let widened = load(&dir, DenseMatrices::F32, &Device::Cpu);
         let kept = load(&dir, DenseMatrices::AsStored, &common::device());
         holds_the_predicted_half(&dir, &kept, &widened, DenseMatrices::AsStored);
