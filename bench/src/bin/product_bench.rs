@@ -106,56 +106,67 @@ fn products() -> anyhow::Result<Vec<Product>> {
     Ok(all)
 }
 
-/// A 1.5B Qwen2's q projection as a Hugging Face folder's matrix, in each type the engine
-/// can hold one in (`engine::weights::DenseMatrices`), through the engine's own projection:
-/// what widening bf16 and f16 matrices to f32 on the CPU buys; and on our kernel, over the
-/// matrix's own bytes (`DenseMatrices::InPlace`).
+/// A 1.5B Qwen2's q and down projections as a Hugging Face folder's matrices, in each type
+/// the engine can hold one in (`engine::weights::DenseMatrices`), through the engine's own
+/// projection: what widening bf16 and f16 matrices to f32 on the CPU buys; and on our
+/// kernel, over the matrix's own bytes (`DenseMatrices::InPlace`). The down projection's
+/// 8,960-wide rows do not fit a core's L1 at a tile of six activation rows (215 KB).
 fn dense_products() -> anyhow::Result<Vec<Product>> {
-    let (rows, cols) = (1536, 1536);
-    let values: Vec<f32> = noise(rows * cols, 11)
-        .into_iter()
-        .map(|b| b as f32 / 2048.0 - 0.0625)
-        .collect();
-    let f32s = Tensor::from_vec(values, (rows, cols), &Device::Cpu)?;
     let mut all = Vec::new();
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
-        let linear = Linear::dense(f32s.to_dtype(dtype)?);
-        all.push(Product {
-            name: format!("dense q {dtype:?} (candle)"),
-            rows,
-            cols,
-            matmul: on_tensors(cols, move |x| {
-                linear.forward(x).expect("the engine's product")
-            }),
-        });
-    }
-    if DenseMatrix::supported() {
-        for stored in [Stored::Bf16, Stored::F16, Stored::F32] {
-            let tensor = f32s.to_dtype(stored_dtype(stored))?.flatten_all()?;
-            let bytes: Vec<u8> = match stored {
-                Stored::Bf16 => le_bytes(tensor.to_vec1::<half::bf16>()?, half::bf16::to_le_bytes),
-                Stored::F16 => le_bytes(tensor.to_vec1::<f16>()?, f16::to_le_bytes),
-                Stored::F32 => le_bytes(tensor.to_vec1::<f32>()?, f32::to_le_bytes),
-            };
-            let bytes = bytes::Bytes::from(bytes);
-            let m = DenseMatrix::new(stored, rows, cols, bytes.clone())?;
-            let narrow = DenseMatrix::new(stored, rows, cols, bytes)?;
-            if let Some(narrow) = narrow.on_256_bit_registers() {
-                all.push(Product {
-                    name: format!("dense q {stored:?} (ours, in place, 256-bit)"),
-                    rows,
-                    cols,
-                    matmul: Box::new(move |x, n| narrow.matmul(x, n)),
-                });
-            }
+    for (name, rows, cols) in [("q", 1536, 1536), ("down", 1536, 8960)] {
+        let values: Vec<f32> = noise(rows * cols, 11)
+            .into_iter()
+            .map(|b| b as f32 / 2048.0 - 0.0625)
+            .collect();
+        let f32s = Tensor::from_vec(values, (rows, cols), &Device::Cpu)?;
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let linear = Linear::dense(f32s.to_dtype(dtype)?);
             all.push(Product {
-                name: format!("dense q {stored:?} (ours, in place)"),
+                name: format!("dense {name} {dtype:?} (candle)"),
                 rows,
                 cols,
-                matmul: Box::new(move |x, n| m.matmul(x, n)),
+                matmul: on_tensors(cols, move |x| {
+                    linear.forward(x).expect("the engine's product")
+                }),
             });
         }
+        if DenseMatrix::supported() {
+            for stored in [Stored::Bf16, Stored::F16, Stored::F32] {
+                all.extend(in_place(&format!("dense {name}"), &f32s, stored)?);
+            }
+        }
     }
+    Ok(all)
+}
+
+/// `f32s` stored as `stored`, on our kernel: on 256-bit registers where the CPU runs them
+/// beside wider ones, and on the widest.
+fn in_place(name: &str, f32s: &Tensor, stored: Stored) -> anyhow::Result<Vec<Product>> {
+    let (rows, cols) = f32s.dims2()?;
+    let tensor = f32s.to_dtype(stored_dtype(stored))?.flatten_all()?;
+    let bytes: Vec<u8> = match stored {
+        Stored::Bf16 => le_bytes(tensor.to_vec1::<half::bf16>()?, half::bf16::to_le_bytes),
+        Stored::F16 => le_bytes(tensor.to_vec1::<f16>()?, f16::to_le_bytes),
+        Stored::F32 => le_bytes(tensor.to_vec1::<f32>()?, f32::to_le_bytes),
+    };
+    let bytes = bytes::Bytes::from(bytes);
+    let m = DenseMatrix::new(stored, rows, cols, bytes.clone())?;
+    let narrow = DenseMatrix::new(stored, rows, cols, bytes)?;
+    let mut all = Vec::new();
+    if let Some(narrow) = narrow.on_256_bit_registers() {
+        all.push(Product {
+            name: format!("{name} {stored:?} (ours, in place, 256-bit)"),
+            rows,
+            cols,
+            matmul: Box::new(move |x, n| narrow.matmul(x, n)),
+        });
+    }
+    all.push(Product {
+        name: format!("{name} {stored:?} (ours, in place)"),
+        rows,
+        cols,
+        matmul: Box::new(move |x, n| m.matmul(x, n)),
+    });
     Ok(all)
 }
 
