@@ -216,9 +216,10 @@ impl DenseMatrix {
         );
         let xs: Vec<&[f32]> = x.chunks_exact(self.cols).collect();
         let run = |g: usize, out: &Columns<'_>| {
-            let first = g * GROUP;
-            let rows: Vec<&[u8]> = (first..first + out.width()).map(|r| self.row(r)).collect();
-            self.outputs(&rows, &xs, &mut |y, vals| out.put(y, vals))
+            let (first, width) = (g * GROUP, out.width());
+            let rows: [&[u8]; MAX_ROWS] =
+                std::array::from_fn(|i| self.row(first + i.min(width - 1)));
+            self.outputs(&rows[..width], &xs, &mut |y, vals| out.put(y, vals))
         };
         let loose = |r: usize, out: &Columns<'_>| {
             self.outputs(&[self.row(r)], &xs, &mut |y, vals| out.put(y, vals))
