@@ -1,11 +1,13 @@
 //! A folder's matrices used in place on the CPU, and bf16 and f16 ones held as stored as a
 //! GPU holds them: in the memory the footprint predicts (half the widened form's for bf16
 //! and f16), computing the model the widened matrices define (held as stored, to within
-//! the rounding of its activations to the matrices' type).
+//! the rounding of its activations to the matrices' type); and bf16 matrices computing the
+//! bits that f32 ones of the same values do, widened or in place.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use engine::footprint::{held_weight_bytes, read_headers, WeightFile};
 use engine::testmodel::{into_gemma2, write_model, ModelSize, DEFAULT_SEED};
 use engine::weights::DenseMatrices;
@@ -78,6 +80,38 @@ fn holds_the_predicted_half(dir: &Path, kept: &Model, widened: &Model, matrices:
         kept.resident_bytes(),
         widened.resident_bytes()
     );
+}
+
+/// bf16 on disk computes exactly like f32 holding the same (bf16-rounded) values: widened
+/// at load, both by candle's f32 products; used in place, both by our kernel, which widens
+/// each weight exactly and sums in one order whatever the stored type.
+#[test]
+fn bf16_weights_load_as_their_exact_f32_values() {
+    let bf16 = common::scratch("bf16");
+    write_model(&bf16, ModelSize::Tiny, DType::BF16, DEFAULT_SEED).unwrap();
+    let f32_dir = common::scratch("bf16-as-f32");
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(bf16.join(f), f32_dir.join(f)).unwrap();
+    }
+    let tensors =
+        candle_core::safetensors::load(bf16.join("model.safetensors"), &Device::Cpu).unwrap();
+    assert!(tensors.values().all(|t| t.dtype() == DType::BF16));
+    let widened: HashMap<String, Tensor> = tensors
+        .into_iter()
+        .map(|(k, t)| (k, t.to_dtype(DType::F32).unwrap()))
+        .collect();
+    candle_core::safetensors::save(&widened, f32_dir.join("model.safetensors")).unwrap();
+    let mut modes = vec![DenseMatrices::F32];
+    if engine::dense_matrix::DenseMatrix::supported() {
+        modes.push(DenseMatrices::InPlace);
+    }
+    for matrices in modes {
+        let logits = |dir: &Path| {
+            let model = load(dir, matrices, &Device::Cpu);
+            model.logits_for(&PROBE).unwrap()
+        };
+        assert_eq!(logits(&bf16), logits(&f32_dir), "{matrices:?}");
+    }
 }
 
 /// Used in place on the CPU, the matrices compute the widened model to within the order

@@ -37,40 +37,6 @@ fn cosine(a: &[f32], b: &[f32]) -> f32 {
     dot / (na * nb)
 }
 
-/// bf16 on disk computes exactly like f32 holding the same (bf16-rounded) values: widened
-/// at load, both by candle's f32 products; used in place, both by our kernel, which widens
-/// each weight exactly and sums in one order whatever the stored type.
-#[test]
-fn bf16_weights_load_as_their_exact_f32_values() {
-    let bf16 = common::scratch("bf16");
-    write_model(&bf16, ModelSize::Tiny, DType::BF16, DEFAULT_SEED).unwrap();
-    let f32_dir = common::scratch("bf16-as-f32");
-    copy_side_files(&bf16, &f32_dir);
-    let tensors =
-        candle_core::safetensors::load(bf16.join("model.safetensors"), &Device::Cpu).unwrap();
-    assert!(tensors.values().all(|t| t.dtype() == DType::BF16));
-    let widened: HashMap<String, Tensor> = tensors
-        .into_iter()
-        .map(|(k, t)| (k, t.to_dtype(DType::F32).unwrap()))
-        .collect();
-    candle_core::safetensors::save(&widened, f32_dir.join("model.safetensors")).unwrap();
-    let mut modes = vec![engine::weights::DenseMatrices::F32];
-    if engine::dense_matrix::DenseMatrix::supported() {
-        modes.push(engine::weights::DenseMatrices::InPlace);
-    }
-    for matrices in modes {
-        let options = engine::LoadOptions {
-            matrices: Some(matrices),
-            ..engine::LoadOptions::default()
-        };
-        let logits = |dir: &Path| {
-            let loaded = engine::load_reporting(dir, &Device::Cpu, &options, &mut |_| {});
-            loaded.unwrap().model.logits_for(&PROBE).unwrap()
-        };
-        assert_eq!(logits(&bf16), logits(&f32_dir), "{matrices:?}");
-    }
-}
-
 /// A sharded checkpoint with `model.safetensors.index.json` is the same model.
 #[test]
 fn sharded_safetensors_load_like_one_file() {
@@ -294,9 +260,8 @@ fn the_predicted_weight_memory_is_what_the_loader_holds() {
     // Untied, and tied (Gemma 2's head is its embedding table, converted once).
     for tied in [false, true] {
         let bf16_dir = common::scratch(&format!("bf16-footprint-{tied}"));
-        let seed = engine::testmodel::DEFAULT_SEED;
-        let tiny = engine::testmodel::ModelSize::Tiny;
-        engine::testmodel::write_model(&bf16_dir, tiny, DType::BF16, seed).unwrap();
+        let seed = DEFAULT_SEED;
+        write_model(&bf16_dir, ModelSize::Tiny, DType::BF16, seed).unwrap();
         if tied {
             engine::testmodel::into_gemma2(&bf16_dir, seed).unwrap();
         }
