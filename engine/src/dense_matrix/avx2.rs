@@ -1,8 +1,9 @@
 //! The dense product on 256-bit registers, for CPUs without AVX-512: each of
 //! the sixteen chains of the defining order is a lane of one of two registers (chains 0-7
 //! and 8-15), so every output has the 512-bit kernel's bits and nodes of both kinds give
-//! the same tokens. Two weight rows against a tile of two activation rows (eight chain
-//! registers, four of widened weights, one of activations: 13 of the 16).
+//! the same tokens. Two weight rows against a tile of three activation rows (twelve chain
+//! registers; then, for each half of sixteen columns, two of widened weights and one of
+//! activations: 15 of the 16).
 
 use std::arch::x86_64::*;
 
@@ -11,8 +12,11 @@ use super::{size, BF16, F32, LANES, MAX_ROWS};
 /// Weight rows one pass holds.
 const PAIR: usize = 2;
 
-/// Activation rows that share one load of a pass's weights.
-const TILE: usize = 2;
+/// Activation rows that share one load of a pass's weights: three give twelve chain
+/// registers, more independent fused multiply-adds in flight than the eight of tiles of
+/// two, which ran 1.05-1.23x slower at 16 to 512 rows (`product-bench --only 256-bit`,
+/// medians of three alternated runs, 2-core Zen 5).
+const TILE: usize = 3;
 
 /// Lanes of one register: half a chain register of the defining order.
 const HALF: usize = LANES / 2;
@@ -39,17 +43,17 @@ pub(super) unsafe fn outputs<const KIND: u8>(
         for p in 0..w.len().div_ceil(PAIR) {
             let ptrs = std::array::from_fn(|i| w[(p * PAIR + i).min(last)].as_ptr());
             let at = p * PAIR..(p + 1) * PAIR;
+            let x = |j: usize| xs[y + j].as_ptr();
             // SAFETY: every pointer starts a row of `cols` values (the caller's promise).
             unsafe {
-                if tile == TILE {
-                    let x = [xs[y].as_ptr(), xs[y + 1].as_ptr()];
-                    let o = pass::<KIND, TILE>(ptrs, x, cols);
-                    for (v, o) in vals.iter_mut().zip(o) {
-                        v[at.clone()].copy_from_slice(&o);
-                    }
-                } else {
-                    let o = pass::<KIND, 1>(ptrs, [xs[y].as_ptr()], cols);
-                    vals[0][at].copy_from_slice(&o[0]);
+                match tile {
+                    TILE => put(
+                        &mut vals,
+                        at,
+                        pass::<KIND, TILE>(ptrs, [x(0), x(1), x(2)], cols),
+                    ),
+                    2 => put(&mut vals, at, pass::<KIND, 2>(ptrs, [x(0), x(1)], cols)),
+                    _ => put(&mut vals, at, pass::<KIND, 1>(ptrs, [x(0)], cols)),
                 }
             }
         }
@@ -57,6 +61,17 @@ pub(super) unsafe fn outputs<const KIND: u8>(
             emit(y + j, &v[..w.len()]);
         }
         y += tile;
+    }
+}
+
+/// A pair's outputs for a tile's rows, into their places `at` among `vals`.
+fn put<const R: usize>(
+    vals: &mut [[f32; MAX_ROWS]; TILE],
+    at: std::ops::Range<usize>,
+    o: [[f32; PAIR]; R],
+) {
+    for (v, o) in vals.iter_mut().zip(o) {
+        v[at.clone()].copy_from_slice(&o);
     }
 }
 
@@ -118,7 +133,8 @@ unsafe fn pass<const KIND: u8, const R: usize>(
     out
 }
 
-/// Sixteen columns from `w` and `x` into the chains.
+/// Sixteen columns from `w` and `x` into the chains, eight at a time: a half's two
+/// widened weight registers beside the tile's chains.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; every pointer starts sixteen values.
@@ -129,19 +145,17 @@ unsafe fn step<const KIND: u8, const R: usize>(
     x: [*const f32; R],
     acc: &mut Chains<R>,
 ) {
-    let mut wv = [[_mm256_setzero_ps(); 2]; PAIR];
-    for (wv, &row) in wv.iter_mut().zip(&w) {
-        for (h, half) in wv.iter_mut().enumerate() {
+    for (h, first) in [0, HALF].into_iter().enumerate() {
+        let mut wv = [_mm256_setzero_ps(); PAIR];
+        for (wv, &row) in wv.iter_mut().zip(&w) {
             // SAFETY: the caller promises sixteen values.
-            *half = unsafe { load::<KIND>(row.add(size(KIND) * HALF * h)) };
+            *wv = unsafe { load::<KIND>(row.add(size(KIND) * first)) };
         }
-    }
-    for j in 0..R {
-        for h in 0..2 {
+        for j in 0..R {
             // SAFETY: as the weights'.
-            let xv = unsafe { _mm256_loadu_ps(x[j].add(HALF * h)) };
+            let xv = unsafe { _mm256_loadu_ps(x[j].add(first)) };
             for i in 0..PAIR {
-                acc[j][i][h] = _mm256_fmadd_ps(wv[i][h], xv, acc[j][i][h]);
+                acc[j][i][h] = _mm256_fmadd_ps(wv[i], xv, acc[j][i][h]);
             }
         }
     }
