@@ -526,7 +526,7 @@ impl WeightSource {
     }
 
     /// Our kernel's matrix over `bytes`, the tensor `name` used where it lies: refused as
-    /// the model's fault where they are not a `shape` matrix of `half` values.
+    /// the model's fault where they are not a `shape` matrix of `stored` values.
     fn in_place_matrix(
         &self,
         name: &str,
