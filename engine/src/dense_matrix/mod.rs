@@ -26,7 +26,7 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 /// Lanes of one chain register: the sums' order is defined over sixteen chains.
 const LANES: usize = 16;

@@ -49,9 +49,10 @@ fn weights(len: usize, seed: u64) -> Vec<f32> {
     w
 }
 
-fn skip() -> bool {
+/// Whether a test of the kernel must be skipped, said on stderr: this CPU runs none.
+pub(crate) fn skip() -> bool {
     if !DenseMatrix::supported() {
-        eprintln!("skipped: this CPU runs no stored-precision kernel");
+        eprintln!("skipped: this CPU runs no dense matrix kernel");
         return true;
     }
     false

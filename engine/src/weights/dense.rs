@@ -248,8 +248,7 @@ mod tests {
     /// used in place (copies otherwise), and compute what the copies do.
     #[test]
     fn an_f32_folder_is_used_where_it_lies() {
-        if !DenseMatrix::supported() {
-            eprintln!("skipped: this CPU runs no dense matrix kernel");
+        if crate::dense_matrix::tests::skip() {
             return;
         }
         let dev = Device::Cpu;

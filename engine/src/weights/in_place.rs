@@ -157,8 +157,7 @@ mod tests {
     /// sums); a Q8_0 one is not.
     #[test]
     fn dense_gguf_matrices_are_used_where_they_lie() {
-        if !DenseMatrix::supported() {
-            eprintln!("skipped: this CPU runs no dense matrix kernel");
+        if crate::dense_matrix::tests::skip() {
             return;
         }
         let dev = Device::Cpu;
