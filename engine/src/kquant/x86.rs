@@ -190,8 +190,10 @@ unsafe fn tile<K: Kind, W: Wide, const T: usize, const VNNI: bool, const A: usiz
                 *sumi = W::add32(*sumi, K::dot::<W, VNNI>(&wv, ys, scales));
             }
         }
+        // The weights' side of the super-block's terms, read once for the tile's rows.
+        let side = K::side(blk);
         for ((row, sumi), acc) in rows.iter().zip(sumi).zip(acc.iter_mut()) {
-            *acc = K::finish(blk, row, sb, sumi, *acc);
+            *acc = K::finish(&side, row, sb, sumi, *acc);
         }
     }
     acc
@@ -333,6 +335,9 @@ trait Kind {
     const FORMAT: KFormat;
     /// A chunk's scales.
     type Scales<W: Wide>: Copy;
+    /// What a super-block's last terms take from its group block, the same for every
+    /// activation row.
+    type Side<W: Wide>;
 
     /// # Safety
     /// As for [`Wide`]; `blk` starts a group block of this format.
@@ -352,11 +357,22 @@ trait Kind {
         s: Self::Scales<W>,
     ) -> W::I;
 
-    /// `acc` with super-block `sb`'s terms added, its integer sum being `sumi`.
+    /// # Safety
+    /// As for [`Kind::add_high_bits`].
+    unsafe fn side<W: Wide>(blk: W) -> Self::Side<W>;
+
+    /// `acc` with super-block `sb`'s terms added, its integer sum being `sumi` and `side`
+    /// read from its group block.
     ///
     /// # Safety
-    /// As for [`Wide`]; `blk` starts super-block `sb`'s group block.
-    unsafe fn finish<W: Wide>(blk: W, row: &Q8KRow<'_>, sb: usize, sumi: W::I, acc: W::F) -> W::F;
+    /// As for [`Wide`].
+    unsafe fn finish<W: Wide>(
+        side: &Self::Side<W>,
+        row: &Q8KRow<'_>,
+        sb: usize,
+        sumi: W::I,
+        acc: W::F,
+    ) -> W::F;
 }
 
 /// Q4_K (`FIVE` false) and Q5_K, whose sub-blocks are chunks with a minimum each.
@@ -368,6 +384,8 @@ struct Q6K;
 impl<const FIVE: bool> Kind for WithMins<FIVE> {
     const FORMAT: KFormat = if FIVE { KFormat::Q5K } else { KFormat::Q4K };
     type Scales<W: Wide> = Scale<W>;
+    /// The eight sub-blocks' minimums as i16 pairs, `d` and `dmin`.
+    type Side<W: Wide> = ([W::I; 4], W::F, W::F);
 
     #[inline(always)]
     unsafe fn add_high_bits<W: Wide>(blk: W, c: usize, wv: &mut [W::I; 8]) {
@@ -404,20 +422,34 @@ impl<const FIVE: bool> Kind for WithMins<FIVE> {
         }
     }
 
+    #[inline(always)]
+    unsafe fn side<W: Wide>(blk: W) -> Self::Side<W> {
+        let format = Self::FORMAT;
+        let mins = std::array::from_fn(|p| blk.pairs(format.mins_at() + 16 * p));
+        (
+            mins,
+            blk.halves(format.d_at()),
+            blk.halves(format.dmin_at()),
+        )
+    }
+
     /// `d * dy * sumi - dmin * dy * Σ min · sums32`.
     #[inline(always)]
-    unsafe fn finish<W: Wide>(blk: W, row: &Q8KRow<'_>, sb: usize, sumi: W::I, acc: W::F) -> W::F {
-        let format = Self::FORMAT;
+    unsafe fn finish<W: Wide>(
+        (mins, d, dmin): &Self::Side<W>,
+        row: &Q8KRow<'_>,
+        sb: usize,
+        sumi: W::I,
+        acc: W::F,
+    ) -> W::F {
         let sums = row.sums32.as_ptr().add(sb * 8) as *const i32;
         let mut summ = W::zero();
-        for p in 0..4 {
-            let mins = blk.pairs(format.mins_at() + 16 * p);
+        for (p, &mins) in mins.iter().enumerate() {
             let ys = W::splat32(sums.add(p).read_unaligned());
             summ = W::add32(summ, W::madd16(mins, ys));
         }
+        let (d, dmin) = (*d, *dmin);
         let dy = W::splat_f(*row.d.get_unchecked(sb));
-        let d = blk.halves(format.d_at());
-        let dmin = blk.halves(format.dmin_at());
         let acc = W::fmadd(W::to_f(sumi), W::mul(d, dy), acc);
         W::fnmadd(W::to_f(summ), W::mul(dmin, dy), acc)
     }
@@ -427,6 +459,8 @@ impl Kind for Q6K {
     const FORMAT: KFormat = KFormat::Q6K;
     /// The chunk's two sub-blocks' scales: registers 0-3, then 4-7.
     type Scales<W: Wide> = [Scale<W>; 2];
+    /// The sixteen sub-blocks' scales as i16 pairs, and `d`.
+    type Side<W: Wide> = ([W::I; 8], W::F);
 
     #[inline(always)]
     unsafe fn add_high_bits<W: Wide>(blk: W, c: usize, wv: &mut [W::I; 8]) {
@@ -468,19 +502,30 @@ impl Kind for Q6K {
         }
     }
 
+    #[inline(always)]
+    unsafe fn side<W: Wide>(blk: W) -> Self::Side<W> {
+        let at = Self::FORMAT.scales_at();
+        let scales = std::array::from_fn(|p| blk.pairs(at + 16 * p));
+        (scales, blk.halves(Self::FORMAT.d_at()))
+    }
+
     /// `d * dy * (sumi - 32 Σ scale · sums16)`: the offset of 32 every weight carries.
     #[inline(always)]
-    unsafe fn finish<W: Wide>(blk: W, row: &Q8KRow<'_>, sb: usize, sumi: W::I, acc: W::F) -> W::F {
+    unsafe fn finish<W: Wide>(
+        (scales, d): &Self::Side<W>,
+        row: &Q8KRow<'_>,
+        sb: usize,
+        sumi: W::I,
+        acc: W::F,
+    ) -> W::F {
         let sums = row.sums16.as_ptr().add(sb * 16) as *const i32;
         let mut offset = W::zero();
-        for p in 0..8 {
-            let scales = blk.pairs(Self::FORMAT.scales_at() + 16 * p);
+        for (p, &scales) in scales.iter().enumerate() {
             let ys = W::splat32(sums.add(p).read_unaligned());
             offset = W::add32(offset, W::madd16(scales, ys));
         }
         let sumi = W::sub32(sumi, W::shl32(offset, 5));
         let dy = W::splat_f(*row.d.get_unchecked(sb));
-        let d = blk.halves(Self::FORMAT.d_at());
-        W::fmadd(W::to_f(sumi), W::mul(d, dy), acc)
+        W::fmadd(W::to_f(sumi), W::mul(*d, dy), acc)
     }
 }
