@@ -177,6 +177,7 @@ unsafe fn tile<K: Kind, W: Wide, const T: usize, const VNNI: bool, const A: usiz
     ahead: &Ahead<A>,
 ) -> [W::F; T] {
     let mut acc = [W::zero_f(); T];
+    let long = T >= VNNI_TILE;
     for sb in 0..sbs {
         ahead.part(sb);
         let blk = at.add(sb * K::FORMAT.group_bytes());
@@ -187,7 +188,7 @@ unsafe fn tile<K: Kind, W: Wide, const T: usize, const VNNI: bool, const A: usiz
             let scales = K::scales(blk, c);
             for (row, sumi) in rows.iter().zip(sumi.iter_mut()) {
                 let ys = row.qs.as_ptr().add(sb * QK_K + c * CHUNK);
-                *sumi = W::add32(*sumi, K::dot::<W, VNNI>(&wv, ys, scales));
+                *sumi = W::add32(*sumi, K::dot::<W, VNNI>(&wv, ys, scales, long));
             }
         }
         // The weights' side of the super-block's terms, read once for the tile's rows.
@@ -313,21 +314,35 @@ unsafe fn sum16<W: Wide>(wv: &[W::I; 8], ys: *const i8, ts: std::ops::Range<usiz
     s
 }
 
-/// The same sum in i32 lanes by VNNI, in two chains so that one need not wait for the
-/// other: exact either way.
+/// The same sum in i32 lanes by VNNI: exact either way. In two chains (`two`) so that one
+/// need not wait for the other; else in one, where enough other rows' chains run beside it
+/// to cover the instruction's latency.
 ///
 /// # Safety
 /// As for [`Wide::dpbusd`]; `ys` starts a chunk.
 #[inline(always)]
-unsafe fn sum32<W: Wide>(wv: &[W::I; 8], ys: *const i8, ts: std::ops::Range<usize>) -> W::I {
+unsafe fn sum32<W: Wide>(
+    wv: &[W::I; 8],
+    ys: *const i8,
+    ts: std::ops::Range<usize>,
+    two: bool,
+) -> W::I {
     let (mut a, mut b) = (W::zero(), W::zero());
     let mut t = ts.start;
     while t + 1 < ts.end {
         a = W::dpbusd(a, wv[t], act::<W>(ys, t));
-        b = W::dpbusd(b, wv[t + 1], act::<W>(ys, t + 1));
+        if two {
+            b = W::dpbusd(b, wv[t + 1], act::<W>(ys, t + 1));
+        } else {
+            a = W::dpbusd(a, wv[t + 1], act::<W>(ys, t + 1));
+        }
         t += 2;
     }
-    W::add32(a, b)
+    if two {
+        W::add32(a, b)
+    } else {
+        a
+    }
 }
 
 /// What sets the three formats apart.
@@ -347,7 +362,8 @@ trait Kind {
     /// As for [`Kind::add_high_bits`].
     unsafe fn scales<W: Wide>(blk: W, c: usize) -> Self::Scales<W>;
 
-    /// A chunk's products with one activation row's, times their scales, in i32 lanes.
+    /// A chunk's products with one activation row's, times their scales, in i32 lanes;
+    /// `long` where the tile has [`VNNI_TILE`] rows, whose chains run side by side.
     ///
     /// # Safety
     /// As for [`Wide`] (and [`Wide::dpbusd`] when `VNNI`); `ys` starts a chunk.
@@ -355,6 +371,7 @@ trait Kind {
         wv: &[W::I; 8],
         ys: *const i8,
         s: Self::Scales<W>,
+        long: bool,
     ) -> W::I;
 
     /// # Safety
@@ -409,9 +426,16 @@ impl<const FIVE: bool> Kind for WithMins<FIVE> {
     }
 
     #[inline(always)]
-    unsafe fn dot<W: Wide, const VNNI: bool>(wv: &[W::I; 8], ys: *const i8, s: Scale<W>) -> W::I {
+    unsafe fn dot<W: Wide, const VNNI: bool>(
+        wv: &[W::I; 8],
+        ys: *const i8,
+        s: Scale<W>,
+        _long: bool,
+    ) -> W::I {
         if VNNI {
-            s.times32(sum32::<W>(wv, ys, 0..8))
+            // Two chains even in a long tile: one of eight ran Q4_K's 512-row product at
+            // 0.88-0.91x in `product-bench`, eight rows' chains too few for the latency.
+            s.times32(sum32::<W>(wv, ys, 0..8, true))
         } else if FIVE {
             // Four registers of products of at most 2 * 31 * 127: 31496, inside i16.
             let a = s.times16(sum16::<W>(wv, ys, 0..4));
@@ -487,10 +511,12 @@ impl Kind for Q6K {
         wv: &[W::I; 8],
         ys: *const i8,
         s: [Scale<W>; 2],
+        long: bool,
     ) -> W::I {
         if VNNI {
-            let a = s[0].times32(sum32::<W>(wv, ys, 0..4));
-            W::add32(a, s[1].times32(sum32::<W>(wv, ys, 4..8)))
+            // A long tile's rows run two chains each, one a sub-block: sixteen in all.
+            let a = s[0].times32(sum32::<W>(wv, ys, 0..4, !long));
+            W::add32(a, s[1].times32(sum32::<W>(wv, ys, 4..8, !long)))
         } else {
             // Two registers of products of at most 2 * 63 * 127: 32004, inside i16.
             let mut s32 = W::zero();
