@@ -241,6 +241,10 @@ fn k_blocks(dtype: GgmlDType, rows: usize, cols: usize) -> Vec<u8> {
 }
 
 fn main() -> anyhow::Result<()> {
+    // As the nodes and engine-bench do. Without it each product's output came from a fresh
+    // mapping, or not, as glibc's moving mmap threshold had it: its pages faulted in on
+    // every call, Q4_1's gate and up at 16 rows ran at 180 or 410 GMAC/s from run to run.
+    runtime::hold_freed_memory();
     runtime::fit_compute_threads();
     let cfg = Config::parse();
     println!("| product | shape | rows | µs | GMAC/s | of the ceiling beside it |");
