@@ -316,7 +316,7 @@ impl Q41Matrix {
                 let ahead = self.ahead(g + 2);
                 // SAFETY: `pair_kernel` found AVX2, FMA and 512-bit VNNI; both groups have as
                 // many blocks as the rows.
-                unsafe { pair(groups, q, &ahead, &mut |y, vals| out.put_lanes(y, &vals)) };
+                unsafe { pair(groups, q, &ahead, out) };
             }
         });
         split::by_groups(
@@ -334,11 +334,10 @@ impl Q41Matrix {
     }
 }
 
-/// Two groups against activation rows: `emit(y, outputs)` gets row `y`'s sixteen outputs,
-/// the first group's eight and then the second's.
+/// Two groups against activation rows: each row's sixteen outputs, the first group's eight
+/// and then the second's, stored into its columns of `out`.
 /// Part `b` of `ahead` is asked for with block `b`.
-type PairKernel =
-    unsafe fn([WGroup<'_>; 2], &[Q81Row], &Ahead<6>, &mut dyn FnMut(usize, [f32; 2 * GROUP]));
+type PairKernel = unsafe fn([WGroup<'_>; 2], &[Q81Row], &Ahead<6>, &split::Columns<'_>);
 
 /// The pair kernel on 512-bit registers, where the CPU has them with VNNI.
 fn pair_kernel() -> Option<PairKernel> {

@@ -256,11 +256,7 @@ impl Q80Matrix {
                 let ahead = self.ahead(g + 2);
                 // SAFETY: `pair_kernel` found AVX-512 F, BW, VL and VNNI beside AVX2, FMA and
                 // F16C; both groups have a block for each of the rows' blocks.
-                unsafe {
-                    pair([d0, d1], [q0, q1], q, &ahead, &mut |y, vals| {
-                        out.put_lanes(y, &vals)
-                    })
-                };
+                unsafe { pair([d0, d1], [q0, q1], q, &ahead, out) };
             }
         });
         split::by_groups(

@@ -4,6 +4,7 @@
 use std::arch::x86_64::*;
 
 use crate::ahead::Ahead;
+use crate::split::Columns;
 
 use super::{add_block, block_sumi, Q81Row, WGroup, WRow, GROUP, PAIR_TILE, QK, TILE};
 
@@ -139,11 +140,11 @@ pub(super) unsafe fn dot_pair_512(
     w: [WGroup<'_>; 2],
     rows: &[Q81Row],
     ahead: &Ahead<6>,
-    emit: &mut dyn FnMut(usize, [f32; 2 * GROUP]),
+    out: &Columns<'_>,
 ) {
-    let mut y = pair_tiles::<PAIR_TILE>(w, rows, 0, ahead, emit);
-    y = pair_tiles::<TILE>(w, rows, y, ahead, emit);
-    pair_tiles::<1>(w, rows, y, ahead, emit);
+    let mut y = pair_tiles::<PAIR_TILE>(w, rows, 0, ahead, out);
+    y = pair_tiles::<TILE>(w, rows, y, ahead, out);
+    pair_tiles::<1>(w, rows, y, ahead, out);
 }
 
 /// The rows from `y` in tiles of `T`, as many as there are whole tiles: returns the
@@ -157,7 +158,7 @@ unsafe fn pair_tiles<const T: usize>(
     rows: &[Q81Row],
     mut y: usize,
     ahead: &Ahead<6>,
-    emit: &mut dyn FnMut(usize, [f32; 2 * GROUP]),
+    out: &Columns<'_>,
 ) -> usize {
     while y + T <= rows.len() {
         let ahead = ahead.for_tile_from(y);
@@ -165,9 +166,7 @@ unsafe fn pair_tiles<const T: usize>(
             .into_iter()
             .enumerate()
         {
-            let mut out = [0f32; 2 * GROUP];
-            _mm512_storeu_ps(out.as_mut_ptr(), acc);
-            emit(y + i, out);
+            out.store_512(y + i, acc);
         }
         y += T;
     }

@@ -8,6 +8,7 @@ use half::f16;
 use super::{GroupKernel, Q80Row, GROUP, QK, TILE, VNNI_TILE};
 use crate::act_quant::has_vnni;
 use crate::ahead::Ahead;
+use crate::split::Columns;
 
 /// The integer sums of bytes `4k .. 4k + 4` of `w` times `y`, eight lanes of i32 added
 /// into `acc`: |w| times y with w's sign, as candle's `mul_sum_i8_pairs_float` takes
@@ -22,16 +23,10 @@ unsafe fn add_products(acc: __m256i, abs: __m256i, w: __m256i, y: __m256i) -> __
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_set1_epi16(1), pairs))
 }
 
-/// Two groups against activation rows, on 512-bit registers: `emit(y, outputs)` gets
-/// row `y`'s sixteen outputs, the first group's eight and then the second's. Part `b` of
-/// the `Ahead` is asked for with block `b`.
-pub(super) type PairKernel = unsafe fn(
-    [&[f16]; 2],
-    [&[i8]; 2],
-    &[Q80Row],
-    &Ahead<4>,
-    &mut dyn FnMut(usize, [f32; 2 * GROUP]),
-);
+/// Two groups against activation rows, on 512-bit registers: each row's sixteen outputs,
+/// the first group's eight and then the second's, stored into its columns of `out`. Part
+/// `b` of the `Ahead` is asked for with block `b`.
+pub(super) type PairKernel = unsafe fn([&[f16]; 2], [&[i8]; 2], &[Q80Row], &Ahead<4>, &Columns<'_>);
 
 /// The pair kernel where this CPU has VNNI on 512-bit registers.
 pub(super) fn pair_kernel() -> Option<PairKernel> {
@@ -51,11 +46,11 @@ pub(super) unsafe fn dot_pair_512(
     qs: [&[i8]; 2],
     rows: &[Q80Row],
     ahead: &Ahead<4>,
-    emit: &mut dyn FnMut(usize, [f32; 2 * GROUP]),
+    out: &Columns<'_>,
 ) {
-    let mut y = pair_tiles::<VNNI_TILE>(d, qs, rows, 0, ahead, emit);
-    y = pair_tiles::<TILE>(d, qs, rows, y, ahead, emit);
-    pair_tiles::<1>(d, qs, rows, y, ahead, emit);
+    let mut y = pair_tiles::<VNNI_TILE>(d, qs, rows, 0, ahead, out);
+    y = pair_tiles::<TILE>(d, qs, rows, y, ahead, out);
+    pair_tiles::<1>(d, qs, rows, y, ahead, out);
 }
 
 /// The rows from `y` in tiles of `T`, as many as there are whole tiles: returns the
@@ -70,15 +65,15 @@ unsafe fn pair_tiles<const T: usize>(
     rows: &[Q80Row],
     mut y: usize,
     ahead: &Ahead<4>,
-    emit: &mut dyn FnMut(usize, [f32; 2 * GROUP]),
+    out: &Columns<'_>,
 ) -> usize {
     while y + T <= rows.len() {
         let ahead = ahead.for_tile_from(y);
-        for (i, out) in pair_outputs::<T>(d, qs, &rows[y..y + T], ahead)
+        for (i, acc) in pair_outputs::<T>(d, qs, &rows[y..y + T], ahead)
             .into_iter()
             .enumerate()
         {
-            emit(y + i, out);
+            out.store_512(y + i, acc);
         }
         y += T;
     }
@@ -96,7 +91,7 @@ unsafe fn pair_outputs<const T: usize>(
     qs: [&[i8]; 2],
     rows: &[Q80Row],
     ahead: &Ahead<4>,
-) -> [[f32; 2 * GROUP]; T] {
+) -> [__m512; T] {
     let mut acc = [_mm512_setzero_ps(); T];
     let lift = _mm512_set1_epi8(i8::MIN);
     for b in 0..rows[0].d.len() {
@@ -127,11 +122,7 @@ unsafe fn pair_outputs<const T: usize>(
             *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, *acc);
         }
     }
-    acc.map(|a| {
-        let mut out = [0f32; 2 * GROUP];
-        _mm512_storeu_ps(out.as_mut_ptr(), a);
-        out
-    })
+    acc
 }
 
 /// The fastest group kernel this CPU runs, given AVX2, FMA and F16C.
