@@ -179,24 +179,22 @@ impl<'a> Columns<'a> {
         *o = *vals;
     }
 
-    /// Row `y`'s outputs for a pair of groups, from a 512-bit register: stored in place
-    /// where these are sixteen columns, else as many as there are. Through a stack array
-    /// and [`Columns::put_lanes`], as the Q4_1 and Q8_0 pair kernels stored them before,
-    /// the copy's loads of each half waited on the register's store: in `product-bench`
-    /// on a Zen 5 their products ran 1.01-1.07x faster at 16 rows without it, 1.02-1.10x
-    /// at 512.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512 F.
-    #[cfg(target_arch = "x86_64")]
+    /// Row `y`'s `n` outputs (at most two groups' worth) as `store` writes them from a
+    /// kernel's register: straight into the row's columns where these are exactly `n`,
+    /// else (a matrix's last, padded group) into lanes on the stack, of which as many as
+    /// there are columns are copied. Through a stack array and a copy, once a row and
+    /// group, the K-quant kernels' stores were 5-6% of a `perf` profile of the 1.5B's
+    /// batch-16 step, and the Q4_1 and Q8_0 pair kernels ran 1.01-1.10x slower in
+    /// `product-bench` on a Zen 5. `store` writes all `n` of the floats it is given.
     #[inline(always)]
-    pub(crate) unsafe fn store_512(&self, y: usize, acc: std::arch::x86_64::__m512) {
-        use std::arch::x86_64::_mm512_storeu_ps;
-        match self.whole_row(y, 2 * GROUP) {
-            Some(to) => _mm512_storeu_ps(to.as_mut_ptr(), acc),
+    pub(crate) fn store_row(&self, y: usize, n: usize, store: impl FnOnce(&mut [f32])) {
+        // SAFETY: these columns belong to the one worker that got them, and the slice
+        // lives only while `store` fills it.
+        match unsafe { self.whole_row(y, n) } {
+            Some(to) => store(to),
             None => {
                 let mut lanes = [0f32; 2 * GROUP];
-                _mm512_storeu_ps(lanes.as_mut_ptr(), acc);
+                store(&mut lanes[..n]);
                 self.put(y, &lanes[..self.width]);
             }
         }

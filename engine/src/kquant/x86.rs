@@ -13,7 +13,7 @@ use super::format::{KFormat, CHUNK, QK_K};
 use super::q8k::Q8KRow;
 use super::wide::{Wide, Ymm, Zmm};
 use crate::ahead::Ahead;
-use crate::split::{Columns, GROUP};
+use crate::split::Columns;
 
 /// A group's kernel: the group block bytes of all its super-blocks against every
 /// activation row, each row's eight outputs stored into its columns of `out`.
@@ -145,23 +145,14 @@ unsafe fn whole_tiles<K: Kind, W: Wide, const T: usize, const VNNI: bool, const 
     y
 }
 
-/// Row `y`'s outputs `acc` into its columns of `out`: stored there, where they take a whole
-/// register's lanes; else (a matrix's last, padded group) as many as they hold. A store
-/// to the stack, a call and a copy from it, once a row and group, were 5-6% of a `perf`
-/// profile's samples of the 1.5B's batch-16 step.
+/// Row `y`'s outputs `acc` into its columns of `out` ([`Columns::store_row`]).
 ///
 /// # Safety
-/// As for [`Wide`]; no other worker writes these columns.
+/// As for [`Wide`].
 #[inline(always)]
 unsafe fn put<W: Wide>(out: &Columns<'_>, y: usize, acc: W::F) {
-    match out.whole_row(y, W::LANES) {
-        Some(to) => W::store(acc, to),
-        None => {
-            let mut lanes = [0f32; 2 * GROUP];
-            W::store(acc, &mut lanes);
-            out.put(y, &lanes[..out.width()]);
-        }
-    }
+    // SAFETY: `store_row` hands over `W::LANES` floats, what `W::store` writes.
+    out.store_row(y, W::LANES, |to| unsafe { W::store(acc, to) });
 }
 
 /// `T` activation rows against a group (or two): for each, lane `i` is weight row `i`'s

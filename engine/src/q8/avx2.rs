@@ -73,7 +73,9 @@ unsafe fn pair_tiles<const T: usize>(
             .into_iter()
             .enumerate()
         {
-            out.store_512(y + i, acc);
+            out.store_row(y + i, 2 * GROUP, |to| {
+                _mm512_storeu_ps(to.as_mut_ptr(), acc)
+            });
         }
         y += T;
     }
