@@ -396,16 +396,53 @@ mod ceiling {
         })
     }
 
-    /// GMAC/s of `threads` threads each running `rounds` of eight 32-product steps at once.
+    /// GMAC/s of `threads` threads each running `rounds` of eight 32-product steps at once,
+    /// thread `i` held to the `i`th CPU this process may use. Left to the scheduler, two
+    /// threads started while the product pool's workers still spun were often put on one
+    /// core for the whole of a short run: half the ceiling, every other run.
     fn on_threads(threads: usize, rounds: usize, run: impl Fn(i8) -> i32 + Sync) -> f64 {
+        let cpus = usable_cpu_ids();
         let t = Instant::now();
         std::thread::scope(|s| {
             for i in 0..threads {
-                let run = &run;
-                s.spawn(move || std::hint::black_box(run(i as i8)));
+                let (run, cpu) = (&run, cpus.get(i).copied());
+                s.spawn(move || {
+                    if let Some(cpu) = cpu {
+                        pin_to(cpu);
+                    }
+                    std::hint::black_box(run(i as i8))
+                });
             }
         });
         (threads * rounds * 8 * 32) as f64 / t.elapsed().as_secs_f64() / 1e9
+    }
+
+    /// The CPUs in this thread's affinity mask, in order; none where it cannot be read.
+    fn usable_cpu_ids() -> Vec<usize> {
+        // SAFETY: `set` is a plain bit array that `sched_getaffinity` fills; all zeros is
+        // a valid value of it.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        // SAFETY: `set` is `size` writable bytes; pid 0 is the calling thread.
+        if unsafe { libc::sched_getaffinity(0, size, &mut set) } != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            // SAFETY: `cpu` is under `CPU_SETSIZE`, within `set`.
+            .filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) })
+            .collect()
+    }
+
+    /// Holds the calling thread to `cpu`; where the kernel refuses, it runs where it may.
+    fn pin_to(cpu: usize) {
+        // SAFETY: as in `usable_cpu_ids`.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `cpu` came from `usable_cpu_ids`, under `CPU_SETSIZE`; `set` is
+        // `cpu_set_t`'s size, and pid 0 is the calling thread.
+        unsafe {
+            libc::CPU_SET(cpu, &mut set);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        }
     }
 
     /// # Safety
