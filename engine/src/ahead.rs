@@ -90,6 +90,28 @@ impl<const N: usize> Ahead<N> {
 /// Bytes of a cache line.
 const LINE: usize = 64;
 
+/// Asks for the cache lines that hold the `len` bytes at `at` (`len` at least 1): the
+/// line of every 64th byte from `at` and of the last. A kernel that asks for a block of
+/// the next weights with each block it computes passes a constant `len`, so this is a few
+/// prefetches with no arithmetic besides their addresses: `Ahead`'s per-part line
+/// arithmetic, run once per 32-weight block, took more of the Q4_1 pair kernel's
+/// instructions than its products did (bench/HISTORY.md, "2026-12-07, second session").
+#[inline(always)]
+pub(crate) fn ask_for(at: *const u8, len: usize) {
+    each_line_of(at, len, prefetch);
+}
+
+/// `f` of an address in each cache line [`ask_for`] asks for; a line can come twice.
+#[inline(always)]
+pub(crate) fn each_line_of(at: *const u8, len: usize, mut f: impl FnMut(*const u8)) {
+    let mut off = 0;
+    while off < len {
+        f(at.wrapping_add(off));
+        off += LINE;
+    }
+    f(at.wrapping_add(len - 1));
+}
+
 #[inline(always)]
 fn prefetch(at: *const u8) {
     #[cfg(target_arch = "x86_64")]

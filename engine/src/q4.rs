@@ -22,7 +22,7 @@ use half::f16;
 #[cfg(target_arch = "x86_64")]
 use crate::act_quant::has_vnni;
 use crate::act_quant::{each_run, q81_scales, quantize_blocks, QK, RUN};
-use crate::ahead::Ahead;
+use crate::ahead;
 use crate::error::{EngineError, Result};
 use crate::split::{self, SharedOut, GROUP};
 
@@ -278,19 +278,11 @@ impl Q41Matrix {
         }
     }
 
-    /// The bytes of groups `g` and `g + 1`, those of them there are, to be asked for a
-    /// block at a time while the pair before them computes.
-    fn ahead(&self, g: usize) -> Ahead<6> {
+    /// Groups `g` and `g + 1` to be asked for a block at a time while the pair before them
+    /// computes; `g` twice where it is the last group, none past the last.
+    fn next_pair(&self, g: usize) -> Option<NextPair<'_>> {
         let groups = self.rows / GROUP;
-        let bytes = |g: usize| -> [&[u8]; 3] {
-            if g >= groups {
-                return [&[]; 3];
-            }
-            let w = self.group(g);
-            [bytemuck::cast_slice(w.d), bytemuck::cast_slice(w.m), w.qs]
-        };
-        let ([d0, m0, q0], [d1, m1, q1]) = (bytes(g), bytes(g + 1));
-        Ahead::of([d0, m0, q0, d1, m1, q1], self.blocks())
+        (g < groups).then(|| NextPair([self.group(g), self.group((g + 1).min(groups - 1))]))
     }
 
     /// A row after the groups.
@@ -313,10 +305,10 @@ impl Q41Matrix {
         let pair = pair.map(|pair| {
             move |g: usize, out: &split::Columns<'_>| {
                 let groups = [self.group(g), self.group(g + 1)];
-                let ahead = self.ahead(g + 2);
+                let next = self.next_pair(g + 2);
                 // SAFETY: `pair_kernel` found AVX2, FMA and 512-bit VNNI; both groups have as
                 // many blocks as the rows.
-                unsafe { pair(groups, q, &ahead, out) };
+                unsafe { pair(groups, q, next, out) };
             }
         });
         split::by_groups(
@@ -335,9 +327,37 @@ impl Q41Matrix {
 }
 
 /// Two groups against activation rows: each row's sixteen outputs, the first group's eight
-/// and then the second's, stored into its columns of `out`.
-/// Part `b` of `ahead` is asked for with block `b`.
-type PairKernel = unsafe fn([WGroup<'_>; 2], &[Q81Row], &Ahead<6>, &split::Columns<'_>);
+/// and then the second's, stored into its columns of `out`. Block `b` of the next pair is
+/// asked for with block `b`.
+type PairKernel = unsafe fn([WGroup<'_>; 2], &[Q81Row], Option<NextPair<'_>>, &split::Columns<'_>);
+
+/// The pair of groups after a pair kernel's, whose bytes it asks the memory for while it
+/// computes (`crate::ahead`): a decode step reads each layer's weights from memory, and the
+/// cores' prefetchers stop at every 4 KiB page, so each pair began by waiting.
+#[derive(Clone, Copy)]
+struct NextPair<'a>([WGroup<'a>; 2]);
+
+impl NextPair<'_> {
+    /// Asks for each group's block `b`: its scales, minimums and nibbles.
+    #[inline(always)]
+    fn ask(&self, b: usize) {
+        self.each_run(b, ahead::ask_for);
+    }
+
+    /// `f(at, len)` for each run of bytes of block `b`.
+    #[inline(always)]
+    fn each_run(&self, b: usize, mut f: impl FnMut(*const u8, usize)) {
+        for w in &self.0 {
+            let words = |v: &[f32]| v.as_ptr().wrapping_add(b * GROUP).cast::<u8>();
+            f(words(w.d), 4 * GROUP);
+            f(words(w.m), 4 * GROUP);
+            f(
+                w.qs.as_ptr().wrapping_add(b * GROUP * QK / 2),
+                GROUP * QK / 2,
+            );
+        }
+    }
+}
 
 /// The pair kernel on 512-bit registers, where the CPU has them with VNNI.
 fn pair_kernel() -> Option<PairKernel> {

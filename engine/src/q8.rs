@@ -22,7 +22,7 @@ use bytes::Bytes;
 use half::f16;
 
 use crate::act_quant::{quantize_blocks, QK};
-use crate::ahead::Ahead;
+use crate::ahead;
 use crate::error::{EngineError, Result};
 use crate::split::{self, GROUP};
 
@@ -224,18 +224,11 @@ impl Q80Matrix {
         )
     }
 
-    /// The bytes of groups `g` and `g + 1`, those of them there are, to be asked for a
-    /// block at a time while the pair before them computes.
-    fn ahead(&self, g: usize) -> Ahead<4> {
-        let bytes = |g: usize| -> [&[u8]; 2] {
-            if g >= self.rows / GROUP {
-                return [&[]; 2];
-            }
-            let (d, qs) = self.group(g);
-            [bytemuck::cast_slice(d), bytemuck::cast_slice(qs)]
-        };
-        let ([d0, q0], [d1, q1]) = (bytes(g), bytes(g + 1));
-        Ahead::of([d0, q0, d1, q1], self.cols / QK)
+    /// Groups `g` and `g + 1` to be asked for a block at a time while the pair before them
+    /// computes; `g` twice where it is the last group, none past the last.
+    fn next_pair(&self, g: usize) -> Option<NextPair<'_>> {
+        let groups = self.rows / GROUP;
+        (g < groups).then(|| NextPair([self.group(g), self.group((g + 1).min(groups - 1))]))
     }
 
     /// `x Wᵀ` for `x` of `[n, cols]` (row-major): `[n, rows]`.
@@ -253,10 +246,10 @@ impl Q80Matrix {
         let pair = pair.map(|pair| {
             move |g: usize, out: &split::Columns<'_>| {
                 let ((d0, q0), (d1, q1)) = (self.group(g), self.group(g + 1));
-                let ahead = self.ahead(g + 2);
+                let next = self.next_pair(g + 2);
                 // SAFETY: `pair_kernel` found AVX-512 F, BW, VL and VNNI beside AVX2, FMA and
                 // F16C; both groups have a block for each of the rows' blocks.
-                unsafe { pair([d0, d1], [q0, q1], q, &ahead, out) };
+                unsafe { pair([d0, d1], [q0, q1], q, next, out) };
             }
         });
         split::by_groups(
@@ -301,6 +294,28 @@ mod avx2 {
     /// Never called; it panics.
     pub(super) unsafe fn dot_one(_: &[f16], _: &[i8], _: &Q80Row) -> f32 {
         unreachable!("the Q8_0 kernel needs x86-64")
+    }
+}
+
+/// The pair of groups after a pair kernel's, whose scales and values it asks the memory
+/// for a block at a time while it computes, as Q4_1's pair kernel does (`crate::q4`).
+#[derive(Clone, Copy)]
+struct NextPair<'a>([(&'a [f16], &'a [i8]); 2]);
+
+impl NextPair<'_> {
+    /// Asks for each group's block `b`.
+    #[inline(always)]
+    fn ask(&self, b: usize) {
+        self.each_run(b, ahead::ask_for);
+    }
+
+    /// `f(at, len)` for each run of bytes of block `b`.
+    #[inline(always)]
+    fn each_run(&self, b: usize, mut f: impl FnMut(*const u8, usize)) {
+        for (d, qs) in &self.0 {
+            f(d.as_ptr().wrapping_add(b * GROUP).cast(), 2 * GROUP);
+            f(qs.as_ptr().wrapping_add(b * GROUP * QK).cast(), GROUP * QK);
+        }
     }
 }
 

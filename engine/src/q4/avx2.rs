@@ -3,10 +3,9 @@
 
 use std::arch::x86_64::*;
 
-use crate::ahead::Ahead;
 use crate::split::Columns;
 
-use super::{add_block, block_sumi, Q81Row, WGroup, WRow, GROUP, PAIR_TILE, QK, TILE};
+use super::{add_block, block_sumi, NextPair, Q81Row, WGroup, WRow, GROUP, PAIR_TILE, QK, TILE};
 
 /// # Safety
 /// The CPU has AVX2 and FMA; every row of `rows` has as many blocks as the group `w`.
@@ -139,16 +138,16 @@ unsafe fn dot_tile<const T: usize, const VNNI: bool>(
 pub(super) unsafe fn dot_pair_512(
     w: [WGroup<'_>; 2],
     rows: &[Q81Row],
-    ahead: &Ahead<6>,
+    next: Option<NextPair<'_>>,
     out: &Columns<'_>,
 ) {
-    let mut y = pair_tiles::<PAIR_TILE>(w, rows, 0, ahead, out);
-    y = pair_tiles::<TILE>(w, rows, y, ahead, out);
-    pair_tiles::<1>(w, rows, y, ahead, out);
+    let mut y = pair_tiles::<PAIR_TILE>(w, rows, 0, next, out);
+    y = pair_tiles::<TILE>(w, rows, y, next, out);
+    pair_tiles::<1>(w, rows, y, next, out);
 }
 
 /// The rows from `y` in tiles of `T`, as many as there are whole tiles: returns the
-/// row after them. The first tile of all asks for `ahead`.
+/// row after them. The first tile of all asks for `next`, each line once.
 ///
 /// # Safety
 /// As for [`dot_pair_512`].
@@ -157,12 +156,12 @@ unsafe fn pair_tiles<const T: usize>(
     w: [WGroup<'_>; 2],
     rows: &[Q81Row],
     mut y: usize,
-    ahead: &Ahead<6>,
+    next: Option<NextPair<'_>>,
     out: &Columns<'_>,
 ) -> usize {
     while y + T <= rows.len() {
-        let ahead = ahead.for_tile_from(y);
-        for (i, acc) in pair_tile::<T>(w, &rows[y..y + T], ahead)
+        let next = next.filter(|_| y == 0);
+        for (i, acc) in pair_tile::<T>(w, &rows[y..y + T], next)
             .into_iter()
             .enumerate()
         {
@@ -184,7 +183,7 @@ unsafe fn joined(at: impl Fn(usize) -> __m256i) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(at(0)), at(1))
 }
 
-/// [`dot_tile`] with VNNI, sixteen lanes wide, asking for part `b` of `ahead` with block
+/// [`dot_tile`] with VNNI, sixteen lanes wide, asking for block `b` of `next` with block
 /// `b`.
 ///
 /// # Safety
@@ -193,12 +192,14 @@ unsafe fn joined(at: impl Fn(usize) -> __m256i) -> __m512i {
 unsafe fn pair_tile<const T: usize>(
     w: [WGroup<'_>; 2],
     rows: &[Q81Row],
-    ahead: &Ahead<6>,
+    next: Option<NextPair<'_>>,
 ) -> [__m512; T] {
     let mask = _mm512_set1_epi8(0x0F);
     let mut acc = [_mm512_setzero_ps(); T];
     for b in 0..w[0].d.len() / GROUP {
-        ahead.part(b);
+        if let Some(next) = next {
+            next.ask(b);
+        }
         let mut wv = [_mm512_setzero_si512(); 8];
         for k in 0..4 {
             let v = joined(|g| {

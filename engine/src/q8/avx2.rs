@@ -5,9 +5,8 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::{GroupKernel, Q80Row, GROUP, QK, TILE, VNNI_TILE};
+use super::{GroupKernel, NextPair, Q80Row, GROUP, QK, TILE, VNNI_TILE};
 use crate::act_quant::has_vnni;
-use crate::ahead::Ahead;
 use crate::split::Columns;
 
 /// The integer sums of bytes `4k .. 4k + 4` of `w` times `y`, eight lanes of i32 added
@@ -24,9 +23,10 @@ unsafe fn add_products(acc: __m256i, abs: __m256i, w: __m256i, y: __m256i) -> __
 }
 
 /// Two groups against activation rows, on 512-bit registers: each row's sixteen outputs,
-/// the first group's eight and then the second's, stored into its columns of `out`. Part
-/// `b` of the `Ahead` is asked for with block `b`.
-pub(super) type PairKernel = unsafe fn([&[f16]; 2], [&[i8]; 2], &[Q80Row], &Ahead<4>, &Columns<'_>);
+/// the first group's eight and then the second's, stored into its columns of `out`. Block
+/// `b` of the next pair is asked for with block `b`.
+pub(super) type PairKernel =
+    unsafe fn([&[f16]; 2], [&[i8]; 2], &[Q80Row], Option<NextPair<'_>>, &Columns<'_>);
 
 /// The pair kernel where this CPU has VNNI on 512-bit registers.
 pub(super) fn pair_kernel() -> Option<PairKernel> {
@@ -45,16 +45,16 @@ pub(super) unsafe fn dot_pair_512(
     d: [&[f16]; 2],
     qs: [&[i8]; 2],
     rows: &[Q80Row],
-    ahead: &Ahead<4>,
+    next: Option<NextPair<'_>>,
     out: &Columns<'_>,
 ) {
-    let mut y = pair_tiles::<VNNI_TILE>(d, qs, rows, 0, ahead, out);
-    y = pair_tiles::<TILE>(d, qs, rows, y, ahead, out);
-    pair_tiles::<1>(d, qs, rows, y, ahead, out);
+    let mut y = pair_tiles::<VNNI_TILE>(d, qs, rows, 0, next, out);
+    y = pair_tiles::<TILE>(d, qs, rows, y, next, out);
+    pair_tiles::<1>(d, qs, rows, y, next, out);
 }
 
 /// The rows from `y` in tiles of `T`, as many as there are whole tiles: returns the
-/// row after them. The first tile of all asks for `ahead`.
+/// row after them. The first tile of all asks for `next`, each line once.
 ///
 /// # Safety
 /// As for [`dot_pair_512`].
@@ -64,12 +64,12 @@ unsafe fn pair_tiles<const T: usize>(
     qs: [&[i8]; 2],
     rows: &[Q80Row],
     mut y: usize,
-    ahead: &Ahead<4>,
+    next: Option<NextPair<'_>>,
     out: &Columns<'_>,
 ) -> usize {
     while y + T <= rows.len() {
-        let ahead = ahead.for_tile_from(y);
-        for (i, acc) in pair_outputs::<T>(d, qs, &rows[y..y + T], ahead)
+        let next = next.filter(|_| y == 0);
+        for (i, acc) in pair_outputs::<T>(d, qs, &rows[y..y + T], next)
             .into_iter()
             .enumerate()
         {
@@ -83,7 +83,7 @@ unsafe fn pair_tiles<const T: usize>(
 }
 
 /// `T` activation rows against two groups: [`tile_outputs`] with VNNI, sixteen lanes
-/// wide, asking for part `b` of `ahead` with block `b`.
+/// wide, asking for block `b` of `next` with block `b`.
 ///
 /// # Safety
 /// As for [`dot_pair_512`]; `rows` has `T` rows.
@@ -92,12 +92,14 @@ unsafe fn pair_outputs<const T: usize>(
     d: [&[f16]; 2],
     qs: [&[i8]; 2],
     rows: &[Q80Row],
-    ahead: &Ahead<4>,
+    next: Option<NextPair<'_>>,
 ) -> [__m512; T] {
     let mut acc = [_mm512_setzero_ps(); T];
     let lift = _mm512_set1_epi8(i8::MIN);
     for b in 0..rows[0].d.len() {
-        ahead.part(b);
+        if let Some(next) = next {
+            next.ask(b);
+        }
         let (w0, w1) = (
             qs[0].as_ptr().add(b * GROUP * QK),
             qs[1].as_ptr().add(b * GROUP * QK),
