@@ -285,6 +285,19 @@ impl Q41Matrix {
         (g < groups).then(|| NextPair([self.group(g), self.group((g + 1).min(groups - 1))]))
     }
 
+    /// Asks the memory for all of group `g`, if the matrix has it, before the group before
+    /// it computes: from one to three activation rows a group's work is too short to hide
+    /// the wait for its first lines of each 4 KiB page (bench/HISTORY.md, "2026-12-07,
+    /// second session": batch-1 decode of SmolLM2 1.1x).
+    fn ask_group(&self, g: usize) {
+        if g < self.rows / GROUP {
+            let w = self.group(g);
+            for run in [bytemuck::cast_slice(w.d), bytemuck::cast_slice(w.m), w.qs] {
+                ahead::ask_for(run.as_ptr(), run.len());
+            }
+        }
+    }
+
     /// A row after the groups.
     fn loose_row(&self, r: usize) -> WRow<'_> {
         let nb = self.blocks();
@@ -315,7 +328,10 @@ impl Q41Matrix {
             self.rows,
             n,
             pair,
-            |g, out| dot_group(self.group(g), q, |y, vals| out.put_lanes(y, &vals)),
+            |g, out| {
+                self.ask_group(g + 1);
+                dot_group(self.group(g), q, |y, vals| out.put_lanes(y, &vals))
+            },
             |r, out| {
                 let w = self.loose_row(r);
                 for (y, row) in q.iter().enumerate() {
