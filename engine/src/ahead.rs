@@ -90,6 +90,35 @@ impl<const N: usize> Ahead<N> {
 /// Bytes of a cache line.
 const LINE: usize = 64;
 
+/// Bytes a pair kernel asks for a block at a time, as runs of each block.
+pub(crate) trait BlockRuns {
+    /// `f(at, len)` for each run of bytes of block `b` (`len` at least 1).
+    fn each_run(&self, b: usize, f: impl FnMut(*const u8, usize));
+
+    /// Asks for block `b`'s runs.
+    #[inline(always)]
+    fn ask(&self, b: usize) {
+        self.each_run(b, ask_for);
+    }
+}
+
+/// The cache lines that `runs` asks for over its first `blocks` blocks.
+#[cfg(test)]
+pub(crate) fn lines_asked(
+    runs: &impl BlockRuns,
+    blocks: usize,
+) -> std::collections::BTreeSet<usize> {
+    let mut lines = std::collections::BTreeSet::new();
+    for b in 0..blocks {
+        runs.each_run(b, |at, len| {
+            each_line_of(at, len, |at| {
+                lines.insert(at as usize / LINE);
+            })
+        });
+    }
+    lines
+}
+
 /// Asks for the cache lines that hold the `len` bytes at `at` (`len` at least 1): the
 /// line of every 64th byte from `at` and of the last. A kernel that asks for a block of
 /// the next weights with each block it computes passes a constant `len`, so this is a few

@@ -22,7 +22,7 @@ use half::f16;
 #[cfg(target_arch = "x86_64")]
 use crate::act_quant::has_vnni;
 use crate::act_quant::{each_run, q81_scales, quantize_blocks, QK, RUN};
-use crate::ahead;
+use crate::ahead::{self, BlockRuns};
 use crate::error::{EngineError, Result};
 use crate::split::{self, SharedOut, GROUP};
 
@@ -353,14 +353,8 @@ type PairKernel = unsafe fn([WGroup<'_>; 2], &[Q81Row], Option<NextPair<'_>>, &s
 #[derive(Clone, Copy)]
 struct NextPair<'a>([WGroup<'a>; 2]);
 
-impl NextPair<'_> {
-    /// Asks for each group's block `b`: its scales, minimums and nibbles.
-    #[inline(always)]
-    fn ask(&self, b: usize) {
-        self.each_run(b, ahead::ask_for);
-    }
-
-    /// `f(at, len)` for each run of bytes of block `b`.
+impl BlockRuns for NextPair<'_> {
+    /// Each group's block `b`: its scales, minimums and nibbles.
     #[inline(always)]
     fn each_run(&self, b: usize, mut f: impl FnMut(*const u8, usize)) {
         for w in &self.0 {

@@ -22,7 +22,7 @@ use bytes::Bytes;
 use half::f16;
 
 use crate::act_quant::{quantize_blocks, QK};
-use crate::ahead;
+use crate::ahead::BlockRuns;
 use crate::error::{EngineError, Result};
 use crate::split::{self, GROUP};
 
@@ -302,14 +302,8 @@ mod avx2 {
 #[derive(Clone, Copy)]
 struct NextPair<'a>([(&'a [f16], &'a [i8]); 2]);
 
-impl NextPair<'_> {
-    /// Asks for each group's block `b`.
-    #[inline(always)]
-    fn ask(&self, b: usize) {
-        self.each_run(b, ahead::ask_for);
-    }
-
-    /// `f(at, len)` for each run of bytes of block `b`.
+impl BlockRuns for NextPair<'_> {
+    /// Each group's block `b`: its scales and values.
     #[inline(always)]
     fn each_run(&self, b: usize, mut f: impl FnMut(*const u8, usize)) {
         for (d, qs) in &self.0 {

@@ -3,6 +3,7 @@
 
 use std::arch::x86_64::*;
 
+use crate::ahead::BlockRuns;
 use crate::split::Columns;
 
 use super::{add_block, block_sumi, NextPair, Q81Row, WGroup, WRow, GROUP, PAIR_TILE, QK, TILE};

@@ -148,15 +148,7 @@ fn the_next_pair_is_asked_for_whole() {
     };
     let asked = |g: usize| {
         let next = m.next_pair(g).expect("a next pair");
-        let mut lines = std::collections::BTreeSet::new();
-        for b in 0..cols / QK {
-            next.each_run(b, |at, len| {
-                crate::ahead::each_line_of(at, len, |at| {
-                    lines.insert(at as usize / 64);
-                })
-            });
-        }
-        lines
+        crate::ahead::lines_asked(&next, cols / QK)
     };
     let [a, b] = [bytes(2), bytes(3)];
     let both: Vec<&[u8]> = a.into_iter().chain(b).collect();

@@ -7,6 +7,7 @@ use half::f16;
 
 use super::{GroupKernel, NextPair, Q80Row, GROUP, QK, TILE, VNNI_TILE};
 use crate::act_quant::has_vnni;
+use crate::ahead::BlockRuns;
 use crate::split::Columns;
 
 /// The integer sums of bytes `4k .. 4k + 4` of `w` times `y`, eight lanes of i32 added
