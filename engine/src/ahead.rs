@@ -123,8 +123,8 @@ pub(crate) fn lines_asked(
 /// line of every 64th byte from `at` and of the last. A kernel that asks for a block of
 /// the next weights with each block it computes passes a constant `len`, so this is a few
 /// prefetches with no arithmetic besides their addresses: `Ahead`'s per-part line
-/// arithmetic, run once per 32-weight block, took more of the Q4_1 pair kernel's
-/// instructions than its products did (bench/HISTORY.md, "2026-12-07, second session").
+/// arithmetic, run once per 32-weight block, was about 90 instructions beside the Q4_1 pair
+/// kernel's 250 for a block (bench/HISTORY.md, "2026-12-07, second session").
 #[inline(always)]
 pub(crate) fn ask_for(at: *const u8, len: usize) {
     each_line_of(at, len, prefetch);

@@ -148,7 +148,7 @@ pub(super) unsafe fn dot_pair_512(
 }
 
 /// The rows from `y` in tiles of `T`, as many as there are whole tiles: returns the
-/// row after them. The first tile of all asks for `next`, each line once.
+/// row after them. The first tile of all asks for `next`, the others nothing.
 ///
 /// # Safety
 /// As for [`dot_pair_512`].
