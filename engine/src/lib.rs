@@ -24,6 +24,7 @@ pub mod pack;
 pub mod progress;
 pub mod q4;
 pub mod q8;
+mod rms_norm;
 mod rope;
 pub mod sampling;
 mod split;

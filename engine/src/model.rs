@@ -13,6 +13,7 @@ use crate::attention::Scores;
 use crate::embedding::Embedding;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvDtype, KvLayout, SeqCache};
+use crate::rms_norm::rms_norm;
 use crate::weights::{Linear, Stacked};
 use ffn::Ffn;
 use text::ModelConfig;
@@ -80,7 +81,7 @@ impl QkNorm {
         let (rows, width) = x.dims2()?;
         let hd = weight.dim(0)?;
         let heads = x.contiguous()?.reshape((rows * (width / hd), hd))?;
-        Ok(candle_nn::ops::rms_norm(&heads, weight, eps)?.reshape((rows, width))?)
+        Ok(rms_norm(&heads, weight, eps)?.reshape((rows, width))?)
     }
 }
 
@@ -302,7 +303,7 @@ impl Model {
         step: Option<&StepTables>,
     ) -> Result<Tensor> {
         let eps = self.cfg.rms_norm_eps as f32;
-        let norm = |x: &Tensor, w: &Tensor| candle_nn::ops::rms_norm(x, w, eps);
+        let norm = |x: &Tensor, w: &Tensor| rms_norm(x, w, eps);
         let h = norm(&xs, &layer.attn_norm)?;
         let mut qkv = layer.qkv.forward(&h)?;
         if let Some(n) = &layer.qk_norm {
@@ -326,7 +327,7 @@ impl Model {
     /// The f32 logits of final hidden rows: normed, through the head, and soft-capped
     /// where the model caps them.
     fn logits(&self, rows: &Tensor) -> Result<Tensor> {
-        let rows = candle_nn::ops::rms_norm(rows, &self.norm, self.cfg.rms_norm_eps as f32)?;
+        let rows = rms_norm(rows, &self.norm, self.cfg.rms_norm_eps as f32)?;
         let logits = self.lm_head.forward(&rows)?.to_dtype(DType::F32)?;
         match self
             .cfg
