@@ -7,11 +7,13 @@ import sys
 
 # First match wins, in this order.
 PARTS = [
-    # A product's own parts: its kernels, its drivers, the stores of its outputs
-    # (`Columns::put*`) and the addresses its kernels ask for ahead (`::ahead`), as every
-    # `kquant::` symbol already counted for the K-quants.
+    # A product's own parts: its kernels, its drivers (`split::by_runs`' items, which call
+    # the kernels and wait there on the stores of the last pair's outputs), the stores of
+    # its outputs (`Columns::put*`) and the addresses its kernels ask for ahead
+    # (`::ahead`), as every `kquant::` symbol already counted for the K-quants.
     ("quantized products", ["dot_group", "dot_tile", "dot_pair", "pair_tile",
                             "by_groups", "by_padded_groups", "by_runs_of_groups",
+                            "split::by_runs",
                             "kquant::", "Q41Matrix::", "Q80Matrix::", "Columns::put"]),
     ("attention", ["attention::", "softmax", "exp_minus"]),
     ("pool: waits, spins, hand-offs", ["BarrierGuard", "begin_short_backtrace", "park",
