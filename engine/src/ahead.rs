@@ -1,5 +1,7 @@
 //! Weights a product's kernel asks the memory for while it computes with others: the next
-//! pair of groups' bytes, a part with each block of the pair it works on.
+//! pair of groups' bytes, a part with each block of the pair it works on. Attention's
+//! kernels ask for their keys and values a fixed distance ahead with [`ask_for`] and
+//! [`ask_first`].
 //!
 //! A decode step reads every layer's weights once, with attention's K/V cache read between
 //! them, so the weights come from memory, not the caches. A pair's runs are a few KiB, and
@@ -128,6 +130,17 @@ pub(crate) fn lines_asked(
 #[inline(always)]
 pub(crate) fn ask_for(at: *const u8, len: usize) {
     each_line_of(at, len, prefetch);
+}
+
+/// Asks for the first `len` bytes of `run` (none where `len` is 0): a kernel that then
+/// asks for the bytes a fixed distance ahead of each read starts with all of its first
+/// distance asked for.
+#[inline(always)]
+pub(crate) fn ask_first(run: &[u8], len: usize) {
+    if len > 0 {
+        let run = &run[..len];
+        ask_for(run.as_ptr(), run.len());
+    }
 }
 
 /// `f` of an address in each cache line [`ask_for`] asks for; a line can come twice.

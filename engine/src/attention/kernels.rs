@@ -196,6 +196,12 @@ mod fma {
     /// batch-16 step (bench/HISTORY.md, 2026-12-05); 4 KiB ahead did no better.
     const AHEAD: usize = 2;
 
+    /// [`AHEAD`] for the scores, which first ask for all the runs before it (4 KiB at
+    /// heads of 64). Twice the distance and the first runs asked for up front made
+    /// batch-16 steps on a Zen 5 1-5% faster; the distance alone, half of that
+    /// (bench/HISTORY.md, "2026-12-07, third session").
+    const SCORES_AHEAD: usize = 4;
+
     /// As `super::scores`. Eight keys at a time are widened once into `wide`; each query
     /// row then runs one accumulator per key (lane `l` summing the dimensions `l` modulo
     /// 8), and a tree of horizontal adds gives the eight keys' scores in one vector. Against
@@ -226,11 +232,12 @@ mod fma {
         let row = format::row_bytes::<F>(head_dim);
         let full = len / 8 * 8;
         let scale_v = _mm256_set1_ps(scale);
+        crate::ahead::ask_first(keys, (8 * SCORES_AHEAD).min(full) * row);
         for j0 in (0..len).step_by(8) {
             let from = keys.as_ptr().add(j0 * row);
-            if j0 + 8 * AHEAD < full {
-                // Keys `j0 + 8 * AHEAD` onwards, a whole run of eight before `full`.
-                let next = from.add(8 * AHEAD * row) as *const i8;
+            if j0 + 8 * SCORES_AHEAD < full {
+                // Keys `j0 + 8 * SCORES_AHEAD` onwards, a whole run of eight before `full`.
+                let next = from.add(8 * SCORES_AHEAD * row) as *const i8;
                 for line in (0..8 * row).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(next.add(line));
                 }

@@ -11,9 +11,10 @@ use std::arch::x86_64::*;
 use super::format::x86::{load16, scale16};
 use super::format::{self, Format};
 
-/// Runs of keys whose cache lines are asked for ahead of their reads, as in the 256-bit
-/// kernel (16 keys: 2 KiB at SmolLM2's heads of 64).
-const AHEAD: usize = 16;
+/// Keys whose cache lines are asked for ahead of their reads, after asking for all of those
+/// before them (32 keys: 4 KiB of f16 at SmolLM2's heads of 64), twice the 256-bit
+/// kernel's distance: as the scores' asks (`super::kernels`).
+const AHEAD: usize = 32;
 
 /// Most accumulators one pass holds: 32 registers less the widened values and the weights.
 const ACCUMULATORS: usize = 16;
@@ -130,6 +131,9 @@ impl<F: Format> Pass<'_, F> {
         let hd = self.head_dim;
         let row = format::row_bytes::<F>(hd);
         let bytes = format::span::<F>(self.d0, 16 * C);
+        for j in 0..AHEAD.min(self.vis) {
+            crate::ahead::ask_for(self.values.as_ptr().add(j * row + bytes.start), bytes.len());
+        }
         for j in 0..self.vis {
             let vj = self.values.as_ptr().add(j * row);
             if j + AHEAD < self.vis {
