@@ -56,7 +56,7 @@ fn normed(src: &CpuRows<'_>, rows: usize, alpha: &[f32], eps: f32) -> Vec<f32> {
     };
     let blocks = rows.div_ceil(SIDE);
     if blocks > 1 {
-        candle_core::utils::barrier_pool().execute_chunked(blocks, |items| items.for_each(block));
+        crate::split::in_ranges(blocks, |items| items.for_each(block));
     } else {
         (0..blocks).for_each(block);
     }

@@ -1,16 +1,75 @@
 //! A quantized product's output rows split across candle's pool workers, each writing its
-//! own columns of one shared buffer (which other kernels share out the same way), and
-//! other work mapped over that pool in order (`map_on_pool`).
+//! own columns of one shared buffer (which other kernels share out the same way), work of
+//! even items in one range a thread (`in_ranges`), and other work mapped over that pool in
+//! order (`map_on_pool`).
 
 use std::cell::Cell;
 use std::marker::PhantomData;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
+thread_local! {
+    /// Set while this thread runs a share of [`in_ranges`] or [`map_on_pool`] work: a call
+    /// from inside it runs its items here, as `pool.execute` from inside its own work
+    /// would wait on itself.
+    static SHARING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks this thread as running a share of pooled work until dropped.
+struct Sharing(bool);
+
+impl Sharing {
+    fn enter() -> Self {
+        Self(SHARING.replace(true))
+    }
+}
+
+impl Drop for Sharing {
+    fn drop(&mut self) {
+        SHARING.set(self.0);
+    }
+}
+
+/// `f` of consecutive ranges of `0..items`, one for each of candle's pool threads (the
+/// caller's among them), all run before it returns: for work whose items cost about the
+/// same (a product's groups, activation blocks, rows to norm).
+///
+/// candle's `execute_chunked` hands chunks out from a shared cursor, about eight grabs a
+/// thread, and each grab moves the cursor's cache line from one core to the other. On this
+/// project's 2-vCPU VMs that round trip took 90-110 ns, or for minutes at a time, as the
+/// host placed the vCPUs, 390-470 ns: the "slow mode" in which `product-bench`'s Q4_1
+/// products at 16 rows ran 0.6x. With fixed ranges SmolLM2's decode steps ran 1.05-1.18x
+/// faster in either mode, a 1.5B's in Q4_K 1.02-1.03x (bench/HISTORY.md, "2026-12-07,
+/// third session"). Work whose items differ (a batch's sequences, of different lengths)
+/// keeps the cursor: [`map_on_pool`].
+pub(crate) fn in_ranges(items: usize, f: impl Fn(Range<usize>) + Sync) {
+    if items == 0 {
+        return;
+    }
+    if SHARING.get() {
+        return f(0..items);
+    }
+    let pool = candle_core::utils::barrier_pool();
+    let per = items.div_ceil(pool.n_workers() + 1);
+    pool.execute(|thread| {
+        let start = (thread * per).min(items);
+        let end = (start + per).min(items);
+        if start < end {
+            let _sharing = Sharing::enter();
+            f(start..end);
+        }
+    });
+}
+
 /// `f` of each item `0..items`, run on candle's pool (the products' workers), in item order.
 pub(crate) fn map_on_pool<T: Send + Sync>(items: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    if SHARING.get() {
+        return (0..items).map(f).collect();
+    }
     let done: Vec<OnceLock<T>> = (0..items).map(|_| OnceLock::new()).collect();
     candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+        let _sharing = Sharing::enter();
         for item in range {
             let _ = done[item].set(f(item));
         }
@@ -240,7 +299,7 @@ where
     let shared = SharedOut::spare(&mut out, n * rows);
     let items = runs + rows - groups * GROUP;
     let broken = AtomicBool::new(false);
-    candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+    in_ranges(items, |range| {
         for item in range {
             if item < runs {
                 let first = item * per;
@@ -321,7 +380,7 @@ pub(crate) fn by_padded_groups(
         .collect();
     let items: usize = products.iter().map(|p| p.spans.len()).sum();
     let broken = AtomicBool::new(false);
-    candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+    in_ranges(items, |range| {
         for i in range {
             let p = firsts.partition_point(|&f| f <= i) - 1;
             let product = &products[p];
@@ -361,7 +420,52 @@ fn covers(spans: &[GroupSpan], rows: usize) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicUsize;
+
     use super::*;
+
+    /// Each item runs once, in consecutive ranges one a thread, for counts below, at and
+    /// above the pool's threads; a call from inside a share runs its items where it is
+    /// called (from the pool's one lock, it would wait on itself), as does one from inside
+    /// `map_on_pool`'s work.
+    #[test]
+    fn ranges_run_every_item_once_and_nest() {
+        let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+        for items in [0, 1, threads, 2 * threads + 1, 37] {
+            let runs: Vec<AtomicUsize> = (0..items).map(|_| AtomicUsize::new(0)).collect();
+            let ranges = AtomicUsize::new(0);
+            let inner = AtomicUsize::new(0);
+            in_ranges(items, |range| {
+                ranges.fetch_add(1, Ordering::Relaxed);
+                range.for_each(|i| {
+                    runs[i].fetch_add(1, Ordering::Relaxed);
+                });
+                in_ranges(3, |r| {
+                    inner.fetch_add(r.len(), Ordering::Relaxed);
+                });
+            });
+            assert!(
+                runs.iter().all(|r| r.load(Ordering::Relaxed) == 1),
+                "{items}"
+            );
+            assert!(
+                ranges.load(Ordering::Relaxed) <= threads,
+                "{items}: a range a thread"
+            );
+            assert_eq!(
+                inner.load(Ordering::Relaxed),
+                3 * ranges.load(Ordering::Relaxed)
+            );
+        }
+        let sums = map_on_pool(4, |i| {
+            let n = AtomicUsize::new(0);
+            in_ranges(i + 1, |r| {
+                n.fetch_add(r.len(), Ordering::Relaxed);
+            });
+            map_on_pool(2, |j| j).len() + n.load(Ordering::Relaxed)
+        });
+        assert_eq!(sums, vec![3, 4, 5, 6]);
+    }
 
     /// (rows, activation rows): 5 groups and 3 loose rows (pairs, an odd last group, loose
     /// rows), 7 activation rows.

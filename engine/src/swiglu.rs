@@ -76,7 +76,7 @@ fn pooled(rows: usize, width: usize, run: impl Fn(usize, usize, &mut [f32]) + Sy
     let mut out = Vec::with_capacity(rows * width);
     let shared = SharedOut::spare(&mut out, rows * width);
     let per_row = width.div_ceil(UNIT);
-    candle_core::utils::barrier_pool().execute_chunked(rows * per_row, |items| {
+    crate::split::in_ranges(rows * per_row, |items| {
         for item in items {
             let (r, c) = (item / per_row, item % per_row * UNIT);
             let len = UNIT.min(width - c);

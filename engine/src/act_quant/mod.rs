@@ -40,7 +40,7 @@ pub(crate) fn each_run(n: usize, per_row: usize, run: impl Fn(Range<usize>) + Sy
     if n < POOLED_ROWS {
         return run(0..blocks);
     }
-    candle_core::utils::barrier_pool().execute_chunked(blocks.div_ceil(RUN), |runs| {
+    crate::split::in_ranges(blocks.div_ceil(RUN), |runs| {
         run(RUN * runs.start..blocks.min(RUN * runs.end));
     });
 }
