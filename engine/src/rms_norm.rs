@@ -42,7 +42,7 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> 
 }
 
 /// The `(rows, alpha.len())` normed rows of `src`, row-major: blocks of [`SIDE`] rows, over
-/// the pool where there is more than one block.
+/// the pool.
 fn normed(src: &CpuRows<'_>, rows: usize, alpha: &[f32], eps: f32) -> Vec<f32> {
     let width = alpha.len();
     let mut out = Vec::with_capacity(rows * width);
@@ -54,12 +54,7 @@ fn normed(src: &CpuRows<'_>, rows: usize, alpha: &[f32], eps: f32) -> Vec<f32> {
         let dst = unsafe { shared.slice(first * width, n * width) };
         norm_block(src, first, n, alpha, eps, dst);
     };
-    let blocks = rows.div_ceil(SIDE);
-    if blocks > 1 {
-        crate::split::in_ranges(blocks, |items| items.for_each(block));
-    } else {
-        (0..blocks).for_each(block);
-    }
+    crate::split::in_ranges(rows.div_ceil(SIDE), |items| items.for_each(block));
     // SAFETY: the blocks are every row, each written whole by `norm_block`.
     unsafe { out.set_len(rows * width) };
     out

@@ -42,12 +42,13 @@ impl Drop for Sharing {
 /// products at 16 rows ran 0.6x. With fixed ranges SmolLM2's decode steps ran 1.05-1.18x
 /// faster in either mode, a 1.5B's in Q4_K 1.02-1.03x (bench/HISTORY.md, "2026-12-07,
 /// third session"). Work whose items differ (a batch's sequences, of different lengths)
-/// keeps the cursor: [`map_on_pool`].
+/// keeps the cursor: [`map_on_pool`]. A lone item runs on the calling thread: handed to a
+/// worker, the caller would only wait for it.
 pub(crate) fn in_ranges(items: usize, f: impl Fn(Range<usize>) + Sync) {
     if items == 0 {
         return;
     }
-    if SHARING.get() {
+    if items == 1 || SHARING.get() {
         return f(0..items);
     }
     let pool = candle_core::utils::barrier_pool();
@@ -457,6 +458,8 @@ mod tests {
                 3 * ranges.load(Ordering::Relaxed)
             );
         }
+        let caller = std::thread::current().id();
+        in_ranges(1, |_| assert_eq!(std::thread::current().id(), caller));
         let sums = map_on_pool(4, |i| {
             let n = AtomicUsize::new(0);
             in_ranges(i + 1, |r| {
