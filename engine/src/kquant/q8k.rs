@@ -47,17 +47,21 @@ impl Q8KRows {
         assert!(cols.is_multiple_of(QK_K) && x.len().is_multiple_of(cols));
         let n = x.len() / cols;
         let blocks = x.len() / QK_K;
+        // Not zeroed first, as Q4_1's activations are not (`q4`).
         let mut rows = Self {
             cols,
-            qs: vec![0; x.len()],
-            d: vec![0.0; blocks],
-            sums16: vec![0; blocks * 16],
-            sums32: vec![0; blocks * 8],
+            qs: Vec::with_capacity(x.len()),
+            d: Vec::with_capacity(blocks),
+            sums16: Vec::with_capacity(blocks * 16),
+            sums32: Vec::with_capacity(blocks * 8),
         };
-        let (qs, d) = (SharedOut::new(&mut rows.qs), SharedOut::new(&mut rows.d));
+        let (qs, d) = (
+            SharedOut::spare(&mut rows.qs, x.len()),
+            SharedOut::spare(&mut rows.d, blocks),
+        );
         let (s16, s32) = (
-            SharedOut::new(&mut rows.sums16),
-            SharedOut::new(&mut rows.sums32),
+            SharedOut::spare(&mut rows.sums16, blocks * 16),
+            SharedOut::spare(&mut rows.sums32, blocks * 8),
         );
         each_run(n, cols / QK_K, |run| {
             for b in run {
@@ -73,6 +77,14 @@ impl Q8KRows {
                 quantize_super_block(&x[b * QK_K..(b + 1) * QK_K], out);
             }
         });
+        // SAFETY: `each_run` ran every super-block, each writing its values, its scale and
+        // its sums.
+        unsafe {
+            rows.qs.set_len(x.len());
+            rows.d.set_len(blocks);
+            rows.sums16.set_len(blocks * 16);
+            rows.sums32.set_len(blocks * 8);
+        }
         rows
     }
 
