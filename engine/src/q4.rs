@@ -101,7 +101,7 @@ impl Q81Rows {
         let (n, blocks) = (x.len() / cols, x.len() / QK);
         // Not zeroed first: the calling thread's zeros took each line from the core that
         // had read it last, only for a worker to take it back (the o product at 16 rows
-        // 1.01-1.02x without them).
+        // 1.002-1.020x without them, bench/HISTORY.md "2026-12-07, fourth session").
         let mut rows = Self {
             cols,
             d: Vec::with_capacity(blocks),
