@@ -1,7 +1,6 @@
 //! Command-line and environment configuration of a decode node.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 
 /// Configuration of `tandem-decode`.
 #[derive(Debug, Clone, clap::Parser)]
@@ -15,26 +14,9 @@ pub struct Config {
     /// Address the gRPC service listens on.
     #[arg(long, env = "DECODE_LISTEN", default_value = "127.0.0.1:50052")]
     pub listen: SocketAddr,
-    /// Hugging Face model folder or GGUF file, or a Hub name (`org/name[@rev][:QUANT]`)
-    /// fetched into the Hugging Face cache first.
-    #[arg(long, env = "TANDEM_MODEL")]
-    pub model: PathBuf,
-    /// A folder for packs of a GGUF model's K-quant weights as the kernels lay them out:
-    /// the first load writes one, later loads map it instead of repacking, and every node
-    /// on the host that maps it shares one copy in the page cache (docs/engine.md, "Weight
-    /// packs"). Unset, each load repacks into its own memory.
-    #[arg(long, env = "TANDEM_WEIGHTS_CACHE")]
-    pub weights_cache: Option<PathBuf>,
-    /// Where the model, its KV caches and activations live: `cpu`, or `cuda[:N]` in a build
-    /// with the `cuda` feature (docs/gpu.md).
-    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
-    pub device: engine::DeviceChoice,
-    /// What the KV caches hold: `f16`, or `q8_0` (llama.cpp's Q8_0 blocks, 53% of f16's
-    /// bytes to keep, send and read each step; CPU only). Prefill and decode nodes and the
-    /// router of one cluster must agree: it pairs only workers whose caches are its own
-    /// type (docs/engine.md, "KV cache").
-    #[arg(long, env = "TANDEM_KV_CACHE_DTYPE", default_value = "f16")]
-    pub kv_cache_dtype: engine::KvDtype,
+    /// The model, where it computes and what its KV caches hold.
+    #[command(flatten)]
+    pub model: engine::ModelArgs,
     /// Most sequences decoded in one step; a request with more (n, best_of, a beam's
     /// width) is refused.
     #[arg(long, env = "DECODE_MAX_BATCH_SIZE", default_value_t = 32)]

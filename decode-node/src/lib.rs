@@ -96,30 +96,21 @@ pub async fn serve(
     let advertise = cfg.cluster.advertise(listener.local_addr()?)?;
     // Up before the model loads: probes see a node that loads, not a dead one.
     let ops = runtime::ops::Ops::start(cfg.cluster.metrics_listen).await?;
-    let path = cfg.model.clone();
+    let dtype = cfg.model.kv_cache_dtype;
     let reserve = match cfg.kv_blocks {
         Some(blocks) => engine::KvReserve {
             bytes: 0,
             positions: (blocks * cfg.kv_block_tokens.max(1)) as u64,
-            dtype: cfg.kv_cache_dtype,
+            dtype,
         },
         None => engine::KvReserve {
             bytes: (cfg.kv_cache_mb as u64) << 20,
             positions: 0,
-            dtype: cfg.kv_cache_dtype,
+            dtype,
         },
     };
-    let options = engine::LoadOptions {
-        reserve,
-        pack_dir: cfg.weights_cache.clone(),
-        matrices: None,
-    };
-    let device = cfg.device;
-    let loaded = runtime::load_model(move || {
-        let device = device.open()?;
-        engine::load_reporting(&path, &device, &options, &mut engine::progress::log)
-    })
-    .await?;
+    let args = cfg.model.clone();
+    let loaded = runtime::load_model(move || args.load(reserve)).await?;
     let intake = intake::Intake::of(&loaded);
     let model = loaded.model;
     let layout = model.kv_layout();
@@ -145,7 +136,7 @@ pub async fn serve(
         Arc::clone(&tickets),
         Arc::clone(&budget),
         service::Shape {
-            model: discovery::model_identity(&cfg.model),
+            model: discovery::model_identity(&cfg.model.path),
             layout: layout.clone(),
             intake,
             max_batch: cfg.max_batch_size.max(1),
@@ -164,7 +155,7 @@ pub async fn serve(
     ));
     let (kv_tx, kv_rx) = tokio::sync::mpsc::channel(KV_BACKLOG);
     let stop_kv = accept_kv(Arc::clone(&plane), kv_rx);
-    tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(),
+    tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.path.display(),
         kv_blocks = blocks, block_tokens, "decode node serving");
     let server = proto::v1::decode_server::DecodeServer::from_arc(svc)
         .max_decoding_message_size(max)
@@ -173,7 +164,7 @@ pub async fn serve(
     let node = runtime::Node {
         role: discovery::Role::Decode,
         advertise,
-        model: cfg.model.clone(),
+        model: cfg.model.path.clone(),
         layout: registered,
         capacity: discovery::Capacity {
             kv_blocks: blocks as u64,

@@ -39,7 +39,7 @@ pub use footprint::KvReserve;
 pub use kv_cache::{
     KvAssembler, KvChunk, KvDtype, KvLayout, SeqCache, Staged, Stager, UnknownKvDtype, KV_DTYPE,
 };
-pub use loader::{load, load_reporting, load_within, LoadOptions, Loaded};
+pub use loader::{load, load_reporting, load_within, LoadOptions, Loaded, ModelArgs};
 pub use model::{Model, SeqInput};
 pub use progress::LoadStep;
 pub use sampling::{Sampled, SamplingParams};

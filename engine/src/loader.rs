@@ -5,8 +5,10 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 use text::{ChatTemplate, Tokenizer};
 
+use crate::device::DeviceChoice;
 use crate::error::Result;
 use crate::footprint::{self, KvReserve, WeightFile};
+use crate::kv_cache::KvDtype;
 use crate::model::Model;
 use crate::progress::LoadStep;
 use crate::weights::{DenseMatrices, PackReport, WeightSource};
@@ -33,6 +35,46 @@ pub struct LoadOptions {
     /// How a folder's bf16 and f16 matrices are held; `None` for the device's choice
     /// ([`DenseMatrices::for_device`]).
     pub matrices: Option<DenseMatrices>,
+}
+
+/// The flags by which a prefill or a decode node names its model, where it computes and
+/// what its KV caches hold: the same on both nodes, so declared once.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ModelArgs {
+    /// Hugging Face model folder or GGUF file, or a Hub name (`org/name[@rev][:QUANT]`)
+    /// fetched into the Hugging Face cache first.
+    #[arg(long = "model", value_name = "MODEL", env = "TANDEM_MODEL")]
+    pub path: PathBuf,
+    /// A folder for packs of a GGUF model's K-quant weights as the kernels lay them out:
+    /// the first load writes one, later loads map it instead of repacking, and every node
+    /// on the host that maps it shares one copy in the page cache (docs/engine.md, "Weight
+    /// packs"). Unset, each load repacks into its own memory.
+    #[arg(long, env = "TANDEM_WEIGHTS_CACHE")]
+    pub weights_cache: Option<PathBuf>,
+    /// Where the model, its KV caches and activations live: `cpu`, or `cuda[:N]` in a build
+    /// with the `cuda` feature (docs/gpu.md).
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: DeviceChoice,
+    /// What the KV caches hold: `f16`, or `q8_0` (llama.cpp's Q8_0 blocks, 53% of f16's
+    /// bytes to keep, send and read each step; CPU only). Prefill and decode nodes and the
+    /// router of one cluster must agree: it pairs only workers whose caches are its own
+    /// type (docs/engine.md, "KV cache").
+    #[arg(long, env = "TANDEM_KV_CACHE_DTYPE", default_value = "f16")]
+    pub kv_cache_dtype: KvDtype,
+}
+
+impl ModelArgs {
+    /// Opens the device and loads the model onto it, the node reserving `reserve` of KV
+    /// memory (of the flags' `kv_cache_dtype`), each step of reading the weights logged.
+    pub fn load(&self, reserve: KvReserve) -> Result<Loaded> {
+        let device = self.device.open()?;
+        let options = LoadOptions {
+            reserve,
+            pack_dir: self.weights_cache.clone(),
+            matrices: None,
+        };
+        load_reporting(&self.path, &device, &options, &mut crate::progress::log)
+    }
 }
 
 /// Loads a Hugging Face folder or a GGUF file.

@@ -77,25 +77,15 @@ pub async fn serve(
     let advertise = cfg.cluster.advertise(listener.local_addr()?)?;
     // Up before the model loads: probes see a node that loads, not a dead one.
     let ops = runtime::ops::Ops::start(cfg.cluster.metrics_listen).await?;
-    let path = cfg.model.clone();
     // The prompts started at once each hold a cache of their length, beside the prefix
     // cache: the KV memory the node may take.
     let reserve = engine::KvReserve {
         bytes: (cfg.prefix_cache_mb as u64) << 20,
         positions: cfg.max_active_tokens as u64,
-        dtype: cfg.kv_cache_dtype,
+        dtype: cfg.model.kv_cache_dtype,
     };
-    let options = engine::LoadOptions {
-        reserve,
-        pack_dir: cfg.weights_cache.clone(),
-        matrices: None,
-    };
-    let device = cfg.device;
-    let loaded = runtime::load_model(move || {
-        let device = device.open()?;
-        engine::load_reporting(&path, &device, &options, &mut engine::progress::log)
-    })
-    .await?;
+    let args = cfg.model.clone();
+    let loaded = runtime::load_model(move || args.load(reserve)).await?;
     let intake = intake::Intake::of(&loaded);
     let model = loaded.model;
     let layout = model.kv_layout();
@@ -121,7 +111,7 @@ pub async fn serve(
         );
     }
     let setup = service::Setup {
-        model: discovery::model_identity(&cfg.model),
+        model: discovery::model_identity(&cfg.model.path),
         layout,
         intake,
         kv: kv_client(cfg)?,
@@ -134,7 +124,7 @@ pub async fn serve(
         setup,
         gate.clone(),
     );
-    tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(), "prefill node serving");
+    tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.path.display(), "prefill node serving");
     let max = cfg.cluster.grpc_max_message_bytes;
     let server = proto::v1::prefill_server::PrefillServer::new(svc)
         .max_decoding_message_size(max)
@@ -143,7 +133,7 @@ pub async fn serve(
     let node = runtime::Node {
         role: discovery::Role::Prefill,
         advertise,
-        model: cfg.model.clone(),
+        model: cfg.model.path.clone(),
         layout: registered,
         capacity,
         served: runtime::Served {

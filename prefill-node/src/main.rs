@@ -7,7 +7,7 @@ fn main() -> anyhow::Result<()> {
     runtime::fit_compute_threads();
     let mut cfg = Config::parse();
     let _traces = runtime::init_tracing(&cfg.log, "tandem-prefill")?;
-    cfg.model = runtime::resolve_model(&cfg.model)?.path;
+    cfg.model.path = runtime::resolve_model(&cfg.model.path)?.path;
     tokio::runtime::Runtime::new()?.block_on(run(cfg))
 }
 
