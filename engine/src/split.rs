@@ -9,6 +9,10 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
+use shares::Share;
+
+mod shares;
+
 thread_local! {
     /// Set while this thread runs a share of [`in_ranges`] or [`map_on_pool`] work: a call
     /// from inside it runs its items here, as `pool.execute` from inside its own work
@@ -31,9 +35,12 @@ impl Drop for Sharing {
     }
 }
 
-/// `f` of consecutive ranges of `0..items`, one for each of candle's pool threads (the
-/// caller's among them), all run before it returns: for work whose items cost about the
-/// same (a product's groups, activation blocks, rows to norm).
+/// `f` of consecutive ranges of `0..items` on candle's pool threads (the caller's among
+/// them), all run before it returns: for work whose items cost about the same (a product's
+/// groups, activation blocks, rows to norm). Each thread has a share of the items, one
+/// range a thread, and takes it in [`CHUNKS`] chunks; a thread done with its share takes
+/// the later half of what another has not yet taken, while that is [`STEAL_FROM`] chunks
+/// or more.
 ///
 /// candle's `execute_chunked` hands chunks out from a shared cursor, about eight grabs a
 /// thread, and each grab moves the cursor's cache line from one core to the other. On this
@@ -41,9 +48,14 @@ impl Drop for Sharing {
 /// host placed the vCPUs, 390-470 ns: the "slow mode" in which `product-bench`'s Q4_1
 /// products at 16 rows ran 0.6x. With fixed ranges SmolLM2's decode steps ran 1.05-1.18x
 /// faster in either mode, a 1.5B's in Q4_K 1.02-1.03x (bench/HISTORY.md, "2026-12-07,
-/// third session"). Work whose items differ (a batch's sequences, of different lengths)
-/// keeps the cursor: [`map_on_pool`]. A lone item runs on the calling thread: handed to a
-/// worker, the caller would only wait for it.
+/// third session"). Here a share's claims touch only its own thread's line, and a line
+/// crosses over only when a share is taken from: fixed ranges had left one thread waiting
+/// at the end of a product while the other streamed its weights (about 5% of a 1.5B's
+/// products at batch 1). With the taking, decode steps alternated inside one process ran
+/// 1.01-1.05x at batch 16 (a 1.5B in Q4_K and SmolLM2) and 0.94-1.10x at batch 1, three
+/// runs each (bench/HISTORY.md, "2026-12-07, fifth session"). Work whose items differ (a
+/// batch's sequences, of different lengths) keeps the cursor: [`map_on_pool`]. A lone item
+/// runs on the calling thread: handed to a worker, the caller would only wait for it.
 pub(crate) fn in_ranges(items: usize, f: impl Fn(Range<usize>) + Sync) {
     if items == 0 {
         return;
@@ -52,16 +64,35 @@ pub(crate) fn in_ranges(items: usize, f: impl Fn(Range<usize>) + Sync) {
         return f(0..items);
     }
     let pool = candle_core::utils::barrier_pool();
-    let per = items.div_ceil(pool.n_workers() + 1);
+    let threads = pool.n_workers() + 1;
+    let per = items.div_ceil(threads);
+    let shares: Vec<Share> = (0..threads)
+        .map(|t| Share::new((t * per).min(items)..((t + 1) * per).min(items)))
+        .collect();
+    let chunk = per.div_ceil(CHUNKS);
     pool.execute(|thread| {
-        let start = (thread * per).min(items);
-        let end = (start + per).min(items);
-        if start < end {
-            let _sharing = Sharing::enter();
-            f(start..end);
+        let _sharing = Sharing::enter();
+        let own = &shares[thread];
+        loop {
+            while let Some(range) = own.claim(chunk) {
+                f(range);
+            }
+            let stolen = (1..threads)
+                .find_map(|d| shares[(thread + d) % threads].steal_half(STEAL_FROM * chunk));
+            match stolen {
+                Some(range) => own.refill(range),
+                None => break,
+            }
         }
     });
 }
+
+/// Chunks a thread's share of [`in_ranges`] is claimed in.
+const CHUNKS: usize = 32;
+/// Chunks a share must have left to be taken from: smaller leftovers (a few groups of a
+/// product at one row, some tens of nanoseconds each) cost less to finish than the cache
+/// lines a taking moves between the cores.
+const STEAL_FROM: usize = 2;
 
 /// `f` of each item `0..items`, run on candle's pool (the products' workers), in item order.
 pub(crate) fn map_on_pool<T: Send + Sync>(items: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
@@ -425,7 +456,7 @@ mod tests {
 
     use super::*;
 
-    /// Each item runs once, in consecutive ranges one a thread, for counts below, at and
+    /// Each item runs once, in consecutive ranges, for counts below, at and
     /// above the pool's threads; a call from inside a share runs its items where it is
     /// called (from the pool's one lock, it would wait on itself), as does one from inside
     /// `map_on_pool`'s work.
@@ -449,10 +480,6 @@ mod tests {
                 runs.iter().all(|r| r.load(Ordering::Relaxed) == 1),
                 "{items}"
             );
-            assert!(
-                ranges.load(Ordering::Relaxed) <= threads,
-                "{items}: a range a thread"
-            );
             assert_eq!(
                 inner.load(Ordering::Relaxed),
                 3 * ranges.load(Ordering::Relaxed)
@@ -468,6 +495,38 @@ mod tests {
             map_on_pool(2, |j| j).len() + n.load(Ordering::Relaxed)
         });
         assert_eq!(sums, vec![3, 4, 5, 6]);
+    }
+
+    /// A thread held up inside its share (here by its first item, until another thread has
+    /// run an item of the same share) has the rest of the share taken by the others. With
+    /// fixed ranges the wait would end only at its bound, and the assertion fail.
+    #[test]
+    fn a_share_held_up_is_finished_by_another_thread() {
+        let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+        if threads < 2 {
+            return;
+        }
+        let (items, per) = (64 * threads, 64);
+        let ran_by: Vec<OnceLock<std::thread::ThreadId>> =
+            (0..items).map(|_| OnceLock::new()).collect();
+        let taken = || {
+            let first = ran_by[0].get();
+            (1..per).any(|i| ran_by[i].get().is_some_and(|t| Some(t) != first))
+        };
+        in_ranges(items, |range| {
+            for i in range {
+                let _ = ran_by[i].set(std::thread::current().id());
+                let bound = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                while i == 0 && !taken() && std::time::Instant::now() < bound {
+                    std::hint::spin_loop();
+                }
+            }
+        });
+        assert!(
+            taken(),
+            "the held-up share's items all waited for its thread"
+        );
+        assert!(ran_by.iter().all(|t| t.get().is_some()));
     }
 
     /// (rows, activation rows): 5 groups and 3 loose rows (pairs, an odd last group, loose
