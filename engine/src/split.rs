@@ -516,9 +516,11 @@ mod tests {
         in_ranges(items, |range| {
             for i in range {
                 let _ = ran_by[i].set(std::thread::current().id());
-                let bound = std::time::Instant::now() + std::time::Duration::from_secs(10);
-                while i == 0 && !taken() && std::time::Instant::now() < bound {
-                    std::hint::spin_loop();
+                if i == 0 {
+                    let bound = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                    while !taken() && std::time::Instant::now() < bound {
+                        std::hint::spin_loop();
+                    }
                 }
             }
         });
