@@ -214,8 +214,9 @@ fn agrees_with_candle(
 #[test]
 fn the_vector_kernels_give_the_scalar_bits() {
     // Up to eight rows against key counts on and off the multiple of 8, rows seeing
-    // different numbers of keys or the same (a decode step's query heads, which the
-    // 512-bit kernel takes together), head widths of an odd number of vectors.
+    // different numbers of keys (a prompt's rows, which the 512-bit kernel takes four at a
+    // time) or the same (a decode step's query heads), head widths of an odd number of
+    // vectors.
     for (i, &(rows, hd, len, same)) in [
         (3, 64, 86, false),
         (3, 64, 86, true),
@@ -228,6 +229,7 @@ fn the_vector_kernels_give_the_scalar_bits() {
         (3, 48, 35, true),
         (2, 256, 24, true),
         (4, 80, 21, true),
+        (6, 128, 77, false),
     ]
     .iter()
     .enumerate()

@@ -1,7 +1,7 @@
 //! The weighted values on 512-bit registers, where the CPU has AVX-512 and the head width
-//! is a multiple of 16: the query rows that see the same keys (a decode step's query heads
-//! sharing a K/V head) take each value row widened once, where the 256-bit kernel widens
-//! it once a row. On a 512-bit Xeon, `vcvtph2ps` (one a cycle) bounded that kernel: three
+//! is a multiple of 16: the query rows of a block (a decode step's query heads sharing a
+//! K/V head, or a prompt's rows at consecutive positions) take each value row widened
+//! once, where the 256-bit kernel widens it once a row. On a 512-bit Xeon, `vcvtph2ps` (one a cycle) bounded that kernel: three
 //! query heads took 24 widenings and 24 multiply-adds a key, here 4 and 12. The weighted
 //! values went from 12.5% to 9.8% of a batch-16 step of SmolLM2, about half of it now
 //! waiting on memory (bench/HISTORY.md, 2026-12-06).
@@ -19,9 +19,18 @@ const AHEAD: usize = 32;
 /// Most accumulators one pass holds: 32 registers less the widened values and the weights.
 const ACCUMULATORS: usize = 16;
 
-/// As `super::weighted_values`: rows side by side that see the same number of keys (at
-/// most four) share one pass over the values, in runs of up to eight vectors of the head.
-/// Each output value is the same chain of fused multiply-adds as the scalar code's.
+/// Most rows one pass takes.
+const PASS_ROWS: usize = 4;
+
+/// As `super::weighted_values`: up to [`PASS_ROWS`] rows side by side share one pass over
+/// the values, in runs of as many vectors of the head (at most eight) as leave each row its
+/// accumulators. Rows that see fewer keys than the pass's last row (a prompt's block, one
+/// more key each) leave their accumulators as they are past their own keys, by masked
+/// multiply-adds: each output value is still the scalar code's one chain of fused
+/// multiply-adds, whatever its neighbours see. A prompt's rows, each in a pass of its own,
+/// widened every value row once a row: four rows a pass took the weighted values of a
+/// 2,048-token prompt of a 1.5B from 17% to 9% of the products' time (bench/HISTORY.md,
+/// "2026-12-07, sixth session").
 ///
 /// # Safety
 /// AVX-512F and F16C are present; `head_dim` is a multiple of 16; the slices have the
@@ -35,22 +44,19 @@ pub(super) unsafe fn weighted_values<F: Format>(
     head_dim: usize,
     out: &mut [f32],
 ) {
-    let mut r0 = 0;
-    while r0 < visible.len() {
-        let vis = visible[r0];
-        let mut r1 = r0 + 1;
-        while r1 < visible.len() && r1 - r0 < 4 && visible[r1] == vis {
-            r1 += 1;
-        }
+    for r0 in (0..visible.len()).step_by(PASS_ROWS) {
+        let rows = PASS_ROWS.min(visible.len() - r0);
         let mut d0 = 0;
         while d0 < head_dim {
             let width = ((head_dim - d0) / 16).min(8);
-            let c = [8, 4, 2, 1].into_iter().find(|&c| c <= width).unwrap_or(1);
-            let rows = (r1 - r0).min(ACCUMULATORS / c);
+            let c = [8, 4, 2, 1]
+                .into_iter()
+                .find(|&c| c <= width && c * rows <= ACCUMULATORS)
+                .unwrap_or(1);
             let pass = Pass::<F> {
                 probs: &probs[r0 * stride..],
                 stride,
-                vis,
+                visible: &visible[r0..r0 + rows],
                 values,
                 head_dim,
                 d0,
@@ -59,28 +65,22 @@ pub(super) unsafe fn weighted_values<F: Format>(
             let out = &mut out[r0 * head_dim..];
             match (rows, c) {
                 (1, 8) => pass.run::<1, 8>(out),
-                (_, 8) => pass.run::<2, 8>(out),
+                (2, 8) => pass.run::<2, 8>(out),
                 (1, 4) => pass.run::<1, 4>(out),
                 (2, 4) => pass.run::<2, 4>(out),
                 (3, 4) => pass.run::<3, 4>(out),
-                (_, 4) => pass.run::<4, 4>(out),
+                (4, 4) => pass.run::<4, 4>(out),
                 (1, 2) => pass.run::<1, 2>(out),
                 (2, 2) => pass.run::<2, 2>(out),
                 (3, 2) => pass.run::<3, 2>(out),
-                (_, 2) => pass.run::<4, 2>(out),
+                (4, 2) => pass.run::<4, 2>(out),
                 (1, _) => pass.run::<1, 1>(out),
                 (2, _) => pass.run::<2, 1>(out),
                 (3, _) => pass.run::<3, 1>(out),
                 _ => pass.run::<4, 1>(out),
             }
-            if rows < r1 - r0 {
-                // Runs of eight vectors (heads of 128 and wider) take two rows at a time:
-                // the rows past them start again from the head's first dimensions.
-                r1 = r0 + rows;
-            }
             d0 += 16 * c;
         }
-        r0 = r1;
     }
 }
 
@@ -109,11 +109,11 @@ pub(super) unsafe fn widen_keys<F: Format>(from: *const u8, head_dim: usize, wid
 }
 
 /// One pass over the values (rows of `F`): rows from the first of `probs`, each `stride`
-/// apart, all seeing `vis` keys, and the head's dimensions from `d0`.
+/// apart, row `r` seeing `visible[r]` keys, and the head's dimensions from `d0`.
 struct Pass<'a, F> {
     probs: &'a [f32],
     stride: usize,
-    vis: usize,
+    visible: &'a [usize],
     values: &'a [u8],
     head_dim: usize,
     d0: usize,
@@ -131,12 +131,16 @@ impl<F: Format> Pass<'_, F> {
         let hd = self.head_dim;
         let row = format::row_bytes::<F>(hd);
         let bytes = format::span::<F>(self.d0, 16 * C);
-        for j in 0..AHEAD.min(self.vis) {
+        let vis: [usize; R] = std::array::from_fn(|r| self.visible[r]);
+        // Keys every row sees, and those the pass reads.
+        let all = vis.iter().copied().min().unwrap_or(0);
+        let most = vis.iter().copied().max().unwrap_or(0);
+        for j in 0..AHEAD.min(most) {
             crate::ahead::ask_for(self.values.as_ptr().add(j * row + bytes.start), bytes.len());
         }
-        for j in 0..self.vis {
+        for j in 0..most {
             let vj = self.values.as_ptr().add(j * row);
-            if j + AHEAD < self.vis {
+            if j + AHEAD < most {
                 let next = vj.add(AHEAD * row + bytes.start) as *const i8;
                 for line in (0..bytes.len()).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(next.add(line));
@@ -153,9 +157,18 @@ impl<F: Format> Pass<'_, F> {
                 *w = load16::<F>(vj, self.d0 + 16 * c, s);
             }
             for (r, a) in acc.iter_mut().enumerate() {
+                // Row `r`'s weight of a key past its own is read (its row of `probs` is
+                // `stride` long) and never added.
                 let p = _mm512_set1_ps(*self.probs.get_unchecked(r * self.stride + j));
-                for (a, w) in a.iter_mut().zip(&wide) {
-                    *a = _mm512_fmadd_ps(*w, p, *a);
+                if j < all {
+                    for (a, w) in a.iter_mut().zip(&wide) {
+                        *a = _mm512_fmadd_ps(*w, p, *a);
+                    }
+                } else {
+                    let seen: __mmask16 = if j < vis[r] { !0 } else { 0 };
+                    for (a, w) in a.iter_mut().zip(&wide) {
+                        *a = _mm512_mask3_fmadd_ps(*w, p, *a, seen);
+                    }
                 }
             }
         }
