@@ -1,10 +1,11 @@
 //! The weighted values on 512-bit registers, where the CPU has AVX-512 and the head width
 //! is a multiple of 16: the query rows of a block (a decode step's query heads sharing a
 //! K/V head, or a prompt's rows at consecutive positions) take each value row widened
-//! once, where the 256-bit kernel widens it once a row. On a 512-bit Xeon, `vcvtph2ps` (one a cycle) bounded that kernel: three
-//! query heads took 24 widenings and 24 multiply-adds a key, here 4 and 12. The weighted
-//! values went from 12.5% to 9.8% of a batch-16 step of SmolLM2, about half of it now
-//! waiting on memory (bench/HISTORY.md, 2026-12-06).
+//! once, where the 256-bit kernel widens it once a row. On a 512-bit Xeon, `vcvtph2ps`
+//! (one a cycle) bounded that kernel: three query heads took 24 widenings and 24
+//! multiply-adds a key, here 4 and 12. The weighted values went from 12.5% to 9.8% of a
+//! batch-16 step of SmolLM2, about half of it now waiting on memory (bench/HISTORY.md,
+//! 2026-12-06).
 
 use std::arch::x86_64::*;
 
