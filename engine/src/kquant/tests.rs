@@ -159,7 +159,8 @@ fn multiplies_the_dequantized_weights_by_the_quantized_activations() {
 /// activations at the edges of Q8_K's range (every value 127, or -127, or ±127), gives
 /// the scalar path's bits, whose integers are wide: no sum overflows on the way. A row's
 /// outputs do not depend on the rows beside it. Of three groups, 512-bit registers take
-/// two together and the third alone; of four, the second pair padded.
+/// two together and the third alone; of four, the second pair padded. Of [`UNPACKED_ROWS`],
+/// every tile reads super-blocks unpacked before the tiles, in each width of tile.
 #[test]
 fn every_path_gives_the_same_bits_and_rows_never_depend_on_their_batch() {
     for (format, _) in FORMATS {
@@ -174,9 +175,14 @@ fn every_path_gives_the_same_bits_and_rows_never_depend_on_their_batch() {
     }
 }
 
+/// Activation rows enough for the x86 kernels to unpack super-blocks before the tiles.
+const UNPACKED_ROWS: usize = 135;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(UNPACKED_ROWS >= x86::UNPACK_FROM_ROWS);
+
 fn every_path_agrees(format: KFormat, bytes: &[u8], rows: usize) {
     let ours = KMatrix::from_ggml(format, bytes, rows, COLS).unwrap();
-    for n in [1, 3, 4, 5, 8, 9, 12, 13, 17] {
+    for n in [1, 3, 4, 5, 8, 9, 12, 13, 17, UNPACKED_ROWS] {
         let mut x = xorshift_data(n * COLS, n as u64, 10.0);
         for (y, row) in x.chunks_exact_mut(COLS).take(3).enumerate() {
             for v in row {
