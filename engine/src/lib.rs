@@ -25,6 +25,7 @@ pub mod progress;
 pub mod q4;
 pub mod q8;
 mod rms_norm;
+mod room;
 mod rope;
 pub mod sampling;
 mod split;

@@ -11,12 +11,9 @@
 //!
 //! A prompt's many rows would unpack each chunk again for every tile; from
 //! [`UNPACK_FROM_ROWS`] rows the group's super-blocks are unpacked once, into this thread's
-//! room, and every tile reads them from there.
+//! room ([`crate::room`]), and every tile reads them from there.
 
 mod kinds;
-
-use std::arch::x86_64::__m512i;
-use std::cell::RefCell;
 
 use super::format::{KFormat, CHUNK, QK_K};
 use super::q8k::Q8KRow;
@@ -122,7 +119,7 @@ unsafe fn tiles<K: Kind, W: Wide, const VNNI: bool, const A: usize>(
     if q.len() < UNPACK_FROM_ROWS {
         return all_tiles::<K, W, VNNI, A>(Packed(at), sbs, q, ahead, out);
     }
-    let room = room::<K, W>(sbs);
+    let room = crate::room::room::<Unpacked<K, W>>(sbs);
     for sb in 0..sbs {
         ahead.part(sb);
         unpack::<K, W>(at.add(sb * K::FORMAT.group_bytes()), &mut *room.add(sb));
@@ -265,7 +262,9 @@ impl<K: Kind, W: Wide> Source<K, W> for Packed<W> {
     }
 }
 
-/// A super-block as [`Packed`] gives it, every part at once.
+/// A super-block as [`Packed`] gives it, every part at once: 5.4 KiB of Q4_K and 6.6 KiB of
+/// Q6_K on 512-bit registers, so a thread's room for a 1.5B's down projection (8,960 wide)
+/// is 230 KiB.
 struct Unpacked<K: Kind, W: Wide> {
     chunks: [[W::I; 8]; CHUNKS],
     scales: [K::Scales<W>; CHUNKS],
@@ -307,32 +306,4 @@ unsafe fn unpack<K: Kind, W: Wide>(blk: W, to: &mut Unpacked<K, W>) {
         (to.chunks[c], to.scales[c]) = Source::<K, W>::chunk(from, 0, c);
     }
     to.side = Source::<K, W>::side(from, 0);
-}
-
-thread_local! {
-    /// This thread's room for unpacked super-blocks, kept between products: as large as
-    /// the widest product's row of super-blocks has needed (at most the model's widest
-    /// input, 6.6 KiB a super-block of Q6_K on 512-bit registers, 230 KiB at 8,960).
-    static ROOM: RefCell<Vec<__m512i>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Room for `sbs` unpacked super-blocks: this thread's, until its next call.
-///
-/// Outside `ROOM`'s borrow: a closure run inside it is not compiled with the calling
-/// kernel's features, and called every intrinsic out of line (50x slower).
-///
-/// # Safety
-/// The room is used before this thread calls `room` again (the kernels call no other
-/// kernel).
-#[inline(always)]
-unsafe fn room<K: Kind, W: Wide>(sbs: usize) -> *mut Unpacked<K, W> {
-    const { assert!(align_of::<Unpacked<K, W>>() <= align_of::<__m512i>()) };
-    let words = (sbs * size_of::<Unpacked<K, W>>()).div_ceil(size_of::<__m512i>());
-    ROOM.with_borrow_mut(|room| {
-        // SAFETY: an all-zero vector is a vector.
-        room.resize(room.len().max(words), unsafe { std::mem::zeroed() });
-        // Every part of an `Unpacked` is vectors, which any bits make: the room's words,
-        // aligned as a vector, are `sbs` of them.
-        room.as_mut_ptr().cast()
-    })
 }

@@ -12,6 +12,11 @@ fn rounding_bound(w: WRow<'_>, y: &Q81Row) -> f32 {
     size * 1e-5
 }
 
+/// Activation rows enough for the 512-bit kernel to unpack a pair's blocks before its tiles.
+const UNPACKED_ROWS: usize = 141;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(UNPACKED_ROWS >= avx2::UNPACK_FROM_ROWS);
+
 #[test]
 fn within_rounding_of_candle_and_the_same_bits_on_every_path_and_batch() {
     // 11 blocks a row (eight, then three single ones on the plain path); five groups
@@ -38,8 +43,9 @@ fn within_rounding_of_candle_and_the_same_bits_on_every_path_and_batch() {
         })
         .collect();
     let alone = |x: &[f32]| ours.matmul(x, 1);
-    // Every mix of tiles of four and single rows.
-    for n in [1, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 32, 33] {
+    // Every mix of tiles of four and single rows; and of eight, four and one on blocks
+    // unpacked before the tiles.
+    for n in [1, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 32, 33, UNPACKED_ROWS] {
         let x = data(n * cols, 7 + n as u32);
         let want = candle_product(&reference, &x, n, cols);
         let got = ours.matmul(&x, n);
