@@ -119,6 +119,8 @@ unsafe fn tiles<K: Kind, W: Wide, const VNNI: bool, const A: usize>(
     if q.len() < UNPACK_FROM_ROWS {
         return all_tiles::<K, W, VNNI, A>(Packed(at), sbs, q, ahead, out);
     }
+    // Any bits are an `Unpacked` (vectors), and the kernels call no other while they read
+    // the room: `room`'s terms. It holds `sbs` of them, each written before the tiles.
     let room = crate::room::room::<Unpacked<K, W>>(sbs);
     for sb in 0..sbs {
         ahead.part(sb);

@@ -148,6 +148,8 @@ pub(super) unsafe fn dot_pair_512(
     if rows.len() < UNPACK_FROM_ROWS {
         return pair_tiles(Packed(w), rows, next, out);
     }
+    // Any bits are an `Unpacked` (vectors), and this kernel calls no other while it reads
+    // the room: `room`'s terms. It holds `blocks` of them, each written before the tiles.
     let room = crate::room::room::<Unpacked>(blocks);
     for b in 0..blocks {
         if let Some(next) = next {
