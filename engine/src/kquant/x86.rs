@@ -126,7 +126,8 @@ unsafe fn tiles<K: Kind, W: Wide, const VNNI: bool, const A: usize>(
         ahead.part(sb);
         unpack::<K, W>(at.add(sb * K::FORMAT.group_bytes()), &mut *room.add(sb));
     }
-    all_tiles::<K, W, VNNI, 0>(Ready(room), sbs, q, &Ahead::NONE, out)
+    let unpacked = std::slice::from_raw_parts(room, sbs);
+    all_tiles::<K, W, VNNI, 0>(Ready(unpacked), sbs, q, &Ahead::NONE, out)
 }
 
 /// Activation rows from which a group's super-blocks are unpacked before the tiles. The
@@ -273,27 +274,27 @@ struct Unpacked<K: Kind, W: Wide> {
     side: K::Side<W>,
 }
 
-/// Super-blocks unpacked before the tiles, one after another.
-struct Ready<K: Kind, W: Wide>(*mut Unpacked<K, W>);
+/// Super-blocks unpacked before the tiles.
+struct Ready<'a, K: Kind, W: Wide>(&'a [Unpacked<K, W>]);
 
-impl<K: Kind, W: Wide> Clone for Ready<K, W> {
+impl<K: Kind, W: Wide> Clone for Ready<'_, K, W> {
     fn clone(&self) -> Self {
         *self
     }
 }
 
-impl<K: Kind, W: Wide> Copy for Ready<K, W> {}
+impl<K: Kind, W: Wide> Copy for Ready<'_, K, W> {}
 
-impl<K: Kind, W: Wide> Source<K, W> for Ready<K, W> {
+impl<K: Kind, W: Wide> Source<K, W> for Ready<'_, K, W> {
     #[inline(always)]
     unsafe fn chunk(self, sb: usize, c: usize) -> ([W::I; 8], K::Scales<W>) {
-        let u = &*self.0.add(sb);
+        let u = self.0.get_unchecked(sb);
         (u.chunks[c], u.scales[c])
     }
 
     #[inline(always)]
     unsafe fn side(self, sb: usize) -> K::Side<W> {
-        (*self.0.add(sb)).side
+        self.0.get_unchecked(sb).side
     }
 }
 
