@@ -151,6 +151,22 @@ unsafe fn sum32<W: Wide>(
     }
 }
 
+/// A super-block's weight-side i16 pairs against the activations' sums from `sums`: each
+/// register `p`'s pairs times sums `2p` and `2p + 1` in every lane, added in i32 (exact).
+///
+/// # Safety
+/// As for [`Wide`]; `sums` starts `2 * N` readable sums.
+#[inline(always)]
+unsafe fn pairs_times_sums<W: Wide, const N: usize>(pairs: &[W::I; N], sums: *const i16) -> W::I {
+    let sums = sums as *const i32;
+    let mut total = W::zero();
+    for (p, &pair) in pairs.iter().enumerate() {
+        let ys = W::splat32(sums.add(p).read_unaligned());
+        total = W::add32(total, W::madd16(pair, ys));
+    }
+    total
+}
+
 /// What sets the three formats apart.
 pub(super) trait Kind {
     const FORMAT: KFormat;
@@ -272,12 +288,7 @@ impl<const FIVE: bool> Kind for WithMins<FIVE> {
         sumi: W::I,
         acc: W::F,
     ) -> W::F {
-        let sums = row.sums32.as_ptr().add(sb * 8) as *const i32;
-        let mut summ = W::zero();
-        for (p, &mins) in mins.iter().enumerate() {
-            let ys = W::splat32(sums.add(p).read_unaligned());
-            summ = W::add32(summ, W::madd16(mins, ys));
-        }
+        let summ = pairs_times_sums::<W, 4>(mins, row.sums32.as_ptr().add(sb * 8));
         let (d, dmin) = (*d, *dmin);
         let dy = W::splat_f(*row.d.get_unchecked(sb));
         let acc = W::fmadd(W::to_f(sumi), W::mul(d, dy), acc);
@@ -350,12 +361,7 @@ impl Kind for Q6K {
         sumi: W::I,
         acc: W::F,
     ) -> W::F {
-        let sums = row.sums16.as_ptr().add(sb * 16) as *const i32;
-        let mut offset = W::zero();
-        for (p, &scales) in scales.iter().enumerate() {
-            let ys = W::splat32(sums.add(p).read_unaligned());
-            offset = W::add32(offset, W::madd16(scales, ys));
-        }
+        let offset = pairs_times_sums::<W, 8>(scales, row.sums16.as_ptr().add(sb * 16));
         let sumi = W::sub32(sumi, W::shl32(offset, 5));
         let dy = W::splat_f(*row.d.get_unchecked(sb));
         W::fmadd(W::to_f(sumi), W::mul(*d, dy), acc)
