@@ -96,17 +96,14 @@ pub async fn serve(
     let advertise = cfg.cluster.advertise(listener.local_addr()?)?;
     // Up before the model loads: probes see a node that loads, not a dead one.
     let ops = runtime::ops::Ops::start(cfg.cluster.metrics_listen).await?;
-    let dtype = cfg.model.kv_cache_dtype;
     let reserve = match cfg.kv_blocks {
-        Some(blocks) => engine::KvReserve {
+        Some(blocks) => engine::KvRoom {
             bytes: 0,
             positions: (blocks * cfg.kv_block_tokens.max(1)) as u64,
-            dtype,
         },
-        None => engine::KvReserve {
+        None => engine::KvRoom {
             bytes: (cfg.kv_cache_mb as u64) << 20,
             positions: 0,
-            dtype,
         },
     };
     let args = cfg.model.clone();

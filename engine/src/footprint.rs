@@ -39,6 +39,26 @@ pub struct KvReserve {
     pub dtype: KvDtype,
 }
 
+/// How much KV memory a node reserves, before its caches' element type is known: what a
+/// node's own flags say, the type coming from the model's ([`crate::ModelArgs::load`]), so
+/// that the reserve is counted in the type the caches are made in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvRoom {
+    pub bytes: u64,
+    pub positions: u64,
+}
+
+impl KvRoom {
+    /// This room in caches of `dtype`.
+    pub fn of(self, dtype: KvDtype) -> KvReserve {
+        KvReserve {
+            bytes: self.bytes,
+            positions: self.positions,
+            dtype,
+        }
+    }
+}
+
 impl KvReserve {
     /// The reserve in bytes for a model of `layout`.
     pub fn bytes_for(&self, layout: &KvLayout) -> u64 {

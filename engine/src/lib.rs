@@ -36,7 +36,7 @@ pub mod weights;
 
 pub use device::DeviceChoice;
 pub use error::{EngineError, Result};
-pub use footprint::KvReserve;
+pub use footprint::{KvReserve, KvRoom};
 pub use kv_cache::{
     KvAssembler, KvChunk, KvDtype, KvLayout, SeqCache, Staged, Stager, UnknownKvDtype, KV_DTYPE,
 };

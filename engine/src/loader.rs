@@ -7,7 +7,7 @@ use text::{ChatTemplate, Tokenizer};
 
 use crate::device::DeviceChoice;
 use crate::error::Result;
-use crate::footprint::{self, KvReserve, WeightFile};
+use crate::footprint::{self, KvReserve, KvRoom, WeightFile};
 use crate::kv_cache::KvDtype;
 use crate::model::Model;
 use crate::progress::LoadStep;
@@ -64,12 +64,13 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// Opens the device and loads the model onto it, the node reserving `reserve` of KV
-    /// memory (of the flags' `kv_cache_dtype`), each step of reading the weights logged.
-    pub fn load(&self, reserve: KvReserve) -> Result<Loaded> {
+    /// Opens the device and loads the model onto it, the node reserving `room` of KV
+    /// memory in caches of the flags' `kv_cache_dtype`, each step of reading the weights
+    /// logged.
+    pub fn load(&self, room: KvRoom) -> Result<Loaded> {
         let device = self.device.open()?;
         let options = LoadOptions {
-            reserve,
+            reserve: room.of(self.kv_cache_dtype),
             pack_dir: self.weights_cache.clone(),
             matrices: None,
         };

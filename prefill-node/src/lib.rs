@@ -79,10 +79,9 @@ pub async fn serve(
     let ops = runtime::ops::Ops::start(cfg.cluster.metrics_listen).await?;
     // The prompts started at once each hold a cache of their length, beside the prefix
     // cache: the KV memory the node may take.
-    let reserve = engine::KvReserve {
+    let reserve = engine::KvRoom {
         bytes: (cfg.prefix_cache_mb as u64) << 20,
         positions: cfg.max_active_tokens as u64,
-        dtype: cfg.model.kv_cache_dtype,
     };
     let args = cfg.model.clone();
     let loaded = runtime::load_model(move || args.load(reserve)).await?;
