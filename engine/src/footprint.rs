@@ -39,9 +39,10 @@ pub struct KvReserve {
     pub dtype: KvDtype,
 }
 
-/// How much KV memory a node reserves, before its caches' element type is known: what a
-/// node's own flags say, the type coming from the model's ([`crate::ModelArgs::load`]), so
-/// that the reserve is counted in the type the caches are made in.
+/// How much KV memory a node reserves, without its caches' element type: what the node's
+/// own flags size, the type then coming from its `kv_cache_dtype` flag
+/// ([`crate::ModelArgs::load`]), so that the reserve is counted in the type the caches are
+/// made in.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KvRoom {
     pub bytes: u64,
