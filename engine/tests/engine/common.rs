@@ -116,6 +116,16 @@ pub fn device() -> Device {
         .clone()
 }
 
+/// The device the tests compute caches of `kv` on: [`device`] where it holds them, else
+/// the CPU. Q8_0 caches are the CPU's alone (a model on a GPU refuses them), so their tests
+/// check the CPU's kernels in every build; `q8_cache` checks that a GPU refuses them.
+pub fn device_for(kv: engine::KvDtype) -> Device {
+    match kv {
+        engine::KvDtype::F16 => device(),
+        engine::KvDtype::Q8_0 => Device::Cpu,
+    }
+}
+
 /// Where fetched models live: `$TANDEM_MODELS`, or `models/` at the repository root.
 pub fn models_dir() -> PathBuf {
     std::env::var_os("TANDEM_MODELS")

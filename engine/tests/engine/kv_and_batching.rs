@@ -48,9 +48,10 @@ fn kv_round_trip_between_instances_matches_uninterrupted_decode() {
     round_trip_matches_uninterrupted_decode(&common::tiny_model_dir(), engine::KV_DTYPE);
 }
 
-/// The model in `dir`, its caches holding `kv`.
+/// The model in `dir` on the tests' device for `kv` ([`common::device_for`]), its caches
+/// holding `kv`.
 pub(crate) fn model_holding(dir: &std::path::Path, kv: engine::KvDtype) -> Model {
-    let mut m = Model::load(dir, &common::device()).unwrap();
+    let mut m = Model::load(dir, &common::device_for(kv)).unwrap();
     m.set_kv_dtype(kv).unwrap();
     m
 }

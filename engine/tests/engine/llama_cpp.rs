@@ -401,7 +401,7 @@ fn assert_agrees_in(gguf: &Path, fixture: &str, near_tie: f64, kv: engine::KvDty
     let reference: Reference =
         serde_json::from_str(&std::fs::read_to_string(common::fixture(fixture)).unwrap()).unwrap();
     assert!(reference.cases.len() >= 16, "a batch of at least 16");
-    let mut model = engine::load(gguf, &common::device()).unwrap().model;
+    let mut model = engine::load(gguf, &common::device_for(kv)).unwrap().model;
     model.set_kv_dtype(kv).unwrap();
     let chosen = batched_choices(&model, &reference);
     let (mut agree, mut total) = (0, 0);

@@ -1,6 +1,7 @@
 //! KV caches of Q8_0 blocks (`--kv-cache-dtype q8_0`): they travel between instances and
 //! decode as they would have at home, a decode step over them gives each sequence its
-//! whole prompt's logits, and a model whose heads they cannot hold is refused at load. What
+//! whole prompt's logits, and a model whose heads they cannot hold is refused at load, as
+//! is a model on a GPU (they are computed on the CPU in every build). What
 //! the blocks mean is the attention kernels' unit tests' (against candle's dequantization);
 //! how close their tokens stay to llama.cpp's own Q8_0 caches is `llama_cpp`'s.
 
@@ -19,6 +20,25 @@ fn a_q8_0_cache_travels_between_instances_and_decodes_as_at_home() {
 #[test]
 fn a_decode_step_over_q8_0_caches_gives_each_sequence_its_whole_prompt_s_logits() {
     step_against_whole_prompts(&common::tiny_qwen3_dir(), &[5, 17, 40, 300], KvDtype::Q8_0);
+}
+
+/// Q8_0 caches are the CPU's alone: the tests' device takes them where it is the CPU, and
+/// where it is a GPU refuses them, naming them, rather than compute on caches no kernel of
+/// its reads.
+#[test]
+fn q8_0_caches_are_taken_on_the_cpu_alone() {
+    let device = common::device();
+    let mut m = engine::Model::load(&common::tiny_qwen3_dir(), &device).unwrap();
+    match m.set_kv_dtype(KvDtype::Q8_0) {
+        Ok(()) => assert!(device.is_cpu(), "Q8_0 caches on {device:?}"),
+        Err(err) => {
+            assert!(!device.is_cpu(), "{err}");
+            assert!(
+                matches!(err, EngineError::KvDtypeUnsupported { head_dim: 32, .. }),
+                "{err}"
+            );
+        }
+    }
 }
 
 /// The tiny model's heads are 16 wide, half a block: refused before any weight is read,
