@@ -59,16 +59,8 @@ if [ "$DEVICE" != cpu ]; then
 fi
 
 step "engine tests"
-# The tokenizer tests read fetched files and run no model; those of SmolLM2 (94 MB, past
-# what a call carries; `llama_cpp::batched_decode_*` compare it with llama.cpp, over f16
-# and Q8_0 caches) and of the templates need the fetched models too. The step kernels'
-# emulated check is for machines without a GPU.
-TANDEM_MODELS="$BIN" timeout 240 "$BIN/engine-tests" --test-threads 2 \
-  --skip smollm2:: --skip templates:: --skip loading::incremental_decoding \
-  --skip step_kernels:: \
-  --skip loading::token_bytes --skip loading::byte_level_decoding \
-  --skip loading::fast_encoding --skip llama_cpp::batched_decode_ \
-  --skip loading::the_predicted_weight_memory >"$OUT/engine-tests.txt" 2>&1
+TANDEM_MODELS="$BIN" timeout 240 bash scripts/gpu-engine-tests.sh "$BIN/engine-tests" \
+  >"$OUT/engine-tests.txt" 2>&1
 echo "engine tests: exit $?" | tee -a "$LOG"
 grep -E '^test result|FAILED|panicked' "$OUT/engine-tests.txt" >>"$LOG"
 
